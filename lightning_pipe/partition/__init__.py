@@ -1,0 +1,23 @@
+"""Partitioning: balance solvers over cost lists and splitting a Sequential into stages."""
+
+from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance
+from lightning_pipe.partition.split import (
+    BALANCE_MODES,
+    find_sequential,
+    parameter_costs,
+    resolve_balance,
+    stage_bounds,
+    stage_layers,
+)
+
+__all__ = [
+    "BALANCE_MODES",
+    "balance_by_cost",
+    "balance_uniform",
+    "check_balance",
+    "find_sequential",
+    "parameter_costs",
+    "resolve_balance",
+    "stage_bounds",
+    "stage_layers",
+]

@@ -1,0 +1,173 @@
+"""Walk one rank's action list: post communication early, compute, and hand tensors along.
+
+The executor knows nothing about Lightning or about any particular schedule. It dispatches on
+action kinds, holds the stages of its rank in a dict (so several virtual stages per rank fit),
+and relies on the schedule's own placement of sends and receives, which
+:func:`lightning_pipe.schedules.validate` proved deadlock-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.runtime.p2p import Op, Transport
+from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.schedules import Action, ActionKind, Schedule
+from lightning_pipe.schedules.actions import comm_groups
+
+
+@dataclass
+class _Inbox:
+    """A posted receive: buffers fill when ``works`` complete."""
+
+    works: list[Any]
+    buffers: list[Tensor]
+    flags: tuple[bool, ...] = ()
+    was_tuple: bool = False
+
+    def wait(self) -> list[Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.buffers
+
+
+@dataclass
+class StepTimings:
+    """Seconds this rank spent per action kind in the last run (``wait`` is time blocked on receives)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+
+class Executor:
+    """Runs a rank's part of a schedule for one batch."""
+
+    def __init__(self, transport: Transport, runners: dict[int, StageRunner], rank: int) -> None:
+        self.transport = transport
+        self.runners = runners
+        self.rank = rank
+        self.timings = StepTimings()
+
+    def run(self, schedule: Schedule, keys: Sequence[Hashable]) -> None:
+        """Execute this rank's actions of ``schedule``. ``keys[i]`` identifies micro-batch ``i``'s
+        input shapes (the same on every rank), under which activation shapes are cached."""
+        actions = schedule.actions[self.rank]
+        m = schedule.num_microbatches
+        groups = dict(comm_groups(actions))
+        inbox: dict[Action, _Inbox] = {}
+        outbox: dict[Action, tuple[Sequence[Tensor], bool]] = {}
+        sends: list[tuple[Any, Op]] = []
+        self.timings = StepTimings()
+        index = 0
+        try:
+            while index < len(actions):
+                action = actions[index]
+                if action.kind.is_compute:
+                    self._compute(action, m, inbox, outbox, schedule.num_stages)
+                    index += 1
+                    continue
+                group = groups[index]
+                self._post(group, keys, inbox, outbox, sends)
+                index += len(group)
+            start = time.perf_counter()
+            for work, _ in sends:
+                work.wait()
+            self.transport.finish()
+            self.timings.add("wait", time.perf_counter() - start)
+        finally:
+            for runner in self.runners.values():
+                runner._saved.clear()
+
+    def _post(
+        self,
+        group: list[Action],
+        keys: Sequence[Hashable],
+        inbox: dict[Action, _Inbox],
+        outbox: dict[Action, tuple[Sequence[Tensor], bool]],
+        sends: list[tuple[Any, Op]],
+    ) -> None:
+        ops: list[Op] = []
+        mode = torch.is_grad_enabled()
+        for action in group:  # sends first: their headers unblock the peer
+            if action.kind is ActionKind.SEND_ACTIVATION:
+                tensors, was_tuple = outbox.pop(action)
+                key = (action.stage + 1, keys[action.microbatch], mode)
+                ops += self.transport.activation_send_ops(action.stage + 1, key, tensors, was_tuple)
+            elif action.kind is ActionKind.SEND_GRADIENT:
+                grads, _ = outbox.pop(action)
+                ops += self.transport.gradient_send_ops(action.stage - 1, grads)
+        n_sends = len(ops)
+        pending: list[tuple[Action, _Inbox, int]] = []
+        for action in group:
+            if action.kind is ActionKind.RECV_ACTIVATION:
+                key = (action.stage, keys[action.microbatch], mode)
+                start = time.perf_counter()
+                buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
+                self.timings.add("wait", time.perf_counter() - start)
+                pending.append((action, _Inbox([], buffers, meta.requires_grad, meta.was_tuple), len(recv_ops)))
+                ops += recv_ops
+            elif action.kind is ActionKind.RECV_GRADIENT:
+                like = self.runners[action.stage].output_grad_like(action.microbatch)
+                buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
+                pending.append((action, _Inbox([], buffers), len(recv_ops)))
+                ops += recv_ops
+        works = self.transport.post(ops)
+        if self.transport.batched:  # one work may stand for the whole batch
+            for _, box, _ in pending:
+                box.works = works
+            sends.extend((w, ops[0]) for w in works)
+            for action, box, _ in pending:
+                inbox[action] = box
+            return
+        sends.extend(zip(works[:n_sends], ops[:n_sends]))
+        offset = n_sends
+        for action, box, count in pending:
+            box.works = works[offset : offset + count]
+            offset += count
+            inbox[action] = box
+
+    def _compute(
+        self,
+        action: Action,
+        num_microbatches: int,
+        inbox: dict[Action, _Inbox],
+        outbox: dict[Action, tuple[Sequence[Tensor], bool]],
+        num_stages: int,
+    ) -> None:
+        runner = self.runners[action.stage]
+        i = action.microbatch
+        if action.kind is ActionKind.FORWARD:
+            received = None
+            if action.stage > 0:
+                box = inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
+                start = time.perf_counter()
+                tensors = box.wait()
+                self.timings.add("wait", time.perf_counter() - start)
+                received = (tensors, box.flags, box.was_tuple)
+            start = time.perf_counter()
+            result = runner.forward(i, num_microbatches, received)
+            self.timings.add("forward", time.perf_counter() - start)
+            if action.stage < num_stages - 1:
+                assert result is not None
+                outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
+            return
+        grads = None
+        if action.stage < num_stages - 1:
+            box = inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
+            start = time.perf_counter()
+            grads = box.wait()
+            self.timings.add("wait", time.perf_counter() - start)
+        start = time.perf_counter()
+        input_grads = runner.backward(i, grads)
+        self.timings.add("backward", time.perf_counter() - start)
+        if action.stage > 0:
+            assert input_grads is not None
+            outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)

@@ -1,0 +1,156 @@
+"""Shape-aware point-to-point transport between neighbouring stages.
+
+Activations travel with a small header (dtypes, shapes, which tensors need a gradient, whether
+the stage returned a tuple) so a receiver can allocate buffers for shapes it has never seen. A
+header goes once per *shape key* (the stage and the micro-batch's input shapes), which every rank
+computes alike because every rank sees the same batch: steady-state steps send payloads only, while
+a short last batch or a new sequence length sends a fresh header. Headers use a gloo group, so on
+GPUs reading them never waits on a CUDA stream. Gradients need no header: a stage knows the shapes
+of the outputs it sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HEADER_LEN = 256
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver must know to allocate an activation."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    requires_grad: tuple[bool, ...]
+    was_tuple: bool
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor], was_tuple: bool) -> "TensorMeta":
+        return cls(
+            tuple(tuple(t.shape) for t in tensors),
+            tuple(t.dtype for t in tensors),
+            tuple(bool(t.requires_grad) for t in tensors),
+            was_tuple,
+        )
+
+    def encode(self) -> Tensor:
+        values = [int(self.was_tuple), len(self.shapes)]
+        for shape, dtype, grad in zip(self.shapes, self.dtypes, self.requires_grad):
+            if dtype not in _DTYPES:
+                raise TypeError(f"A pipeline stage output has dtype {dtype}, which cannot be sent between stages.")
+            values += [_DTYPES.index(dtype), int(grad), len(shape), *shape]
+        if len(values) > HEADER_LEN:
+            raise ValueError(
+                f"A pipeline stage output is too complex to describe in {HEADER_LEN} integers "
+                f"({len(self.shapes)} tensors); return fewer tensors between stages."
+            )
+        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: Tensor) -> "TensorMeta":
+        values = header.tolist()
+        was_tuple, count, pos = bool(values[0]), values[1], 2
+        shapes, dtypes, grads = [], [], []
+        for _ in range(count):
+            dtype, grad, ndim = values[pos : pos + 3]
+            shapes.append(tuple(values[pos + 3 : pos + 3 + ndim]))
+            dtypes.append(_DTYPES[dtype])
+            grads.append(bool(grad))
+            pos += 3 + ndim
+        return cls(tuple(shapes), tuple(dtypes), tuple(grads), was_tuple)
+
+
+@dataclass
+class Op:
+    """One send or receive to post: ``tensor`` goes to or comes from global rank ``peer``."""
+
+    is_send: bool
+    tensor: Tensor
+    peer: int
+
+
+class Transport:
+    """Sends and receives between the ranks that hold neighbouring stages."""
+
+    def __init__(
+        self,
+        stage_ranks: Sequence[int],
+        device: torch.device,
+        group: Any = None,
+        meta_group: Any = None,
+        batched: bool = False,
+    ) -> None:
+        self.stage_ranks = list(stage_ranks)
+        self.device = device
+        self.group = group
+        self.meta_group = meta_group
+        self.batched = batched  # group each post into one batch_isend_irecv (NCCL)
+        self._sent: dict[Hashable, TensorMeta] = {}
+        self._received: dict[Hashable, TensorMeta] = {}
+        self._header_works: list[Any] = []
+
+    def activation_send_ops(self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool) -> list[Op]:
+        """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now."""
+        peer = self.stage_ranks[to_stage]
+        meta = TensorMeta.of(tensors, was_tuple)
+        known = self._sent.get(key)
+        if known is None:
+            self._sent[key] = meta
+            header = meta.encode()
+            self._header_works.append((dist.isend(header, peer, group=self.meta_group), header))
+        elif known != meta:
+            raise RuntimeError(
+                f"Stage {to_stage - 1} produced outputs of shapes {list(meta.shapes)} for a micro-batch whose input "
+                f"shapes gave {list(known.shapes)} before. The pipeline caches activation shapes by input shapes; "
+                "stage outputs must depend only on the shapes of the batch, not on its values."
+            )
+        return [Op(True, t.detach().contiguous(), peer) for t in tensors]
+
+    def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
+        """Buffers and ops that receive an activation; reads the header first if this key is new."""
+        peer = self.stage_ranks[from_stage]
+        meta = self._received.get(key)
+        if meta is None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            dist.recv(header, peer, group=self.meta_group)
+            meta = self._received[key] = TensorMeta.decode(header)
+        buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(meta.shapes, meta.dtypes)]
+        return buffers, meta, [Op(False, b, peer) for b in buffers]
+
+    def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor]) -> list[Op]:
+        peer = self.stage_ranks[to_stage]
+        return [Op(True, g.detach().contiguous(), peer) for g in grads]
+
+    def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
+        peer = self.stage_ranks[from_stage]
+        buffers = [torch.empty_like(t, device=self.device) for t in like]
+        return buffers, [Op(False, b, peer) for b in buffers]
+
+    def post(self, ops: Sequence[Op]) -> list[Any]:
+        """Post ``ops`` without blocking; returns the works to wait on."""
+        if not ops:
+            return []
+        if self.batched:
+            p2p = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, op.peer, self.group) for op in ops]
+            return list(dist.batch_isend_irecv(p2p))
+        works = []
+        for op in ops:
+            fn = dist.isend if op.is_send else dist.irecv
+            works.append(fn(op.tensor, op.peer, group=self.group))
+        return works
+
+    def finish(self) -> None:
+        """Wait for the headers sent this step."""
+        for work, _ in self._header_works:
+            work.wait()
+        self._header_works.clear()

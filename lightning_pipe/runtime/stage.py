@@ -1,0 +1,187 @@
+"""One stage: its layers (under their original names) and the per-micro-batch work on them.
+
+:class:`StageModule` replaces the user's ``nn.Sequential`` in the LightningModule, so the
+module's own ``forward`` and step methods run unchanged: when the step calls the Sequential, the
+stage module either runs the local layers and stops the step there (first stage), or ignores
+the argument and runs the local layers on the activation received from the previous stage (last
+stage). :class:`StageRunner` does that for each micro-batch and keeps what the backward needs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class _StageExit(BaseException):
+    """Ends the user's step on a stage once its layers ran. A BaseException so that a step's own
+    ``except Exception`` cannot swallow it."""
+
+
+class StageModule(nn.Sequential):
+    """The layers of one stage, keyed by their index in the unsplit Sequential."""
+
+    def __init__(self, layers: "OrderedDict[str, nn.Module]", stage: int, num_stages: int) -> None:
+        super().__init__(layers)
+        self.stage = stage
+        self.num_stages = num_stages
+        self._hook: Optional[Callable[[Any], Any]] = None
+
+    def forward(self, value: Any) -> Any:  # noqa: D102 - the user's forward calls this
+        if self._hook is not None:
+            return self._hook(value)
+        if self.num_stages > 1:
+            raise RuntimeError(
+                f"This module holds only pipeline stage {self.stage} of {self.num_stages}; it runs inside the "
+                "Trainer's steps. To use the whole model outside the Trainer, load a consolidated checkpoint."
+            )
+        return self.run_layers(value, use_checkpoint=False)
+
+    def run_layers(self, value: Any, use_checkpoint: bool) -> Any:
+        """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
+        in the backward, with the RNG state of the forward, so dropout draws the same mask."""
+        if not use_checkpoint:
+            return super().forward(value)
+        tensors, was_tuple = as_tuple(value)
+
+        def layers(*flat: Tensor) -> Any:
+            return nn.Sequential.forward(self, from_tuple(flat, was_tuple))
+
+        return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+
+def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
+    """torchgpipe's modes: ``always``, ``except_last`` (all but the last micro-batch), ``never``."""
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != num_microbatches - 1
+    if mode == "never":
+        return False
+    raise ValueError(f"Unknown checkpoint mode {mode!r}. Valid: {', '.join(CHECKPOINT_MODES)}.")
+
+
+#: Runs the user's step for a micro-batch. On the first stage its return value is ignored (the
+#: step is cut short); on the last stage it returns the tensor to backpropagate (already weighted),
+#: or None when nothing is backpropagated (evaluation).
+StepFn = Callable[[int], Optional[Tensor]]
+
+#: An activation as received: its tensors, which of them carry a gradient, whether it was a tuple.
+Received = tuple[list[Tensor], tuple[bool, ...], bool]
+
+
+class StageRunner:
+    """Forward and backward of one stage, one micro-batch at a time."""
+
+    def __init__(self, module: StageModule, checkpoint: str = "never", step: Optional[StepFn] = None) -> None:
+        self.module = module
+        self.stage = module.stage
+        self.num_stages = module.num_stages
+        self.checkpoint = checkpoint
+        self.step = step
+        self._saved: dict[int, tuple[list[Tensor], Any]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def held(self) -> int:
+        """Micro-batches whose activations this stage keeps for a backward."""
+        return len(self._saved)
+
+    def forward(
+        self, microbatch: int, num_microbatches: int, received: Optional[Received]
+    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+        """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
+        last stage. ``received`` is what the previous stage sent, None on the first stage."""
+        training = torch.is_grad_enabled()
+        use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch, num_microbatches)
+        leaves: list[Tensor] = []
+        if received is not None:
+            tensors, flags, was_tuple = received
+            leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
+            value = from_tuple(tuple(leaves), was_tuple)
+        if self.is_last:
+            calls = 0
+
+            def inject(argument: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls > 1:
+                    raise RuntimeError(
+                        "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
+                        "the step may call it (or self(...)) once per batch."
+                    )
+                return self.module.run_layers(argument if received is None else value, use_ckpt)
+
+            loss = self._run_step(microbatch, inject)
+            if calls == 0:
+                raise RuntimeError(self._not_called())
+            if loss is not None and training:
+                self._saved[microbatch] = (leaves, loss)
+            return None
+        if self.is_first:
+            captured: list[Any] = []
+
+            def capture(argument: Any) -> Any:
+                captured.append(self.module.run_layers(argument, use_ckpt))
+                raise _StageExit
+
+            try:
+                self._run_step(microbatch, capture)
+            except _StageExit:
+                pass
+            if not captured:
+                raise RuntimeError(self._not_called())
+            output = captured[0]
+        else:
+            output = self.module.run_layers(value, use_ckpt)
+        tensors_out, was_tuple_out = as_tuple(output)
+        if training:
+            self._saved[microbatch] = (leaves, tensors_out)
+        return tensors_out, was_tuple_out
+
+    def output_grad_like(self, microbatch: int) -> list[Tensor]:
+        """The outputs of ``microbatch`` whose gradient the next stage sends back."""
+        _, outputs = self._saved[microbatch]
+        return [t for t in outputs if t.requires_grad]
+
+    def backward(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
+        """Backward of ``microbatch``; returns the gradients to send to the previous stage."""
+        leaves, outputs = self._saved.pop(microbatch)
+        if self.is_last:
+            outputs.backward()
+        else:
+            needing = [t for t in outputs if t.requires_grad]
+            if needing:
+                torch.autograd.backward(needing, grads)
+        if self.is_first:
+            return None
+        return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]
+
+    def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
+        if self.step is None:
+            raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
+        self.module._hook = hook
+        try:
+            return self.step(microbatch)
+        finally:
+            self.module._hook = None
+
+    def _not_called(self) -> str:
+        return (
+            "The step never called the pipelined Sequential. Under the pipeline the step must compute its output "
+            "with self(...) (or the Sequential itself), once per batch."
+        )

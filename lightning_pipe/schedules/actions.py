@@ -1,0 +1,124 @@
+"""The vocabulary of a schedule: what one rank does, in order, for one batch.
+
+A schedule is data. The same per-rank action lists are validated, simulated, printed and
+executed, so what the tests prove about a list is what the executor runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class ActionKind(enum.Enum):
+    """One step of a rank's work. Compute kinds name the stage that does the work; communication
+    kinds name the stage on *this* rank whose tensor is sent or received."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACTIVATION = "SEND_F"  # stage s sends its output of micro-batch i to stage s + 1
+    RECV_ACTIVATION = "RECV_F"  # stage s receives its input of micro-batch i from stage s - 1
+    SEND_GRADIENT = "SEND_B"  # stage s sends the gradient of its input to stage s - 1
+    RECV_GRADIENT = "RECV_B"  # stage s receives the gradient of its output from stage s + 1
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_ACTIVATION, ActionKind.SEND_GRADIENT)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRADIENT)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """``kind`` of micro-batch ``microbatch`` on (virtual) stage ``stage``."""
+
+    kind: ActionKind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch}@s{self.stage}"
+
+    def peer_stage(self) -> int:
+        """The stage at the other end of a communication action."""
+        if self.kind in (ActionKind.SEND_ACTIVATION, ActionKind.RECV_GRADIENT):
+            return self.stage + 1
+        if self.kind in (ActionKind.RECV_ACTIVATION, ActionKind.SEND_GRADIENT):
+            return self.stage - 1
+        raise ValueError(f"{self} is not a communication action")
+
+    def matching(self) -> "Action":
+        """The action on the peer that pairs with this send or receive."""
+        pairs = {
+            ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
+            ActionKind.RECV_ACTIVATION: ActionKind.SEND_ACTIVATION,
+            ActionKind.SEND_GRADIENT: ActionKind.RECV_GRADIENT,
+            ActionKind.RECV_GRADIENT: ActionKind.SEND_GRADIENT,
+        }
+        return Action(pairs[self.kind], self.peer_stage(), self.microbatch)
+
+
+def F(stage: int, microbatch: int) -> Action:
+    return Action(ActionKind.FORWARD, stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    return Action(ActionKind.BACKWARD, stage, microbatch)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists for one batch of ``num_microbatches`` through ``num_stages`` stages.
+
+    ``stage_to_rank[s]`` is the rank that holds stage ``s``; several stages per rank (interleaving)
+    fit the same structure. ``forward_only`` schedules (evaluation) have no backward work.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_to_rank[stage]
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def compute(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.kind.is_compute]
+
+
+def comm_groups(actions: Sequence[Action]) -> list[tuple[int, list[Action]]]:
+    """Consecutive communication actions, which the executor posts together as one batch.
+
+    Returns ``(index of the first action, actions)`` for each group, in list order.
+    """
+    groups: list[tuple[int, list[Action]]] = []
+    current: list[Action] = []
+    start = 0
+    for index, action in enumerate(actions):
+        if action.kind.is_compute:
+            if current:
+                groups.append((start, current))
+                current = []
+            continue
+        if not current:
+            start = index
+        current.append(action)
+    if current:
+        groups.append((start, current))
+    return groups

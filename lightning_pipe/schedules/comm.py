@@ -1,0 +1,61 @@
+"""Turn per-stage compute orders into full action lists with sends and receives.
+
+Placement rule: after each compute action the rank posts, as one group, the send that the action
+produced and the receive that its *next* compute action needs. Grouping a send with the receive
+from the same neighbour is what keeps backends whose point-to-point calls rendezvous (NCCL) from
+deadlocking in 1F1B's steady state, where both neighbours send to each other at once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
+
+
+def needs(action: Action, num_stages: int) -> list[Action]:
+    """The receive a compute action waits for (none on the pipeline's ends)."""
+    if action.kind is ActionKind.FORWARD and action.stage > 0:
+        return [Action(ActionKind.RECV_ACTIVATION, action.stage, action.microbatch)]
+    if action.kind is ActionKind.BACKWARD and action.stage < num_stages - 1:
+        return [Action(ActionKind.RECV_GRADIENT, action.stage, action.microbatch)]
+    return []
+
+
+def produces(action: Action, num_stages: int) -> list[Action]:
+    """The send a compute action's result feeds (none on the pipeline's ends)."""
+    if action.kind is ActionKind.FORWARD and action.stage < num_stages - 1:
+        return [Action(ActionKind.SEND_ACTIVATION, action.stage, action.microbatch)]
+    if action.kind is ActionKind.BACKWARD and action.stage > 0:
+        return [Action(ActionKind.SEND_GRADIENT, action.stage, action.microbatch)]
+    return []
+
+
+def with_communication(
+    name: str,
+    compute: Sequence[Sequence[Action]],
+    num_stages: int,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    forward_only: bool = False,
+) -> Schedule:
+    """Build a :class:`Schedule` from each rank's compute order."""
+    per_rank: list[tuple[Action, ...]] = []
+    for order in compute:
+        actions: list[Action] = []
+        pending_sends: list[Action] = []
+        for action in order:
+            group = pending_sends + needs(action, num_stages)
+            actions.extend(group)
+            actions.append(action)
+            pending_sends = produces(action, num_stages)
+        actions.extend(pending_sends)
+        per_rank.append(tuple(actions))
+    return Schedule(
+        name=name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_to_rank=tuple(stage_to_rank),
+        actions=tuple(per_rank),
+        forward_only=forward_only,
+    )

@@ -1,0 +1,36 @@
+"""A schedule as a timetable a person can read: one row per rank, one column per time unit."""
+
+from __future__ import annotations
+
+from lightning_pipe.schedules.actions import ActionKind, Schedule
+from lightning_pipe.schedules.simulate import peak_in_flight, simulate
+
+
+def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2) -> str:
+    """Timetable of ``schedule`` with integer costs; ``..`` marks idle time (the bubble).
+
+    Example (2 stages, 3 micro-batches, 1F1B)::
+
+        rank 0 | F0 F1 .. B0 B0 F2 B1 B1 .. B2 B2
+        rank 1 | .. F0 B0 B0 F1 B1 B1 F2 B2 B2 ..
+    """
+    sim = simulate(schedule, forward_cost, backward_cost)
+    width = int(round(sim.makespan))
+    cell = max(2, len(str(schedule.num_microbatches - 1)) + 1)
+    rows = []
+    for rank in range(schedule.num_ranks):
+        slots = [".." .ljust(cell) for _ in range(width)]
+        for action in schedule.compute(rank):
+            start = int(round(sim.start_times[(rank, action)]))
+            cost = forward_cost if action.kind is ActionKind.FORWARD else backward_cost
+            label = f"{action.kind.value}{action.microbatch}".ljust(cell)
+            for t in range(start, start + cost):
+                slots[t] = label
+        rows.append(f"rank {rank} | " + " ".join(slots).rstrip())
+    peaks = peak_in_flight(schedule)
+    footer = (
+        f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} micro-batches, "
+        f"bubble {sim.bubble_fraction:.1%}, peak micro-batches held per stage "
+        + ", ".join(str(peaks.get(s, 0)) for s in range(schedule.num_stages))
+    )
+    return "\n".join(rows + [footer])

@@ -1,0 +1,186 @@
+"""Run a schedule on paper: timing, bubble, memory, and deadlock detection.
+
+The model is the strictest the executor can meet. Each rank posts its consecutive communication
+actions as one group; groups of a rank complete in posting order (one stream per rank, as with
+NCCL's rendezvous point-to-point); a send and its receive complete only while both of their
+groups are at the head of their rank's queue; a receive is posted only after its peer posted the
+matching send of an activation (the receiver may have to read a shape header first; gradient
+shapes are known locally); a compute action waits for
+the receive it consumes. A schedule that finishes under this model cannot hang under gloo or NCCL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
+from lightning_pipe.schedules.comm import needs
+
+
+class DeadlockError(RuntimeError):
+    """The schedule cannot finish: every rank waits on another."""
+
+
+@dataclass
+class _Group:
+    rank: int
+    ops: list[Action]
+    post_time: float
+    active_time: float | None = None
+    done: dict[Action, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What one batch costs under a schedule, in units of the forward time."""
+
+    schedule: Schedule
+    makespan: float
+    busy: tuple[float, ...]  # compute time per rank
+    start_times: dict[tuple[int, Action], float]
+    forward_cost: float
+    backward_cost: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of rank-time spent idle: ``1 - sum(busy) / (ranks * makespan)``."""
+        total = self.schedule.num_ranks * self.makespan
+        return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
+
+
+def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Simulation:
+    """Play ``schedule`` with fixed per-action costs; raises :class:`DeadlockError` if it hangs."""
+    ranks = range(schedule.num_ranks)
+    lists = schedule.actions
+    pointer = [0 for _ in ranks]
+    clock = [0.0 for _ in ranks]
+    busy = [0.0 for _ in ranks]
+    queues: list[list[_Group]] = [[] for _ in ranks]
+    posted_sends: dict[tuple[int, Action], float] = {}
+    where: dict[tuple[int, Action], _Group] = {}
+    completed: dict[tuple[int, Action], float] = {}
+    starts: dict[tuple[int, Action], float] = {}
+    group_at = [{start: group for start, group in comm_groups(actions)} for actions in lists]
+
+    def cost(action: Action) -> float:
+        return forward_cost if action.kind is ActionKind.FORWARD else backward_cost
+
+    def advance(rank: int) -> bool:
+        moved = False
+        while pointer[rank] < len(lists[rank]):
+            index = pointer[rank]
+            action = lists[rank][index]
+            if action.kind.is_compute:
+                waits = [completed.get((rank, need)) for need in _needs_of(schedule, action)]
+                if any(w is None for w in waits):
+                    return moved
+                start = max([clock[rank], *waits])  # type: ignore[list-item]
+                starts[(rank, action)] = start
+                clock[rank] = start + cost(action)
+                busy[rank] += cost(action)
+                pointer[rank] += 1
+                moved = True
+                continue
+            ops = group_at[rank][index]
+            post = clock[rank]
+            for op in ops:  # shape headers of sends go out before the rank waits for any header
+                if op.kind.is_send:
+                    posted_sends.setdefault((rank, op), post)
+            headers: list[float] = []
+            for op in ops:
+                if op.kind is ActionKind.RECV_ACTIVATION:  # gradient shapes are known locally
+                    peer = (schedule.rank_of(op.peer_stage()), op.matching())
+                    if peer not in posted_sends:
+                        return moved
+                    headers.append(posted_sends[peer])
+            post = max([post, *headers])
+            clock[rank] = post
+            group = _Group(rank, list(ops), post)
+            queues[rank].append(group)
+            for op in ops:
+                where[(rank, op)] = group
+            pointer[rank] += len(ops)
+            moved = True
+        return moved
+
+    def resolve() -> bool:
+        moved = False
+        changed = True
+        while changed:
+            changed = False
+            for rank in ranks:
+                if not queues[rank]:
+                    continue
+                head = queues[rank][0]
+                if head.active_time is None:
+                    head.active_time = head.post_time
+                for op in head.ops:
+                    if op in head.done:
+                        continue
+                    peer_key = (schedule.rank_of(op.peer_stage()), op.matching())
+                    peer_group = where.get(peer_key)
+                    if peer_group is None or not queues[peer_key[0]] or queues[peer_key[0]][0] is not peer_group:
+                        continue
+                    if peer_group.active_time is None:
+                        peer_group.active_time = peer_group.post_time
+                    t = max(head.active_time, peer_group.active_time)
+                    head.done[op] = t
+                    peer_group.done[peer_key[1]] = t
+                    changed = True
+                if len(head.done) == len(head.ops):
+                    finish = max(head.done.values(), default=head.active_time)
+                    for op in head.ops:
+                        completed[(rank, op)] = head.done[op]
+                    queues[rank].pop(0)
+                    if queues[rank]:
+                        nxt = queues[rank][0]
+                        nxt.active_time = max(nxt.post_time, finish)
+                    changed = True
+            moved = moved or changed
+        return moved
+
+    while True:
+        progress = False
+        for rank in ranks:
+            progress = advance(rank) or progress
+        progress = resolve() or progress
+        finished = all(pointer[r] == len(lists[r]) and not queues[r] for r in ranks)
+        if finished:
+            break
+        if not progress:
+            stuck = [
+                f"rank {r} at {lists[r][pointer[r]] if pointer[r] < len(lists[r]) else 'end'}"
+                + (f" with {len(queues[r])} unfinished communication group(s)" if queues[r] else "")
+                for r in ranks
+            ]
+            raise DeadlockError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
+    makespan = max(clock) if clock else 0.0
+    sends_done = [max((t for (r, _), t in completed.items() if r == rank), default=0.0) for rank in ranks]
+    makespan = max([makespan, *sends_done])
+    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost)
+
+
+def _needs_of(schedule: Schedule, action: Action) -> list[Action]:
+    return needs(action, schedule.num_stages)
+
+
+def peak_in_flight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most micro-batches whose forward ran and whose backward has not: the number
+    of micro-batches' activations the stage holds at once."""
+    peaks: dict[int, int] = {}
+    for rank in range(schedule.num_ranks):
+        live: dict[int, int] = {}
+        for action in schedule.compute(rank):
+            count = live.get(action.stage, 0)
+            if action.kind is ActionKind.FORWARD:
+                count += 0 if schedule.forward_only else 1
+            else:
+                count -= 1
+            live[action.stage] = count
+            peaks[action.stage] = max(peaks.get(action.stage, 0), count)
+    return peaks
+
+
+def closed_form_bubble(num_stages: int, num_microbatches: int) -> float:
+    """GPipe's and 1F1B's bubble with equal stages: ``(p - 1) / (m + p - 1)``."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)

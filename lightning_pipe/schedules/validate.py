@@ -1,0 +1,82 @@
+"""Checks that a schedule is runnable before any process runs it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
+from lightning_pipe.schedules.comm import needs
+from lightning_pipe.schedules.simulate import DeadlockError, simulate
+
+
+class InvalidScheduleError(ValueError):
+    """A schedule breaks a rule every executor relies on."""
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`InvalidScheduleError` unless, on every rank: each action belongs to a stage the
+    rank holds; every stage runs each micro-batch's forward exactly once (and its backward exactly
+    once, after the forward); each receive comes before the compute that consumes it and each send
+    after the compute that produces it; every send has exactly one matching receive; and the whole
+    schedule finishes under the strict communication model of :mod:`.simulate`."""
+    p, m = schedule.num_stages, schedule.num_microbatches
+    if len(schedule.stage_to_rank) != p:
+        raise InvalidScheduleError(f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {p} stages")
+    expected: Counter[Action] = Counter()
+    for s in range(p):
+        for i in range(m):
+            expected[Action(ActionKind.FORWARD, s, i)] += 1
+            if not schedule.forward_only:
+                expected[Action(ActionKind.BACKWARD, s, i)] += 1
+    seen: Counter[Action] = Counter()
+    sends: set[Action] = set()
+    recvs: set[Action] = set()
+    for rank, actions in enumerate(schedule.actions):
+        done: set[Action] = set()
+        posted: set[Action] = set()
+        for index, action in enumerate(actions):
+            where = f"rank {rank}, position {index} ({action})"
+            if not 0 <= action.stage < p or not 0 <= action.microbatch < m:
+                raise InvalidScheduleError(f"{where}: stage or micro-batch out of range")
+            if schedule.rank_of(action.stage) != rank:
+                raise InvalidScheduleError(f"{where}: stage {action.stage} lives on rank {schedule.rank_of(action.stage)}")
+            if action.kind.is_compute:
+                seen[action] += 1
+                if action.kind is ActionKind.BACKWARD and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done:
+                    raise InvalidScheduleError(f"{where}: backward before its forward")
+                for need in needs(action, p):
+                    if need not in posted:
+                        raise InvalidScheduleError(f"{where}: runs before receiving {need}")
+                done.add(action)
+                continue
+            if action.kind.is_send:
+                producer = _producer(action)
+                if producer not in done:
+                    raise InvalidScheduleError(f"{where}: sends before {producer} produced it")
+                if action in sends:
+                    raise InvalidScheduleError(f"{where}: sent twice")
+                sends.add(action)
+            else:
+                if action in recvs:
+                    raise InvalidScheduleError(f"{where}: received twice")
+                recvs.add(action)
+            posted.add(action)
+    if seen != expected:
+        missing = sorted((expected - seen).elements())
+        extra = sorted((seen - expected).elements())
+        raise InvalidScheduleError(
+            f"compute actions do not cover each micro-batch once: missing {[str(a) for a in missing]}, "
+            f"extra {[str(a) for a in extra]}"
+        )
+    unmatched = [a for a in sends if a.matching() not in recvs] + [a for a in recvs if a.matching() not in sends]
+    if unmatched:
+        raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
+    try:
+        simulate(schedule)
+    except DeadlockError as err:
+        raise InvalidScheduleError(str(err)) from err
+
+
+def _producer(send: Action) -> Action:
+    kind = ActionKind.FORWARD if send.kind is ActionKind.SEND_ACTIVATION else ActionKind.BACKWARD
+    return Action(kind, send.stage, send.microbatch)

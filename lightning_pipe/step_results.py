@@ -1,0 +1,114 @@
+"""What a step returns and logs, once per batch although it runs once per micro-batch.
+
+On the last stage the user's step runs for each micro-batch. Its ``self.log`` calls are recorded
+instead of reaching Lightning; after the batch, each value's mean over the micro-batches
+(weighted by micro-batch size, so it equals the whole batch's mean for mean-reduced values) is
+sent to every rank and logged there once, so ``trainer.callback_metrics`` agree everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from numbers import Number
+from typing import Any, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+
+
+@dataclass
+class _Logged:
+    weighted_sum: float = 0.0
+    weight: float = 0.0
+    batch_size: Optional[int] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class StepRecorder:
+    """Collects the loss and logged values of one batch's micro-batches on the last stage."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[float, float]] = []  # (loss, weight)
+        self.logged: dict[str, _Logged] = {}
+        self.passthrough: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    @contextmanager
+    def capture(self, module: "pl.LightningModule", weight: float, keep: bool) -> Iterator[None]:
+        """Route ``module.log`` to this recorder while a micro-batch's step runs. With ``keep`` false
+        (stages before the last, whose step is cut short) the calls are dropped."""
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            if keep:
+                self._record(module, weight, args, kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
+
+    def _record(self, module: "pl.LightningModule", weight: float, args: tuple, kwargs: dict) -> None:
+        bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        name, value = arguments.pop("name"), arguments.pop("value")
+        scalar = _as_float(value)
+        if scalar is None:  # e.g. a torchmetrics Metric: Lightning computes it; keep it on this rank
+            self.passthrough.append(((name, value), arguments))
+            return
+        entry = self.logged.setdefault(name, _Logged())
+        entry.weighted_sum += scalar * weight
+        entry.weight += weight
+        size = arguments.pop("batch_size", None)
+        if size is not None:
+            entry.batch_size = (entry.batch_size or 0) + int(size)
+        entry.kwargs = arguments
+
+    def add_loss(self, loss: Tensor, weight: float) -> None:
+        self.losses.append((float(loss.detach()), weight))
+
+    def summary(self) -> dict[str, Any]:
+        """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)]}``."""
+        total = sum(w for _, w in self.losses)
+        loss = sum(v * w for v, w in self.losses) / total if total else None
+        logs = []
+        for name, entry in self.logged.items():
+            kwargs = dict(entry.kwargs)
+            if entry.batch_size is not None:
+                kwargs["batch_size"] = entry.batch_size
+            logs.append((name, entry.weighted_sum / entry.weight, kwargs))
+        return {"loss": loss, "logs": logs}
+
+
+def _as_float(value: Any) -> Optional[float]:
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return float(value.detach())
+    if isinstance(value, Number) and not isinstance(value, bool):
+        return float(value)  # type: ignore[arg-type]
+    return None
+
+
+def step_loss(output: Any) -> Optional[Tensor]:
+    """The loss in what ``training_step`` returned: a tensor, or a mapping with ``"loss"``."""
+    if output is None:
+        return None
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    raise TypeError(
+        "Under the pipeline, training_step must return the loss tensor or a dict with a 'loss' key, "
+        f"got {type(output).__name__}."
+    )
+
+
+def replay(module: "pl.LightningModule", summary: dict[str, Any], device: torch.device) -> None:
+    """Log the batch's means through Lightning on this rank."""
+    for name, value, kwargs in summary["logs"]:
+        module.log(name, torch.tensor(value, device=device), **kwargs)

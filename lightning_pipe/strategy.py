@@ -1,0 +1,434 @@
+"""``PipelineStrategy``: thin glue between Lightning's Trainer and :mod:`lightning_pipe.runtime`.
+
+The Trainer calls ``training_step`` once per batch; this strategy splits the batch, runs the
+whole schedule (every micro-batch's forward and backward) inside that call, and keeps the
+gradients it produced away from the ``zero_grad`` Lightning runs between ``training_step`` and
+``backward``; ``backward`` then hands them to the parameters. Everything else (launching, the
+process group, optimizers, loops, callbacks) is Lightning's own, as in ``DDPStrategy``.
+
+The strategy reports ``is_distributed = False`` to Lightning on purpose: that is what makes
+Lightning inject a ``DistributedSampler`` (and reshuffle the training set), and every stage of a
+pipeline must see the very batches the user's DataLoader yields, in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader, RandomSampler
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers
+from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.microbatch import batch_size, signature, split
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
+from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, validate
+from lightning_pipe.step_results import StepRecorder, replay, step_loss
+
+log = logging.getLogger(__name__)
+
+_default_timeout = timedelta(minutes=30)
+
+
+def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str) -> None:
+    """Reject bad strategy arguments before any process starts, naming the valid values."""
+    get_schedule(schedule)
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
+    if isinstance(balance, str):
+        if balance not in BALANCE_MODES:
+            raise ValueError(
+                f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
+                "or a list of layer counts per stage."
+            )
+    elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
+        raise ValueError(f"PipelineStrategy(balance={balance!r}): give 'uniform', 'parameters' or a list of layer counts per stage.")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
+
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline model parallelism: one stage of the module's ``nn.Sequential`` per process.
+
+    Args:
+        schedule: micro-batch order: ``"gpipe"`` or ``"1f1b"``.
+        chunks: micro-batches per batch (default: twice the number of stages). A batch smaller than
+            ``chunks`` is split into as many micro-batches as it has samples.
+        balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
+            ``"parameters"`` (equal parameter counts) or a list of layer counts per stage.
+        checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
+            the last) or ``"never"``.
+        module: name of the ``nn.Sequential`` attribute to split, if the module has several.
+        start_method: how processes start, as in ``DDPStrategy``: ``"popen"`` (scripts and the CLI),
+            ``"spawn"`` or ``"fork"`` (notebooks and tests).
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        chunks: Optional[int] = None,
+        balance: BalanceSpec = "uniform",
+        checkpoint: str = "never",
+        module: Optional[str] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = _default_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        check_arguments(schedule, chunks, balance, checkpoint)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.schedule_name = schedule
+        self.chunks = chunks
+        self.balance = balance
+        self.checkpoint_mode = checkpoint
+        self.module_name = module
+        self._stage_module: Optional[StageModule] = None
+        self._runner: Optional[StageRunner] = None
+        self._executor: Optional[Executor] = None
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
+        self._shared: list[nn.Parameter] = []
+        self._meta_group: Any = None
+        self.stage_balance: Optional[list[int]] = None
+
+    # ------------------------------------------------------------------ processes (as DDPStrategy)
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """False so that Lightning keeps the user's sampler (see the module docstring)."""
+        return False
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give a shuffling DataLoader the same random order on every stage: a ``RandomSampler``
+        without a generator would draw its order from each process's own RNG state."""
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+            sampler.generator = torch.Generator().manual_seed(int(self.broadcast(seed)))
+        return dataloader
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def num_stages(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def stage(self) -> int:
+        return self.global_rank
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.chunks if self.chunks is not None else 2 * self.num_stages
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise MisconfigurationException(
+                "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
+                "Remove `self.automatic_optimization = False` from the LightningModule."
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise MisconfigurationException(
+                "PipelineStrategy does not support precision='16-mixed' (a gradient scaler) yet. "
+                "Use precision='bf16-mixed' or '32-true'."
+            )
+        self._split(module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._setup_pipeline()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._patch_gradient_clipping()
+
+    def _split(self, module: "pl.LightningModule") -> None:
+        """Replace the Sequential by this rank's stage, under the same attribute and layer names."""
+        name, layers = find_sequential(module, self.module_name)
+        if isinstance(layers, StageModule):  # set up before (fit, then test): already split
+            self._stage_module = layers
+            return
+        balance = resolve_balance(self.balance, layers, self.num_stages)
+        self.stage_balance = balance
+        stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
+        setattr(module, name, stage)
+        self._stage_module = stage
+        self.module_name = name
+        rank_zero = self.global_rank == 0
+        if rank_zero:
+            log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
+
+    def _setup_pipeline(self) -> None:
+        module = self.lightning_module
+        assert module is not None and self._stage_module is not None
+        prefix = f"{self.module_name}."
+        self._shared = [p for n, p in sorted(module.named_parameters()) if not n.startswith(prefix)]
+        if self._meta_group is None:
+            self._meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.new_group()
+        transport = Transport(
+            stage_ranks=list(range(self.num_stages)),
+            device=self.root_device,
+            group=None,
+            meta_group=self._meta_group,
+            batched=dist.get_backend() == "nccl",
+        )
+        self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode)
+        self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
+
+    def _schedule(self, name: str, num_microbatches: int) -> Schedule:
+        key = (name, num_microbatches)
+        if key not in self._schedules:
+            fn = forward_only if name == "forward" else SCHEDULES[name]
+            schedule = fn(self.num_stages, num_microbatches)
+            validate(schedule)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._executor is not None and self._runner is not None
+        batch, rest = args[0], args[1:]
+        micro = split(batch, self.num_microbatches)
+        sizes = [batch_size(mb) for mb in micro]
+        total = float(sum(sizes))
+        recorder = StepRecorder()
+        keep = self.is_last_stage
+
+        def step(i: int) -> Optional[Tensor]:
+            weight = sizes[i] / total
+            with recorder.capture(module, weight, keep):
+                output = module.training_step(micro[i], *rest, **kwargs)
+            if not keep:
+                return None
+            loss = step_loss(output)
+            if loss is None:
+                raise RuntimeError(
+                    "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
+                    "return its loss; skipping a batch is not supported."
+                )
+            recorder.add_loss(loss, weight)
+            return loss * weight
+
+        self._runner.step = step
+        saved = self._swap_grads({})
+        try:
+            with self.precision_plugin.train_step_context():
+                self._executor.run(self._schedule(self.schedule_name, len(micro)), [signature(mb) for mb in micro])
+        finally:
+            self._pending_grads = self._swap_grads(saved)
+            self._runner.step = None
+        summary = self._share(recorder)
+        replay(module, summary, self.root_device)
+        return torch.tensor(summary["loss"], device=self.root_device)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Hand the gradients computed in ``training_step`` to the parameters (Lightning may have
+        zeroed ``.grad`` in between); scaled like Lightning scales the loss under accumulation."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        pending, self._pending_grads = self._pending_grads, {}
+        self._all_reduce_shared(pending)
+        for param, grad in pending.items():
+            if grad is None:
+                continue
+            if scale != 1.0:
+                grad = grad.mul_(scale)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def _swap_grads(self, replacement: dict[nn.Parameter, Optional[Tensor]]) -> dict[nn.Parameter, Optional[Tensor]]:
+        module = self.lightning_module
+        assert module is not None
+        current: dict[nn.Parameter, Optional[Tensor]] = {}
+        for param in module.parameters():
+            current[param] = param.grad
+            param.grad = replacement.get(param)
+        return current
+
+    def _all_reduce_shared(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
+        """Sum this batch's gradients of parameters outside the Sequential over the stages: each
+        stage computed the part of them its own piece of ``forward`` used."""
+        if not self._shared or self.num_stages == 1:
+            return
+        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self._shared]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for param, grad in zip(self._shared, grads):
+            n = grad.numel()
+            pending[param] = flat[offset : offset + n].view_as(param).clone()
+            offset += n
+
+    def _share(self, recorder: StepRecorder) -> dict[str, Any]:
+        """The last stage's loss and logged means, on every rank."""
+        payload = [recorder.summary() if self.is_last_stage else None]
+        if self.num_stages > 1:
+            dist.broadcast_object_list(payload, src=self.num_stages - 1, group=self._meta_group)
+        return payload[0]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ gradient clipping
+    def _patch_gradient_clipping(self) -> None:
+        """Make ``gradient_clip_val`` (norm) clip by the norm over all stages' gradients."""
+        plugin = self.precision_plugin
+        if getattr(plugin, "_lightning_pipe_clip", False):
+            return
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            strategy.clip_grad_norm_(list(plugin.main_params(optimizer)), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin._lightning_pipe_clip = True  # type: ignore[attr-defined]
+
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
+        Parameters outside the Sequential hold the same gradient on every rank and count once."""
+        shared = {id(p) for p in self._shared}
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [
+            p.grad for p in parameters if p.grad is not None and (id(p) not in shared or self.global_rank == 0)
+        ]
+        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for g in counted:
+            square += g.detach().float().pow(2).sum()
+        if self.num_stages > 1:
+            dist.all_reduce(square)
+        total = square.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "pipeline" not in strategy_registry:
+            strategy_registry.register(
+                "pipeline", cls, description="Pipeline model parallelism (lightning-pipe)"
+            )
+
+
+__all__ = ["PipelineStrategy", "check_arguments"]
