@@ -77,3 +77,81 @@ def fit_plain(model: L.LightningModule, data: Optional[DataLoader] = None, **ext
     trainer = L.Trainer(accelerator="cpu", devices=1, **trainer_kwargs(**extra))
     trainer.fit(model, data if data is not None else loader())
     return trainer
+
+
+class RecordMetrics(L.Callback):
+    """Writes each rank's ``callback_metrics`` at the end of training to ``<folder>/rank<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        values = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(values, f)
+
+
+class WrappedNet(L.LightningModule):
+    """Parameters outside the split Sequential on both ends: an input projection and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.tanh(self.embed(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class MaskedBlock(nn.Module):
+    """Takes and returns ``(x, mask)``: a tuple activation whose mask needs no gradient."""
+
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+        self.last = last
+
+    def forward(self, inputs: Any) -> Any:
+        x, mask = inputs
+        x = torch.tanh(self.linear(x)) * mask.unsqueeze(-1)
+        return x.sum(1) if self.last else (x, mask)
+
+
+class MaskedNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(IN, HIDDEN)
+        self.layers = nn.Sequential(*[MaskedBlock() for _ in range(3)], MaskedBlock(last=True), nn.Linear(HIDDEN, CLASSES))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.layers((self.proj(x), mask))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, mask, y = batch
+        loss = F.cross_entropy(self(x, mask), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def masked_loader(n: int = 40, tokens: int = 5, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, tokens, IN, generator=g)
+    mask = torch.rand(n, tokens, generator=g) > 0.3
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return DataLoader(TensorDataset(x, mask, y), batch_size=batch_size)

@@ -1,0 +1,66 @@
+import itertools
+
+import pytest
+
+from lightning_pipe.partition import balance_by_cost, balance_uniform, check_balance
+
+
+def test_uniform_puts_extra_layers_first() -> None:
+    assert balance_uniform(10, 4) == [3, 3, 2, 2]
+    assert balance_uniform(8, 2) == [4, 4]
+    assert balance_uniform(3, 3) == [1, 1, 1]
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 stages"):
+        balance_uniform(3, 4)
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        balance_by_cost([1.0, 1.0], 3)
+
+
+def _brute_force(costs: list[float], stages: int) -> float:
+    best = float("inf")
+    n = len(costs)
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize(
+    "costs, stages",
+    [([1, 2, 3, 4, 5, 6, 7, 8], 3), ([10, 0, 1, 1, 1, 1, 0, 5], 3), ([5, 1, 1, 1, 1, 5], 2), ([3, 3, 3, 3, 3], 5)],
+)
+def test_by_cost_minimises_the_bottleneck(costs: list[float], stages: int) -> None:
+    balance = balance_by_cost(costs, stages)
+    assert sum(balance) == len(costs) and len(balance) == stages and min(balance) >= 1
+    bounds = [0]
+    for n in balance:
+        bounds.append(bounds[-1] + n)
+    bottleneck = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert bottleneck == pytest.approx(_brute_force(costs, stages))
+
+
+def test_equal_costs_match_uniform() -> None:
+    for n in range(1, 13):
+        for p in range(1, n + 1):
+            assert balance_by_cost([1.0] * n, p) == balance_uniform(n, p)
+
+
+def test_negative_cost_is_refused() -> None:
+    with pytest.raises(ValueError, match="non-negative"):
+        balance_by_cost([1, -1], 1)
+
+
+@pytest.mark.parametrize(
+    "balance, match",
+    [
+        ([4, 4, 4], "has 3 entries but the pipeline has 2 stages"),
+        ([4, 3], "sums to 7 but the module has 8 layers"),
+        ([8, 0], "positive integers"),
+        ([4.0, 4], "positive integers"),
+    ],
+)
+def test_check_balance_errors_name_the_value(balance: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_balance(balance, 8, 2)

@@ -1,0 +1,45 @@
+"""Running a model under the pipeline from a test, launched as a user would launch it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipelineStrategy
+from tests.models import loader, trainer_kwargs
+
+
+def fit_pipeline(
+    model: L.LightningModule,
+    devices: int,
+    data: Optional[DataLoader] = None,
+    start_method: str = "fork",
+    callbacks: Optional[list] = None,
+    **strategy_and_trainer: Any,
+) -> L.Trainer:
+    """Fit ``model`` in place with ``devices`` CPU processes; the trained weights of every stage come
+    back into ``model`` in this process."""
+    strategy_keys = {"schedule", "chunks", "balance", "checkpoint", "module"}
+    strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
+    trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
+    strategy = PipelineStrategy(start_method=start_method, **strategy_args)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks or [], **trainer_kwargs(**trainer_args)
+    )
+    trainer.fit(model, data if data is not None else loader())
+    return trainer
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        torch.testing.assert_close(sa[name], sb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def twins(model: L.LightningModule) -> tuple[L.LightningModule, L.LightningModule]:
+    return model, copy.deepcopy(model)

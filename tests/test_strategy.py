@@ -1,0 +1,128 @@
+"""Numerical parity with plain single-process training: the main proof of correctness.
+
+Each test trains the same initial model twice, once with ``Trainer(accelerator="cpu", devices=1)``
+and once under the pipeline with several CPU processes (gloo), and compares every parameter
+after the last optimizer step. The data has 64 samples in batches of 12, so the 6th step is a
+short batch of 4 (micro-batches of uneven size, fewer than ``chunks`` when chunks=8).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.models import MaskedNet, RecordMetrics, TinyNet, WrappedNet, fit_plain, masked_loader
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+DEFAULT_GRID = {
+    ("gpipe", 2, 4, "never"),
+    ("gpipe", 4, 3, "always"),
+    ("gpipe", 2, 3, "except_last"),
+    ("1f1b", 2, 3, "except_last"),
+    ("1f1b", 4, 4, "always"),
+    ("1f1b", 4, 3, "never"),
+}
+GRID = [
+    pytest.param(*case, marks=() if case in DEFAULT_GRID else pytest.mark.slow, id="-".join(map(str, case)))
+    for case in [
+        (schedule, stages, chunks, checkpoint)
+        for schedule in ("gpipe", "1f1b")
+        for stages in (2, 4)
+        for chunks in (4, 3)
+        for checkpoint in ("never", "always", "except_last")
+    ]
+]
+
+
+@pytest.mark.parametrize("schedule, stages, chunks, checkpoint", GRID)
+def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint)
+    assert_same_weights(reference, piped)
+
+
+def test_more_chunks_than_the_short_batch_and_balance_by_parameters() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="1f1b", chunks=8, balance="parameters")
+    assert_same_weights(reference, piped)
+
+
+def test_explicit_balance() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="gpipe", chunks=4, balance=[5, 3])
+    assert_same_weights(reference, piped)
+
+
+def test_gradient_clipping_uses_the_global_norm() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    unclipped = TinyNet()
+    unclipped.load_state_dict(reference.state_dict())
+    fit_plain(reference, gradient_clip_val=0.05)
+    fit_plain(unclipped)
+    fit_pipeline(piped, 2, schedule="1f1b", chunks=4, gradient_clip_val=0.05)
+    assert_same_weights(reference, piped)
+    with pytest.raises(AssertionError):  # the clipping was active
+        assert_same_weights(unclipped, piped)
+
+
+def test_gradient_clipping_by_value() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    fit_pipeline(piped, 2, schedule="gpipe", chunks=3, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    assert_same_weights(reference, piped)
+
+
+def test_accumulate_grad_batches() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference, accumulate_grad_batches=2)
+    fit_pipeline(piped, 2, schedule="1f1b", chunks=3, accumulate_grad_batches=2)
+    assert_same_weights(reference, piped)
+
+
+def test_adam_and_four_stages_with_parameters_outside_the_sequential() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(WrappedNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 4, schedule="1f1b", chunks=4)
+    assert_same_weights(reference, piped)
+
+
+def test_tuple_activations_with_a_mask() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(MaskedNet())
+    fit_plain(reference, masked_loader())
+    fit_pipeline(piped, 3, masked_loader(), schedule="gpipe", chunks=3)
+    assert_same_weights(reference, piped)
+
+
+def test_checkpointing_recomputes_the_same_dropout_masks() -> None:
+    torch.manual_seed(0)
+    always, never = twins(TinyNet(dropout=0.5))
+    torch.manual_seed(1)
+    fit_pipeline(always, 2, schedule="1f1b", chunks=4, checkpoint="always")
+    torch.manual_seed(1)
+    fit_pipeline(never, 2, schedule="1f1b", chunks=4, checkpoint="never")
+    assert_same_weights(always, never, rtol=1e-6, atol=1e-7)
+
+
+def test_loss_and_logs_are_batch_means_on_every_rank(tmp_path) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    plain = fit_plain(reference, max_steps=5)  # stop on a full batch, whose mean the log holds
+    trainer = fit_pipeline(piped, 2, schedule="1f1b", chunks=3, max_steps=5, callbacks=[RecordMetrics(str(tmp_path))])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    expected = float(plain.callback_metrics["train_loss"])
+    assert ranks[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)
