@@ -1,0 +1,44 @@
+"""The launch methods users have: a script (popen) and spawn; fork is what the other tests use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import TinyNet, fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_script_launch_with_strategy_string(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    script = ROOT / "tests" / "scripts" / "train_two_stages.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert set(parts[0]).isdisjoint(parts[1])  # each rank holds only its own stage
+    assert sorted(parts[0]) == ["layers.0.bias", "layers.0.weight", "layers.2.bias", "layers.2.weight"]
+    torch.manual_seed(0)
+    reference = TinyNet()
+    fit_plain(reference)
+    merged = {**parts[0], **parts[1]}
+    piped = TinyNet()
+    piped.load_state_dict(merged)
+    assert_same_weights(reference, piped)
+
+
+def test_spawn_launch() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, start_method="spawn", schedule="gpipe", chunks=4)
+    assert_same_weights(reference, piped)
