@@ -9,6 +9,7 @@ sent to every rank and logged there once, so ``trainer.callback_metrics`` agree 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,3 +113,48 @@ def replay(module: "pl.LightningModule", summary: dict[str, Any], device: torch.
     """Log the batch's means through Lightning on this rank."""
     for name, value, kwargs in summary["logs"]:
         module.log(name, torch.tensor(value, device=device), **kwargs)
+
+
+class SummaryBroadcaster:
+    """Sends the last stage's step summary to every rank with one small broadcast per step.
+
+    The names and options of the logged values rarely change between steps, so they go (pickled)
+    only when they do; otherwise one float64 tensor carries the loss and the values.
+    """
+
+    SLOTS = 64
+
+    def __init__(self, src: int, group: Any, is_src: bool) -> None:
+        self.src, self.group, self.is_src = src, group, is_src
+        self._structure: Optional[list[tuple[str, dict[str, Any]]]] = None
+
+    def share(self, summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        buffer = torch.zeros(self.SLOTS, dtype=torch.float64)
+        if self.is_src:
+            assert summary is not None
+            structure = [(name, kwargs) for name, _, kwargs in summary["logs"]]
+            values = [math.nan if summary["loss"] is None else summary["loss"], *(v for _, v, _ in summary["logs"])]
+            fits = len(values) + 2 <= self.SLOTS
+            changed = structure != self._structure
+            buffer[0] = 2.0 if not fits else float(changed)
+            if fits:
+                buffer[1] = len(values)
+                buffer[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
+        dist.broadcast(buffer, self.src, group=self.group)
+        flag = int(buffer[0])
+        if flag == 2:  # too many values for the tensor: send the whole summary
+            box = [summary]
+            dist.broadcast_object_list(box, self.src, group=self.group)
+            return box[0]  # type: ignore[return-value]
+        if flag == 1:
+            box = [self._structure if not self.is_src else structure]
+            dist.broadcast_object_list(box, self.src, group=self.group)
+            self._structure = box[0]
+        assert self._structure is not None
+        count = int(buffer[1])
+        values = buffer[2 : 2 + count].tolist()
+        loss = None if math.isnan(values[0]) else values[0]
+        logs = [(name, value, kwargs) for (name, kwargs), value in zip(self._structure, values[1:])]
+        return {"loss": loss, "logs": logs}

@@ -47,7 +47,7 @@ from lightning_pipe.runtime.microbatch import batch_size, signature, split
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, validate
-from lightning_pipe.step_results import StepRecorder, replay, step_loss
+from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class PipelineStrategy(ParallelStrategy):
         self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
         self._shared: list[nn.Parameter] = []
         self._meta_group: Any = None
+        self._broadcaster: Optional[SummaryBroadcaster] = None
         self.stage_balance: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
@@ -384,10 +385,13 @@ class PipelineStrategy(ParallelStrategy):
 
     def _share(self, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank."""
-        payload = [recorder.summary() if self.is_last_stage else None]
-        if self.num_stages > 1:
-            dist.broadcast_object_list(payload, src=self.num_stages - 1, group=self._meta_group)
-        return payload[0]  # type: ignore[return-value]
+        summary = recorder.summary() if self.is_last_stage else None
+        if self.num_stages == 1:
+            assert summary is not None
+            return summary
+        if self._broadcaster is None:
+            self._broadcaster = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
+        return self._broadcaster.share(summary)
 
     # ------------------------------------------------------------------ gradient clipping
     def _patch_gradient_clipping(self) -> None:

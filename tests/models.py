@@ -155,3 +155,21 @@ def masked_loader(n: int = 40, tokens: int = 5, batch_size: int = 8) -> DataLoad
     mask = torch.rand(n, tokens, generator=g) > 0.3
     y = torch.randint(0, CLASSES, (n,), generator=g)
     return DataLoader(TensorDataset(x, mask, y), batch_size=batch_size)
+
+
+def variable_length_loader(n: int = 36, batch_size: int = 8) -> DataLoader:
+    """Sequences of 2 to 7 tokens, padded per batch: activation shapes change from batch to batch."""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(2, 8, (n,), generator=g).tolist()
+    items = [(torch.randn(k, IN, generator=g), int(torch.randint(0, CLASSES, (), generator=g))) for k in lengths]
+
+    def collate(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        longest = max(x.shape[0] for x, _ in batch)
+        x = torch.zeros(len(batch), longest, IN)
+        mask = torch.zeros(len(batch), longest, dtype=torch.bool)
+        for i, (seq, _) in enumerate(batch):
+            x[i, : len(seq)] = seq
+            mask[i, : len(seq)] = True
+        return x, mask, torch.tensor([label for _, label in batch])
+
+    return DataLoader(items, batch_size=batch_size, collate_fn=collate)

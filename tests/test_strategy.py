@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.models import MaskedNet, RecordMetrics, TinyNet, WrappedNet, fit_plain, masked_loader
+from tests.models import MaskedNet, RecordMetrics, TinyNet, WrappedNet, fit_plain, masked_loader, variable_length_loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 DEFAULT_GRID = {
@@ -103,6 +103,14 @@ def test_tuple_activations_with_a_mask() -> None:
     reference, piped = twins(MaskedNet())
     fit_plain(reference, masked_loader())
     fit_pipeline(piped, 3, masked_loader(), schedule="gpipe", chunks=3)
+    assert_same_weights(reference, piped)
+
+
+def test_activation_shapes_that_change_between_batches() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(MaskedNet())
+    fit_plain(reference, variable_length_loader(), max_steps=5)
+    fit_pipeline(piped, 2, variable_length_loader(), schedule="1f1b", chunks=3, max_steps=5, checkpoint="except_last")
     assert_same_weights(reference, piped)
 
 
