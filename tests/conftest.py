@@ -19,3 +19,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def fresh_main_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's launchers store the port they used in MASTER_PORT, so the next Trainer would reuse
+    it while the last run's store may still hold it; every test gets a free port instead."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
