@@ -14,14 +14,17 @@ pipeline must see the very batches the user's DataLoader yields, in the same ord
 from __future__ import annotations
 
 import logging
+import shutil
 from datetime import timedelta
-from typing import Any, Literal, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
@@ -39,11 +42,23 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_pipe.checkpoint import (
+    is_pipeline_checkpoint,
+    merged_optimizer_states,
+    merged_state_dict,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    parameter_names,
+    write_meta,
+    write_shard,
+)
+from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.executor import Executor
-from lightning_pipe.runtime.microbatch import batch_size, signature, split
+from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, validate
@@ -129,7 +144,8 @@ class PipelineStrategy(ParallelStrategy):
         self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
         self._shared: list[nn.Parameter] = []
         self._meta_group: Any = None
-        self._broadcaster: Optional[SummaryBroadcaster] = None
+        self._broadcasters: dict[str, SummaryBroadcaster] = {}
+        self._scaler: Optional[torch.amp.GradScaler] = None
         self.stage_balance: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
@@ -243,11 +259,6 @@ class PipelineStrategy(ParallelStrategy):
                 "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
                 "Remove `self.automatic_optimization = False` from the LightningModule."
             )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise MisconfigurationException(
-                "PipelineStrategy does not support precision='16-mixed' (a gradient scaler) yet. "
-                "Use precision='bf16-mixed' or '32-true'."
-            )
         self._split(module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -258,6 +269,9 @@ class PipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._patch_gradient_clipping()
+        self._scaler = getattr(self.precision_plugin, "scaler", None)
+        if self._scaler is not None:
+            sync_gradient_scaler(self._scaler)
 
     def _split(self, module: "pl.LightningModule") -> None:
         """Replace the Sequential by this rank's stage, under the same attribute and layer names."""
@@ -325,7 +339,8 @@ class PipelineStrategy(ParallelStrategy):
                     "return its loss; skipping a batch is not supported."
                 )
             recorder.add_loss(loss, weight)
-            return loss * weight
+            scaled = loss * weight
+            return self._scaler.scale(scaled) if self._scaler is not None else scaled
 
         self._runner.step = step
         saved = self._swap_grads({})
@@ -335,9 +350,56 @@ class PipelineStrategy(ParallelStrategy):
         finally:
             self._pending_grads = self._swap_grads(saved)
             self._runner.step = None
-        summary = self._share(recorder)
+        summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
         return torch.tensor(summary["loss"], device=self.root_device)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Outputs of the batch's micro-batches, merged, on global rank 0 (None on other ranks)."""
+        outputs = self._evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        if self.num_stages == 1:
+            return outputs
+        box = [outputs]
+        if self.is_last_stage:
+            dist.send_object_list(box, dst=0, group=self._meta_group)
+        elif self.global_rank == 0:
+            dist.recv_object_list(box, src=self.num_stages - 1, group=self._meta_group)
+        return box[0] if self.global_rank == 0 else None
+
+    def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
+        micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        module = self.lightning_module
+        assert module is not None and self._executor is not None and self._runner is not None
+        batch, rest = args[0], args[1:]
+        micro = split(batch, self.num_microbatches)
+        sizes = [batch_size(mb) for mb in micro]
+        total = float(sum(sizes))
+        recorder = StepRecorder()
+        keep = self.is_last_stage
+        outputs: list[Any] = [None] * len(micro)
+
+        def step(i: int) -> None:
+            with recorder.capture(module, sizes[i] / total, keep):
+                output = getattr(module, hook)(micro[i], *rest, **kwargs)
+            outputs[i] = output
+            return None
+
+        self._runner.step = step
+        try:
+            with context():
+                self._executor.run(self._schedule("forward", len(micro)), [signature(mb) for mb in micro])
+        finally:
+            self._runner.step = None
+        summary = self._share(hook, recorder)
+        replay(module, summary, self.root_device)
+        return merge(outputs) if keep else None
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Hand the gradients computed in ``training_step`` to the parameters (Lightning may have
@@ -383,15 +445,79 @@ class PipelineStrategy(ParallelStrategy):
             pending[param] = flat[offset : offset + n].view_as(param).clone()
             offset += n
 
-    def _share(self, recorder: StepRecorder) -> dict[str, Any]:
+    def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank."""
         summary = recorder.summary() if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
-        if self._broadcaster is None:
-            self._broadcaster = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
-        return self._broadcaster.share(summary)
+        if kind not in self._broadcasters:
+            self._broadcasters[kind] = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
+        return self._broadcasters[kind].share(summary)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the split module: each rank loads only the names its stage holds.
+        return True
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer_state_by_name(optimizer, parameter_names(module))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata."""
+        if storage_options is not None:
+            raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
+        path = Path(filepath)
+        if self.is_global_zero:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+            path.mkdir(parents=True)
+        self.barrier()
+        rest = dict(checkpoint)
+        state_dict = rest.pop("state_dict", {})
+        optimizer_states = rest.pop("optimizer_states", None)
+        write_shard(path, self.global_rank, state_dict, optimizer_states)
+        if self.is_global_zero:
+            write_meta(path, rest, self.num_stages)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline
+        checkpoint written under any number of stages (or a plain Lightning checkpoint)."""
+        module = self.lightning_module
+        assert module is not None
+        local = list(module.state_dict())
+        if is_pipeline_checkpoint(checkpoint_path):
+            meta, shards = read_checkpoint(checkpoint_path, weights_only)
+            checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
+            merged = merged_state_dict(shards)
+            checkpoint["optimizer_states"] = merged_optimizer_states(shards)
+            if checkpoint["optimizer_states"] is None:
+                del checkpoint["optimizer_states"]
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            merged = checkpoint["state_dict"]
+            checkpoint.pop("optimizer_states", None)  # positions of the unsplit model: not restorable here
+        missing = [k for k in local if k not in merged]
+        if missing:
+            raise KeyError(f"The checkpoint {checkpoint_path} has no values for {missing[:5]} (of {len(missing)} missing).")
+        checkpoint["state_dict"] = {k: merged[k] for k in local}
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        module = self.lightning_module
+        assert module is not None
+        names = parameter_names(module)
+        for optimizer, named in zip(self.optimizers, checkpoint["optimizer_states"]):
+            order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+            optimizer.load_state_dict(optimizer_state_by_position(named, order))
+            _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ gradient clipping
     def _patch_gradient_clipping(self) -> None:

@@ -73,9 +73,19 @@ def trainer_kwargs(max_steps: int = 6, **extra: Any) -> dict[str, Any]:
     return kwargs
 
 
-def fit_plain(model: L.LightningModule, data: Optional[DataLoader] = None, **extra: Any) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=1, **trainer_kwargs(**extra))
-    trainer.fit(model, data if data is not None else loader())
+def plain_trainer(**extra: Any) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, **trainer_kwargs(**extra))
+
+
+def fit_plain(
+    model: L.LightningModule,
+    data: Optional[DataLoader] = None,
+    val_data: Optional[DataLoader] = None,
+    ckpt_path: Optional[str] = None,
+    **extra: Any,
+) -> L.Trainer:
+    trainer = plain_trainer(**extra)
+    trainer.fit(model, data if data is not None else loader(), val_data, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -173,3 +183,51 @@ def variable_length_loader(n: int = 36, batch_size: int = 8) -> DataLoader:
         return x, mask, torch.tensor([label for _, label in batch])
 
     return DataLoader(items, batch_size=batch_size, collate_fn=collate)
+
+
+class LifecycleNet(TinyNet):
+    """TinyNet with validation, test and predict steps, Adam and (optionally) a learning-rate schedule."""
+
+    def __init__(self, scheduler: bool = False, **kwargs: Any) -> None:
+        super().__init__(optimizer="adam", lr=0.01, **kwargs)
+        self.scheduler = scheduler
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        x, _ = batch
+        return self(x).softmax(-1)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class RecordEpochs(L.Callback):
+    """Writes each rank's last epoch and (when present) gradient-scaler scale to ``<folder>/end<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        values = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "should_stop": trainer.should_stop,
+            "scale": float(scaler.get_scale()) if scaler is not None else None,
+        }
+        with open(os.path.join(self.folder, f"end{trainer.global_rank}.json"), "w") as f:
+            json.dump(values, f)

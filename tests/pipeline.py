@@ -13,24 +13,32 @@ from lightning_pipe import PipelineStrategy
 from tests.models import loader, trainer_kwargs
 
 
-def fit_pipeline(
-    model: L.LightningModule,
-    devices: int,
-    data: Optional[DataLoader] = None,
-    start_method: str = "fork",
-    callbacks: Optional[list] = None,
-    **strategy_and_trainer: Any,
+def pipeline_trainer(
+    devices: int, start_method: str = "fork", callbacks: Optional[list] = None, **strategy_and_trainer: Any
 ) -> L.Trainer:
-    """Fit ``model`` in place with ``devices`` CPU processes; the trained weights of every stage come
-    back into ``model`` in this process."""
+    """A Trainer with ``PipelineStrategy`` on ``devices`` CPU processes; keyword arguments go to the
+    strategy when they are its own and to the Trainer otherwise."""
     strategy_keys = {"schedule", "chunks", "balance", "checkpoint", "module"}
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
     strategy = PipelineStrategy(start_method=start_method, **strategy_args)
-    trainer = L.Trainer(
+    return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks or [], **trainer_kwargs(**trainer_args)
     )
-    trainer.fit(model, data if data is not None else loader())
+
+
+def fit_pipeline(
+    model: L.LightningModule,
+    devices: int,
+    data: Optional[DataLoader] = None,
+    val_data: Optional[DataLoader] = None,
+    ckpt_path: Optional[str] = None,
+    **options: Any,
+) -> L.Trainer:
+    """Fit ``model`` in place with ``devices`` CPU processes; the trained weights of every stage come
+    back into ``model`` in this process."""
+    trainer = pipeline_trainer(devices, **options)
+    trainer.fit(model, data if data is not None else loader(), val_data, ckpt_path=ckpt_path)
     return trainer
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 
@@ -72,6 +73,25 @@ def split(batch: Any, chunks: int) -> list[Any]:
     return [piece(i) for i in range(len(sizes))]
 
 
+def merge(outputs: list[Any]) -> Any:
+    """The inverse of :func:`split` for step outputs: tensors concatenated along dimension 0 (0-d
+    tensors stacked), containers merged item by item, anything else returned as a list."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    if first is None and all(o is None for o in outputs):
+        return None
+    if isinstance(first, Tensor) and all(isinstance(o, Tensor) for o in outputs):
+        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(merge([o[i] for o in outputs]) for i in range(len(first))))
+    if isinstance(first, (list, tuple)) and all(isinstance(o, type(first)) and len(o) == len(first) for o in outputs):
+        return type(first)(merge([o[i] for o in outputs]) for i in range(len(first)))
+    if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
+        return type(first)((k, merge([o[k] for o in outputs])) for k in first)  # type: ignore[call-arg]
+    return list(outputs)
+
+
 def signature(batch: Any) -> tuple:
     """Shapes and dtypes of the batch's tensors: the key under which activation shapes are cached."""
     return tuple((tuple(t.shape), t.dtype) for t in tensors_of(batch))
@@ -94,4 +114,4 @@ def from_tuple(tensors: tuple[Tensor, ...], was_tuple: bool) -> Any:
     return tensors if was_tuple else tensors[0]
 
 
-__all__ = ["as_tuple", "batch_size", "from_tuple", "signature", "split", "split_sizes", "tensors_of"]
+__all__ = ["as_tuple", "batch_size", "from_tuple", "merge", "signature", "split", "split_sizes", "tensors_of"]

@@ -1,0 +1,211 @@
+"""Pipeline checkpoints: one shard per stage plus shared metadata, under the original names.
+
+A checkpoint is a directory (Lightning's checkpoint path, such as ``epoch=1-step=12.ckpt``)::
+
+    meta.pt              the Trainer's state: epoch, loops, callbacks, schedulers, hyper-parameters
+    stage-00000.pt       stage 0's parameters and optimizer state, keyed by parameter name
+    stage-00001.pt       ...
+
+Every stage writes its own shard at once. Because everything is keyed by name
+(``layers.7.weight``) and never by a stage's position, a checkpoint loads under any number of
+stages: each rank reads the names it holds (tensors are memory-mapped, so a rank reads little of
+the others' shards). :func:`consolidate` turns a checkpoint into the plain file the unsplit
+LightningModule loads, without processes::
+
+    python -m lightning_pipe.checkpoint epoch=1-step=12.ckpt model.ckpt
+
+Per-stage files rather than ``torch.distributed.checkpoint``: each tensor has exactly one owner
+here, so the sharding planner has nothing to do, and plain ``torch.load(weights_only=True)``
+reads the shards with or without a process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+META = "meta.pt"
+FORMAT = "lightning-pipe/1"
+_PATH = Union[str, Path]
+
+
+def shard_name(rank: int) -> str:
+    return f"stage-{rank:05d}.pt"
+
+
+def is_pipeline_checkpoint(path: _PATH) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META).is_file()
+
+
+# ---------------------------------------------------------------------------- optimizer state by name
+def optimizer_state_by_name(optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names instead of positions.
+
+    ``names`` maps ``id(parameter)`` to its name in the unsplit module.
+    """
+    state = optimizer.state_dict()
+    position_to_name: dict[int, str] = {}
+    position = 0
+    groups = []
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        group_names = []
+        for param in group["params"]:
+            position_to_name[position] = names[id(param)]
+            group_names.append(names[id(param)])
+            position += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": group_names})
+    by_name = {position_to_name[p]: value for p, value in state["state"].items()}
+    return {"state": by_name, "param_groups": groups}
+
+
+def optimizer_state_by_position(named: Mapping[str, Any], order: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """The inverse: a ``state_dict`` for an optimizer whose groups hold the parameters named in
+    ``order`` (one list per group), taking the states that exist under those names."""
+    if len(order) != len(named["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(named['param_groups'])} parameter groups but this one has "
+            f"{len(order)}; configure_optimizers must build the same groups."
+        )
+    state: dict[int, Any] = {}
+    groups = []
+    position = 0
+    for saved, group_names in zip(named["param_groups"], order):
+        positions = []
+        for name in group_names:
+            if name in named["state"]:
+                state[position] = named["state"][name]
+            positions.append(position)
+            position += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
+    return {"state": state, "param_groups": groups}
+
+
+def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One optimizer's by-name state over all stages: states unioned, group members merged in the
+    unsplit module's order (each stage lists its members in that order)."""
+    state: dict[str, Any] = {}
+    for part in per_stage:
+        state.update(part["state"])
+    groups = []
+    for g, first in enumerate(per_stage[0]["param_groups"]):
+        members = merge_orders([part["param_groups"][g]["params"] for part in per_stage])
+        groups.append({**{k: v for k, v in first.items() if k != "params"}, "params": members})
+    return {"state": state, "param_groups": groups}
+
+
+def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
+    """The one order consistent with every list (each a subsequence of it), preferring earlier
+    stages: parameters outside the Sequential appear in several lists and pin the stages'
+    parameters around them."""
+    after: dict[str, set[str]] = {}
+    incoming: dict[str, int] = {}
+    rank: dict[str, tuple[int, int]] = {}
+    for s, names in enumerate(lists):
+        for i, name in enumerate(names):
+            rank.setdefault(name, (s, i))
+            after.setdefault(name, set())
+            incoming.setdefault(name, 0)
+        for a, b in zip(names, names[1:]):
+            if b not in after[a]:
+                after[a].add(b)
+                incoming[b] += 1
+    ready = [(rank[n], n) for n, count in incoming.items() if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for nxt in after[name]:
+            incoming[nxt] -= 1
+            if incoming[nxt] == 0:
+                heapq.heappush(ready, (rank[nxt], nxt))
+    if len(order) != len(rank):
+        raise ValueError("The stages list their optimizer parameters in contradicting orders.")
+    return order
+
+
+# ---------------------------------------------------------------------------- files
+def write_shard(path: _PATH, rank: int, state_dict: Mapping[str, Tensor], optimizer_states: Optional[list]) -> None:
+    shard = {"state_dict": {k: v.detach().cpu() for k, v in state_dict.items()}, "optimizer_states": optimizer_states}
+    torch.save(shard, Path(path) / shard_name(rank))
+
+
+def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int) -> None:
+    meta = dict(checkpoint)
+    meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages}
+    torch.save(meta, Path(path) / META)
+
+
+def read(path: _PATH, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The metadata and every stage's shard (tensors memory-mapped)."""
+    path = Path(path)
+    if not is_pipeline_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a lightning-pipe checkpoint directory (no {META} in it).")
+    meta = torch.load(path / META, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    count = meta["lightning_pipe"]["num_stages"]
+    shards = []
+    for rank in range(count):
+        file = path / shard_name(rank)
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} is incomplete: {file.name} is missing (the checkpoint has {count} stages).")
+        shards.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return meta, shards
+
+
+def merged_state_dict(shards: Iterable[Mapping[str, Any]]) -> dict[str, Tensor]:
+    merged: dict[str, Tensor] = {}
+    for shard in shards:
+        merged.update(shard["state_dict"])
+    return merged
+
+
+def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> Optional[list[dict[str, Any]]]:
+    if any(shard.get("optimizer_states") is None for shard in shards):
+        return None
+    count = len(shards[0]["optimizer_states"])
+    return [merge_optimizer_states([shard["optimizer_states"][i] for shard in shards]) for i in range(count)]
+
+
+def consolidate(path: _PATH, output: Optional[_PATH] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A plain Lightning checkpoint of the unsplit module from a pipeline checkpoint: the full
+    ``state_dict``, and optimizer states by position as ``torch.optim`` saves them. Written to
+    ``output`` when given; ``LightningModule.load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)``
+    without the pipeline accept it."""
+    meta, shards = read(path, weights_only)
+    checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
+    checkpoint["state_dict"] = {k: v.clone() for k, v in merged_state_dict(shards).items()}
+    named = merged_optimizer_states(shards)
+    if named is not None:
+        checkpoint["optimizer_states"] = [
+            optimizer_state_by_position(opt, [g["params"] for g in opt["param_groups"]]) for opt in named
+        ]
+    if output is not None:
+        torch.save(checkpoint, output)
+    return checkpoint
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_pipe.checkpoint",
+        description="Turn a lightning-pipe checkpoint directory into a plain Lightning checkpoint file.",
+    )
+    parser.add_argument("checkpoint", help="the pipeline checkpoint directory")
+    parser.add_argument("output", help="the plain checkpoint file to write")
+    args = parser.parse_args(argv)
+    checkpoint = consolidate(args.checkpoint, args.output)
+    print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
+
+
+if __name__ == "__main__":
+    main()
