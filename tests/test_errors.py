@@ -92,13 +92,3 @@ class NeverCalls(TinyNet):
 def test_model_errors_stop_every_rank(model: Any, devices: int, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(Exception, match=match):
         fit_pipeline(model(), devices, **kwargs)
-
-
-def test_a_gradient_scaler_is_refused_with_a_way_out() -> None:
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    scaler_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    strategy = PipelineStrategy(start_method="fork")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[scaler_plugin], **trainer_kwargs())
-    with pytest.raises(Exception, match="precision='bf16-mixed'"):
-        trainer.fit(TinyNet())
