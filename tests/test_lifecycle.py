@@ -63,7 +63,10 @@ def test_fit_validate_checkpoint_resume_and_predict(tmp_path: Path) -> None:
     assert predictions is not None and len(predictions) == 6
     torch.testing.assert_close(torch.cat(predictions), expected_out, rtol=1e-4, atol=1e-6)
 
-    # test: the logged loss matches
+    # validate and test outside fit: the logged losses match
+    plain_val = plain_trainer().validate(three, _val(), verbose=False)
+    piped_val = pipeline_trainer(2, chunks=3).validate(resumed, _val(), verbose=False)
+    assert piped_val[0]["val_loss"] == pytest.approx(plain_val[0]["val_loss"], rel=1e-5)
     plain_test = plain_trainer().test(three, _val(), verbose=False)
     piped_test = pipeline_trainer(2, chunks=3).test(resumed, _val(), verbose=False)
     assert piped_test[0]["test_loss"] == pytest.approx(plain_test[0]["test_loss"], rel=1e-5)
