@@ -132,9 +132,42 @@ def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- files
-def write_shard(path: _PATH, rank: int, state_dict: Mapping[str, Tensor], optimizer_states: Optional[list]) -> None:
-    shard = {"state_dict": {k: v.detach().cpu() for k, v in state_dict.items()}, "optimizer_states": optimizer_states}
+def write_shard(
+    path: _PATH,
+    rank: int,
+    state_dict: Mapping[str, Tensor],
+    optimizer_states: Optional[list],
+    extra: Optional[dict[str, Any]] = None,
+) -> None:
+    """Stage ``rank``'s shard; ``extra`` holds strategy state such as an asynchronous schedule's
+    gradients not yet applied (keyed by layer name as well)."""
+    shard = {
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+        "optimizer_states": optimizer_states,
+        "extra": _to_cpu(extra),
+    }
     torch.save(shard, Path(path) / shard_name(rank))
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """An asynchronous schedule's state over all stages: the step counter and, per batch, the
+    unapplied gradient of every layer (by name)."""
+    states = [(shard.get("extra") or {}).get("async") for shard in shards]
+    if any(state is None for state in states):
+        return None
+    pending: dict[int, dict[str, Any]] = {}
+    for state in states:
+        for batch, grads in state["pending"].items():
+            pending.setdefault(int(batch), {}).update(grads)
+    return {"step": states[0]["step"], "pending": pending}
 
 
 def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int) -> None:

@@ -119,7 +119,10 @@ class SummaryBroadcaster:
     """Sends the last stage's step summary to every rank with one small broadcast per step.
 
     The names and options of the logged values rarely change between steps, so they go (pickled)
-    only when they do; otherwise one float64 tensor carries the loss and the values.
+    only when they do; otherwise one float64 tensor carries the loss and the values. :meth:`post`
+    starts the broadcast without waiting (asynchronous schedules read it a step later, so that no
+    rank waits for the others between steps); :meth:`complete` finishes one. Every rank completes
+    the posted broadcasts in the same order.
     """
 
     SLOTS = 64
@@ -127,8 +130,12 @@ class SummaryBroadcaster:
     def __init__(self, src: int, group: Any, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
         self._structure: Optional[list[tuple[str, dict[str, Any]]]] = None
+        self._sent_structure: Optional[list[tuple[str, dict[str, Any]]]] = None
 
     def share(self, summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+        return self.complete(self.post(summary))
+
+    def post(self, summary: Optional[dict[str, Any]]) -> tuple[Any, Tensor, Optional[dict[str, Any]]]:
         import torch.distributed as dist
 
         buffer = torch.zeros(self.SLOTS, dtype=torch.float64)
@@ -137,19 +144,29 @@ class SummaryBroadcaster:
             structure = [(name, kwargs) for name, _, kwargs in summary["logs"]]
             values = [math.nan if summary["loss"] is None else summary["loss"], *(v for _, v, _ in summary["logs"])]
             fits = len(values) + 2 <= self.SLOTS
-            changed = structure != self._structure
+            changed = structure != self._sent_structure
+            self._sent_structure = structure
             buffer[0] = 2.0 if not fits else float(changed)
             if fits:
                 buffer[1] = len(values)
                 buffer[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
-        dist.broadcast(buffer, self.src, group=self.group)
+        work = dist.broadcast(buffer, self.src, group=self.group, async_op=True)
+        return work, buffer, summary
+
+    def complete(self, handle: tuple[Any, Tensor, Optional[dict[str, Any]]]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        work, buffer, summary = handle
+        work.wait()
         flag = int(buffer[0])
         if flag == 2:  # too many values for the tensor: send the whole summary
             box = [summary]
             dist.broadcast_object_list(box, self.src, group=self.group)
             return box[0]  # type: ignore[return-value]
         if flag == 1:
-            box = [self._structure if not self.is_src else structure]
+            assert not self.is_src or summary is not None
+            structure = [(name, kwargs) for name, _, kwargs in summary["logs"]] if self.is_src else None  # type: ignore[index]
+            box = [structure]
             dist.broadcast_object_list(box, self.src, group=self.group)
             self._structure = box[0]
         assert self._structure is not None

@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.checkpoint import (
     is_pipeline_checkpoint,
+    merged_async_state,
     merged_optimizer_states,
     merged_state_dict,
     optimizer_state_by_name,
@@ -60,8 +61,10 @@ from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
-from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, validate
+from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 
 log = logging.getLogger(__name__)
@@ -146,6 +149,9 @@ class PipelineStrategy(ParallelStrategy):
         self._meta_group: Any = None
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._scaler: Optional[torch.amp.GradScaler] = None
+        self._async: Optional[AsyncPipeline] = None
+        self._lagged: Optional[Any] = None
+        self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
@@ -303,8 +309,29 @@ class PipelineStrategy(ParallelStrategy):
             meta_group=self._meta_group,
             batched=dist.get_backend() == "nccl",
         )
-        self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode)
+        versions = None
+        if is_async(self.schedule_name):
+            self._check_async(module)
+            versions = WeightVersions(self._stage_module)
+        self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
+        if versions is not None:
+            self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    def _check_async(self, module: "pl.LightningModule") -> None:
+        outside = [p for p in self._shared if p.requires_grad]
+        if outside:
+            names = [n for n, p in module.named_parameters() if any(p is q for q in outside)]
+            raise MisconfigurationException(
+                f"schedule={self.schedule_name!r} stashes weight versions of the split nn.Sequential only, but "
+                f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
+                "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise MisconfigurationException(
+                f"schedule={self.schedule_name!r} applies gradients a step late, when the loss scale of "
+                "precision='16-mixed' may have changed. Use precision='bf16-mixed' or a synchronous schedule."
+            )
 
     def _schedule(self, name: str, num_microbatches: int) -> Schedule:
         key = (name, num_microbatches)
@@ -343,6 +370,11 @@ class PipelineStrategy(ParallelStrategy):
             return self._scaler.scale(scaled) if self._scaler is not None else scaled
 
         self._runner.step = step
+        if self._async is not None:
+            try:
+                return self._async_training_step(module, micro, recorder, rest[0] if rest else 0)
+            finally:
+                self._runner.step = None
         saved = self._swap_grads({})
         try:
             with self.precision_plugin.train_step_context():
@@ -353,6 +385,60 @@ class PipelineStrategy(ParallelStrategy):
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
         return torch.tensor(summary["loss"], device=self.root_device)
+
+    def _async_training_step(self, module: "pl.LightningModule", micro: list, recorder: StepRecorder, batch_idx: int) -> Tensor:
+        """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
+        the gradient applied by this step's optimizer update is that of an earlier batch."""
+        assert self._async is not None and self._stage_module is not None
+        trainer = module.trainer
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"schedule={self.schedule_name!r} applies one batch's gradient per optimizer step; "
+                "accumulate_grad_batches must be 1 (raise `chunks` for larger batches instead)."
+            )
+        m = len(micro)
+        fresh = not self._async.in_flight
+        first = self._async.step * m
+        keys = {first + i: signature(mb) for i, mb in enumerate(micro)}
+        with self.precision_plugin.train_step_context():
+            t = self._async.train_step(m, keys)
+            sync = fresh or self._async_sync_point(trainer, batch_idx)
+            if sync and not fresh:
+                self._async.drain()
+        params = dict(self._stage_module.named_parameters())
+        self._pending_grads = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        # Logged values reach the other ranks a step late, so that no rank waits between steps;
+        # where the pipeline starts or drains anyway, they are shared at once.
+        summary = recorder.summary() if self.is_last_stage else None
+        broadcaster = self._broadcaster_for("train")
+        if self._lagged is not None:
+            self._replay_summary(module, broadcaster.complete(self._lagged))
+            self._lagged = None
+        if sync or self.num_stages == 1:
+            self._replay_summary(module, self._share("train", recorder))
+        else:
+            self._lagged = broadcaster.post(summary)
+        return torch.tensor(self._last_loss, device=self.root_device)
+
+    def _replay_summary(self, module: "pl.LightningModule", summary: dict[str, Any]) -> None:
+        replay(module, summary, self.root_device)
+        if summary["loss"] is not None:
+            self._last_loss = summary["loss"]
+
+    def _async_sync_point(self, trainer: "pl.Trainer", batch_idx: int) -> bool:
+        """Whether training pauses after this step (epoch end, ``max_steps``): drain now."""
+        loop = trainer.fit_loop.epoch_loop
+        if loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+            return True
+        return 0 < trainer.max_steps <= trainer.global_step + 1
+
+    def on_validation_start(self) -> None:
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._async is not None and self._async.in_flight:
+            with self.precision_plugin.train_step_context():
+                self._async.drain()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluate("validation_step", self.precision_plugin.val_step_context, args, kwargs)
@@ -420,6 +506,8 @@ class PipelineStrategy(ParallelStrategy):
             else:
                 param.grad.add_(grad)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        if self._async is not None:
+            self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
 
     def _swap_grads(self, replacement: dict[nn.Parameter, Optional[Tensor]]) -> dict[nn.Parameter, Optional[Tensor]]:
@@ -451,9 +539,12 @@ class PipelineStrategy(ParallelStrategy):
         if self.num_stages == 1:
             assert summary is not None
             return summary
+        return self._broadcaster_for(kind).share(summary)
+
+    def _broadcaster_for(self, kind: str) -> SummaryBroadcaster:
         if kind not in self._broadcasters:
             self._broadcasters[kind] = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
-        return self._broadcasters[kind].share(summary)
+        return self._broadcasters[kind]
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -472,6 +563,7 @@ class PipelineStrategy(ParallelStrategy):
         """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata."""
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
+        self._drain()
         path = Path(filepath)
         if self.is_global_zero:
             if path.is_dir() and not path.is_symlink():
@@ -483,7 +575,8 @@ class PipelineStrategy(ParallelStrategy):
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
-        write_shard(path, self.global_rank, state_dict, optimizer_states)
+        extra = {"async": self._async.state_dict()} if self._async is not None else None
+        write_shard(path, self.global_rank, state_dict, optimizer_states, extra)
         if self.is_global_zero:
             write_meta(path, rest, self.num_stages)
 
@@ -500,6 +593,7 @@ class PipelineStrategy(ParallelStrategy):
             checkpoint["optimizer_states"] = merged_optimizer_states(shards)
             if checkpoint["optimizer_states"] is None:
                 del checkpoint["optimizer_states"]
+            self._restore_async(merged_async_state(shards))
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
             merged = checkpoint["state_dict"]
@@ -509,6 +603,15 @@ class PipelineStrategy(ParallelStrategy):
             raise KeyError(f"The checkpoint {checkpoint_path} has no values for {missing[:5]} (of {len(missing)} missing).")
         checkpoint["state_dict"] = {k: merged[k] for k in local}
         return checkpoint
+
+    def _restore_async(self, state: Optional[dict[str, Any]]) -> None:
+        """Give this stage its share of an asynchronous schedule's saved state."""
+        if self._async is None or state is None:
+            return
+        assert self._stage_module is not None
+        local = {name for name, _ in self._stage_module.named_parameters()}
+        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in state["pending"].items()}
+        self._async.load_state_dict({"step": state["step"], "pending": pending})
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         module = self.lightning_module

@@ -45,6 +45,8 @@ class TinyNet(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.optimizer == "plain-sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
@@ -231,3 +233,38 @@ class RecordEpochs(L.Callback):
         }
         with open(os.path.join(self.folder, f"end{trainer.global_rank}.json"), "w") as f:
             json.dump(values, f)
+
+
+class TraceVersions(L.Callback):
+    """Records which weight version each forward and backward used, per rank, to ``<folder>/trace<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.trace: Optional[list] = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trace = trainer.strategy._runner.enable_trace()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        versions = trainer.strategy._runner.versions
+        with open(os.path.join(self.folder, f"trace{trainer.global_rank}.json"), "w") as f:
+            json.dump({"trace": self.trace, "peak_bytes": versions.peak_bytes if versions else 0}, f)
+
+
+def separable_loader(n: int = 96, batch_size: int = 16) -> DataLoader:
+    """A learnable task: the label is the arg-max of a fixed linear map of the input."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, IN, generator=g)
+    y = (x @ torch.randn(IN, CLASSES, generator=g)).argmax(-1)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class EpochLossNet(TinyNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -55,12 +55,26 @@ class Executor:
         self.runners = runners
         self.rank = rank
         self.timings = StepTimings()
+        self._carried: list[tuple[Any, Op]] = []
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable]) -> None:
-        """Execute this rank's actions of ``schedule``. ``keys[i]`` identifies micro-batch ``i``'s
-        input shapes (the same on every rank), under which activation shapes are cached."""
-        actions = schedule.actions[self.rank]
-        m = schedule.num_microbatches
+        """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
+        micro-batch ``i``'s input shapes (the same on every rank), under which activation shapes
+        are cached."""
+        self.run_actions(schedule.actions[self.rank], schedule.num_stages, schedule.num_microbatches, keys)
+
+    def run_actions(
+        self,
+        actions: Sequence[Action],
+        num_stages: int,
+        microbatches_per_batch: int,
+        keys: Union[Sequence[Hashable], Mapping[int, Hashable]],
+        finish: bool = True,
+    ) -> None:
+        """Execute ``actions``. With ``finish`` false (asynchronous schedules between drains) the
+        micro-batches in flight stay with the stages and the last sends may still be travelling:
+        they are waited for at the end of the next call."""
+        m = microbatches_per_batch
         groups = dict(comm_groups(actions))
         inbox: dict[Action, _Inbox] = {}
         outbox: dict[Action, tuple[Sequence[Tensor], bool]] = {}
@@ -71,25 +85,35 @@ class Executor:
             while index < len(actions):
                 action = actions[index]
                 if action.kind.is_compute:
-                    self._compute(action, m, inbox, outbox, schedule.num_stages)
+                    self._compute(action, m, inbox, outbox, num_stages)
                     index += 1
                     continue
                 group = groups[index]
                 self._post(group, keys, inbox, outbox, sends)
                 index += len(group)
             start = time.perf_counter()
-            for work, _ in sends:
+            for work, _ in self._carried:
                 work.wait()
-            self.transport.finish()
+            self._carried = []
+            if finish:
+                for work, _ in sends:
+                    work.wait()
+                self.transport.finish()
+            else:
+                self._carried = sends
             self.timings.add("wait", time.perf_counter() - start)
-        finally:
+        except BaseException:
             for runner in self.runners.values():
-                runner._saved.clear()
+                runner.reset()
+            raise
+        if finish:
+            for runner in self.runners.values():
+                runner.reset()
 
     def _post(
         self,
         group: list[Action],
-        keys: Sequence[Hashable],
+        keys: Union[Sequence[Hashable], Mapping[int, Hashable]],
         inbox: dict[Action, _Inbox],
         outbox: dict[Action, tuple[Sequence[Tensor], bool]],
         sends: list[tuple[Any, Op]],

@@ -14,9 +14,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
+from lightning_pipe.runtime.versions import WeightVersions
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -45,17 +47,28 @@ class StageModule(nn.Sequential):
             )
         return self.run_layers(value, use_checkpoint=False)
 
-    def run_layers(self, value: Any, use_checkpoint: bool) -> Any:
+    def run_layers(self, value: Any, use_checkpoint: bool, params: Optional[dict[str, Tensor]] = None) -> Any:
         """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
-        in the backward, with the RNG state of the forward, so dropout draws the same mask."""
+        in the backward, with the RNG state of the forward, so dropout draws the same mask. With
+        ``params`` (names as in ``named_parameters``) the layers run on those tensors instead of
+        their own parameters (a stashed weight version)."""
         if not use_checkpoint:
-            return super().forward(value)
+            return self._chain(value, params)
         tensors, was_tuple = as_tuple(value)
 
         def layers(*flat: Tensor) -> Any:
-            return nn.Sequential.forward(self, from_tuple(flat, was_tuple))
+            return self._chain(from_tuple(flat, was_tuple), params)
 
         return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+    def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
+        if params is None:
+            return nn.Sequential.forward(self, value)
+        for name, layer in self._modules.items():
+            prefix = f"{name}."
+            own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+            value = functional_call(layer, own, (value,)) if own else layer(value)
+        return value
 
 
 def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
@@ -81,13 +94,37 @@ Received = tuple[list[Tensor], tuple[bool, ...], bool]
 class StageRunner:
     """Forward and backward of one stage, one micro-batch at a time."""
 
-    def __init__(self, module: StageModule, checkpoint: str = "never", step: Optional[StepFn] = None) -> None:
+    def __init__(
+        self,
+        module: StageModule,
+        checkpoint: str = "never",
+        step: Optional[StepFn] = None,
+        versions: Optional[WeightVersions] = None,
+    ) -> None:
         self.module = module
         self.stage = module.stage
         self.num_stages = module.num_stages
         self.checkpoint = checkpoint
         self.step = step
+        self.versions = versions  # asynchronous schedules: micro-batch g of batch b runs on version b
+        self.completed: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> its gradient on this stage
+        self.trace: Optional[list[tuple[str, int, int]]] = None  # (kind, micro-batch, version) when tracing
         self._saved: dict[int, tuple[list[Tensor], Any]] = {}
+        self._microbatches = 1
+
+    def reset(self) -> None:
+        """Forget every micro-batch in flight."""
+        self._saved.clear()
+
+    def enable_trace(self) -> list[tuple[str, int, int]]:
+        """Record which weight version each forward used and which version each backward's
+        gradients reached (for tests); call before the first step."""
+        self.trace = []
+        self._backward_of = -1
+        if self.versions is not None:
+            trace = self.trace
+            self.versions.on_gradient = lambda version, name: trace.append(("B", self._backward_of, version))
+        return self.trace
 
     @property
     def is_first(self) -> bool:
@@ -107,7 +144,14 @@ class StageRunner:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage."""
         training = torch.is_grad_enabled()
-        use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch, num_microbatches)
+        use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
+        self._microbatches = num_microbatches
+        params = None
+        if self.versions is not None and training:
+            version = microbatch // num_microbatches
+            params = self.versions.params(version)
+            if self.trace is not None:
+                self.trace.append(("F", microbatch, version))
         leaves: list[Tensor] = []
         if received is not None:
             tensors, flags, was_tuple = received
@@ -124,9 +168,9 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return self.module.run_layers(argument if received is None else value, use_ckpt)
+                return self.module.run_layers(argument if received is None else value, use_ckpt, params)
 
-            loss = self._run_step(microbatch, inject)
+            loss = self._run_step(microbatch % num_microbatches, inject)
             if calls == 0:
                 raise RuntimeError(self._not_called())
             if loss is not None and training:
@@ -136,18 +180,18 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(self.module.run_layers(argument, use_ckpt))
+                captured.append(self.module.run_layers(argument, use_ckpt, params))
                 raise _StageExit
 
             try:
-                self._run_step(microbatch, capture)
+                self._run_step(microbatch % num_microbatches, capture)
             except _StageExit:
                 pass
             if not captured:
                 raise RuntimeError(self._not_called())
             output = captured[0]
         else:
-            output = self.module.run_layers(value, use_ckpt)
+            output = self.module.run_layers(value, use_ckpt, params)
         tensors_out, was_tuple_out = as_tuple(output)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
@@ -161,12 +205,17 @@ class StageRunner:
     def backward(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
         """Backward of ``microbatch``; returns the gradients to send to the previous stage."""
         leaves, outputs = self._saved.pop(microbatch)
+        if self.trace is not None:
+            self._backward_of = microbatch
         if self.is_last:
             outputs.backward()
         else:
             needing = [t for t in outputs if t.requires_grad]
             if needing:
                 torch.autograd.backward(needing, grads)
+        if self.versions is not None and microbatch % self._microbatches == self._microbatches - 1:
+            batch = microbatch // self._microbatches  # backwards run in order: the batch is complete
+            self.completed[batch] = self.versions.gradient(batch)
         if self.is_first:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]

@@ -9,6 +9,17 @@ from __future__ import annotations
 from typing import Callable
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
+from lightning_pipe.schedules.asynchronous import (
+    ASYNC_SCHEDULES,
+    drain_actions,
+    pipedream,
+    pipedream_2bw,
+    step_actions,
+    steady_state_bubble,
+    unroll,
+    update_delay,
+    versions_held,
+)
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
 from lightning_pipe.schedules.sync import forward_only, gpipe, one_f_one_b
@@ -17,7 +28,17 @@ from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 ScheduleFn = Callable[[int, int], Schedule]
 
 #: Training schedules by the name users pass as ``PipelineStrategy(schedule=...)``.
-SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, ScheduleFn] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "pipedream": pipedream,
+    "pipedream_2bw": pipedream_2bw,
+}
+
+
+def is_async(name: str) -> bool:
+    """Asynchronous schedules keep work in flight across optimizer steps."""
+    return name in ASYNC_SCHEDULES
 
 
 def get_schedule(name: str) -> ScheduleFn:
@@ -29,6 +50,7 @@ def get_schedule(name: str) -> ScheduleFn:
 
 
 __all__ = [
+    "ASYNC_SCHEDULES",
     "Action",
     "ActionKind",
     "DeadlockError",
@@ -37,6 +59,15 @@ __all__ = [
     "Schedule",
     "Simulation",
     "closed_form_bubble",
+    "drain_actions",
+    "is_async",
+    "pipedream",
+    "pipedream_2bw",
+    "steady_state_bubble",
+    "step_actions",
+    "unroll",
+    "update_delay",
+    "versions_held",
     "forward_only",
     "get_schedule",
     "gpipe",

@@ -1,0 +1,106 @@
+"""Drives an asynchronous schedule across optimizer steps: no flush between batches.
+
+Step ``t`` runs batch ``t``'s forwards on a fresh weight version and the backwards that are due,
+some of them for earlier batches, which still use their own stashed versions. A batch's gradient
+on a stage is complete once the stage's last backward of it ran; it is applied at the optimizer
+step ``update_delay`` steps after the batch. A drain runs the backwards still owed (before
+validation, a checkpoint, the end of training, or a change in the number of micro-batches); it
+does not apply anything early, so the update rule is the same with or without drains.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Optional
+
+from torch import Tensor
+
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, update_delay
+
+
+class AsyncPipeline:
+    """One rank's share of an asynchronous pipeline (stage ``runner.stage``)."""
+
+    def __init__(self, name: str, executor: Executor, runner: StageRunner, num_stages: int) -> None:
+        if runner.versions is None:
+            raise ValueError("an asynchronous pipeline needs a StageRunner with weight versions")
+        self.name = name
+        self.executor = executor
+        self.runner = runner
+        self.versions = runner.versions
+        self.num_stages = num_stages
+        self.step = 0  # index of the next batch
+        self._start = 0  # first batch since the pipeline was last empty
+        self._in_flight: Optional[int] = None  # micro-batches per batch while work is in flight
+        self.pending: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> gradient not yet applied
+        self._schedules: dict[int, Schedule] = {}
+
+    def _steady(self, m: int) -> Schedule:
+        if m not in self._schedules:
+            self._schedules[m] = SCHEDULES[self.name](self.num_stages, m)
+        return self._schedules[m]
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def train_step(self, m: int, keys: Mapping[int, Hashable]) -> int:
+        """Run batch ``self.step`` split into ``m`` micro-batches (``keys`` by global id); returns its index."""
+        if self._in_flight is not None and self._in_flight != m:
+            self.drain()
+        steady = self._steady(m)  # validates m against the schedule (2BW needs m >= p - 1)
+        t = self.step
+        if self._in_flight is None:
+            self._start = t
+        self.versions.create(t)
+        actions = step_actions(steady, self.executor.rank, t, self._start)
+        self.executor.run_actions(actions, self.num_stages, m, keys, finish=False)
+        self._in_flight = m
+        self.step += 1
+        self._collect()
+        return t
+
+    def drain(self) -> None:
+        """Finish every backward in flight; the pipeline is empty afterwards."""
+        if self._in_flight is None:
+            return
+        m = self._in_flight
+        actions = drain_actions(self._steady(m), self.executor.rank, self.step - 1, self._start)
+        self.executor.run_actions(actions, self.num_stages, m, {}, finish=True)
+        self._in_flight = None
+        self._collect()
+        stale = [v for v in self.versions.held() if v < self.step]
+        if stale:
+            raise RuntimeError(f"weight versions {stale} outlived their batches' backwards")
+
+    def _collect(self) -> None:
+        self.pending.update(self.runner.completed)
+        self.runner.completed.clear()
+
+    def due(self, step: int, m: int) -> dict[str, Tensor]:
+        """The gradient to apply at the optimizer step that ends step ``step``: the sum of the
+        completed batch gradients whose delay has passed (one batch in the steady state)."""
+        delay = update_delay(self.name, self.num_stages, m, self.runner.stage)
+        ready = sorted(b for b in self.pending if b <= step - delay)
+        total: dict[str, Tensor] = {}
+        for b in ready:
+            for name, grad in self.pending.pop(b).items():
+                if grad is None:
+                    continue
+                total[name] = grad if name not in total else total[name] + grad
+        return total
+
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint needs to continue exactly: the step counter and unapplied gradients.
+        Call after :meth:`drain`."""
+        if self.in_flight:
+            raise RuntimeError("drain the pipeline before saving its state")
+        return {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.step = int(state["step"])  # type: ignore[call-overload]
+        self.pending = {int(b): dict(g) for b, g in state["pending"].items()}  # type: ignore[attr-defined]
+        self._in_flight = None
+        self.versions.clear()
+        self.runner.reset()

@@ -1,0 +1,96 @@
+"""Weight versions of one stage for asynchronous schedules (PipeDream's weight stashing).
+
+A batch's forwards run on a version of the stage's parameters taken when the batch starts: tensors
+that share the parameters' memory but not their autograd identity, so the batch's backwards go
+through the very tensors its forwards used and their gradients accumulate there. Versions are
+copy-on-write: only when the optimizer is about to change the parameters in place while a
+version still needs the old values (:meth:`WeightVersions.protect`) do the parameters move to a
+fresh copy, leaving the old memory to the version. A stage thus holds two weight copies in the
+steady state (PipeDream-2BW's "2 buffered weights"), and one where no backward is in flight
+across an update (the last stage). A version is dropped as soon as its batch's last backward on
+this stage is done.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+class WeightVersions:
+    """Snapshots of a module's parameters, keyed by version (the batch index)."""
+
+    def __init__(self, module: nn.Module, on_gradient: Optional[Callable[[int, str], None]] = None) -> None:
+        self.module = module
+        self._versions: dict[int, dict[str, Tensor]] = {}
+        self.on_gradient = on_gradient  # instrumentation: called with (version, name) as gradients arrive
+        self.peak_bytes = 0
+
+    def create(self, version: int) -> None:
+        """Take the current parameters as ``version`` (no copy yet)."""
+        snapshot: dict[str, Tensor] = {}
+        for name, param in self.module.named_parameters():
+            alias = torch.empty(0, dtype=param.dtype, device=param.device)
+            alias.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+            alias.requires_grad_(param.requires_grad)
+            if self.on_gradient is not None and alias.requires_grad:
+                alias.register_hook(self._hook(version, name))
+            snapshot[name] = alias
+        self._versions[version] = snapshot
+        self._note_peak()
+
+    def protect(self) -> None:
+        """Before an in-place update of the parameters: move every parameter whose memory a held
+        version uses to a copy, so the version keeps the values its forwards saw."""
+        shared = {t.untyped_storage().data_ptr() for snapshot in self._versions.values() for t in snapshot.values()}
+        with torch.no_grad():
+            for param in self.module.parameters():
+                if param.untyped_storage().data_ptr() in shared:
+                    param.data = param.data.clone()
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def _hook(self, version: int, name: str) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            assert self.on_gradient is not None
+            self.on_gradient(version, name)
+
+        return hook
+
+    def params(self, version: int) -> dict[str, Tensor]:
+        return self._versions[version]
+
+    def gradient(self, version: int) -> dict[str, Optional[Tensor]]:
+        """The gradient accumulated on ``version``; drops the version."""
+        self._note_peak()
+        snapshot = self._versions.pop(version)
+        return {name: t.grad for name, t in snapshot.items()}
+
+    def held(self) -> list[int]:
+        return sorted(self._versions)
+
+    def nbytes(self) -> int:
+        """Bytes held for versions beyond the parameters themselves: stashed weights whose memory
+        the parameters no longer use, and the gradients accumulated on versions."""
+        current = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        counted: set[int] = set()
+        total = 0
+        for snapshot in self._versions.values():
+            for t in snapshot.values():
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in current and ptr not in counted:
+                    counted.add(ptr)
+                    total += t.untyped_storage().nbytes()
+                if t.grad is not None:
+                    total += t.grad.numel() * t.grad.element_size()
+        return total
+
+    def clear(self) -> None:
+        self._versions.clear()
+
+
+__all__ = ["WeightVersions"]

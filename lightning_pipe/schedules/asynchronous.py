@@ -1,0 +1,129 @@
+"""Asynchronous schedules: 1F1B without a flush between batches (PipeDream, PipeDream-2BW).
+
+The micro-batches of consecutive batches form one stream. Stage ``s`` runs each forward ``F(g)``
+followed by the backward of the micro-batch ``k = p - s - 1`` places earlier, ``B(g - k)``, so in
+the steady state no stage waits. A :class:`Schedule` here describes one *steady step*: the forwards
+of the current batch (micro-batches ``0..m-1``) and the backwards due meanwhile, some of which
+belong to the previous batch (negative ids). :func:`unroll` lays several steps end to end, with
+the first step's warm-up and the final drain, as one ordinary schedule over global ids, which the
+usual validator and simulator check.
+
+The two schedules share this order and differ in when a stage applies a batch's gradient
+(:func:`update_delay`): PipeDream at the first step boundary after the stage's own backward of
+the batch finished; PipeDream-2BW one step later than the batch, on every stage, so that
+``W(t+1) = W(t) - lr * grad f(W(t-1))`` with at most two weight versions.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_pipe.schedules.actions import Action, B, F, Schedule
+from lightning_pipe.schedules.comm import with_communication
+
+ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw")
+
+
+def lag(num_stages: int, stage: int) -> int:
+    """How many micro-batches stage ``stage``'s backward trails its forward."""
+    return num_stages - stage - 1
+
+
+def _steady(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"num_stages and num_microbatches must be >= 1, got {num_stages} and {num_microbatches}")
+    compute = []
+    for s in range(num_stages):
+        k = lag(num_stages, s)
+        order: list[Action] = []
+        for i in range(num_microbatches):
+            order += [F(s, i), B(s, i - k)]
+        compute.append(order)
+    return with_communication(name, compute, num_stages, num_microbatches, range(num_stages))
+
+
+def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream's 1F1B with weight stashing: one steady step."""
+    return _steady("pipedream", num_stages, num_microbatches)
+
+
+def pipedream_2bw(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream-2BW: one steady step. Needs ``m >= p - 1`` so that a batch's backwards end within
+    the next step and two weight versions suffice."""
+    if num_microbatches < num_stages - 1:
+        raise ValueError(
+            f"pipedream_2bw keeps two weight versions, which needs chunks >= stages - 1; got chunks="
+            f"{num_microbatches} with {num_stages} stages. Use chunks >= {num_stages - 1} or schedule='pipedream'."
+        )
+    return _steady("pipedream_2bw", num_stages, num_microbatches)
+
+
+def update_delay(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:
+    """Steps between a batch's step and the step whose optimizer update applies its gradient."""
+    if name == "pipedream_2bw":
+        return 1
+    if name == "pipedream":
+        return math.ceil(lag(num_stages, stage) / num_microbatches)
+    raise ValueError(f"{name!r} is not an asynchronous schedule; valid: {', '.join(ASYNC_SCHEDULES)}")
+
+
+def versions_held(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:
+    """Weight versions stage ``stage`` holds at once: the current one plus one per batch still
+    waiting for backwards (PipeDream's stashing; always 2 or fewer for 2BW)."""
+    return 1 + math.ceil(lag(num_stages, stage) / num_microbatches)
+
+
+def step_actions(steady: Schedule, rank: int, step: int, start_step: int = 0) -> list[Action]:
+    """Rank ``rank``'s actions in step ``step`` with global micro-batch ids (``step * m + i``).
+    The pipeline was last empty before ``start_step``: work on earlier micro-batches is left out."""
+    m = steady.num_microbatches
+    first = start_step * m
+    return [
+        Action(a.kind, a.stage, a.microbatch + step * m)
+        for a in steady.actions[rank]
+        if a.microbatch + step * m >= first
+    ]
+
+
+def drain_actions(steady: Schedule, rank: int, last_step: int, start_step: int = 0) -> list[Action]:
+    """The backwards (with their communication) still owed after step ``last_step``: what the
+    following steady steps would do for micro-batches up to that step, forwards left out."""
+    m = steady.num_microbatches
+    end, first = (last_step + 1) * m, start_step * m
+    longest = lag(steady.num_stages, 0)
+    out: list[Action] = []
+    for step in range(last_step + 1, last_step + 2 + math.ceil(longest / m)):
+        for a in steady.actions[rank]:
+            gid = a.microbatch + step * m
+            if first <= gid < end:
+                out.append(Action(a.kind, a.stage, gid))
+    return out
+
+
+def unroll(steady: Schedule, steps: int) -> Schedule:
+    """``steps`` consecutive steps from an empty pipeline, then the drain, over global ids."""
+    actions = []
+    for rank in range(steady.num_ranks):
+        flat: list[Action] = []
+        for t in range(steps):
+            flat += step_actions(steady, rank, t)
+        flat += drain_actions(steady, rank, steps - 1)
+        actions.append(tuple(flat))
+    return Schedule(
+        name=f"{steady.name} x{steps}",
+        num_stages=steady.num_stages,
+        num_microbatches=steps * steady.num_microbatches,
+        stage_to_rank=steady.stage_to_rank,
+        actions=tuple(actions),
+    )
+
+
+def steady_state_bubble(steady: Schedule, steps: int = 4, forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
+    """Idle share of a step once the pipeline is full: one more step costs ``makespan(n + 1) -
+    makespan(n)``, against ``m`` forwards and backwards of work per stage."""
+    from lightning_pipe.schedules.simulate import simulate
+
+    longer = simulate(unroll(steady, steps + 1), forward_cost, backward_cost).makespan
+    shorter = simulate(unroll(steady, steps), forward_cost, backward_cost).makespan
+    work = steady.num_microbatches * (forward_cost + backward_cost)
+    return 1.0 - work / (longer - shorter)

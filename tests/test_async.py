@@ -1,0 +1,173 @@
+"""Asynchronous schedules (PipeDream, PipeDream-2BW) inside the Trainer loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_pipe.schedules import (
+    closed_form_bubble,
+    pipedream,
+    pipedream_2bw,
+    simulate,
+    steady_state_bubble,
+    unroll,
+    update_delay,
+    validate,
+    versions_held,
+)
+from tests.models import EpochLossNet, RecordMetrics, TinyNet, TraceVersions, loader, separable_loader
+from tests.pipeline import assert_same_weights, fit_pipeline
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# ---------------------------------------------------------------------------- schedules on paper
+@pytest.mark.parametrize("fn", [pipedream, pipedream_2bw])
+def test_unrolled_steps_are_valid_and_the_steady_state_has_no_bubble(fn) -> None:
+    for p in range(1, 7):
+        for m in range(1, 10):
+            if fn is pipedream_2bw and m < p - 1:
+                continue
+            steady = fn(p, m)
+            for steps in (1, 2, 5):
+                validate(unroll(steady, steps))
+            assert steady_state_bubble(steady) == pytest.approx(0.0, abs=1e-12)
+            if p > 1:  # a synchronous schedule pays its bubble every batch
+                assert closed_form_bubble(p, m) > 0
+
+
+def test_2bw_needs_enough_microbatches() -> None:
+    with pytest.raises(ValueError, match="chunks >= stages - 1"):
+        pipedream_2bw(4, 2)
+    pipedream(4, 2)  # plain PipeDream stashes more versions instead
+
+
+def test_versions_and_delays() -> None:
+    assert [versions_held("pipedream_2bw", 4, 4, s) for s in range(4)] == [2, 2, 2, 1]
+    assert [versions_held("pipedream", 4, 1, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [update_delay("pipedream", 4, 1, s) for s in range(4)] == [3, 2, 1, 0]
+    assert [update_delay("pipedream_2bw", 4, 4, s) for s in range(4)] == [1, 1, 1, 1]
+
+
+def test_unrolled_pipeline_amortises_fill_and_drain() -> None:
+    short, long = simulate(unroll(pipedream(4, 4), 2)), simulate(unroll(pipedream(4, 4), 8))
+    assert long.bubble_fraction < short.bubble_fraction < closed_form_bubble(4, 4)
+
+
+# ---------------------------------------------------------------------------- the weight versions
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_every_backward_uses_the_version_of_its_forward(tmp_path: Path, schedule: str, stages: int) -> None:
+    torch.manual_seed(0)
+    fit_pipeline(TinyNet(), stages, schedule=schedule, chunks=3, max_steps=9, callbacks=[TraceVersions(str(tmp_path))])
+    stashed = 0
+    for rank in range(stages):
+        trace = json.loads((tmp_path / f"trace{rank}.json").read_text())["trace"]
+        forward_version = {mb: v for kind, mb, v in trace if kind == "F"}
+        newest = -1
+        backwards = set()
+        for kind, mb, version in trace:
+            if kind == "F":
+                newest = max(newest, version)
+                continue
+            assert version == forward_version[mb], (rank, mb)  # the gradient reached its own version
+            backwards.add(mb)
+            stashed += version < newest  # a newer version existed: the stash was needed
+        assert backwards == set(forward_version)  # every forward got its backward (drains included)
+    assert stashed > 0
+
+
+# ---------------------------------------------------------------------------- the update rule
+def _reference(model: torch.nn.Module, batches: list, lr: float, delays: dict[str, int]) -> None:
+    """Single process: W_s(t+1) = W_s(t) - lr * grad_s f_{t - d_s}(W(t - d_s)); with d = 1 everywhere
+    this is PipeDream-2BW's W(t+1) = W(t) - lr * grad f(W(t-1))."""
+    params = dict(model.named_parameters())
+    history: list[dict[str, torch.Tensor]] = []
+    for t, (x, y) in enumerate(batches):
+        loss = F.cross_entropy(model(x), y)
+        history.append(dict(zip(params, torch.autograd.grad(loss, list(params.values())))))
+        with torch.no_grad():
+            for name, p in params.items():
+                source = t - delays[name]
+                if source >= 0:
+                    p -= lr * history[source][name]
+
+
+def _stage_delays(schedule: str, stages: int, chunks: int, model: TinyNet) -> dict[str, int]:
+    from lightning_pipe.partition import balance_uniform, stage_bounds
+
+    bounds = stage_bounds(balance_uniform(len(model.layers), stages))
+    delays = {}
+    for name, _ in model.named_parameters():
+        index = int(name.split(".")[1])
+        stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
+        delays[name] = update_delay(schedule, stages, chunks, stage)
+    return delays
+
+
+@pytest.mark.parametrize(
+    "schedule, stages, chunks", [("pipedream_2bw", 2, 4), ("pipedream_2bw", 4, 3), ("pipedream", 2, 3), ("pipedream", 4, 2)]
+)
+def test_weights_follow_the_delayed_update_rule(schedule: str, stages: int, chunks: int) -> None:
+    torch.manual_seed(0)
+    piped = TinyNet(lr=0.1)
+    piped.optimizer = "plain-sgd"
+    reference = TinyNet()
+    reference.load_state_dict(piped.state_dict())
+    steps = 9  # crosses an epoch end (a drain) and its short batch
+    batches = [b for _, b in zip(range(steps), iter(_cycle(loader())))]
+    _reference(reference, batches, 0.1, _stage_delays(schedule, stages, chunks, reference))
+    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, max_steps=steps)
+    assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
+
+
+def _cycle(data):
+    while True:
+        yield from data
+
+
+# ---------------------------------------------------------------------------- training works
+def test_async_schedules_train_about_as_well_as_1f1b(tmp_path: Path) -> None:
+    losses = {}
+    for schedule in ("1f1b", "pipedream", "pipedream_2bw"):
+        torch.manual_seed(0)
+        folder = tmp_path / schedule
+        folder.mkdir()
+        fit_pipeline(
+            EpochLossNet(lr=0.05), 2, separable_loader(), schedule=schedule, chunks=4, max_steps=-1, max_epochs=8,
+            callbacks=[RecordMetrics(str(folder))],
+        )  # fmt: skip
+        losses[schedule] = json.loads((folder / "rank0.json").read_text())["train_loss_epoch"]
+    first = 1.1  # about ln(3): where every run starts
+    assert losses["1f1b"] < 0.6 * first  # the task is learnt
+    for schedule in ("pipedream", "pipedream_2bw"):
+        assert abs(losses[schedule] - losses["1f1b"]) <= 0.25 * losses["1f1b"], losses
+
+
+def test_checkpoint_under_2bw_resumes_exactly(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    initial = TinyNet().state_dict()
+    straight = TinyNet()
+    straight.load_state_dict(initial)
+    fit_pipeline(straight, 2, schedule="pipedream_2bw", chunks=3, max_steps=-1, max_epochs=3)
+    first = TinyNet()
+    first.load_state_dict(initial)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(first, 2, schedule="pipedream_2bw", chunks=3, max_steps=-1, max_epochs=2, enable_checkpointing=True, callbacks=[ckpt])
+    resumed = TinyNet()
+    fit_pipeline(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"), schedule="pipedream_2bw", chunks=3, max_steps=-1, max_epochs=3)
+    assert_same_weights(straight, resumed)
+
+
+def test_parameters_outside_the_sequential_are_refused() -> None:
+    from tests.models import WrappedNet
+
+    with pytest.raises(Exception, match="trainable parameters outside it"):
+        fit_pipeline(WrappedNet(), 2, schedule="pipedream", chunks=2)
