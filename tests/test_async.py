@@ -171,3 +171,10 @@ def test_parameters_outside_the_sequential_are_refused() -> None:
 
     with pytest.raises(Exception, match="trainable parameters outside it"):
         fit_pipeline(WrappedNet(), 2, schedule="pipedream", chunks=2)
+
+
+def test_render_reports_weight_versions() -> None:
+    from lightning_pipe.schedules import render
+
+    text = render(unroll(pipedream_2bw(2, 3), 3))
+    assert text.splitlines()[-1].endswith("weight versions per stage 2, 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_pipe.schedules.actions import ActionKind, Schedule
+from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
 
 
@@ -33,4 +34,15 @@ def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2) ->
         f"bubble {sim.bubble_fraction:.1%}, peak micro-batches held per stage "
         + ", ".join(str(peaks.get(s, 0)) for s in range(schedule.num_stages))
     )
+    base = schedule.name.split()[0]
+    if base in ASYNC_SCHEDULES:
+        per_batch = schedule.num_microbatches if base == schedule.name else _per_batch(schedule)
+        footer += ", weight versions per stage " + ", ".join(
+            str(versions_held(base, schedule.num_stages, per_batch, s)) for s in range(schedule.num_stages)
+        )
     return "\n".join(rows + [footer])
+
+
+def _per_batch(unrolled: Schedule) -> int:
+    steps = int(unrolled.name.split("x")[-1])
+    return unrolled.num_microbatches // steps
