@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_pipe.recipes.bert import (
+    MASK,
+    SPECIALS,
+    BertMLM,
+    MaskedSequences,
+    TextData,
+    WordTokenizer,
+    bert_layers,
+    file_documents,
+    pack,
+    stdlib_documents,
+)
+
+TEXT = """The quick brown fox jumps over the lazy dog. It was the best of times.
+
+A second paragraph, with words the first one did not use: pipeline stages send activations.
+
+Third: the fox again, and the dog again."""
+
+
+def test_file_loader_and_tokenizer(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    documents = file_documents([str(path)])
+    assert len(documents) == 3 and documents[1].startswith("A second paragraph")
+    tokenizer = WordTokenizer.build(documents, vocab_size=20)
+    assert len(tokenizer) == 20 and tokenizer.vocab[: len(SPECIALS)] == SPECIALS
+    ids = tokenizer.encode("the fox zebra")
+    assert tokenizer.decode(ids) == "the fox [UNK]"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        file_documents([str(tmp_path / "missing.txt")])
+
+
+def test_stdlib_corpus_is_real_english() -> None:
+    documents = stdlib_documents(limit_chars=50_000)
+    text = " ".join(documents).lower()
+    assert len(text) >= 50_000
+    for word in (" the ", " of ", " return", " function"):
+        assert word in text
+
+
+def test_masking_is_a_function_of_the_row_and_its_reads() -> None:
+    rows = pack([list(range(5, 60))] * 4, max_len=16)
+    a, b = MaskedSequences(rows, vocab_size=60, seed=3), MaskedSequences(rows, vocab_size=60, seed=3)
+    first = [a[i] for i in range(len(rows))]
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[2], y[2]) for x, y in zip(first, [b[i] for i in range(len(rows))]))
+    second = a[0]
+    assert not torch.equal(second[2], first[0][2])  # a new epoch masks differently
+    masked = torch.stack([a[i % len(rows)][2] for i in range(40)]) != -100
+    assert 0.08 < masked.float().mean() < 0.22  # about 15% of (non-special) tokens
+    ids, _, labels = a[1]
+    assert (ids[labels != -100] == MASK).any()
+
+
+def test_textdata_on_files_and_the_model(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_text((TEXT + "\n\n") * 40)
+    data = TextData(source="files", files=[str(path)], vocab_size=40, max_len=16, batch_size=4)
+    data.setup()
+    ids, mask, labels = next(iter(data.train_dataloader()))
+    assert ids.shape == mask.shape == labels.shape == (4, 16)
+    model = BertMLM(vocab_size=40, size="tiny", max_len=16)
+    assert model(ids, mask).shape == (4, 16, 40)
+    assert len(bert_layers(40, "tiny", 16)) == 4  # embeddings, 2 encoder layers, MLM head
+    with pytest.raises(ValueError, match="valid sizes: tiny, small, base, large"):
+        bert_layers(40, "huge")
+    with pytest.raises(ValueError, match="needs recipe.data.files"):
+        TextData(source="files")

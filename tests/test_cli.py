@@ -1,0 +1,112 @@
+"""The Hydra command line: every config option composes, each recipe runs, sweeps, the README's commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
+from lightning_pipe.strategy import PipelineStrategy
+
+pytestmark = pytest.mark.timeout(300)
+GROUPS = {group: sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml")) for group in ("recipe", "strategy", "trainer")}
+# small enough for a 2-core machine: a narrow VGG on little synthetic data, a tiny BERT on little text
+SMALL = {
+    "vgg19_cifar100": ["recipe.model.width=0.125", "recipe.data.synthetic_train=96", "recipe.data.synthetic_val=32",
+                       "recipe.data.batch_size=8"],
+    "bert_mlm": ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500",
+                 "recipe.data.batch_size=8"],
+}  # fmt: skip
+QUICK = ["trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def test_config_groups_are_complete() -> None:
+    assert GROUPS["recipe"] == ["bert_mlm", "vgg19_cifar100"]
+    assert GROUPS["strategy"] == ["1f1b", "gpipe", "none", "pipedream", "pipedream_2bw"]
+    assert GROUPS["trainer"] == ["cpu", "gpu"]
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_option_composes_and_instantiates(group: str) -> None:
+    for option in GROUPS[group]:
+        cfg = _compose([f"{group}={option}"])
+        resolved = OmegaConf.to_container(cfg.recipe, resolve=False)  # interpolations resolve below
+        assert resolved
+        if "root" in cfg.recipe.data:
+            with open_dict(cfg):
+                cfg.recipe.data.root = "/tmp/unused"  # ${hydra:runtime.cwd} needs a running app
+        model = instantiate(cfg.recipe.model)
+        data = instantiate(cfg.recipe.data)
+        assert hasattr(model, "layers") and hasattr(data, "train_dataloader")
+        strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
+        if cfg.strategy.name == "none":
+            assert strategy == "auto" and devices == 1
+        else:
+            assert isinstance(strategy, PipelineStrategy) and strategy.schedule_name == cfg.strategy.schedule
+        assert cfg.trainer.accelerator in ("cpu", "gpu")
+
+
+def test_overrides_reach_the_strategy() -> None:
+    cfg = _compose(["strategy=gpipe", "strategy.chunks=8", "strategy.balance=[3,1]", "strategy.checkpoint=always"])
+    strategy, _ = build_strategy(cfg.strategy, 2)
+    assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.checkpoint_mode) == ("gpipe", 8, [3, 1], "always")
+
+
+def test_a_bad_value_names_it() -> None:
+    cfg = _compose(["strategy.schedule=zigzag"])
+    with pytest.raises(ValueError, match="'zigzag'"):
+        build_strategy(cfg.strategy, 2)
+
+
+@pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b", "none"])
+def test_each_recipe_runs(tmp_path: Path, recipe: str, strategy: str) -> None:
+    cfg = _compose([f"recipe={recipe}", f"strategy={strategy}", *SMALL[recipe], *QUICK]
+                   + ([] if strategy == "none" else ["strategy.start_method=fork", "strategy.chunks=2"]))  # fmt: skip
+    with open_dict(cfg):
+        if "root" in cfg.recipe.data:
+            cfg.recipe.data.root = str(tmp_path / "data")
+        del cfg.hydra
+    metrics = run(cfg, output_dir=str(tmp_path))
+    assert metrics["train_loss"] > 0 and "val_loss" in metrics and metrics["samples_per_sec"] > 0
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def _command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", "lightning_pipe", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
+
+
+def test_sweep_writes_one_folder_per_run(tmp_path: Path) -> None:
+    result = _command(["-m", "strategy.chunks=2,4", *SMALL["bert_mlm"], *QUICK, "hydra.sweep.dir=sweep"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert runs == ["0", "1"]
+    for run_dir in runs:
+        assert (tmp_path / "sweep" / run_dir / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_readme_commands(tmp_path: Path) -> None:
+    """The README's first-run command (shortened) from an unrelated folder, --cfg job, and a bad override."""
+    result = _command([*SMALL["bert_mlm"], *QUICK, "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max_steps=3" in result.stderr + result.stdout
+    assert (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").is_file()
+    shown = _command(["--cfg", "job", "recipe=vgg19_cifar100"], tmp_path)
+    assert shown.returncode == 0 and "vgg19_cifar100" in shown.stdout
+    bad = _command(["strategy.chunkz=3"], tmp_path)
+    assert bad.returncode != 0 and "chunkz" in bad.stderr
+    missing = _command(["strategy=zigzag"], tmp_path)
+    assert missing.returncode != 0 and "zigzag" in missing.stderr and "1f1b" in missing.stderr
