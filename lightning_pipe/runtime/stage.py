@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.versions import WeightVersions
 
@@ -111,6 +112,7 @@ class StageRunner:
         self.trace: Optional[list[tuple[str, int, int]]] = None  # (kind, micro-batch, version) when tracing
         self._saved: dict[int, tuple[list[Tensor], Any]] = {}
         self._microbatches = 1
+        self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -143,6 +145,16 @@ class StageRunner:
     ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage."""
+        if self.meter is None:
+            return self._forward(microbatch, num_microbatches, received)
+        if self.versions is not None:
+            self.meter.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
+        with self.meter.hooks():
+            return self._forward(microbatch, num_microbatches, received)
+
+    def _forward(
+        self, microbatch: int, num_microbatches: int, received: Optional[Received]
+    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
         training = torch.is_grad_enabled()
         use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
         self._microbatches = num_microbatches

@@ -88,3 +88,21 @@ def test_checkpoint_always_keeps_only_stage_inputs() -> None:
     saved["never"], saved["always"] = count("never"), count("always")
     assert saved["always"] == x.numel()  # the stage input, kept for the recomputation
     assert saved["never"] > 4 * x.numel()  # every layer's input and weight
+
+
+def test_meter_counts_what_the_schedules_hold() -> None:
+    """GPipe holds every micro-batch's activations at once, 1F1B on a single stage one at a time."""
+    from lightning_pipe.runtime.memory import SavedActivationMeter
+
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    peaks = {}
+    for schedule in (gpipe, one_f_one_b):
+        seq = _net()
+        stage = StageModule(stage_layers(seq, [len(seq)], 0), 0, 1)
+        xs, ys = x.chunk(4), y.chunk(4)
+        runner = StageRunner(stage, step=lambda i: nn.functional.mse_loss(stage(xs[i]), ys[i]))
+        runner.meter = SavedActivationMeter(stage.parameters())
+        Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0).run(schedule(1, 4), [None] * 4)
+        peaks[schedule.__name__] = runner.meter.peak
+        assert runner.meter.current == 0  # everything saved was freed by the backward
+    assert peaks["gpipe"] == 4 * peaks["one_f_one_b"] > 0
