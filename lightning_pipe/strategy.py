@@ -343,18 +343,22 @@ class PipelineStrategy(ParallelStrategy):
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[float], StepRecorder]:
+        """The module, the batch's micro-batches, their weights (share of the batch's samples) and a
+        recorder for what the step logs."""
         module = self.lightning_module
         assert module is not None and self._executor is not None and self._runner is not None
-        batch, rest = args[0], args[1:]
         micro = split(batch, self.num_microbatches)
         sizes = [batch_size(mb) for mb in micro]
         total = float(sum(sizes))
-        recorder = StepRecorder()
-        keep = self.is_last_stage
+        return module, micro, [n / total for n in sizes], StepRecorder()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, micro, weights, recorder = self._begin_step(args[0])
+        rest, keep = args[1:], self.is_last_stage
 
         def step(i: int) -> Optional[Tensor]:
-            weight = sizes[i] / total
+            weight = weights[i]
             with recorder.capture(module, weight, keep):
                 output = module.training_step(micro[i], *rest, **kwargs)
             if not keep:
@@ -461,18 +465,12 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
-        module = self.lightning_module
-        assert module is not None and self._executor is not None and self._runner is not None
-        batch, rest = args[0], args[1:]
-        micro = split(batch, self.num_microbatches)
-        sizes = [batch_size(mb) for mb in micro]
-        total = float(sum(sizes))
-        recorder = StepRecorder()
-        keep = self.is_last_stage
+        module, micro, weights, recorder = self._begin_step(args[0])
+        rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
 
         def step(i: int) -> None:
-            with recorder.capture(module, sizes[i] / total, keep):
+            with recorder.capture(module, weights[i], keep):
                 output = getattr(module, hook)(micro[i], *rest, **kwargs)
             outputs[i] = output
             return None
