@@ -153,6 +153,12 @@ class SummaryBroadcaster:
         work = dist.broadcast(buffer, self.src, group=self.group, async_op=True)
         return work, buffer, summary
 
+    @staticmethod
+    def needs_more(handle: tuple[Any, Tensor, Optional[dict[str, Any]]]) -> bool:
+        """On the sending rank: whether completing ``handle`` takes another (blocking) broadcast,
+        which the receivers are already waiting for."""
+        return int(handle[1][0]) != 0
+
     def complete(self, handle: tuple[Any, Tensor, Optional[dict[str, Any]]]) -> dict[str, Any]:
         import torch.distributed as dist
 

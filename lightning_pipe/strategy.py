@@ -151,6 +151,7 @@ class PipelineStrategy(ParallelStrategy):
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._async: Optional[AsyncPipeline] = None
         self._lagged: Optional[Any] = None
+        self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
 
@@ -415,6 +416,7 @@ class PipelineStrategy(ParallelStrategy):
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = recorder.summary() if self.is_last_stage else None
         broadcaster = self._broadcaster_for("train")
+        self._finish_pending()
         if self._lagged is not None:
             self._replay_summary(module, broadcaster.complete(self._lagged))
             self._lagged = None
@@ -437,7 +439,13 @@ class PipelineStrategy(ParallelStrategy):
         return 0 < trainer.max_steps <= trainer.global_step + 1
 
     def on_validation_start(self) -> None:
+        self._finish_pending()
         self._drain()
+
+    def teardown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self._finish_pending()
+        super().teardown()
 
     def _drain(self) -> None:
         if self._async is not None and self._async.in_flight:
@@ -456,6 +464,7 @@ class PipelineStrategy(ParallelStrategy):
         if self.num_stages == 1:
             return outputs
         box = [outputs]
+        self._finish_pending()
         if self.is_last_stage:
             dist.send_object_list(box, dst=0, group=self._meta_group)
         elif self.global_rank == 0:
@@ -532,12 +541,34 @@ class PipelineStrategy(ParallelStrategy):
             offset += n
 
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
-        """The last stage's loss and logged means, on every rank."""
+        """The last stage's loss and logged means, on every rank.
+
+        The last stage has them already and does not wait for the broadcast to arrive (it finishes
+        it before the next one): so its optimizer step overlaps the other stages' last backwards
+        instead of waiting for them. The other stages finish their backwards after the last stage
+        posted the broadcast, so receiving it costs them nothing."""
         summary = recorder.summary() if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
-        return self._broadcaster_for(kind).share(summary)
+        self._finish_pending()
+        broadcaster = self._broadcaster_for(kind)
+        if self.is_last_stage:
+            handle = broadcaster.post(summary)
+            if broadcaster.needs_more(handle):  # new names: the receivers wait for them now
+                broadcaster.complete(handle)
+            else:
+                self._unfinished = (broadcaster, handle)
+            assert summary is not None
+            return summary
+        return broadcaster.complete(broadcaster.post(summary))
+
+    def _finish_pending(self) -> None:
+        """Complete the last stage's outstanding broadcast before the next collective on its group."""
+        if self._unfinished is not None:
+            broadcaster, handle = self._unfinished
+            self._unfinished = None
+            broadcaster.complete(handle)
 
     def _broadcaster_for(self, kind: str) -> SummaryBroadcaster:
         if kind not in self._broadcasters:
@@ -561,6 +592,7 @@ class PipelineStrategy(ParallelStrategy):
         """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata."""
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
+        self._finish_pending()
         self._drain()
         path = Path(filepath)
         if self.is_global_zero:
