@@ -56,7 +56,7 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.precision import sync_gradient_scaler
-from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers
+from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
@@ -146,6 +146,8 @@ class PipelineStrategy(ParallelStrategy):
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
         self._shared: list[nn.Parameter] = []
+        self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
+        self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
         self._meta_group: Any = None
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._scaler: Optional[torch.amp.GradScaler] = None
@@ -288,6 +290,7 @@ class PipelineStrategy(ParallelStrategy):
             return
         balance = resolve_balance(self.balance, layers, self.num_stages)
         self.stage_balance = balance
+        self._ties = tied_parameters(layers, balance)
         stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
         setattr(module, name, stage)
         self._stage_module = stage
@@ -303,6 +306,13 @@ class PipelineStrategy(ParallelStrategy):
         self._shared = [p for n, p in sorted(module.named_parameters()) if not n.startswith(prefix)]
         if self._meta_group is None:
             self._meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.new_group()
+        if self._tie_groups is None:
+            self._tie_groups = []
+            local = dict(self._stage_module.named_parameters())
+            for tie in self._ties:
+                group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
+                if self.stage in tie:
+                    self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
         transport = Transport(
             stage_ranks=list(range(self.num_stages)),
             device=self.root_device,
@@ -327,6 +337,12 @@ class PipelineStrategy(ParallelStrategy):
                 f"schedule={self.schedule_name!r} stashes weight versions of the split nn.Sequential only, but "
                 f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
                 "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
+            )
+        if self._ties and self.schedule_name == "pipedream":
+            raise MisconfigurationException(
+                "schedule='pipedream' applies gradients with a different delay on each stage, so the copies of a "
+                "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
+                "stage) or untie the weights."
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException(
@@ -503,6 +519,7 @@ class PipelineStrategy(ParallelStrategy):
         scale = 1.0 / module.trainer.accumulate_grad_batches
         pending, self._pending_grads = self._pending_grads, {}
         self._all_reduce_shared(pending)
+        self._all_reduce_tied(pending)
         for param, grad in pending.items():
             if grad is None:
                 continue
@@ -525,6 +542,15 @@ class PipelineStrategy(ParallelStrategy):
             current[param] = param.grad
             param.grad = replacement.get(param)
         return current
+
+    def _all_reduce_tied(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
+        """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
+        the copies (equal from the start) take equal updates."""
+        for group, param, _ in self._tie_groups or []:
+            grad = pending.get(param)
+            total = grad if grad is not None else torch.zeros_like(param)
+            dist.all_reduce(total, group=group)
+            pending[param] = total
 
     def _all_reduce_shared(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
         """Sum this batch's gradients of parameters outside the Sequential over the stages: each
@@ -668,12 +694,12 @@ class PipelineStrategy(ParallelStrategy):
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
-        Parameters outside the Sequential hold the same gradient on every rank and count once."""
-        shared = {id(p) for p in self._shared}
+        Parameters outside the Sequential and weights tied across stages hold the same gradient on
+        several ranks and count once."""
+        once = {id(p) for p in self._shared} if self.global_rank != 0 else set()
+        once |= {id(p) for _, p, counted in self._tie_groups or [] if not counted}
         grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [
-            p.grad for p in parameters if p.grad is not None and (id(p) not in shared or self.global_rank == 0)
-        ]
+        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
         square = torch.zeros((), dtype=torch.float32, device=self.root_device)
         for g in counted:
             square += g.detach().float().pow(2).sum()

@@ -1,9 +1,10 @@
 """BERT masked-language-model pre-training as pipeline layers, with a real English corpus offline.
 
 The model is one ``nn.Sequential``: embeddings, ``num_layers`` encoder layers and the MLM head.
-Layers pass ``(hidden, attention_mask)`` along; the mask needs no gradient. The MLM head's decoder
-is *not* tied to the word embeddings: tying a weight across the first and the last stage is not
-implemented yet, so the two are trained as separate parameters.
+Layers pass ``(hidden, attention_mask)`` along; the mask needs no gradient. As in BERT, the MLM
+head's decoder weight is the word-embedding matrix (``tie_embeddings``); under the pipeline the
+first and the last stage each hold a copy and the strategy sums their gradients, so the copies stay
+equal.
 
 Text sources:
 
@@ -115,10 +116,13 @@ class BertMLM(L.LightningModule):
         max_steps: int = 1000,
         hidden: Optional[int] = None,
         num_layers: Optional[int] = None,
+        tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layers = bert_layers(vocab_size, size, max_len, dropout, hidden=hidden, num_layers=num_layers)
+        if tie_embeddings:
+            self.layers[-1].decoder.weight = self.layers[0].word.weight
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layers((ids, mask))

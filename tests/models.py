@@ -268,3 +268,35 @@ class EpochLossNet(TinyNet):
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
+
+
+class TiedNet(L.LightningModule):
+    """A language-model shape: the output layer's weight is the input embedding's (one tensor)."""
+
+    VOCAB, WIDTH, LENGTH = 11, 8, 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        embed = nn.Embedding(self.VOCAB, self.WIDTH)
+        head = nn.Linear(self.WIDTH, self.VOCAB, bias=False)
+        head.weight = embed.weight
+        self.layers = nn.Sequential(embed, nn.Tanh(), nn.Linear(self.WIDTH, self.WIDTH), nn.Tanh(), head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        logits = self(ids)
+        loss = F.cross_entropy(logits.reshape(-1, self.VOCAB), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def token_loader(n: int = 48, batch_size: int = 12) -> DataLoader:
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, TiedNet.VOCAB, (n, TiedNet.LENGTH), generator=g)
+    return DataLoader(TensorDataset(ids, (ids + 1) % TiedNet.VOCAB), batch_size=batch_size)

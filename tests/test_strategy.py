@@ -134,3 +134,15 @@ def test_loss_and_logs_are_batch_means_on_every_rank(tmp_path) -> None:
     expected = float(plain.callback_metrics["train_loss"])
     assert ranks[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("stages, schedule", [(2, "1f1b"), (3, "gpipe")])
+def test_weights_tied_across_the_first_and_last_stage(stages: int, schedule: str) -> None:
+    from tests.models import TiedNet, token_loader
+
+    torch.manual_seed(0)
+    reference, piped = twins(TiedNet())
+    fit_plain(reference, token_loader(), gradient_clip_val=0.5)
+    fit_pipeline(piped, stages, token_loader(), schedule=schedule, chunks=3, gradient_clip_val=0.5)
+    assert reference.layers[0].weight is reference.layers[4].weight
+    assert_same_weights(reference, piped)  # both names of the tied weight, from their stages

@@ -8,6 +8,7 @@ from lightning_pipe.partition.split import (
     resolve_balance,
     stage_bounds,
     stage_layers,
+    tied_parameters,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "resolve_balance",
     "stage_bounds",
     "stage_layers",
+    "tied_parameters",
 ]

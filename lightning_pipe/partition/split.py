@@ -80,3 +80,16 @@ def stage_layers(layers: nn.Sequential, balance: Sequence[int], stage: int) -> "
     start, stop = stage_bounds(balance)[stage]
     named = list(layers.named_children())
     return OrderedDict(named[start:stop])
+
+
+def tied_parameters(layers: nn.Sequential, balance: Sequence[int]) -> list[dict[int, str]]:
+    """Parameters shared by layers of different stages (one tensor used in two places, like word
+    embeddings tied to a language-model head), each as ``{stage: its name inside that stage}``,
+    in a fixed order. Each stage keeps its own copy; their gradients must be summed."""
+    bounds = stage_bounds(balance)
+    owners: dict[int, dict[int, str]] = {}
+    for index, (key, layer) in enumerate(layers.named_children()):
+        stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), {}).setdefault(stage, f"{key}.{name}")
+    return [where for where in owners.values() if len(where) > 1]

@@ -71,3 +71,9 @@ def test_textdata_on_files_and_the_model(tmp_path: Path) -> None:
         bert_layers(40, "huge")
     with pytest.raises(ValueError, match="needs recipe.data.files"):
         TextData(source="files")
+
+
+def test_decoder_is_tied_to_the_word_embeddings() -> None:
+    model = BertMLM(vocab_size=40, size="tiny", max_len=16)
+    assert model.layers[-1].decoder.weight is model.layers[0].word.weight
+    assert BertMLM(vocab_size=40, max_len=16, tie_embeddings=False).layers[-1].decoder.weight is not None
