@@ -101,6 +101,18 @@ def bert_layers(
     return nn.Sequential(*layers)
 
 
+def _init_bert_weights(module: nn.Module) -> None:
+    """BERT's initialisation: normal(0, 0.02) weights, zero biases. With PyTorch's default N(0, 1)
+    embeddings, a decoder tied to them would start with logits of standard deviation ~sqrt(hidden)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        with torch.no_grad():
+            module.weight[module.padding_idx].zero_()
+
+
 class BertMLM(L.LightningModule):
     """Masked-language-model pre-training; AdamW with linear warm-up and decay."""
 
@@ -121,6 +133,7 @@ class BertMLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.layers = bert_layers(vocab_size, size, max_len, dropout, hidden=hidden, num_layers=num_layers)
+        self.layers.apply(_init_bert_weights)
         if tie_embeddings:
             self.layers[-1].decoder.weight = self.layers[0].word.weight
 

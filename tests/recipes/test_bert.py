@@ -77,3 +77,12 @@ def test_decoder_is_tied_to_the_word_embeddings() -> None:
     model = BertMLM(vocab_size=40, size="tiny", max_len=16)
     assert model.layers[-1].decoder.weight is model.layers[0].word.weight
     assert BertMLM(vocab_size=40, max_len=16, tie_embeddings=False).layers[-1].decoder.weight is not None
+
+
+def test_bert_initialisation_keeps_initial_logits_small() -> None:
+    torch.manual_seed(0)
+    model = BertMLM(vocab_size=500, size="tiny", max_len=16)
+    assert abs(float(model.layers[0].word.weight[5:].std()) - 0.02) < 0.005
+    ids = torch.randint(5, 500, (2, 16))
+    logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
+    assert float(logits.std()) < 1.0  # a loss near ln(vocab) at the start, not far above it
