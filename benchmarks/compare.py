@@ -1,7 +1,7 @@
 """Side-by-side throughput and memory: lightning-pipe against torch.distributed.pipelining and
 plain Lightning, on the same models, stage split and micro-batches.
 
-    python benchmarks/compare.py                       # both models, ~10 minutes on 2 CPU cores
+    python benchmarks/compare.py                       # both models, about 10 minutes on 2 CPU cores
     python benchmarks/compare.py --models mlp --rounds 3 --steps 20
 
 Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,vgg19")
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
         "--contenders",

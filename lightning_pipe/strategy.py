@@ -6,9 +6,9 @@ gradients it produced away from the ``zero_grad`` Lightning runs between ``train
 ``backward``; ``backward`` then hands them to the parameters. Everything else (launching, the
 process group, optimizers, loops, callbacks) is Lightning's own, as in ``DDPStrategy``.
 
-The strategy reports ``is_distributed = False`` to Lightning on purpose: that is what makes
-Lightning inject a ``DistributedSampler`` (and reshuffle the training set), and every stage of a
-pipeline must see the very batches the user's DataLoader yields, in the same order.
+The strategy reports ``is_distributed = False`` to Lightning on purpose: a distributed strategy
+gets a ``DistributedSampler`` injected (which also reshuffles the training set), while every stage
+of a pipeline must see the very batches the user's DataLoader yields, in the same order.
 """
 
 from __future__ import annotations
@@ -23,24 +23,24 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.utils.data import DataLoader, RandomSampler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_pipe.checkpoint import (
     is_pipeline_checkpoint,
@@ -55,13 +55,13 @@ from lightning_pipe.checkpoint import (
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
-from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.precision import sync_gradient_scaler
+from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
