@@ -123,3 +123,11 @@ def test_validator_rejects_an_action_on_the_wrong_rank() -> None:
     broken = _replace(good, 0, list(good.actions[0]) + [F(1, 0)])
     with pytest.raises(InvalidScheduleError, match="lives on rank 1"):
         validate(broken)
+
+
+def test_readme_timetable_is_what_render_prints() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for line in render(one_f_one_b(num_stages=2, num_microbatches=3)).splitlines():
+        assert f"# {line}" in readme
