@@ -714,10 +714,16 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if "pipeline" not in strategy_registry:
-            strategy_registry.register(
-                "pipeline", cls, description="Pipeline model parallelism (lightning-pipe)"
-            )
+        """``"pipeline"`` for scripts, ``"pipeline_notebook"`` (fork) and ``"pipeline_spawn"``, as
+        Lightning names its DDP variants. Registering again is a no-op."""
+        for name, start_method in (("pipeline", "popen"), ("pipeline_notebook", "fork"), ("pipeline_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}",
+                    start_method=start_method,
+                )
 
 
 __all__ = ["PipelineStrategy", "check_arguments"]
