@@ -60,7 +60,7 @@ class StepRecorder:
         arguments.pop("self")
         name, value = arguments.pop("name"), arguments.pop("value")
         scalar = _as_float(value)
-        if scalar is None:  # e.g. a torchmetrics Metric: Lightning computes it; keep it on this rank
+        if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))
             return
         entry = self.logged.setdefault(name, _Logged())
@@ -70,6 +70,18 @@ class StepRecorder:
         if size is not None:
             entry.batch_size = (entry.batch_size or 0) + int(size)
         entry.kwargs = arguments
+
+    def log_local(self, module: "pl.LightningModule") -> None:
+        """Log, once for the batch, the values that cannot be averaged (metric objects, updated by
+        every micro-batch's step); they exist on the last stage only."""
+        seen: set[str] = set()
+        for (name, value), kwargs in self.passthrough:
+            if name not in seen:
+                seen.add(name)
+                if hasattr(value, "sync_on_compute"):  # a torchmetrics Metric: no other rank has its state
+                    value.sync_on_compute = False
+                    value._to_sync = False
+                module.log(name, value, **kwargs)
 
     def add_loss(self, loss: Tensor, weight: float) -> None:
         self.losses.append((float(loss.detach()), weight))

@@ -405,6 +405,7 @@ class PipelineStrategy(ParallelStrategy):
             self._runner.step = None
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
+        recorder.log_local(module)
         return torch.tensor(summary["loss"], device=self.root_device)
 
     def _async_training_step(self, module: "pl.LightningModule", micro: list, recorder: StepRecorder, batch_idx: int) -> Tensor:
@@ -440,6 +441,7 @@ class PipelineStrategy(ParallelStrategy):
             self._replay_summary(module, self._share("train", recorder))
         else:
             self._lagged = broadcaster.post(summary)
+        recorder.log_local(module)
         return torch.tensor(self._last_loss, device=self.root_device)
 
     def _replay_summary(self, module: "pl.LightningModule", summary: dict[str, Any]) -> None:
@@ -508,6 +510,7 @@ class PipelineStrategy(ParallelStrategy):
             self._runner.step = None
         summary = self._share(hook, recorder)
         replay(module, summary, self.root_device)
+        recorder.log_local(module)
         return merge(outputs) if keep else None
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

@@ -300,3 +300,19 @@ def token_loader(n: int = 48, batch_size: int = 12) -> DataLoader:
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TiedNet.VOCAB, (n, TiedNet.LENGTH), generator=g)
     return DataLoader(TensorDataset(ids, (ids + 1) % TiedNet.VOCAB), batch_size=batch_size)
+
+
+class MetricNet(TinyNet):
+    """Logs a torchmetrics object, updated by every micro-batch: the samples seen in the epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.seen.update(torch.tensor(float(len(x))))
+        self.log("seen", self.seen, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)

@@ -146,3 +146,13 @@ def test_weights_tied_across_the_first_and_last_stage(stages: int, schedule: str
     fit_pipeline(piped, stages, token_loader(), schedule=schedule, chunks=3, gradient_clip_val=0.5)
     assert reference.layers[0].weight is reference.layers[4].weight
     assert_same_weights(reference, piped)  # both names of the tied weight, from their stages
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream_2bw"])
+def test_metric_objects_are_logged_on_the_last_stage(tmp_path, schedule: str) -> None:
+    from tests.models import MetricNet
+
+    torch.manual_seed(0)
+    fit_pipeline(MetricNet(), 2, schedule=schedule, chunks=3, max_steps=-1, max_epochs=1, callbacks=[RecordMetrics(str(tmp_path))])
+    last = json.loads((tmp_path / "rank1.json").read_text())
+    assert last["seen"] == 64.0  # every sample of the epoch, counted once

@@ -37,6 +37,10 @@ class StageModule(nn.Sequential):
         self.stage = stage
         self.num_stages = num_stages
         self._hook: Optional[Callable[[Any], Any]] = None
+        # per layer: (name in this module, name inside the layer) of its parameters, for versions
+        self._param_names = {
+            key: [(f"{key}.{name}", name) for name, _ in layer.named_parameters()] for key, layer in self._modules.items()
+        }
 
     def forward(self, value: Any) -> Any:  # noqa: D102 - the user's forward calls this
         if self._hook is not None:
@@ -65,9 +69,8 @@ class StageModule(nn.Sequential):
     def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
         if params is None:
             return nn.Sequential.forward(self, value)
-        for name, layer in self._modules.items():
-            prefix = f"{name}."
-            own = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+        for key, layer in self._modules.items():
+            own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
 
@@ -135,10 +138,6 @@ class StageRunner:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
-
-    def held(self) -> int:
-        """Micro-batches whose activations this stage keeps for a backward."""
-        return len(self._saved)
 
     def forward(
         self, microbatch: int, num_microbatches: int, received: Optional[Received]
