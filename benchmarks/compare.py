@@ -14,7 +14,8 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split.
 
 Rounds alternate between contenders so that machine drift hits all of them. The result is the
-median seconds per optimizer step on rank 0 after a warm-up, samples per second, the ratio of
+median seconds per optimizer step on rank 0 after a warm-up (from the end of one step to the end
+of the next, so loading the batch and the framework's work between steps count), samples per second, the ratio of
 lightning-pipe's 1F1B to each contender, and the ratio to the ideal pipeline: ``plain_micro``'s
 time x (m + p - 1) / (p m). Then, for the MLP, the peak bytes of activations each stage saves for
 the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -45,17 +46,20 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import MLP, StepTimer  # noqa: E402
+import deepspeed_runner  # noqa: E402
+from step_time import MLP, StepTimer, intervals  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
+from lightning_pipe.runtime.timeline import Timeline  # noqa: E402
 
 MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10},
-    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100},
+    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4},
+    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2},
 }
 STAGES = 2
+DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
 
 
 def build_module(model: str) -> L.LightningModule:
@@ -79,26 +83,33 @@ def _trainer_args(steps: int, callbacks: list) -> dict[str, Any]:
     return dict(
         max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        accelerator="gpu" if DEVICE == "cuda" else "cpu",
     )  # fmt: skip
 
 
-def run_lightning(model: str, contender: str, steps: int, warmup: int, folder: str) -> list[float]:
+def lightning_trainer(model: str, contender: str, steps: int, callbacks: list, **options: Any) -> tuple[L.Trainer, DataLoader]:
+    """The trainer and data of a Lightning contender: ``plain``, ``plain_micro``, ``pipe_1stage``
+    (lightning-pipe on one process: its overhead over ``plain_micro``) or ``pipe_<schedule>``."""
     spec = MODELS[model]
-    module = build_module(model)
-    path = os.path.join(folder, "times.json")
     m = spec["chunks"]
     if contender == "plain_micro":
-        trainer = L.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=m, **_trainer_args(steps, [StepTimer(path, 0)]))
-        trainer.fit(module, data(model, spec["batch"] // m, steps * m))
-        with open(path) as f:
-            per_batch = json.load(f)
-        return [sum(per_batch[i : i + m]) for i in range(warmup * m, len(per_batch) - m + 1, m)]
+        trainer = L.Trainer(devices=1, accumulate_grad_batches=m, **_trainer_args(steps, callbacks))
+        return trainer, data(model, spec["batch"] // m, steps * m)
     if contender == "plain":
-        trainer = L.Trainer(accelerator="cpu", devices=1, **_trainer_args(steps, [StepTimer(path, warmup)]))
+        trainer = L.Trainer(devices=1, **_trainer_args(steps, callbacks))
     else:
-        strategy = PipelineStrategy(schedule=contender[len("pipe_") :], chunks=m, balance="parameters", start_method="fork")
-        trainer = L.Trainer(accelerator="cpu", devices=STAGES, strategy=strategy, **_trainer_args(steps, [StepTimer(path, warmup)]))
-    trainer.fit(module, data(model, spec["batch"], steps))
+        schedule = "1f1b" if contender == "pipe_1stage" else contender[len("pipe_") :]
+        devices = 1 if contender == "pipe_1stage" else STAGES
+        strategy = PipelineStrategy(schedule=schedule, chunks=m, balance="parameters", start_method="fork", **options)
+        trainer = L.Trainer(devices=devices, strategy=strategy, **_trainer_args(steps, callbacks))
+    return trainer, data(model, spec["batch"], steps)
+
+
+def run_lightning(model: str, contender: str, steps: int, warmup: int, folder: str) -> list[float]:
+    path = os.path.join(folder, "times.json")
+    every = MODELS[model]["chunks"] if contender == "plain_micro" else 1
+    trainer, loader = lightning_trainer(model, contender, steps, [StepTimer(path, warmup, every)])
+    trainer.fit(build_module(model), loader)
     with open(path) as f:
         return json.load(f)
 
@@ -114,28 +125,33 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    device = torch.device(DEVICE, rank) if DEVICE == "cuda" else torch.device("cpu")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=STAGES)
     spec = MODELS[model]
     layers = build_module(model).layers
     balance = resolve_balance("parameters", layers, STAGES)
-    part = nn.Sequential(OrderedDict(stage_layers(layers, balance, rank)))
-    stage = PipelineStage(part, rank, STAGES, torch.device("cpu"))
+    part = nn.Sequential(OrderedDict(stage_layers(layers, balance, rank))).to(device)
+    stage = PipelineStage(part, rank, STAGES, device)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     pipe = cls(stage, spec["chunks"], loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(part.parameters(), lr=0.01, momentum=0.9)
-    times = []
+    ends = []
     for x, y in data(model, spec["batch"], steps):
-        start = time.perf_counter()
+        x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
         if rank == 0:
             pipe.step(x)
         else:
             pipe.step(target=y)
         optimizer.step()
-        times.append(time.perf_counter() - start)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
     if rank == 0:
         with open(path, "w") as f:
-            json.dump(times[warmup:], f)
+            json.dump(intervals(ends, warmup), f)
     dist.destroy_process_group()
 
 
@@ -160,6 +176,46 @@ class _Meter(L.Callback):
             json.dump(trainer.strategy._runner.meter.peak, f)
 
 
+class _Breakdown(L.Callback):
+    """Per-action timings of each rank's executor (CUDA events on a GPU), the step's time outside
+    the executor (Lightning's loop, the optimizer, the glue) and, on a GPU, the allocator's peak."""
+
+    def __init__(self, folder: str, warmup: int) -> None:
+        self.folder, self.warmup, self.ends = folder, warmup, []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy._executor.timeline = Timeline(trainer.strategy.root_device)
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        totals = trainer.strategy._executor.timeline.totals(slice(self.warmup, None))
+        step = statistics.mean(intervals(self.ends, self.warmup))
+        result = {name: round(seconds, 6) for name, seconds in totals.items()}
+        result["step_interval"] = round(step, 6)
+        result["outside_executor"] = round(step - totals["step"], 6)
+        if trainer.strategy.root_device.type == "cuda":
+            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        with open(os.path.join(self.folder, f"breakdown{trainer.global_rank}.json"), "w") as f:
+            json.dump(result, f)
+
+
+def breakdown(model: str, contender: str, steps: int, warmup: int) -> list[dict[str, float]]:
+    """Where a lightning-pipe step's time goes, per rank: mean seconds per step in forwards (F),
+    backwards (B), the rest of the executor's run (other: posting and waiting for communication),
+    the executor's whole run (step) and outside it (outside_executor)."""
+    with tempfile.TemporaryDirectory() as folder:
+        trainer, loader = lightning_trainer(model, contender, steps, [_Breakdown(folder, warmup)])
+        trainer.fit(build_module(model), loader)
+        ranks = trainer.strategy.num_stages
+        return [json.load(open(os.path.join(folder, f"breakdown{r}.json"))) for r in range(ranks)]
+
+
 def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
     spec = MODELS[model]
     m, p = spec["chunks"], STAGES
@@ -167,9 +223,8 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
     for schedule in ("gpipe", "1f1b"):
         for mode in ("never", "except_last", "always"):
             with tempfile.TemporaryDirectory() as folder:
-                strategy = PipelineStrategy(schedule=schedule, chunks=m, balance="parameters", checkpoint=mode, start_method="fork")
-                trainer = L.Trainer(accelerator="cpu", devices=p, strategy=strategy, **_trainer_args(steps, [_Meter(folder)]))
-                trainer.fit(build_module(model), data(model, spec["batch"], steps))
+                trainer, loader = lightning_trainer(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
+                trainer.fit(build_module(model), loader)
                 peaks[f"{schedule}/{mode}"] = [json.load(open(os.path.join(folder, f"peak{r}.json"))) for r in range(p)]
     per_microbatch = [peaks["gpipe/never"][s] / m for s in range(p)]
     layers = build_module(model).layers
@@ -225,49 +280,103 @@ def svg_chart(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+CPU_CONTENDERS = (
+    "plain,plain_micro,pipe_1stage,pipe_gpipe,pipe_1f1b,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b,deepspeed_1f1b"
+)
+
+
+def default_contenders() -> str:
+    """On CPUs every contender; in GPU mode the two-stage ones need two GPUs (NCCL refuses two
+    ranks on one GPU), so one GPU measures lightning-pipe's single-GPU overhead only."""
+    if DEVICE == "cpu":
+        return CPU_CONTENDERS
+    single = "plain,plain_micro,pipe_1stage"
+    if torch.cuda.device_count() < STAGES:
+        print(f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only")
+        return single
+    return single + ",pipe_gpipe,pipe_1f1b,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"
+
+
+def runner_for(contender: str) -> Optional[Callable[..., list[float]]]:
+    """The function that runs ``contender``, or None (with a message) when it cannot run here."""
+    if contender.startswith("torch_"):
+        return run_torch
+    if contender.startswith("deepspeed_"):
+        reason = deepspeed_runner.available() if DEVICE == "cpu" else "the DeepSpeed contender runs on CPUs only"
+        if reason is not None:
+            print(f"skipping {contender}: {reason}")
+            return None
+        return deepspeed_runner.run_deepspeed
+    return run_lightning
+
+
+def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
+    """Medians over all rounds, and per-round (paired) ratios against lightning-pipe's 1F1B: a
+    round's contenders ran back to back, so their ratio is less exposed to machine drift."""
+    spec = MODELS[model]
+    m, p = spec["chunks"], STAGES
+    names = list(rounds[0])
+    times = {c: [t for r in rounds for t in r[c]] for c in names}
+    medians = {c: statistics.median(times[c]) for c in names}
+    entry: dict[str, Any] = {"batch": spec["batch"], "chunks": m, "stages": p, "rounds": len(rounds), "contenders": {}}
+    for c in names:
+        entry["contenders"][c] = {"median_step_s": medians[c], "samples_per_s": spec["batch"] / medians[c], "steps": len(times[c])}
+    if "pipe_1f1b" in medians:
+        entry["pipe_1f1b_speedup_over"] = {c: medians[c] / medians["pipe_1f1b"] for c in names if c != "pipe_1f1b"}
+        paired = {
+            c: [statistics.median(r[c]) / statistics.median(r["pipe_1f1b"]) for r in rounds] for c in names if c != "pipe_1f1b"
+        }
+        entry["pipe_1f1b_speedup_per_round"] = paired
+        entry["pipe_1f1b_speedup_paired_median"] = {c: statistics.median(v) for c, v in paired.items()}
+        if "plain_micro" in medians:
+            ideal = medians["plain_micro"] * (m + p - 1) / (p * m)
+            entry["ideal_step_s"] = ideal
+            entry["pipe_1f1b_over_ideal"] = medians["pipe_1f1b"] / ideal
+    if "pipe_1stage" in medians and "plain_micro" in medians:
+        entry["single_process_overhead"] = medians["pipe_1stage"] / medians["plain_micro"] - 1
+    return entry
+
+
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,vgg19")
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, help="steps per run (default: per model, mlp 14, vgg19 7)")
+    parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model, mlp 4, vgg19 2)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU mode")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument(
-        "--contenders",
-        default="plain,plain_micro,pipe_gpipe,pipe_1f1b,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b",
-    )
+    parser.add_argument("--contenders", help=f"comma-separated (default on CPUs: {CPU_CONTENDERS})")
     args = parser.parse_args()
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU; none is visible to torch")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    contenders = args.contenders.split(",")
-    runners: dict[str, Callable[..., list[float]]] = {c: (run_torch if c.startswith("torch_") else run_lightning) for c in contenders}
+    runners = {c: runner_for(c) for c in (args.contenders or default_contenders()).split(",")}
+    contenders = [c for c, fn in runners.items() if fn is not None]
     results: dict[str, Any] = {}
     began = time.time()
     for model in args.models.split(","):
-        times: dict[str, list[float]] = {c: [] for c in contenders}
-        for _ in range(args.rounds):
-            for contender in contenders:
+        steps = args.steps or MODELS[model]["steps"]
+        warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
+        rounds: list[dict[str, list[float]]] = []
+        for index in range(args.rounds):
+            rounds.append({c: [] for c in contenders})
+            for contender in contenders if index % 2 == 0 else contenders[::-1]:
                 with tempfile.TemporaryDirectory() as folder:
-                    times[contender] += runners[contender](model, contender, args.steps, args.warmup, folder)
-        spec = MODELS[model]
-        m, p = spec["chunks"], STAGES
-        medians = {c: statistics.median(times[c]) for c in contenders}
-        entry: dict[str, Any] = {"batch": spec["batch"], "chunks": m, "stages": p, "contenders": {}}
-        for c in contenders:
-            entry["contenders"][c] = {"median_step_s": medians[c], "samples_per_s": spec["batch"] / medians[c], "steps": len(times[c])}
-        if "pipe_1f1b" in medians:
-            entry["pipe_1f1b_speedup_over"] = {c: medians[c] / medians["pipe_1f1b"] for c in contenders if c != "pipe_1f1b"}
-            if "plain_micro" in medians:
-                ideal = medians["plain_micro"] * (m + p - 1) / (p * m)
-                entry["ideal_step_s"] = ideal
-                entry["pipe_1f1b_over_ideal"] = medians["pipe_1f1b"] / ideal
-        results[model] = entry
+                    rounds[-1][contender] = runners[contender](model, contender, steps, warmup, folder)  # type: ignore[misc]
+        entry = results[model] = summarize(model, rounds)
+        for contender in ("pipe_1f1b", "pipe_1stage"):
+            if contender in contenders:
+                entry.setdefault("breakdown", {})[contender] = breakdown(model, contender, steps, warmup)
         print(json.dumps({model: entry}, indent=2), flush=True)
-    if "mlp" in args.models.split(","):
+    if "mlp" in args.models.split(",") and (DEVICE == "cpu" or torch.cuda.device_count() >= STAGES):
         results["mlp"]["activation_memory"] = memory = measure_memory("mlp")
         print(json.dumps({"mlp activation memory": memory}, indent=2), flush=True)
     results["_machine"] = {
         "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__, "lightning": L.__version__, "wall_s": round(time.time() - began, 1),
     }  # fmt: skip
     os.makedirs(args.out, exist_ok=True)

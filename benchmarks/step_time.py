@@ -3,8 +3,8 @@
     python benchmarks/step_time.py --model tiny --steps 60
     python benchmarks/step_time.py --model mlp --width 1024 --blocks 8 --batch 256 --chunks 8
 
-Both runs use one CPU thread per process. The pipeline's step time is taken on rank 0, between
-Lightning's ``on_train_batch_start`` and ``on_train_batch_end``, over the steps after a warm-up.
+Both runs use one CPU thread per process. A step's time is taken on rank 0 from the end of the
+previous step to the end of this one (loading the batch included), over the steps after a warm-up.
 """
 
 from __future__ import annotations
@@ -29,19 +29,28 @@ from lightning_pipe import PipelineStrategy  # noqa: E402
 
 
 class StepTimer(L.Callback):
-    def __init__(self, path: str, warmup: int) -> None:
-        self.path, self.warmup, self.times, self._start = path, warmup, [], 0.0
+    """Seconds between the ends of consecutive optimizer steps, after ``warmup`` steps: everything a
+    step costs (loading the batch and Lightning's work between steps included), as a user sees it.
+    ``every`` is the number of batches per optimizer step (``accumulate_grad_batches``)."""
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
+    def __init__(self, path: str, warmup: int, every: int = 1) -> None:
+        self.path, self.warmup, self.every = path, warmup, every
+        self.ends: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # the step's GPU work is part of its time
+        self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == 0:
             with open(self.path, "w") as f:
-                json.dump(self.times[self.warmup :], f)
+                json.dump(intervals(self.ends[self.every - 1 :: self.every], self.warmup), f)
+
+
+def intervals(ends: list[float], warmup: int) -> list[float]:
+    """Step times from the times steps ended, dropping the first ``warmup`` steps."""
+    return [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends))]
 
 
 class MLP(L.LightningModule):

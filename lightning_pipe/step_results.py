@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 
 
 @dataclass
@@ -55,10 +56,13 @@ class StepRecorder:
             del module.log
 
     def _record(self, module: "pl.LightningModule", weight: float, args: tuple, kwargs: dict) -> None:
-        bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        arguments.pop("self")
-        name, value = arguments.pop("name"), arguments.pop("value")
+        if len(args) == 2 and _LOG_OPTIONS.issuperset(kwargs):  # the usual self.log(name, value, ...)
+            (name, value), arguments = args, dict(kwargs)
+        else:  # runs once per micro-batch: binding the signature costs more than the common case
+            bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop("self")
+            name, value = arguments.pop("name"), arguments.pop("value")
         scalar = _as_float(value)
         if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))

@@ -8,16 +8,16 @@ and relies on the schedule's own placement of sends and receives, which
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Sequence, Union
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from lightning_pipe.runtime.p2p import Op, Transport
 from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
 from lightning_pipe.schedules.actions import comm_groups
 
@@ -37,14 +37,7 @@ class _Inbox:
         return self.buffers
 
 
-@dataclass
-class StepTimings:
-    """Seconds this rank spent per action kind in the last run (``wait`` is time blocked on receives)."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] += seconds
+_UNTIMED = nullcontext()
 
 
 class Executor:
@@ -54,7 +47,7 @@ class Executor:
         self.transport = transport
         self.runners = runners
         self.rank = rank
-        self.timings = StepTimings()
+        self.timeline: Optional[Timeline] = None  # attach one to record per-action timings
         self._carried: list[tuple[Any, Op]] = []
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable]) -> None:
@@ -79,7 +72,8 @@ class Executor:
         inbox: dict[Action, _Inbox] = {}
         outbox: dict[Action, tuple[Sequence[Tensor], bool]] = {}
         sends: list[tuple[Any, Op]] = []
-        self.timings = StepTimings()
+        if self.timeline is not None:
+            self.timeline.begin_step()
         index = 0
         try:
             while index < len(actions):
@@ -91,17 +85,16 @@ class Executor:
                 group = groups[index]
                 self._post(group, keys, inbox, outbox, sends)
                 index += len(group)
-            start = time.perf_counter()
-            for work, _ in self._carried:
-                work.wait()
-            self._carried = []
-            if finish:
-                for work, _ in sends:
+            with self._span("wait", -1, -1):
+                for work, _ in self._carried:
                     work.wait()
-                self.transport.finish()
-            else:
-                self._carried = sends
-            self.timings.add("wait", time.perf_counter() - start)
+                self._carried = []
+                if finish:
+                    for work, _ in sends:
+                        work.wait()
+                    self.transport.finish()
+                else:
+                    self._carried = sends
         except BaseException:
             for runner in self.runners.values():
                 runner.reset()
@@ -109,6 +102,11 @@ class Executor:
         if finish:
             for runner in self.runners.values():
                 runner.reset()
+        if self.timeline is not None:
+            self.timeline.end_step()
+
+    def _span(self, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
+        return _UNTIMED if self.timeline is None else self.timeline.span(name, stage, microbatch)
 
     def _post(
         self,
@@ -133,9 +131,8 @@ class Executor:
         for action in group:
             if action.kind is ActionKind.RECV_ACTIVATION:
                 key = (action.stage, keys[action.microbatch], mode)
-                start = time.perf_counter()
-                buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
-                self.timings.add("wait", time.perf_counter() - start)
+                with self._span("wait", action.stage, action.microbatch):  # a new shape's header
+                    buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
                 pending.append((action, _Inbox([], buffers, meta.requires_grad, meta.was_tuple), len(recv_ops)))
                 ops += recv_ops
             elif action.kind is ActionKind.RECV_GRADIENT:
@@ -143,7 +140,8 @@ class Executor:
                 buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
                 pending.append((action, _Inbox([], buffers), len(recv_ops)))
                 ops += recv_ops
-        works = self.transport.post(ops)
+        with self._span("post", group[0].stage, group[0].microbatch):
+            works = self.transport.post(ops)
         if self.transport.batched:  # one work may stand for the whole batch
             for _, box, _ in pending:
                 box.works = works
@@ -172,13 +170,11 @@ class Executor:
             received = None
             if action.stage > 0:
                 box = inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
-                start = time.perf_counter()
-                tensors = box.wait()
-                self.timings.add("wait", time.perf_counter() - start)
+                with self._span("wait", action.stage, i):
+                    tensors = box.wait()
                 received = (tensors, box.flags, box.was_tuple)
-            start = time.perf_counter()
-            result = runner.forward(i, num_microbatches, received)
-            self.timings.add("forward", time.perf_counter() - start)
+            with self._span("F", action.stage, i):
+                result = runner.forward(i, num_microbatches, received)
             if action.stage < num_stages - 1:
                 assert result is not None
                 outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
@@ -186,12 +182,10 @@ class Executor:
         grads = None
         if action.stage < num_stages - 1:
             box = inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
-            start = time.perf_counter()
-            grads = box.wait()
-            self.timings.add("wait", time.perf_counter() - start)
-        start = time.perf_counter()
-        input_grads = runner.backward(i, grads)
-        self.timings.add("backward", time.perf_counter() - start)
+            with self._span("wait", action.stage, i):
+                grads = box.wait()
+        with self._span("B", action.stage, i):
+            input_grads = runner.backward(i, grads)
         if action.stage > 0:
             assert input_grads is not None
             outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)

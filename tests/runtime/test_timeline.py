@@ -1,0 +1,47 @@
+"""Per-action timings: one span per compute action, in schedule order, inside the step."""
+
+import time
+
+import torch
+from torch import nn
+
+from lightning_pipe.partition import stage_layers
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.stage import StageModule, StageRunner
+from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.schedules import one_f_one_b
+
+
+def _executor(step_sleep: float) -> tuple[Executor, int]:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = StageModule(stage_layers(seq, [2], 0), 0, 1)
+    x = torch.randn(6, 4).chunk(3)
+
+    def step(i: int) -> torch.Tensor:
+        time.sleep(step_sleep)  # a forward of known length
+        return stage(x[i]).sum()
+
+    executor = Executor(Transport([0], torch.device("cpu")), {0: StageRunner(stage, step=step)}, rank=0)
+    return executor, len(x)
+
+
+def test_spans_follow_the_schedule_and_add_up() -> None:
+    executor, m = _executor(0.01)
+    executor.run(one_f_one_b(1, m), [None] * m)  # untimed: nothing recorded anywhere
+    timeline = executor.timeline = Timeline(torch.device("cpu"))
+    for _ in range(2):
+        executor.run(one_f_one_b(1, m), [None] * m)
+    assert len(timeline.steps) == 2
+    compute = [(s.name, s.microbatch) for s in timeline.steps[0] if s.name in ("F", "B")]
+    assert compute == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    spans = timeline.steps[1]
+    step = spans[-1]
+    assert step.name == "step"
+    for earlier, later in zip(spans[:-2], spans[1:-1]):
+        assert 0 <= earlier.start <= earlier.end <= later.start <= step.end
+    totals = timeline.totals()
+    assert totals["F"] >= m * 0.01  # the sleeps are inside the forward spans
+    assert abs(totals["F"] + totals["B"] + totals["other"] - totals["step"]) < 1e-9
+    assert totals["other"] >= 0
