@@ -25,6 +25,7 @@ the backward under GPipe and 1F1B with each checkpoint mode, beside the closed f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -138,6 +139,7 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
     pipe = cls(stage, spec["chunks"], loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(part.parameters(), lr=0.01, momentum=0.9)
     ends = []
+    gc.collect()  # as every contender does before its timed steps
     for x, y in data(model, spec["batch"], steps):
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
@@ -258,6 +260,8 @@ def _output_shape(layers: nn.Sequential, balance: list[int], stage: int, spec: d
 def svg_chart(results: dict[str, Any]) -> str:
     """A bar chart of samples per second per contender, one panel per model (no plotting library)."""
     rows = [(model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()]
+    if not rows:
+        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no results</text></svg>'
     width, bar, gap = 760, 18, 6
     height = 40 + len(rows) * (bar + gap) + 20 * len(results)
     top = max(v for _, _, v in rows)

@@ -10,6 +10,7 @@ previous step to the end of this one (loading the batch included), over the step
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,6 +37,9 @@ class StepTimer(L.Callback):
     def __init__(self, path: str, warmup: int, every: int = 1) -> None:
         self.path, self.warmup, self.every = path, warmup, every
         self.ends: list[float] = []
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        gc.collect()  # setup's garbage would otherwise be collected during a timed step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.strategy.root_device.type == "cuda":
