@@ -1,25 +1,37 @@
-"""Side-by-side throughput and memory: lightning-pipe against torch.distributed.pipelining and
-plain Lightning, on the same models, stage split and micro-batches.
+"""Side-by-side throughput and memory: lightning-pipe against torch.distributed.pipelining,
+DeepSpeed's pipeline engine and plain Lightning, on the same models, stage split and micro-batches.
 
-    python benchmarks/compare.py                       # both models, about 10 minutes on 2 CPU cores
+    python benchmarks/compare.py                       # both models, under 15 minutes on 2 CPU cores
     python benchmarks/compare.py --models mlp --rounds 3 --steps 20
+    python benchmarks/compare.py --device cuda         # the GPU mode
 
 Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
 
 - ``plain``: single-process Lightning on whole batches;
 - ``plain_micro``: single-process Lightning on the same micro-batches one after another
   (``accumulate_grad_batches=chunks``): the work a pipeline divides between its stages;
+- ``pipe_1stage``: lightning-pipe on one process (one stage, the same micro-batches): its
+  overhead over ``plain_micro``;
 - ``pipe_<schedule>``: lightning-pipe with each schedule;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and
-  ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split.
+  ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split;
+- ``deepspeed_1f1b``: DeepSpeed's pipeline engine (its 1F1B ``TrainSchedule``), when DeepSpeed is
+  installed (``pip install 'lightning-pipe[bench]'``); skipped with a message otherwise.
 
-Rounds alternate between contenders so that machine drift hits all of them. The result is the
-median seconds per optimizer step on rank 0 after a warm-up (from the end of one step to the end
-of the next, so loading the batch and the framework's work between steps count), samples per second, the ratio of
-lightning-pipe's 1F1B to each contender, and the ratio to the ideal pipeline: ``plain_micro``'s
-time x (m + p - 1) / (p m). Then, for the MLP, the peak bytes of activations each stage saves for
-the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
+Rounds alternate between contenders (and their order) so that machine drift hits all of them;
+extra rounds of only lightning-pipe's and torch's 1F1B tighten their paired ratio. A step's time is
+taken on rank 0 from the end of one optimizer step to the end of the next (loading the batch and
+the framework's work between steps count). The result is each contender's median seconds per step
+and samples per second, the ratio of lightning-pipe's 1F1B to each (over all steps, and the median
+of per-round ratios), and the ratio to the ideal pipeline: ``plain_micro``'s time x (m + p - 1) /
+(p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
+communication, outside the executor). For the MLP, the peak bytes of activations each stage saves
+for the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
 ``results.json`` and ``throughput.svg`` to ``--out``.
+
+GPU mode (``--device cuda``): the same with NCCL; per-action timings are CUDA events and each
+rank reports the allocator's peak. With one GPU only the single-GPU contenders run (``plain``,
+``plain_micro``, ``pipe_1stage``): NCCL cannot put two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -56,8 +68,8 @@ from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 from lightning_pipe.runtime.timeline import Timeline  # noqa: E402
 
 MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4},
-    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2},
+    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
+    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2, "paired_rounds": 0},
 }
 STAGES = 2
 DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
@@ -320,7 +332,7 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
     spec = MODELS[model]
     m, p = spec["chunks"], STAGES
     names = list(rounds[0])
-    times = {c: [t for r in rounds for t in r[c]] for c in names}
+    times = {c: [t for r in rounds for t in r.get(c, [])] for c in names}
     medians = {c: statistics.median(times[c]) for c in names}
     entry: dict[str, Any] = {"batch": spec["batch"], "chunks": m, "stages": p, "rounds": len(rounds), "contenders": {}}
     for c in names:
@@ -328,7 +340,9 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
     if "pipe_1f1b" in medians:
         entry["pipe_1f1b_speedup_over"] = {c: medians[c] / medians["pipe_1f1b"] for c in names if c != "pipe_1f1b"}
         paired = {
-            c: [statistics.median(r[c]) / statistics.median(r["pipe_1f1b"]) for r in rounds] for c in names if c != "pipe_1f1b"
+            c: [statistics.median(r[c]) / statistics.median(r["pipe_1f1b"]) for r in rounds if c in r]
+            for c in names
+            if c != "pipe_1f1b"
         }
         entry["pipe_1f1b_speedup_per_round"] = paired
         entry["pipe_1f1b_speedup_paired_median"] = {c: statistics.median(v) for c, v in paired.items()}
@@ -348,6 +362,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps per run (default: per model, mlp 14, vgg19 7)")
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model, mlp 4, vgg19 2)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--paired-rounds", type=int, help="extra rounds of pipe_1f1b and torch_1f1b only (default: per model, mlp 8, vgg19 0)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU mode")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--contenders", help=f"comma-separated (default on CPUs: {CPU_CONTENDERS})")
@@ -365,9 +382,13 @@ def main() -> None:
         steps = args.steps or MODELS[model]["steps"]
         warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
         rounds: list[dict[str, list[float]]] = []
-        for index in range(args.rounds):
-            rounds.append({c: [] for c in contenders})
-            for contender in contenders if index % 2 == 0 else contenders[::-1]:
+        # then extra rounds of only lightning-pipe's and torch's 1F1B, for a tighter paired ratio
+        paired_rounds = args.paired_rounds if args.paired_rounds is not None else MODELS[model]["paired_rounds"]
+        pair = [c for c in ("pipe_1f1b", "torch_1f1b") if c in contenders]
+        plan = [contenders] * args.rounds + ([pair] * paired_rounds if len(pair) == 2 else [])
+        for index, chosen in enumerate(plan):
+            rounds.append({c: [] for c in chosen})
+            for contender in chosen if index % 2 == 0 else chosen[::-1]:
                 with tempfile.TemporaryDirectory() as folder:
                     rounds[-1][contender] = runners[contender](model, contender, steps, warmup, folder)  # type: ignore[misc]
         entry = results[model] = summarize(model, rounds)

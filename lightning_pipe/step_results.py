@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +26,7 @@ _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 
 @dataclass
 class _Logged:
-    weighted_sum: float = 0.0
+    weighted_sum: Union[float, Tensor] = 0.0  # a tensor stays on its device until the step's end
     weight: float = 0.0
     batch_size: Optional[int] = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -36,7 +36,8 @@ class StepRecorder:
     """Collects the loss and logged values of one batch's micro-batches on the last stage."""
 
     def __init__(self) -> None:
-        self.losses: list[tuple[float, float]] = []  # (loss, weight)
+        self._loss_sum: Optional[Tensor] = None  # on the loss's device: no GPU sync per micro-batch
+        self._loss_weight = 0.0
         self.logged: dict[str, _Logged] = {}
         self.passthrough: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
@@ -63,7 +64,7 @@ class StepRecorder:
             arguments = dict(bound.arguments)
             arguments.pop("self")
             name, value = arguments.pop("name"), arguments.pop("value")
-        scalar = _as_float(value)
+        scalar = _as_scalar(value)
         if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))
             return
@@ -88,24 +89,27 @@ class StepRecorder:
                 module.log(name, value, **kwargs)
 
     def add_loss(self, loss: Tensor, weight: float) -> None:
-        self.losses.append((float(loss.detach()), weight))
+        weighted = loss.detach().float() * weight
+        self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
+        self._loss_weight += weight
 
     def summary(self) -> dict[str, Any]:
-        """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)]}``."""
-        total = sum(w for _, w in self.losses)
-        loss = sum(v * w for v, w in self.losses) / total if total else None
+        """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)]}``. Reads
+        the device once per batch."""
+        loss = float(self._loss_sum) / self._loss_weight if self._loss_sum is not None else None
         logs = []
         for name, entry in self.logged.items():
             kwargs = dict(entry.kwargs)
             if entry.batch_size is not None:
                 kwargs["batch_size"] = entry.batch_size
-            logs.append((name, entry.weighted_sum / entry.weight, kwargs))
+            logs.append((name, float(entry.weighted_sum) / entry.weight, kwargs))
         return {"loss": loss, "logs": logs}
 
 
-def _as_float(value: Any) -> Optional[float]:
+def _as_scalar(value: Any) -> Union[float, Tensor, None]:
+    """A loggable single number (a one-element tensor stays a tensor, detached), or None."""
     if isinstance(value, Tensor) and value.numel() == 1:
-        return float(value.detach())
+        return value.detach().float().reshape(())
     if isinstance(value, Number) and not isinstance(value, bool):
         return float(value)  # type: ignore[arg-type]
     return None

@@ -9,7 +9,7 @@ and relies on the schedule's own placement of sends and receives, which
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -40,6 +40,31 @@ class _Inbox:
 _UNTIMED = nullcontext()
 
 
+@dataclass
+class _Run:
+    """What one call of :meth:`Executor.run_actions` keeps between actions."""
+
+    keys: Union[Sequence[Hashable], Mapping[int, Hashable]]
+    num_stages: int
+    microbatches_per_batch: int
+    inbox: dict[Action, _Inbox] = field(default_factory=dict)
+    outbox: dict[Action, tuple[Sequence[Tensor], bool]] = field(default_factory=dict)
+    sends: list[tuple[Any, Op]] = field(default_factory=list)
+    following: dict[Action, Action] = field(default_factory=dict)  # receive -> the next one, to prefetch
+
+
+def next_receives(actions: Sequence[Action]) -> dict[Action, Action]:
+    """Each activation receive mapped to the same stage's next activation receive in ``actions``."""
+    following: dict[Action, Action] = {}
+    last: dict[int, Action] = {}
+    for action in actions:
+        if action.kind is ActionKind.RECV_ACTIVATION:
+            if action.stage in last:
+                following[last[action.stage]] = action
+            last[action.stage] = action
+    return following
+
+
 class Executor:
     """Runs a rank's part of a schedule for one batch."""
 
@@ -66,12 +91,14 @@ class Executor:
     ) -> None:
         """Execute ``actions``. With ``finish`` false (asynchronous schedules between drains) the
         micro-batches in flight stay with the stages and the last sends may still be travelling:
-        they are waited for at the end of the next call."""
-        m = microbatches_per_batch
+        they are waited for at the end of the next call.
+
+        Where the transport allows it (gloo), each activation receive is posted one receive early,
+        so the data lands while this rank computes instead of being copied when it asks for it."""
+        run = _Run(keys, num_stages, microbatches_per_batch)
+        if self.transport.prefetches_receives:
+            run.following = next_receives(actions)
         groups = dict(comm_groups(actions))
-        inbox: dict[Action, _Inbox] = {}
-        outbox: dict[Action, tuple[Sequence[Tensor], bool]] = {}
-        sends: list[tuple[Any, Op]] = []
         if self.timeline is not None:
             self.timeline.begin_step()
         index = 0
@@ -79,22 +106,22 @@ class Executor:
             while index < len(actions):
                 action = actions[index]
                 if action.kind.is_compute:
-                    self._compute(action, m, inbox, outbox, num_stages)
+                    self._compute(action, run)
                     index += 1
                     continue
                 group = groups[index]
-                self._post(group, keys, inbox, outbox, sends)
+                self._post(group, run)
                 index += len(group)
             with self._span("wait", -1, -1):
                 for work, _ in self._carried:
                     work.wait()
                 self._carried = []
                 if finish:
-                    for work, _ in sends:
+                    for work, _ in run.sends:
                         work.wait()
                     self.transport.finish()
                 else:
-                    self._carried = sends
+                    self._carried = run.sends
         except BaseException:
             for runner in self.runners.values():
                 runner.reset()
@@ -108,33 +135,33 @@ class Executor:
     def _span(self, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
         return _UNTIMED if self.timeline is None else self.timeline.span(name, stage, microbatch)
 
-    def _post(
-        self,
-        group: list[Action],
-        keys: Union[Sequence[Hashable], Mapping[int, Hashable]],
-        inbox: dict[Action, _Inbox],
-        outbox: dict[Action, tuple[Sequence[Tensor], bool]],
-        sends: list[tuple[Any, Op]],
-    ) -> None:
+    def _activation_key(self, action: Action, run: _Run, stage: int) -> Hashable:
+        return (stage, run.keys[action.microbatch], torch.is_grad_enabled())
+
+    def _post(self, group: list[Action], run: _Run) -> None:
         ops: list[Op] = []
-        mode = torch.is_grad_enabled()
         for action in group:  # sends first: their headers unblock the peer
             if action.kind is ActionKind.SEND_ACTIVATION:
-                tensors, was_tuple = outbox.pop(action)
-                key = (action.stage + 1, keys[action.microbatch], mode)
+                tensors, was_tuple = run.outbox.pop(action)
+                key = self._activation_key(action, run, action.stage + 1)
                 ops += self.transport.activation_send_ops(action.stage + 1, key, tensors, was_tuple)
             elif action.kind is ActionKind.SEND_GRADIENT:
-                grads, _ = outbox.pop(action)
+                grads, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads)
         n_sends = len(ops)
         pending: list[tuple[Action, _Inbox, int]] = []
+        prefetch: list[Action] = []
         for action in group:
             if action.kind is ActionKind.RECV_ACTIVATION:
-                key = (action.stage, keys[action.microbatch], mode)
+                if action in run.inbox:  # posted early
+                    prefetch.append(action)
+                    continue
+                key = self._activation_key(action, run, action.stage)
                 with self._span("wait", action.stage, action.microbatch):  # a new shape's header
                     buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
                 pending.append((action, _Inbox([], buffers, meta.requires_grad, meta.was_tuple), len(recv_ops)))
                 ops += recv_ops
+                prefetch.append(action)
             elif action.kind is ActionKind.RECV_GRADIENT:
                 like = self.runners[action.stage].output_grad_like(action.microbatch)
                 buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
@@ -145,47 +172,56 @@ class Executor:
         if self.transport.batched:  # one work may stand for the whole batch
             for _, box, _ in pending:
                 box.works = works
-            sends.extend((w, ops[0]) for w in works)
+            run.sends.extend((w, ops[0]) for w in works)
             for action, box, _ in pending:
-                inbox[action] = box
+                run.inbox[action] = box
             return
-        sends.extend(zip(works[:n_sends], ops[:n_sends]))
+        run.sends.extend(zip(works[:n_sends], ops[:n_sends]))
         offset = n_sends
         for action, box, count in pending:
             box.works = works[offset : offset + count]
             offset += count
-            inbox[action] = box
+            run.inbox[action] = box
+        for action in prefetch:
+            self._prefetch(action, run)
 
-    def _compute(
-        self,
-        action: Action,
-        num_microbatches: int,
-        inbox: dict[Action, _Inbox],
-        outbox: dict[Action, tuple[Sequence[Tensor], bool]],
-        num_stages: int,
-    ) -> None:
+    def _prefetch(self, action: Action, run: _Run) -> None:
+        """Post the receive after ``action``'s now, if its shapes are known (a new shape's header
+        would block until the sender gets there)."""
+        following = run.following.get(action)
+        if following is None:
+            return
+        key = self._activation_key(following, run, following.stage)
+        if not self.transport.knows(key):
+            return
+        buffers, meta, recv_ops = self.transport.activation_recv_ops(following.stage - 1, key)
+        with self._span("post", following.stage, following.microbatch):
+            works = self.transport.post(recv_ops)
+        run.inbox[following] = _Inbox(works, buffers, meta.requires_grad, meta.was_tuple)
+
+    def _compute(self, action: Action, run: _Run) -> None:
         runner = self.runners[action.stage]
         i = action.microbatch
         if action.kind is ActionKind.FORWARD:
             received = None
             if action.stage > 0:
-                box = inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
+                box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span("wait", action.stage, i):
                     tensors = box.wait()
                 received = (tensors, box.flags, box.was_tuple)
             with self._span("F", action.stage, i):
-                result = runner.forward(i, num_microbatches, received)
-            if action.stage < num_stages - 1:
+                result = runner.forward(i, run.microbatches_per_batch, received)
+            if action.stage < run.num_stages - 1:
                 assert result is not None
-                outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
+                run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
             return
         grads = None
-        if action.stage < num_stages - 1:
-            box = inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
+        if action.stage < run.num_stages - 1:
+            box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span("wait", action.stage, i):
                 grads = box.wait()
         with self._span("B", action.stage, i):
             input_grads = runner.backward(i, grads)
         if action.stage > 0:
             assert input_grads is not None
-            outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)
+            run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)

@@ -72,11 +72,14 @@ class TensorMeta:
 
 @dataclass
 class Op:
-    """One send or receive to post: ``tensor`` goes to or comes from global rank ``peer``."""
+    """One send or receive to post: ``tensor`` goes to or comes from global rank ``peer``. ``tag``
+    names the stream (activations into stage s: 2s, gradients into stage s: 2s + 1), so that
+    messages between two ranks match within their stream even when receives are posted early."""
 
     is_send: bool
     tensor: Tensor
     peer: int
+    tag: int = 0
 
 
 class Transport:
@@ -95,6 +98,9 @@ class Transport:
         self.group = group
         self.meta_group = meta_group
         self.batched = batched  # group each post into one batch_isend_irecv (NCCL)
+        # gloo matches each (peer, tag) stream in posting order whatever else is posted, so a
+        # receive may be posted early; NCCL runs a rank's P2P in posting order: it may not
+        self.prefetches_receives = not batched
         self._sent: dict[Hashable, TensorMeta] = {}
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
@@ -114,7 +120,11 @@ class Transport:
                 f"shapes gave {list(known.shapes)} before. The pipeline caches activation shapes by input shapes; "
                 "stage outputs must depend only on the shapes of the batch, not on its values."
             )
-        return [Op(True, t.detach().contiguous(), peer) for t in tensors]
+        return [Op(True, t.detach().contiguous(), peer, 2 * to_stage) for t in tensors]
+
+    def knows(self, key: Hashable) -> bool:
+        """Whether the shapes of activations received under ``key`` are known (no header to wait for)."""
+        return key in self._received
 
     def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
         """Buffers and ops that receive an activation; reads the header first if this key is new."""
@@ -125,28 +135,28 @@ class Transport:
             dist.recv(header, peer, group=self.meta_group)
             meta = self._received[key] = TensorMeta.decode(header)
         buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(meta.shapes, meta.dtypes)]
-        return buffers, meta, [Op(False, b, peer) for b in buffers]
+        return buffers, meta, [Op(False, b, peer, 2 * (from_stage + 1)) for b in buffers]
 
     def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor]) -> list[Op]:
         peer = self.stage_ranks[to_stage]
-        return [Op(True, g.detach().contiguous(), peer) for g in grads]
+        return [Op(True, g.detach().contiguous(), peer, 2 * to_stage + 1) for g in grads]
 
     def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
         peer = self.stage_ranks[from_stage]
         buffers = [torch.empty_like(t, device=self.device) for t in like]
-        return buffers, [Op(False, b, peer) for b in buffers]
+        return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]
 
     def post(self, ops: Sequence[Op]) -> list[Any]:
         """Post ``ops`` without blocking; returns the works to wait on."""
         if not ops:
             return []
         if self.batched:
-            p2p = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, op.peer, self.group) for op in ops]
+            p2p = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, op.peer, self.group, op.tag) for op in ops]
             return list(dist.batch_isend_irecv(p2p))
         works = []
         for op in ops:
             fn = dist.isend if op.is_send else dist.irecv
-            works.append(fn(op.tensor, op.peer, group=self.group))
+            works.append(fn(op.tensor, op.peer, group=self.group, tag=op.tag))
         return works
 
     def finish(self) -> None:
