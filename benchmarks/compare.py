@@ -65,7 +65,6 @@ from step_time import MLP, StepTimer, intervals  # noqa: E402
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
-from lightning_pipe.runtime.timeline import Timeline  # noqa: E402
 
 MODELS = {
     "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
@@ -198,7 +197,7 @@ class _Breakdown(L.Callback):
         self.folder, self.warmup, self.ends = folder, warmup, []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy._executor.timeline = Timeline(trainer.strategy.root_device)
+        self.timeline = trainer.strategy.enable_timeline()
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
@@ -208,7 +207,7 @@ class _Breakdown(L.Callback):
         self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        totals = trainer.strategy._executor.timeline.totals(slice(self.warmup, None))
+        totals = self.timeline.totals(slice(self.warmup, None))
         step = statistics.mean(intervals(self.ends, self.warmup))
         result = {name: round(seconds, 6) for name, seconds in totals.items()}
         result["step_interval"] = round(step, 6)
@@ -326,6 +325,24 @@ def runner_for(contender: str) -> Optional[Callable[..., list[float]]]:
     return run_lightning
 
 
+def single_process_figures(medians: dict[str, float], m: int, p: int) -> dict[str, float]:
+    """The ideal pipeline and lightning-pipe's single-process overhead, from median step times.
+
+    The ideal takes the faster single-process run of the same micro-batches: ``plain_micro``
+    (Lightning's gradient accumulation: a Lightning step per micro-batch) or ``pipe_1stage`` (all
+    micro-batches in one step), times (m + p - 1) / (p m)."""
+    out: dict[str, float] = {}
+    single = [medians[c] for c in ("plain_micro", "pipe_1stage") if c in medians]
+    if single and "pipe_1f1b" in medians:
+        out["ideal_step_s"] = min(single) * (m + p - 1) / (p * m)
+        out["pipe_1f1b_over_ideal"] = medians["pipe_1f1b"] / out["ideal_step_s"]
+    if "pipe_1stage" in medians:
+        for baseline in ("plain", "plain_micro"):
+            if baseline in medians:
+                out[f"pipe_1stage_over_{baseline}"] = medians["pipe_1stage"] / medians[baseline]
+    return out
+
+
 def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any]:
     """Medians over all rounds, and per-round (paired) ratios against lightning-pipe's 1F1B: a
     round's contenders ran back to back, so their ratio is less exposed to machine drift."""
@@ -346,12 +363,7 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
         }
         entry["pipe_1f1b_speedup_per_round"] = paired
         entry["pipe_1f1b_speedup_paired_median"] = {c: statistics.median(v) for c, v in paired.items()}
-        if "plain_micro" in medians:
-            ideal = medians["plain_micro"] * (m + p - 1) / (p * m)
-            entry["ideal_step_s"] = ideal
-            entry["pipe_1f1b_over_ideal"] = medians["pipe_1f1b"] / ideal
-    if "pipe_1stage" in medians and "plain_micro" in medians:
-        entry["single_process_overhead"] = medians["pipe_1stage"] / medians["plain_micro"] - 1
+    entry.update(single_process_figures(medians, m, p))
     return entry
 
 

@@ -13,26 +13,53 @@ def tables(results: dict) -> str:
     out = []
     machine = results["_machine"]
     out.append(
-        f"Measured {machine['date']} on {machine['cpus']} CPU cores ({machine['processor']}), torch {machine['torch']}, "
+        f"Measured {machine['date']} on {machine['cpus']} CPU cores ({machine['processor']}), device {machine.get('device', 'cpu')}, torch {machine['torch']}, "
         f"lightning {machine['lightning']}; the whole command took {machine['wall_s']:.0f} s.\n"
     )
     for model, entry in results.items():
         if model.startswith("_"):
             continue
         out.append(f"### {model}: batch {entry['batch']}, {entry['chunks']} micro-batches, {entry['stages']} stages\n")
-        out.append("| contender | median s/step | samples/s | lightning-pipe 1F1B speed-up |")
-        out.append("|---|---:|---:|---:|")
+        out.append("| contender | median s/step | samples/s | steps | lightning-pipe 1F1B speed-up | paired (median of rounds) |")
+        out.append("|---|---:|---:|---:|---:|---:|")
         speedups = entry.get("pipe_1f1b_speedup_over", {})
+        paired = entry.get("pipe_1f1b_speedup_paired_median", {})
         for name, r in entry["contenders"].items():
-            ratio = speedups.get(name)
+            ratio, pair = speedups.get(name), paired.get(name)
             out.append(
-                f"| {name} | {r['median_step_s']:.4f} | {r['samples_per_s']:.1f} | {'' if ratio is None else f'{ratio:.2f}x'} |"
+                f"| {name} | {r['median_step_s']:.4f} | {r['samples_per_s']:.1f} | {r['steps']} | "
+                f"{'' if ratio is None else f'{ratio:.2f}x'} | {'' if pair is None else f'{pair:.2f}x'} |"
+            )
+        rounds = entry.get("pipe_1f1b_speedup_per_round", {}).get("torch_1f1b")
+        if rounds:
+            out.append(
+                f"\nlightning-pipe 1F1B speed-up over torch's Schedule1F1B in each of {len(rounds)} rounds: "
+                + ", ".join(f"{r:.2f}" for r in rounds)
+                + f" ({sum(r >= 1 for r in rounds)} of {len(rounds)} at least 1).\n"
+            )
+        if "pipe_1stage_over_plain" in entry:
+            out.append(
+                f"lightning-pipe on one process (pipe_1stage, {entry['chunks']} micro-batches in one step) takes "
+                f"{entry['pipe_1stage_over_plain']:.2f}x plain Lightning's step time on whole batches and "
+                f"{entry.get('pipe_1stage_over_plain_micro', float('nan')):.2f}x on the same micro-batches "
+                "(a Lightning step per micro-batch, accumulate_grad_batches).\n"
             )
         if "ideal_step_s" in entry:
             out.append(
-                f"\nIdeal pipeline ({entry['stages']} stages): plain_micro x (m+p-1)/(p m) = {entry['ideal_step_s']:.4f} s/step; "
+                f"\nIdeal pipeline ({entry['stages']} stages): the faster of plain_micro and pipe_1stage x (m+p-1)/(p m) = "
+                f"{entry['ideal_step_s']:.4f} s/step; "
                 f"lightning-pipe 1F1B takes {entry['pipe_1f1b_over_ideal']:.2f}x the ideal.\n"
             )
+        for contender, ranks in entry.get("breakdown", {}).items():
+            out.append(f"Where {contender}'s step goes, mean ms per step on each rank:\n")
+            columns = ["F", "B", "post", "wait", "step", "outside_executor", "step_interval"]
+            out.append("| rank | " + " | ".join(columns) + (" | peak allocated |" if "peak_allocated_bytes" in ranks[0] else " |"))
+            out.append("|---:|" + "---:|" * (len(columns) + ("peak_allocated_bytes" in ranks[0])))
+            for rank, row in enumerate(ranks):
+                cells = " | ".join(f"{1000 * row.get(c, 0.0):.1f}" for c in columns)
+                peak = f" {row['peak_allocated_bytes']:,} |" if "peak_allocated_bytes" in row else ""
+                out.append(f"| {rank} | {cells} |{peak}")
+            out.append("")
         memory = entry.get("activation_memory")
         if memory:
             out.append("Peak bytes of activations saved for the backward, per stage:\n")

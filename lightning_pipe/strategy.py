@@ -63,6 +63,7 @@ from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
+from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
@@ -249,6 +250,19 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def num_microbatches(self) -> int:
         return self.chunks if self.chunks is not None else 2 * self.num_stages
+
+    def enable_timeline(self) -> Timeline:
+        """Record, from the next step on, when each forward, backward, communication post and wait
+        ran on this rank (CUDA events on a GPU): ``timeline.totals()`` gives seconds per step by kind,
+        ``timeline.steps`` every span. Call it once the Trainer has set the strategy up (for example
+        in a callback's ``on_fit_start``)."""
+        if self._executor is None:
+            raise RuntimeError(
+                "The pipeline is not set up yet. Call enable_timeline() once the Trainer has set up the "
+                "strategy, for example in a callback's on_fit_start."
+            )
+        self._executor.timeline = Timeline(self.root_device)
+        return self._executor.timeline
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
 
+from lightning_pipe import PipelineStrategy
 from tests.models import MaskedNet, RecordMetrics, TinyNet, WrappedNet, fit_plain, masked_loader, variable_length_loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
@@ -156,3 +158,35 @@ def test_metric_objects_are_logged_on_the_last_stage(tmp_path, schedule: str) ->
     fit_pipeline(MetricNet(), 2, schedule=schedule, chunks=3, max_steps=-1, max_epochs=1, callbacks=[RecordMetrics(str(tmp_path))])
     last = json.loads((tmp_path / "rank1.json").read_text())
     assert last["seen"] == 64.0  # every sample of the epoch, counted once
+
+
+class _RecordTimeline(L.Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.timeline = trainer.strategy.enable_timeline()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = [[(s.name, s.stage, s.microbatch) for s in spans] for spans in self.timeline.steps]
+        with open(f"{self.folder}/timeline{trainer.global_rank}.json", "w") as f:
+            json.dump({"steps": steps, "totals": self.timeline.totals()}, f)
+
+
+def test_timeline_records_every_action_of_every_step(tmp_path) -> None:
+    torch.manual_seed(0)
+    fit_pipeline(TinyNet(), 2, schedule="1f1b", chunks=3, max_steps=4, callbacks=[_RecordTimeline(str(tmp_path))])
+    for rank in range(2):
+        record = json.loads((tmp_path / f"timeline{rank}.json").read_text())
+        assert len(record["steps"]) == 4
+        for spans in record["steps"]:
+            compute = [(name, mb) for name, stage, mb in spans if name in ("F", "B")]
+            assert sorted(compute) == [("B", i) for i in range(3)] + [("F", i) for i in range(3)]
+            assert all(stage == rank for name, stage, _ in spans if name in ("F", "B"))
+        totals = record["totals"]
+        assert totals["F"] > 0 and totals["B"] > 0 and totals["step"] >= totals["F"] + totals["B"]
+
+
+def test_timeline_before_setup_says_when_to_call_it() -> None:
+    with pytest.raises(RuntimeError, match="on_fit_start"):
+        PipelineStrategy().enable_timeline()

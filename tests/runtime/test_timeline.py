@@ -45,3 +45,4 @@ def test_spans_follow_the_schedule_and_add_up() -> None:
     assert totals["F"] >= m * 0.01  # the sleeps are inside the forward spans
     assert abs(totals["F"] + totals["B"] + totals["other"] - totals["step"]) < 1e-9
     assert totals["other"] >= 0
+

@@ -1,0 +1,10 @@
+"""Executor helpers that need no processes."""
+
+from lightning_pipe.runtime.executor import next_receives
+from lightning_pipe.schedules import Action, ActionKind
+
+
+def test_each_activation_receive_knows_the_next_one_of_its_stage() -> None:
+    recv = lambda stage, mb: Action(ActionKind.RECV_ACTIVATION, stage, mb)  # noqa: E731
+    actions = [recv(1, 0), Action(ActionKind.FORWARD, 1, 0), recv(3, 0), recv(1, 1), recv(3, 1), recv(1, 2)]
+    assert next_receives(actions) == {recv(1, 0): recv(1, 1), recv(1, 1): recv(1, 2), recv(3, 0): recv(3, 1)}
