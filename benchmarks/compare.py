@@ -117,11 +117,26 @@ def lightning_trainer(model: str, contender: str, steps: int, callbacks: list, *
     return trainer, data(model, spec["batch"], steps)
 
 
+def fit_isolated(model: str, contender: str, steps: int, callbacks: list, **options: Any) -> None:
+    """Fit a Lightning contender in a child process. A run in this process would initialize CUDA
+    here (GPU mode), after which no later contender could fork its ranks; on CPUs it keeps one
+    run's state (threads, allocator) out of the next."""
+
+    def fit() -> None:
+        trainer, loader = lightning_trainer(model, contender, steps, callbacks, **options)
+        trainer.fit(build_module(model), loader)
+
+    child = mp.get_context("fork").Process(target=fit)
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"{contender} on {model} failed (exit code {child.exitcode}); its output is above")
+
+
 def run_lightning(model: str, contender: str, steps: int, warmup: int, folder: str) -> list[float]:
     path = os.path.join(folder, "times.json")
     every = MODELS[model]["chunks"] if contender == "plain_micro" else 1
-    trainer, loader = lightning_trainer(model, contender, steps, [StepTimer(path, warmup, every)])
-    trainer.fit(build_module(model), loader)
+    fit_isolated(model, contender, steps, [StepTimer(path, warmup, every)])
     with open(path) as f:
         return json.load(f)
 
@@ -223,9 +238,8 @@ def breakdown(model: str, contender: str, steps: int, warmup: int) -> list[dict[
     backwards (B), the rest of the executor's run (other: posting and waiting for communication),
     the executor's whole run (step) and outside it (outside_executor)."""
     with tempfile.TemporaryDirectory() as folder:
-        trainer, loader = lightning_trainer(model, contender, steps, [_Breakdown(folder, warmup)])
-        trainer.fit(build_module(model), loader)
-        ranks = trainer.strategy.num_stages
+        fit_isolated(model, contender, steps, [_Breakdown(folder, warmup)])
+        ranks = 1 if contender == "pipe_1stage" else STAGES
         return [json.load(open(os.path.join(folder, f"breakdown{r}.json"))) for r in range(ranks)]
 
 
@@ -236,8 +250,7 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
     for schedule in ("gpipe", "1f1b"):
         for mode in ("never", "except_last", "always"):
             with tempfile.TemporaryDirectory() as folder:
-                trainer, loader = lightning_trainer(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
-                trainer.fit(build_module(model), loader)
+                fit_isolated(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
                 peaks[f"{schedule}/{mode}"] = [json.load(open(os.path.join(folder, f"peak{r}.json"))) for r in range(p)]
     per_microbatch = [peaks["gpipe/never"][s] / m for s in range(p)]
     layers = build_module(model).layers
