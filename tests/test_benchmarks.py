@@ -1,0 +1,43 @@
+"""The benchmark's arithmetic: step times from step ends, medians, paired ratios, the ideal."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import compare  # noqa: E402
+from step_time import intervals  # noqa: E402
+
+
+def test_step_times_are_intervals_between_step_ends_after_the_warmup() -> None:
+    ends = [1.0, 3.0, 3.5, 4.5, 7.0]
+    assert intervals(ends, 2) == [0.5, 1.0, 2.5]
+    assert intervals(ends, 0) == [2.0, 0.5, 1.0, 2.5]  # the first step has no start to measure from
+
+
+def test_summary_pairs_rounds_and_takes_the_ideal_from_the_faster_single_process_run() -> None:
+    rounds = [
+        {"pipe_1f1b": [1.0, 1.2], "torch_1f1b": [1.1, 1.3], "plain_micro": [3.2], "pipe_1stage": [3.0]},
+        {"pipe_1f1b": [2.0], "torch_1f1b": [1.8]},  # a slower minute: only the pair ran
+    ]
+    entry = compare.summarize("mlp", rounds)
+    m, p = compare.MODELS["mlp"]["chunks"], compare.STAGES
+    assert entry["contenders"]["pipe_1f1b"]["median_step_s"] == pytest.approx(1.2)  # median of 1.0, 1.2, 2.0
+    assert entry["contenders"]["torch_1f1b"]["steps"] == 3
+    assert entry["pipe_1f1b_speedup_per_round"]["torch_1f1b"] == pytest.approx([1.2 / 1.1, 0.9])
+    assert entry["pipe_1f1b_speedup_per_round"]["plain_micro"] == pytest.approx([3.2 / 1.1])
+    assert entry["ideal_step_s"] == pytest.approx(3.0 * (m + p - 1) / (p * m))
+    assert entry["pipe_1f1b_over_ideal"] == pytest.approx(1.2 / entry["ideal_step_s"])
+    assert entry["pipe_1stage_over_plain_micro"] == pytest.approx(3.0 / 3.2)
+
+
+def test_contenders_that_cannot_run_are_skipped_with_a_reason(capsys) -> None:
+    if compare.deepspeed_runner.available() is None:
+        pytest.skip("DeepSpeed is installed here")
+    assert compare.runner_for("deepspeed_1f1b") is None
+    assert "skipping deepspeed_1f1b: deepspeed is not installed" in capsys.readouterr().out
+    assert compare.runner_for("torch_1f1b") is compare.run_torch
