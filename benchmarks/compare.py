@@ -67,7 +67,7 @@ from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 
 MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
+    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 12},
     "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2, "paired_rounds": 0},
 }
 STAGES = 2
@@ -388,7 +388,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model, mlp 4, vgg19 2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--paired-rounds", type=int, help="extra rounds of pipe_1f1b and torch_1f1b only (default: per model, mlp 8, vgg19 0)"
+        "--paired-rounds", type=int, help="extra rounds of pipe_1f1b and torch_1f1b only (default: per model, mlp 12, vgg19 0)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU mode")
     parser.add_argument("--out", default="benchmarks/results")
