@@ -17,7 +17,8 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -59,6 +60,7 @@ from lightning_pipe.partition import find_sequential, resolve_balance, stage_lay
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
@@ -104,6 +106,10 @@ class PipelineStrategy(ParallelStrategy):
         module: name of the ``nn.Sequential`` attribute to split, if the module has several.
         start_method: how processes start, as in ``DDPStrategy``: ``"popen"`` (scripts and the CLI),
             ``"spawn"`` or ``"fork"`` (notebooks and tests).
+        gradient_accumulation_fusion: under synchronous schedules, the backward of each plain
+            ``nn.Linear`` adds its weight gradient into ``.grad`` within the matrix product instead
+            of computing each micro-batch's gradient apart and adding it (same gradients, less
+            memory traffic; see :mod:`lightning_pipe.runtime.fused_linear`).
     """
 
     strategy_name = "pipeline"
@@ -123,6 +129,7 @@ class PipelineStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = _default_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        gradient_accumulation_fusion: bool = True,
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint)
         super().__init__(
@@ -141,6 +148,8 @@ class PipelineStrategy(ParallelStrategy):
         self.balance = balance
         self.checkpoint_mode = checkpoint
         self.module_name = module
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
         self._executor: Optional[Executor] = None
@@ -338,6 +347,8 @@ class PipelineStrategy(ParallelStrategy):
         if is_async(self.schedule_name):
             self._check_async(module)
             versions = WeightVersions(self._stage_module)
+        if self.gradient_accumulation_fusion and versions is None:
+            self._fused_layers = fused_linear.install(self._stage_module)
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
@@ -412,7 +423,7 @@ class PipelineStrategy(ParallelStrategy):
                 self._runner.step = None
         saved = self._swap_grads({})
         try:
-            with self.precision_plugin.train_step_context():
+            with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), [signature(mb) for mb in micro])
         finally:
             self._pending_grads = self._swap_grads(saved)
@@ -421,6 +432,9 @@ class PipelineStrategy(ParallelStrategy):
         replay(module, summary, self.root_device)
         recorder.log_local(module)
         return torch.tensor(summary["loss"], device=self.root_device)
+
+    def _accumulation(self) -> ContextManager[Any]:
+        return fused_linear.accumulating() if self._fused_layers else nullcontext()
 
     def _async_training_step(self, module: "pl.LightningModule", micro: list, recorder: StepRecorder, batch_idx: int) -> Tensor:
         """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
@@ -477,6 +491,8 @@ class PipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             self._finish_pending()
+        fused_linear.uninstall(self._fused_layers)
+        self._fused_layers = []
         super().teardown()
 
     def _drain(self) -> None:

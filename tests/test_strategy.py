@@ -55,6 +55,37 @@ def test_more_chunks_than_the_short_batch_and_balance_by_parameters() -> None:
     assert_same_weights(reference, piped)
 
 
+class _RecordFusion(L.Callback):
+    """Which Linear layers of this rank's stage carry the fused forward while training runs."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        from lightning_pipe.runtime.fused_linear import _Forward
+
+        linears = [m for m in pl_module.modules() if isinstance(m, torch.nn.Linear)]
+        fused = [isinstance(m.__dict__.get("forward"), _Forward) for m in linears]
+        with open(f"{self.folder}/fusion{trainer.global_rank}.json", "w") as f:
+            json.dump({"linears": len(linears), "fused": sum(fused)}, f)
+
+
+@pytest.mark.parametrize("schedule, fusion, fused", [("1f1b", False, False), ("gpipe", True, True), ("pipedream_2bw", True, False)])
+def test_gradient_accumulation_fusion_where_it_applies(tmp_path, schedule: str, fusion: bool, fused: bool) -> None:
+    """Fused under synchronous schedules unless switched off (the grid above runs it: default on);
+    the unfused path gives plain training's weights too; weight versions keep autograd's path."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    options = dict(schedule=schedule, chunks=4, gradient_accumulation_fusion=fusion, callbacks=[_RecordFusion(str(tmp_path))])
+    fit_pipeline(piped, 2, **options)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"fusion{rank}.json").read_text())
+        assert record["linears"] > 0 and record["fused"] == (record["linears"] if fused else 0)
+    if schedule != "pipedream_2bw":
+        assert_same_weights(reference, piped)
+
+
 def test_explicit_balance() -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())

@@ -1,0 +1,138 @@
+"""Gradient-accumulation fusion for ``nn.Linear``: each micro-batch's weight gradient is added
+into ``weight.grad`` by the matrix product itself.
+
+A pipeline runs a batch as m micro-batches, so every weight gradient is accumulated m times.
+Autograd computes each micro-batch's ``dW = g^T x`` into a fresh tensor (allocated, and on CPUs
+faulted in page by page) and then adds it to ``weight.grad``: two extra passes over a weight-sized
+tensor per layer and micro-batch. Here the backward of a ``Linear`` writes ``dW`` straight into
+``weight.grad`` (``addmm_`` with beta 1; the first micro-batch's product becomes ``weight.grad``), as
+Megatron-LM's ``gradient_accumulation_fusion`` does. The gradients are those of autograd.
+
+The fused path is taken only while :func:`accumulating` is active (the pipeline's training steps)
+and only where autograd's result would be identical: gradient mode on, a trainable leaf
+``nn.Parameter`` weight without gradient hooks, no autocast, matching dtypes. Everything else (a
+stashed weight version passed through ``functional_call``, evaluation, mixed precision) runs
+``F.linear`` unchanged.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+_active = False
+
+
+@contextmanager
+def accumulating() -> Iterator[None]:
+    """Take the fused path in the installed layers while the block runs (forwards and backwards)."""
+    global _active
+    previous, _active = _active, True
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _LinearAccumulate(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight and bias gradients into ``.grad`` itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.parameters = (weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+        x, weight = ctx.saved_tensors
+        weight_param, bias = ctx.parameters
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            if weight_param.grad is None:
+                weight_param.grad = g.t().mm(x2)
+            else:
+                weight_param.grad.addmm_(g.t(), x2)
+        if bias is not None and ctx.needs_input_grad[2]:
+            _accumulate(bias, g.sum(0))
+        return grad_x, None, None
+
+
+def _plain_leaf(param: Optional[Tensor]) -> bool:
+    """A trainable parameter whose gradient nothing else observes on its way into ``.grad``."""
+    if param is None:
+        return True
+    if not isinstance(param, nn.Parameter) or not param.is_leaf:
+        return False
+    return not param._backward_hooks and not getattr(param, "_post_accumulate_grad_hooks", None)
+
+
+def _fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    return (
+        _active
+        and torch.is_grad_enabled()
+        and weight.requires_grad
+        and x.dtype == weight.dtype
+        and x.dim() >= 1
+        and not torch.is_autocast_enabled(x.device.type)
+        and _plain_leaf(weight)
+        and _plain_leaf(bias)
+    )
+
+
+def _fused_forward(layer: nn.Linear, x: Tensor) -> Tensor:
+    weight, bias = layer.weight, layer.bias
+    if _fusable(x, weight, bias):
+        return _LinearAccumulate.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _Forward:
+    """The forward installed on one layer (an instance attribute, so the class stays ``nn.Linear``)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _fused_forward(self.layer, x)
+
+
+def install(module: nn.Module) -> list[nn.Linear]:
+    """Give every plain ``nn.Linear`` in ``module`` the fused forward (subclasses, which may compute
+    something else, keep theirs; a layer given its own forward by someone else is left alone).
+    Returns the layers that have it, for :func:`uninstall`."""
+    layers = []
+    for layer in module.modules():
+        if type(layer) is not nn.Linear:
+            continue
+        installed = layer.__dict__.get("forward")
+        if installed is None:
+            layer.forward = _Forward(layer)  # type: ignore[method-assign]
+        elif not isinstance(installed, _Forward):
+            continue
+        layers.append(layer)
+    return layers
+
+
+def uninstall(layers: list[nn.Linear]) -> None:
+    """Give the layers back their own forward."""
+    for layer in layers:
+        if isinstance(layer.__dict__.get("forward"), _Forward):
+            del layer.forward
