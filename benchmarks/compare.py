@@ -12,19 +12,22 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   (``accumulate_grad_batches=chunks``): the work a pipeline divides between its stages;
 - ``pipe_1stage``: lightning-pipe on one process (one stage, the same micro-batches): its
   overhead over ``plain_micro``;
-- ``pipe_<schedule>``: lightning-pipe with each schedule;
+- ``pipe_<schedule>``: lightning-pipe with each schedule; ``pipe_1f1b_unfused``: its 1F1B with
+  gradient-accumulation fusion switched off (``gradient_accumulation_fusion=False``), which shows
+  what the fusion is worth and how the rest of lightning-pipe compares with torch's;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and
   ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split;
 - ``deepspeed_1f1b``: DeepSpeed's pipeline engine (its 1F1B ``TrainSchedule``), when DeepSpeed is
   installed (``pip install 'lightning-pipe[bench]'``); skipped with a message otherwise.
 
 Rounds alternate between contenders (and their order) so that machine drift hits all of them;
-extra rounds of only lightning-pipe's and torch's 1F1B tighten their paired ratio. A step's time is
+extra rounds of only lightning-pipe's 1F1B (fused and unfused) and torch's tighten their paired
+ratios. A step's time is
 taken on rank 0 from the end of one optimizer step to the end of the next (loading the batch and
 the framework's work between steps count). The result is each contender's median seconds per step
 and samples per second, the ratio of lightning-pipe's 1F1B to each (over all steps, and the median
-of per-round ratios), and the ratio to the ideal pipeline: ``plain_micro``'s time x (m + p - 1) /
-(p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
+of per-round ratios), and the ratio to the ideal pipeline: the faster single-process run of the
+same micro-batches (``plain_micro`` or ``pipe_1stage``) x (m + p - 1) / (p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
 communication, outside the executor). For the MLP, the peak bytes of activations each stage saves
 for the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
 ``results.json`` and ``throughput.svg`` to ``--out``.
@@ -67,10 +70,11 @@ from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 
 MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 12},
+    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
     "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2, "paired_rounds": 0},
 }
 STAGES = 2
+UNFUSED = "_unfused"  # a lightning-pipe contender without gradient-accumulation fusion
 DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
 
 
@@ -110,8 +114,10 @@ def lightning_trainer(model: str, contender: str, steps: int, callbacks: list, *
     if contender == "plain":
         trainer = L.Trainer(devices=1, **_trainer_args(steps, callbacks))
     else:
-        schedule = "1f1b" if contender == "pipe_1stage" else contender[len("pipe_") :]
-        devices = 1 if contender == "pipe_1stage" else STAGES
+        name = contender.removesuffix(UNFUSED)
+        schedule = "1f1b" if name == "pipe_1stage" else name[len("pipe_") :]
+        devices = 1 if name == "pipe_1stage" else STAGES
+        options.setdefault("gradient_accumulation_fusion", not contender.endswith(UNFUSED))
         strategy = PipelineStrategy(schedule=schedule, chunks=m, balance="parameters", start_method="fork", **options)
         trainer = L.Trainer(devices=devices, strategy=strategy, **_trainer_args(steps, callbacks))
     return trainer, data(model, spec["batch"], steps)
@@ -309,7 +315,8 @@ def svg_chart(results: dict[str, Any]) -> str:
 
 
 CPU_CONTENDERS = (
-    "plain,plain_micro,pipe_1stage,pipe_gpipe,pipe_1f1b,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b,deepspeed_1f1b"
+    "plain,plain_micro,pipe_1stage,pipe_gpipe,pipe_1f1b,pipe_1f1b_unfused,pipe_pipedream,pipe_pipedream_2bw,"
+    "torch_gpipe,torch_1f1b,deepspeed_1f1b"
 )
 
 
@@ -322,7 +329,7 @@ def default_contenders() -> str:
     if torch.cuda.device_count() < STAGES:
         print(f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only")
         return single
-    return single + ",pipe_gpipe,pipe_1f1b,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"
+    return single + ",pipe_gpipe,pipe_1f1b,pipe_1f1b_unfused,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"
 
 
 def runner_for(contender: str) -> Optional[Callable[..., list[float]]]:
@@ -376,6 +383,14 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
         }
         entry["pipe_1f1b_speedup_per_round"] = paired
         entry["pipe_1f1b_speedup_paired_median"] = {c: statistics.median(v) for c, v in paired.items()}
+    if "pipe_1f1b_unfused" in medians and "torch_1f1b" in medians:
+        # the ablation: lightning-pipe without gradient-accumulation fusion against torch's 1F1B
+        entry["unfused_speedup_over_torch_1f1b_per_round"] = unfused = [
+            statistics.median(r["torch_1f1b"]) / statistics.median(r["pipe_1f1b_unfused"])
+            for r in rounds
+            if "torch_1f1b" in r and "pipe_1f1b_unfused" in r
+        ]
+        entry["unfused_speedup_over_torch_1f1b_paired_median"] = statistics.median(unfused)
     entry.update(single_process_figures(medians, m, p))
     return entry
 
@@ -388,7 +403,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="steps dropped per run (default: per model, mlp 4, vgg19 2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--paired-rounds", type=int, help="extra rounds of pipe_1f1b and torch_1f1b only (default: per model, mlp 12, vgg19 0)"
+        "--paired-rounds",
+        type=int,
+        help="extra rounds of pipe_1f1b, pipe_1f1b_unfused and torch_1f1b only (default: per model, mlp 8, vgg19 0)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU mode")
     parser.add_argument("--out", default="benchmarks/results")
@@ -407,17 +424,18 @@ def main() -> None:
         steps = args.steps or MODELS[model]["steps"]
         warmup = args.warmup if args.warmup is not None else MODELS[model]["warmup"]
         rounds: list[dict[str, list[float]]] = []
-        # then extra rounds of only lightning-pipe's and torch's 1F1B, for a tighter paired ratio
+        # then extra rounds of only lightning-pipe's 1F1B (with and without gradient-accumulation
+        # fusion) and torch's, for tighter paired ratios
         paired_rounds = args.paired_rounds if args.paired_rounds is not None else MODELS[model]["paired_rounds"]
-        pair = [c for c in ("pipe_1f1b", "torch_1f1b") if c in contenders]
-        plan = [contenders] * args.rounds + ([pair] * paired_rounds if len(pair) == 2 else [])
+        pair = [c for c in ("pipe_1f1b", "pipe_1f1b_unfused", "torch_1f1b") if c in contenders]
+        plan = [contenders] * args.rounds + ([pair] * paired_rounds if {"pipe_1f1b", "torch_1f1b"} <= set(pair) else [])
         for index, chosen in enumerate(plan):
             rounds.append({c: [] for c in chosen})
             for contender in chosen if index % 2 == 0 else chosen[::-1]:
                 with tempfile.TemporaryDirectory() as folder:
                     rounds[-1][contender] = runners[contender](model, contender, steps, warmup, folder)  # type: ignore[misc]
         entry = results[model] = summarize(model, rounds)
-        for contender in ("pipe_1f1b", "pipe_1stage"):
+        for contender in ("pipe_1f1b", "pipe_1f1b_unfused", "pipe_1stage"):
             if contender in contenders:
                 entry.setdefault("breakdown", {})[contender] = breakdown(model, contender, steps, warmup)
         print(json.dumps({model: entry}, indent=2), flush=True)

@@ -37,6 +37,13 @@ def tables(results: dict) -> str:
                 + ", ".join(f"{r:.2f}" for r in rounds)
                 + f" ({sum(r >= 1 for r in rounds)} of {len(rounds)} at least 1).\n"
             )
+        unfused = entry.get("unfused_speedup_over_torch_1f1b_per_round")
+        if unfused:
+            out.append(
+                "Without gradient-accumulation fusion (pipe_1f1b_unfused), lightning-pipe 1F1B's speed-up over torch's "
+                f"Schedule1F1B in each of {len(unfused)} rounds: " + ", ".join(f"{r:.2f}" for r in unfused)
+                + f" (median {entry['unfused_speedup_over_torch_1f1b_paired_median']:.2f}).\n"
+            )
         if "pipe_1stage_over_plain" in entry:
             out.append(
                 f"lightning-pipe on one process (pipe_1stage, {entry['chunks']} micro-batches in one step) takes "

@@ -41,3 +41,24 @@ def test_contenders_that_cannot_run_are_skipped_with_a_reason(capsys) -> None:
     assert compare.runner_for("deepspeed_1f1b") is None
     assert "skipping deepspeed_1f1b: deepspeed is not installed" in capsys.readouterr().out
     assert compare.runner_for("torch_1f1b") is compare.run_torch
+
+
+def test_the_unfused_ablation_is_paired_with_torch_per_round() -> None:
+    rounds = [
+        {"pipe_1f1b": [1.0], "pipe_1f1b_unfused": [1.2], "torch_1f1b": [1.32]},
+        {"pipe_1f1b": [1.0], "pipe_1f1b_unfused": [1.5], "torch_1f1b": [1.2]},
+        {"pipe_1f1b": [1.0], "torch_1f1b": [1.1]},  # a round without the ablation
+    ]
+    entry = compare.summarize("mlp", rounds)
+    assert entry["unfused_speedup_over_torch_1f1b_per_round"] == pytest.approx([1.1, 0.8])
+    assert entry["unfused_speedup_over_torch_1f1b_paired_median"] == pytest.approx(0.95)
+    assert entry["pipe_1f1b_speedup_per_round"]["pipe_1f1b_unfused"] == pytest.approx([1.2, 1.5])
+
+
+def test_the_unfused_contender_switches_the_fusion_off() -> None:
+    fused, _ = compare.lightning_trainer("mlp", "pipe_1f1b", 2, [])
+    unfused, _ = compare.lightning_trainer("mlp", "pipe_1f1b_unfused", 2, [])
+    single, _ = compare.lightning_trainer("mlp", "pipe_1stage", 2, [])
+    assert fused.strategy.gradient_accumulation_fusion and fused.strategy.schedule_name == "1f1b"
+    assert not unfused.strategy.gradient_accumulation_fusion and unfused.strategy.schedule_name == "1f1b"
+    assert single.strategy.num_processes == 1 and single.strategy.gradient_accumulation_fusion
