@@ -106,10 +106,10 @@ class PipelineStrategy(ParallelStrategy):
         module: name of the ``nn.Sequential`` attribute to split, if the module has several.
         start_method: how processes start, as in ``DDPStrategy``: ``"popen"`` (scripts and the CLI),
             ``"spawn"`` or ``"fork"`` (notebooks and tests).
-        gradient_accumulation_fusion: under synchronous schedules, the backward of each plain
-            ``nn.Linear`` adds its weight gradient into ``.grad`` within the matrix product instead
-            of computing each micro-batch's gradient apart and adding it (same gradients, less
-            memory traffic; see :mod:`lightning_pipe.runtime.fused_linear`).
+        gradient_accumulation_fusion: in training steps, the backward of each plain ``nn.Linear``
+            adds its weight gradient into ``.grad`` within the matrix product instead of computing
+            each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
+            see :mod:`lightning_pipe.runtime.fused_linear`).
     """
 
     strategy_name = "pipeline"
@@ -347,7 +347,7 @@ class PipelineStrategy(ParallelStrategy):
         if is_async(self.schedule_name):
             self._check_async(module)
             versions = WeightVersions(self._stage_module)
-        if self.gradient_accumulation_fusion and versions is None:
+        if self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
@@ -450,7 +450,7 @@ class PipelineStrategy(ParallelStrategy):
         fresh = not self._async.in_flight
         first = self._async.step * m
         keys = {first + i: signature(mb) for i, mb in enumerate(micro)}
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._accumulation():
             t = self._async.train_step(m, keys)
             sync = fresh or self._async_sync_point(trainer, batch_idx)
             if sync and not fresh:
@@ -497,7 +497,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _drain(self) -> None:
         if self._async is not None and self._async.in_flight:
-            with self.precision_plugin.train_step_context():
+            with self.precision_plugin.train_step_context(), self._accumulation():
                 self._async.drain()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

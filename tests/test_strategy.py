@@ -70,10 +70,10 @@ class _RecordFusion(L.Callback):
             json.dump({"linears": len(linears), "fused": sum(fused)}, f)
 
 
-@pytest.mark.parametrize("schedule, fusion, fused", [("1f1b", False, False), ("gpipe", True, True), ("pipedream_2bw", True, False)])
+@pytest.mark.parametrize("schedule, fusion, fused", [("1f1b", False, False), ("gpipe", True, True), ("pipedream_2bw", True, True)])
 def test_gradient_accumulation_fusion_where_it_applies(tmp_path, schedule: str, fusion: bool, fused: bool) -> None:
-    """Fused under synchronous schedules unless switched off (the grid above runs it: default on);
-    the unfused path gives plain training's weights too; weight versions keep autograd's path."""
+    """Fused unless switched off (the grid above and the asynchronous tests run it: default on);
+    the unfused path gives plain training's weights too."""
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference)

@@ -9,9 +9,10 @@ tensor per layer and micro-batch. Here the backward of a ``Linear`` writes ``dW`
 Megatron-LM's ``gradient_accumulation_fusion`` does. The gradients are those of autograd.
 
 The fused path is taken only while :func:`accumulating` is active (the pipeline's training steps)
-and only where autograd's result would be identical: gradient mode on, a trainable leaf
-``nn.Parameter`` weight without gradient hooks, no autocast, matching dtypes. Everything else (a
-stashed weight version passed through ``functional_call``, evaluation, mixed precision) runs
+and only where autograd's result would be identical: gradient mode on, a trainable leaf weight
+(the parameter, or a stashed weight version passed through ``functional_call``, whose ``.grad`` is
+where autograd would put the gradient too) without gradient hooks, no autocast, matching dtypes.
+Everything else (evaluation, mixed precision, a weight computed from other tensors) runs
 ``F.linear`` unchanged.
 """
 
@@ -74,10 +75,10 @@ class _LinearAccumulate(torch.autograd.Function):
 
 
 def _plain_leaf(param: Optional[Tensor]) -> bool:
-    """A trainable parameter whose gradient nothing else observes on its way into ``.grad``."""
+    """A leaf whose gradient autograd would put in ``.grad``, with nothing observing it on the way."""
     if param is None:
         return True
-    if not isinstance(param, nn.Parameter) or not param.is_leaf:
+    if not param.is_leaf:
         return False
     return not param._backward_hooks and not getattr(param, "_post_accumulate_grad_hooks", None)
 

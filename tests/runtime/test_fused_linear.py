@@ -86,8 +86,10 @@ def test_plain_path_outside_the_block_and_in_the_cases_it_cannot_fuse() -> None:
         assert fused_nodes(net(x)) == 3
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert fused_nodes(net(x)) == 0
-        params = {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters()}
-        assert fused_nodes(functional_call(net, params, (x,))) == 0  # a weight version is no Parameter
+        versions = {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters()}
+        assert fused_nodes(functional_call(net, versions, (x,))) == 3  # stashed weight versions are leaves
+        computed = {n: p * 1.0 for n, p in net.named_parameters()}
+        assert fused_nodes(functional_call(net, computed, (x,))) == 0  # a computed weight is not
         handle = net[0].weight.register_hook(lambda g: g)
         assert fused_nodes(net(x)) == 2  # a hooked weight takes autograd's path
         handle.remove()
@@ -103,6 +105,21 @@ def test_plain_path_outside_the_block_and_in_the_cases_it_cannot_fuse() -> None:
     with accumulating():
         fused_out = net(x)
     torch.testing.assert_close(fused_out, net(x))
+
+
+def test_weight_versions_receive_their_gradients() -> None:
+    reference, net = _net(), _net()
+    install(net)
+    x = torch.randn(4, 6)
+    versions = {n: p.detach().requires_grad_(True) for n, p in net.named_parameters()}
+    with accumulating():
+        for _ in range(2):  # two micro-batches on one version: the second accumulates
+            functional_call(net, versions, (x,)).square().sum().backward()
+    for _ in range(2):
+        reference(x).square().sum().backward()
+    for (name, version), param in zip(versions.items(), reference.parameters()):
+        torch.testing.assert_close(version.grad, param.grad, msg=name)
+    assert all(p.grad is None for p in net.parameters())  # the version's gradient, not the parameter's
 
 
 def test_frozen_bias_gets_no_gradient() -> None:
