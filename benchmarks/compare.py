@@ -288,13 +288,14 @@ def _output_shape(layers: nn.Sequential, balance: list[int], stage: int, spec: d
 
 
 def svg_chart(results: dict[str, Any]) -> str:
-    """A bar chart of samples per second per contender, one panel per model (no plotting library)."""
+    """A bar chart of samples per second per contender, one panel per model, each scaled to its
+    fastest contender (no plotting library)."""
     rows = [(model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()]
     if not rows:
         return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no results</text></svg>'
     width, bar, gap = 760, 18, 6
     height = 40 + len(rows) * (bar + gap) + 20 * len(results)
-    top = max(v for _, _, v in rows)
+    top = {model: max(v for m, _, v in rows if m == model) for model in results}  # each panel its own scale
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
            '<text x="10" y="20" font-size="14">samples per second (higher is better), 2 CPU stages</text>']  # fmt: skip
     y = 36
@@ -304,7 +305,7 @@ def svg_chart(results: dict[str, Any]) -> str:
             current = model
             out.append(f'<text x="10" y="{y + 12}" font-weight="bold">{model}</text>')
             y += 20
-        length = 440 * value / top
+        length = 440 * value / top[model]
         color = "#2b7bba" if name.startswith("pipe_") else "#999999"
         out.append(f'<text x="10" y="{y + 13}">{name}</text>')
         out.append(f'<rect x="150" y="{y}" width="{length:.1f}" height="{bar}" fill="{color}"/>')

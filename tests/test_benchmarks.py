@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -62,3 +63,13 @@ def test_the_unfused_contender_switches_the_fusion_off() -> None:
     assert fused.strategy.gradient_accumulation_fusion and fused.strategy.schedule_name == "1f1b"
     assert not unfused.strategy.gradient_accumulation_fusion and unfused.strategy.schedule_name == "1f1b"
     assert single.strategy.num_processes == 1 and single.strategy.gradient_accumulation_fusion
+
+
+def test_chart_scales_each_model_to_its_fastest_contender() -> None:
+    results = {
+        "mlp": {"contenders": {"a": {"samples_per_s": 2000.0}, "b": {"samples_per_s": 1000.0}}},
+        "vgg19": {"contenders": {"a": {"samples_per_s": 40.0}, "b": {"samples_per_s": 10.0}}},
+    }
+    svg = compare.svg_chart(results)
+    widths = [float(w) for w in re.findall(r'rect x="150" y="\d+" width="([\d.]+)"', svg)]
+    assert widths == [440.0, 220.0, 440.0, 110.0]
