@@ -22,12 +22,12 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
 
 Rounds alternate between contenders (and their order) so that machine drift hits all of them;
 extra rounds of only lightning-pipe's 1F1B (fused and unfused) and torch's tighten their paired
-ratios. A step's time is
-taken on rank 0 from the end of one optimizer step to the end of the next (loading the batch and
-the framework's work between steps count). The result is each contender's median seconds per step
-and samples per second, the ratio of lightning-pipe's 1F1B to each (over all steps, and the median
-of per-round ratios), and the ratio to the ideal pipeline: the faster single-process run of the
-same micro-batches (``plain_micro`` or ``pipe_1stage``) x (m + p - 1) / (p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
+ratios. A step's time is taken on rank 0 from the end of one optimizer step to the end of the next
+(loading the batch and the framework's work between steps count). The result is each contender's
+median seconds per step and samples per second, the ratio of lightning-pipe's 1F1B to each (over
+all steps, and the median of per-round ratios), and the ratio to the ideal pipeline: the faster
+single-process run of the same micro-batches (``plain_micro`` or ``pipe_1stage``) x (m + p - 1) /
+(p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
 communication, outside the executor). For the MLP, the peak bytes of activations each stage saves
 for the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
 ``results.json`` and ``throughput.svg`` to ``--out``.
@@ -428,8 +428,8 @@ def main() -> None:
         # then extra rounds of only lightning-pipe's 1F1B (with and without gradient-accumulation
         # fusion) and torch's, for tighter paired ratios
         paired_rounds = args.paired_rounds if args.paired_rounds is not None else MODELS[model]["paired_rounds"]
-        pair = [c for c in ("pipe_1f1b", "pipe_1f1b_unfused", "torch_1f1b") if c in contenders]
-        plan = [contenders] * args.rounds + ([pair] * paired_rounds if {"pipe_1f1b", "torch_1f1b"} <= set(pair) else [])
+        extra = [c for c in ("pipe_1f1b", "pipe_1f1b_unfused", "torch_1f1b") if c in contenders]
+        plan = [contenders] * args.rounds + ([extra] * paired_rounds if {"pipe_1f1b", "torch_1f1b"} <= set(extra) else [])
         for index, chosen in enumerate(plan):
             rounds.append({c: [] for c in chosen})
             for contender in chosen if index % 2 == 0 else chosen[::-1]:

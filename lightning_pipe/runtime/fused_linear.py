@@ -40,13 +40,6 @@ def accumulating() -> Iterator[None]:
         _active = previous
 
 
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
 class _LinearAccumulate(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight and bias gradients into ``.grad`` itself."""
 
@@ -70,7 +63,10 @@ class _LinearAccumulate(torch.autograd.Function):
             else:
                 weight_param.grad.addmm_(g.t(), x2)
         if bias is not None and ctx.needs_input_grad[2]:
-            _accumulate(bias, g.sum(0))
+            if bias.grad is None:
+                bias.grad = g.sum(0)
+            else:
+                bias.grad.add_(g.sum(0))
         return grad_x, None, None
 
 
@@ -89,18 +85,10 @@ def _fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
         and torch.is_grad_enabled()
         and weight.requires_grad
         and x.dtype == weight.dtype
-        and x.dim() >= 1
         and not torch.is_autocast_enabled(x.device.type)
         and _plain_leaf(weight)
         and _plain_leaf(bias)
     )
-
-
-def _fused_forward(layer: nn.Linear, x: Tensor) -> Tensor:
-    weight, bias = layer.weight, layer.bias
-    if _fusable(x, weight, bias):
-        return _LinearAccumulate.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class _Forward:
@@ -112,7 +100,10 @@ class _Forward:
         self.layer = layer
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _fused_forward(self.layer, x)
+        weight, bias = self.layer.weight, self.layer.bias
+        if _fusable(x, weight, bias):
+            return _LinearAccumulate.apply(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
 def install(module: nn.Module) -> list[nn.Linear]:
