@@ -14,7 +14,7 @@ of a pipeline must see the very batches the user's DataLoader yields, in the sam
 from __future__ import annotations
 
 import logging
-import shutil
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from contextlib import nullcontext
@@ -41,7 +41,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_pipe.checkpoint import (
     is_pipeline_checkpoint,
@@ -51,6 +50,10 @@ from lightning_pipe.checkpoint import (
     optimizer_state_by_name,
     optimizer_state_by_position,
     parameter_names,
+    prepare_staging,
+    publish,
+    save_tag,
+    staging_path,
     write_meta,
     write_shard,
 )
@@ -59,15 +62,18 @@ from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.precision import sync_gradient_scaler
+from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
 from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
+from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 
 log = logging.getLogger(__name__)
@@ -159,6 +165,7 @@ class PipelineStrategy(ParallelStrategy):
         self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
         self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
         self._meta_group: Any = None
+        self._agreement: Optional[BatchAgreement] = None
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._async: Optional[AsyncPipeline] = None
@@ -235,13 +242,10 @@ class PipelineStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Give a shuffling DataLoader the same random order on every stage: a ``RandomSampler``
-        without a generator would draw its order from each process's own RNG state."""
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-            sampler.generator = torch.Generator().manual_seed(int(self.broadcast(seed)))
-        return dataloader
+        """Make every stage of the pipeline draw the first stage's indices: each stage loads the
+        batch itself, and a sampler drawing from a process's random state would differ between them
+        (see :mod:`lightning_pipe.runtime.sampling`)."""
+        return share_order(dataloader, self._meta_group, self.pipeline_ranks[0], self.pipeline_ranks)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -251,6 +255,11 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def stage(self) -> int:
         return self.global_rank
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this pipeline's stages, first to last."""
+        return list(range(self.num_stages))
 
     @property
     def is_last_stage(self) -> bool:
@@ -337,7 +346,7 @@ class PipelineStrategy(ParallelStrategy):
                 if self.stage in tie:
                     self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
         transport = Transport(
-            stage_ranks=list(range(self.num_stages)),
+            stage_ranks=self.pipeline_ranks,
             device=self.root_device,
             group=None,
             meta_group=self._meta_group,
@@ -347,6 +356,8 @@ class PipelineStrategy(ParallelStrategy):
         if is_async(self.schedule_name):
             self._check_async(module)
             versions = WeightVersions(self._stage_module)
+        if self.num_stages > 1:
+            self._agreement = BatchAgreement(self._meta_group, self.num_stages)
         if self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
@@ -369,6 +380,13 @@ class PipelineStrategy(ParallelStrategy):
                 "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
                 "stage) or untie the weights."
             )
+        needed = min_chunks(self.schedule_name, self.num_stages)
+        if self.num_microbatches < needed:
+            raise MisconfigurationException(
+                f"schedule={self.schedule_name!r} keeps two weight versions, which needs chunks >= stages - 1; got "
+                f"chunks={self.num_microbatches} with {self.num_stages} stages. Use chunks >= {needed} or "
+                "schedule='pipedream'. (A shorter last batch of an epoch is fine: it runs drained.)"
+            )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException(
                 f"schedule={self.schedule_name!r} applies gradients a step late, when the loss scale of "
@@ -385,18 +403,24 @@ class PipelineStrategy(ParallelStrategy):
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[float], StepRecorder]:
-        """The module, the batch's micro-batches, their weights (share of the batch's samples) and a
-        recorder for what the step logs."""
+    def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
+        """The module, the batch's micro-batches, their shape keys, their weights (share of the
+        batch's samples) and a recorder for what the step logs. Starts checking that every stage
+        loaded the same shapes (finished before this rank's first receive)."""
         module = self.lightning_module
         assert module is not None and self._executor is not None and self._runner is not None
         micro = split(batch, self.num_microbatches)
+        keys = [signature(mb) for mb in micro]
+        if self._agreement is not None:
+            self._agreement.post(keys)
+            self._executor.transport.before_receive = self._agreement.check
         sizes = [batch_size(mb) for mb in micro]
         total = float(sum(sizes))
-        return module, micro, [n / total for n in sizes], StepRecorder()
+        weights = [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
+        return module, micro, keys, weights, StepRecorder()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, micro, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step(args[0])
         rest, keep = args[1:], self.is_last_stage
 
         def step(i: int) -> Optional[Tensor]:
@@ -418,13 +442,14 @@ class PipelineStrategy(ParallelStrategy):
         self._runner.step = step
         if self._async is not None:
             try:
-                return self._async_training_step(module, micro, recorder, rest[0] if rest else 0)
+                return self._async_training_step(module, micro, keys, recorder, rest[0] if rest else 0)
             finally:
                 self._runner.step = None
         saved = self._swap_grads({})
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
-                self._executor.run(self._schedule(self.schedule_name, len(micro)), [signature(mb) for mb in micro])
+                self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
+            self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
         finally:
             self._pending_grads = self._swap_grads(saved)
             self._runner.step = None
@@ -436,7 +461,9 @@ class PipelineStrategy(ParallelStrategy):
     def _accumulation(self) -> ContextManager[Any]:
         return fused_linear.accumulating() if self._fused_layers else nullcontext()
 
-    def _async_training_step(self, module: "pl.LightningModule", micro: list, recorder: StepRecorder, batch_idx: int) -> Tensor:
+    def _async_training_step(
+        self, module: "pl.LightningModule", micro: list, keys: list[tuple], recorder: StepRecorder, batch_idx: int
+    ) -> Tensor:
         """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
         the gradient applied by this step's optimizer update is that of an earlier batch."""
         assert self._async is not None and self._stage_module is not None
@@ -449,11 +476,12 @@ class PipelineStrategy(ParallelStrategy):
         m = len(micro)
         fresh = not self._async.in_flight
         first = self._async.step * m
-        keys = {first + i: signature(mb) for i, mb in enumerate(micro)}
         with self.precision_plugin.train_step_context(), self._accumulation():
-            t = self._async.train_step(m, keys)
-            sync = fresh or self._async_sync_point(trainer, batch_idx)
-            if sync and not fresh:
+            t = self._async.train_step(m, {first + i: key for i, key in enumerate(keys)})
+            self._executor.transport.pass_gate()
+            isolated = self._async.isolated(m)
+            sync = fresh or isolated or self._async_sync_point(trainer, batch_idx)
+            if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
         self._pending_grads = {params[name]: grad for name, grad in self._async.due(t, m).items()}
@@ -522,7 +550,7 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
-        module, micro, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step(args[0])
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
 
@@ -535,7 +563,8 @@ class PipelineStrategy(ParallelStrategy):
         self._runner.step = step
         try:
             with context():
-                self._executor.run(self._schedule("forward", len(micro)), [signature(mb) for mb in micro])
+                self._executor.run(self._schedule("forward", len(micro)), keys)
+            self._executor.transport.pass_gate()
         finally:
             self._runner.step = None
         summary = self._share(hook, recorder)
@@ -648,26 +677,27 @@ class PipelineStrategy(ParallelStrategy):
         return optimizer_state_by_name(optimizer, parameter_names(module))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata."""
+        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata.
+        The save goes to a staging directory that replaces ``filepath`` only once every rank wrote
+        its part, so a crash while saving leaves the previous checkpoint whole."""
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
         self._finish_pending()
         self._drain()
         path = Path(filepath)
-        if self.is_global_zero:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-            path.mkdir(parents=True)
-        self.barrier()
+        staged = prepare_staging(path) if self.is_global_zero else staging_path(path)
+        tag = save_tag(checkpoint, self.broadcast(uuid.uuid4().hex))
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        write_shard(path, self.global_rank, state_dict, optimizer_states, extra)
+        write_shard(staged, self.global_rank, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
-            write_meta(path, rest, self.num_stages)
+            write_meta(staged, rest, self.num_stages, tag)
+        self.barrier()  # every shard is complete
+        if self.is_global_zero:
+            publish(staged, path)
+        self.barrier()  # no rank reads the checkpoint before it is in place
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline

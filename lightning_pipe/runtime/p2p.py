@@ -12,7 +12,7 @@ of the outputs it sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,14 @@ class Transport:
         self._sent: dict[Hashable, TensorMeta] = {}
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
+        #: called once before the next receive is set up (a check that the peers agree on shapes)
+        self.before_receive: Optional[Callable[[], None]] = None
+
+    def pass_gate(self) -> None:
+        """Run and clear :attr:`before_receive`."""
+        gate, self.before_receive = self.before_receive, None
+        if gate is not None:
+            gate()
 
     def activation_send_ops(self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool) -> list[Op]:
         """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now."""
@@ -128,6 +136,8 @@ class Transport:
 
     def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
         """Buffers and ops that receive an activation; reads the header first if this key is new."""
+        if self.before_receive is not None:
+            self.pass_gate()
         peer = self.stage_ranks[from_stage]
         meta = self._received.get(key)
         if meta is None:
@@ -142,6 +152,8 @@ class Transport:
         return [Op(True, g.detach().contiguous(), peer, 2 * to_stage + 1) for g in grads]
 
     def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
+        if self.before_receive is not None:
+            self.pass_gate()
         peer = self.stage_ranks[from_stage]
         buffers = [torch.empty_like(t, device=self.device) for t in like]
         return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]

@@ -1,0 +1,98 @@
+"""Every stage of a pipeline must have loaded a batch of the same shapes, checked each step.
+
+Activation headers are sent once per *shape key* (see :mod:`lightning_pipe.runtime.p2p`), which
+works only while every stage computes the same keys. A ``collate_fn`` whose padding length comes
+from the process's random state gives the stages different shapes; the sender and the receivers
+then disagree about whether a header comes, and the run hangs in a receive or gloo aborts on a
+size mismatch. So each step, before its first receive, a rank compares a small fingerprint of its
+micro-batch shapes with the other stages': one asynchronous all-gather of a few integers, posted
+when the step begins and waited for only before the first receive, so no stage waits for a
+slower one beyond what the schedule makes it wait anyway.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_SLOTS = 32  # micro-batch count, key hash, then the batch's first shapes for the message
+
+
+def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:
+    """The shapes in a micro-batch signature (``((shape, dtype), ...)``), or nothing if it is not one."""
+    first = keys[0] if keys else ()
+    if isinstance(first, tuple) and all(isinstance(k, tuple) and len(k) == 2 for k in first):
+        return [tuple(shape) for shape, _ in first]
+    return []
+
+
+def fingerprint(keys: Sequence[Hashable]) -> Tensor:
+    """A fixed-size int64 summary of a step's micro-batch keys, equal on two ranks exactly when
+    their keys are (up to hash collisions of the full key list). Stable across processes: Python's
+    own ``hash`` of strings is salted per process."""
+    values = [len(keys), zlib.crc32(repr(list(keys)).encode())]
+    for shape in _shapes(keys):
+        if len(values) + 1 + len(shape) > _SLOTS:
+            break
+        values += [len(shape), *shape]
+    return torch.tensor(values + [-1] * (_SLOTS - len(values)), dtype=torch.int64)
+
+
+def describe(row: Sequence[int]) -> str:
+    """The first micro-batch's shapes and the micro-batch count from a fingerprint."""
+    count, _, *rest = row
+    shapes, pos = [], 0
+    while pos < len(rest) and rest[pos] >= 0:
+        ndim = rest[pos]
+        shapes.append(tuple(rest[pos + 1 : pos + 1 + ndim]))
+        pos += 1 + ndim
+    return f"{count} micro-batches, the first with tensor shapes {shapes}"
+
+
+def mismatch_message(rows: Sequence[Sequence[int]]) -> Optional[str]:
+    """None when every stage's fingerprint is the same; otherwise what each stage loaded and why
+    it matters."""
+    if all(list(row) == list(rows[0]) for row in rows):
+        return None
+    seen = "; ".join(f"stage {s}: {describe(row)}" for s, row in enumerate(rows))
+    return (
+        "The pipeline's stages loaded batches of different shapes for the same step (" + seen + "). Every stage "
+        "loads each batch itself, so the data pipeline must give every process the same batch: shapes, padding and "
+        "any randomness that changes them must not come from the process's own random state (Python's `random`, "
+        "`torch.rand` without a generator in a collate_fn or Dataset). Derive them from the sample (for example "
+        "a torch.Generator seeded from the index), or pad to a fixed length."
+    )
+
+
+class BatchAgreement:
+    """Posts a step's fingerprint to the other stages of the pipeline and checks the answer."""
+
+    def __init__(self, group: Any, num_stages: int) -> None:
+        self.group = group
+        self.num_stages = num_stages
+        self._pending: Optional[tuple[Any, list[Tensor]]] = None
+
+    def post(self, keys: Sequence[Hashable]) -> None:
+        """Start comparing this step's keys (checks the previous step's first if still open)."""
+        self.check()
+        mine = fingerprint(keys)
+        rows = [torch.empty_like(mine) for _ in range(self.num_stages)]
+        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        self._pending = (work, rows)
+
+    def check(self) -> None:
+        """Wait for the posted comparison; raise if the stages disagree. A no-op when none is open."""
+        if self._pending is None:
+            return
+        (work, rows), self._pending = self._pending, None
+        work.wait()
+        message = mismatch_message([row.tolist() for row in rows])
+        if message is not None:
+            raise RuntimeError(message)
+
+
+__all__ = ["BatchAgreement", "describe", "fingerprint", "mismatch_message"]
