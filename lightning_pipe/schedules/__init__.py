@@ -22,7 +22,9 @@ from lightning_pipe.schedules.asynchronous import (
 )
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
+from lightning_pipe.schedules.interleaved import interleaved_1f1b
 from lightning_pipe.schedules.sync import forward_only, gpipe, one_f_one_b
+from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 
 ScheduleFn = Callable[[int, int], Schedule]
@@ -71,9 +73,12 @@ __all__ = [
     "forward_only",
     "get_schedule",
     "gpipe",
+    "interleaved_1f1b",
     "one_f_one_b",
     "peak_in_flight",
     "render",
     "simulate",
     "validate",
+    "zbv",
+    "zero_bubble",
 ]

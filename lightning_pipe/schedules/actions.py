@@ -16,7 +16,8 @@ class ActionKind(enum.Enum):
     kinds name the stage on *this* rank whose tensor is sent or received."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward, or only the input gradient where the schedule has W actions
+    WEIGHT = "W"  # the weight gradient of a backward split in two (zero-bubble schedules)
     SEND_ACTIVATION = "SEND_F"  # stage s sends its output of micro-batch i to stage s + 1
     RECV_ACTIVATION = "RECV_F"  # stage s receives its input of micro-batch i from stage s - 1
     SEND_GRADIENT = "SEND_B"  # stage s sends the gradient of its input to stage s - 1
@@ -24,7 +25,7 @@ class ActionKind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
 
     @property
     def is_send(self) -> bool:
@@ -73,12 +74,18 @@ def B(stage: int, microbatch: int) -> Action:
     return Action(ActionKind.BACKWARD, stage, microbatch)
 
 
+def W(stage: int, microbatch: int) -> Action:
+    return Action(ActionKind.WEIGHT, stage, microbatch)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank action lists for one batch of ``num_microbatches`` through ``num_stages`` stages.
 
     ``stage_to_rank[s]`` is the rank that holds stage ``s``; several stages per rank (interleaving)
     fit the same structure. ``forward_only`` schedules (evaluation) have no backward work.
+    ``split_backward`` schedules run each backward as B (the input gradient, which the previous
+    stage waits for) and, later, W (the weight gradient).
     """
 
     name: str
@@ -87,6 +94,7 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     forward_only: bool = False
+    split_backward: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -94,6 +102,15 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank."""
+        return self.num_stages // max(1, self.num_ranks)
+
+    def is_local(self, action: Action) -> bool:
+        """Whether a communication action's peer stage lives on the same rank (a hand-over in memory)."""
+        return self.rank_of(action.peer_stage()) == self.rank_of(action.stage)
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]

@@ -38,8 +38,10 @@ def with_communication(
     num_microbatches: int,
     stage_to_rank: Sequence[int],
     forward_only: bool = False,
+    split_backward: bool = False,
 ) -> Schedule:
-    """Build a :class:`Schedule` from each rank's compute order."""
+    """Build a :class:`Schedule` from each rank's compute order (``compute[r]`` is rank r's). A
+    weight-gradient action (W) needs nothing and feeds nothing."""
     per_rank: list[tuple[Action, ...]] = []
     for order in compute:
         actions: list[Action] = []
@@ -58,4 +60,5 @@ def with_communication(
         stage_to_rank=tuple(stage_to_rank),
         actions=tuple(per_rank),
         forward_only=forward_only,
+        split_backward=split_backward,
     )

@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
-from lightning_pipe.schedules.actions import ActionKind, Schedule
+from typing import Optional
+
+from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
 
 
-def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2) -> str:
-    """Timetable of ``schedule`` with integer costs; ``..`` marks idle time (the bubble).
+def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2, weight_cost: Optional[int] = None) -> str:
+    """Timetable of ``schedule`` with integer costs; ``..`` marks idle time (the bubble). A split
+    backward shows B and W (each ``backward_cost // 2`` unless ``weight_cost`` is given); with
+    several stages per rank, each cell names the stage too (``F3s1``).
 
     Example (2 stages, 3 micro-batches, 1F1B)::
 
         rank 0 | F0 F1 .. B0 B0 F2 B1 B1 .. B2 B2
         rank 1 | .. F0 B0 B0 F1 B1 B1 F2 B2 B2 ..
     """
-    sim = simulate(schedule, forward_cost, backward_cost)
+    if schedule.split_backward and weight_cost is None:
+        weight_cost = max(1, backward_cost // 2)
+        backward_cost = max(1, backward_cost - weight_cost)
+    sim = simulate(schedule, forward_cost, backward_cost, weight_cost)
     width = int(round(sim.makespan))
-    cell = max(2, len(str(schedule.num_microbatches - 1)) + 1)
+    virtual = schedule.num_stages > schedule.num_ranks
+    cell = max(2, len(str(schedule.num_microbatches - 1)) + 1 + (len(f"s{schedule.num_stages - 1}") if virtual else 0))
     rows = []
     for rank in range(schedule.num_ranks):
         slots = [".." .ljust(cell) for _ in range(width)]
         for action in schedule.compute(rank):
             start = int(round(sim.start_times[(rank, action)]))
-            cost = forward_cost if action.kind is ActionKind.FORWARD else backward_cost
-            label = f"{action.kind.value}{action.microbatch}".ljust(cell)
+            cost = int(round(sim.cost(action)))
+            label = f"{action.kind.value}{action.microbatch}" + (f"s{action.stage}" if virtual else "")
+            label = label.ljust(cell)
             for t in range(start, start + cost):
                 slots[t] = label
         rows.append(f"rank {rank} | " + " ".join(slots).rstrip())

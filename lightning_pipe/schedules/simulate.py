@@ -5,13 +5,20 @@ actions as one group; groups of a rank complete in posting order (one stream per
 NCCL's rendezvous point-to-point); a send and its receive complete only while both of their
 groups are at the head of their rank's queue; a receive is posted only after its peer posted the
 matching send of an activation (the receiver may have to read a shape header first; gradient
-shapes are known locally); a compute action waits for
-the receive it consumes. A schedule that finishes under this model cannot hang under gloo or NCCL.
+shapes are known locally), and while it waits for that, the sends of its group go out as a group
+of their own; a compute action waits for
+the receive it consumes. A send between two stages of one rank is a hand-over in memory: it
+completes when posted and takes no place in the queue; its receive completes when posted after it.
+A schedule that finishes under this model cannot hang under gloo or NCCL.
+
+Costs are per action: F, B and W (the weight gradient of a split backward). Where a schedule does
+not split its backward, B is the whole backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs
@@ -40,6 +47,11 @@ class Simulation:
     start_times: dict[tuple[int, Action], float]
     forward_cost: float
     backward_cost: float
+    weight_cost: float = 0.0
+
+    def cost(self, action: Action) -> float:
+        """What ``action`` costs in this simulation."""
+        return _cost(action, self.forward_cost, self.backward_cost, self.weight_cost)
 
     @property
     def bubble_fraction(self) -> float:
@@ -48,8 +60,35 @@ class Simulation:
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
 
 
-def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Simulation:
-    """Play ``schedule`` with fixed per-action costs; raises :class:`DeadlockError` if it hangs."""
+def _cost(action: Action, forward: float, backward: float, weight: float) -> float:
+    if action.kind is ActionKind.FORWARD:
+        return forward
+    return backward if action.kind is ActionKind.BACKWARD else weight
+
+
+def split_costs(schedule: Schedule, backward_cost: float, weight_cost: Optional[float]) -> tuple[float, float]:
+    """(B, W) costs: as given, or, where the schedule splits its backward and no W cost is given,
+    half of ``backward_cost`` each (so a whole backward costs the same under every schedule)."""
+    if weight_cost is not None:
+        return backward_cost, weight_cost
+    if schedule.split_backward:
+        return backward_cost / 2, backward_cost / 2
+    return backward_cost, 0.0
+
+
+def simulate(
+    schedule: Schedule,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    weight_cost: Optional[float] = None,
+    rendezvous: bool = True,
+) -> Simulation:
+    """Play ``schedule`` with fixed per-action costs; raises :class:`DeadlockError` if it hangs.
+    ``weight_cost`` is W's cost; without it a split backward's B and W take half of ``backward_cost``
+    each. With ``rendezvous`` false the model is gloo's instead of NCCL's: every posted send and
+    receive proceeds on its own (matched per peer and tag), whatever else the rank posted before;
+    only shape headers and the compute that consumes a receive wait."""
+    backward_cost, weight_cost = split_costs(schedule, backward_cost, weight_cost)
     ranks = range(schedule.num_ranks)
     lists = schedule.actions
     pointer = [0 for _ in ranks]
@@ -60,10 +99,11 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     where: dict[tuple[int, Action], _Group] = {}
     completed: dict[tuple[int, Action], float] = {}
     starts: dict[tuple[int, Action], float] = {}
+    early: list[set[Action]] = [set() for _ in ranks]  # sends of the group at the pointer, posted ahead
     group_at = [{start: group for start, group in comm_groups(actions)} for actions in lists]
 
     def cost(action: Action) -> float:
-        return forward_cost if action.kind is ActionKind.FORWARD else backward_cost
+        return _cost(action, forward_cost, backward_cost, weight_cost)
 
     def advance(rank: int) -> bool:
         moved = False
@@ -83,6 +123,19 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
                 continue
             ops = group_at[rank][index]
             post = clock[rank]
+            local = [op for op in ops if schedule.is_local(op)]
+            sent = {op for op in local if op.kind.is_send}  # posted first, as the executor does
+            for op in local:
+                if op.kind.is_recv and op.matching() not in sent and (rank, op.matching()) not in completed:
+                    return moved  # sent later on this same rank: never (validate names it)
+            for op in local:
+                completed[(rank, op)] = post
+            ops = [op for op in ops if not schedule.is_local(op) and op not in early[rank]]
+            if not ops:
+                pointer[rank] += len(local) + len(early[rank])
+                early[rank] = set()
+                moved = True
+                continue
             for op in ops:  # shape headers of sends go out before the rank waits for any header
                 if op.kind.is_send:
                     posted_sends.setdefault((rank, op), post)
@@ -91,6 +144,14 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
                 if op.kind is ActionKind.RECV_ACTIVATION:  # gradient shapes are known locally
                     peer = (schedule.rank_of(op.peer_stage()), op.matching())
                     if peer not in posted_sends:
+                        sends = [o for o in ops if o.kind.is_send]
+                        if sends:  # the sends go out as a group of their own while the rank waits
+                            group = _Group(rank, sends, post)
+                            queues[rank].append(group)
+                            for o in sends:
+                                where[(rank, o)] = group
+                            early[rank].update(sends)
+                            moved = True
                         return moved
                     headers.append(posted_sends[peer])
             post = max([post, *headers])
@@ -99,11 +160,40 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
             queues[rank].append(group)
             for op in ops:
                 where[(rank, op)] = group
-            pointer[rank] += len(ops)
+            pointer[rank] += len(ops) + len(local) + len(early[rank])
+            early[rank] = set()
             moved = True
         return moved
 
+    def resolve_unordered() -> bool:
+        moved = False
+        for rank in ranks:
+            for group in list(queues[rank]):
+                for op in group.ops:
+                    if op in group.done:
+                        continue
+                    peer_key = (schedule.rank_of(op.peer_stage()), op.matching())
+                    peer_group = where.get(peer_key)
+                    if peer_group is None:
+                        continue
+                    t = max(group.post_time, peer_group.post_time)
+                    group.done[op] = t
+                    peer_group.done[peer_key[1]] = t
+                    completed[(rank, op)] = t  # each receive is waited for on its own
+                    completed[peer_key] = t
+                    moved = True
+        for rank in ranks:
+            for group in list(queues[rank]):
+                if len(group.done) == len(group.ops):
+                    for op in group.ops:
+                        completed[(rank, op)] = group.done[op]
+                    queues[rank].remove(group)
+                    moved = True
+        return moved
+
     def resolve() -> bool:
+        if not rendezvous:
+            return resolve_unordered()
         moved = False
         changed = True
         while changed:
@@ -157,7 +247,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     makespan = max(clock) if clock else 0.0
     sends_done = [max((t for (r, _), t in completed.items() if r == rank), default=0.0) for rank in ranks]
     makespan = max([makespan, *sends_done])
-    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost)
+    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost, weight_cost)
 
 
 def _needs_of(schedule: Schedule, action: Action) -> list[Action]:
@@ -166,7 +256,7 @@ def _needs_of(schedule: Schedule, action: Action) -> list[Action]:
 
 def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most micro-batches whose forward ran and whose backward has not: the number
-    of micro-batches' activations the stage holds at once."""
+    of micro-batches' activations the stage holds at once (until its W, where the backward is split)."""
     peaks: dict[int, int] = {}
     for rank in range(schedule.num_ranks):
         live: dict[int, int] = {}
@@ -174,7 +264,7 @@ def peak_in_flight(schedule: Schedule) -> dict[int, int]:
             count = live.get(action.stage, 0)
             if action.kind is ActionKind.FORWARD:
                 count += 0 if schedule.forward_only else 1
-            else:
+            elif action.kind is (ActionKind.WEIGHT if schedule.split_backward else ActionKind.BACKWARD):
                 count -= 1
             live[action.stage] = count
             peaks[action.stage] = max(peaks.get(action.stage, 0), count)

@@ -13,21 +13,28 @@ class InvalidScheduleError(ValueError):
     """A schedule breaks a rule every executor relies on."""
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     """Raise :class:`InvalidScheduleError` unless, on every rank: each action belongs to a stage the
     rank holds; every stage runs each micro-batch's forward exactly once (and its backward exactly
-    once, after the forward); each receive comes before the compute that consumes it and each send
-    after the compute that produces it; every send has exactly one matching receive; and the whole
-    schedule finishes under the strict communication model of :mod:`.simulate`."""
+    once, after the forward; in a ``split_backward`` schedule also its weight gradient W exactly once,
+    after the backward B); each receive comes before the compute that consumes it and each send
+    after the compute that produces it; every send has exactly one matching receive (between two stages of one rank, the send comes
+    first in the rank's list); and the whole
+    schedule finishes under the strict communication model of :mod:`.simulate` (NCCL's rendezvous;
+    with ``rendezvous`` false, gloo's, where sends and receives proceed independently)."""
     p, m = schedule.num_stages, schedule.num_microbatches
     if len(schedule.stage_to_rank) != p:
         raise InvalidScheduleError(f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {p} stages")
+    if any(not 0 <= r < schedule.num_ranks for r in schedule.stage_to_rank):
+        raise InvalidScheduleError(f"stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{schedule.num_ranks - 1}")
     expected: Counter[Action] = Counter()
     for s in range(p):
         for i in range(m):
             expected[Action(ActionKind.FORWARD, s, i)] += 1
             if not schedule.forward_only:
                 expected[Action(ActionKind.BACKWARD, s, i)] += 1
+                if schedule.split_backward:
+                    expected[Action(ActionKind.WEIGHT, s, i)] += 1
     seen: Counter[Action] = Counter()
     sends: set[Action] = set()
     recvs: set[Action] = set()
@@ -44,6 +51,8 @@ def validate(schedule: Schedule) -> None:
                 seen[action] += 1
                 if action.kind is ActionKind.BACKWARD and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done:
                     raise InvalidScheduleError(f"{where}: backward before its forward")
+                if action.kind is ActionKind.WEIGHT and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done:
+                    raise InvalidScheduleError(f"{where}: weight gradient before its input gradient (B)")
                 for need in needs(action, p):
                     if need not in posted:
                         raise InvalidScheduleError(f"{where}: runs before receiving {need}")
@@ -59,6 +68,8 @@ def validate(schedule: Schedule) -> None:
             else:
                 if action in recvs:
                     raise InvalidScheduleError(f"{where}: received twice")
+                if schedule.is_local(action) and action.matching() not in sends:
+                    raise InvalidScheduleError(f"{where}: receives from stage {action.peer_stage()} on the same rank before it sent")
                 recvs.add(action)
             posted.add(action)
     if seen != expected:
@@ -72,7 +83,7 @@ def validate(schedule: Schedule) -> None:
     if unmatched:
         raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
     try:
-        simulate(schedule)
+        simulate(schedule, rendezvous=rendezvous)
     except DeadlockError as err:
         raise InvalidScheduleError(str(err)) from err
 
