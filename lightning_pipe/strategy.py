@@ -102,7 +102,8 @@ class PipelineStrategy(ParallelStrategy):
     """Pipeline model parallelism: one stage of the module's ``nn.Sequential`` per process.
 
     Args:
-        schedule: micro-batch order: ``"gpipe"`` or ``"1f1b"``.
+        schedule: micro-batch order: ``"gpipe"``, ``"1f1b"``, ``"zero_bubble"`` (ZB-H1: each backward
+            split into the input gradient and, later, the weight gradient), or an asynchronous one.
         chunks: micro-batches per batch (default: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
@@ -358,9 +359,11 @@ class PipelineStrategy(ParallelStrategy):
             versions = WeightVersions(self._stage_module)
         if self.num_stages > 1:
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
-        if self.gradient_accumulation_fusion:
+        split = self._schedule(self.schedule_name, self.num_microbatches).split_backward if not is_async(self.schedule_name) else False
+        if self.gradient_accumulation_fusion and not split:  # a split backward's W is autograd's own
             self._fused_layers = fused_linear.install(self._stage_module)
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
+        self._runner.weight_params = [p for p in module.parameters() if p.requires_grad]
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)

@@ -47,6 +47,7 @@ class _Run:
     keys: Union[Sequence[Hashable], Mapping[int, Hashable]]
     num_stages: int
     microbatches_per_batch: int
+    split_backward: bool = False
     inbox: dict[Action, _Inbox] = field(default_factory=dict)
     outbox: dict[Action, tuple[Sequence[Tensor], bool]] = field(default_factory=dict)
     sends: list[tuple[Any, Op]] = field(default_factory=list)
@@ -79,7 +80,10 @@ class Executor:
         """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
         micro-batch ``i``'s input shapes (the same on every rank), under which activation shapes
         are cached."""
-        self.run_actions(schedule.actions[self.rank], schedule.num_stages, schedule.num_microbatches, keys)
+        self.run_actions(
+            schedule.actions[self.rank], schedule.num_stages, schedule.num_microbatches, keys,
+            split_backward=schedule.split_backward,
+        )
 
     def run_actions(
         self,
@@ -88,6 +92,7 @@ class Executor:
         microbatches_per_batch: int,
         keys: Union[Sequence[Hashable], Mapping[int, Hashable]],
         finish: bool = True,
+        split_backward: bool = False,
     ) -> None:
         """Execute ``actions``. With ``finish`` false (asynchronous schedules between drains) the
         micro-batches in flight stay with the stages and the last sends may still be travelling:
@@ -95,7 +100,7 @@ class Executor:
 
         Where the transport allows it (gloo), each activation receive is posted one receive early,
         so the data lands while this rank computes instead of being copied when it asks for it."""
-        run = _Run(keys, num_stages, microbatches_per_batch)
+        run = _Run(keys, num_stages, microbatches_per_batch, split_backward)
         if self.transport.prefetches_receives:
             run.following = next_receives(actions)
         groups = dict(comm_groups(actions))
@@ -148,6 +153,19 @@ class Executor:
             elif action.kind is ActionKind.SEND_GRADIENT:
                 grads, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads)
+        if ops and any(
+            a.kind is ActionKind.RECV_ACTIVATION
+            and a not in run.inbox
+            and not self.transport.knows(self._activation_key(a, run, a.stage))
+            for a in group
+        ):  # a header to wait for: the sends go out first, the peer may need them to send it
+            with self._span("post", group[0].stage, group[0].microbatch):
+                early = self.transport.post(ops)
+            if self.transport.batched:
+                run.sends.extend((w, ops[0]) for w in early)
+            else:
+                run.sends.extend(zip(early, ops))
+            ops = []
         n_sends = len(ops)
         pending: list[tuple[Action, _Inbox, int]] = []
         prefetch: list[Action] = []
@@ -215,13 +233,17 @@ class Executor:
                 assert result is not None
                 run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
             return
+        if action.kind is ActionKind.WEIGHT:
+            with self._span("W", action.stage, i):
+                runner.backward_weight(i)
+            return
         grads = None
         if action.stage < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span("wait", action.stage, i):
                 grads = box.wait()
         with self._span("B", action.stage, i):
-            input_grads = runner.backward(i, grads)
+            input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
         if action.stage > 0:
             assert input_grads is not None
             run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)

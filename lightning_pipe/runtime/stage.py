@@ -114,12 +114,18 @@ class StageRunner:
         self.completed: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> its gradient on this stage
         self.trace: Optional[list[tuple[str, int, int]]] = None  # (kind, micro-batch, version) when tracing
         self._saved: dict[int, tuple[list[Tensor], Any]] = {}
+        # split backward: per micro-batch, the roots and their gradients that W backpropagates
+        self._weights_due: dict[int, tuple[list[Tensor], Optional[list[Tensor]]]] = {}
+        #: the tensors W computes gradients for (default: the stage's parameters; the strategy adds
+        #: the LightningModule's parameters outside the Sequential)
+        self.weight_params: Optional[list[Tensor]] = None
         self._microbatches = 1
         self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
         self._saved.clear()
+        self._weights_due.clear()
 
     def enable_trace(self) -> list[tuple[str, int, int]]:
         """Record which weight version each forward used and which version each backward's
@@ -230,6 +236,33 @@ class StageRunner:
         if self.is_first:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]
+
+    def backward_input(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
+        """B of a split backward: only the gradient of the stage's input, which the previous stage
+        waits for (``torch.autograd.grad`` on the received tensors, keeping the graph for W)."""
+        leaves, outputs = self._saved.pop(microbatch)
+        if self.is_last:
+            roots, root_grads = [outputs], None
+        else:
+            roots = [t for t in outputs if t.requires_grad]
+            root_grads = grads if roots else None
+        self._weights_due[microbatch] = (roots, root_grads)
+        needing = [leaf for leaf in leaves if leaf.requires_grad]
+        if self.is_first:
+            return None
+        if not needing or not roots:
+            return [torch.zeros_like(leaf) for leaf in needing]
+        got = torch.autograd.grad(roots, needing, root_grads, retain_graph=True, allow_unused=True)
+        return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(got, needing)]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W of a split backward: the weight gradients, accumulated into ``.grad``; the graph kept
+        since B is freed. Autograd computes only what leads to the weights."""
+        roots, root_grads = self._weights_due.pop(microbatch)
+        params = self.weight_params if self.weight_params is not None else list(self.module.parameters())
+        params = [p for p in params if p.requires_grad]
+        if roots and params:
+            torch.autograd.backward(roots, root_grads, inputs=params)
 
     def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
         if self.step is None:

@@ -90,5 +90,5 @@ class Timeline:
             for span in spans:
                 sums[span.name] += span.seconds
         means = {name: total / len(chosen) for name, total in sums.items()}
-        means["other"] = means["step"] - means.get("F", 0.0) - means.get("B", 0.0)
+        means["other"] = means["step"] - means.get("F", 0.0) - means.get("B", 0.0) - means.get("W", 0.0)
         return means

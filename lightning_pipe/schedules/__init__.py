@@ -33,6 +33,7 @@ ScheduleFn = Callable[[int, int], Schedule]
 SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "zero_bubble": zero_bubble,
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
 }

@@ -1,0 +1,35 @@
+"""ZB-H1 (``schedule="zero_bubble"``): each backward split into B (input gradient) and W (weight
+gradient), run at different times; the weights after every step equal plain training's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models import TiedNet, TinyNet, WrappedNet, fit_plain, token_loader
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+
+@pytest.mark.parametrize("stages, chunks, checkpoint", [(2, 4, "never"), (2, 3, "always"), (4, 4, "always"), (4, 3, "never")])
+def test_zero_bubble_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, stages, schedule="zero_bubble", chunks=chunks, checkpoint=checkpoint)
+    assert_same_weights(reference, piped)
+
+
+def test_zero_bubble_with_parameters_outside_the_sequential() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(WrappedNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="zero_bubble", chunks=4, checkpoint="except_last")
+    assert_same_weights(reference, piped)
+
+
+def test_zero_bubble_with_weights_tied_across_stages() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TiedNet())
+    fit_plain(reference, token_loader())
+    fit_pipeline(piped, 2, token_loader(), schedule="zero_bubble", chunks=3)
+    assert_same_weights(reference, piped)
