@@ -59,7 +59,7 @@ from lightning_pipe.checkpoint import (
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
-from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
+from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
@@ -72,7 +72,20 @@ from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
+from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
+from lightning_pipe.schedules import (
+    VIRTUAL_STAGES,
+    InvalidScheduleError,
+    Schedule,
+    build,
+    check_virtual_stages,
+    forward_only,
+    forward_only_like,
+    get_schedule,
+    is_async,
+    validate,
+)
+from lightning_pipe.schedules.interleaved import valid_microbatches
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 
@@ -81,9 +94,13 @@ log = logging.getLogger(__name__)
 _default_timeout = timedelta(minutes=30)
 
 
-def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str) -> None:
+def check_arguments(
+    schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str, virtual_stages: Optional[int] = None
+) -> None:
     """Reject bad strategy arguments before any process starts, naming the valid values."""
     get_schedule(schedule)
+    if virtual_stages is not None:
+        check_virtual_stages(schedule, virtual_stages)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
     if isinstance(balance, str):
@@ -117,6 +134,8 @@ class PipelineStrategy(ParallelStrategy):
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
+        virtual_stages: stages per process for ``"interleaved_1f1b"`` (>= 2, default 2) and ``"zbv"``
+            (2); the layers are split into processes x virtual_stages stages by ``balance``.
     """
 
     strategy_name = "pipeline"
@@ -137,8 +156,9 @@ class PipelineStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = _default_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
+        virtual_stages: Optional[int] = None,
     ) -> None:
-        check_arguments(schedule, chunks, balance, checkpoint)
+        check_arguments(schedule, chunks, balance, checkpoint, virtual_stages)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -156,6 +176,9 @@ class PipelineStrategy(ParallelStrategy):
         self.checkpoint_mode = checkpoint
         self.module_name = module
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.virtual_stages = virtual_stages if virtual_stages is not None else VIRTUAL_STAGES.get(schedule, 1)
+        self._positions: Optional[list[int]] = None  # pipeline position holding each (virtual) stage
+        self._stages: dict[int, StageModule] = {}
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -264,7 +287,13 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """Whether this process holds the last stage (with several stages per process, not
+        necessarily the last process: ZB-V's last stage is on the first)."""
+        return self.stage == self._last_position
+
+    @property
+    def _last_position(self) -> int:
+        return self._positions[-1] if self._positions is not None else self.num_stages - 1
 
     @property
     def num_microbatches(self) -> int:
@@ -321,10 +350,12 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(layers, StageModule):  # set up before (fit, then test): already split
             self._stage_module = layers
             return
-        balance = resolve_balance(self.balance, layers, self.num_stages)
+        positions = stage_positions(self.schedule_name, self.num_stages, self.virtual_stages)
+        balance = resolve_balance(self.balance, layers, len(positions))
         self.stage_balance = balance
-        self._ties = tied_parameters(layers, balance)
-        stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
+        self._ties = ties_by_position(tied_parameters(layers, balance), positions)
+        stage, self._stages = split_stages(layers, balance, positions, self.stage)
+        self._positions = positions
         setattr(module, name, stage)
         self._stage_module = stage
         self.module_name = name
@@ -346,8 +377,9 @@ class PipelineStrategy(ParallelStrategy):
                 group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
                 if self.stage in tie:
                     self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        positions = self._positions or list(range(self.num_stages))
         transport = Transport(
-            stage_ranks=self.pipeline_ranks,
+            stage_ranks=[self.pipeline_ranks[p] for p in positions],
             device=self.root_device,
             group=None,
             meta_group=self._meta_group,
@@ -359,12 +391,18 @@ class PipelineStrategy(ParallelStrategy):
             versions = WeightVersions(self._stage_module)
         if self.num_stages > 1:
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
-        split = self._schedule(self.schedule_name, self.num_microbatches).split_backward if not is_async(self.schedule_name) else False
+        split = not is_async(self.schedule_name) and self._schedule(self.schedule_name, self.num_microbatches).split_backward
         if self.gradient_accumulation_fusion and not split:  # a split backward's W is autograd's own
             self._fused_layers = fused_linear.install(self._stage_module)
-        self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
-        self._runner.weight_params = [p for p in module.parameters() if p.requires_grad]
-        self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
+        stages = self._stages or {self.stage: self._stage_module}
+        runners = {
+            s: StageRunner(m, checkpoint=self.checkpoint_mode, versions=versions, host=self._stage_module)
+            for s, m in stages.items()
+        }
+        for runner in runners.values():
+            runner.weight_params = [p for p in module.parameters() if p.requires_grad]
+        self._runner = runners[min(runners)]
+        self._executor = Executor(transport, runners, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
 
@@ -399,11 +437,36 @@ class PipelineStrategy(ParallelStrategy):
     def _schedule(self, name: str, num_microbatches: int) -> Schedule:
         key = (name, num_microbatches)
         if key not in self._schedules:
-            fn = forward_only if name == "forward" else SCHEDULES[name]
-            schedule = fn(self.num_stages, num_microbatches)
-            validate(schedule)
+            p, v = self.num_stages, self.virtual_stages
+            if name != "forward":
+                schedule = build(name, p, num_microbatches, v)
+            elif self.schedule_name in VIRTUAL_STAGES:  # evaluation on the training layout
+                schedule = forward_only_like(build(self.schedule_name, p, num_microbatches, v))
+            else:
+                schedule = forward_only(p, num_microbatches)
+            rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"
+            try:
+                validate(schedule, rendezvous=rendezvous)
+            except InvalidScheduleError as err:
+                raise MisconfigurationException(
+                    f"schedule={self.schedule_name!r} with {p} processes and {num_microbatches} micro-batches cannot "
+                    f"run{' under NCCL (whose point-to-point calls rendezvous)' if rendezvous else ''}: {err}. "
+                    "Use schedule='1f1b' or 'zero_bubble', or other chunks."
+                ) from err
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _set_step(self, step: Optional[Callable[[int], Optional[Tensor]]]) -> None:
+        assert self._executor is not None
+        for runner in self._executor.runners.values():
+            runner.step = step
+
+    def _chunks_for(self, batch: Any) -> int:
+        """Micro-batches for ``batch``: ``chunks``, or for interleaving the most it can round
+        (a short last batch)."""
+        if self.schedule_name != "interleaved_1f1b":
+            return self.num_microbatches
+        return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, batch_size(batch))))
 
     # ------------------------------------------------------------------ steps
     def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
@@ -412,7 +475,7 @@ class PipelineStrategy(ParallelStrategy):
         loaded the same shapes (finished before this rank's first receive)."""
         module = self.lightning_module
         assert module is not None and self._executor is not None and self._runner is not None
-        micro = split(batch, self.num_microbatches)
+        micro = split(batch, self._chunks_for(batch))
         keys = [signature(mb) for mb in micro]
         if self._agreement is not None:
             self._agreement.post(keys)
@@ -442,12 +505,12 @@ class PipelineStrategy(ParallelStrategy):
             scaled = loss * weight
             return self._scaler.scale(scaled) if self._scaler is not None else scaled
 
-        self._runner.step = step
+        self._set_step(step)
         if self._async is not None:
             try:
                 return self._async_training_step(module, micro, keys, recorder, rest[0] if rest else 0)
             finally:
-                self._runner.step = None
+                self._set_step(None)
         saved = self._swap_grads({})
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
@@ -455,7 +518,7 @@ class PipelineStrategy(ParallelStrategy):
             self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
         finally:
             self._pending_grads = self._swap_grads(saved)
-            self._runner.step = None
+            self._set_step(None)
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
         recorder.log_local(module)
@@ -544,10 +607,13 @@ class PipelineStrategy(ParallelStrategy):
             return outputs
         box = [outputs]
         self._finish_pending()
-        if self.is_last_stage:
+        last = self.pipeline_ranks[self._last_position]
+        if last == 0:
+            pass
+        elif self.is_last_stage:
             dist.send_object_list(box, dst=0, group=self._meta_group)
         elif self.global_rank == 0:
-            dist.recv_object_list(box, src=self.num_stages - 1, group=self._meta_group)
+            dist.recv_object_list(box, src=last, group=self._meta_group)
         return box[0] if self.global_rank == 0 else None
 
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
@@ -563,13 +629,13 @@ class PipelineStrategy(ParallelStrategy):
             outputs[i] = output
             return None
 
-        self._runner.step = step
+        self._set_step(step)
         try:
             with context():
                 self._executor.run(self._schedule("forward", len(micro)), keys)
             self._executor.transport.pass_gate()
         finally:
-            self._runner.step = None
+            self._set_step(None)
         summary = self._share(hook, recorder)
         replay(module, summary, self.root_device)
         recorder.log_local(module)
@@ -663,7 +729,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _broadcaster_for(self, kind: str) -> SummaryBroadcaster:
         if kind not in self._broadcasters:
-            self._broadcasters[kind] = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
+            self._broadcasters[kind] = SummaryBroadcaster(self.pipeline_ranks[self._last_position], self._meta_group, self.is_last_stage)
         return self._broadcasters[kind]
 
     # ------------------------------------------------------------------ checkpoints

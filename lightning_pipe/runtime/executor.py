@@ -143,7 +143,32 @@ class Executor:
     def _activation_key(self, action: Action, run: _Run, stage: int) -> Hashable:
         return (stage, run.keys[action.microbatch], torch.is_grad_enabled())
 
+    def _is_local(self, action: Action) -> bool:
+        """A send or receive between two stages that this rank both holds."""
+        ranks = self.transport.stage_ranks
+        return ranks[action.peer_stage()] == ranks[action.stage]
+
+    def _hand_over(self, group: list[Action], run: _Run) -> list[Action]:
+        """Pass tensors between this rank's own stages in memory (an activation is copied, as a
+        send would, so that the receiving stage's in-place work cannot touch the sender's graph);
+        returns the rest of the group."""
+        rest = []
+        for action in group:
+            if not self._is_local(action):
+                rest.append(action)
+            elif action.kind is ActionKind.SEND_ACTIVATION:
+                tensors, was_tuple = run.outbox.pop(action)
+                flags = tuple(bool(t.requires_grad) for t in tensors)
+                run.inbox[action.matching()] = _Inbox([], [t.detach().clone() for t in tensors], flags, was_tuple)
+            elif action.kind is ActionKind.SEND_GRADIENT:
+                grads, _ = run.outbox.pop(action)
+                run.inbox[action.matching()] = _Inbox([], [g.detach() for g in grads])
+        return rest
+
     def _post(self, group: list[Action], run: _Run) -> None:
+        group = self._hand_over(group, run)
+        if not group:
+            return
         ops: list[Op] = []
         for action in group:  # sends first: their headers unblock the peer
             if action.kind is ActionKind.SEND_ACTIVATION:
@@ -207,7 +232,7 @@ class Executor:
         """Post the receive after ``action``'s now, if its shapes are known (a new shape's header
         would block until the sender gets there)."""
         following = run.following.get(action)
-        if following is None:
+        if following is None or self._is_local(following):
             return
         key = self._activation_key(following, run, following.stage)
         if not self.transport.knows(key):

@@ -104,8 +104,12 @@ class StageRunner:
         checkpoint: str = "never",
         step: Optional[StepFn] = None,
         versions: Optional[WeightVersions] = None,
+        host: Optional[StageModule] = None,
     ) -> None:
         self.module = module
+        # the module in the user's LightningModule whose calls the step makes: the stage itself, or,
+        # with several stages per rank, the module that holds all of them
+        self.host = host if host is not None else module
         self.stage = module.stage
         self.num_stages = module.num_stages
         self.checkpoint = checkpoint
@@ -267,11 +271,11 @@ class StageRunner:
     def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
         if self.step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
-        self.module._hook = hook
+        self.host._hook = hook
         try:
             return self.step(microbatch)
         finally:
-            self.module._hook = None
+            self.host._hook = None
 
     def _not_called(self) -> str:
         return (

@@ -23,7 +23,7 @@ from lightning_pipe.schedules.asynchronous import (
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
-from lightning_pipe.schedules.sync import forward_only, gpipe, one_f_one_b
+from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 
@@ -33,10 +33,42 @@ ScheduleFn = Callable[[int, int], Schedule]
 SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble": zero_bubble,
+    "zbv": zbv,
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
 }
+
+
+#: Schedules with several stages per rank: the ones ``virtual_stages`` applies to, and its default.
+VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2}
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Schedule ``name`` for ``num_ranks`` ranks with ``virtual_stages`` stages each."""
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    fn = get_schedule(name)
+    return fn(num_ranks, num_microbatches)
+
+
+def check_virtual_stages(name: str, virtual_stages: int) -> None:
+    """Reject a stage count per rank that schedule ``name`` cannot run, saying which it can."""
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages={virtual_stages!r}: give an integer >= 1 (stages per process).")
+    if name == "interleaved_1f1b" and virtual_stages < 2:
+        raise ValueError(
+            f"schedule='interleaved_1f1b' with virtual_stages={virtual_stages}: interleaving needs at least 2 stages "
+            "per process. Use virtual_stages >= 2, or schedule='1f1b'."
+        )
+    if name == "zbv" and virtual_stages != 2:
+        raise ValueError(f"schedule='zbv' holds exactly 2 stages per process (a V); got virtual_stages={virtual_stages}.")
+    if name not in VIRTUAL_STAGES and virtual_stages != 1:
+        raise ValueError(
+            f"schedule={name!r} runs one stage per process; got virtual_stages={virtual_stages}. Several stages per "
+            f"process need schedule='interleaved_1f1b' (virtual_stages >= 2) or 'zbv' (2)."
+        )
 
 
 def is_async(name: str) -> bool:
@@ -72,6 +104,10 @@ __all__ = [
     "update_delay",
     "versions_held",
     "forward_only",
+    "forward_only_like",
+    "build",
+    "check_virtual_stages",
+    "VIRTUAL_STAGES",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",

@@ -105,3 +105,12 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     p, v, m = num_ranks, virtual_stages, num_microbatches
     compute = [rank_order(p, m, v, r, 2, zero_bubble=False) for r in range(p)]
     return with_communication("interleaved_1f1b", compute, p * v, m, [s % p for s in range(p * v)])
+
+
+def valid_microbatches(num_ranks: int, num_microbatches: int) -> int:
+    """The largest count ``<= num_microbatches`` that :func:`interleaved_1f1b` takes (a short last
+    batch runs in fewer micro-batches rather than failing mid-training)."""
+    m = num_microbatches
+    while m > 1 and m % max(1, m // num_ranks):
+        m -= 1
+    return m

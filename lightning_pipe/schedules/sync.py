@@ -9,7 +9,7 @@ the micro-batches a stage holds to ``p - s`` instead of ``m``. Both have the sam
 
 from __future__ import annotations
 
-from lightning_pipe.schedules.actions import Action, B, F, Schedule
+from lightning_pipe.schedules.actions import Action, ActionKind, B, F, Schedule
 from lightning_pipe.schedules.comm import with_communication
 
 
@@ -50,3 +50,12 @@ def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     _check(num_stages, num_microbatches)
     compute = [[F(s, i) for i in range(num_microbatches)] for s in range(num_stages)]
     return with_communication("forward", compute, num_stages, num_microbatches, range(num_stages), forward_only=True)
+
+
+def forward_only_like(schedule: Schedule) -> Schedule:
+    """Evaluation on ``schedule``'s layout (several stages per rank too): each rank's forwards in
+    the training order, with their communication, and no backward work."""
+    compute = [[a for a in schedule.compute(r) if a.kind is ActionKind.FORWARD] for r in range(schedule.num_ranks)]
+    return with_communication(
+        "forward", compute, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, forward_only=True
+    )
