@@ -58,6 +58,7 @@ from lightning_pipe.checkpoint import (
     write_shard,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe import failures
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
@@ -551,6 +552,22 @@ class PipelineStrategy(ParallelStrategy):
     def on_validation_start(self) -> None:
         self._finish_pending()
         self._drain()
+
+    def describe_rank(self, rank: int) -> str:
+        """``rank r (stage s of p)``: how errors name a process."""
+        return f"rank {rank} (stage {rank % self.num_stages} of {self.num_stages})"
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one fails, or explain a communication error with the note
+        of the rank that failed first (see :mod:`lightning_pipe.failures`)."""
+        explained = failures.report(exception, self.global_rank, self.describe_rank)
+        if explained is None:
+            return
+        message = f"lightning-pipe: {explained}"
+        if hasattr(exception, "add_note"):
+            exception.add_note(message)
+        else:  # Python 3.10
+            log.error(message)
 
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
