@@ -369,6 +369,7 @@ class PipelineStrategy(ParallelStrategy):
             group=None,
             meta_group=self._meta_group,
             batched=dist.get_backend() == "nccl",
+            through_host=self._stages_through_host(),
         )
         versions = None
         if is_async(self.schedule_name):
@@ -382,6 +383,10 @@ class PipelineStrategy(ParallelStrategy):
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    def _stages_through_host(self) -> bool:
+        """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
+        return dist.get_backend() == "gloo" and self.root_device.type != "cpu"
 
     def _check_async(self, module: "pl.LightningModule") -> None:
         outside = [p for p in self._shared if p.requires_grad]

@@ -207,7 +207,7 @@ class Executor:
             if action.stage > 0:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span("wait", action.stage, i):
-                    tensors = box.wait()
+                    tensors = self.transport.arrived(box.wait())
                 received = (tensors, box.flags, box.was_tuple)
             with self._span("F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received)
@@ -219,7 +219,7 @@ class Executor:
         if action.stage < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span("wait", action.stage, i):
-                grads = box.wait()
+                grads = self.transport.arrived(box.wait())
         with self._span("B", action.stage, i):
             input_grads = runner.backward(i, grads)
         if action.stage > 0:
