@@ -477,6 +477,12 @@ class PipelineStrategy(ParallelStrategy):
                     "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
                     "return its loss; skipping a batch is not supported."
                 )
+            if torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
+                raise FloatingPointError(
+                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
+                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{self.describe_rank(self.global_rank)}; stopping because Trainer(detect_anomaly=True)."
+                )
             recorder.add_loss(loss, weight)
             scaled = loss * weight
             return self._scaler.scale(scaled) if self._scaler is not None else scaled

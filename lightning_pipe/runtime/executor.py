@@ -122,9 +122,12 @@ class Executor:
                     self.transport.finish()
                 else:
                     self._carried = run.sends
-        except BaseException:
+        except BaseException as error:
             for runner in self.runners.values():
                 runner.reset()
+            if hasattr(error, "add_note") and index < len(actions):
+                action = actions[index]
+                error.add_note(f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})")
             raise
         if finish:
             for runner in self.runners.values():
