@@ -100,7 +100,11 @@ def simulate(
     completed: dict[tuple[int, Action], float] = {}
     starts: dict[tuple[int, Action], float] = {}
     early: list[set[Action]] = [set() for _ in ranks]  # sends of the group at the pointer, posted ahead
-    group_at = [{start: group for start, group in comm_groups(actions)} for actions in lists]
+    def parts(group: list[Action]) -> tuple[list[Action], list[Action]]:
+        local = [op for op in group if schedule.is_local(op)]
+        return ([op for op in group if op not in local] if local else group), local
+
+    group_at = [{start: parts(group) for start, group in comm_groups(actions)} for actions in lists]
 
     def cost(action: Action) -> float:
         return _cost(action, forward_cost, backward_cost, weight_cost)
@@ -121,16 +125,16 @@ def simulate(
                 pointer[rank] += 1
                 moved = True
                 continue
-            ops = group_at[rank][index]
+            remote, local = group_at[rank][index]
             post = clock[rank]
-            local = [op for op in ops if schedule.is_local(op)]
-            sent = {op for op in local if op.kind.is_send}  # posted first, as the executor does
-            for op in local:
-                if op.kind.is_recv and op.matching() not in sent and (rank, op.matching()) not in completed:
-                    return moved  # sent later on this same rank: never (validate names it)
-            for op in local:
-                completed[(rank, op)] = post
-            ops = [op for op in ops if not schedule.is_local(op) and op not in early[rank]]
+            if local:
+                sent = {op for op in local if op.kind.is_send}  # posted first, as the executor does
+                for op in local:
+                    if op.kind.is_recv and op.matching() not in sent and (rank, op.matching()) not in completed:
+                        return moved  # sent later on this same rank: never (validate names it)
+                for op in local:
+                    completed[(rank, op)] = post
+            ops = [op for op in remote if op not in early[rank]] if early[rank] else remote
             if not ops:
                 pointer[rank] += len(local) + len(early[rank])
                 early[rank] = set()

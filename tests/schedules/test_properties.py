@@ -1,0 +1,79 @@
+"""Property tests over every registered training schedule: for p stages up to 16 and m
+micro-batches up to 64, the schedule is valid (every micro-batch's forward before its backward,
+nothing missing, sends matched, no deadlock under the strict communication model) and its
+simulation finishes with the expected bubble. A seeded sample of the grid runs by default; the
+whole grid with ``--runslow``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_pipe.schedules import SCHEDULES, closed_form_bubble, is_async, peak_in_flight, simulate, unroll, validate
+from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
+
+FULL = [(p, m) for p in range(1, 17) for m in range(1, 65)]
+CORNERS = [(1, 1), (1, 64), (16, 1), (16, 15), (16, 16), (16, 64), (2, 1), (7, 3)]
+SAMPLE = CORNERS + random.Random(20261122).sample(FULL, 12)
+
+
+def _idle(schedule, *costs: float) -> list[float]:
+    sim = simulate(schedule, *costs, rendezvous=False)
+    return [sim.makespan - b for b in sim.busy]
+
+
+def _check_new(name: str, p: int, m: int) -> None:
+    """The schedules with a split backward or several stages per rank, against their published
+    bubbles (see tests/schedules/test_zero_bubble.py for the sources)."""
+    if name == "zero_bubble":
+        schedule = SCHEDULES[name](p, m)
+        validate(schedule)
+        if m >= p:  # ZB-H1: (p - 1)(T_F + T_B - T_W) per rank
+            assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
+        return
+    try:
+        schedule = SCHEDULES[name](p, m)
+    except ValueError:
+        assert name == "interleaved_1f1b" and m % max(1, m // p), (name, p, m)
+        return
+    validate(schedule, rendezvous=False)
+    if name == "interleaved_1f1b" and m >= p:  # Megatron: (p - 1) / (v m) of the ideal time, v = 2
+        idle = sum(_idle(schedule, 1.0, 2.0))
+        assert idle / (3.0 * 2 * m * p) == pytest.approx((p - 1) / (2 * m)), (p, m)
+    if name == "zbv" and m >= 2 * p:  # the V's ramp: p - 1 half-stage forwards per rank
+        assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
+
+
+def _check(name: str, p: int, m: int) -> None:
+    if name in ("zero_bubble", "interleaved_1f1b", "zbv"):
+        _check_new(name, p, m)
+        return
+    if is_async(name):
+        if m < min_chunks(name, p):  # runs as an isolated step, drained at once
+            validate(unroll(isolated_step(p, m), 1))
+            return
+        unrolled = unroll(SCHEDULES[name](p, m), 2)
+        validate(unrolled)
+        simulate(unrolled)
+        return
+    schedule = SCHEDULES[name](p, m)
+    validate(schedule)
+    assert simulate(schedule).bubble_fraction == pytest.approx(closed_form_bubble(p, m), abs=1e-9), (name, p, m)
+    if name == "1f1b":
+        assert peak_in_flight(schedule) == {s: min(p - s, m) for s in range(p)}
+    if name == "gpipe":
+        assert set(peak_in_flight(schedule).values()) == {m}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_sampled_grid(name: str) -> None:
+    for p, m in SAMPLE:
+        _check(name, p, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_whole_grid(name: str) -> None:
+    for p, m in FULL:
+        _check(name, p, m)
