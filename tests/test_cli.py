@@ -34,7 +34,7 @@ def _compose(overrides: list[str]):
 
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "vgg19_cifar100"]
-    assert GROUPS["strategy"] == ["1f1b", "gpipe", "none", "pipedream", "pipedream_2bw"]
+    assert GROUPS["strategy"] == ["1f1b", "gpipe", "interleaved_1f1b", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
 
 
@@ -67,6 +67,15 @@ def test_overrides_reach_the_strategy() -> None:
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False
 
 
+def test_virtual_stages_reach_the_strategy() -> None:
+    cfg = _compose(["strategy=interleaved_1f1b", "strategy.virtual_stages=3"])
+    assert build_strategy(cfg.strategy, 2)[0].virtual_stages == 3
+    assert build_strategy(_compose(["strategy=zbv"]).strategy, 2)[0].virtual_stages == 2
+    assert build_strategy(_compose(["strategy=zero_bubble"]).strategy, 2)[0].virtual_stages == 1
+    with pytest.raises(ValueError, match="one stage per process"):
+        build_strategy(_compose(["strategy=gpipe", "strategy.virtual_stages=2"]).strategy, 2)
+
+
 def test_a_bad_value_names_it() -> None:
     cfg = _compose(["strategy.schedule=zigzag"])
     with pytest.raises(ValueError, match="'zigzag'"):
@@ -74,7 +83,7 @@ def test_a_bad_value_names_it() -> None:
 
 
 @pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
-@pytest.mark.parametrize("strategy", ["gpipe", "1f1b", "none"])
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b", "none", "zbv"])
 def test_each_recipe_runs(tmp_path: Path, recipe: str, strategy: str) -> None:
     cfg = _compose([f"recipe={recipe}", f"strategy={strategy}", *SMALL[recipe], *QUICK]
                    + ([] if strategy == "none" else ["strategy.start_method=fork", "strategy.chunks=2"]))  # fmt: skip
