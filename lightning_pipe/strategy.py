@@ -420,6 +420,7 @@ class PipelineStrategy(ParallelStrategy):
         }
         for runner in runners.values():
             runner.weight_params = [p for p in module.parameters() if p.requires_grad]
+            runner.split_backward = split
         self._runner = runners[min(runners)]
         self._executor = Executor(transport, runners, rank=self.stage)
         if versions is not None:

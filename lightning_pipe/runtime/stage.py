@@ -52,13 +52,20 @@ class StageModule(nn.Sequential):
             )
         return self.run_layers(value, use_checkpoint=False)
 
-    def run_layers(self, value: Any, use_checkpoint: bool, params: Optional[dict[str, Tensor]] = None) -> Any:
+    def run_layers(
+        self,
+        value: Any,
+        use_checkpoint: bool,
+        params: Optional[dict[str, Tensor]] = None,
+        cuts: Optional[list[Boundary]] = None,
+    ) -> Any:
         """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
         in the backward, with the RNG state of the forward, so dropout draws the same mask. With
         ``params`` (names as in ``named_parameters``) the layers run on those tensors instead of
-        their own parameters (a stashed weight version)."""
+        their own parameters (a stashed weight version). With ``cuts`` the autograd graph is cut
+        before each layer (see :func:`cut`), so that a split backward's W needs no input gradients."""
         if not use_checkpoint:
-            return self._chain(value, params)
+            return self._chain(value, params, cuts)
         tensors, was_tuple = as_tuple(value)
 
         def layers(*flat: Tensor) -> Any:
@@ -66,13 +73,44 @@ class StageModule(nn.Sequential):
 
         return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
 
-    def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
+    def _chain(self, value: Any, params: Optional[dict[str, Tensor]], cuts: Optional[list[Boundary]] = None) -> Any:
+        if params is None and cuts is not None:
+            for layer in self._modules.values():
+                value = layer(cut(value, cuts))
+            return value
         if params is None:
             return nn.Sequential.forward(self, value)
         for key, layer in self._modules.items():
             own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
+
+
+#: Where the graph of a micro-batch was cut: (the tensor, the leaf that replaced it) for each tensor
+#: that needed a gradient.
+Boundary = list[tuple[Tensor, Tensor]]
+
+
+def cut(value: Any, cuts: list[Boundary]) -> Any:
+    """``value`` with every tensor that needs a gradient replaced by a fresh leaf, the pair recorded
+    as a new boundary in ``cuts``. Values that are not tensors (or tuples of them) are left whole
+    (no boundary: the segment around them spans more layers)."""
+    if isinstance(value, Tensor):
+        tensors, was_tuple = (value,), False
+    elif isinstance(value, (tuple, list)) and all(isinstance(v, Tensor) for v in value):
+        tensors, was_tuple = tuple(value), True
+    else:
+        return value
+    boundary: Boundary = []
+    out = []
+    for t in tensors:
+        if t.requires_grad:
+            leaf = t.detach().requires_grad_(True)
+            boundary.append((t, leaf))
+            t = leaf
+        out.append(t)
+    cuts.append(boundary)
+    return from_tuple(tuple(out), was_tuple)
 
 
 def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
@@ -123,6 +161,11 @@ class StageRunner:
         #: the tensors W computes gradients for (default: the stage's parameters; the strategy adds
         #: the LightningModule's parameters outside the Sequential)
         self.weight_params: Optional[list[Tensor]] = None
+        #: set for schedules with a split backward: the graph is cut before every layer, so that B
+        #: runs the input-gradient chain segment by segment and W each segment's weight gradients
+        #: only (without it, W would backpropagate through the whole stage again)
+        self.split_backward = False
+        self._cuts: dict[int, list[Boundary]] = {}
         self._microbatches = 1
         self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
 
@@ -130,6 +173,7 @@ class StageRunner:
         """Forget every micro-batch in flight."""
         self._saved.clear()
         self._weights_due.clear()
+        self._cuts.clear()
 
     def enable_trace(self) -> list[tuple[str, int, int]]:
         """Record which weight version each forward used and which version each backward's
@@ -173,6 +217,7 @@ class StageRunner:
             params = self.versions.params(version)
             if self.trace is not None:
                 self.trace.append(("F", microbatch, version))
+        cuts: Optional[list[Boundary]] = [] if self.split_backward and training and not use_ckpt and params is None else None
         leaves: list[Tensor] = []
         if received is not None:
             tensors, flags, was_tuple = received
@@ -189,19 +234,22 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return self.module.run_layers(argument if received is None else value, use_ckpt, params)
+                out = self.module.run_layers(argument if received is None else value, use_ckpt, params, cuts)
+                return out if cuts is None else cut(out, cuts)  # the step's loss is a segment too
 
             loss = self._run_step(microbatch % num_microbatches, inject)
             if calls == 0:
                 raise RuntimeError(self._not_called())
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
+                if cuts:
+                    self._cuts[microbatch] = cuts
             return None
         if self.is_first:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(self.module.run_layers(argument, use_ckpt, params))
+                captured.append(self.module.run_layers(argument, use_ckpt, params, cuts))
                 raise _StageExit
 
             try:
@@ -212,10 +260,12 @@ class StageRunner:
                 raise RuntimeError(self._not_called())
             output = captured[0]
         else:
-            output = self.module.run_layers(value, use_ckpt, params)
+            output = self.module.run_layers(value, use_ckpt, params, cuts)
         tensors_out, was_tuple_out = as_tuple(output)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
+            if cuts:
+                self._cuts[microbatch] = cuts
         return tensors_out, was_tuple_out
 
     def output_grad_like(self, microbatch: int) -> list[Tensor]:
@@ -250,8 +300,11 @@ class StageRunner:
         else:
             roots = [t for t in outputs if t.requires_grad]
             root_grads = grads if roots else None
-        self._weights_due[microbatch] = (roots, root_grads)
         needing = [leaf for leaf in leaves if leaf.requires_grad]
+        cuts = self._cuts.pop(microbatch, None)
+        if cuts:
+            return self._backward_segments(microbatch, needing, cuts, roots, root_grads)
+        self._weights_due[microbatch] = [(roots, root_grads)]
         if self.is_first:
             return None
         if not needing or not roots:
@@ -259,14 +312,45 @@ class StageRunner:
         got = torch.autograd.grad(roots, needing, root_grads, retain_graph=True, allow_unused=True)
         return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(got, needing)]
 
+    def _backward_segments(
+        self,
+        microbatch: int,
+        needing: list[Tensor],
+        cuts: list[Boundary],
+        roots: list[Tensor],
+        root_grads: Optional[list[Tensor]],
+    ) -> Optional[list[Tensor]]:
+        """B over a graph cut into segments (one per layer): the input gradient of each segment
+        from the last to the first, keeping each segment's output gradient for W."""
+        segments: list[tuple[list[Tensor], list[Tensor]]] = [(needing, [t for t, _ in cuts[0]])]
+        for k, boundary in enumerate(cuts):
+            outs = [t for t, _ in cuts[k + 1]] if k + 1 < len(cuts) else roots
+            segments.append(([leaf for _, leaf in boundary], outs))
+        due: list[tuple[list[Tensor], Optional[list[Tensor]]]] = []
+        g = root_grads
+        for ins, outs in reversed(segments):
+            if outs and not all(t.is_leaf for t in outs):
+                due.append((outs, g))
+            if not ins:
+                g = []
+                continue
+            if not outs:
+                g = [torch.zeros_like(t) for t in ins]
+                continue
+            got = torch.autograd.grad(outs, ins, g, retain_graph=True, allow_unused=True)
+            g = [x if x is not None else torch.zeros_like(t) for x, t in zip(got, ins)]
+        self._weights_due[microbatch] = due
+        return None if self.is_first else list(g or [])
+
     def backward_weight(self, microbatch: int) -> None:
         """W of a split backward: the weight gradients, accumulated into ``.grad``; the graph kept
-        since B is freed. Autograd computes only what leads to the weights."""
-        roots, root_grads = self._weights_due.pop(microbatch)
+        since B is freed. Autograd computes only what leads to the weights; where B ran on a cut
+        graph, each segment backpropagates only through its own layer."""
         params = self.weight_params if self.weight_params is not None else list(self.module.parameters())
         params = [p for p in params if p.requires_grad]
-        if roots and params:
-            torch.autograd.backward(roots, root_grads, inputs=params)
+        for roots, root_grads in self._weights_due.pop(microbatch):
+            if roots and params:
+                torch.autograd.backward(roots, root_grads, inputs=params)
 
     def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
         if self.step is None:
