@@ -17,6 +17,10 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   what the fusion is worth and how the rest of lightning-pipe compares with torch's;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and
   ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split;
+  ``torch_interleaved_1f1b`` / ``torch_zero_bubble`` / ``torch_zbv``: its
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per process: ZB-H1) and
+  ``ScheduleZBVZeroBubble``, on the same p x v split as ``pipe_interleaved_1f1b``, ``pipe_zero_bubble``
+  and ``pipe_zbv`` (``--contenders`` picks them; not in the default set);
 - ``deepspeed_1f1b``: DeepSpeed's pipeline engine (its 1F1B ``TrainSchedule``), when DeepSpeed is
   installed (``pip install 'lightning-pipe[bench]'``); skipped with a message otherwise.
 
@@ -67,6 +71,8 @@ from step_time import MLP, StepTimer, intervals  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
+from lightning_pipe.partition.virtual import stage_positions  # noqa: E402
+from lightning_pipe.schedules import VIRTUAL_STAGES  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 
 MODELS = {
@@ -154,7 +160,14 @@ def _free_port() -> int:
 
 
 def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int, port: int, path: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -164,21 +177,24 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=STAGES)
     spec = MODELS[model]
     layers = build_module(model).layers
-    balance = resolve_balance("parameters", layers, STAGES)
-    part = nn.Sequential(OrderedDict(stage_layers(layers, balance, rank))).to(device)
-    stage = PipelineStage(part, rank, STAGES, device)
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    pipe = cls(stage, spec["chunks"], loss_fn=nn.functional.cross_entropy)
-    optimizer = torch.optim.SGD(part.parameters(), lr=0.01, momentum=0.9)
+    # the same split as lightning-pipe's: p x v stages by parameters, placed as its schedule places them
+    positions = stage_positions(schedule, STAGES, VIRTUAL_STAGES.get(schedule, 1))
+    balance = resolve_balance("parameters", layers, len(positions))
+    mine = [s for s, position in enumerate(positions) if position == rank]
+    parts = [nn.Sequential(OrderedDict(stage_layers(layers, balance, s))).to(device) for s in mine]
+    stages = [PipelineStage(part, s, len(positions), device) for s, part in zip(mine, parts)]
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+    loss = nn.functional.cross_entropy
+    pipe = single[schedule](stages[0], spec["chunks"], loss_fn=loss) if schedule in single else multi[schedule](stages, spec["chunks"], loss_fn=loss)
+    optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.01, momentum=0.9)
+    first, last = 0 in mine, len(positions) - 1 in mine
     ends = []
     gc.collect()  # as every contender does before its timed steps
     for x, y in data(model, spec["batch"], steps):
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
-        if rank == 0:
-            pipe.step(x)
-        else:
-            pipe.step(target=y)
+        pipe.step(*([x] if first else []), **({"target": y} if last else {}))
         optimizer.step()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
