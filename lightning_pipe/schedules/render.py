@@ -9,10 +9,17 @@ from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
 
 
-def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2, weight_cost: Optional[int] = None) -> str:
+def render(
+    schedule: Schedule,
+    forward_cost: int = 1,
+    backward_cost: int = 2,
+    weight_cost: Optional[int] = None,
+    rendezvous: Optional[bool] = None,
+) -> str:
     """Timetable of ``schedule`` with integer costs; ``..`` marks idle time (the bubble). A split
     backward shows B and W (each ``backward_cost // 2`` unless ``weight_cost`` is given); with
-    several stages per rank, each cell names the stage too (``F3s1``).
+    several stages per rank, each cell names the stage too (``F3s1``), and the timing is gloo's
+    (``rendezvous`` false; see :func:`.simulate`) unless ``rendezvous`` says otherwise.
 
     Example (2 stages, 3 micro-batches, 1F1B)::
 
@@ -22,9 +29,10 @@ def render(schedule: Schedule, forward_cost: int = 1, backward_cost: int = 2, we
     if schedule.split_backward and weight_cost is None:
         weight_cost = max(1, backward_cost // 2)
         backward_cost = max(1, backward_cost - weight_cost)
-    sim = simulate(schedule, forward_cost, backward_cost, weight_cost)
-    width = int(round(sim.makespan))
     virtual = schedule.num_stages > schedule.num_ranks
+    strict = not virtual if rendezvous is None else rendezvous
+    sim = simulate(schedule, forward_cost, backward_cost, weight_cost, rendezvous=strict)
+    width = int(round(sim.makespan))
     cell = max(2, len(str(schedule.num_microbatches - 1)) + 1 + (len(f"s{schedule.num_stages - 1}") if virtual else 0))
     rows = []
     for rank in range(schedule.num_ranks):
