@@ -181,18 +181,15 @@ class Executor:
             elif action.kind is ActionKind.SEND_GRADIENT:
                 grads, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads)
-        if ops and any(
+        if ops and not self.transport.batched and any(
             a.kind is ActionKind.RECV_ACTIVATION
             and a not in run.inbox
             and not self.transport.knows(self._activation_key(a, run, a.stage))
             for a in group
-        ):  # a header to wait for: the sends go out first, the peer may need them to send it
+        ):  # gloo, a header to wait for: the sends go out first, the peer may need them to send it
             with self._span("post", group[0].stage, group[0].microbatch):
                 early = self.transport.post(ops)
-            if self.transport.batched:
-                run.sends.extend((w, ops[0]) for w in early)
-            else:
-                run.sends.extend(zip(early, ops))
+            run.sends.extend(zip(early, ops))
             ops = []
         n_sends = len(ops)
         pending: list[tuple[Action, _Inbox, int]] = []

@@ -5,8 +5,8 @@ actions as one group; groups of a rank complete in posting order (one stream per
 NCCL's rendezvous point-to-point); a send and its receive complete only while both of their
 groups are at the head of their rank's queue; a receive is posted only after its peer posted the
 matching send of an activation (the receiver may have to read a shape header first; gradient
-shapes are known locally), and while it waits for that, the sends of its group go out as a group
-of their own; a compute action waits for
+shapes are known locally), and (in gloo's model below) while it waits for that, the sends of its
+group go out as a group of their own; a compute action waits for
 the receive it consumes. A send between two stages of one rank is a hand-over in memory: it
 completes when posted and takes no place in the queue; its receive completes when posted after it.
 A schedule that finishes under this model cannot hang under gloo or NCCL.
@@ -148,8 +148,8 @@ def simulate(
                 if op.kind is ActionKind.RECV_ACTIVATION:  # gradient shapes are known locally
                     peer = (schedule.rank_of(op.peer_stage()), op.matching())
                     if peer not in posted_sends:
-                        sends = [o for o in ops if o.kind.is_send]
-                        if sends:  # the sends go out as a group of their own while the rank waits
+                        sends = [] if rendezvous else [o for o in ops if o.kind.is_send]
+                        if sends:  # gloo: the sends go out as a group of their own while the rank waits
                             group = _Group(rank, sends, post)
                             queues[rank].append(group)
                             for o in sends:
