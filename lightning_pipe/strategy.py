@@ -35,7 +35,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -55,7 +54,7 @@ from lightning_pipe.checkpoint import (
     write_shard,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
-from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.precision import sync_gradient_scaler
@@ -276,7 +275,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
