@@ -127,11 +127,13 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
 def _end_job(environment: dict[str, Optional[str]]) -> None:
     """Leave nothing of this job's processes behind for the next job of a sweep, which runs in this
     process and starts its own extra processes: the process group, and the variables Lightning's
-    launcher set (with ``LOCAL_RANK`` set, Lightning would take the processes as started already)."""
+    launcher set (with ``LOCAL_RANK`` set, Lightning would take the processes as started already).
+    The next job gets a new port even where ``MASTER_PORT`` was given: this process may still hold
+    the finished job's store on the old one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in environment.items():
-        if value is None:
+        if value is None or key == "MASTER_PORT":
             os.environ.pop(key, None)
         else:
             os.environ[key] = value

@@ -66,6 +66,7 @@ from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe import signals
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 
@@ -165,6 +166,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self._signals: Optional[signals.PipelineSignalConnector] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
     @property
@@ -283,6 +285,7 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._signals = signals.install(trainer)
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
@@ -395,6 +398,8 @@ class PipelineStrategy(ParallelStrategy):
         return module, micro, [n / total for n in sizes], StepRecorder()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
+            self._signals.stop_if_requested(self.root_device)
         module, micro, weights, recorder = self._begin_step(args[0])
         rest, keep = args[1:], self.is_last_stage
 
@@ -521,6 +526,8 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        if self._signals is not None:
+            self._signals.stop_if_requested(self.root_device)
         module, micro, weights, recorder = self._begin_step(args[0])
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
