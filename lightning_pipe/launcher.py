@@ -3,7 +3,8 @@
 Lightning's own multiprocessing launcher does the work, with two differences that matter for a
 pipeline: the weights sent back to the main process are the whole model, gathered from every
 stage (so ``trainer.fit`` in a notebook leaves the notebook's module trained, as with
-``DDPStrategy``), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
+``DDPStrategy``; not for a module built in ``configure_model()``, which may not fit one process:
+save a checkpoint instead), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
 wrapper rather than a subclass because Lightning refuses ``return_predictions`` for launchers of
 the ``_MultiProcessingLauncher`` class.
 """
@@ -23,6 +24,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 class _GatheringLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
+        if getattr(self._strategy, "deferred_build", False):
+            # built on the meta device because it may not fit one process: not gathered anywhere
+            return super()._collect_rank_zero_results(trainer, results)
         original = module.state_dict
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
