@@ -33,10 +33,12 @@ class _GatheringLauncher(_MultiProcessingLauncher):
             local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local, group=getattr(self._strategy, "_meta_group", None))
+            # only rank 0 sends the weights back; the others need not receive every stage
+            rank0 = dist.get_rank() == 0
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if rank0 else None
+            dist.gather_object(local, gathered, dst=0, group=getattr(self._strategy, "_meta_group", None))
             merged: dict[str, Any] = {}
-            for part in gathered:
+            for part in gathered or [local]:
                 merged.update(part)
             return merged
 

@@ -151,17 +151,21 @@ def check_names(source: WeightSource, spec: ModelSpec) -> None:
     )
     problems = []
     if missing:
-        problems.append(f"{len(missing)} names of the model are not in the file: {_listed(missing)}")
+        problems.append(f"{_count(missing, 'name')} of the model not in the file: {_listed(missing)}")
     if extra:
-        problems.append(f"{len(extra)} names in the file are not in the model: {_listed(extra)}")
+        problems.append(f"{_count(extra, 'name')} in the file not in the model: {_listed(extra)}")
     if wrong:
-        problems.append(f"{len(wrong)} shapes differ: {_listed(wrong)}")
+        problems.append(f"{_count(wrong, 'shape')} differing: {_listed(wrong)}")
     if problems:
         raise ValueError(
             f"PipelineStrategy(weights={str(source.path)!r}) does not fit {len(spec.shapes)} tensors of the model: "
             + "; ".join(problems)
             + ". Names are those of the unsplit LightningModule's state_dict (for example 'layers.0.weight')."
         )
+
+
+def _count(items: list[str], noun: str) -> str:
+    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
 
 
 def _listed(names: list[str]) -> str:
