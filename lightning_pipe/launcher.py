@@ -24,12 +24,12 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 class _GatheringLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
-        if getattr(self._strategy, "deferred_build", False):
-            # built on the meta device because it may not fit one process: not gathered anywhere
-            return super()._collect_rank_zero_results(trainer, results)
         original = module.state_dict
+        deferred = getattr(self._strategy, "deferred_build", False)
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            if deferred:  # built on the meta device because it may not fit one process: sent nowhere
+                return {}
             local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local

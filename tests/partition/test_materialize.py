@@ -122,3 +122,24 @@ def test_no_rank_holds_more_than_half_of_a_model_built_in_configure_model(tmp_pa
     for rank in range(4):
         assert deferred[rank] - tiny[rank] < model_bytes / 2, (rank, deferred[rank] - tiny[rank])
         assert eager[rank] - tiny[rank] > 0.9 * model_bytes, (rank, eager[rank] - tiny[rank])
+
+
+def test_a_module_built_under_init_module_empty_init_is_materialised_per_stage(tmp_path: Path) -> None:
+    from tests.models import TinyNet
+    from tests.pipeline import pipeline_trainer
+
+    L.seed_everything(2)
+    trainer = pipeline_trainer(2, callbacks=[SaveStageState(str(tmp_path), start=True)], max_steps=1)
+    with trainer.init_module(empty_init=True):
+        model = TinyNet()
+    assert model.layers[0].weight.is_meta
+    from tests.models import loader
+
+    trainer.fit(model, loader())
+    start = merged_stage_states(str(tmp_path), 2, start=True)
+    with torch.device("meta"):
+        plain = TinyNet()
+    expected = init_like_pipeline(plain).state_dict()
+    assert set(start) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
