@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -132,19 +133,60 @@ def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- files
+def save_tag(checkpoint: Mapping[str, Any], token: str) -> dict[str, Any]:
+    """What every file of one save carries, so that a shard from another save is recognised:
+    ``token`` is drawn once per save and shared by all ranks; step and epoch are for the message."""
+    return {"token": token, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+
+
+def staging_path(path: _PATH) -> Path:
+    """Where a save is written before it replaces ``path`` (same folder, so the rename is atomic)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.partial")
+
+
+def publish(staged: _PATH, path: _PATH) -> None:
+    """Replace ``path`` by the complete save ``staged``. The previous checkpoint stays whole until
+    the new one is: a crash while saving leaves it loadable."""
+    staged, path = Path(staged), Path(path)
+    old = path.with_name(f".{path.name}.old")
+    _remove(old)
+    if path.exists() or path.is_symlink():
+        path.rename(old)
+    staged.rename(path)
+    _remove(old)
+
+
+def prepare_staging(path: _PATH) -> Path:
+    """An empty staging directory for a save to ``path`` (left-overs of a crashed save removed)."""
+    staged = staging_path(path)
+    _remove(staged)
+    staged.mkdir(parents=True)
+    return staged
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def write_shard(
     path: _PATH,
     rank: int,
     state_dict: Mapping[str, Tensor],
     optimizer_states: Optional[list],
     extra: Optional[dict[str, Any]] = None,
+    tag: Optional[dict[str, Any]] = None,
 ) -> None:
     """Stage ``rank``'s shard; ``extra`` holds strategy state such as an asynchronous schedule's
-    gradients not yet applied (keyed by layer name as well)."""
+    gradients not yet applied (keyed by layer name as well); ``tag`` names the save it belongs to."""
     shard = {
         "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
         "optimizer_states": optimizer_states,
         "extra": _to_cpu(extra),
+        "save": tag,
     }
     torch.save(shard, Path(path) / shard_name(rank))
 
@@ -170,25 +212,50 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str
     return {"step": states[0]["step"], "pending": pending}
 
 
-def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int) -> None:
+def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: Optional[dict[str, Any]] = None) -> None:
     meta = dict(checkpoint)
-    meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages}
+    meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages, "save": tag}
     torch.save(meta, Path(path) / META)
 
 
+def _load(file: Path, **kwargs: Any) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", **kwargs)
+    except Exception as error:
+        raise RuntimeError(
+            f"The checkpoint file {file} cannot be read ({type(error).__name__}: {error}); it is damaged or "
+            "truncated (a save that did not finish?). Resume from another checkpoint."
+        ) from error
+
+
+def _describe(tag: Optional[Mapping[str, Any]]) -> str:
+    if not tag:
+        return "an unknown save"
+    return f"the save of step {tag.get('global_step')} (epoch {tag.get('epoch')})"
+
+
 def read(path: _PATH, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The metadata and every stage's shard (tensors memory-mapped)."""
+    """The metadata and every stage's shard (tensors memory-mapped). Refuses a checkpoint with a
+    missing, unreadable or foreign shard (one written by another save), naming the file."""
     path = Path(path)
     if not is_pipeline_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a lightning-pipe checkpoint directory (no {META} in it).")
-    meta = torch.load(path / META, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    meta = _load(path / META, weights_only=True if weights_only is None else weights_only)
     count = meta["lightning_pipe"]["num_stages"]
+    tag = meta["lightning_pipe"].get("save")
     shards = []
     for rank in range(count):
         file = path / shard_name(rank)
         if not file.is_file():
             raise FileNotFoundError(f"{path} is incomplete: {file.name} is missing (the checkpoint has {count} stages).")
-        shards.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        shard = _load(file, weights_only=True, mmap=True)
+        if shard.get("save") != tag:
+            raise RuntimeError(
+                f"{file} belongs to {_describe(shard.get('save'))}, but {path / META} to {_describe(tag)}: the "
+                "directory mixes shards of different saves, and loading it would start from inconsistent weights. "
+                "Put back the shard written with the rest of this checkpoint, or resume from another one."
+            )
+        shards.append(shard)
     return meta, shards
 
 

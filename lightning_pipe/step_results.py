@@ -9,7 +9,6 @@ sent to every rank and logged there once, so ``trainer.callback_metrics`` agree 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -148,6 +147,7 @@ class SummaryBroadcaster:
     """
 
     SLOTS = 64
+    HEAD = 3  # kind of message, number of values, whether there is a loss
 
     def __init__(self, src: int, group: Any, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
@@ -164,14 +164,16 @@ class SummaryBroadcaster:
         if self.is_src:
             assert summary is not None
             structure = [(name, kwargs) for name, _, kwargs in summary["logs"]]
-            values = [math.nan if summary["loss"] is None else summary["loss"], *(v for _, v, _ in summary["logs"])]
-            fits = len(values) + 2 <= self.SLOTS
+            has_loss = summary["loss"] is not None
+            values = [summary["loss"] if has_loss else 0.0, *(v for _, v, _ in summary["logs"])]
+            fits = len(values) + self.HEAD <= self.SLOTS
             changed = structure != self._sent_structure
             self._sent_structure = structure
             buffer[0] = 2.0 if not fits else float(changed)
             if fits:
                 buffer[1] = len(values)
-                buffer[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.float64)
+                buffer[2] = float(has_loss)  # a flag, not NaN: a NaN loss is a value to report
+                buffer[self.HEAD : self.HEAD + len(values)] = torch.tensor(values, dtype=torch.float64)
         work = dist.broadcast(buffer, self.src, group=self.group, async_op=True)
         return work, buffer, summary
 
@@ -199,7 +201,7 @@ class SummaryBroadcaster:
             self._structure = box[0]
         assert self._structure is not None
         count = int(buffer[1])
-        values = buffer[2 : 2 + count].tolist()
-        loss = None if math.isnan(values[0]) else values[0]
+        values = buffer[self.HEAD : self.HEAD + count].tolist()
+        loss = values[0] if buffer[2] != 0 else None
         logs = [(name, value, kwargs) for (name, kwargs), value in zip(self._structure, values[1:])]
         return {"loss": loss, "logs": logs}

@@ -14,7 +14,7 @@ of a pipeline must see the very batches the user's DataLoader yields, in the sam
 from __future__ import annotations
 
 import logging
-import shutil
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from contextlib import contextmanager, nullcontext
@@ -41,7 +41,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, RandomSampler
 
 from lightning_pipe.checkpoint import (
     is_pipeline_checkpoint,
@@ -51,30 +50,45 @@ from lightning_pipe.checkpoint import (
     optimizer_state_by_name,
     optimizer_state_by_position,
     parameter_names,
+    prepare_staging,
+    publish,
+    save_tag,
+    staging_path,
     write_meta,
     write_shard,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe import failures
+from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
 from lightning_pipe.precision import sync_gradient_scaler
+from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.executor import Executor
-from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
+from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
+from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
 from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
 
 _default_timeout = timedelta(minutes=30)
+_LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
+    "train": ("training", "train_dataloader"),
+    "validation_step": ("validation", "val_dataloaders"),
+    "test_step": ("test", "test_dataloaders"),
+    "predict_step": ("predict", "predict_dataloaders"),
+}
 
 
 def check_arguments(
@@ -118,6 +132,10 @@ class PipelineStrategy(ParallelStrategy):
         weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
             ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
             stage's tensors (see :mod:`lightning_pipe.weights`).
+        check_data: when the stages compare a checksum of the batch they loaded (they compare its
+            shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
+            integer ``N`` also every ``N`` steps, ``False`` never (see
+            :mod:`lightning_pipe.runtime.agreement`).
 
     A module that builds its layers in ``configure_model()`` (or under
     ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
@@ -143,9 +161,15 @@ class PipelineStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = _default_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
+        check_data: Union[bool, int] = True,
         weights: Optional[Union[str, Path]] = None,
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint, weights)
+        if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
+            raise ValueError(
+                f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
+                "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -163,6 +187,7 @@ class PipelineStrategy(ParallelStrategy):
         self.checkpoint_mode = checkpoint
         self.module_name = module
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.check_data = check_data
         self.weights = weights
         self.deferred_build = False  # the module was built on the meta device
         self._fused_layers: list[nn.Linear] = []
@@ -170,11 +195,12 @@ class PipelineStrategy(ParallelStrategy):
         self._runner: Optional[StageRunner] = None
         self._executor: Optional[Executor] = None
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
+        self._gradients: Optional[StageGradients] = None
         self._shared: list[nn.Parameter] = []
         self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
         self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
         self._meta_group: Any = None
+        self._agreement: Optional[BatchAgreement] = None
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._async: Optional[AsyncPipeline] = None
@@ -263,13 +289,10 @@ class PipelineStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Give a shuffling DataLoader the same random order on every stage: a ``RandomSampler``
-        without a generator would draw its order from each process's own RNG state."""
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-            sampler.generator = torch.Generator().manual_seed(int(self.broadcast(seed)))
-        return dataloader
+        """Make every stage of the pipeline draw the first stage's indices: each stage loads the
+        batch itself, and a sampler drawing from a process's random state would differ between them
+        (see :mod:`lightning_pipe.runtime.sampling`)."""
+        return share_order(dataloader, self._meta_group, self.pipeline_ranks[0], self.pipeline_ranks)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -279,6 +302,11 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def stage(self) -> int:
         return self.global_rank
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this pipeline's stages, first to last."""
+        return list(range(self.num_stages))
 
     @property
     def is_last_stage(self) -> bool:
@@ -370,23 +398,33 @@ class PipelineStrategy(ParallelStrategy):
                 group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
                 if self.stage in tie:
                     self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        self._gradients = StageGradients(
+            self._shared, self._tie_groups, None, self.num_stages, counts_shared=self.global_rank == 0
+        )
         transport = Transport(
-            stage_ranks=list(range(self.num_stages)),
+            stage_ranks=self.pipeline_ranks,
             device=self.root_device,
             group=None,
             meta_group=self._meta_group,
             batched=dist.get_backend() == "nccl",
+            through_host=self._stages_through_host(),
         )
         versions = None
         if is_async(self.schedule_name):
             self._check_async(module)
             versions = WeightVersions(self._stage_module)
+        if self.num_stages > 1:
+            self._agreement = BatchAgreement(self._meta_group, self.num_stages)
         if self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    def _stages_through_host(self) -> bool:
+        """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
+        return dist.get_backend() == "gloo" and self.root_device.type != "cpu"
 
     def _check_async(self, module: "pl.LightningModule") -> None:
         outside = [p for p in self._shared if p.requires_grad]
@@ -402,6 +440,13 @@ class PipelineStrategy(ParallelStrategy):
                 "schedule='pipedream' applies gradients with a different delay on each stage, so the copies of a "
                 "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
                 "stage) or untie the weights."
+            )
+        needed = min_chunks(self.schedule_name, self.num_stages)
+        if self.num_microbatches < needed:
+            raise MisconfigurationException(
+                f"schedule={self.schedule_name!r} keeps two weight versions, which needs chunks >= stages - 1; got "
+                f"chunks={self.num_microbatches} with {self.num_stages} stages. Use chunks >= {needed} or "
+                "schedule='pipedream'. (A shorter last batch of an epoch is fine: it runs drained.)"
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException(
@@ -419,18 +464,43 @@ class PipelineStrategy(ParallelStrategy):
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[float], StepRecorder]:
-        """The module, the batch's micro-batches, their weights (share of the batch's samples) and a
-        recorder for what the step logs."""
+    def _begin_step(
+        self, kind: str, args: tuple
+    ) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
+        """The module, the batch's micro-batches, their shape keys, their weights (share of the
+        batch's samples) and a recorder for what the step logs. Starts checking that every stage
+        loaded the same batch (finished before this rank's first receive)."""
         module = self.lightning_module
         assert module is not None and self._executor is not None and self._runner is not None
+        batch = args[0]
         micro = split(batch, self.num_microbatches)
+        keys = [signature(mb) for mb in micro]
+        if self._agreement is not None:
+            batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            if self._checks_values(batch_idx):
+                self._agreement.post(keys, tensors_of(batch), self._data_source(kind))
+            else:
+                self._agreement.post(keys)
+            self._executor.transport.before_receive = self._agreement.check
         sizes = [batch_size(mb) for mb in micro]
         total = float(sum(sizes))
-        return module, micro, [n / total for n in sizes], StepRecorder()
+        weights = [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
+        return module, micro, keys, weights, StepRecorder()
+
+    def _checks_values(self, batch_idx: int) -> bool:
+        every = self.check_data
+        return every is not False and (batch_idx == 0 or (every is not True and batch_idx % every == 0))
+
+    def _data_source(self, kind: str) -> str:
+        """The DataLoader a step's batch came from, named for an error message."""
+        name, attribute = _LOADERS[kind]
+        loader = getattr(self.lightning_module.trainer, attribute, None) if self.lightning_module is not None else None
+        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+        dataset = getattr(loader, "dataset", None)
+        return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, micro, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
         def step(i: int) -> Optional[Tensor]:
@@ -445,6 +515,12 @@ class PipelineStrategy(ParallelStrategy):
                     "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
                     "return its loss; skipping a batch is not supported."
                 )
+            if torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
+                raise FloatingPointError(
+                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
+                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{self.describe_rank(self.global_rank)}; stopping because Trainer(detect_anomaly=True)."
+                )
             recorder.add_loss(loss, weight)
             scaled = loss * weight
             return self._scaler.scale(scaled) if self._scaler is not None else scaled
@@ -452,15 +528,16 @@ class PipelineStrategy(ParallelStrategy):
         self._runner.step = step
         if self._async is not None:
             try:
-                return self._async_training_step(module, micro, recorder, rest[0] if rest else 0)
+                return self._async_training_step(module, micro, keys, recorder, rest[0] if rest else 0)
             finally:
                 self._runner.step = None
-        saved = self._swap_grads({})
+        saved = swap_grads(module, {})
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
-                self._executor.run(self._schedule(self.schedule_name, len(micro)), [signature(mb) for mb in micro])
+                self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
+            self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
         finally:
-            self._pending_grads = self._swap_grads(saved)
+            self._gradients.take(module, saved)
             self._runner.step = None
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
@@ -470,7 +547,9 @@ class PipelineStrategy(ParallelStrategy):
     def _accumulation(self) -> ContextManager[Any]:
         return fused_linear.accumulating() if self._fused_layers else nullcontext()
 
-    def _async_training_step(self, module: "pl.LightningModule", micro: list, recorder: StepRecorder, batch_idx: int) -> Tensor:
+    def _async_training_step(
+        self, module: "pl.LightningModule", micro: list, keys: list[tuple], recorder: StepRecorder, batch_idx: int
+    ) -> Tensor:
         """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
         the gradient applied by this step's optimizer update is that of an earlier batch."""
         assert self._async is not None and self._stage_module is not None
@@ -483,14 +562,15 @@ class PipelineStrategy(ParallelStrategy):
         m = len(micro)
         fresh = not self._async.in_flight
         first = self._async.step * m
-        keys = {first + i: signature(mb) for i, mb in enumerate(micro)}
         with self.precision_plugin.train_step_context(), self._accumulation():
-            t = self._async.train_step(m, keys)
-            sync = fresh or self._async_sync_point(trainer, batch_idx)
-            if sync and not fresh:
+            t = self._async.train_step(m, {first + i: key for i, key in enumerate(keys)})
+            self._executor.transport.pass_gate()
+            isolated = self._async.isolated(m)
+            sync = fresh or isolated or self._async_sync_point(trainer, batch_idx)
+            if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
-        self._pending_grads = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        self._gradients.pending = {params[name]: grad for name, grad in self._async.due(t, m).items()}
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = recorder.summary() if self.is_last_stage else None
@@ -521,6 +601,22 @@ class PipelineStrategy(ParallelStrategy):
     def on_validation_start(self) -> None:
         self._finish_pending()
         self._drain()
+
+    def describe_rank(self, rank: int) -> str:
+        """``rank r (stage s of p)``: how errors name a process."""
+        return f"rank {rank} (stage {rank % self.num_stages} of {self.num_stages})"
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one fails, or explain a communication error with the note
+        of the rank that failed first (see :mod:`lightning_pipe.failures`)."""
+        explained = failures.report(exception, self.global_rank, self.describe_rank)
+        if explained is None:
+            return
+        message = f"lightning-pipe: {explained}"
+        if hasattr(exception, "add_note"):
+            exception.add_note(message)
+        else:  # Python 3.10
+            log.error(message)
 
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -556,7 +652,7 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
-        module, micro, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
 
@@ -569,7 +665,8 @@ class PipelineStrategy(ParallelStrategy):
         self._runner.step = step
         try:
             with context():
-                self._executor.run(self._schedule("forward", len(micro)), [signature(mb) for mb in micro])
+                self._executor.run(self._schedule("forward", len(micro)), keys)
+            self._executor.transport.pass_gate()
         finally:
             self._runner.step = None
         summary = self._share(hook, recorder)
@@ -583,55 +680,12 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scale = 1.0 / module.trainer.accumulate_grad_batches
-        pending, self._pending_grads = self._pending_grads, {}
-        self._all_reduce_shared(pending)
-        self._all_reduce_tied(pending)
-        for param, grad in pending.items():
-            if grad is None:
-                continue
-            if scale != 1.0:
-                grad = grad.mul_(scale)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+        assert self._gradients is not None
+        self._gradients.hand_over(1.0 / module.trainer.accumulate_grad_batches)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         if self._async is not None:
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
-
-    def _swap_grads(self, replacement: dict[nn.Parameter, Optional[Tensor]]) -> dict[nn.Parameter, Optional[Tensor]]:
-        module = self.lightning_module
-        assert module is not None
-        current: dict[nn.Parameter, Optional[Tensor]] = {}
-        for param in module.parameters():
-            current[param] = param.grad
-            param.grad = replacement.get(param)
-        return current
-
-    def _all_reduce_tied(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
-        the copies (equal from the start) take equal updates."""
-        for group, param, _ in self._tie_groups or []:
-            grad = pending.get(param)
-            total = grad if grad is not None else torch.zeros_like(param)
-            dist.all_reduce(total, group=group)
-            pending[param] = total
-
-    def _all_reduce_shared(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum this batch's gradients of parameters outside the Sequential over the stages: each
-        stage computed the part of them its own piece of ``forward`` used."""
-        if not self._shared or self.num_stages == 1:
-            return
-        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self._shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for param, grad in zip(self._shared, grads):
-            n = grad.numel()
-            pending[param] = flat[offset : offset + n].view_as(param).clone()
-            offset += n
 
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank.
@@ -682,26 +736,27 @@ class PipelineStrategy(ParallelStrategy):
         return optimizer_state_by_name(optimizer, parameter_names(module))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata."""
+        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata.
+        The save goes to a staging directory that replaces ``filepath`` only once every rank wrote
+        its part, so a crash while saving leaves the previous checkpoint whole."""
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
         self._finish_pending()
         self._drain()
         path = Path(filepath)
-        if self.is_global_zero:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-            path.mkdir(parents=True)
-        self.barrier()
+        staged = prepare_staging(path) if self.is_global_zero else staging_path(path)
+        tag = save_tag(checkpoint, self.broadcast(uuid.uuid4().hex))
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        write_shard(path, self.global_rank, state_dict, optimizer_states, extra)
+        write_shard(staged, self.global_rank, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
-            write_meta(path, rest, self.num_stages)
+            write_meta(staged, rest, self.num_stages, tag)
+        self.barrier()  # every shard is complete
+        if self.is_global_zero:
+            publish(staged, path)
+        self.barrier()  # no rank reads the checkpoint before it is in place
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline
@@ -760,23 +815,10 @@ class PipelineStrategy(ParallelStrategy):
         plugin._lightning_pipe_clip = True  # type: ignore[attr-defined]
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
-        Parameters outside the Sequential and weights tied across stages hold the same gradient on
-        several ranks and count once."""
-        once = {id(p) for p in self._shared} if self.global_rank != 0 else set()
-        once |= {id(p) for _, p, counted in self._tie_groups or [] if not counted}
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
-        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for g in counted:
-            square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
-            dist.all_reduce(square)
-        total = square.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
+        (see :meth:`lightning_pipe.gradients.StageGradients.clip_grad_norm_`)."""
+        assert self._gradients is not None
+        return self._gradients.clip_grad_norm_(parameters, max_norm, self.root_device)
 
     # ------------------------------------------------------------------ registration
     @classmethod

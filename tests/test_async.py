@@ -178,3 +178,13 @@ def test_render_reports_weight_versions() -> None:
 
     text = render(unroll(pipedream_2bw(2, 3), 3))
     assert text.splitlines()[-1].endswith("weight versions per stage 2, 1")
+
+
+def test_a_batch_too_short_for_2bw_runs_isolated() -> None:
+    from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
+
+    assert [min_chunks("pipedream_2bw", p) for p in (1, 2, 4, 8)] == [1, 1, 3, 7]
+    assert min_chunks("pipedream", 8) == 1
+    for p in range(2, 7):
+        for m in range(1, p - 1):
+            validate(unroll(isolated_step(p, m), 1))  # from an empty pipeline, drained at once

@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, update_delay
+from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
 
 
 class AsyncPipeline:
@@ -38,8 +39,15 @@ class AsyncPipeline:
 
     def _steady(self, m: int) -> Schedule:
         if m not in self._schedules:
-            self._schedules[m] = SCHEDULES[self.name](self.num_stages, m)
+            make = isolated_step if self.isolated(m) else SCHEDULES[self.name]
+            self._schedules[m] = make(self.num_stages, m)
         return self._schedules[m]
+
+    def isolated(self, m: int) -> bool:
+        """Whether a batch of ``m`` micro-batches is too short to overlap its neighbours (2BW with
+        ``m < p - 1``): it runs from an empty pipeline and must be drained in its own step. The
+        update rule is unchanged; only that step's bubble is not hidden."""
+        return m < min_chunks(self.name, self.num_stages)
 
     @property
     def in_flight(self) -> bool:
@@ -47,9 +55,9 @@ class AsyncPipeline:
 
     def train_step(self, m: int, keys: Mapping[int, Hashable]) -> int:
         """Run batch ``self.step`` split into ``m`` micro-batches (``keys`` by global id); returns its index."""
-        if self._in_flight is not None and self._in_flight != m:
+        if self._in_flight is not None and (self._in_flight != m or self.isolated(m)):
             self.drain()
-        steady = self._steady(m)  # validates m against the schedule (2BW needs m >= p - 1)
+        steady = self._steady(m)
         t = self.step
         if self._in_flight is None:
             self._start = t

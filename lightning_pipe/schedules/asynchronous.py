@@ -47,10 +47,22 @@ def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
     return _steady("pipedream", num_stages, num_microbatches)
 
 
+def min_chunks(name: str, num_stages: int) -> int:
+    """The fewest micro-batches per batch with which ``name`` can run batch after batch without a
+    drain: PipeDream-2BW needs ``p - 1`` so that a batch's backwards end within the next step."""
+    return max(1, num_stages - 1) if name == "pipedream_2bw" else 1
+
+
+def isolated_step(num_stages: int, num_microbatches: int) -> Schedule:
+    """One batch with too few micro-batches for a steady step (an epoch's short last batch): the
+    steady order, to be run from an empty pipeline and drained at once, so no batch overlaps it."""
+    return _steady("isolated", num_stages, num_microbatches)
+
+
 def pipedream_2bw(num_stages: int, num_microbatches: int) -> Schedule:
     """PipeDream-2BW: one steady step. Needs ``m >= p - 1`` so that a batch's backwards end within
     the next step and two weight versions suffice."""
-    if num_microbatches < num_stages - 1:
+    if num_microbatches < min_chunks("pipedream_2bw", num_stages):
         raise ValueError(
             f"pipedream_2bw keeps two weight versions, which needs chunks >= stages - 1; got chunks="
             f"{num_microbatches} with {num_stages} stages. Use chunks >= {num_stages - 1} or schedule='pipedream'."
