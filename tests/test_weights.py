@@ -46,16 +46,13 @@ def test_stages_from_a_weights_file_train_as_plain_training(tmp_path: Path, suff
 
 def test_every_format_loads_the_same_tensors(tmp_path: Path) -> None:
     model = TiedNet()
-    state = model.state_dict()
-    torch.save(state, tmp_path / "w.pth")
-    torch.save({"state_dict": state, "epoch": 3, "hyper_parameters": {"lr": 0.1}}, tmp_path / "w.ckpt")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path))  # fmt: skip
     trainer.fit(model, _tied_loader())
     trainer.save_checkpoint(tmp_path / "lightning.ckpt")  # a real Lightning checkpoint
     state = model.state_dict()
     torch.save(state, tmp_path / "w.pth")
-    torch.save({"state_dict": state, "epoch": 3}, tmp_path / "w.ckpt")
+    torch.save({"state_dict": state, "epoch": 3, "hyper_parameters": {"lr": 0.1}}, tmp_path / "w.ckpt")
     from safetensors.torch import save_model
 
     save_model(model, str(tmp_path / "w.safetensors"))  # stores the tied tensor once

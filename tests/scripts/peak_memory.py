@@ -79,7 +79,8 @@ def measure(out: str, devices: int, width: int, build: str, start_method: str) -
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     os.makedirs(out, exist_ok=True)
-    os.environ["MASTER_PORT"] = str(find_free_network_port())
+    if "LOCAL_RANK" not in os.environ:  # popen children take the port their launcher chose
+        os.environ["MASTER_PORT"] = str(find_free_network_port())
     model = WideNet(width, deferred=build == "configure_model")
     data = DataLoader(TensorDataset(torch.randn(4, width), torch.randn(4, width)), batch_size=4)
     strategy = PipelineStrategy(start_method=start_method, chunks=1)
@@ -95,7 +96,8 @@ if __name__ == "__main__":
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument(
         "--runs", default="8:configure_model,2048:configure_model,2048:eager",
-        help="comma-separated WIDTH:BUILD runs, one after the other; each writes OUT/WIDTH-BUILD/rank<k>.json",
+        help="comma-separated WIDTH:BUILD runs, one after the other (one run only with --start-method popen); "
+        "each writes OUT/WIDTH-BUILD/rank<k>.json",
     )
     parser.add_argument("--start-method", default="fork")
     args = parser.parse_args()
