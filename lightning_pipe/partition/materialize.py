@@ -14,8 +14,9 @@ plain run):
   ``reset_parameters()`` (``_reset_parameters()`` where PyTorch names it so, as in
   ``nn.MultiheadAttention``). A parent's ``reset_parameters`` therefore has the last word, as in
   eager construction where a parent initialises after its children are built;
-- the modules outside the Sequential are initialised the same way from ``layer_seed(seed, -1)``,
-  in the order ``named_modules()`` lists them;
+- the modules outside the Sequential that were built on the meta device are initialised the same
+  way from ``layer_seed(seed, -1)``, children before parents (modules built eagerly keep their
+  values);
 - a tensor shared by several layers (tied embeddings) takes the value the first layer holding
   it gives it; later holders' resets do not change it. A rank that holds a later holder but not
   the first one initialises a temporary copy of the first layer to learn that value.
@@ -118,15 +119,22 @@ def check_initializable(module: nn.Module) -> None:
             )
 
 
-def reset(unit: nn.Module, skip: Optional[nn.Module] = None) -> None:
+def reset(unit: nn.Module, skip: Optional[nn.Module] = None, only: Optional[set[int]] = None) -> None:
     """Initialise ``unit`` as its modules define it, children before parents (``skip``'s subtree
-    left out)."""
+    left out; with ``only``, just the modules whose subtree holds one of those tensors)."""
     for m in _post_order(unit, {id(skip)} if skip is not None else set()):
+        if only is not None and not any(id(t) in only for t in _subtree_tensors(m, skip)):
+            continue
         fn = _reset_fn(m)
         if fn is not None:
             fn()
         elif any(t is not None for _, t, _ in _direct(m)):
             raise TypeError(f"{type(m).__name__} holds tensors of its own but has no reset_parameters() to initialise them.")
+
+
+def _subtree_tensors(module: nn.Module, skip: Optional[nn.Module]) -> Iterator[Tensor]:
+    for m in _post_order(module, {id(skip)} if skip is not None else set()):
+        yield from (t for _, t, _ in _direct(m) if t is not None)
 
 
 def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
@@ -152,11 +160,13 @@ def _first_holder_value(layers: nn.Sequential, index: int, name: str, seed: int,
     return values[name].detach()
 
 
-def _reset_seeded(unit: nn.Module, seed: int, device: torch.device, skip: Optional[nn.Module] = None) -> None:
+def _reset_seeded(
+    unit: nn.Module, seed: int, device: torch.device, skip: Optional[nn.Module] = None, only: Optional[set[int]] = None
+) -> None:
     with _seeded(device):
         torch.manual_seed(seed)
         with torch.no_grad():
-            reset(unit, skip)
+            reset(unit, skip, only)
 
 
 def initialize(
@@ -168,11 +178,13 @@ def initialize(
     seed: int,
     device: Union[str, torch.device],
     outside: bool = True,
+    outside_only: Optional[set[int]] = None,
 ) -> None:
     """Initialise the layers ``fresh`` of ``layers`` (and, with ``outside``, the modules outside
-    it) by the rule in the module docstring. ``local`` are the layers with storage here (the
-    others may be on the meta device); ``owners`` is :func:`first_holders` of the layers, taken
-    before any tensor got storage and keyed by the tensors now held."""
+    it: with ``outside_only``, those holding one of these tensors) by the rule in the module
+    docstring. ``local`` are the layers with storage here (the others may be on the meta device);
+    ``owners`` is :func:`first_holders` of the layers, taken before any tensor got storage and
+    keyed by the tensors now held."""
     device = torch.device(device)
     units: list[tuple[int, list[nn.Module]]] = [(i, list(layers[i].modules())) for i in sorted(fresh)]
     if outside:
@@ -189,7 +201,7 @@ def initialize(
             else:
                 kept[ident] = _first_holder_value(layers, owner, name, seed, device)
         if key == OUTSIDE:
-            _reset_seeded(module, layer_seed(seed, key), device, skip=layers)
+            _reset_seeded(module, layer_seed(seed, key), device, skip=layers, only=outside_only)
         else:
             _reset_seeded(layers[key], layer_seed(seed, key), device)
         with torch.no_grad():
@@ -211,7 +223,8 @@ def materialize(
     owners = first_holders(layers)
     made = allocate([m for i in local for m in layers[i].modules()] + outside, device)
     owners = {id(made[k]) if k in made else k: v for k, v in owners.items()}
-    initialize(module, layers, fresh, local, owners, seed, device, fresh_outside)
+    made_ids = {id(t) for t in made.values()}
+    initialize(module, layers, fresh, local, owners, seed, device, fresh_outside, outside_only=made_ids)
 
 
 def init_like_pipeline(

@@ -63,6 +63,21 @@ def test_seed_changes_the_weights_and_the_rule_is_per_layer() -> None:
         torch.testing.assert_close(eager[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_modules_built_eagerly_keep_their_values() -> None:
+    """An input projection created in __init__ and layers created on the meta device (as in
+    configure_model): only what was on the meta device is initialised."""
+    model = Tied()
+    embed = model.embed.weight.detach().clone()
+    with torch.device("meta"):
+        model.layers = Tied().layers
+        model.head = nn.Linear(4, 2)  # outside the Sequential too, but on the meta device
+    materialize(model, model.layers, [1, 2], "cpu", seed=3)
+    assert torch.equal(model.embed.weight, embed)
+    assert not model.head.weight.is_meta and float(model.head.weight.abs().sum()) > 0
+    reference = init_like_pipeline(meta(), seed=3).state_dict()
+    torch.testing.assert_close(model.layers[1].weight, reference["layers.1.weight"], rtol=0, atol=0)
+
+
 def test_a_module_without_reset_parameters_is_named() -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:
