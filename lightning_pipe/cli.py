@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 # what Lightning's script launcher sets in the environment for the processes of a run
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
-STRATEGY_KEYS = ("schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion")
+STRATEGY_KEYS = (
+    "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "weights",
+)
 
 
 class SamplesPerSecond(L.Callback):

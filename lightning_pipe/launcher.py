@@ -8,7 +8,8 @@ one the job's own overrides and output folder instead.
 For ``spawn`` / ``fork``, Lightning's own multiprocessing launcher does the work, with two
 differences that matter for a pipeline: the weights sent back to the main process are the whole model, gathered from every
 stage (so ``trainer.fit`` in a notebook leaves the notebook's module trained, as with
-``DDPStrategy``), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
+``DDPStrategy``; not for a module built in ``configure_model()``, which may not fit one process:
+save a checkpoint instead), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
 wrapper rather than a subclass because Lightning refuses ``return_predictions`` for launchers of
 the ``_MultiProcessingLauncher`` class.
 """
@@ -33,15 +34,20 @@ class _GatheringLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
         original = module.state_dict
+        deferred = getattr(self._strategy, "deferred_build", False)
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            if deferred:  # built on the meta device because it may not fit one process: sent nowhere
+                return {}
             local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local, group=getattr(self._strategy, "_meta_group", None))
+            # only rank 0 sends the weights back; the others need not receive every stage
+            rank0 = dist.get_rank() == 0
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if rank0 else None
+            dist.gather_object(local, gathered, dst=0, group=getattr(self._strategy, "_meta_group", None))
             merged: dict[str, Any] = {}
-            for part in gathered:
+            for part in gathered or [local]:
                 merged.update(part)
             return merged
 

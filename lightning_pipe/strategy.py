@@ -17,8 +17,8 @@ import logging
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Sequence, Union
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -61,7 +61,8 @@ from lightning_pipe import failures
 from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
-from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.partition.materialize import has_meta_tensors, materialize
+from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -77,6 +78,7 @@ from lightning_pipe import signals
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
+from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +91,12 @@ _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its Da
 }
 
 
-def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str) -> None:
+def check_arguments(
+    schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str, weights: Optional[Union[str, Path]] = None
+) -> None:
     """Reject bad strategy arguments before any process starts, naming the valid values."""
     get_schedule(schedule)
+    check_weights_argument(weights)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
     if isinstance(balance, str):
@@ -124,10 +129,18 @@ class PipelineStrategy(ParallelStrategy):
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
+        weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
+            ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
+            stage's tensors (see :mod:`lightning_pipe.weights`).
         check_data: when the stages compare a checksum of the batch they loaded (they compare its
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
+
+    A module that builds its layers in ``configure_model()`` (or under
+    ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
+    only to its stage and to the parameters outside the split Sequential, initialised layer by layer
+    from the run's seed (see :mod:`lightning_pipe.partition.materialize`).
     """
 
     strategy_name = "pipeline"
@@ -149,8 +162,9 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         check_data: Union[bool, int] = True,
+        weights: Optional[Union[str, Path]] = None,
     ) -> None:
-        check_arguments(schedule, chunks, balance, checkpoint)
+        check_arguments(schedule, chunks, balance, checkpoint, weights)
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
                 f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
@@ -174,6 +188,8 @@ class PipelineStrategy(ParallelStrategy):
         self.module_name = module
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.check_data = check_data
+        self.weights = weights
+        self.deferred_build = False  # the module was built on the meta device
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -256,6 +272,18 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta"):
+            yield
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -344,8 +372,14 @@ class PipelineStrategy(ParallelStrategy):
         balance = resolve_balance(self.balance, layers, self.num_stages)
         self.stage_balance = balance
         self._ties = tied_parameters(layers, balance)
+        spec = model_spec(module) if self.weights is not None else None
         stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
+        if has_meta_tensors(module):
+            self.deferred_build = True
+            materialize(module, layers, range(*stage_bounds(balance)[self.stage]), self.root_device)
         setattr(module, name, stage)
+        if spec is not None:
+            load_stage_weights(module, self.weights, spec)
         self._stage_module = stage
         self.module_name = name
         rank_zero = self.global_rank == 0

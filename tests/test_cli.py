@@ -169,3 +169,19 @@ def test_readme_commands(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "chunkz" in bad.stderr
     missing = _command(["strategy=zigzag"], tmp_path)
     assert missing.returncode != 0 and "zigzag" in missing.stderr and "1f1b" in missing.stderr
+
+
+def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
+    weights = tmp_path / "start.safetensors"
+    weights.write_bytes(b"")
+    cfg = _compose(["recipe=bert_mlm", f"strategy.weights={weights}", "recipe.model.build=configure_model"])
+    strategy, _ = build_strategy(cfg.strategy, 2)
+    assert strategy.weights == str(weights)
+    assert instantiate(cfg.recipe.model).layers is None  # created in configure_model()
+    assert instantiate(_compose(["recipe=bert_mlm", "recipe.model.size=large"]).recipe.model).layers is None
+    cfg = _compose(["recipe=vgg19_cifar100", "recipe.model.width=3"])
+    with open_dict(cfg):
+        cfg.recipe.data.root = "/tmp/unused"
+    assert instantiate(cfg.recipe.model).layers is None
+    with pytest.raises(Exception, match="recipe.model.build='later': valid values are auto, eager, configure_model"):
+        instantiate(_compose(["recipe=bert_mlm", "recipe.model.build=later"]).recipe.model)
