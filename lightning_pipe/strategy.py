@@ -17,8 +17,8 @@ import logging
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Sequence, Union
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -35,7 +35,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -59,9 +58,11 @@ from lightning_pipe.checkpoint import (
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
-from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.gradients import StageGradients, swap_grads
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
-from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.partition.materialize import has_meta_tensors, materialize
+from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -87,8 +88,10 @@ from lightning_pipe.schedules import (
     validate,
 )
 from lightning_pipe.schedules.interleaved import valid_microbatches
+from lightning_pipe import signals
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
+from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +105,16 @@ _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its Da
 
 
 def check_arguments(
-    schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str, virtual_stages: Optional[int] = None
+    schedule: str,
+    chunks: Optional[int],
+    balance: BalanceSpec,
+    checkpoint: str,
+    weights: Optional[Union[str, Path]] = None,
+    virtual_stages: Optional[int] = None,
 ) -> None:
     """Reject bad strategy arguments before any process starts, naming the valid values."""
     get_schedule(schedule)
+    check_weights_argument(weights)
     if virtual_stages is not None:
         check_virtual_stages(schedule, virtual_stages)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
@@ -143,10 +152,18 @@ class PipelineStrategy(ParallelStrategy):
             see :mod:`lightning_pipe.runtime.fused_linear`).
         virtual_stages: stages per process for ``"interleaved_1f1b"`` (>= 2, default 2) and ``"zbv"``
             (2); the layers are split into processes x virtual_stages stages by ``balance``.
+        weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
+            ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
+            stage's tensors (see :mod:`lightning_pipe.weights`).
         check_data: when the stages compare a checksum of the batch they loaded (they compare its
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
+
+    A module that builds its layers in ``configure_model()`` (or under
+    ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
+    only to its stage and to the parameters outside the split Sequential, initialised layer by layer
+    from the run's seed (see :mod:`lightning_pipe.partition.materialize`).
     """
 
     strategy_name = "pipeline"
@@ -169,8 +186,9 @@ class PipelineStrategy(ParallelStrategy):
         gradient_accumulation_fusion: bool = True,
         virtual_stages: Optional[int] = None,
         check_data: Union[bool, int] = True,
+        weights: Optional[Union[str, Path]] = None,
     ) -> None:
-        check_arguments(schedule, chunks, balance, checkpoint, virtual_stages)
+        check_arguments(schedule, chunks, balance, checkpoint, weights, virtual_stages)
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
                 f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
@@ -197,12 +215,14 @@ class PipelineStrategy(ParallelStrategy):
         self._positions: Optional[list[int]] = None  # pipeline position holding each (virtual) stage
         self._stages: dict[int, StageModule] = {}
         self.check_data = check_data
+        self.weights = weights
+        self.deferred_build = False  # the module was built on the meta device
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
         self._executor: Optional[Executor] = None
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
+        self._gradients: Optional[StageGradients] = None
         self._shared: list[nn.Parameter] = []
         self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
         self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
@@ -215,6 +235,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self._signals: Optional[signals.PipelineSignalConnector] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
     @property
@@ -279,6 +300,18 @@ class PipelineStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta"):
+            yield
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -333,7 +366,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -341,6 +374,7 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._signals = signals.install(trainer)
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
@@ -372,9 +406,17 @@ class PipelineStrategy(ParallelStrategy):
         balance = resolve_balance(self.balance, layers, len(positions))
         self.stage_balance = balance
         self._ties = ties_by_position(tied_parameters(layers, balance), positions)
+        spec = model_spec(module) if self.weights is not None else None
         stage, self._stages = split_stages(layers, balance, positions, self.stage)
         self._positions = positions
+        if has_meta_tensors(module):
+            self.deferred_build = True
+            bounds = stage_bounds(balance)
+            local = [i for s in sorted(self._stages) for i in range(*bounds[s])]
+            materialize(module, layers, local, self.root_device)
         setattr(module, name, stage)
+        if spec is not None:
+            load_stage_weights(module, self.weights, spec)
         self._stage_module = stage
         self.module_name = name
         rank_zero = self.global_rank == 0
@@ -395,6 +437,9 @@ class PipelineStrategy(ParallelStrategy):
                 group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
                 if self.stage in tie:
                     self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        self._gradients = StageGradients(
+            self._shared, self._tie_groups, None, self.num_stages, counts_shared=self.global_rank == 0
+        )
         positions = self._positions or list(range(self.num_stages))
         transport = Transport(
             stage_ranks=[self.pipeline_ranks[p] for p in positions],
@@ -529,6 +574,8 @@ class PipelineStrategy(ParallelStrategy):
         return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
@@ -560,13 +607,13 @@ class PipelineStrategy(ParallelStrategy):
                 return self._async_training_step(module, micro, keys, recorder, rest[0] if rest else 0)
             finally:
                 self._set_step(None)
-        saved = self._swap_grads({})
+        saved = swap_grads(module, {})
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
             self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
         finally:
-            self._pending_grads = self._swap_grads(saved)
+            self._gradients.take(module, saved)
             self._set_step(None)
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
@@ -599,7 +646,7 @@ class PipelineStrategy(ParallelStrategy):
             if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
-        self._pending_grads = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        self._gradients.pending = {params[name]: grad for name, grad in self._async.due(t, m).items()}
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = recorder.summary() if self.is_last_stage else None
@@ -684,6 +731,8 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        if self._signals is not None:
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
@@ -712,55 +761,12 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scale = 1.0 / module.trainer.accumulate_grad_batches
-        pending, self._pending_grads = self._pending_grads, {}
-        self._all_reduce_shared(pending)
-        self._all_reduce_tied(pending)
-        for param, grad in pending.items():
-            if grad is None:
-                continue
-            if scale != 1.0:
-                grad = grad.mul_(scale)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+        assert self._gradients is not None
+        self._gradients.hand_over(1.0 / module.trainer.accumulate_grad_batches)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         if self._async is not None:
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
-
-    def _swap_grads(self, replacement: dict[nn.Parameter, Optional[Tensor]]) -> dict[nn.Parameter, Optional[Tensor]]:
-        module = self.lightning_module
-        assert module is not None
-        current: dict[nn.Parameter, Optional[Tensor]] = {}
-        for param in module.parameters():
-            current[param] = param.grad
-            param.grad = replacement.get(param)
-        return current
-
-    def _all_reduce_tied(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
-        the copies (equal from the start) take equal updates."""
-        for group, param, _ in self._tie_groups or []:
-            grad = pending.get(param)
-            total = grad if grad is not None else torch.zeros_like(param)
-            dist.all_reduce(total, group=group)
-            pending[param] = total
-
-    def _all_reduce_shared(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum this batch's gradients of parameters outside the Sequential over the stages: each
-        stage computed the part of them its own piece of ``forward`` used."""
-        if not self._shared or self.num_stages == 1:
-            return
-        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self._shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for param, grad in zip(self._shared, grads):
-            n = grad.numel()
-            pending[param] = flat[offset : offset + n].view_as(param).clone()
-            offset += n
 
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank.
@@ -890,23 +896,10 @@ class PipelineStrategy(ParallelStrategy):
         plugin._lightning_pipe_clip = True  # type: ignore[attr-defined]
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
-        Parameters outside the Sequential and weights tied across stages hold the same gradient on
-        several ranks and count once."""
-        once = {id(p) for p in self._shared} if self.global_rank != 0 else set()
-        once |= {id(p) for _, p, counted in self._tie_groups or [] if not counted}
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
-        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for g in counted:
-            square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
-            dist.all_reduce(square)
-        total = square.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
+        (see :meth:`lightning_pipe.gradients.StageGradients.clip_grad_norm_`)."""
+        assert self._gradients is not None
+        return self._gradients.clip_grad_norm_(parameters, max_norm, self.root_device)
 
     # ------------------------------------------------------------------ registration
     @classmethod

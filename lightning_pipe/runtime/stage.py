@@ -76,7 +76,7 @@ class StageModule(nn.Sequential):
     def _chain(self, value: Any, params: Optional[dict[str, Tensor]], cuts: Optional[list[Boundary]] = None) -> Any:
         if params is None and cuts is not None:
             for layer in self._modules.values():
-                value = layer(cut(value, cuts))
+                value = layer(value if _modifies_input(layer) else cut(value, cuts))
             return value
         if params is None:
             return nn.Sequential.forward(self, value)
@@ -111,6 +111,14 @@ def cut(value: Any, cuts: list[Boundary]) -> Any:
         out.append(t)
     cuts.append(boundary)
     return from_tuple(tuple(out), was_tuple)
+
+
+def _modifies_input(layer: nn.Module) -> bool:
+    """Whether ``layer`` starts by changing its input in place (``nn.ReLU(inplace=True)``, or a
+    Sequential that begins with one): its input must stay a non-leaf, so no cut goes before it."""
+    while isinstance(layer, nn.Sequential) and len(layer) > 0:
+        layer = layer[0]
+    return bool(getattr(layer, "inplace", False))
 
 
 def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:

@@ -13,7 +13,7 @@ from lightning_pipe.runtime.stage import StageModule, StageRunner
 
 def _stage(checkpoint: str) -> tuple[StageRunner, nn.Sequential]:
     torch.manual_seed(0)
-    layers = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Identity(), nn.Linear(5, 3))
+    layers = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Tanh(), nn.Identity(), nn.Linear(5, 3))
     stage = StageModule(OrderedDict((str(i), layer) for i, layer in enumerate(layers)), stage=1, num_stages=3)
     runner = StageRunner(stage, checkpoint=checkpoint)
     runner.split_backward = True
