@@ -60,6 +60,8 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
+from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
+from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
@@ -93,7 +95,9 @@ def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, 
                 "or a list of layer counts per stage."
             )
     elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
-        raise ValueError(f"PipelineStrategy(balance={balance!r}): give 'uniform', 'parameters' or a list of layer counts per stage.")
+        raise ValueError(
+            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
+        )
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
 
@@ -106,7 +110,9 @@ class PipelineStrategy(ParallelStrategy):
         chunks: micro-batches per batch (default: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
-            ``"parameters"`` (equal parameter counts) or a list of layer counts per stage.
+            ``"parameters"`` (equal parameter counts), ``"time"`` / ``"memory"`` (the least slowest /
+            largest stage, from a profile measured on the device before the split, identical on every
+            rank; kept in ``strategy.profile``) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
             the last) or ``"never"``.
         module: name of the ``nn.Sequential`` attribute to split, if the module has several.
@@ -173,6 +179,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self.profile: Optional[Profile] = None  # balance="time"/"memory": the measured layer costs
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
     @property
@@ -320,7 +327,12 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(layers, StageModule):  # set up before (fit, then test): already split
             self._stage_module = layers
             return
-        balance = resolve_balance(self.balance, layers, self.num_stages)
+        if self.balance in MEASURED_BALANCES and self.num_stages > 1:
+            balance = self._measured_balance(module, layers)
+        elif self.balance in MEASURED_BALANCES:
+            balance = [len(layers)]
+        else:
+            balance = resolve_balance(self.balance, layers, self.num_stages)
         self.stage_balance = balance
         self._ties = tied_parameters(layers, balance)
         stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
@@ -330,6 +342,33 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero = self.global_rank == 0
         if rank_zero:
             log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
+
+    def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential) -> list[int]:
+        """``balance="time"``/``"memory"``: global rank 0 profiles the layers on its device with the
+        first micro-batch of the run's first batch (drawn from the DataLoader here, in setup, since the
+        split must exist before the optimizers); every rank gets that profile and solves alike. The
+        profile is kept for the run (a later setup, such as test after fit, reuses the split)."""
+        trainer = module.trainer
+        home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
+        in_flight = in_flight_microbatches(self.schedule_name, self.num_stages, self.num_microbatches)
+
+        def measure() -> Profile:
+            return profile_module(
+                module,
+                layers,
+                lambda: self.batch_to_device(first_batch(trainer), home),
+                self.num_microbatches,
+                self.root_device,
+                self.precision_plugin.train_step_context,
+                memory=self.balance == "memory",
+            )
+
+        if self.profile is None or len(self.profile.layers) != len(layers):
+            self.profile = agreed_profile(self.global_rank == 0, self.broadcast, measure)
+        balance = self.profile.balance(str(self.balance), self.num_stages, in_flight, self.checkpoint_mode)
+        if self.global_rank == 0:
+            log.info("lightning-pipe: balance=%s, %s", self.balance, self.profile.report(balance, in_flight, self.checkpoint_mode))
+        return balance
 
     def _setup_pipeline(self) -> None:
         module = self.lightning_module
