@@ -58,6 +58,7 @@ from lightning_pipe.checkpoint import (
     write_shard,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe import failures
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
@@ -68,7 +69,7 @@ from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.executor import Executor
-from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split
+from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
@@ -81,6 +82,12 @@ from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay
 log = logging.getLogger(__name__)
 
 _default_timeout = timedelta(minutes=30)
+_LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
+    "train": ("training", "train_dataloader"),
+    "validation_step": ("validation", "val_dataloaders"),
+    "test_step": ("test", "test_dataloaders"),
+    "predict_step": ("predict", "predict_dataloaders"),
+}
 
 
 def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str) -> None:
@@ -122,6 +129,10 @@ class PipelineStrategy(ParallelStrategy):
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
+        check_data: when the stages compare a checksum of the batch they loaded (they compare its
+            shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
+            integer ``N`` also every ``N`` steps, ``False`` never (see
+            :mod:`lightning_pipe.runtime.agreement`).
     """
 
     strategy_name = "pipeline"
@@ -142,8 +153,14 @@ class PipelineStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = _default_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
+        check_data: Union[bool, int] = True,
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint)
+        if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
+            raise ValueError(
+                f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
+                "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -161,6 +178,7 @@ class PipelineStrategy(ParallelStrategy):
         self.checkpoint_mode = checkpoint
         self.module_name = module
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.check_data = check_data
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -442,24 +460,43 @@ class PipelineStrategy(ParallelStrategy):
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def _begin_step(self, batch: Any) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
+    def _begin_step(
+        self, kind: str, args: tuple
+    ) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
         """The module, the batch's micro-batches, their shape keys, their weights (share of the
         batch's samples) and a recorder for what the step logs. Starts checking that every stage
-        loaded the same shapes (finished before this rank's first receive)."""
+        loaded the same batch (finished before this rank's first receive)."""
         module = self.lightning_module
         assert module is not None and self._executor is not None and self._runner is not None
+        batch = args[0]
         micro = split(batch, self.num_microbatches)
         keys = [signature(mb) for mb in micro]
         if self._agreement is not None:
-            self._agreement.post(keys)
+            batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            if self._checks_values(batch_idx):
+                self._agreement.post(keys, tensors_of(batch), self._data_source(kind))
+            else:
+                self._agreement.post(keys)
             self._executor.transport.before_receive = self._agreement.check
         sizes = [batch_size(mb) for mb in micro]
         total = float(sum(sizes))
         weights = [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
         return module, micro, keys, weights, StepRecorder()
 
+    def _checks_values(self, batch_idx: int) -> bool:
+        every = self.check_data
+        return every is not False and (batch_idx == 0 or (every is not True and batch_idx % every == 0))
+
+    def _data_source(self, kind: str) -> str:
+        """The DataLoader a step's batch came from, named for an error message."""
+        name, attribute = _LOADERS[kind]
+        loader = getattr(self.lightning_module.trainer, attribute, None) if self.lightning_module is not None else None
+        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+        dataset = getattr(loader, "dataset", None)
+        return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module, micro, keys, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
         def step(i: int) -> Optional[Tensor]:
@@ -555,6 +592,22 @@ class PipelineStrategy(ParallelStrategy):
         self._finish_pending()
         self._drain()
 
+    def describe_rank(self, rank: int) -> str:
+        """``rank r (stage s of p)``: how errors name a process."""
+        return f"rank {rank} (stage {rank % self.num_stages} of {self.num_stages})"
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one fails, or explain a communication error with the note
+        of the rank that failed first (see :mod:`lightning_pipe.failures`)."""
+        explained = failures.report(exception, self.global_rank, self.describe_rank)
+        if explained is None:
+            return
+        message = f"lightning-pipe: {explained}"
+        if hasattr(exception, "add_note"):
+            exception.add_note(message)
+        else:  # Python 3.10
+            log.error(message)
+
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             self._finish_pending()
@@ -589,7 +642,7 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
-        module, micro, keys, weights, recorder = self._begin_step(args[0])
+        module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
 

@@ -15,6 +15,7 @@ import hashlib
 import pickle
 import tarfile
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -158,12 +159,19 @@ def load_cifar100_split(folder: Union[str, Path], train: bool) -> tuple[torch.Te
 
 
 class AugmentedImages(Dataset):
-    """uint8 images, normalised, with random crop (4-pixel padding) and horizontal flip when ``augment``."""
+    """uint8 images, normalised, with random crop (4-pixel padding) and horizontal flip when ``augment``.
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, augment: bool, mean: Sequence[float], std: Sequence[float]) -> None:
-        self.images, self.labels, self.augment = images, labels, augment
+    The crop and flip of an image depend only on the image and on how often it was read, never on
+    the process's random state: every pipeline stage loads the batch itself and must see the same
+    images (as the BERT recipe's masking)."""
+
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, augment: bool, mean: Sequence[float], std: Sequence[float], seed: int = 0
+    ) -> None:
+        self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
+        self._reads: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -171,10 +179,13 @@ class AugmentedImages(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.images[index].float().div_(255)
         if self.augment:
+            reads = self._reads[index]
+            self._reads[index] += 1
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7_919 + reads)
             padded = F.pad(x, (4, 4, 4, 4), mode="reflect")
-            i, j = torch.randint(0, 9, (2,)).tolist()
+            i, j = torch.randint(0, 9, (2,), generator=g).tolist()
             x = padded[:, i : i + 32, j : j + 32]
-            if torch.rand(()) < 0.5:
+            if torch.rand((), generator=g) < 0.5:
                 x = x.flip(-1)
         return (x - self.mean) / self.std, self.labels[index]
 

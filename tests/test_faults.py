@@ -295,3 +295,41 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path: Path) -> None
     (late / shard).unlink()
     with pytest.raises(FileNotFoundError, match=r"stage-00001.pt is missing"):
         read(late)
+
+
+# ---------------------------------------------------------------------------- per-process random data
+class NoisyDataset(Dataset):
+    """Draws each sample from the process's random state: the stages see different samples."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __init__(self) -> None:
+        self.generator: Any = None
+
+    def __getitem__(self, index: int) -> Any:
+        if self.generator is None:  # separate processes start from different random states
+            self.generator = torch.Generator().manual_seed(os.getpid())
+        return torch.randn(IN, generator=self.generator), int(index % 3)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream_2bw"])
+def test_per_process_random_samples_stop_at_the_first_step_naming_the_loader(schedule: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"loaded different data for the same step from the training DataLoader \(dataset NoisyDataset\).*manual_seed\(index\)"):
+        fit_pipeline(TinyNet(dropout=0.5), 2, DataLoader(NoisyDataset(), batch_size=8), schedule=schedule, chunks=2, max_steps=4)
+    assert time.monotonic() - start < 30
+
+
+def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path) -> None:
+    class LateDrift(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, index: int) -> Any:
+            x, y = dataset()[index]
+            return (x + os.getpid() if index >= 40 else x), y  # the 6th batch on differs per process
+
+    with pytest.raises(Exception, match=r"different data for the same step"):
+        fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=2, max_steps=8)
+    fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=True, max_steps=8)  # first steps only: not seen

@@ -1,4 +1,4 @@
-"""Every stage of a pipeline must have loaded a batch of the same shapes, checked each step.
+"""Every stage of a pipeline must have loaded the same batch: shapes each step, values now and then.
 
 Activation headers are sent once per *shape key* (see :mod:`lightning_pipe.runtime.p2p`), which
 works only while every stage computes the same keys. A ``collate_fn`` whose padding length comes
@@ -8,6 +8,11 @@ size mismatch. So each step, before its first receive, a rank compares a small f
 micro-batch shapes with the other stages': one asynchronous all-gather of a few integers, posted
 when the step begins and waited for only before the first receive, so no stage waits for a
 slower one beyond what the schedule makes it wait anyway.
+
+Equal shapes are not equal data: a Dataset whose ``__getitem__`` draws from the process's random
+state gives stage 0 inputs of one sample and the last stage labels of another, and training runs
+on silently. So on some steps (the first of each epoch by default) the fingerprint also carries a
+checksum of a sample of the batch's values.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_SLOTS = 32  # micro-batch count, key hash, then the batch's first shapes for the message
+_SLOTS = 32  # micro-batch count, key hash, content checksum, then the batch's first shapes for the message
+_HEAD = 3
+_SAMPLED = 64  # elements per tensor that enter the content checksum
+NO_CONTENT = -1
 
 
 def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:
@@ -30,11 +38,25 @@ def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:
     return []
 
 
-def fingerprint(keys: Sequence[Hashable]) -> Tensor:
-    """A fixed-size int64 summary of a step's micro-batch keys, equal on two ranks exactly when
-    their keys are (up to hash collisions of the full key list). Stable across processes: Python's
-    own ``hash`` of strings is salted per process."""
-    values = [len(keys), zlib.crc32(repr(list(keys)).encode())]
+def checksum(tensors: Sequence[Tensor]) -> int:
+    """A CRC of up to 64 evenly spaced elements of each tensor: equal for equal data, and cheap
+    (one small gather and copy per tensor, whatever the batch's size)."""
+    crc = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        positions = torch.linspace(0, flat.numel() - 1, min(_SAMPLED, flat.numel()), device=flat.device).long()
+        sample = flat[positions].to(device="cpu", dtype=torch.float64)
+        crc = zlib.crc32(sample.numpy().tobytes(), crc)
+    return crc
+
+
+def fingerprint(keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None) -> Tensor:
+    """A fixed-size int64 summary of a step's micro-batch keys (and, given the batch's tensors, of
+    a sample of their values), equal on two ranks exactly when their keys and sampled values are
+    (up to CRC collisions). Stable across processes: Python's ``hash`` of strings is salted per process."""
+    values = [len(keys), zlib.crc32(repr(list(keys)).encode()), NO_CONTENT if content is None else checksum(content)]
     for shape in _shapes(keys):
         if len(values) + 1 + len(shape) > _SLOTS:
             break
@@ -44,7 +66,7 @@ def fingerprint(keys: Sequence[Hashable]) -> Tensor:
 
 def describe(row: Sequence[int]) -> str:
     """The first micro-batch's shapes and the micro-batch count from a fingerprint."""
-    count, _, *rest = row
+    count, _, _, *rest = row
     shapes, pos = [], 0
     while pos < len(rest) and rest[pos] >= 0:
         ndim = rest[pos]
@@ -53,11 +75,23 @@ def describe(row: Sequence[int]) -> str:
     return f"{count} micro-batches, the first with tensor shapes {shapes}"
 
 
-def mismatch_message(rows: Sequence[Sequence[int]]) -> Optional[str]:
-    """None when every stage's fingerprint is the same; otherwise what each stage loaded and why
-    it matters."""
+def mismatch_message(rows: Sequence[Sequence[int]], source: str = "the DataLoader") -> Optional[str]:
+    """None when every stage's fingerprint is the same; otherwise what each stage loaded, why it
+    matters and how to fix it. ``source`` names the DataLoader the batch came from."""
     if all(list(row) == list(rows[0]) for row in rows):
         return None
+    if all(list(row[:2]) == list(rows[0][:2]) for row in rows):  # same shapes, different values
+        return (
+            f"The pipeline's stages loaded different data for the same step from {source}: the batches have the "
+            f"same shapes ({describe(rows[0])}) but different values (checksums "
+            + ", ".join(f"stage {s}: {row[2]}" for s, row in enumerate(rows))
+            + "). Every stage loads each batch itself, so each sample must be the same in every process: the "
+            "Dataset's __getitem__ (or the collate_fn) draws from the process's own random state (torch.randn, "
+            "torch.randint, random, numpy without a generator), which differs between stages. Derive the "
+            "randomness from the sample, e.g. `g = torch.Generator().manual_seed(index)` and "
+            "`torch.randn(..., generator=g)`, as the BERT recipe's masking does. (PipelineStrategy(check_data=...) "
+            "sets how often this is checked.)"
+        )
     seen = "; ".join(f"stage {s}: {describe(row)}" for s, row in enumerate(rows))
     return (
         "The pipeline's stages loaded batches of different shapes for the same step (" + seen + "). Every stage "
@@ -74,25 +108,26 @@ class BatchAgreement:
     def __init__(self, group: Any, num_stages: int) -> None:
         self.group = group
         self.num_stages = num_stages
-        self._pending: Optional[tuple[Any, list[Tensor]]] = None
+        self._pending: Optional[tuple[Any, list[Tensor], str]] = None
 
-    def post(self, keys: Sequence[Hashable]) -> None:
-        """Start comparing this step's keys (checks the previous step's first if still open)."""
+    def post(self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: str = "the DataLoader") -> None:
+        """Start comparing this step's keys, and the sampled values of ``content`` when given (checks
+        the previous step's comparison first if still open)."""
         self.check()
-        mine = fingerprint(keys)
+        mine = fingerprint(keys, content)
         rows = [torch.empty_like(mine) for _ in range(self.num_stages)]
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
-        self._pending = (work, rows)
+        self._pending = (work, rows, source)
 
     def check(self) -> None:
         """Wait for the posted comparison; raise if the stages disagree. A no-op when none is open."""
         if self._pending is None:
             return
-        (work, rows), self._pending = self._pending, None
+        (work, rows, source), self._pending = self._pending, None
         work.wait()
-        message = mismatch_message([row.tolist() for row in rows])
+        message = mismatch_message([row.tolist() for row in rows], source)
         if message is not None:
             raise RuntimeError(message)
 
 
-__all__ = ["BatchAgreement", "describe", "fingerprint", "mismatch_message"]
+__all__ = ["BatchAgreement", "checksum", "describe", "fingerprint", "mismatch_message"]

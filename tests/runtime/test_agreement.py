@@ -42,3 +42,15 @@ def test_the_fingerprint_is_the_same_in_another_process() -> None:
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == str(fingerprint(_keys(12, 5, 6)).tolist())
+
+
+def test_equal_shapes_with_other_values_are_told_apart_and_explained() -> None:
+    x = torch.arange(24.0).reshape(4, 6)
+    keys = [signature(x)]
+    same = fingerprint(keys, [x.clone()]).tolist()
+    assert same == fingerprint(keys, [x]).tolist()
+    other = fingerprint(keys, [x + 1]).tolist()
+    message = mismatch_message([same, other], "the training DataLoader (dataset Noisy)")
+    assert message is not None and "different data for the same step from the training DataLoader (dataset Noisy)" in message
+    assert "same shapes (1 micro-batches, the first with tensor shapes [(4, 6)])" in message
+    assert fingerprint(keys).tolist()[2] == -1  # no values compared
