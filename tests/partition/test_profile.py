@@ -70,8 +70,9 @@ def test_measured_costs_follow_the_layers() -> None:
     layers = nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0), nn.Tanh())
     costs = measure_layers(layers, torch.randn(4, HIDDEN), torch.device("cpu"), warmup=1, repeats=3)
     heavy, light, tanh = costs
-    assert heavy.forward > 2.5 * light.forward and heavy.backward > 2.5 * light.backward
-    assert light.forward >= 5e-4 and light.backward >= 1e-3
+    # the waits are lower bounds whatever the machine's load; the medians put heavy above light
+    assert heavy.forward >= 2e-3 and heavy.backward >= 4e-3 and light.forward >= 5e-4 and light.backward >= 1e-3
+    assert heavy.forward > light.forward and heavy.backward > light.backward
     assert heavy.parameter_bytes == light.parameter_bytes == (HIDDEN * HIDDEN + HIDDEN) * 4
     assert tanh.parameter_bytes == 0 and tanh.activation_bytes == 4 * HIDDEN * 4  # tanh saves its output
     assert heavy.input_bytes == heavy.output_bytes == 4 * HIDDEN * 4
