@@ -64,6 +64,8 @@ from lightning_pipe.partition import find_sequential, resolve_balance, stage_lay
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.plan.auto import plan_for_strategy
+from lightning_pipe.plan.planner import format_plans
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -133,6 +135,10 @@ class PipelineStrategy(ParallelStrategy):
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
+        plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
+            ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers and the measured
+            point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`); the ranked
+            candidates are kept in ``strategy.plan_candidates``. ``None`` (default): as given.
     """
 
     strategy_name = "pipeline"
@@ -154,8 +160,13 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         check_data: Union[bool, int] = True,
+        plan: Optional[str] = None,
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint)
+        if plan not in (None, "auto"):
+            raise ValueError(f"PipelineStrategy(plan={plan!r}): valid values are None (use the arguments as given) and 'auto'.")
+        self.plan = plan
+        self.plan_candidates: Optional[list[Any]] = None  # plan="auto": the ranked layouts, the first one runs
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
                 f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
@@ -345,6 +356,8 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(layers, StageModule):  # set up before (fit, then test): already split
             self._stage_module = layers
             return
+        if self.plan == "auto" and self.num_stages > 1 and self.plan_candidates is None:
+            self._apply_plan(module, layers)
         if self.balance in MEASURED_BALANCES and self.num_stages > 1:
             balance = self._measured_balance(module, layers)
         elif self.balance in MEASURED_BALANCES:
@@ -360,6 +373,20 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero = self.global_rank == 0
         if rank_zero:
             log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
+
+    def _apply_plan(self, module: "pl.LightningModule", layers: nn.Sequential) -> None:
+        """``plan="auto"``: take the planner's first choice (the same on every rank)."""
+        ranked, link, profiles = plan_for_strategy(self, module, layers)
+        best = ranked[0]
+        self.plan_candidates = ranked
+        self.schedule_name, self.chunks, self.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
+        self.balance = list(best.balance)
+        self.profile = profiles[best.chunks]
+        if self.global_rank == 0:
+            log.info(
+                "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",
+                1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
+            )
 
     def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential) -> list[int]:
         """``balance="time"``/``"memory"``: global rank 0 profiles the layers on its device with the

@@ -33,6 +33,7 @@ class LayerCost:
     activation_bytes: int  # saved for the backward, per micro-batch
     input_bytes: int  # the layer's input, per micro-batch
     output_bytes: int  # what the layer passes on, per micro-batch (sent between stages at a cut)
+    update: float = 0.0  # seconds of the optimizer step on the layer's parameters (once per batch)
 
     @property
     def static_bytes(self) -> int:

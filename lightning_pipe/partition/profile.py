@@ -90,35 +90,52 @@ def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) 
     )
 
 
-def optimizer_state_factors(module: nn.Module) -> dict[int, float]:
-    """Bytes of optimizer state per byte of parameter, by ``id`` of the parameter, measured by
-    stepping a fresh optimizer of the user's kind and settings on a small probe tensor. Empty when
-    ``configure_optimizers`` cannot be called yet (its state is then not counted)."""
+def user_optimizers(module: nn.Module) -> dict[int, tuple[type, dict[str, Any]]]:
+    """The optimizer class and settings of each parameter (by ``id``), from the module's own
+    ``configure_optimizers``. Empty when it cannot be called yet (optimizer state and update time
+    are then not counted)."""
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
     try:
         optimizers = _configure_optimizers(module.configure_optimizers())[0]
     except Exception:
         return {}
-    factors: dict[int, float] = {}
+    found: dict[int, tuple[type, dict[str, Any]]] = {}
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         for group in optimizer.param_groups:
             settings = {k: v for k, v in group.items() if k != "params"}
             for param in group["params"]:
-                probe = torch.zeros(256, dtype=param.dtype, requires_grad=True)
-                probe.grad = torch.zeros_like(probe)
-                try:
-                    trial = type(optimizer)([probe], **settings)
-                    trial.step()
-                except Exception:
-                    continue
-                state = sum(
-                    t.numel() * t.element_size() for s in trial.state.values() for t in s.values()
-                    if isinstance(t, Tensor) and t.dim() > 0
-                )
-                factors[id(param)] = state / (probe.numel() * probe.element_size())
-    return factors
+                found[id(param)] = (type(optimizer), settings)
+    return found
+
+
+def _update_cost(params: list[nn.Parameter], optimizers: dict[int, tuple[type, dict[str, Any]]], device: torch.device, repeats: int) -> tuple[int, float]:
+    """Optimizer-state bytes and the median seconds of one optimizer step for ``params``, measured
+    on copies of them (with zero gradients) under their own optimizer kind and settings."""
+    state_bytes, seconds = 0, 0.0
+    for param in params:
+        if id(param) not in optimizers or not param.requires_grad:
+            continue
+        cls, settings = optimizers[id(param)]
+        copy = param.detach().to(device).clone().requires_grad_(True)
+        copy.grad = torch.zeros_like(copy)
+        try:
+            trial = cls([copy], **settings)
+            times = []
+            for rep in range(1 + repeats):
+                _synchronize(device)
+                start = time.perf_counter()
+                trial.step()
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+        except Exception:
+            continue
+        seconds += statistics.median(times[1:])
+        state_bytes += sum(
+            t.numel() * t.element_size() for s in trial.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0
+        )
+    return state_bytes, seconds
 
 
 def _synchronize(device: torch.device) -> None:
@@ -137,11 +154,12 @@ def measure_layers(
     warmup: int = 1,
     repeats: int = 3,
     context: Callable[[], ContextManager[Any]] = nullcontext,
-    state_factors: Optional[dict[int, float]] = None,
+    optimizers: Optional[dict[int, tuple[type, dict[str, Any]]]] = None,
 ) -> list[LayerCost]:
     """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
-    for the micro-batch activation ``value`` entering the first layer."""
-    state_factors = state_factors or {}
+    for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
+    :func:`user_optimizers`) also its optimizer state and update time."""
+    optimizers = optimizers or {}
     costs: list[LayerCost] = []
     for layer in layers:
         home = next(iter(layer.state_dict().values()), torch.empty(0)).device
@@ -173,16 +191,18 @@ def measure_layers(
                 forwards.append(middle - start)
                 backwards.append(end - middle)
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+        state_bytes, update = _update_cost(params, optimizers, device, repeats)
         costs.append(
             LayerCost(
                 forward=statistics.median(forwards),
                 backward=statistics.median(backwards),
                 parameter_bytes=parameter_bytes,
                 gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-                optimizer_bytes=int(sum(state_factors.get(id(p), 0.0) * p.numel() * p.element_size() for p in params)),
+                optimizer_bytes=state_bytes,
                 activation_bytes=saved,
                 input_bytes=_bytes(tensors),
                 output_bytes=_bytes(output),
+                update=update,
             )
         )
         for p in params:
@@ -220,8 +240,8 @@ def profile_module(
     with torch.random.fork_rng(devices=_rng_devices(device)):
         micro = split(batch(), num_microbatches)[0]
         value = sequential_input(module, layers, micro)
-        factors = optimizer_state_factors(module) if memory else {}
-        costs = measure_layers(layers, value, device, warmup, repeats, context, factors)
+        optimizers = user_optimizers(module) if memory else {}
+        costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
     with torch.no_grad():
         for name, b in module.named_buffers():
             if name in buffers:
@@ -255,4 +275,4 @@ def agreed_profile(
     return profile
 
 
-__all__ = ["agreed_profile", "first_batch", "measure_layers", "optimizer_state_factors", "profile_module", "sequential_input"]
+__all__ = ["agreed_profile", "first_batch", "measure_layers", "user_optimizers", "profile_module", "sequential_input"]

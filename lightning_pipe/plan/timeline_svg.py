@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from html import escape
 from typing import Iterable, Mapping, Sequence
 
-from lightning_pipe.schedules.actions import ActionKind
 from lightning_pipe.schedules.simulate import Simulation
 
 COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b", "post": "#bab0ac", "wait": "url(#waiting)"}
@@ -46,7 +45,7 @@ def simulated_bars(simulation: Simulation, scale: float = 1.0) -> list[Bar]:
         clock = 0.0
         for action in schedule.compute(rank):
             start = simulation.start_times[(rank, action)]
-            cost = simulation.forward_cost if action.kind is ActionKind.FORWARD else simulation.backward_cost
+            cost = simulation.cost(action)
             if start > clock + 1e-12:
                 bars.append(Bar(rank, "wait", action.stage, action.microbatch, clock * scale, start * scale))
             bars.append(Bar(rank, action.kind.value, action.stage, action.microbatch, start * scale, (start + cost) * scale))

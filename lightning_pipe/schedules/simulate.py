@@ -12,6 +12,7 @@ the receive it consumes. A schedule that finishes under this model cannot hang u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs
@@ -40,6 +41,15 @@ class Simulation:
     start_times: dict[tuple[int, Action], float]
     forward_cost: float
     backward_cost: float
+    stage_costs: tuple[tuple[float, float], ...] | None = None  # per stage (forward, backward), when given
+
+    def cost(self, action: Action) -> float:
+        """What ``action`` (a forward or backward) took in this simulation."""
+        if self.stage_costs is not None:
+            forward, backward = self.stage_costs[action.stage]
+        else:
+            forward, backward = self.forward_cost, self.backward_cost
+        return forward if action.kind is ActionKind.FORWARD else backward
 
     @property
     def bubble_fraction(self) -> float:
@@ -48,8 +58,15 @@ class Simulation:
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
 
 
-def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Simulation:
-    """Play ``schedule`` with fixed per-action costs; raises :class:`DeadlockError` if it hangs."""
+def simulate(
+    schedule: Schedule,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    stage_costs: Sequence[tuple[float, float]] | None = None,
+) -> Simulation:
+    """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
+    (unequal stages, as a planner predicts them); raises :class:`DeadlockError` if it hangs."""
+    per_stage = tuple((float(f), float(b)) for f, b in stage_costs) if stage_costs is not None else None
     ranks = range(schedule.num_ranks)
     lists = schedule.actions
     pointer = [0 for _ in ranks]
@@ -63,6 +80,8 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     group_at = [{start: group for start, group in comm_groups(actions)} for actions in lists]
 
     def cost(action: Action) -> float:
+        if per_stage is not None:
+            return per_stage[action.stage][0 if action.kind is ActionKind.FORWARD else 1]
         return forward_cost if action.kind is ActionKind.FORWARD else backward_cost
 
     def advance(rank: int) -> bool:
@@ -157,7 +176,7 @@ def simulate(schedule: Schedule, forward_cost: float = 1.0, backward_cost: float
     makespan = max(clock) if clock else 0.0
     sends_done = [max((t for (r, _), t in completed.items() if r == rank), default=0.0) for rank in ranks]
     makespan = max([makespan, *sends_done])
-    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost)
+    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost, per_stage)
 
 
 def _needs_of(schedule: Schedule, action: Action) -> list[Action]:
