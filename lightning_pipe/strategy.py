@@ -435,6 +435,7 @@ class PipelineStrategy(ParallelStrategy):
             group=None,
             meta_group=self._meta_group,
             batched=dist.get_backend() == "nccl",
+            through_host=self._stages_through_host(),
         )
         versions = None
         if is_async(self.schedule_name):
@@ -448,6 +449,10 @@ class PipelineStrategy(ParallelStrategy):
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    def _stages_through_host(self) -> bool:
+        """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
+        return dist.get_backend() == "gloo" and self.root_device.type != "cpu"
 
     def _check_async(self, module: "pl.LightningModule") -> None:
         outside = [p for p in self._shared if p.requires_grad]
@@ -537,6 +542,12 @@ class PipelineStrategy(ParallelStrategy):
                 raise RuntimeError(
                     "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
                     "return its loss; skipping a batch is not supported."
+                )
+            if torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
+                raise FloatingPointError(
+                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
+                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{self.describe_rank(self.global_rank)}; stopping because Trainer(detect_anomaly=True)."
                 )
             recorder.add_loss(loss, weight)
             scaled = loss * weight

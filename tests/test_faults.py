@@ -333,3 +333,12 @@ def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path)
     with pytest.raises(Exception, match=r"different data for the same step"):
         fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=2, max_steps=8)
     fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=True, max_steps=8)  # first steps only: not seen
+
+
+def test_detect_anomaly_names_the_micro_batch_and_the_stage() -> None:
+    match = (
+        r"FloatingPointError: training_step returned a loss of nan for micro-batch 0 of 3 \(batch 1, global step 1\) "
+        r"on rank 1 \(stage 1 of 2\).*\n.*lightning-pipe: raised by forward of micro-batch 0 on stage 1 \(rank 1\)"
+    )
+    with pytest.raises(Exception, match=match):
+        fit_pipeline(NaNAtSecondBatch(), 2, chunks=3, max_steps=4, detect_anomaly=True)

@@ -9,6 +9,7 @@ short batch of 4 (micro-batches of uneven size, fewer than ``chunks`` when chunk
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
@@ -221,3 +222,25 @@ def test_timeline_records_every_action_of_every_step(tmp_path) -> None:
 def test_timeline_before_setup_says_when_to_call_it() -> None:
     with pytest.raises(RuntimeError, match="on_fit_start"):
         PipelineStrategy().enable_timeline()
+
+
+def test_gloo_host_staging_matches_plain_training(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """gloo on GPUs stages every point-to-point tensor through host memory; the same path, forced
+    on CPU tensors, trains as plain training does."""
+    from lightning_pipe.runtime.p2p import Transport
+
+    arrived = Transport.arrived
+
+    def staged(self: Transport, buffers: list) -> list:
+        assert self.through_host
+        (tmp_path / f"staged{os.getpid()}").touch()
+        return arrived(self, buffers)
+
+    monkeypatch.setattr(PipelineStrategy, "_stages_through_host", lambda self: True)  # the forked ranks inherit both
+    monkeypatch.setattr(Transport, "arrived", staged)
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="1f1b", chunks=3)
+    assert_same_weights(reference, piped)
+    assert len(list(tmp_path.glob("staged*"))) == 2  # both ranks received through the host path

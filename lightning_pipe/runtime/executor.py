@@ -122,9 +122,12 @@ class Executor:
                     self.transport.finish()
                 else:
                     self._carried = run.sends
-        except BaseException:
+        except BaseException as error:
             for runner in self.runners.values():
                 runner.reset()
+            if hasattr(error, "add_note") and index < len(actions):
+                action = actions[index]
+                error.add_note(f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})")
             raise
         if finish:
             for runner in self.runners.values():
@@ -207,7 +210,7 @@ class Executor:
             if action.stage > 0:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span("wait", action.stage, i):
-                    tensors = box.wait()
+                    tensors = self.transport.arrived(box.wait())
                 received = (tensors, box.flags, box.was_tuple)
             with self._span("F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received)
@@ -219,7 +222,7 @@ class Executor:
         if action.stage < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span("wait", action.stage, i):
-                grads = box.wait()
+                grads = self.transport.arrived(box.wait())
         with self._span("B", action.stage, i):
             input_grads = runner.backward(i, grads)
         if action.stage > 0:

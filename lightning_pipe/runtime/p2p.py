@@ -92,8 +92,12 @@ class Transport:
         group: Any = None,
         meta_group: Any = None,
         batched: bool = False,
+        through_host: bool = False,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
+        # gloo cannot send GPU tensors: stage them through (pinned) host memory
+        self.through_host = through_host
+        self._pin = through_host and device.type == "cuda"
         self.device = device
         self.group = group
         self.meta_group = meta_group
@@ -128,7 +132,7 @@ class Transport:
                 f"shapes gave {list(known.shapes)} before. The pipeline caches activation shapes by input shapes; "
                 "stage outputs must depend only on the shapes of the batch, not on its values."
             )
-        return [Op(True, t.detach().contiguous(), peer, 2 * to_stage) for t in tensors]
+        return [Op(True, self._outgoing(t), peer, 2 * to_stage) for t in tensors]
 
     def knows(self, key: Hashable) -> bool:
         """Whether the shapes of activations received under ``key`` are known (no header to wait for)."""
@@ -144,19 +148,32 @@ class Transport:
             header = torch.empty(HEADER_LEN, dtype=torch.int64)
             dist.recv(header, peer, group=self.meta_group)
             meta = self._received[key] = TensorMeta.decode(header)
-        buffers = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(meta.shapes, meta.dtypes)]
+        device = "cpu" if self.through_host else self.device
+        buffers = [torch.empty(s, dtype=d, device=device, pin_memory=self._pin) for s, d in zip(meta.shapes, meta.dtypes)]
         return buffers, meta, [Op(False, b, peer, 2 * (from_stage + 1)) for b in buffers]
 
     def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor]) -> list[Op]:
         peer = self.stage_ranks[to_stage]
-        return [Op(True, g.detach().contiguous(), peer, 2 * to_stage + 1) for g in grads]
+        return [Op(True, self._outgoing(g), peer, 2 * to_stage + 1) for g in grads]
 
     def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
         if self.before_receive is not None:
             self.pass_gate()
         peer = self.stage_ranks[from_stage]
-        buffers = [torch.empty_like(t, device=self.device) for t in like]
+        device = "cpu" if self.through_host else self.device
+        buffers = [torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=self._pin) for t in like]
         return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]
+
+    def _outgoing(self, tensor: Tensor) -> Tensor:
+        if self.through_host:
+            return tensor.detach().to("cpu", copy=True).contiguous()
+        return tensor.detach().contiguous()
+
+    def arrived(self, buffers: list[Tensor]) -> list[Tensor]:
+        """Received tensors on this rank's device (a copy from the host buffers when staging)."""
+        if not self.through_host:
+            return buffers
+        return [b.to(self.device, non_blocking=self._pin, copy=True) for b in buffers]
 
     def post(self, ops: Sequence[Op]) -> list[Any]:
         """Post ``ops`` without blocking; returns the works to wait on."""

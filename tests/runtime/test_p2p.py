@@ -18,3 +18,18 @@ def test_header_too_large_is_explained() -> None:
     many = [torch.zeros(1, 1, 1, 1) for _ in range(40)]
     with pytest.raises(ValueError, match="return fewer tensors between stages"):
         TensorMeta.of(many, True).encode()
+
+
+def test_host_staging_sends_and_receives_copies_in_host_memory() -> None:
+    from lightning_pipe.runtime.p2p import Transport
+
+    transport = Transport([0, 1], torch.device("cpu"), through_host=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    (op,) = transport.gradient_send_ops(0, [x])
+    assert op.tensor.device.type == "cpu" and op.tensor.data_ptr() != x.data_ptr() and torch.equal(op.tensor, x.detach())
+    buffers, ops = transport.gradient_recv_ops(1, [x])
+    assert buffers[0].device.type == "cpu" and ops[0].tensor is buffers[0]
+    (arrived,) = transport.arrived(buffers)
+    assert arrived.data_ptr() != buffers[0].data_ptr()  # copied to the rank's device (here: a host copy)
+    direct = Transport([0, 1], torch.device("cpu"))
+    assert direct.arrived(buffers) is buffers
