@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -42,6 +43,22 @@ class SamplesPerSecond(L.Callback):
         pl_module.log("samples_per_sec", batch_size(batch) / seconds, prog_bar=True, on_step=True, on_epoch=False)
 
 
+class PlanOnly(L.Callback):
+    """``lightning-pipe plan``: once the planner ranked the layouts (in the strategy's setup), print
+    and write them (``plan.txt``, ``plan.svg``) and stop before the first step."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_pipe.plan.report import write_plan
+
+        trainer.should_stop = True
+        if trainer.global_rank == 0 and getattr(trainer.strategy, "plan_candidates", None):
+            print(write_plan(trainer.strategy.plan_candidates, trainer.strategy.num_stages, self.folder))
+            print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}")
+
+
 def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
     """The Trainer's ``strategy`` and ``devices`` for the ``strategy`` config group."""
     if cfg.name == "none":
@@ -64,6 +81,8 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     model = instantiate(cfg.recipe.model)
     data = instantiate(cfg.recipe.data)
     callbacks: list[L.Callback] = [SamplesPerSecond()]
+    if cfg.get("plan_only", False):
+        callbacks.append(PlanOnly(output))
     if cfg.get("checkpoint", False):
         callbacks.append(ModelCheckpoint(dirpath=output / "checkpoints", save_last=True))
     trainer = L.Trainer(
@@ -80,9 +99,17 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> Optional[float]:
+def _main(cfg: DictConfig) -> Optional[float]:
     metrics = run(cfg)
     return metrics.get("train_loss")
+
+
+def main() -> None:
+    """``lightning-pipe [plan] <overrides>``: ``plan`` ranks the layouts for the configured run
+    (``strategy.plan=auto``) and stops before training."""
+    if sys.argv[1:2] == ["plan"]:
+        sys.argv[1:2] = ["strategy.plan=auto", "+plan_only=true"]
+    _main()
 
 
 if __name__ == "__main__":

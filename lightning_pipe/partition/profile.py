@@ -172,7 +172,8 @@ def measure_layers(
         output: tuple[Tensor, ...] = ()
         params = list(layer.parameters())
         for rep in range(warmup + repeats):
-            inputs = tuple(t.clone().requires_grad_(t.is_floating_point()) for t in tensors)
+            # a fresh non-leaf copy: layers may work in place on their input (ReLU(inplace=True))
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()).clone() for t in tensors)
             meter = SavedActivationMeter(params)
             _synchronize(device)
             start = time.perf_counter()

@@ -55,6 +55,7 @@ class Candidate:
     bubble: float
     stage_bytes: tuple[int, ...]
     fits: bool
+    stage_costs: tuple[tuple[float, float], ...] = ()  # per stage (forward, backward) seconds per micro-batch
 
     def strategy_arguments(self) -> dict[str, object]:
         """The ``PipelineStrategy`` arguments that run this candidate."""
@@ -126,7 +127,8 @@ def plan(
                     memory = tuple(profile.stage_bytes(balance, in_flight, checkpoint))
                     fits = memory_budget is None or max(memory) <= memory_budget
                     found[key] = Candidate(
-                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + update, simulation.bubble_fraction, memory, fits
+                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + update, simulation.bubble_fraction, memory, fits,
+                        tuple(costs),
                     )
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
