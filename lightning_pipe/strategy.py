@@ -59,6 +59,7 @@ from lightning_pipe.checkpoint import (
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
+from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
@@ -195,7 +196,7 @@ class PipelineStrategy(ParallelStrategy):
         self._runner: Optional[StageRunner] = None
         self._executor: Optional[Executor] = None
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self._pending_grads: dict[nn.Parameter, Optional[Tensor]] = {}
+        self._gradients: Optional[StageGradients] = None
         self._shared: list[nn.Parameter] = []
         self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
         self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
@@ -429,6 +430,9 @@ class PipelineStrategy(ParallelStrategy):
                 group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
                 if self.stage in tie:
                     self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        self._gradients = StageGradients(
+            self._shared, self._tie_groups, None, self.num_stages, counts_shared=self.global_rank == 0
+        )
         transport = Transport(
             stage_ranks=self.pipeline_ranks,
             device=self.root_device,
@@ -559,13 +563,13 @@ class PipelineStrategy(ParallelStrategy):
                 return self._async_training_step(module, micro, keys, recorder, rest[0] if rest else 0)
             finally:
                 self._runner.step = None
-        saved = self._swap_grads({})
+        saved = swap_grads(module, {})
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
             self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
         finally:
-            self._pending_grads = self._swap_grads(saved)
+            self._gradients.take(module, saved)
             self._runner.step = None
         summary = self._share("train", recorder)
         replay(module, summary, self.root_device)
@@ -598,7 +602,7 @@ class PipelineStrategy(ParallelStrategy):
             if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
-        self._pending_grads = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        self._gradients.pending = {params[name]: grad for name, grad in self._async.due(t, m).items()}
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = recorder.summary() if self.is_last_stage else None
@@ -708,55 +712,12 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scale = 1.0 / module.trainer.accumulate_grad_batches
-        pending, self._pending_grads = self._pending_grads, {}
-        self._all_reduce_shared(pending)
-        self._all_reduce_tied(pending)
-        for param, grad in pending.items():
-            if grad is None:
-                continue
-            if scale != 1.0:
-                grad = grad.mul_(scale)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+        assert self._gradients is not None
+        self._gradients.hand_over(1.0 / module.trainer.accumulate_grad_batches)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         if self._async is not None:
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
-
-    def _swap_grads(self, replacement: dict[nn.Parameter, Optional[Tensor]]) -> dict[nn.Parameter, Optional[Tensor]]:
-        module = self.lightning_module
-        assert module is not None
-        current: dict[nn.Parameter, Optional[Tensor]] = {}
-        for param in module.parameters():
-            current[param] = param.grad
-            param.grad = replacement.get(param)
-        return current
-
-    def _all_reduce_tied(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
-        the copies (equal from the start) take equal updates."""
-        for group, param, _ in self._tie_groups or []:
-            grad = pending.get(param)
-            total = grad if grad is not None else torch.zeros_like(param)
-            dist.all_reduce(total, group=group)
-            pending[param] = total
-
-    def _all_reduce_shared(self, pending: dict[nn.Parameter, Optional[Tensor]]) -> None:
-        """Sum this batch's gradients of parameters outside the Sequential over the stages: each
-        stage computed the part of them its own piece of ``forward`` used."""
-        if not self._shared or self.num_stages == 1:
-            return
-        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self._shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for param, grad in zip(self._shared, grads):
-            n = grad.numel()
-            pending[param] = flat[offset : offset + n].view_as(param).clone()
-            offset += n
 
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank.
@@ -886,23 +847,10 @@ class PipelineStrategy(ParallelStrategy):
         plugin._lightning_pipe_clip = True  # type: ignore[attr-defined]
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
-        Parameters outside the Sequential and weights tied across stages hold the same gradient on
-        several ranks and count once."""
-        once = {id(p) for p in self._shared} if self.global_rank != 0 else set()
-        once |= {id(p) for _, p, counted in self._tie_groups or [] if not counted}
-        grads = [p.grad for p in parameters if p.grad is not None]
-        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
-        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for g in counted:
-            square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
-            dist.all_reduce(square)
-        total = square.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
+        (see :meth:`lightning_pipe.gradients.StageGradients.clip_grad_norm_`)."""
+        assert self._gradients is not None
+        return self._gradients.clip_grad_norm_(parameters, max_norm, self.root_device)
 
     # ------------------------------------------------------------------ registration
     @classmethod

@@ -1,0 +1,130 @@
+"""What happens to a stage's gradients between its backward and the optimizer step.
+
+The schedule runs every micro-batch's backward inside ``training_step``, before Lightning zeroes
+the gradients for the step; the gradients are kept aside (:meth:`StageGradients.take`) and handed
+to the parameters in ``backward`` (:meth:`StageGradients.hand_over`), where the cross-rank sums
+happen: parameters outside the split Sequential (each stage computed a part of their gradient),
+weights tied across stages (each copy got the gradient of its own use) and, with data-parallel
+replicas, the average over the replicas of the stage. Clipping by the global norm
+(:meth:`StageGradients.clip_grad_norm_`) counts every gradient held on several ranks once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+#: Gradients kept aside per parameter (None: the parameter got no gradient).
+Pending = dict[nn.Parameter, Optional[Tensor]]
+
+#: A weight tied across stages on this rank: the group of the stages holding a copy, the local
+#: copy, and whether this rank counts it in the global norm (the lowest stage of the tie does).
+Tie = tuple[Any, nn.Parameter, bool]
+
+
+def swap_grads(module: nn.Module, replacement: Pending) -> Pending:
+    """Give ``module``'s parameters the gradients in ``replacement`` (None for those missing) and
+    return the ones they had."""
+    current: Pending = {}
+    for param in module.parameters():
+        current[param] = param.grad
+        param.grad = replacement.get(param)
+    return current
+
+
+class StageGradients:
+    """The gradient handling of one rank's stage.
+
+    Args:
+        shared: parameters outside the split Sequential (on every stage), in a fixed order.
+        ties: weights tied across stages held by this stage (see :data:`Tie`).
+        pp_group: the pipeline's stages (None: the default group), where ``shared`` is summed.
+        num_stages: stages of the pipeline.
+        counts_shared: whether this rank counts ``shared`` in the global norm (one stage does).
+        norm_group: the ranks over which the global norm is summed (None: the default group).
+    """
+
+    def __init__(
+        self,
+        shared: Sequence[nn.Parameter],
+        ties: Sequence[Tie],
+        pp_group: Any,
+        num_stages: int,
+        counts_shared: bool,
+        norm_group: Any = None,
+    ) -> None:
+        self.shared = list(shared)
+        self.ties = list(ties)
+        self.pp_group = pp_group
+        self.num_stages = num_stages
+        self.counts_shared = counts_shared
+        self.norm_group = norm_group
+        self.pending: Pending = {}
+
+    def take(self, module: nn.Module, saved: Pending) -> None:
+        """Keep the gradients the schedule just produced aside and give back the ``saved`` ones."""
+        self.pending = swap_grads(module, saved)
+
+    def hand_over(self, scale: float) -> None:
+        """Sum the kept gradients across ranks where needed and add them, times ``scale``, into
+        ``.grad`` (which Lightning may have zeroed since the schedule ran)."""
+        pending, self.pending = self.pending, {}
+        self._all_reduce_shared(pending)
+        self._all_reduce_tied(pending)
+        for param, grad in pending.items():
+            if grad is None:
+                continue
+            if scale != 1.0:
+                grad = grad.mul_(scale)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def _all_reduce_tied(self, pending: Pending) -> None:
+        """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
+        the copies (equal from the start) take equal updates."""
+        for group, param, _ in self.ties:
+            grad = pending.get(param)
+            total = grad if grad is not None else torch.zeros_like(param)
+            dist.all_reduce(total, group=group)
+            pending[param] = total
+
+    def _all_reduce_shared(self, pending: Pending) -> None:
+        """Sum this batch's gradients of parameters outside the Sequential over the stages: each
+        stage computed the part of them its own piece of ``forward`` used."""
+        if not self.shared or self.num_stages == 1:
+            return
+        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self.shared]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.pp_group)
+        offset = 0
+        for param, grad in zip(self.shared, grads):
+            n = grad.numel()
+            pending[param] = flat[offset : offset + n].view_as(param).clone()
+            offset += n
+
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, device: torch.device) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.
+        Parameters outside the Sequential and weights tied across stages hold the same gradient on
+        several ranks and count once."""
+        once = {id(p) for p in self.shared} if not self.counts_shared else set()
+        once |= {id(p) for _, p, counted in self.ties if not counted}
+        grads = [p.grad for p in parameters if p.grad is not None]
+        counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        for g in counted:
+            square += g.detach().float().pow(2).sum()
+        if self.num_stages > 1:
+            dist.all_reduce(square, group=self.norm_group)
+        total = square.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+
+__all__ = ["Pending", "StageGradients", "Tie", "swap_grads"]
