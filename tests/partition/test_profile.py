@@ -126,15 +126,17 @@ def test_a_failed_measurement_reaches_every_rank() -> None:
 
 def _run(balance: str, folder: Path) -> tuple[list[int], float, list[Any]]:
     folder.mkdir()
-    fit_pipeline(SkewedNet(), 2, data=loader(128, 32), balance=balance, chunks=16, max_steps=4, callbacks=[RecordSplit(str(folder))])
+    fit_pipeline(SkewedNet(), 2, data=loader(128, 32), balance=balance, chunks=16, max_steps=6, callbacks=[RecordSplit(str(folder))])
     records = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert records[0]["balance"] == records[1]["balance"]  # every rank split alike
-    return records[0]["balance"], statistics.median(records[0]["times"][1:]), [r["profile"] for r in records]
+    # the fastest step after the first: the machine's other load only ever adds time
+    return records[0]["balance"], min(records[0]["times"][1:]), [r["profile"] for r in records]
 
 
 def test_time_balance_beats_uniform_on_skewed_layers(tmp_path: Path) -> None:
     """Six layers cost 4x the other six, at equal parameters: the time split is faster, measured.
-    Paired rounds in alternating order, since the machine's other load varies."""
+    Paired rounds in alternating order, each run's fastest of 5 steps, since the machine's other
+    load varies."""
     ratios = []
     for round_ in range(2):
         order = ("uniform", "time") if round_ % 2 == 0 else ("time", "uniform")
@@ -145,5 +147,5 @@ def test_time_balance_beats_uniform_on_skewed_layers(tmp_path: Path) -> None:
         assert time_balance in ([5, 9], [4, 10])  # the heavy layers are 1..6
         assert profiles[0] == profiles[1] and profiles[0] is not None  # one profile, on every rank
         ratios.append(time_time / uniform_time)
-    print(f"balance='time' step time / uniform: {ratios}")
+    print(f"balance='time' step time / uniform, per round: {ratios}")
     assert statistics.mean(ratios) <= 0.85, ratios
