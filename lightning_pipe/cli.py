@@ -83,6 +83,10 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     callbacks: list[L.Callback] = [SamplesPerSecond()]
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
+    if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
+        from lightning_pipe.plan.picture import TimelinePicture
+
+        callbacks.append(TimelinePicture(output / "timeline.svg"))
     if cfg.get("checkpoint", False):
         callbacks.append(ModelCheckpoint(dirpath=output / "checkpoints", save_last=True))
     trainer = L.Trainer(

@@ -31,3 +31,27 @@ def test_plan_command_writes_the_ranking_and_the_predicted_timelines(tmp_path: P
     assert not (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").exists() or "train_loss" not in (
         tmp_path / "run" / "logs" / "version_0" / "metrics.csv"
     ).read_text()  # stopped before the first training step
+
+
+def test_plan_only_and_timeline_options_of_a_run(tmp_path: Path) -> None:
+    """What ``lightning-pipe plan`` and ``lightning-pipe timeline=true`` do, in this process (fork)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from lightning_pipe.cli import CONFIG_DIR, run
+
+    small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500", "recipe.data.batch_size=8",
+             "trainer.max_steps=2", "trainer.limit_val_batches=1", "strategy.start_method=fork"]  # fmt: skip
+    for name, extra in (("plan", ["strategy.plan=auto", "+plan_only=true"]), ("timeline", ["timeline=true"])):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=small + extra, return_hydra_config=True)
+        with open_dict(cfg):
+            del cfg.hydra
+        metrics = run(cfg, output_dir=str(tmp_path / name))
+        if name == "plan":
+            assert "train_loss" not in metrics  # stopped before the first step
+            assert (tmp_path / "plan" / "plan.txt").read_text().startswith(" # schedule")
+            assert (tmp_path / "plan" / "plan.svg").read_text().count('class="panel"') == 3
+        else:
+            svg = (tmp_path / "timeline" / "timeline.svg").read_text()
+            assert ">rank 0<" in svg and ">rank 1<" in svg and "measured, the last training step" in svg
