@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module
-from tests.models import HIDDEN, IN, RecordSplit, SkewedNet, TinyNet, WaitingLayer, loader
+from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, loader
 from tests.pipeline import fit_pipeline
 
 
@@ -105,6 +105,11 @@ def test_meta_layers_are_refused_clearly() -> None:
         model = TinyNet()
     with pytest.raises(ValueError, match="meta device.*'uniform', 'parameters' or a list"):
         profile_module(model, model.layers, lambda: None, 2, torch.device("cpu"))
+
+
+def test_a_model_built_on_the_meta_device_is_refused_on_every_rank() -> None:
+    with pytest.raises(Exception, match="meta device"):
+        fit_pipeline(DeferredNet(), 2, balance="memory")
 
 
 def test_a_failed_measurement_reaches_every_rank() -> None:
