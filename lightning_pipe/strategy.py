@@ -35,7 +35,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -60,7 +59,7 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
 from lightning_pipe.gradients import StageGradients, swap_grads
-from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
@@ -75,6 +74,7 @@ from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe import signals
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
@@ -208,6 +208,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self._signals: Optional[signals.PipelineSignalConnector] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
     @property
@@ -332,7 +333,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -340,6 +341,7 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._signals = signals.install(trainer)
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
@@ -500,6 +502,8 @@ class PipelineStrategy(ParallelStrategy):
         return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
@@ -652,6 +656,8 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        if self._signals is not None:
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
