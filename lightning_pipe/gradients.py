@@ -45,6 +45,8 @@ class StageGradients:
         num_stages: stages of the pipeline.
         counts_shared: whether this rank counts ``shared`` in the global norm (one stage does).
         norm_group: the ranks over which the global norm is summed (None: the default group).
+        dp_group: the replicas of this stage (None: no data parallelism); their gradients are
+            averaged in buckets of about ``bucket_bytes``.
     """
 
     def __init__(
@@ -55,6 +57,8 @@ class StageGradients:
         num_stages: int,
         counts_shared: bool,
         norm_group: Any = None,
+        dp_group: Any = None,
+        bucket_bytes: int = 25 * 2**20,
     ) -> None:
         self.shared = list(shared)
         self.ties = list(ties)
@@ -62,16 +66,56 @@ class StageGradients:
         self.num_stages = num_stages
         self.counts_shared = counts_shared
         self.norm_group = norm_group
+        self.dp_group = dp_group
+        self.bucket_bytes = bucket_bytes
         self.pending: Pending = {}
+        self._buckets: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
 
     def take(self, module: nn.Module, saved: Pending) -> None:
         """Keep the gradients the schedule just produced aside and give back the ``saved`` ones."""
-        self.pending = swap_grads(module, saved)
+        self.keep(swap_grads(module, saved))
+
+    def keep(self, pending: Pending) -> None:
+        """Keep ``pending`` for :meth:`hand_over`; with replicas, start averaging it over them now
+        (asynchronously: it runs while the step's summary is shared and Lightning zeroes ``.grad``)."""
+        self.pending = pending
+        if self.dp_group is None:
+            return
+        ready = [(p, g) for p, g in reversed(list(pending.items())) if g is not None]  # backward order
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for i, (param, grad) in enumerate(ready):
+            bucket.append(param)
+            size += grad.numel() * grad.element_size()
+            last = i == len(ready) - 1
+            if size >= self.bucket_bytes or last or ready[i + 1][1].dtype != grad.dtype:
+                flat = torch.cat([pending[p].reshape(-1) for p in bucket])  # type: ignore[union-attr]
+                work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+                self._buckets.append((work, flat, bucket))
+                bucket, size = [], 0
+
+    def _finish_replicas(self, pending: Pending) -> None:
+        """Wait for the replicas' sums and put their means in ``pending``."""
+        buckets, self._buckets = self._buckets, []
+        if not buckets:
+            return
+        replicas = dist.get_world_size(self.dp_group)
+        for work, flat, params in buckets:
+            work.wait()
+            flat.div_(replicas)
+            offset = 0
+            for param in params:
+                grad = pending[param]
+                assert grad is not None
+                n = grad.numel()
+                grad.copy_(flat[offset : offset + n].view_as(grad))
+                offset += n
 
     def hand_over(self, scale: float) -> None:
         """Sum the kept gradients across ranks where needed and add them, times ``scale``, into
         ``.grad`` (which Lightning may have zeroed since the schedule ran)."""
         pending, self.pending = self.pending, {}
+        self._finish_replicas(pending)
         self._all_reduce_shared(pending)
         self._all_reduce_tied(pending)
         for param, grad in pending.items():

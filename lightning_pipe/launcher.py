@@ -29,8 +29,9 @@ class _GatheringLauncher(_MultiProcessingLauncher):
             local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local, group=getattr(self._strategy, "_meta_group", None))
+            group = getattr(self._strategy, "_meta_group", None)  # this rank's pipeline: every stage once
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, local, group=group)
             merged: dict[str, Any] = {}
             for part in gathered:
                 merged.update(part)

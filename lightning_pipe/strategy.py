@@ -72,7 +72,9 @@ from lightning_pipe.runtime.microbatch import batch_size, merge, signature, spli
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
+from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
 from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.schedules.asynchronous import min_chunks
@@ -128,6 +130,10 @@ class PipelineStrategy(ParallelStrategy):
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
+        stages: pipeline depth p (default: one stage per process). The world (devices x nodes) must be
+            p x d: d replicas of the pipeline train together, each on its own part of every step.
+        data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
+            averaged over the replicas) or ``"shard"`` (FSDP2 over the replicas).
     """
 
     strategy_name = "pipeline"
@@ -149,8 +155,11 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         check_data: Union[bool, int] = True,
+        stages: Optional[int] = None,
+        data_parallel: str = "replicate",
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint)
+        check_layout_arguments(stages, data_parallel)
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
                 f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
@@ -174,6 +183,9 @@ class PipelineStrategy(ParallelStrategy):
         self.module_name = module
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.check_data = check_data
+        self.stages = stages
+        self.data_parallel = data_parallel
+        self._topology: Optional[Topology] = None
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -264,21 +276,38 @@ class PipelineStrategy(ParallelStrategy):
         """Make every stage of the pipeline draw the first stage's indices: each stage loads the
         batch itself, and a sampler drawing from a process's random state would differ between them
         (see :mod:`lightning_pipe.runtime.sampling`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.num_replicas > 1 and trainer is not None and not trainer.predicting:
+            # each replica its own part of every step; predict runs every sample on every replica
+            dataloader = split_over_replicas(dataloader, self.num_replicas, self.replica, trainer.state.stage)
         return share_order(dataloader, self._meta_group, self.pipeline_ranks[0], self.pipeline_ranks)
 
     # ------------------------------------------------------------------ topology
     @property
+    def layout(self) -> Layout:
+        """Stages x replicas of the world (raises, naming both numbers, where ``stages`` does not divide it)."""
+        return Layout.of(self.num_nodes * self.num_processes, self.stages)
+
+    @property
     def num_stages(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self.layout.stages
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas
 
     @property
     def stage(self) -> int:
-        return self.global_rank
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.global_rank)
 
     @property
     def pipeline_ranks(self) -> list[int]:
         """Global ranks of this pipeline's stages, first to last."""
-        return list(range(self.num_stages))
+        return self.layout.pipeline_ranks(self.replica)
 
     @property
     def is_last_stage(self) -> bool:
@@ -303,6 +332,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.layout  # a world size that `stages` does not divide fails here, before any process starts
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -318,6 +348,11 @@ class PipelineStrategy(ParallelStrategy):
             raise MisconfigurationException(
                 "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
                 "Remove `self.automatic_optimization = False` from the LightningModule."
+            )
+        if self.data_parallel == "shard" and self.num_replicas > 1:
+            raise MisconfigurationException(
+                "PipelineStrategy(data_parallel='shard') is not available yet: FSDP2 sharding of a stage over its "
+                f"{self.num_replicas} replicas is not implemented. Use data_parallel='replicate'."
             )
         self._split(module)
         self.precision_plugin.convert_module(self.model)
@@ -355,17 +390,27 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None and self._stage_module is not None
         prefix = f"{self.module_name}."
         self._shared = [p for n, p in sorted(module.named_parameters()) if not n.startswith(prefix)]
-        if self._meta_group is None:
-            self._meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.new_group()
+        if self._topology is None:
+            self._topology = Topology(self.layout, self.global_rank, self.root_device.type)
+            self._meta_group = self._topology.meta_group
+        topology = self._topology
         if self._tie_groups is None:
             self._tie_groups = []
             local = dict(self._stage_module.named_parameters())
             for tie in self._ties:
-                group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
-                if self.stage in tie:
-                    self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+                for replica in range(self.num_replicas):  # every rank takes part in creating every group
+                    ranks = [self.layout.rank(s, replica) for s in sorted(tie)]
+                    group = dist.new_group(ranks)
+                    if self.stage in tie and replica == self.replica:
+                        self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
         self._gradients = StageGradients(
-            self._shared, self._tie_groups, None, self.num_stages, counts_shared=self.global_rank == 0
+            self._shared,
+            self._tie_groups,
+            topology.pp_group,
+            self.num_stages,
+            counts_shared=self.stage == 0,
+            norm_group=topology.pp_group,
+            dp_group=topology.dp_group if self.num_replicas > 1 else None,
         )
         transport = Transport(
             stage_ranks=self.pipeline_ranks,
@@ -536,10 +581,10 @@ class PipelineStrategy(ParallelStrategy):
             if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
-        self._gradients.pending = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        self._gradients.keep({params[name]: grad for name, grad in self._async.due(t, m).items()})
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
-        summary = recorder.summary() if self.is_last_stage else None
+        summary = self._summary(recorder) if self.is_last_stage else None
         broadcaster = self._broadcaster_for("train")
         self._finish_pending()
         if self._lagged is not None:
@@ -570,7 +615,11 @@ class PipelineStrategy(ParallelStrategy):
 
     def describe_rank(self, rank: int) -> str:
         """``rank r (stage s of p)``: how errors name a process."""
-        return f"rank {rank} (stage {rank % self.num_stages} of {self.num_stages})"
+        layout = self.layout
+        where = f"stage {layout.stage_of(rank)} of {layout.stages}"
+        if layout.replicas > 1:
+            where += f", replica {layout.replica_of(rank)} of {layout.replicas}"
+        return f"rank {rank} ({where})"
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, or explain a communication error with the note
@@ -606,13 +655,14 @@ class PipelineStrategy(ParallelStrategy):
         """Outputs of the batch's micro-batches, merged, on global rank 0 (None on other ranks)."""
         outputs = self._evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         if self.num_stages == 1:
-            return outputs
+            return outputs if self.global_rank == 0 else None
         box = [outputs]
         self._finish_pending()
-        if self.is_last_stage:
-            dist.send_object_list(box, dst=0, group=self._meta_group)
-        elif self.global_rank == 0:
-            dist.recv_object_list(box, src=self.num_stages - 1, group=self._meta_group)
+        if self.replica == 0:  # every replica predicts every sample: replica 0's outputs go to rank 0
+            if self.is_last_stage:
+                dist.send_object_list(box, dst=self.pipeline_ranks[0], group=self._meta_group)
+            elif self.global_rank == 0:
+                dist.recv_object_list(box, src=self.pipeline_ranks[-1], group=self._meta_group)
         return box[0] if self.global_rank == 0 else None
 
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
@@ -653,6 +703,14 @@ class PipelineStrategy(ParallelStrategy):
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
 
+    def _summary(self, recorder: StepRecorder) -> dict[str, Any]:
+        """The last stage's step summary; with replicas, the mean over them (the global batch's)."""
+        summary = recorder.summary()
+        if self.num_replicas > 1:
+            assert self._topology is not None
+            summary = mean_over_replicas(summary, self._topology.dp_group, self.root_device)
+        return summary
+
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank.
 
@@ -660,7 +718,7 @@ class PipelineStrategy(ParallelStrategy):
         it before the next one): so its optimizer step overlaps the other stages' last backwards
         instead of waiting for them. The other stages finish their backwards after the last stage
         posted the broadcast, so receiving it costs them nothing."""
-        summary = recorder.summary() if self.is_last_stage else None
+        summary = self._summary(recorder) if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
@@ -685,7 +743,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _broadcaster_for(self, kind: str) -> SummaryBroadcaster:
         if kind not in self._broadcasters:
-            self._broadcasters[kind] = SummaryBroadcaster(self.num_stages - 1, self._meta_group, self.is_last_stage)
+            self._broadcasters[kind] = SummaryBroadcaster(self.pipeline_ranks[-1], self._meta_group, self.is_last_stage)
         return self._broadcasters[kind]
 
     # ------------------------------------------------------------------ checkpoints
@@ -716,7 +774,8 @@ class PipelineStrategy(ParallelStrategy):
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        write_shard(staged, self.global_rank, state_dict, optimizer_states, extra, tag)
+        if self.replica == 0:  # the replicas hold equal copies: one writes them
+            write_shard(staged, self.stage, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
             write_meta(staged, rest, self.num_stages, tag)
         self.barrier()  # every shard is complete
