@@ -95,3 +95,57 @@ def test_bad_stages(value: object, message: str) -> None:
 def test_bad_data_parallel_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="replicate, shard"):
         PipelineStrategy(data_parallel="zero")
+
+
+def _twins_fit(model_cls, data_fn, batch: int, replicas: int, devices: int, **options: object):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    reference, piped = twins(model_cls())
+    plain_options = {k: v for k, v in options.items() if k in ("gradient_clip_val", "accumulate_grad_batches", "max_steps")}
+    fit_plain(reference, data_fn(batch_size=batch * replicas), **plain_options)
+    fit_pipeline(piped, devices, data=data_fn(batch_size=batch), **options)
+    return reference, piped
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tied-weights", "parameters-outside", "clip-by-global-norm", "accumulate"],
+)
+def test_features_with_replicas_match_plain_training(case: str) -> None:
+    if case == "tied-weights":
+        reference, piped = _twins_fit(TiedNet, token_loader, 12, 2, 4, stages=2, schedule="1f1b", chunks=3)
+    elif case == "parameters-outside":
+        reference, piped = _twins_fit(WrappedNet, loader, 12, 2, 4, stages=2, schedule="gpipe", chunks=3)
+    elif case == "clip-by-global-norm":
+        reference, piped = _twins_fit(TinyNet, loader, 12, 2, 4, stages=2, chunks=3, gradient_clip_val=0.05)
+    else:
+        reference, piped = _twins_fit(TinyNet, loader, 12, 2, 4, stages=2, chunks=3, accumulate_grad_batches=2)
+    assert_same_weights(reference, piped)
+
+
+def test_2bw_with_replicas_equals_2bw_on_the_global_batch() -> None:
+    """PipeDream-2BW's delayed updates with 2 replicas are those of one pipeline on the doubled batch."""
+    torch.manual_seed(0)
+    one, two = twins(TinyNet())
+    fit_pipeline(one, 2, data=loader(batch_size=24), schedule="pipedream_2bw", chunks=3)
+    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, schedule="pipedream_2bw", chunks=3)
+    assert_same_weights(one, two)
+
+
+def test_shuffled_data_is_split_between_the_replicas_and_reshuffled_each_epoch(tmp_path) -> None:
+    class Seen(L.Callback):
+        def __init__(self) -> None:
+            self.batches: list[list[float]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            self.batches.append(batch[0][:, 0].tolist())
+
+        def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+            (tmp_path / f"seen{trainer.global_rank}.json").write_text(json.dumps(self.batches))
+
+    data = torch.utils.data.DataLoader(loader().dataset, batch_size=8, shuffle=True)
+    fit_pipeline(TinyNet(), 4, data=data, stages=2, chunks=2, max_steps=8, callbacks=[Seen()])
+    seen = [json.loads((tmp_path / f"seen{r}.json").read_text()) for r in range(4)]
+    assert seen[0] == seen[2] and seen[1] == seen[3]  # the stages of one replica read the same batches
+    epoch = [sum(seen[r][:4], []) for r in (0, 1)]  # 4 steps of 8 = one epoch of 32 per replica
+    assert sorted(epoch[0] + epoch[1]) == sorted(loader().dataset.tensors[0][:, 0].tolist())  # disjoint, complete
+    assert sum(seen[0][4:], []) != epoch[0]  # the next epoch is shuffled anew
