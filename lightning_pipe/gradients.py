@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe.runtime.replica_grads import ReplicaReducer
+
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
 Pending = dict[nn.Parameter, Optional[Tensor]]
 
@@ -70,9 +72,35 @@ class StageGradients:
         self.bucket_bytes = bucket_bytes
         self.pending: Pending = {}
         self._buckets: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
+        self.reducer: Optional[ReplicaReducer] = None  # set by :meth:`overlap`
+        self._reducing = False
+
+    def overlap(self, params: Sequence[nn.Parameter]) -> None:
+        """Average over the replicas while the backward runs (see
+        :class:`lightning_pipe.runtime.replica_grads.ReplicaReducer`), between :meth:`begin` and
+        :meth:`take`; gradients given to :meth:`keep` directly are averaged after their backward."""
+        if self.dp_group is not None and self.reducer is None:
+            self.reducer = ReplicaReducer(params, self.dp_group, self.bucket_bytes)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+
+    def begin(self) -> None:
+        """A step's backwards start (all ``.grad`` are None now)."""
+        if self.reducer is not None:
+            self.reducer.start()
+            self._reducing = True
 
     def take(self, module: nn.Module, saved: Pending) -> None:
         """Keep the gradients the schedule just produced aside and give back the ``saved`` ones."""
+        if self._reducing:
+            assert self.reducer is not None
+            self._reducing = False
+            self.reducer.finish()
+            self.pending = swap_grads(module, saved)
+            return
         self.keep(swap_grads(module, saved))
 
     def keep(self, pending: Pending) -> None:
@@ -96,6 +124,8 @@ class StageGradients:
 
     def _finish_replicas(self, pending: Pending) -> None:
         """Wait for the replicas' sums and put their means in ``pending``."""
+        if self.reducer is not None:
+            self.reducer.wait()
         buckets, self._buckets = self._buckets, []
         if not buckets:
             return

@@ -403,6 +403,8 @@ class PipelineStrategy(ParallelStrategy):
                     group = dist.new_group(ranks)
                     if self.stage in tie and replica == self.replica:
                         self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        if self._gradients is not None:
+            self._gradients.close()
         self._gradients = StageGradients(
             self._shared,
             self._tie_groups,
@@ -428,6 +430,8 @@ class PipelineStrategy(ParallelStrategy):
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
         if self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
+        if versions is None:
+            self._gradients.overlap(list(module.parameters()))
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
@@ -543,6 +547,7 @@ class PipelineStrategy(ParallelStrategy):
             finally:
                 self._runner.step = None
         saved = swap_grads(module, {})
+        self._gradients.begin()
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
@@ -638,6 +643,8 @@ class PipelineStrategy(ParallelStrategy):
             self._finish_pending()
         fused_linear.uninstall(self._fused_layers)
         self._fused_layers = []
+        if self._gradients is not None:
+            self._gradients.close()
         super().teardown()
 
     def _drain(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -149,3 +150,38 @@ def test_shuffled_data_is_split_between_the_replicas_and_reshuffled_each_epoch(t
     epoch = [sum(seen[r][:4], []) for r in (0, 1)]  # 4 steps of 8 = one epoch of 32 per replica
     assert sorted(epoch[0] + epoch[1]) == sorted(loader().dataset.tensors[0][:, 0].tolist())  # disjoint, complete
     assert sum(seen[0][4:], []) != epoch[0]  # the next epoch is shuffled anew
+
+
+class _SmallBuckets(L.Callback):
+    """Buckets of about one layer, and a record of when each step sent them."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        gradients = trainer.strategy._gradients
+        gradients.close()
+        gradients.bucket_bytes = 200
+        gradients.overlap(list(pl_module.parameters()))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        history = trainer.strategy._gradients.reducer.history
+        (Path(self.folder) / f"buckets{trainer.global_rank}.json").write_text(json.dumps(history))
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_buckets_are_sent_while_the_backward_runs(tmp_path, fusion: bool) -> None:
+    """From the second step on, every bucket's all-reduce starts inside the backward (with and
+    without gradient-accumulation fusion); the weights still equal plain training's."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference, loader(batch_size=24))
+    fit_pipeline(
+        piped, 4, data=loader(batch_size=12), stages=2, schedule="1f1b", chunks=3,
+        gradient_accumulation_fusion=fusion, callbacks=[_SmallBuckets(str(tmp_path))],
+    )  # fmt: skip
+    assert_same_weights(reference, piped)
+    for rank in range(4):
+        history = json.loads((tmp_path / f"buckets{rank}.json").read_text())
+        assert len(history) == 6 and history[0][0] == 0  # the first step counts the accumulations
+        assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
