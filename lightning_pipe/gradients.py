@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
+from lightning_pipe.runtime.sharding import local
 
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
 Pending = dict[nn.Parameter, Optional[Tensor]]
@@ -191,13 +192,13 @@ class StageGradients:
         counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
         square = torch.zeros((), dtype=torch.float32, device=device)
         for g in counted:
-            square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
+            square += local(g.detach()).float().pow(2).sum()  # a shard counts its own part
+        if self.num_stages > 1 or (self.norm_group is None and dist.is_initialized() and dist.get_world_size() > 1):
             dist.all_reduce(square, group=self.norm_group)
         total = square.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
+            local(g.detach()).mul_(coef.to(g.dtype))
         return total
 
 

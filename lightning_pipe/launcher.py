@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning_pipe.runtime.sharding import full_tensor
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
 
@@ -26,7 +27,8 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         original = module.state_dict
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
-            local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
+            # sharded stages: every replica takes part in gathering each whole tensor
+            local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
             group = getattr(self._strategy, "_meta_group", None)  # this rank's pipeline: every stage once

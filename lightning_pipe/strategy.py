@@ -73,6 +73,7 @@ from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
+from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
@@ -186,6 +187,7 @@ class PipelineStrategy(ParallelStrategy):
         self.stages = stages
         self.data_parallel = data_parallel
         self._topology: Optional[Topology] = None
+        self._sharded: Optional[ShardedStage] = None
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -349,11 +351,6 @@ class PipelineStrategy(ParallelStrategy):
                 "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
                 "Remove `self.automatic_optimization = False` from the LightningModule."
             )
-        if self.data_parallel == "shard" and self.num_replicas > 1:
-            raise MisconfigurationException(
-                "PipelineStrategy(data_parallel='shard') is not available yet: FSDP2 sharding of a stage over its "
-                f"{self.num_replicas} replicas is not implemented. Use data_parallel='replicate'."
-            )
         self._split(module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -405,14 +402,17 @@ class PipelineStrategy(ParallelStrategy):
                         self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
         if self._gradients is not None:
             self._gradients.close()
+        if self.sharded and self._sharded is None:
+            self._check_shard(module)
+            self._sharded = ShardedStage(self._stage_module, topology.mesh["dp"])
         self._gradients = StageGradients(
             self._shared,
             self._tie_groups,
             topology.pp_group,
             self.num_stages,
             counts_shared=self.stage == 0,
-            norm_group=topology.pp_group,
-            dp_group=topology.dp_group if self.num_replicas > 1 else None,
+            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
+            dp_group=topology.dp_group if self.num_replicas > 1 and not self.sharded else None,
         )
         transport = Transport(
             stage_ranks=self.pipeline_ranks,
@@ -428,14 +428,35 @@ class PipelineStrategy(ParallelStrategy):
             versions = WeightVersions(self._stage_module)
         if self.num_stages > 1:
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
-        if self.gradient_accumulation_fusion:
+        if self._sharded is not None:
+            pass  # FSDP2 accumulates the micro-batches' gradients itself
+        elif self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
-        if versions is None:
+        if versions is None and self._sharded is None:
             self._gradients.overlap(list(module.parameters()))
         self._runner = StageRunner(self._stage_module, checkpoint=self.checkpoint_mode, versions=versions)
         self._executor = Executor(transport, {self.stage: self._runner}, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each stage is sharded over its replicas (FSDP2)."""
+        return self.data_parallel == "shard" and self.num_replicas > 1
+
+    def _check_shard(self, module: "pl.LightningModule") -> None:
+        problems = []
+        if is_async(self.schedule_name):
+            problems.append(f"schedule={self.schedule_name!r} keeps weight versions, which sharded weights do not have")
+        if any(p.requires_grad for p in self._shared):
+            problems.append("the module has trainable parameters outside the split nn.Sequential")
+        if self._ties:
+            problems.append("weights are tied across stages")
+        if problems:
+            raise MisconfigurationException(
+                "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems)
+                + ". Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
+            )
 
     def _stages_through_host(self) -> bool:
         """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
@@ -548,10 +569,14 @@ class PipelineStrategy(ParallelStrategy):
                 self._runner.step = None
         saved = swap_grads(module, {})
         self._gradients.begin()
+        if self._sharded is not None:
+            self._sharded.begin()
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
             self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
+            if self._sharded is not None:
+                self._sharded.finish()  # one reduce-scatter of the step's gradients
         finally:
             self._gradients.take(module, saved)
             self._runner.step = None
@@ -689,6 +714,8 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with context():
                 self._executor.run(self._schedule("forward", len(micro)), keys)
+            if self._sharded is not None:
+                self._sharded.reshard()
             self._executor.transport.pass_gate()
         finally:
             self._runner.step = None

@@ -185,3 +185,66 @@ def test_buckets_are_sent_while_the_backward_runs(tmp_path, fusion: bool) -> Non
         history = json.loads((tmp_path / f"buckets{rank}.json").read_text())
         assert len(history) == 6 and history[0][0] == 0  # the first step counts the accumulations
         assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
+
+
+@pytest.mark.parametrize("schedule, stages", [("gpipe", 2), ("1f1b", 2)])
+def test_sharded_replicas_train_as_plain_training_on_the_global_batch(schedule: str, stages: int) -> None:
+    reference, piped = _twins_fit(TinyNet, loader, 12, 4 // stages, 4, stages=stages, schedule=schedule, chunks=3, data_parallel="shard")
+    assert_same_weights(reference, piped)
+
+
+class _ShardRecord(L.Callback):
+    """Per optimizer step: bytes this rank reduce-scatters or all-reduces over its stage's replicas;
+    at the end: its optimizer state's elements and its stage's parameter elements (whole)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.steps: list[int] = []
+        self.current = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch.distributed as dist
+
+        group = trainer.strategy._topology.dp_group
+        record = self
+
+        def counting(original, position: int):  # type: ignore[no-untyped-def]
+            def collective(*args, **kwargs):  # type: ignore[no-untyped-def]
+                if kwargs.get("group") is group:
+                    tensor = kwargs["input"] if "input" in kwargs else args[position]
+                    if tensor.dtype == torch.float32:
+                        record.current += tensor.numel() * tensor.element_size()
+                return original(*args, **kwargs)
+
+            return collective
+
+        dist.all_reduce = counting(dist.all_reduce, 0)  # this process is a fork that ends with the fit
+        dist.reduce_scatter_single = counting(dist.reduce_scatter_single, 1)  # FSDP2's reduce-scatter
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.steps.append(self.current)
+        self.current = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_pipe.runtime.sharding import local
+
+        optimizer = trainer.optimizers[0]
+        state = sum(local(v).numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        params = sum(p.numel() for p in pl_module.parameters())  # a DTensor's numel is the whole tensor's
+        record = {"steps": self.steps, "state": state, "params": params, "bytes": params * 4}
+        (Path(self.folder) / f"shard{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_sharded_stage_reduces_once_per_step_and_holds_a_share_of_the_optimizer_state(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    fit_pipeline(model, 4, stages=2, chunks=4, max_steps=3, data_parallel="shard", callbacks=[_ShardRecord(str(tmp_path))])
+    records = [json.loads((tmp_path / f"shard{rank}.json").read_text()) for rank in range(4)]
+    for stage in range(2):
+        pair = records[2 * stage : 2 * stage + 2]  # the stage's two replicas
+        # SGD momentum: one buffer per parameter, split between the replicas (by rows: about half each)
+        assert sum(r["state"] for r in pair) == pair[0]["params"], pair
+        assert all(abs(r["state"] - r["params"] / 2) <= 8 for r in pair), pair
+    for rank, record in enumerate(records):
+        # one reduction of the stage's gradients per step, not one per micro-batch (4 here)
+        assert all(record["bytes"] <= b <= 1.2 * record["bytes"] for b in record["steps"]), (rank, record)
