@@ -73,7 +73,7 @@ from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
-from lightning_pipe.runtime.sharding import ShardedStage
+from lightning_pipe.runtime.sharding import ShardedStage, full_tensor, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
@@ -807,8 +807,11 @@ class PipelineStrategy(ParallelStrategy):
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
+        if self.sharded:  # whole tensors (every replica takes part in gathering), so any layout loads them
+            state_dict = {k: full_tensor(v) for k, v in state_dict.items()}
+            optimizer_states = [_map_state(named, full_tensor) for named in optimizer_states or []] or None
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        if self.replica == 0:  # the replicas hold equal copies: one writes them
+        if self.replica == 0:  # the replicas hold equal copies (or have just gathered them): one writes them
             write_shard(staged, self.stage, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
             write_meta(staged, rest, self.num_stages, tag)
@@ -854,10 +857,29 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         names = parameter_names(module)
+        params = dict(module.named_parameters())
         for optimizer, named in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self.sharded:  # each state tensor shaped like its parameter becomes this replica's shard
+                named = {
+                    **named,
+                    "state": {
+                        name: {k: _shard_state(v, params[name]) for k, v in state.items()} if name in params else state
+                        for name, state in named["state"].items()
+                    },
+                }
             order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
             optimizer.load_state_dict(optimizer_state_by_position(named, order))
             _optimizer_to_device(optimizer, self.root_device)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """As Lightning's, with whole tensors split into this replica's shards under ``shard``."""
+        module = self.lightning_module
+        assert module is not None
+        state_dict = checkpoint["state_dict"]
+        if self.sharded:
+            current = module.state_dict()
+            state_dict = {k: shard_like(v, current[k]) if k in current else v for k, v in state_dict.items()}
+        module.load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------ gradient clipping
     def _patch_gradient_clipping(self) -> None:
@@ -892,6 +914,18 @@ class PipelineStrategy(ParallelStrategy):
                     description=f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}",
                     start_method=start_method,
                 )
+
+
+def _map_state(named: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """A by-name optimizer state with ``fn`` applied to every per-parameter value."""
+    return {**named, "state": {n: {k: fn(v) for k, v in state.items()} for n, state in named["state"].items()}}
+
+
+def _shard_state(value: Any, param: Tensor) -> Any:
+    """An optimizer state value, split like ``param`` when it has ``param``'s whole shape."""
+    if isinstance(value, Tensor) and value.dim() > 0 and is_dtensor(param) and tuple(value.shape) == tuple(param.shape):
+        return shard_like(value, param)
+    return value
 
 
 __all__ = ["PipelineStrategy", "check_arguments"]

@@ -248,3 +248,10 @@ def test_sharded_stage_reduces_once_per_step_and_holds_a_share_of_the_optimizer_
     for rank, record in enumerate(records):
         # one reduction of the stage's gradients per step, not one per micro-batch (4 here)
         assert all(record["bytes"] <= b <= 1.2 * record["bytes"] for b in record["steps"]), (rank, record)
+
+
+def test_sharded_replicas_clip_by_the_global_norm() -> None:
+    reference, piped = _twins_fit(
+        TinyNet, loader, 12, 2, 4, stages=2, chunks=3, data_parallel="shard", gradient_clip_val=0.05
+    )
+    assert_same_weights(reference, piped)

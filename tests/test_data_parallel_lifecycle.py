@@ -73,3 +73,26 @@ def test_bf16_mixed_with_replicas_matches_plain_bf16() -> None:
     fit_plain(reference, loader(batch_size=24), precision="bf16-mixed")
     fit_pipeline(piped, 4, data=loader(batch_size=12), stages=2, chunks=3, precision="bf16-mixed")
     assert_same_weights(reference, piped, rtol=2e-2, atol=2e-3)
+
+
+def test_sharded_checkpoint_resumes_under_2x2_shard_and_loads_under_4x1_and_1x4(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    initial = LifecycleNet().state_dict()
+    piped = LifecycleNet()
+    piped.load_state_dict(initial)
+    checkpoint_cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(
+        piped, 4, data=loader(batch_size=12), stages=2, chunks=2, data_parallel="shard", max_epochs=2,
+        enable_checkpointing=True, callbacks=[checkpoint_cb], **EPOCH,
+    )  # fmt: skip
+    assert_same_weights(_trained(initial, 2), piped)
+    last = tmp_path / "last.ckpt"
+    assert sorted(p.name for p in last.iterdir()) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
+    three = _trained(initial, 3)
+    for stages, batch, mode in ((2, 12, "shard"), (4, 24, "replicate"), (1, 6, "replicate")):
+        resumed = LifecycleNet()
+        fit_pipeline(
+            resumed, 4, data=loader(batch_size=batch), ckpt_path=str(last), stages=stages, chunks=2,
+            data_parallel=mode, max_epochs=3, **EPOCH,
+        )  # fmt: skip
+        assert_same_weights(three, resumed, rtol=1e-4, atol=1e-6)
