@@ -25,7 +25,10 @@ from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.strategy import PipelineStrategy
 
 CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
-STRATEGY_KEYS = ("schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion")
+STRATEGY_KEYS = (
+    "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "stages",
+    "data_parallel",
+)
 
 
 class SamplesPerSecond(L.Callback):
