@@ -255,3 +255,16 @@ def test_sharded_replicas_clip_by_the_global_norm() -> None:
         TinyNet, loader, 12, 2, 4, stages=2, chunks=3, data_parallel="shard", gradient_clip_val=0.05
     )
     assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize(
+    "model, options, message",
+    [
+        (TinyNet, {"schedule": "pipedream_2bw"}, "keeps weight versions"),
+        (WrappedNet, {}, "parameters outside the split nn.Sequential"),
+    ],
+    ids=["async", "outside"],
+)
+def test_shard_refuses_what_it_cannot_run_before_training(model, options: dict, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(Exception, match=message):
+        fit_pipeline(model(), 4, stages=2, chunks=3, data_parallel="shard", **options)
