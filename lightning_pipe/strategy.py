@@ -56,6 +56,7 @@ from lightning_pipe.checkpoint import (
     staging_path,
     write_meta,
     write_shard,
+    write_sharded_stage,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
@@ -73,7 +74,7 @@ from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
 from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
-from lightning_pipe.runtime.sharding import ShardedStage, full_tensor, is_dtensor, shard_like
+from lightning_pipe.runtime.sharding import ShardedStage, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
@@ -807,11 +808,13 @@ class PipelineStrategy(ParallelStrategy):
         rest = dict(checkpoint)
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
-        if self.sharded:  # whole tensors (every replica takes part in gathering), so any layout loads them
-            state_dict = {k: full_tensor(v) for k, v in state_dict.items()}
-            optimizer_states = [_map_state(named, full_tensor) for named in optimizer_states or []] or None
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        if self.replica == 0:  # the replicas hold equal copies (or have just gathered them): one writes them
+        if self.sharded:  # every replica writes its shards (torch.distributed.checkpoint)
+            assert self._topology is not None
+            write_sharded_stage(
+                staged, self.stage, state_dict, optimizer_states, self._topology.dp_group, self.replica == 0, extra, tag
+            )
+        elif self.replica == 0:  # the replicas hold equal copies: one writes them
             write_shard(staged, self.stage, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
             write_meta(staged, rest, self.num_stages, tag)
@@ -914,11 +917,6 @@ class PipelineStrategy(ParallelStrategy):
                     description=f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}",
                     start_method=start_method,
                 )
-
-
-def _map_state(named: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
-    """A by-name optimizer state with ``fn`` applied to every per-parameter value."""
-    return {**named, "state": {n: {k: fn(v) for k, v in state.items()} for n, state in named["state"].items()}}
 
 
 def _shard_state(value: Any, param: Tensor) -> Any:

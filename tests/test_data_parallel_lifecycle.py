@@ -85,9 +85,14 @@ def test_sharded_checkpoint_resumes_under_2x2_shard_and_loads_under_4x1_and_1x4(
         piped, 4, data=loader(batch_size=12), stages=2, chunks=2, data_parallel="shard", max_epochs=2,
         enable_checkpointing=True, callbacks=[checkpoint_cb], **EPOCH,
     )  # fmt: skip
-    assert_same_weights(_trained(initial, 2), piped)
+    two_epochs = _trained(initial, 2)
+    assert_same_weights(two_epochs, piped)
     last = tmp_path / "last.ckpt"
-    assert sorted(p.name for p in last.iterdir()) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
+    # per stage: the index (replica 0) and a torch.distributed.checkpoint directory with every replica's part
+    assert sorted(p.name for p in last.iterdir()) == ["meta.pt", "stage-00000.dcp", "stage-00000.pt", "stage-00001.dcp", "stage-00001.pt"]
+    assert len(list((last / "stage-00000.dcp").glob("*.distcp"))) == 2
+    consolidate(last, tmp_path / "plain.ckpt")
+    assert_same_weights(two_epochs, LifecycleNet.load_from_checkpoint(tmp_path / "plain.ckpt", weights_only=True))
     three = _trained(initial, 3)
     for stages, batch, mode in ((2, 12, "shard"), (4, 24, "replicate"), (1, 6, "replicate")):
         resumed = LifecycleNet()

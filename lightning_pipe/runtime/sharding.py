@@ -12,8 +12,9 @@ A pipeline step runs many micro-batch forwards and backwards on the same weights
   :meth:`ShardedStage.finish` reduce-scatters them once after the stage's last backward, which
   also frees the gathered parameters.
 
-Checkpoints hold full tensors (:func:`full_tensor`, written once by replica 0) and are loaded back
-into shards (:func:`shard_like`), so they load under any layout.
+Checkpoints keep each replica's shards in a ``torch.distributed.checkpoint`` directory per stage
+(:func:`lightning_pipe.checkpoint.write_sharded_stage`); loading reads a stage's whole tensors and
+splits them for the current layout (:func:`shard_like`), so they load under any layout.
 """
 
 from __future__ import annotations
