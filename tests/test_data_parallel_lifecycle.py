@@ -101,3 +101,19 @@ def test_sharded_checkpoint_resumes_under_2x2_shard_and_loads_under_4x1_and_1x4(
             data_parallel=mode, max_epochs=3, **EPOCH,
         )  # fmt: skip
         assert_same_weights(three, resumed, rtol=1e-4, atol=1e-6)
+
+
+def test_early_stopping_stops_every_rank_of_every_replica_at_the_same_epoch(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from tests.models import RecordEpochs
+
+    torch.manual_seed(0)
+    stopper = EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1)
+    fit_pipeline(
+        LifecycleNet(), 4, data=loader(batch_size=12), val_data=_val(5), stages=2, chunks=3, max_epochs=10,
+        callbacks=[stopper, RecordEpochs(str(tmp_path))], **EPOCH,
+    )  # fmt: skip
+    ends = [json.loads((tmp_path / f"end{rank}.json").read_text()) for rank in range(4)]
+    assert all(end == ends[0] for end in ends)
+    assert ends[0]["should_stop"] and ends[0]["epoch"] == 2 < 10
