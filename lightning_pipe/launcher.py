@@ -1,9 +1,15 @@
-"""Process launch for ``start_method="spawn"`` / ``"fork"``.
+"""Process launch: ``start_method="popen"`` under Hydra, and ``"spawn"`` / ``"fork"``.
 
-Lightning's own multiprocessing launcher does the work, with two differences that matter for a
-pipeline: the weights sent back to the main process are the whole model, gathered from every
+``popen`` (scripts and the command line) is Lightning's script launcher, which re-runs the command
+line once per extra process. Under a Hydra sweep (``lightning-pipe -m ...``) Lightning's command
+would re-run the whole sweep in every extra process; :class:`PipelineScriptLauncher` gives each
+one the job's own overrides and output folder instead.
+
+For ``spawn`` / ``fork``, Lightning's own multiprocessing launcher does the work, with two
+differences that matter for a pipeline: the weights sent back to the main process are the whole model, gathered from every
 stage (so ``trainer.fit`` in a notebook leaves the notebook's module trained, as with
-``DDPStrategy``), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
+``DDPStrategy``; not for a module built in ``configure_model()``, which may not fit one process:
+save a checkpoint instead), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
 wrapper rather than a subclass because Lightning refuses ``return_predictions`` for launchers of
 the ``_MultiProcessingLauncher`` class.
 """
@@ -11,11 +17,15 @@ the ``_MultiProcessingLauncher`` class.
 from __future__ import annotations
 
 import io
-from typing import Any, Callable, Optional
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning_pipe.runtime.sharding import full_tensor
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -25,17 +35,23 @@ class _GatheringLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
         original = module.state_dict
+        deferred = getattr(self._strategy, "deferred_build", False)
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            if deferred:  # built on the meta device because it may not fit one process: sent nowhere
+                return {}
             # sharded stages: every replica takes part in gathering each whole tensor
             local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
-            group = getattr(self._strategy, "_meta_group", None)  # this rank's pipeline: every stage once
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, local, group=group)
+            # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
+            group = getattr(self._strategy, "_meta_group", None)
+            ranks = getattr(self._strategy, "pipeline_ranks", [0])
+            first = dist.get_rank() == ranks[0]
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
+            dist.gather_object(local, gathered, dst=ranks[0], group=group)
             merged: dict[str, Any] = {}
-            for part in gathered:
+            for part in gathered or [local]:
                 merged.update(part)
             return merged
 
@@ -73,3 +89,49 @@ class PipelineMultiProcessingLauncher(_Launcher):
 
     def kill(self, signum: Any) -> None:
         self._inner.kill(signum)
+
+
+# Hydra overrides that make sense for the sweep only, or that the child's command sets itself.
+_SWEEP_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hydra/sweeper", "hydra.launcher",
+               "hydra/launcher", "hydra.job.name", "hydra.output_subdir")  # fmt: skip
+
+
+def hydra_child_command(local_rank: int) -> tuple[list[str], str]:
+    """The command and working directory for extra process ``local_rank`` of the current Hydra job:
+    the job's own overrides (one job of a sweep, never the sweep) writing into the job's folder."""
+    import __main__
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    config = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += child_overrides(config.overrides.task, config.overrides.hydra)
+    command += [
+        f'hydra.run.dir="{config.runtime.output_dir}"',
+        f"hydra.job.name=train_ddp_process_{local_rank}",
+        "hydra.output_subdir=null",  # the job's config is already saved by rank 0
+    ]
+    return command, get_original_cwd()
+
+
+def child_overrides(task: Sequence[str], hydra: Sequence[str]) -> list[str]:
+    """A job's overrides for its extra processes: all of the job's own (in a sweep, the values of
+    this job), and Hydra's except those of the sweep."""
+    return [*task, *(o for o in hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY))]
+
+
+class PipelineScriptLauncher(subprocess_script._SubprocessScriptLauncher):
+    """Lightning's script launcher (``start_method="popen"``) with :func:`hydra_child_command`."""
+
+    def _call_children_scripts(self) -> None:
+        with _hydra_command(hydra_child_command):
+            super()._call_children_scripts()
+
+
+@contextmanager
+def _hydra_command(builder: Callable[[int], tuple[list[str], str]]) -> Iterator[None]:
+    with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", builder):
+        yield

@@ -17,8 +17,8 @@ import logging
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Literal, Mapping, Optional, Sequence, Union
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -35,7 +35,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -61,9 +60,10 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
 from lightning_pipe.gradients import StageGradients, swap_grads
-from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
-from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.partition.materialize import has_meta_tensors, materialize
+from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -78,9 +78,11 @@ from lightning_pipe.runtime.sharding import ShardedStage, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe import signals
 from lightning_pipe.schedules import SCHEDULES, Schedule, forward_only, get_schedule, is_async, validate
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
+from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +95,12 @@ _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its Da
 }
 
 
-def check_arguments(schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str) -> None:
+def check_arguments(
+    schedule: str, chunks: Optional[int], balance: BalanceSpec, checkpoint: str, weights: Optional[Union[str, Path]] = None
+) -> None:
     """Reject bad strategy arguments before any process starts, naming the valid values."""
     get_schedule(schedule)
+    check_weights_argument(weights)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
     if isinstance(balance, str):
@@ -128,6 +133,9 @@ class PipelineStrategy(ParallelStrategy):
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
+        weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
+            ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
+            stage's tensors (see :mod:`lightning_pipe.weights`).
         check_data: when the stages compare a checksum of the batch they loaded (they compare its
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
@@ -136,6 +144,11 @@ class PipelineStrategy(ParallelStrategy):
             p x d: d replicas of the pipeline train together, each on its own part of every step.
         data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
             averaged over the replicas) or ``"shard"`` (FSDP2 over the replicas).
+
+    A module that builds its layers in ``configure_model()`` (or under
+    ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
+    only to its stage and to the parameters outside the split Sequential, initialised layer by layer
+    from the run's seed (see :mod:`lightning_pipe.partition.materialize`).
     """
 
     strategy_name = "pipeline"
@@ -157,10 +170,11 @@ class PipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         check_data: Union[bool, int] = True,
+        weights: Optional[Union[str, Path]] = None,
         stages: Optional[int] = None,
         data_parallel: str = "replicate",
     ) -> None:
-        check_arguments(schedule, chunks, balance, checkpoint)
+        check_arguments(schedule, chunks, balance, checkpoint, weights)
         check_layout_arguments(stages, data_parallel)
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
@@ -189,6 +203,8 @@ class PipelineStrategy(ParallelStrategy):
         self.data_parallel = data_parallel
         self._topology: Optional[Topology] = None
         self._sharded: Optional[ShardedStage] = None
+        self.weights = weights
+        self.deferred_build = False  # the module was built on the meta device
         self._fused_layers: list[nn.Linear] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
@@ -207,6 +223,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self._signals: Optional[signals.PipelineSignalConnector] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
     @property
@@ -270,6 +287,18 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` builds on the meta device; ``setup`` materialises the stage."""
+        with torch.device("meta"):
+            yield
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -337,7 +366,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.layout  # a world size that `stages` does not divide fails here, before any process starts
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -345,6 +374,7 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._signals = signals.install(trainer)
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
@@ -375,8 +405,14 @@ class PipelineStrategy(ParallelStrategy):
         balance = resolve_balance(self.balance, layers, self.num_stages)
         self.stage_balance = balance
         self._ties = tied_parameters(layers, balance)
+        spec = model_spec(module) if self.weights is not None else None
         stage = StageModule(stage_layers(layers, balance, self.stage), self.stage, self.num_stages)
+        if has_meta_tensors(module):
+            self.deferred_build = True
+            materialize(module, layers, range(*stage_bounds(balance)[self.stage]), self.root_device)
         setattr(module, name, stage)
+        if spec is not None:
+            load_stage_weights(module, self.weights, spec)
         self._stage_module = stage
         self.module_name = name
         rank_zero = self.global_rank == 0
@@ -537,6 +573,8 @@ class PipelineStrategy(ParallelStrategy):
         return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
@@ -701,6 +739,8 @@ class PipelineStrategy(ParallelStrategy):
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        if self._signals is not None:
+            self._signals.stop_if_requested(self.root_device)
         module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_pipe.recipes import builds_in_configure_model
+
 SIZES = {
     "tiny": dict(hidden=128, num_layers=2, heads=2, intermediate=512),
     "small": dict(hidden=256, num_layers=4, heads=4, intermediate=1024),
@@ -44,7 +46,27 @@ _WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
 # ---------------------------------------------------------------------------- model
-class Embeddings(nn.Module):
+def _init_bert_weights(module: nn.Module) -> None:
+    """BERT's initialisation: normal(0, 0.02) weights, zero biases. With PyTorch's default N(0, 1)
+    embeddings, a decoder tied to them would start with logits of standard deviation ~sqrt(hidden)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        with torch.no_grad():
+            module.weight[module.padding_idx].zero_()
+
+
+class _BertInit:
+    """``reset_parameters`` with BERT's initialisation, for a layer built on the meta device and
+    initialised by the pipeline (which calls it after its children's own)."""
+
+    def reset_parameters(self) -> None:
+        self.apply(_init_bert_weights)  # type: ignore[attr-defined]
+
+
+class Embeddings(_BertInit, nn.Module):
     def __init__(self, vocab_size: int, hidden: int, max_len: int, dropout: float) -> None:
         super().__init__()
         self.word = nn.Embedding(vocab_size, hidden, padding_idx=PAD)
@@ -59,7 +81,7 @@ class Embeddings(nn.Module):
         return hidden, mask
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(_BertInit, nn.Module):
     """A post-norm transformer encoder layer, as in BERT."""
 
     def __init__(self, hidden: int, heads: int, intermediate: int, dropout: float) -> None:
@@ -78,7 +100,7 @@ class EncoderLayer(nn.Module):
         return hidden, mask
 
 
-class MLMHead(nn.Module):
+class MLMHead(_BertInit, nn.Module):
     def __init__(self, hidden: int, vocab_size: int) -> None:
         super().__init__()
         self.transform = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden))
@@ -101,20 +123,11 @@ def bert_layers(
     return nn.Sequential(*layers)
 
 
-def _init_bert_weights(module: nn.Module) -> None:
-    """BERT's initialisation: normal(0, 0.02) weights, zero biases. With PyTorch's default N(0, 1)
-    embeddings, a decoder tied to them would start with logits of standard deviation ~sqrt(hidden)."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
-    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-        with torch.no_grad():
-            module.weight[module.padding_idx].zero_()
-
-
 class BertMLM(L.LightningModule):
-    """Masked-language-model pre-training; AdamW with linear warm-up and decay."""
+    """Masked-language-model pre-training; AdamW with linear warm-up and decay.
+
+    ``build``: ``"eager"`` creates the layers in ``__init__``, ``"configure_model"`` in
+    ``configure_model()``, ``"auto"`` (default) the latter above 100M parameters (``size=large``)."""
 
     def __init__(
         self,
@@ -129,13 +142,28 @@ class BertMLM(L.LightningModule):
         hidden: Optional[int] = None,
         num_layers: Optional[int] = None,
         tie_embeddings: bool = True,
+        build: str = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = bert_layers(vocab_size, size, max_len, dropout, hidden=hidden, num_layers=num_layers)
-        self.layers.apply(_init_bert_weights)
-        if tie_embeddings:
-            self.layers[-1].decoder.weight = self.layers[0].word.weight
+        self.layers: Optional[nn.Sequential] = None
+        if not builds_in_configure_model(build, self._bert_layers):
+            self.configure_model()
+
+    def _bert_layers(self) -> nn.Sequential:
+        hp = self.hparams
+        return bert_layers(hp.vocab_size, hp.size, hp.max_len, hp.dropout, hidden=hp.hidden, num_layers=hp.num_layers)
+
+    def configure_model(self) -> None:
+        """Create the layers (here for models above 100M parameters, see ``build``: under the
+        pipeline they are then built on the meta device and each rank materialises its stage)."""
+        if self.layers is not None:
+            return
+        layers = self._bert_layers()
+        layers.apply(_init_bert_weights)  # nothing to do on the meta device; the pipeline calls reset_parameters
+        if self.hparams.tie_embeddings:
+            layers[-1].decoder.weight = layers[0].word.weight
+        self.layers = layers
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layers((ids, mask))

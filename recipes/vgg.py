@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_pipe.recipes import builds_in_configure_model
+
 CFG = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     13: [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
@@ -64,7 +66,11 @@ def vgg_layers(
 
 
 class VGGClassifier(L.LightningModule):
-    """Image classification with VGG; SGD with momentum and a cosine learning-rate schedule."""
+    """Image classification with VGG; SGD with momentum and a cosine learning-rate schedule.
+
+    ``build``: ``"eager"`` creates the layers in ``__init__``, ``"configure_model"`` in
+    ``configure_model()`` (under the pipeline: on the meta device, each rank materialising its
+    stage), ``"auto"`` (default) the latter above 100M parameters (``width >= 3``)."""
 
     def __init__(
         self,
@@ -77,10 +83,22 @@ class VGGClassifier(L.LightningModule):
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         max_steps: int = 1000,
+        build: str = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = vgg_layers(depth, batch_norm, num_classes, width, dropout)
+        self.layers: Optional[nn.Sequential] = None
+        if not builds_in_configure_model(build, self._vgg_layers):
+            self.configure_model()
+
+    def _vgg_layers(self) -> nn.Sequential:
+        hp = self.hparams
+        return vgg_layers(hp.depth, hp.batch_norm, hp.num_classes, hp.width, hp.dropout)
+
+    def configure_model(self) -> None:
+        """Create the layers (here for models above 100M parameters, ``width >= 3``, see ``build``)."""
+        if self.layers is None:
+            self.layers = self._vgg_layers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)

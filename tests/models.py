@@ -316,3 +316,53 @@ class MetricNet(TinyNet):
         self.seen.update(torch.tensor(float(len(x))))
         self.log("seen", self.seen, on_step=False, on_epoch=True)
         return super().training_step(batch, batch_idx)
+
+
+class DeferredNet(TinyNet):
+    """TinyNet whose layers are created in ``configure_model()``, as a model too big for one process
+    would create them (the pipeline builds them on the meta device)."""
+
+    def __init__(self, depth: int = 8, lr: float = 0.1, width: int = HIDDEN) -> None:
+        L.LightningModule.__init__(self)
+        self.depth, self.lr, self.optimizer, self.width = depth, lr, "sgd", width
+        self.layers: Optional[nn.Sequential] = None
+
+    def configure_model(self) -> None:
+        if self.layers is not None:  # Lightning calls it again for each trainer.fit/validate/test
+            return
+        layers: list[nn.Module] = [nn.Linear(IN, self.width)]
+        while len(layers) < self.depth - 1:
+            layers += [nn.Tanh(), nn.Linear(self.width, self.width)][: self.depth - 1 - len(layers)]
+        self.layers = nn.Sequential(*layers, nn.Linear(self.width, CLASSES))
+
+
+class SaveStageState(L.Callback):
+    """Each rank writes its module's real (non-meta) tensors at ``on_fit_start`` (``start=True``)
+    or ``on_train_end`` to ``<folder>/<when>-rank<k>.pt``; :func:`merged_stage_states` joins them."""
+
+    def __init__(self, folder: str, start: bool = False) -> None:
+        self.folder, self.start = folder, start
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import os
+
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items() if not v.is_meta}
+        when = "start" if self.start else "end"
+        torch.save(state, os.path.join(self.folder, f"{when}-rank{trainer.global_rank}.pt"))
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.start:
+            self._save(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.start:
+            self._save(trainer, pl_module)
+
+
+def merged_stage_states(folder: str, ranks: int, start: bool = False) -> dict[str, torch.Tensor]:
+    import os
+
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(ranks):
+        merged.update(torch.load(os.path.join(folder, f"{'start' if start else 'end'}-rank{rank}.pt"), weights_only=True))
+    return merged

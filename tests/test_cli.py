@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
+from lightning_pipe.launcher import child_overrides
 from lightning_pipe.strategy import PipelineStrategy
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,13 +104,66 @@ def _command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightning_pipe", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
 
 
-def test_sweep_writes_one_folder_per_run(tmp_path: Path) -> None:
-    result = _command(["-m", "strategy.chunks=2,4", *SMALL["bert_mlm"], *QUICK, "hydra.sweep.dir=sweep"], tmp_path)
+def test_sweep_makes_one_folder_with_a_folder_per_job(tmp_path: Path) -> None:
+    """Each job's extra process runs that job only: one sweep folder, one folder per job, and nothing
+    else (before, the extra process re-ran the whole sweep into a second folder)."""
+    quick = ["trainer.val_check_interval=6", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+    result = _command(["-m", "strategy=gpipe,1f1b", "trainer.max_steps=12", *SMALL["bert_mlm"], *quick], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert runs == ["0", "1"]
-    for run_dir in runs:
-        assert (tmp_path / "sweep" / run_dir / "logs" / "version_0" / "metrics.csv").is_file()
+    assert (result.stdout + result.stderr).count("Launching 2 jobs locally") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    (day,) = (tmp_path / "multirun").iterdir()
+    (sweep,) = day.iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    for job, schedule in (("0", "gpipe"), ("1", "1f1b")):
+        with open(sweep / job / "logs" / "version_0" / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert max(int(row["step"]) for row in rows) == 11 and any(row["train_loss"] for row in rows)
+        assert f"schedule: {schedule}" in (sweep / job / ".hydra" / "config.yaml").read_text()
+
+
+def test_child_overrides_drop_the_sweep() -> None:
+    task = ["strategy=gpipe", "trainer.max_steps=12"]
+    hydra = ["hydra.mode=MULTIRUN", "hydra.sweep.dir=sweep", "hydra.job.chdir=false", "hydra/launcher=basic"]
+    assert child_overrides(task, hydra) == [*task, "hydra.job.chdir=false"]
+
+
+def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
+    result = _command(["--help"], tmp_path)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
+    assert "recipe: bert_mlm, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
+    assert "strategy: 1f1b, gpipe, none, pipedream, pipedream_2bw" in lines
+    assert "powered by Hydra" not in result.stdout
+
+
+def test_pipedream_with_tied_embeddings_names_the_override(tmp_path: Path) -> None:
+    """One short message before any process starts (the strategy would fail in every process)."""
+    result = _command(["strategy=pipedream"], tmp_path)
+    assert result.returncode != 0
+    message = result.stderr.strip()
+    assert "recipe.model.tie_embeddings=false" in message and "pipedream_2bw" in message
+    assert len(message.splitlines()) == 1 and "Traceback" not in result.stdout + result.stderr
+
+
+def test_strategy_none_says_what_runs(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _compose(["strategy=none", "trainer.devices=2"])
+    with caplog.at_level(logging.WARNING, logger="lightning_pipe.cli"):
+        assert build_strategy(cfg.strategy, cfg.trainer.devices) == ("auto", 1)
+    assert "one process on one device; trainer.devices=2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_pipe.cli"):
+        build_strategy(cfg.strategy, 1)
+    assert caplog.text == ""
+
+
+def test_consolidate_command_runs_without_warnings(tmp_path: Path) -> None:
+    """``python -m lightning_pipe.checkpoint`` (its module is imported by the package already)."""
+    result = subprocess.run([sys.executable, "-W", "error", "-m", "lightning_pipe.checkpoint", "--help"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0 and "usage: python -m lightning_pipe.checkpoint" in result.stdout, result.stderr
+    assert result.stderr == ""
 
 
 def test_readme_commands(tmp_path: Path) -> None:
@@ -122,3 +178,19 @@ def test_readme_commands(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "chunkz" in bad.stderr
     missing = _command(["strategy=zigzag"], tmp_path)
     assert missing.returncode != 0 and "zigzag" in missing.stderr and "1f1b" in missing.stderr
+
+
+def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
+    weights = tmp_path / "start.safetensors"
+    weights.write_bytes(b"")
+    cfg = _compose(["recipe=bert_mlm", f"strategy.weights={weights}", "recipe.model.build=configure_model"])
+    strategy, _ = build_strategy(cfg.strategy, 2)
+    assert strategy.weights == str(weights)
+    assert instantiate(cfg.recipe.model).layers is None  # created in configure_model()
+    assert instantiate(_compose(["recipe=bert_mlm", "recipe.model.size=large"]).recipe.model).layers is None
+    cfg = _compose(["recipe=vgg19_cifar100", "recipe.model.width=3"])
+    with open_dict(cfg):
+        cfg.recipe.data.root = "/tmp/unused"
+    assert instantiate(cfg.recipe.model).layers is None
+    with pytest.raises(Exception, match="recipe.model.build='later': valid values are auto, eager, configure_model"):
+        instantiate(_compose(["recipe=bert_mlm", "recipe.model.build=later"]).recipe.model)

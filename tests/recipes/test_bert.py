@@ -86,3 +86,30 @@ def test_bert_initialisation_keeps_initial_logits_small() -> None:
     ids = torch.randint(5, 500, (2, 16))
     logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
     assert float(logits.std()) < 1.0  # a loss near ln(vocab) at the start, not far above it
+
+
+def test_bert_built_in_configure_model_starts_equal_on_two_stages(tmp_path: Path) -> None:
+    """The decoder tied to the word embeddings lives on the last stage: it starts from the value the
+    first stage's embeddings get, as in a plain run initialised by init_like_pipeline."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import init_like_pipeline
+    from tests.models import SaveStageState, merged_stage_states
+    from tests.pipeline import fit_pipeline
+
+    L.seed_everything(3)
+    ids = torch.randint(5, 40, (8, 16))
+    labels = torch.where(torch.rand(8, 16) < 0.2, ids, torch.full_like(ids, -100))
+    data = DataLoader(TensorDataset(ids, torch.ones_like(ids, dtype=torch.bool), labels), batch_size=4)
+    kwargs = dict(vocab_size=40, size="tiny", max_len=16, dropout=0.0, build="configure_model")
+    fit_pipeline(BertMLM(**kwargs), 2, data, callbacks=[SaveStageState(str(tmp_path), start=True)], max_steps=1)
+    start = merged_stage_states(str(tmp_path), 2, start=True)
+    plain = BertMLM(**kwargs)
+    with torch.device("meta"):
+        plain.configure_model()
+    expected = init_like_pipeline(plain).state_dict()
+    assert set(start) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
+    assert torch.equal(start["layers.3.decoder.weight"], start["layers.0.word.weight"])

@@ -381,6 +381,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     checkpoint = consolidate(args.checkpoint, args.output)
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,112 @@
+"""SIGTERM under a pipeline: every process stops at the same step, or ends within a few seconds.
+
+Lightning's SIGTERM handler runs a collective (``dist.broadcast`` on the default group) inside the
+signal handler, that is at whatever point each process happens to be when its signal arrives, and
+its training loop runs another broadcast at the start of every batch. Under data parallelism every
+process is at the same point anyway; in a pipeline they are not: rank 0's handler broadcast, sent
+from the middle of its step, is taken by rank 1 as the per-batch broadcast (value 1), so rank 1
+enters the barrier that precedes Lightning's ``SIGTERMException`` while rank 0 waits in the
+schedule for rank 1's activations, and both wait for ever. A process blocked in such a collective
+never runs a Python handler again, so further SIGTERMs are ignored too.
+
+Here the handler runs no collective. It records the request, passes the signal on to the processes
+this one launched (as Lightning does), and starts a deadline. The stages agree on stopping at a
+point every stage reaches: the start of each step (training, validation, test, predict), where
+rank 0's request is broadcast from rank 0. Rank 0 leads the pipeline, so the broadcast makes no
+stage wait for a later one. There every stage raises Lightning's ``SIGTERMException`` together and
+the Trainer ends the run as usual (``on_exception`` callbacks, loggers, teardown). A process that
+has not reached that point ``GRACE_SECONDS`` after its signal (a peer died, or the signal reached
+only a later stage) exits with status ``128 + SIGTERM``; a second SIGTERM ends it at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+GRACE_SECONDS = 10.0
+
+
+class PipelineSignalConnector(_SignalConnector):
+    """Lightning's signal handling with the SIGTERM path above; ``received_sigterm`` becomes true on
+    every rank at once, when the stages stop together."""
+
+    def __init__(self, trainer: "pl.Trainer", grace: float = GRACE_SECONDS) -> None:
+        super().__init__(trainer)
+        self.grace = grace
+        self.requested = False
+        self._deadline: Optional[threading.Timer] = None
+
+    def register_signal_handlers(self) -> None:
+        self.requested = False
+        super().register_signal_handlers()
+
+    def _sigterm_notifier_fn(self, signum: Any, _: Optional[FrameType]) -> None:
+        rank = self.trainer.global_rank
+        if self.requested:
+            _exit_now(f"[rank: {rank}] A second SIGTERM: exiting now.", 128 + int(signum))
+        self.requested = True
+        _say(f"[rank: {rank}] Received SIGTERM: every stage stops at the start of the next step.")
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signum)
+        self._deadline = threading.Timer(self.grace, self._expire, args=(int(signum),))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self, signum: int) -> None:
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signal.SIGKILL)
+        _exit_now(
+            f"[rank: {self.trainer.global_rank}] Still running {self.grace:g} s after SIGTERM (the other stages did "
+            "not stop with this one): exiting.",
+            128 + signum,
+        )
+
+    def stop_if_requested(self, device: torch.device) -> None:
+        """At the start of a step, on every rank: raise ``SIGTERMException`` on all of them when rank 0
+        has received SIGTERM."""
+        flag = torch.tensor([1 if self.requested else 0], device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(flag, src=0)
+        if flag.item():
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self.received_sigterm = True
+            raise SIGTERMException()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_deadline"] = None
+        return state
+
+
+def _say(message: str) -> None:
+    """Straight to stderr: a signal handler may interrupt a ``print`` of the same stream."""
+    os.write(sys.stderr.fileno(), (message + "\n").encode())
+
+
+def _exit_now(message: str, status: int) -> None:
+    _say(message)
+    os._exit(status)
+
+
+def install(trainer: "pl.Trainer") -> PipelineSignalConnector:
+    """Replace the Trainer's signal handling (before the Trainer registers its handlers, which it does
+    after setting the strategy up)."""
+    connector = trainer._signal_connector
+    if not isinstance(connector, PipelineSignalConnector):
+        connector = PipelineSignalConnector(trainer)
+        trainer._signal_connector = connector
+    return connector
