@@ -37,6 +37,7 @@ CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
 STRATEGY_KEYS = (
     "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "weights",
     "plan",
+    "stages", "data_parallel",
 )
 
 

@@ -18,7 +18,10 @@ def pipeline_trainer(
 ) -> L.Trainer:
     """A Trainer with ``PipelineStrategy`` on ``devices`` CPU processes; keyword arguments go to the
     strategy when they are its own and to the Trainer otherwise."""
-    strategy_keys = {"schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data", "weights", "plan"}
+    strategy_keys = {
+        "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data", "weights",
+        "stages", "data_parallel", "plan",
+    }
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
     strategy = PipelineStrategy(start_method=start_method, **strategy_args)
