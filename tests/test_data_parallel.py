@@ -123,12 +123,14 @@ def test_features_with_replicas_match_plain_training(case: str) -> None:
     assert_same_weights(reference, piped)
 
 
-def test_2bw_with_replicas_equals_2bw_on_the_global_batch() -> None:
-    """PipeDream-2BW's delayed updates with 2 replicas are those of one pipeline on the doubled batch."""
+@pytest.mark.parametrize("schedule", ["pipedream_2bw", "pipedream"])
+def test_async_schedules_with_replicas_equal_one_pipeline_on_the_global_batch(schedule: str) -> None:
+    """PipeDream's and PipeDream-2BW's delayed updates with 2 replicas are those of one pipeline on
+    the doubled batch."""
     torch.manual_seed(0)
     one, two = twins(TinyNet())
-    fit_pipeline(one, 2, data=loader(batch_size=24), schedule="pipedream_2bw", chunks=3)
-    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, schedule="pipedream_2bw", chunks=3)
+    fit_pipeline(one, 2, data=loader(batch_size=24), schedule=schedule, chunks=3)
+    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, schedule=schedule, chunks=3)
     assert_same_weights(one, two)
 
 
