@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -35,6 +36,8 @@ LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WO
 CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
 STRATEGY_KEYS = (
     "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "weights",
+    "plan",
+    "stages", "data_parallel",
     "virtual_stages",
 )  # fmt: skip
 
@@ -51,6 +54,22 @@ class SamplesPerSecond(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._start
         pl_module.log("samples_per_sec", batch_size(batch) / seconds, prog_bar=True, on_step=True, on_epoch=False)
+
+
+class PlanOnly(L.Callback):
+    """``lightning-pipe plan``: once the planner ranked the layouts (in the strategy's setup), print
+    and write them (``plan.txt``, ``plan.svg``) and stop before the first step."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_pipe.plan.report import write_plan
+
+        trainer.should_stop = True
+        if trainer.global_rank == 0 and getattr(trainer.strategy, "plan_candidates", None):
+            print(write_plan(trainer.strategy.plan_candidates, trainer.strategy.num_stages, self.folder))
+            print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}")
 
 
 def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
@@ -108,6 +127,12 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     check_tied_weights(cfg, model, devices)
     data = instantiate(cfg.recipe.data)
     callbacks: list[L.Callback] = [SamplesPerSecond()]
+    if cfg.get("plan_only", False):
+        callbacks.append(PlanOnly(output))
+    if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
+        from lightning_pipe.plan.picture import TimelinePicture
+
+        callbacks.append(TimelinePicture(output / "timeline.svg"))
     if cfg.get("checkpoint", False):
         callbacks.append(ModelCheckpoint(dirpath=output / "checkpoints", save_last=True))
     trainer = L.Trainer(
@@ -143,9 +168,17 @@ def _end_job(environment: dict[str, Optional[str]]) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> Optional[float]:
+def _main(cfg: DictConfig) -> Optional[float]:
     metrics = run(cfg)
     return metrics.get("train_loss")
+
+
+def main() -> None:
+    """``lightning-pipe [plan] <overrides>``: ``plan`` ranks the layouts for the configured run
+    (``strategy.plan=auto``) and stops before training."""
+    if sys.argv[1:2] == ["plan"]:
+        sys.argv[1:2] = ["strategy.plan=auto", "+plan_only=true"]
+    _main()
 
 
 if __name__ == "__main__":

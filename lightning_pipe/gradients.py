@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe.runtime.replica_grads import ReplicaReducer
+from lightning_pipe.runtime.sharding import local
+
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
 Pending = dict[nn.Parameter, Optional[Tensor]]
 
@@ -45,6 +48,8 @@ class StageGradients:
         num_stages: stages of the pipeline.
         counts_shared: whether this rank counts ``shared`` in the global norm (one stage does).
         norm_group: the ranks over which the global norm is summed (None: the default group).
+        dp_group: the replicas of this stage (None: no data parallelism); their gradients are
+            averaged in buckets of about ``bucket_bytes``.
     """
 
     def __init__(
@@ -55,6 +60,8 @@ class StageGradients:
         num_stages: int,
         counts_shared: bool,
         norm_group: Any = None,
+        dp_group: Any = None,
+        bucket_bytes: int = 25 * 2**20,
     ) -> None:
         self.shared = list(shared)
         self.ties = list(ties)
@@ -62,16 +69,84 @@ class StageGradients:
         self.num_stages = num_stages
         self.counts_shared = counts_shared
         self.norm_group = norm_group
+        self.dp_group = dp_group
+        self.bucket_bytes = bucket_bytes
         self.pending: Pending = {}
+        self._buckets: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
+        self.reducer: Optional[ReplicaReducer] = None  # set by :meth:`overlap`
+        self._reducing = False
+
+    def overlap(self, params: Sequence[nn.Parameter]) -> None:
+        """Average over the replicas while the backward runs (see
+        :class:`lightning_pipe.runtime.replica_grads.ReplicaReducer`), between :meth:`begin` and
+        :meth:`take`; gradients given to :meth:`keep` directly are averaged after their backward."""
+        if self.dp_group is not None and self.reducer is None:
+            self.reducer = ReplicaReducer(params, self.dp_group, self.bucket_bytes)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+
+    def begin(self) -> None:
+        """A step's backwards start (all ``.grad`` are None now)."""
+        if self.reducer is not None:
+            self.reducer.start()
+            self._reducing = True
 
     def take(self, module: nn.Module, saved: Pending) -> None:
         """Keep the gradients the schedule just produced aside and give back the ``saved`` ones."""
-        self.pending = swap_grads(module, saved)
+        if self._reducing:
+            assert self.reducer is not None
+            self._reducing = False
+            self.reducer.finish()
+            self.pending = swap_grads(module, saved)
+            return
+        self.keep(swap_grads(module, saved))
+
+    def keep(self, pending: Pending) -> None:
+        """Keep ``pending`` for :meth:`hand_over`; with replicas, start averaging it over them now
+        (asynchronously: it runs while the step's summary is shared and Lightning zeroes ``.grad``)."""
+        self.pending = pending
+        if self.dp_group is None:
+            return
+        ready = [(p, g) for p, g in reversed(list(pending.items())) if g is not None]  # backward order
+        bucket: list[nn.Parameter] = []
+        size = 0
+        for i, (param, grad) in enumerate(ready):
+            bucket.append(param)
+            size += grad.numel() * grad.element_size()
+            last = i == len(ready) - 1
+            if size >= self.bucket_bytes or last or ready[i + 1][1].dtype != grad.dtype:
+                flat = torch.cat([pending[p].reshape(-1) for p in bucket])  # type: ignore[union-attr]
+                work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+                self._buckets.append((work, flat, bucket))
+                bucket, size = [], 0
+
+    def _finish_replicas(self, pending: Pending) -> None:
+        """Wait for the replicas' sums and put their means in ``pending``."""
+        if self.reducer is not None:
+            self.reducer.wait()
+        buckets, self._buckets = self._buckets, []
+        if not buckets:
+            return
+        replicas = dist.get_world_size(self.dp_group)
+        for work, flat, params in buckets:
+            work.wait()
+            flat.div_(replicas)
+            offset = 0
+            for param in params:
+                grad = pending[param]
+                assert grad is not None
+                n = grad.numel()
+                grad.copy_(flat[offset : offset + n].view_as(grad))
+                offset += n
 
     def hand_over(self, scale: float) -> None:
         """Sum the kept gradients across ranks where needed and add them, times ``scale``, into
         ``.grad`` (which Lightning may have zeroed since the schedule ran)."""
         pending, self.pending = self.pending, {}
+        self._finish_replicas(pending)
         self._all_reduce_shared(pending)
         self._all_reduce_tied(pending)
         for param, grad in pending.items():
@@ -117,13 +192,13 @@ class StageGradients:
         counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
         square = torch.zeros((), dtype=torch.float32, device=device)
         for g in counted:
-            square += g.detach().float().pow(2).sum()
-        if self.num_stages > 1:
+            square += local(g.detach()).float().pow(2).sum()  # a shard counts its own part
+        if self.num_stages > 1 or (self.norm_group is None and dist.is_initialized() and dist.get_world_size() > 1):
             dist.all_reduce(square, group=self.norm_group)
         total = square.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
+            local(g.detach()).mul_(coef.to(g.dtype))
         return total
 
 

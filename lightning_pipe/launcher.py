@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning_pipe.runtime.sharding import full_tensor
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
 
@@ -39,13 +40,16 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
             if deferred:  # built on the meta device because it may not fit one process: sent nowhere
                 return {}
-            local = {k: v.detach().cpu() for k, v in original(*args, **kwargs).items()}
+            # sharded stages: every replica takes part in gathering each whole tensor
+            local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
-            # only rank 0 sends the weights back; the others need not receive every stage
-            rank0 = dist.get_rank() == 0
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size() if rank0 else None
-            dist.gather_object(local, gathered, dst=0, group=getattr(self._strategy, "_meta_group", None))
+            # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
+            group = getattr(self._strategy, "_meta_group", None)
+            ranks = getattr(self._strategy, "pipeline_ranks", [0])
+            first = dist.get_rank() == ranks[0]
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
+            dist.gather_object(local, gathered, dst=ranks[0], group=group)
             merged: dict[str, Any] = {}
             for part in gathered or [local]:
                 merged.update(part)

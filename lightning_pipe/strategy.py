@@ -55,14 +55,19 @@ from lightning_pipe.checkpoint import (
     staging_path,
     write_meta,
     write_shard,
+    write_sharded_stage,
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
 from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
-from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
+from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
+from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
+from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
+from lightning_pipe.plan.auto import plan_for_strategy
+from lightning_pipe.plan.planner import format_plans
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -72,7 +77,10 @@ from lightning_pipe.runtime.microbatch import batch_size, merge, signature, spli
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
+from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
+from lightning_pipe.runtime.sharding import ShardedStage, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
 from lightning_pipe.schedules import (
@@ -126,7 +134,9 @@ def check_arguments(
                 "or a list of layer counts per stage."
             )
     elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
-        raise ValueError(f"PipelineStrategy(balance={balance!r}): give 'uniform', 'parameters' or a list of layer counts per stage.")
+        raise ValueError(
+            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
+        )
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
 
@@ -140,7 +150,9 @@ class PipelineStrategy(ParallelStrategy):
         chunks: micro-batches per batch (default: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
-            ``"parameters"`` (equal parameter counts) or a list of layer counts per stage.
+            ``"parameters"`` (equal parameter counts), ``"time"`` / ``"memory"`` (the least slowest /
+            largest stage, from a profile measured on the device before the split, identical on every
+            rank; kept in ``strategy.profile``) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
             the last) or ``"never"``.
         module: name of the ``nn.Sequential`` attribute to split, if the module has several.
@@ -159,6 +171,14 @@ class PipelineStrategy(ParallelStrategy):
             shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
+        plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
+            ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers and the measured
+            point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`); the ranked
+            candidates are kept in ``strategy.plan_candidates``. ``None`` (default): as given.
+        stages: pipeline depth p (default: one stage per process). The world (devices x nodes) must be
+            p x d: d replicas of the pipeline train together, each on its own part of every step.
+        data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
+            averaged over the replicas) or ``"shard"`` (FSDP2 over the replicas).
 
     A module that builds its layers in ``configure_model()`` (or under
     ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
@@ -187,8 +207,16 @@ class PipelineStrategy(ParallelStrategy):
         virtual_stages: Optional[int] = None,
         check_data: Union[bool, int] = True,
         weights: Optional[Union[str, Path]] = None,
+        plan: Optional[str] = None,
+        stages: Optional[int] = None,
+        data_parallel: str = "replicate",
     ) -> None:
         check_arguments(schedule, chunks, balance, checkpoint, weights, virtual_stages)
+        check_layout_arguments(stages, data_parallel)
+        if plan not in (None, "auto"):
+            raise ValueError(f"PipelineStrategy(plan={plan!r}): valid values are None (use the arguments as given) and 'auto'.")
+        self.plan = plan
+        self.plan_candidates: Optional[list[Any]] = None  # plan="auto": the ranked layouts, the first one runs
         if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
             raise ValueError(
                 f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
@@ -215,6 +243,10 @@ class PipelineStrategy(ParallelStrategy):
         self._positions: Optional[list[int]] = None  # pipeline position holding each (virtual) stage
         self._stages: dict[int, StageModule] = {}
         self.check_data = check_data
+        self.stages = stages
+        self.data_parallel = data_parallel
+        self._topology: Optional[Topology] = None
+        self._sharded: Optional[ShardedStage] = None
         self.weights = weights
         self.deferred_build = False  # the module was built on the meta device
         self._fused_layers: list[nn.Linear] = []
@@ -235,6 +267,7 @@ class PipelineStrategy(ParallelStrategy):
         self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
+        self.profile: Optional[Profile] = None  # balance="time"/"memory": the measured layer costs
         self._signals: Optional[signals.PipelineSignalConnector] = None
 
     # ------------------------------------------------------------------ processes (as DDPStrategy)
@@ -320,21 +353,38 @@ class PipelineStrategy(ParallelStrategy):
         """Make every stage of the pipeline draw the first stage's indices: each stage loads the
         batch itself, and a sampler drawing from a process's random state would differ between them
         (see :mod:`lightning_pipe.runtime.sampling`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.num_replicas > 1 and trainer is not None and not trainer.predicting:
+            # each replica its own part of every step; predict runs every sample on every replica
+            dataloader = split_over_replicas(dataloader, self.num_replicas, self.replica, trainer.state.stage)
         return share_order(dataloader, self._meta_group, self.pipeline_ranks[0], self.pipeline_ranks)
 
     # ------------------------------------------------------------------ topology
     @property
+    def layout(self) -> Layout:
+        """Stages x replicas of the world (raises, naming both numbers, where ``stages`` does not divide it)."""
+        return Layout.of(self.num_nodes * self.num_processes, self.stages)
+
+    @property
     def num_stages(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self.layout.stages
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas
 
     @property
     def stage(self) -> int:
-        return self.global_rank
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.global_rank)
 
     @property
     def pipeline_ranks(self) -> list[int]:
         """Global ranks of this pipeline's stages, first to last."""
-        return list(range(self.num_stages))
+        return self.layout.pipeline_ranks(self.replica)
 
     @property
     def is_last_stage(self) -> bool:
@@ -365,6 +415,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.layout  # a world size that `stages` does not divide fails here, before any process starts
         if self._start_method == "popen":
             self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -402,8 +453,22 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(layers, StageModule):  # set up before (fit, then test): already split
             self._stage_module = layers
             return
-        positions = stage_positions(self.schedule_name, self.num_stages, self.virtual_stages)
-        balance = resolve_balance(self.balance, layers, len(positions))
+        if self.plan == "auto" and self.num_stages > 1 and self.plan_candidates is None:
+            self._apply_plan(module, layers)
+        virtual = self.virtual_stages if self.schedule_name in VIRTUAL_STAGES else 1
+        positions = stage_positions(self.schedule_name, self.num_stages, virtual)
+        if self.balance in MEASURED_BALANCES and virtual > 1:
+            raise MisconfigurationException(
+                f"balance={self.balance!r} measures a split into one stage per process; schedule="
+                f"{self.schedule_name!r} splits into {len(positions)} stages. Use balance='uniform', 'parameters' "
+                "or a list of layer counts per stage."
+            )
+        if self.balance in MEASURED_BALANCES and self.num_stages > 1:
+            balance = self._measured_balance(module, layers)
+        elif self.balance in MEASURED_BALANCES:
+            balance = [len(layers)]
+        else:
+            balance = resolve_balance(self.balance, layers, len(positions))
         self.stage_balance = balance
         self._ties = ties_by_position(tied_parameters(layers, balance), positions)
         spec = model_spec(module) if self.weights is not None else None
@@ -423,22 +488,78 @@ class PipelineStrategy(ParallelStrategy):
         if rank_zero:
             log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
 
+    def _apply_plan(self, module: "pl.LightningModule", layers: nn.Sequential) -> None:
+        """``plan="auto"``: take the planner's first choice (the same on every rank)."""
+        ranked, link, profiles = plan_for_strategy(self, module, layers)
+        best = ranked[0]
+        self.plan_candidates = ranked
+        self.schedule_name, self.chunks, self.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
+        self.balance = list(best.balance)
+        self.profile = profiles[best.chunks]
+        if self.global_rank == 0:
+            log.info(
+                "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",
+                1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
+            )
+
+    def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential) -> list[int]:
+        """``balance="time"``/``"memory"``: global rank 0 profiles the layers on its device with the
+        first micro-batch of the run's first batch (drawn from the DataLoader here, in setup, since the
+        split must exist before the optimizers); every rank gets that profile and solves alike. The
+        profile is kept for the run (a later setup, such as test after fit, reuses the split)."""
+        trainer = module.trainer
+        home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
+        in_flight = in_flight_microbatches(self.schedule_name, self.num_stages, self.num_microbatches)
+
+        def measure() -> Profile:
+            return profile_module(
+                module,
+                layers,
+                lambda: self.batch_to_device(first_batch(trainer), home),
+                self.num_microbatches,
+                self.root_device,
+                self.precision_plugin.train_step_context,
+                memory=self.balance == "memory",
+            )
+
+        if self.profile is None or len(self.profile.layers) != len(layers):
+            self.profile = agreed_profile(self.global_rank == 0, self.broadcast, measure)
+        balance = self.profile.balance(str(self.balance), self.num_stages, in_flight, self.checkpoint_mode)
+        if self.global_rank == 0:
+            log.info("lightning-pipe: balance=%s, %s", self.balance, self.profile.report(balance, in_flight, self.checkpoint_mode))
+        return balance
+
     def _setup_pipeline(self) -> None:
         module = self.lightning_module
         assert module is not None and self._stage_module is not None
         prefix = f"{self.module_name}."
         self._shared = [p for n, p in sorted(module.named_parameters()) if not n.startswith(prefix)]
-        if self._meta_group is None:
-            self._meta_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.new_group()
+        if self._topology is None:
+            self._topology = Topology(self.layout, self.global_rank, self.root_device.type)
+            self._meta_group = self._topology.meta_group
+        topology = self._topology
         if self._tie_groups is None:
             self._tie_groups = []
             local = dict(self._stage_module.named_parameters())
             for tie in self._ties:
-                group = dist.new_group(sorted(tie))  # every rank takes part in creating every group
-                if self.stage in tie:
-                    self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+                for replica in range(self.num_replicas):  # every rank takes part in creating every group
+                    ranks = [self.layout.rank(s, replica) for s in sorted(tie)]
+                    group = dist.new_group(ranks)
+                    if self.stage in tie and replica == self.replica:
+                        self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+        if self._gradients is not None:
+            self._gradients.close()
+        if self.sharded and self._sharded is None:
+            self._check_shard(module)
+            self._sharded = ShardedStage(self._stage_module, topology.mesh["dp"])
         self._gradients = StageGradients(
-            self._shared, self._tie_groups, None, self.num_stages, counts_shared=self.global_rank == 0
+            self._shared,
+            self._tie_groups,
+            topology.pp_group,
+            self.num_stages,
+            counts_shared=self.stage == 0,
+            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
+            dp_group=topology.dp_group if self.num_replicas > 1 and not self.sharded else None,
         )
         positions = self._positions or list(range(self.num_stages))
         transport = Transport(
@@ -456,8 +577,12 @@ class PipelineStrategy(ParallelStrategy):
         if self.num_stages > 1:
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
         split = not is_async(self.schedule_name) and self._schedule(self.schedule_name, self.num_microbatches).split_backward
-        if self.gradient_accumulation_fusion and not split:  # a split backward's W is autograd's own
+        if self._sharded is not None:
+            pass  # FSDP2 accumulates the micro-batches' gradients itself
+        elif self.gradient_accumulation_fusion and not split:  # a split backward's W is autograd's own
             self._fused_layers = fused_linear.install(self._stage_module)
+        if versions is None and self._sharded is None:
+            self._gradients.overlap(list(module.parameters()))
         stages = self._stages or {self.stage: self._stage_module}
         runners = {
             s: StageRunner(m, checkpoint=self.checkpoint_mode, versions=versions, host=self._stage_module)
@@ -470,6 +595,25 @@ class PipelineStrategy(ParallelStrategy):
         self._executor = Executor(transport, runners, rank=self.stage)
         if versions is not None:
             self._async = AsyncPipeline(self.schedule_name, self._executor, self._runner, self.num_stages)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each stage is sharded over its replicas (FSDP2)."""
+        return self.data_parallel == "shard" and self.num_replicas > 1
+
+    def _check_shard(self, module: "pl.LightningModule") -> None:
+        problems = []
+        if is_async(self.schedule_name):
+            problems.append(f"schedule={self.schedule_name!r} keeps weight versions, which sharded weights do not have")
+        if any(p.requires_grad for p in self._shared):
+            problems.append("the module has trainable parameters outside the split nn.Sequential")
+        if self._ties:
+            problems.append("weights are tied across stages")
+        if problems:
+            raise MisconfigurationException(
+                "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems)
+                + ". Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
+            )
 
     def _stages_through_host(self) -> bool:
         """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
@@ -608,10 +752,15 @@ class PipelineStrategy(ParallelStrategy):
             finally:
                 self._set_step(None)
         saved = swap_grads(module, {})
+        self._gradients.begin()
+        if self._sharded is not None:
+            self._sharded.begin()
         try:
             with self.precision_plugin.train_step_context(), self._accumulation():
                 self._executor.run(self._schedule(self.schedule_name, len(micro)), keys)
             self._executor.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
+            if self._sharded is not None:
+                self._sharded.finish()  # one reduce-scatter of the step's gradients
         finally:
             self._gradients.take(module, saved)
             self._set_step(None)
@@ -646,10 +795,10 @@ class PipelineStrategy(ParallelStrategy):
             if isolated or (sync and not fresh):
                 self._async.drain()
         params = dict(self._stage_module.named_parameters())
-        self._gradients.pending = {params[name]: grad for name, grad in self._async.due(t, m).items()}
+        self._gradients.keep({params[name]: grad for name, grad in self._async.due(t, m).items()})
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
-        summary = recorder.summary() if self.is_last_stage else None
+        summary = self._summary(recorder) if self.is_last_stage else None
         broadcaster = self._broadcaster_for("train")
         self._finish_pending()
         if self._lagged is not None:
@@ -680,7 +829,11 @@ class PipelineStrategy(ParallelStrategy):
 
     def describe_rank(self, rank: int) -> str:
         """``rank r (stage s of p)``: how errors name a process."""
-        return f"rank {rank} (stage {rank % self.num_stages} of {self.num_stages})"
+        layout = self.layout
+        where = f"stage {layout.stage_of(rank)} of {layout.stages}"
+        if layout.replicas > 1:
+            where += f", replica {layout.replica_of(rank)} of {layout.replicas}"
+        return f"rank {rank} ({where})"
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, or explain a communication error with the note
@@ -699,6 +852,8 @@ class PipelineStrategy(ParallelStrategy):
             self._finish_pending()
         fused_linear.uninstall(self._fused_layers)
         self._fused_layers = []
+        if self._gradients is not None:
+            self._gradients.close()
         super().teardown()
 
     def _drain(self) -> None:
@@ -716,16 +871,15 @@ class PipelineStrategy(ParallelStrategy):
         """Outputs of the batch's micro-batches, merged, on global rank 0 (None on other ranks)."""
         outputs = self._evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         if self.num_stages == 1:
-            return outputs
+            return outputs if self.global_rank == 0 else None
         box = [outputs]
         self._finish_pending()
         last = self.pipeline_ranks[self._last_position]
-        if last == 0:
-            pass
-        elif self.is_last_stage:
-            dist.send_object_list(box, dst=0, group=self._meta_group)
-        elif self.global_rank == 0:
-            dist.recv_object_list(box, src=last, group=self._meta_group)
+        if self.replica == 0 and last != self.pipeline_ranks[0]:  # replica 0's outputs go to rank 0
+            if self.is_last_stage:
+                dist.send_object_list(box, dst=self.pipeline_ranks[0], group=self._meta_group)
+            elif self.global_rank == 0:
+                dist.recv_object_list(box, src=last, group=self._meta_group)
         return box[0] if self.global_rank == 0 else None
 
     def _evaluate(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
@@ -747,6 +901,8 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with context():
                 self._executor.run(self._schedule("forward", len(micro)), keys)
+            if self._sharded is not None:
+                self._sharded.reshard()
             self._executor.transport.pass_gate()
         finally:
             self._set_step(None)
@@ -768,6 +924,14 @@ class PipelineStrategy(ParallelStrategy):
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
 
+    def _summary(self, recorder: StepRecorder) -> dict[str, Any]:
+        """The last stage's step summary; with replicas, the mean over them (the global batch's)."""
+        summary = recorder.summary()
+        if self.num_replicas > 1:
+            assert self._topology is not None
+            summary = mean_over_replicas(summary, self._topology.dp_group, self.root_device)
+        return summary
+
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank.
 
@@ -775,7 +939,7 @@ class PipelineStrategy(ParallelStrategy):
         it before the next one): so its optimizer step overlaps the other stages' last backwards
         instead of waiting for them. The other stages finish their backwards after the last stage
         posted the broadcast, so receiving it costs them nothing."""
-        summary = recorder.summary() if self.is_last_stage else None
+        summary = self._summary(recorder) if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
@@ -831,7 +995,13 @@ class PipelineStrategy(ParallelStrategy):
         state_dict = rest.pop("state_dict", {})
         optimizer_states = rest.pop("optimizer_states", None)
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        write_shard(staged, self.global_rank, state_dict, optimizer_states, extra, tag)
+        if self.sharded:  # every replica writes its shards (torch.distributed.checkpoint)
+            assert self._topology is not None
+            write_sharded_stage(
+                staged, self.stage, state_dict, optimizer_states, self._topology.dp_group, self.replica == 0, extra, tag
+            )
+        elif self.replica == 0:  # the replicas hold equal copies: one writes them
+            write_shard(staged, self.stage, state_dict, optimizer_states, extra, tag)
         if self.is_global_zero:
             write_meta(staged, rest, self.num_stages, tag)
         self.barrier()  # every shard is complete
@@ -876,10 +1046,29 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         names = parameter_names(module)
+        params = dict(module.named_parameters())
         for optimizer, named in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self.sharded:  # each state tensor shaped like its parameter becomes this replica's shard
+                named = {
+                    **named,
+                    "state": {
+                        name: {k: _shard_state(v, params[name]) for k, v in state.items()} if name in params else state
+                        for name, state in named["state"].items()
+                    },
+                }
             order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
             optimizer.load_state_dict(optimizer_state_by_position(named, order))
             _optimizer_to_device(optimizer, self.root_device)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """As Lightning's, with whole tensors split into this replica's shards under ``shard``."""
+        module = self.lightning_module
+        assert module is not None
+        state_dict = checkpoint["state_dict"]
+        if self.sharded:
+            current = module.state_dict()
+            state_dict = {k: shard_like(v, current[k]) if k in current else v for k, v in state_dict.items()}
+        module.load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------ gradient clipping
     def _patch_gradient_clipping(self) -> None:
@@ -914,6 +1103,13 @@ class PipelineStrategy(ParallelStrategy):
                     description=f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}",
                     start_method=start_method,
                 )
+
+
+def _shard_state(value: Any, param: Tensor) -> Any:
+    """An optimizer state value, split like ``param`` when it has ``param``'s whole shape."""
+    if isinstance(value, Tensor) and value.dim() > 0 and is_dtensor(param) and tuple(value.shape) == tuple(param.shape):
+        return shard_like(value, param)
+    return value
 
 
 __all__ = ["PipelineStrategy", "check_arguments"]

@@ -318,6 +318,78 @@ class MetricNet(TinyNet):
         return super().training_step(batch, batch_idx)
 
 
+class _Wait(torch.autograd.Function):
+    """Identity that waits ``seconds`` in the forward and twice that in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        import time
+
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import time
+
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class WaitingLayer(nn.Module):
+    """A Linear layer whose forward and backward also take ``units`` x 0.5 ms per call: layers with
+    the same parameters and different costs. The cost is waiting, like a kernel on an accelerator
+    while the CPU is free, so that two stages overlap on a shared 2-core machine as they would on
+    two devices."""
+
+    def __init__(self, units: float, width: int = HIDDEN) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.units = units
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(torch.tanh(self.linear(x)), self.units * 5e-4)
+
+
+class SkewedNet(TinyNet):
+    """Layers of equal parameter counts whose costs differ ``heavy``-fold: the first six are heavy."""
+
+    def __init__(self, heavy: float = 4.0, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        units = [heavy] * 6 + [1.0] * 6
+        self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), *[WaitingLayer(u) for u in units], nn.Linear(HIDDEN, CLASSES))
+
+
+class RecordSplit(L.Callback):
+    """Writes each rank's split, profile and training step times (``on_train_batch_*``) to
+    ``<folder>/rank<k>.pt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        import time
+
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        import time
+
+        self.times.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import os
+
+        strategy = trainer.strategy
+        record = {"balance": strategy.stage_balance, "profile": strategy.profile, "times": self.times}
+        record["plan"] = strategy.plan_candidates
+        record["chunks"], record["schedule"] = strategy.chunks, strategy.schedule_name
+        torch.save(record, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
 class DeferredNet(TinyNet):
     """TinyNet whose layers are created in ``configure_model()``, as a model too big for one process
     would create them (the pipeline builds them on the meta device)."""

@@ -20,6 +20,7 @@ def pipeline_trainer(
     strategy when they are its own and to the Trainer otherwise."""
     strategy_keys = {
         "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data", "weights",
+        "stages", "data_parallel", "plan",
         "virtual_stages",
     }  # fmt: skip
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}

@@ -68,6 +68,15 @@ def test_overrides_reach_the_strategy() -> None:
     assert strategy.gradient_accumulation_fusion is True
     cfg = _compose(["strategy=pipedream_2bw", "strategy.gradient_accumulation_fusion=false"])
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False
+    cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4"])
+    strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
+    assert (strategy.stages, strategy.data_parallel, devices) == (2, "shard", 4)
+    assert build_strategy(_compose(["strategy=gpipe"]).strategy, 2)[0].stages is None  # one stage per process
+
+
+def test_a_bad_data_parallel_mode_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="'zero'.*replicate, shard"):
+        build_strategy(_compose(["strategy.data_parallel=zero"]).strategy, 2)
 
 
 def test_virtual_stages_reach_the_strategy() -> None:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
         ({"checkpoint": "sometimes"}, r"checkpoint='sometimes'.*Valid: always, except_last, never"),
         ({"chunks": 0}, r"chunks=0.*integer >= 1"),
         ({"chunks": 2.5}, r"chunks=2.5.*integer >= 1"),
-        ({"balance": "speed"}, r"balance='speed'.*Valid: uniform, parameters"),
+        ({"balance": "speed"}, r"balance='speed'.*Valid: uniform, parameters, time, memory"),
         ({"balance": 3}, r"balance=3.*list of layer counts"),
     ],
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import TinyNet, fit_plain
+from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,3 +42,35 @@ def test_spawn_launch() -> None:
     fit_plain(reference)
     fit_pipeline(piped, 2, start_method="spawn", schedule="gpipe", chunks=4)
     assert_same_weights(reference, piped)
+
+
+def test_two_torchrun_nodes_train_two_stages_by_two_replicas(tmp_path: Path) -> None:
+    """Two torchrun "nodes" on this machine, 2 processes each: stages=2 x 2 replicas, the replicas
+    of each stage on one node, trains as plain training on the global batch of 24."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    script = ROOT / "tests" / "scripts" / "train_two_nodes.py"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for k in range(2)
+    ]
+    outputs = [node.communicate(timeout=200)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    layouts = [s["layout"] for s in saved]
+    assert [(l["stage"], l["replica"], l["node"]) for l in layouts] == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    torch.manual_seed(0)
+    reference = TinyNet()
+    fit_plain(reference, loader(batch_size=24))
+    for replica in range(2):
+        piped = TinyNet()
+        piped.load_state_dict({**saved[replica]["state_dict"], **saved[2 + replica]["state_dict"]})
+        assert_same_weights(reference, piped)

@@ -142,3 +142,29 @@ def test_a_bad_file_stops_every_rank_before_training(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "w.pt")
     with pytest.raises(Exception, match=r"1 name of the model not in the file: layers.6.weight"):
         fit_pipeline(DeferredNet(), 2, weights=str(tmp_path / "w.pt"))
+
+
+def test_a_resumed_run_takes_the_checkpoint_over_the_weights(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pipe.checkpoint import merged_state_dict
+    from lightning_pipe.checkpoint import read as read_checkpoint
+
+    class AtTrainStart(SaveStageState):  # after the checkpoint is restored (on_fit_start is before)
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            pass
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self._save(trainer, pl_module)
+
+    saves = tmp_path / "saves"
+    fit_pipeline(DeferredNet(), 2, max_steps=2, max_epochs=1, enable_checkpointing=True,
+                 callbacks=[ModelCheckpoint(dirpath=str(saves), save_last=True)])  # fmt: skip
+    saved = merged_state_dict(read_checkpoint(saves / "last.ckpt")[1])
+    torch.save({k: torch.zeros_like(v) for k, v in saved.items()}, tmp_path / "zeros.pt")
+    fit_pipeline(DeferredNet(), 2, weights=str(tmp_path / "zeros.pt"), ckpt_path=str(saves / "last.ckpt"), max_steps=3,
+                 callbacks=[AtTrainStart(str(tmp_path), start=True)])  # fmt: skip
+    start = merged_stage_states(str(tmp_path), 2, start=True)
+    assert set(start) == set(saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)

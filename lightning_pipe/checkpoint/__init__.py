@@ -14,9 +14,13 @@ LightningModule loads, without processes::
 
     python -m lightning_pipe.checkpoint epoch=1-step=12.ckpt model.ckpt
 
-Per-stage files rather than ``torch.distributed.checkpoint``: each tensor has exactly one owner
-here, so the sharding planner has nothing to do, and plain ``torch.load(weights_only=True)``
-reads the shards with or without a process group.
+Per-stage files rather than ``torch.distributed.checkpoint`` where each tensor has exactly one
+owner (one pipeline, or replicas holding equal copies: replica 0 writes): the sharding planner has
+nothing to do there, and plain ``torch.load(weights_only=True)`` reads the shards with or without
+a process group. A stage sharded over its replicas (FSDP2) writes its tensors through
+``torch.distributed.checkpoint`` into ``stage-NNNNN.dcp`` (every replica its part), next to a
+``stage-NNNNN.pt`` with the rest; :func:`read` gives the whole tensors either way, without a
+process group.
 """
 
 from __future__ import annotations
@@ -191,6 +195,77 @@ def write_shard(
     torch.save(shard, Path(path) / shard_name(rank))
 
 
+_IN_DCP = "__in_dcp__"  # a shard's placeholder for a tensor stored in its DCP directory
+
+
+def dcp_name(stage: int) -> str:
+    return f"stage-{stage:05d}.dcp"
+
+
+def write_sharded_stage(
+    path: _PATH,
+    stage: int,
+    state_dict: Mapping[str, Tensor],
+    optimizer_states: Optional[list],
+    group: Any,
+    write_index: bool,
+    extra: Optional[dict[str, Any]] = None,
+    tag: Optional[dict[str, Any]] = None,
+) -> None:
+    """A stage sharded over the replicas in ``group`` (FSDP2): every replica writes its parts of the
+    sharded tensors through ``torch.distributed.checkpoint`` into ``stage-NNNNN.dcp``; one replica
+    (``write_index``) writes ``stage-NNNNN.pt`` with everything else and a placeholder per tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_pipe.runtime.sharding import is_dtensor
+
+    tensors: dict[str, Tensor] = {}
+
+    def place(key: str, value: Any) -> Any:
+        if is_dtensor(value):
+            tensors[key] = value
+            return _IN_DCP
+        return value.detach().cpu() if isinstance(value, Tensor) else value
+
+    index_state = {k: place(f"state_dict/{k}", v) for k, v in state_dict.items()}
+    index_optim = None
+    if optimizer_states is not None:
+        index_optim = [
+            {**named, "state": {n: {k: place(f"optimizer/{i}/{n}/{k}", v) for k, v in st.items()} for n, st in named["state"].items()}}
+            for i, named in enumerate(optimizer_states)
+        ]
+    dcp.save(tensors, checkpoint_id=str(Path(path) / dcp_name(stage)), process_group=group)
+    if write_index:
+        shard = {"state_dict": index_state, "optimizer_states": index_optim, "extra": _to_cpu(extra), "save": tag}
+        shard["dcp"] = dcp_name(stage)
+        torch.save(shard, Path(path) / shard_name(stage))
+
+
+def _fill_from_dcp(path: Path, shard: dict[str, Any]) -> dict[str, Any]:
+    """A shard written by :func:`write_sharded_stage` with its placeholders replaced by the whole
+    tensors (read without a process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    tensors: dict[str, Any] = {}
+    _load_state_dict(tensors, storage_reader=FileSystemReader(str(path / shard["dcp"])), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    shard = dict(shard)
+    shard["state_dict"] = {k: tensors[f"state_dict/{k}"] if v == _IN_DCP else v for k, v in shard["state_dict"].items()}
+    if shard.get("optimizer_states") is not None:
+        shard["optimizer_states"] = [
+            {
+                **named,
+                "state": {
+                    n: {k: tensors[f"optimizer/{i}/{n}/{k}"] if isinstance(v, str) and v == _IN_DCP else v for k, v in st.items()}
+                    for n, st in named["state"].items()
+                },
+            }
+            for i, named in enumerate(shard["optimizer_states"])
+        ]
+    return shard
+
+
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach().cpu()
@@ -255,7 +330,7 @@ def read(path: _PATH, weights_only: Optional[bool] = None) -> tuple[dict[str, An
                 "directory mixes shards of different saves, and loading it would start from inconsistent weights. "
                 "Put back the shard written with the rest of this checkpoint, or resume from another one."
             )
-        shards.append(shard)
+        shards.append(_fill_from_dcp(path, shard) if shard.get("dcp") else shard)
     return meta, shards
 
 

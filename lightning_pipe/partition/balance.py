@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+#: ``stage_cost(stage, start, stop)``: the cost of stage ``stage`` holding layers ``start..stop-1``.
+StageCost = Callable[[int, int, int], float]
 
 
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
@@ -56,17 +59,21 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
+    return balance_by_stage_cost(n, num_stages, lambda stage, j, i: prefix[i] - prefix[j])
 
-    def stage_cost(j: int, i: int) -> float:
-        return prefix[i] - prefix[j]
 
-    bottleneck = _solve(n, num_stages, lambda acc, c: max(acc, c), stage_cost, limit=float("inf"))[0]
+def balance_by_stage_cost(num_layers: int, num_stages: int, stage_cost: StageCost) -> list[int]:
+    """Contiguous split minimising the most expensive stage, exactly, where a stage's cost may
+    depend on its position as well as its layers (the activation memory of a 1F1B stage grows with
+    the micro-batches it holds, more on early stages). Ties are broken as in :func:`balance_by_cost`."""
+    _check_counts(num_layers, num_stages)
+    bottleneck = _solve(num_layers, num_stages, lambda acc, c: max(acc, c), stage_cost, limit=float("inf"))[0]
     tolerance = 1e-9 * max(1.0, bottleneck)
-    _, balance = _solve(n, num_stages, lambda acc, c: acc + c * c, stage_cost, limit=bottleneck + tolerance)
+    _, balance = _solve(num_layers, num_stages, lambda acc, c: acc + c * c, stage_cost, limit=bottleneck + tolerance)
     return balance
 
 
-def _solve(n: int, stages: int, combine, stage_cost, limit: float) -> tuple[float, list[int]]:
+def _solve(n: int, stages: int, combine, stage_cost: StageCost, limit: float) -> tuple[float, list[int]]:
     """Minimise ``combine`` over contiguous splits whose stages each cost at most ``limit``."""
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -75,7 +82,7 @@ def _solve(n: int, stages: int, combine, stage_cost, limit: float) -> tuple[floa
     for k in range(1, stages + 1):
         for i in range(k, n - (stages - k) + 1):
             for j in range(i - 1, k - 2, -1):  # the last stage holds layers j..i-1; shorter first
-                c = stage_cost(j, i)
+                c = stage_cost(k - 1, j, i)
                 if c > limit or best[k - 1][j] == inf:
                     continue
                 value = combine(best[k - 1][j], c)

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance
 
 BalanceSpec = Union[str, Sequence[int]]
-BALANCE_MODES = ("uniform", "parameters")
+BALANCE_MODES = ("uniform", "parameters", "time", "memory")
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
@@ -59,6 +59,11 @@ def resolve_balance(balance: BalanceSpec, layers: nn.Sequential, num_stages: int
             return balance_uniform(num_layers, num_stages)
         if balance == "parameters":
             return balance_by_cost(parameter_costs(layers), num_stages)
+        if balance in ("time", "memory"):
+            raise ValueError(
+                f"balance={balance!r} needs a measured profile (lightning_pipe.partition.profile); "
+                "PipelineStrategy measures one itself."
+            )
         raise ValueError(f"Unknown balance {balance!r}. Valid: {', '.join(BALANCE_MODES)}, or a list of layer counts per stage.")
     if num_layers < num_stages:
         balance_uniform(num_layers, num_stages)  # raises the "more stages than layers" error

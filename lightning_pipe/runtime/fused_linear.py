@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from lightning_pipe.runtime.replica_grads import HOOK_TAG
+
 _active = False
 
 
@@ -76,7 +78,10 @@ def _plain_leaf(param: Optional[Tensor]) -> bool:
         return True
     if not param.is_leaf:
         return False
-    return not param._backward_hooks and not getattr(param, "_post_accumulate_grad_hooks", None)
+    accumulate_hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    # the data-parallel readiness hooks only count accumulations; they run after the fused product too
+    observing = [h for h in accumulate_hooks.values() if not getattr(h, HOOK_TAG, False)]
+    return not param._backward_hooks and not observing
 
 
 def _fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

@@ -39,7 +39,9 @@ class Timeline:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.steps: list[list[Span]] = []
+        self.origins: list[float] = []  # per step: ``perf_counter`` at its start, a clock shared by the host's processes
         self._origin: Any = None
+        self._wall = 0.0
         self._marks: list[tuple[str, int, int, Any, Any]] = []
 
     def _mark(self) -> Any:
@@ -55,6 +57,7 @@ class Timeline:
         return mark - self._origin
 
     def begin_step(self) -> None:
+        self._wall = time.perf_counter()
         self._origin = self._mark()
         self._marks = []
 
@@ -76,6 +79,7 @@ class Timeline:
         spans = [Span(n, s, i, self._seconds(a), self._seconds(b)) for n, s, i, a, b in self._marks]
         spans.append(Span("step", -1, -1, 0.0, self._seconds(end)))
         self.steps.append(spans)
+        self.origins.append(self._wall)
         self._origin = None
 
     def totals(self, steps: Optional[slice] = None) -> dict[str, float]:

@@ -18,7 +18,7 @@ not split its backward, B is the whole backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs
@@ -48,9 +48,15 @@ class Simulation:
     forward_cost: float
     backward_cost: float
     weight_cost: float = 0.0
+    stage_costs: tuple[tuple[float, float], ...] | None = None  # per stage (forward, backward), when given
 
     def cost(self, action: Action) -> float:
-        """What ``action`` costs in this simulation."""
+        """What ``action`` took in this simulation."""
+        if self.stage_costs is not None:
+            forward, backward = self.stage_costs[action.stage]
+            if action.kind is not ActionKind.FORWARD and self.schedule.split_backward:
+                backward = backward / 2
+            return forward if action.kind is ActionKind.FORWARD else backward
         return _cost(action, self.forward_cost, self.backward_cost, self.weight_cost)
 
     @property
@@ -82,13 +88,17 @@ def simulate(
     backward_cost: float = 2.0,
     weight_cost: Optional[float] = None,
     rendezvous: bool = True,
+    stage_costs: Sequence[tuple[float, float]] | None = None,
 ) -> Simulation:
-    """Play ``schedule`` with fixed per-action costs; raises :class:`DeadlockError` if it hangs.
-    ``weight_cost`` is W's cost; without it a split backward's B and W take half of ``backward_cost``
-    each. With ``rendezvous`` false the model is gloo's instead of NCCL's: every posted send and
-    receive proceeds on its own (matched per peer and tag), whatever else the rank posted before;
-    only shape headers and the compute that consumes a receive wait."""
+    """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
+    (unequal stages, as a planner predicts them; a split backward's B and W take half the backward
+    each); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
+    backward's B and W take half of ``backward_cost`` each. With ``rendezvous`` false the model is
+    gloo's instead of NCCL's: every posted send and receive proceeds on its own (matched per peer
+    and tag), whatever else the rank posted before; only shape headers and the compute that
+    consumes a receive wait."""
     backward_cost, weight_cost = split_costs(schedule, backward_cost, weight_cost)
+    per_stage = tuple((float(f), float(b)) for f, b in stage_costs) if stage_costs is not None else None
     ranks = range(schedule.num_ranks)
     lists = schedule.actions
     pointer = [0 for _ in ranks]
@@ -107,6 +117,11 @@ def simulate(
     group_at = [{start: parts(group) for start, group in comm_groups(actions)} for actions in lists]
 
     def cost(action: Action) -> float:
+        if per_stage is not None:
+            forward, backward = per_stage[action.stage]
+            if action.kind is ActionKind.FORWARD:
+                return forward
+            return backward / 2 if schedule.split_backward else backward
         return _cost(action, forward_cost, backward_cost, weight_cost)
 
     def advance(rank: int) -> bool:
@@ -251,7 +266,7 @@ def simulate(
     makespan = max(clock) if clock else 0.0
     sends_done = [max((t for (r, _), t in completed.items() if r == rank), default=0.0) for rank in ranks]
     makespan = max([makespan, *sends_done])
-    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost, weight_cost)
+    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost, weight_cost, per_stage)
 
 
 def _needs_of(schedule: Schedule, action: Action) -> list[Action]:

@@ -63,7 +63,9 @@ def test_balance_by_parameters() -> None:
 
 def test_resolve_balance_errors() -> None:
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="Unknown balance 'time'"):
+    with pytest.raises(ValueError, match="Unknown balance 'speed'"):
+        resolve_balance("speed", seq, 2)
+    with pytest.raises(ValueError, match="balance='time' needs a measured profile"):
         resolve_balance("time", seq, 2)
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
         resolve_balance([1, 1, 0], seq, 3)

@@ -1,0 +1,118 @@
+"""A measured profile of the layers and the stage costs behind ``balance="time"`` and ``"memory"``.
+
+Pure: numbers in, layer counts out. :mod:`lightning_pipe.partition.profile` measures the numbers on
+the device; everything here is tested without a model or processes.
+
+Time: a stage costs the sum of its layers' forward and backward seconds per micro-batch (plus one
+more forward per layer when activations are recomputed). Memory: a stage holds its layers'
+parameters, gradients and optimizer state, plus the activations saved for the backward of every
+micro-batch in flight on it (1F1B: ``stages - stage``, GPipe: all ``chunks``); with recomputation
+only each in-flight micro-batch's stage input is kept, and one micro-batch's activations at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_pipe.schedules import get_schedule, is_async, peak_in_flight
+from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform
+
+MEASURED_BALANCES = ("time", "memory")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer of the Sequential costs for one micro-batch, as measured."""
+
+    forward: float  # seconds
+    backward: float  # seconds
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # optimizer state (momentum, Adam's moments)
+    activation_bytes: int  # saved for the backward, per micro-batch
+    input_bytes: int  # the layer's input, per micro-batch
+    output_bytes: int  # what the layer passes on, per micro-batch (sent between stages at a cut)
+    update: float = 0.0  # seconds of the optimizer step on the layer's parameters (once per batch)
+
+    @property
+    def static_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer costs measured on one micro-batch of ``microbatch_size`` samples on ``device``."""
+
+    layers: tuple[LayerCost, ...]
+    microbatch_size: int
+    device: str
+    repeats: int
+
+    def time_costs(self, checkpoint: str = "never") -> list[float]:
+        """Seconds per micro-batch of each layer; recomputation adds a forward."""
+        extra = 0.0 if checkpoint == "never" else 1.0
+        return [(1.0 + extra) * c.forward + c.backward for c in self.layers]
+
+    def stage_seconds(self, balance: Sequence[int], checkpoint: str = "never") -> list[float]:
+        costs = self.time_costs(checkpoint)
+        return [sum(costs[a:b]) for a, b in _bounds(balance)]
+
+    def stage_bytes(self, balance: Sequence[int], in_flight: Sequence[int], checkpoint: str = "never") -> list[int]:
+        """Peak bytes of each stage with ``in_flight[s]`` micro-batches' activations held on stage s."""
+        return [self._stage_memory(s, a, b, in_flight, checkpoint) for s, (a, b) in enumerate(_bounds(balance))]
+
+    def _stage_memory(self, stage: int, start: int, stop: int, in_flight: Sequence[int], checkpoint: str) -> int:
+        layers = self.layers[start:stop]
+        static = sum(c.static_bytes for c in layers)
+        saved = sum(c.activation_bytes for c in layers)
+        if checkpoint == "never":
+            return static + in_flight[stage] * saved
+        return static + in_flight[stage] * layers[0].input_bytes + saved
+
+    def balance(self, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str = "never") -> list[int]:
+        """The contiguous split with the least slowest (``"time"``) or largest (``"memory"``) stage."""
+        n = len(self.layers)
+        if mode == "time":
+            costs = self.time_costs(checkpoint)
+            if sum(costs) <= 0.0:
+                return balance_uniform(n, num_stages)
+            return balance_by_cost(costs, num_stages)
+        if mode == "memory":
+            if len(in_flight) != num_stages:
+                raise ValueError(f"in_flight has {len(in_flight)} entries for {num_stages} stages")
+            return balance_by_stage_cost(
+                n, num_stages, lambda s, a, b: float(self._stage_memory(s, a, b, in_flight, checkpoint))
+            )
+        raise ValueError(f"Unknown measured balance {mode!r}. Valid: {', '.join(MEASURED_BALANCES)}.")
+
+    def report(self, balance: Sequence[int], in_flight: Sequence[int], checkpoint: str = "never") -> str:
+        """One line: per stage, its layers, milliseconds per micro-batch and peak MiB."""
+        seconds = self.stage_seconds(balance, checkpoint)
+        memory = self.stage_bytes(balance, in_flight, checkpoint)
+        parts = [
+            f"stage {s}: {n} layers, {1e3 * t:.2f} ms, {m / 2**20:.1f} MiB"
+            for s, (n, t, m) in enumerate(zip(balance, seconds, memory))
+        ]
+        return f"profile of {len(self.layers)} layers on {self.device} (micro-batch of {self.microbatch_size}): " + "; ".join(parts)
+
+
+def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at once, read off the schedule's own action
+    lists (GPipe: all of them; 1F1B: ``stages - stage``); the asynchronous schedules hold
+    ``stages - stage`` in their steady state, across batches."""
+    if is_async(schedule):
+        return [num_stages - s for s in range(num_stages)]
+    peaks = peak_in_flight(get_schedule(schedule)(num_stages, num_microbatches))
+    return [peaks.get(s, 0) for s in range(num_stages)]
+
+
+def _bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for count in balance:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+__all__ = ["LayerCost", "MEASURED_BALANCES", "Profile", "in_flight_microbatches"]

@@ -1,0 +1,279 @@
+"""Measure every layer of the Sequential on the device, for ``balance="time"`` and ``"memory"``.
+
+The input is real: one batch from the run's own DataLoader, split as the pipeline splits it, and
+the first micro-batch run through the user's ``training_step`` up to the Sequential, so the layers
+see exactly what they will see in training. Each layer is then moved to the device alone, timed
+(forward and backward, a warm-up then several repetitions, the median kept) and metered (bytes
+saved for the backward, through saved-tensor hooks), and moved back; its output feeds the next
+layer. So only one layer and one micro-batch's activation are on the device at a time.
+
+Profiling leaves no trace on the run: random states (the sampler's draw, dropout) and buffers
+(batch-norm statistics) are restored and no gradient is kept. Nothing here is distributed; the
+strategy profiles on one rank and broadcasts the result, so every rank splits alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.partition.costs import LayerCost, Profile
+from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
+
+
+class _Captured(BaseException):
+    """Stops the user's step at the Sequential, whose input it carries."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+def first_batch(trainer: Any) -> Any:
+    """One batch of the data the Trainer is about to run (training data when fitting), drawn from a
+    fresh iterator of the user's DataLoader before Lightning sets it up. The caller restores the
+    random state the draw consumes."""
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    loops = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }
+    source = loops[trainer.state.fn]._data_source
+    loaders = source.dataloader()
+    if isinstance(loaders, (Mapping, list, tuple)):
+        loaders = CombinedLoader(loaders, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential")
+        iterator = iter(loaders)
+        batch = next(iterator)[0]
+    else:
+        iterator = iter(loaders)
+        batch = next(iterator)
+    del iterator
+    return batch
+
+
+def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) -> Any:
+    """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
+    stopped there, before it computes or logs anything else)."""
+
+    def capture(_: nn.Module, args: tuple) -> None:
+        raise _Captured(args[0])
+
+    handle = layers.register_forward_pre_hook(capture)
+    try:
+        with torch.no_grad():
+            module.training_step(microbatch, 0)
+    except _Captured as captured:
+        return captured.value
+    except Exception as error:
+        raise RuntimeError(
+            "balance='time'/'memory' runs training_step on one micro-batch to find what it passes to the "
+            f"Sequential, and the step failed before reaching it: {type(error).__name__}: {error}. Call the "
+            "Sequential (self(...)) before anything that needs the running Trainer loop (such as self.log), or "
+            "give balance as 'uniform', 'parameters' or a list of layer counts."
+        ) from error
+    finally:
+        handle.remove()
+    raise RuntimeError(
+        "balance='time'/'memory': training_step never called the pipelined Sequential, so there is nothing "
+        "to profile. The step must compute its output with self(...) (or the Sequential itself)."
+    )
+
+
+def user_optimizers(module: nn.Module) -> dict[int, tuple[type, dict[str, Any]]]:
+    """The optimizer class and settings of each parameter (by ``id``), from the module's own
+    ``configure_optimizers``. Empty when it cannot be called yet (optimizer state and update time
+    are then not counted)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    try:
+        optimizers = _configure_optimizers(module.configure_optimizers())[0]
+    except Exception:
+        return {}
+    found: dict[int, tuple[type, dict[str, Any]]] = {}
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for param in group["params"]:
+                found[id(param)] = (type(optimizer), settings)
+    return found
+
+
+def _update_cost(params: list[nn.Parameter], optimizers: dict[int, tuple[type, dict[str, Any]]], device: torch.device, repeats: int) -> tuple[int, float]:
+    """Optimizer-state bytes and the median seconds of one optimizer step for ``params``, measured
+    on copies of them (with zero gradients) under their own optimizer kind and settings."""
+    state_bytes, seconds = 0, 0.0
+    for param in params:
+        if id(param) not in optimizers or not param.requires_grad:
+            continue
+        cls, settings = optimizers[id(param)]
+        copy = param.detach().to(device).clone().requires_grad_(True)
+        copy.grad = torch.zeros_like(copy)
+        try:
+            trial = cls([copy], **settings)
+            times = []
+            for rep in range(1 + repeats):
+                _synchronize(device)
+                start = time.perf_counter()
+                trial.step()
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+        except Exception:
+            continue
+        seconds += statistics.median(times[1:])
+        state_bytes += sum(
+            t.numel() * t.element_size() for s in trial.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0
+        )
+    return state_bytes, seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes(tensors: tuple[Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_layers(
+    layers: nn.Sequential,
+    value: Any,
+    device: torch.device,
+    warmup: int = 1,
+    repeats: int = 3,
+    context: Callable[[], ContextManager[Any]] = nullcontext,
+    optimizers: Optional[dict[int, tuple[type, dict[str, Any]]]] = None,
+) -> list[LayerCost]:
+    """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
+    for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
+    :func:`user_optimizers`) also its optimizer state and update time."""
+    optimizers = optimizers or {}
+    costs: list[LayerCost] = []
+    for layer in layers:
+        home = next(iter(layer.state_dict().values()), torch.empty(0)).device
+        layer.to(device)
+        tensors, was_tuple = as_tuple(value)
+        tensors = tuple(t.detach().to(device) for t in tensors)
+        forwards: list[float] = []
+        backwards: list[float] = []
+        saved = 0
+        output: tuple[Tensor, ...] = ()
+        params = list(layer.parameters())
+        for rep in range(warmup + repeats):
+            # a fresh non-leaf copy: layers may work in place on their input (ReLU(inplace=True))
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()).clone() for t in tensors)
+            meter = SavedActivationMeter(params)
+            _synchronize(device)
+            start = time.perf_counter()
+            with context(), meter.hooks():
+                out = layer(from_tuple(inputs, was_tuple))
+            _synchronize(device)
+            middle = time.perf_counter()
+            output, _ = as_tuple(out)
+            saved = meter.current
+            needing = [t for t in output if t.requires_grad]
+            if needing:
+                torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
+            _synchronize(device)
+            end = time.perf_counter()
+            if rep >= warmup:
+                forwards.append(middle - start)
+                backwards.append(end - middle)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+        state_bytes, update = _update_cost(params, optimizers, device, repeats)
+        costs.append(
+            LayerCost(
+                forward=statistics.median(forwards),
+                backward=statistics.median(backwards),
+                parameter_bytes=parameter_bytes,
+                gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                optimizer_bytes=state_bytes,
+                activation_bytes=saved,
+                input_bytes=_bytes(tensors),
+                output_bytes=_bytes(output),
+                update=update,
+            )
+        )
+        for p in params:
+            p.grad = None
+        value = from_tuple(tuple(t.detach() for t in output), isinstance(out, (tuple, list)))
+        layer.to(home)
+    return costs
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+
+
+def profile_module(
+    module: nn.Module,
+    layers: nn.Sequential,
+    batch: Callable[[], Any],
+    num_microbatches: int,
+    device: torch.device,
+    context: Callable[[], ContextManager[Any]] = nullcontext,
+    memory: bool = True,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> Profile:
+    """The profile of ``layers`` (the Sequential of ``module``) on ``device`` for the first
+    micro-batch of the batch ``batch()`` gives. Random states (including those the batch's draw
+    consumes) and buffers are as before when it returns."""
+    if any(t.is_meta for t in layers.state_dict().values()):
+        raise ValueError(
+            "balance='time'/'memory' measures the layers, but the Sequential is on the meta device (built in "
+            "configure_model), so there is nothing to run. Give balance as 'uniform', 'parameters' or a list of "
+            "layer counts (for example from a profile of the model built on a real device)."
+        )
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        micro = split(batch(), num_microbatches)[0]
+        value = sequential_input(module, layers, micro)
+        optimizers = user_optimizers(module) if memory else {}
+        costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+    size = as_tuple(value)[0][0].shape[0] if as_tuple(value)[0][0].dim() > 0 else 1
+    return Profile(tuple(costs), size, str(device), repeats)
+
+
+
+
+def agreed_profile(
+    is_source: bool, broadcast: Callable[[Any], Any], measure: Callable[[], Profile]
+) -> Profile:
+    """Measure on one rank (``is_source``) and give every rank that very profile through
+    ``broadcast``, so every rank computes the same split. A failure while measuring is raised on
+    every rank (with the measuring rank's message) instead of leaving the others waiting."""
+    answer: tuple[Optional[Profile], Optional[str]] = (None, None)
+    failure: Optional[BaseException] = None
+    if is_source:
+        try:
+            answer = (measure(), None)
+        except Exception as error:  # told to every rank below, then raised here
+            failure = error
+            answer = (None, f"{type(error).__name__}: {error}")
+    profile, message = broadcast(answer)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"Profiling the layers on global rank 0 failed: {message}")
+    assert profile is not None
+    return profile
+
+
+__all__ = ["agreed_profile", "first_batch", "measure_layers", "user_optimizers", "profile_module", "sequential_input"]

@@ -1,0 +1,143 @@
+"""Averaging a stage's gradients over its data-parallel replicas while the backward still runs.
+
+As in DDP, the stage's parameters are grouped into buckets (in backward order, about
+``bucket_bytes`` each), and a bucket's all-reduce starts as soon as every parameter in it has
+received its last micro-batch's gradient, overlapping the remaining backward work of the step.
+Each parameter is reduced once per step, never once per micro-batch.
+
+A parameter's gradient is final when it has been accumulated as many times in the step as in the
+first step (recorded then: a parameter used twice per micro-batch accumulates twice): the first
+step of a run reduces everything after its backward, later steps overlap. Readiness is observed
+with post-accumulate-grad hooks, which fire for layers under gradient-accumulation fusion too
+(the fused product writes ``.grad``; the hook runs after it, see
+:mod:`lightning_pipe.runtime.fused_linear`, which ignores these hooks when deciding to fuse).
+Like DDP's ``static_graph``, this assumes every step uses the parameters the same number of times
+on every replica; a step that accumulates a parameter again after its bucket was sent is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+#: Attribute marking our hooks, so gradient-accumulation fusion knows they do not observe gradients.
+HOOK_TAG = "_lightning_pipe_readiness"
+
+
+class ReplicaReducer:
+    """Bucketed, overlapped all-reduce (mean) of one stage's gradients over ``group``."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20) -> None:
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for param in reversed(self.params):  # the backward visits the last layers first
+            if current and (size >= bucket_bytes or param.dtype != current[-1].dtype):
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += param.numel() * param.element_size()
+        if current:
+            self.buckets.append(current)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._expected: Optional[dict[int, int]] = None  # accumulations per step, from the first step
+        self._counts: dict[int, int] = {}
+        self._active = False
+        self._next = 0
+        self._works: list[tuple[Any, Tensor, list[Tensor]]] = []
+        self._handles = []
+        #: per step: (buckets sent from within the backward, buckets sent in all)
+        self.history: list[tuple[int, int]] = []
+        self._early = 0
+        for param in self.params:
+            hook = self._hook
+            self._handles.append(param.register_post_accumulate_grad_hook(_tagged(hook)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def start(self) -> None:
+        """A step's backward begins: count accumulations from zero."""
+        self._counts = {id(p): 0 for p in self.params}
+        self._active = True
+        self._next = 0
+        self._works = []
+        self._early = 0
+
+    def _hook(self, param: Tensor) -> None:
+        if not self._active:
+            return
+        key = id(param)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._expected is None:
+            return
+        expected = self._expected.get(key, 0)
+        if self._counts[key] > expected:
+            raise RuntimeError(
+                f"A parameter of shape {tuple(param.shape)} received {self._counts[key]} gradient accumulations in "
+                f"this step, {expected} in the first: its average over the data-parallel replicas was already "
+                "started. Under data parallelism every step must use each parameter the same number of times."
+            )
+        if self._counts[key] == expected:
+            self._launch_ready()
+
+    def _bucket_ready(self, index: int) -> bool:
+        assert self._expected is not None
+        return all(self._counts[id(p)] == self._expected.get(id(p), 0) for p in self.buckets[index])
+
+    def _launch_ready(self) -> None:
+        # in bucket order on every replica, so that the collectives match
+        while self._next < len(self.buckets) and self._bucket_ready(self._next):
+            self._launch(self._next)
+            self._early += 1
+            self._next += 1
+
+    def _launch(self, index: int) -> None:
+        grads = [p.grad for p in self.buckets[index] if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._works.append((work, flat, grads))
+
+    def finish(self) -> None:
+        """The step's backward is over: send the buckets not sent yet (all of them in the first
+        step, whose counts become the expected ones)."""
+        if self._expected is None:
+            self._expected = dict(self._counts)
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._active = False
+        self.history.append((self._early, len(self._works)))
+
+    def wait(self) -> None:
+        """Wait for the sums and leave the replicas' mean in each gradient."""
+        works, self._works = self._works, []
+        for work, flat, grads in works:
+            work.wait()
+            flat.div_(self.replicas)
+            offset = 0
+            for grad in grads:
+                n = grad.numel()
+                grad.copy_(flat[offset : offset + n].view_as(grad))
+                offset += n
+
+
+def _tagged(hook: Any) -> Any:
+    def readiness(param: Tensor) -> None:
+        hook(param)
+
+    setattr(readiness, HOOK_TAG, True)
+    return readiness
+
+
+__all__ = ["HOOK_TAG", "ReplicaReducer"]

@@ -1,0 +1,97 @@
+"""``data_parallel="shard"``: each stage sharded over its replicas with FSDP2 (ZeRO-3 inside the
+pipeline, as torchtitan composes them).
+
+Every layer of the stage that has parameters is wrapped with ``fully_shard`` over the mesh's
+``dp`` dimension, so its parameters, gradients and optimizer state are split across the replicas.
+A pipeline step runs many micro-batch forwards and backwards on the same weights, so, as
+``torch.distributed.pipelining`` does with FSDP:
+
+- the parameters are gathered by the first forward of the step and kept (``reshard_after_forward``
+  and ``reshard_after_backward`` off) over the step's micro-batches;
+- the micro-batches' gradients accumulate unsharded (``set_requires_gradient_sync(False)``), and
+  :meth:`ShardedStage.finish` reduce-scatters them once after the stage's last backward, which
+  also frees the gathered parameters.
+
+Checkpoints keep each replica's shards in a ``torch.distributed.checkpoint`` directory per stage
+(:func:`lightning_pipe.checkpoint.write_sharded_stage`); loading reads a stage's whole tensors and
+splits them for the current layout (:func:`shard_like`), so they load under any layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local(value: Tensor) -> Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    return value.to_local() if is_dtensor(value) else value
+
+
+def full_tensor(value: Any) -> Any:
+    """The whole tensor of a sharded one (collective over its mesh: every replica calls it), else
+    the value itself."""
+    return value.full_tensor() if is_dtensor(value) else value
+
+
+def shard_like(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` (a whole tensor) split like the sharded tensor ``like``; ``value`` itself when
+    ``like`` is not sharded."""
+    if not is_dtensor(like):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+
+class ShardedStage:
+    """The FSDP2 layers of one stage and their per-step switches."""
+
+    def __init__(self, stage: nn.Module, mesh: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self.modules: list[Any] = []
+        for layer in stage.children():
+            if isinstance(layer, FSDPModule):
+                self.modules.append(layer)
+            elif any(p.requires_grad for p in layer.parameters()):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+                self.modules.append(layer)
+
+    def begin(self) -> None:
+        """A training step starts: keep the gathered parameters and accumulate unsharded gradients."""
+        for module in self.modules:
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+
+    def finish(self) -> None:
+        """The stage's last backward is over: reduce-scatter the step's gradients once and free the
+        gathered parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        for module in self.modules:
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True)
+            module.set_requires_gradient_sync(True)
+            state = fully_shard.state(module)
+            for inner in state._state_ctx.all_states:
+                for group in inner._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+
+    def reshard(self) -> None:
+        """Free parameters gathered by forward-only steps (evaluation)."""
+        for module in self.modules:
+            module.reshard()
+
+
+__all__ = ["ShardedStage", "full_tensor", "is_dtensor", "local", "shard_like"]

@@ -1,0 +1,134 @@
+"""Where each rank sits: pipeline stage x data-parallel replica.
+
+The world of ``p x d`` processes is a ``DeviceMesh`` with dims ``("pp", "dp")``: rank ``r`` is
+stage ``r // d`` of replica ``r % d``, so the ``d`` replicas of one stage are neighbouring ranks.
+Their gradient all-reduce (the heavy, frequent collective) then stays inside a node, while the
+pipeline's point-to-point traffic is what crosses nodes.
+
+:class:`Layout` is the arithmetic alone (no processes, tested as such); :class:`Topology` adds
+the process groups of this rank, built once from the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
+def check_layout_arguments(stages: Optional[int], data_parallel: str) -> None:
+    """Reject bad ``stages``/``data_parallel`` before any process starts."""
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+        raise ValueError(
+            f"PipelineStrategy(stages={stages!r}): stages is the pipeline depth and must be an integer >= 1, "
+            "or None for one stage per process."
+        )
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"PipelineStrategy(data_parallel={data_parallel!r}): unknown mode. Valid: {', '.join(DATA_PARALLEL_MODES)}."
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``stages`` x ``replicas`` processes; rank ``r`` is stage ``r // replicas`` of replica ``r % replicas``."""
+
+    stages: int
+    replicas: int
+
+    @classmethod
+    def of(cls, world_size: int, stages: Optional[int]) -> "Layout":
+        """The layout of ``world_size`` processes in pipelines of ``stages`` (None: one pipeline)."""
+        if stages is None:
+            return cls(world_size, 1)
+        if world_size % stages != 0:
+            raise ValueError(
+                f"PipelineStrategy(stages={stages}) does not divide the world size {world_size} (devices x nodes): "
+                f"the world must be stages x data-parallel replicas. Use a stages value that divides {world_size}, "
+                f"or {stages} x k devices in all."
+            )
+        return cls(stages, world_size // stages)
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.replicas
+
+    def replica_of(self, rank: int) -> int:
+        return rank % self.replicas
+
+    def rank(self, stage: int, replica: int) -> int:
+        return stage * self.replicas + replica
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Global ranks of replica ``replica``'s stages, first to last."""
+        return [self.rank(s, replica) for s in range(self.stages)]
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """Global ranks holding stage ``stage``, one per replica."""
+        return [self.rank(stage, j) for j in range(self.replicas)]
+
+
+class Topology:
+    """This rank's place in the layout and its process groups (every rank must build it: creating
+    a group is collective).
+
+    Attributes:
+        mesh: the ``DeviceMesh`` with dims ``("pp", "dp")``.
+        pp_group: this rank's pipeline (its column of the mesh).
+        dp_group: the replicas of this rank's stage (its row of the mesh).
+        meta_group: a gloo group over this rank's pipeline, for small host-side messages (activation
+            headers, sample indices, step summaries), whatever the backend of ``pp_group``.
+        meta_src: global rank of this pipeline's first stage (the source of its sample order).
+    """
+
+    def __init__(self, layout: Layout, rank: int, device_type: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.layout = layout
+        self.rank = rank
+        self.stage = layout.stage_of(rank)
+        self.replica = layout.replica_of(rank)
+        self.mesh = init_device_mesh(device_type, (layout.stages, layout.replicas), mesh_dim_names=("pp", "dp"))
+        self.pp_group = self.mesh.get_group("pp")
+        self.dp_group = self.mesh.get_group("dp")
+        gloo = dist.get_backend() == "gloo"
+        self.meta_group: Any = None
+        for replica in range(layout.replicas):
+            ranks = layout.pipeline_ranks(replica)
+            if gloo and layout.replicas == 1:
+                group = dist.new_group()
+            else:
+                group = dist.new_group(ranks, backend="gloo")
+            if replica == self.replica:
+                self.meta_group = group
+        self.pipeline_ranks = layout.pipeline_ranks(self.replica)
+        self.meta_src = self.pipeline_ranks[0]
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.stages
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.layout.stages - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pipeline_ranks[-1]
+
+    def stage_group(self, stages: list[int]) -> list[int]:
+        """Global ranks of ``stages`` in this rank's pipeline."""
+        return [self.layout.rank(s, self.replica) for s in stages]
+
+
+__all__ = ["DATA_PARALLEL_MODES", "Layout", "Topology", "check_layout_arguments"]

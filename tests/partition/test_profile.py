@@ -1,0 +1,156 @@
+"""Profiles and the splits behind balance="time" and "memory": the pure cost model, the
+measurement on one process, and the whole path under the pipeline on 2 processes."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
+from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module
+from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, loader
+from tests.pipeline import fit_pipeline
+
+
+def _layer(forward: float = 1.0, static: int = 0, saved: int = 0, inputs: int = 0) -> LayerCost:
+    return LayerCost(forward, 2 * forward, static, 0, 0, saved, inputs, 0)
+
+
+def _profile(layers: list[LayerCost]) -> Profile:
+    return Profile(tuple(layers), 4, "cpu", 3)
+
+
+def _brute_force(n: int, stages: int, cost: Any) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(cost(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+    return best
+
+
+def test_time_balance_moves_layers_off_the_slow_stage() -> None:
+    profile = _profile([_layer(4.0)] * 6 + [_layer(1.0)] * 6)
+    balance = profile.balance("time", 2, [2, 1])
+    assert balance == [4, 8]  # 48 vs 42 units instead of 66 vs 24 for [6, 6]
+    assert max(profile.stage_seconds(balance)) == 48.0
+    assert profile.stage_seconds([6, 6]) == [72.0, 18.0]
+    recomputed = profile.time_costs("always")
+    assert recomputed[0] == 4.0 + 4.0 + 8.0  # recomputation adds a forward
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_memory_balance_is_the_exact_minimum_with_in_flight_activations(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(1, 100, (9, 3), generator=g).tolist()
+    profile = _profile([_layer(1.0, static=s, saved=a, inputs=i) for s, a, i in values])
+    for schedule, checkpoint in (("1f1b", "never"), ("gpipe", "never"), ("1f1b", "always")):
+        in_flight = in_flight_microbatches(schedule, 3, 6)
+        balance = profile.balance("memory", 3, in_flight, checkpoint)
+        got = max(profile.stage_bytes(balance, in_flight, checkpoint))
+        best = _brute_force(9, 3, lambda s, a, b: profile._stage_memory(s, a, b, in_flight, checkpoint))
+        assert got == best
+
+
+def test_memory_balance_gives_the_first_1f1b_stage_less_activation() -> None:
+    # equal layers: 1F1B's stage 0 holds 2 micro-batches, stage 1 one, so stage 0 gets fewer layers
+    profile = _profile([_layer(1.0, static=10, saved=100)] * 9)
+    assert in_flight_microbatches("1f1b", 2, 4) == [2, 1]
+    assert profile.balance("memory", 2, [2, 1]) == [3, 6]
+    assert profile.balance("memory", 2, [4, 4]) == [5, 4]  # GPipe: all equal, as uniform
+    assert "stage 0: 3 layers" in profile.report([3, 6], [2, 1])
+
+
+def test_measured_costs_follow_the_layers() -> None:
+    layers = nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0), nn.Tanh())
+    costs = measure_layers(layers, torch.randn(4, HIDDEN), torch.device("cpu"), warmup=1, repeats=3)
+    heavy, light, tanh = costs
+    # the waits are lower bounds whatever the machine's load; the medians put heavy above light
+    assert heavy.forward >= 2e-3 and heavy.backward >= 4e-3 and light.forward >= 5e-4 and light.backward >= 1e-3
+    assert heavy.forward > light.forward and heavy.backward > light.backward
+    assert heavy.parameter_bytes == light.parameter_bytes == (HIDDEN * HIDDEN + HIDDEN) * 4
+    assert tanh.parameter_bytes == 0 and tanh.activation_bytes == 4 * HIDDEN * 4  # tanh saves its output
+    assert heavy.input_bytes == heavy.output_bytes == 4 * HIDDEN * 4
+    assert all(p.grad is None for p in layers.parameters())
+
+
+def test_profiling_leaves_no_trace() -> None:
+    class Normed(TinyNet):
+        def __init__(self) -> None:
+            super().__init__(optimizer="adam")
+            self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, 3))
+
+    model = Normed()
+    batch = next(iter(loader(24, 12)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    profile = profile_module(model, model.layers, lambda: batch, 4, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)  # the random state is as before
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # batch-norm statistics too
+    assert profile.microbatch_size == 3 and len(profile.layers) == 4
+    first = profile.layers[0]
+    assert first.optimizer_bytes == 2 * first.parameter_bytes  # Adam's two moments, measured
+
+
+def test_meta_layers_are_refused_clearly() -> None:
+    with torch.device("meta"):
+        model = TinyNet()
+    with pytest.raises(ValueError, match="meta device.*'uniform', 'parameters' or a list"):
+        profile_module(model, model.layers, lambda: None, 2, torch.device("cpu"))
+
+
+def test_a_model_built_on_the_meta_device_is_refused_on_every_rank() -> None:
+    with pytest.raises(Exception, match="meta device"):
+        fit_pipeline(DeferredNet(), 2, balance="memory")
+
+
+def test_a_failed_measurement_reaches_every_rank() -> None:
+    def fail() -> Profile:
+        raise ValueError("no data")
+
+    sent: list[Any] = []
+
+    def broadcast(obj: Any) -> Any:
+        sent.append(obj)
+        return obj
+
+    with pytest.raises(ValueError, match="no data"):
+        agreed_profile(True, broadcast, fail)
+    assert sent == [(None, "ValueError: no data")]  # what the other ranks receive, and raise:
+    with pytest.raises(RuntimeError, match="global rank 0 failed: ValueError: no data"):
+        agreed_profile(False, lambda obj: sent[0], fail)
+
+
+def _run(balance: str, folder: Path) -> tuple[list[int], float, list[Any]]:
+    folder.mkdir()
+    fit_pipeline(SkewedNet(), 2, data=loader(128, 32), balance=balance, chunks=16, max_steps=6, callbacks=[RecordSplit(str(folder))])
+    records = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert records[0]["balance"] == records[1]["balance"]  # every rank split alike
+    # the fastest step after the first: the machine's other load only ever adds time
+    return records[0]["balance"], min(records[0]["times"][1:]), [r["profile"] for r in records]
+
+
+def test_time_balance_beats_uniform_on_skewed_layers(tmp_path: Path) -> None:
+    """Six layers cost 4x the other six, at equal parameters: the time split is faster, measured.
+    Paired rounds in alternating order, each run's fastest of 5 steps, since the machine's other
+    load varies."""
+    ratios = []
+    for round_ in range(2):
+        order = ("uniform", "time") if round_ % 2 == 0 else ("time", "uniform")
+        results = {b: _run(b, tmp_path / f"{b}{round_}") for b in order}
+        uniform_balance, uniform_time, _ = results["uniform"]
+        time_balance, time_time, profiles = results["time"]
+        assert uniform_balance == [7, 7]
+        assert time_balance in ([5, 9], [4, 10])  # the heavy layers are 1..6
+        assert profiles[0] == profiles[1] and profiles[0] is not None  # one profile, on every rank
+        ratios.append(time_time / uniform_time)
+    print(f"balance='time' step time / uniform, per round: {ratios}")
+    assert statistics.mean(ratios) <= 0.85, ratios
