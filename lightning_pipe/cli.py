@@ -38,7 +38,7 @@ STRATEGY_KEYS = (
     "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "weights",
     "plan",
     "stages", "data_parallel",
-    "virtual_stages",
+    "virtual_stages", "check_data",
 )  # fmt: skip
 
 

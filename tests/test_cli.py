@@ -68,9 +68,9 @@ def test_overrides_reach_the_strategy() -> None:
     assert strategy.gradient_accumulation_fusion is True
     cfg = _compose(["strategy=pipedream_2bw", "strategy.gradient_accumulation_fusion=false"])
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False
-    cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4"])
+    cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4", "strategy.check_data=5"])
     strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
-    assert (strategy.stages, strategy.data_parallel, devices) == (2, "shard", 4)
+    assert (strategy.stages, strategy.data_parallel, devices, strategy.check_data) == (2, "shard", 4, 5)
     assert build_strategy(_compose(["strategy=gpipe"]).strategy, 2)[0].stages is None  # one stage per process
 
 
