@@ -59,13 +59,14 @@ from lightning_pipe.checkpoint import (
 )
 from lightning_pipe.checkpoint import read as read_checkpoint
 from lightning_pipe import failures
+from lightning_pipe.arguments import check_arguments
 from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
-from lightning_pipe.partition import find_sequential, resolve_balance, stage_layers, tied_parameters
+from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
-from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec, stage_bounds
+from lightning_pipe.partition.split import BalanceSpec, stage_bounds
 from lightning_pipe.plan.auto import plan_for_strategy
 from lightning_pipe.plan.planner import format_plans
 from lightning_pipe.precision import sync_gradient_scaler
@@ -76,11 +77,11 @@ from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
-from lightning_pipe.runtime.stage import CHECKPOINT_MODES, StageModule, StageRunner
+from lightning_pipe.runtime.stage import StageModule, StageRunner
 from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
 from lightning_pipe.runtime.sharding import ShardedStage, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
-from lightning_pipe.runtime.topology import Layout, Topology, check_layout_arguments
+from lightning_pipe.runtime.topology import Layout, Topology
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
 from lightning_pipe.schedules import (
@@ -88,10 +89,8 @@ from lightning_pipe.schedules import (
     InvalidScheduleError,
     Schedule,
     build,
-    check_virtual_stages,
     forward_only,
     forward_only_like,
-    get_schedule,
     is_async,
     validate,
 )
@@ -99,7 +98,7 @@ from lightning_pipe.schedules.interleaved import valid_microbatches
 from lightning_pipe import signals
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
-from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec
+from lightning_pipe.weights import load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -110,35 +109,6 @@ _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its Da
     "test_step": ("test", "test_dataloaders"),
     "predict_step": ("predict", "predict_dataloaders"),
 }
-
-
-def check_arguments(
-    schedule: str,
-    chunks: Optional[int],
-    balance: BalanceSpec,
-    checkpoint: str,
-    weights: Optional[Union[str, Path]] = None,
-    virtual_stages: Optional[int] = None,
-) -> None:
-    """Reject bad strategy arguments before any process starts, naming the valid values."""
-    get_schedule(schedule)
-    check_weights_argument(weights)
-    if virtual_stages is not None:
-        check_virtual_stages(schedule, virtual_stages)
-    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
-    if isinstance(balance, str):
-        if balance not in BALANCE_MODES:
-            raise ValueError(
-                f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
-                "or a list of layer counts per stage."
-            )
-    elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
-        raise ValueError(
-            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
-        )
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -211,17 +181,12 @@ class PipelineStrategy(ParallelStrategy):
         stages: Optional[int] = None,
         data_parallel: str = "replicate",
     ) -> None:
-        check_arguments(schedule, chunks, balance, checkpoint, weights, virtual_stages)
-        check_layout_arguments(stages, data_parallel)
-        if plan not in (None, "auto"):
-            raise ValueError(f"PipelineStrategy(plan={plan!r}): valid values are None (use the arguments as given) and 'auto'.")
+        check_arguments(
+            schedule, chunks, balance, checkpoint, weights, virtual_stages,
+            stages=stages, data_parallel=data_parallel, plan=plan, check_data=check_data,
+        )  # fmt: skip
         self.plan = plan
         self.plan_candidates: Optional[list[Any]] = None  # plan="auto": the ranked layouts, the first one runs
-        if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
-            raise ValueError(
-                f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
-                "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -73,7 +73,6 @@ def rank_order(
     weights_done = 0
 
     def backward(step: int) -> None:
-        nonlocal weights_done
         stage = backward_stage(step)
         order.append(B(stage, take("B", stage)))
         backward_steps.append(step)
