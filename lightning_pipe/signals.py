@@ -12,8 +12,8 @@ never runs a Python handler again, so further SIGTERMs are ignored too.
 Here the handler runs no collective. It records the request, passes the signal on to the processes
 this one launched (as Lightning does), and starts a deadline. The stages agree on stopping at a
 point every stage reaches: the start of each step (training, validation, test, predict), where
-rank 0's request is broadcast from rank 0. Rank 0 leads the pipeline, so the broadcast makes no
-stage wait for a later one. There every stage raises Lightning's ``SIGTERMException`` together and
+rank 0's request is broadcast from rank 0 without waiting (over gloo, so never a GPU sync), and
+read one step later: no stage waits for another at a step's start. There every stage raises Lightning's ``SIGTERMException`` together and
 the Trainer ends the run as usual (``on_exception`` callbacks, loggers, teardown). A process that
 has not reached that point ``GRACE_SECONDS`` after its signal (a peer died, or the signal reached
 only a later stage) exits with status ``128 + SIGTERM``; a second SIGTERM ends it at once.
@@ -46,6 +46,8 @@ class PipelineSignalConnector(_SignalConnector):
         self.grace = grace
         self.requested = False
         self._deadline: Optional[threading.Timer] = None
+        self._posted: Optional[tuple[Any, torch.Tensor]] = None  # the last step's broadcast of rank 0's flag
+        self._group: Any = None
 
     def register_signal_handlers(self) -> None:
         self.requested = False
@@ -74,21 +76,35 @@ class PipelineSignalConnector(_SignalConnector):
             128 + signum,
         )
 
-    def stop_if_requested(self, device: torch.device) -> None:
+    def stop_if_requested(self) -> None:
         """At the start of a step, on every rank: raise ``SIGTERMException`` on all of them when rank 0
-        has received SIGTERM."""
-        flag = torch.tensor([1 if self.requested else 0], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(flag, src=0)
-        if flag.item():
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self.received_sigterm = True
-            raise SIGTERMException()
+        had received SIGTERM by the start of the previous step. Rank 0's flag travels in a broadcast
+        posted at each step's start and read at the next one, so no rank waits for it."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            if self.requested:
+                self._stop()
+            return
+        if self._posted is not None:
+            (work, flag), self._posted = self._posted, None
+            work.wait()
+            if flag.item():
+                self._stop()
+        if self._group is None:  # every rank gets here first at the same point: its first step
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        flag = torch.tensor([1 if self.requested else 0])
+        self._posted = (dist.broadcast(flag, src=0, group=self._group, async_op=True), flag)
+
+    def _stop(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.received_sigterm = True
+        raise SIGTERMException()
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_deadline"] = None
+        state["_posted"] = None
+        state["_group"] = None
         return state
 
 

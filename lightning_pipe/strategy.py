@@ -684,7 +684,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
-            self._signals.stop_if_requested(self.root_device)
+            self._signals.stop_if_requested()
         module, micro, keys, weights, recorder = self._begin_step("train", args)
         rest, keep = args[1:], self.is_last_stage
 
@@ -851,7 +851,7 @@ class PipelineStrategy(ParallelStrategy):
         """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
         if self._signals is not None:
-            self._signals.stop_if_requested(self.root_device)
+            self._signals.stop_if_requested()
         module, micro, keys, weights, recorder = self._begin_step(hook, args)
         rest, keep = args[1:], self.is_last_stage
         outputs: list[Any] = [None] * len(micro)
