@@ -110,25 +110,5 @@ class Topology:
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)
         self.meta_src = self.pipeline_ranks[0]
 
-    @property
-    def num_stages(self) -> int:
-        return self.layout.stages
-
-    @property
-    def num_replicas(self) -> int:
-        return self.layout.replicas
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.layout.stages - 1
-
-    @property
-    def last_stage_rank(self) -> int:
-        return self.pipeline_ranks[-1]
-
-    def stage_group(self, stages: list[int]) -> list[int]:
-        """Global ranks of ``stages`` in this rank's pipeline."""
-        return [self.layout.rank(s, self.replica) for s in stages]
-
 
 __all__ = ["DATA_PARALLEL_MODES", "Layout", "Topology", "check_layout_arguments"]
