@@ -72,7 +72,7 @@ from lightning_pipe.plan.planner import format_plans
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
-from lightning_pipe.runtime import fused_linear
+from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.p2p import Transport
@@ -214,7 +214,7 @@ class PipelineStrategy(ParallelStrategy):
         self._sharded: Optional[ShardedStage] = None
         self.weights = weights
         self.deferred_build = False  # the module was built on the meta device
-        self._fused_layers: list[nn.Linear] = []
+        self._fused_layers: list[nn.Module] = []
         self._stage_module: Optional[StageModule] = None
         self._runner: Optional[StageRunner] = None
         self._executor: Optional[Executor] = None
@@ -544,18 +544,19 @@ class PipelineStrategy(ParallelStrategy):
         split = not is_async(self.schedule_name) and self._schedule(self.schedule_name, self.num_microbatches).split_backward
         if self._sharded is not None:
             pass  # FSDP2 accumulates the micro-batches' gradients itself
-        elif self.gradient_accumulation_fusion and not split:  # a split backward's W is autograd's own
+        elif self.gradient_accumulation_fusion or split:  # a split backward's W is these layers' deferred work
             self._fused_layers = fused_linear.install(self._stage_module)
-        if versions is None and self._sharded is None:
+            if split:
+                self._fused_layers += deferred_conv.install(self._stage_module)
+        if versions is None and self._sharded is None and not split:
+            # the readiness hooks fire in B, while deferred weight gradients are complete only after
+            # W: a split backward's replicas average after the step's last W
             self._gradients.overlap(list(module.parameters()))
         stages = self._stages or {self.stage: self._stage_module}
         runners = {
             s: StageRunner(m, checkpoint=self.checkpoint_mode, versions=versions, host=self._stage_module)
             for s, m in stages.items()
         }
-        for runner in runners.values():
-            runner.weight_params = [p for p in module.parameters() if p.requires_grad]
-            runner.split_backward = split
         self._runner = runners[min(runners)]
         self._executor = Executor(transport, runners, rank=self.stage)
         if versions is not None:
@@ -735,7 +736,7 @@ class PipelineStrategy(ParallelStrategy):
         return torch.tensor(summary["loss"], device=self.root_device)
 
     def _accumulation(self) -> ContextManager[Any]:
-        return fused_linear.accumulating() if self._fused_layers else nullcontext()
+        return fused_linear.accumulating(self.gradient_accumulation_fusion) if self._fused_layers else nullcontext()
 
     def _async_training_step(
         self, module: "pl.LightningModule", micro: list, keys: list[tuple], recorder: StepRecorder, batch_idx: int
@@ -816,6 +817,7 @@ class PipelineStrategy(ParallelStrategy):
         if dist.is_available() and dist.is_initialized():
             self._finish_pending()
         fused_linear.uninstall(self._fused_layers)
+        deferred_conv.uninstall(self._fused_layers)
         self._fused_layers = []
         if self._gradients is not None:
             self._gradients.close()

@@ -22,8 +22,8 @@ from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 @pytest.mark.parametrize(
     "schedule, stages, devices",
-    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 1, 4)],
-    ids=["gpipe-2x2", "1f1b-2x2", "1f1b-1x4"],
+    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 1, 4), ("zero_bubble", 2, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4)],
+    ids=["gpipe-2x2", "1f1b-2x2", "1f1b-1x4", "zero_bubble-2x2", "interleaved-2x2", "zbv-2x2"],
 )
 def test_replicas_train_as_plain_training_on_the_global_batch(tmp_path, schedule: str, stages: int, devices: int) -> None:
     replicas = devices // stages

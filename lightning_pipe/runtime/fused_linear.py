@@ -8,6 +8,11 @@ tensor per layer and micro-batch. Here the backward of a ``Linear`` writes ``dW`
 ``weight.grad`` (``addmm_`` with beta 1; the first micro-batch's product becomes ``weight.grad``), as
 Megatron-LM's ``gradient_accumulation_fusion`` does. The gradients are those of autograd.
 
+Under a split backward (zero-bubble schedules) the same layers defer their weight-gradient
+product to the schedule's W action (:mod:`lightning_pipe.runtime.weight_store`): B computes only
+``grad @ W``. With ``accumulating(fuse=False)`` the deferred product is computed into a new
+tensor and added, as autograd would.
+
 The fused path is taken only while :func:`accumulating` is active (the pipeline's training steps)
 and only where autograd's result would be identical: gradient mode on, a trainable leaf weight
 (the parameter, or a stashed weight version passed through ``functional_call``, whose ``.grad`` is
@@ -19,6 +24,7 @@ Everything else (evaluation, mixed precision, a weight computed from other tenso
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
@@ -27,19 +33,33 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
+from lightning_pipe.runtime.weight_store import defer_or_run
 
 _active = False
+_fuse = True
 
 
 @contextmanager
-def accumulating() -> Iterator[None]:
-    """Take the fused path in the installed layers while the block runs (forwards and backwards)."""
-    global _active
-    previous, _active = _active, True
+def accumulating(fuse: bool = True) -> Iterator[None]:
+    """Take the installed layers' own backward while the block runs (forwards and backwards):
+    the weight gradient added into ``.grad`` by the product itself (``fuse``), or computed and
+    added (only worth it where the product is deferred to a W action)."""
+    global _active, _fuse
+    previous = _active, _fuse
+    _active, _fuse = True, fuse
     try:
         yield
     finally:
-        _active = previous
+        _active, _fuse = previous
+
+
+def add_grad(param: Tensor, grad: Tensor) -> None:
+    """Accumulate ``grad`` into ``param.grad`` as autograd's ``AccumulateGrad`` does (``grad`` may
+    become ``param.grad``)."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 class _LinearAccumulate(torch.autograd.Function):
@@ -57,19 +77,24 @@ class _LinearAccumulate(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         weight_param, bias = ctx.parameters
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        g = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            if weight_param.grad is None:
-                weight_param.grad = g.t().mm(x2)
-            else:
-                weight_param.grad.addmm_(g.t(), x2)
-        if bias is not None and ctx.needs_input_grad[2]:
-            if bias.grad is None:
-                bias.grad = g.sum(0)
-            else:
-                bias.grad.add_(g.sum(0))
+        want_weight = ctx.needs_input_grad[1]
+        want_bias = bias is not None and ctx.needs_input_grad[2]
+        if want_weight or want_bias:
+            defer_or_run(partial(_weight_grad, x, grad, weight_param if want_weight else None, bias if want_bias else None, _fuse))
         return grad_x, None, None
+
+
+def _weight_grad(x: Tensor, grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], fuse: bool) -> None:
+    """``dW = g^T x`` and ``db = sum(g)`` into ``.grad``: added by the product itself with ``fuse``."""
+    g = grad.reshape(-1, grad.shape[-1])
+    if weight is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if weight.grad is None or not fuse:
+            add_grad(weight, g.t().mm(x2))
+        else:
+            weight.grad.addmm_(g.t(), x2)
+    if bias is not None:
+        add_grad(bias, g.sum(0))
 
 
 def _plain_leaf(param: Optional[Tensor]) -> bool:
@@ -84,7 +109,8 @@ def _plain_leaf(param: Optional[Tensor]) -> bool:
     return not param._backward_hooks and not observing
 
 
-def _fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+def fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a layer may take its own backward here: its result must equal autograd's."""
     return (
         _active
         and torch.is_grad_enabled()
@@ -106,16 +132,16 @@ class _Forward:
 
     def __call__(self, x: Tensor) -> Tensor:
         weight, bias = self.layer.weight, self.layer.bias
-        if _fusable(x, weight, bias):
+        if fusable(x, weight, bias):
             return _LinearAccumulate.apply(x, weight, bias)
         return F.linear(x, weight, bias)
 
 
-def install(module: nn.Module) -> list[nn.Linear]:
+def install(module: nn.Module) -> list[nn.Module]:
     """Give every plain ``nn.Linear`` in ``module`` the fused forward (subclasses, which may compute
     something else, keep theirs; a layer given its own forward by someone else is left alone).
     Returns the layers that have it, for :func:`uninstall`."""
-    layers = []
+    layers: list[nn.Module] = []
     for layer in module.modules():
         if type(layer) is not nn.Linear:
             continue
@@ -128,7 +154,7 @@ def install(module: nn.Module) -> list[nn.Linear]:
     return layers
 
 
-def uninstall(layers: list[nn.Linear]) -> None:
+def uninstall(layers: list[nn.Module]) -> None:
     """Give the layers back their own forward."""
     for layer in layers:
         if isinstance(layer.__dict__.get("forward"), _Forward):

@@ -17,9 +17,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.runtime.weight_store import WeightWork
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -57,15 +59,13 @@ class StageModule(nn.Sequential):
         value: Any,
         use_checkpoint: bool,
         params: Optional[dict[str, Tensor]] = None,
-        cuts: Optional[list[Boundary]] = None,
     ) -> Any:
         """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
         in the backward, with the RNG state of the forward, so dropout draws the same mask. With
         ``params`` (names as in ``named_parameters``) the layers run on those tensors instead of
-        their own parameters (a stashed weight version). With ``cuts`` the autograd graph is cut
-        before each layer (see :func:`cut`), so that a split backward's W needs no input gradients."""
+        their own parameters (a stashed weight version)."""
         if not use_checkpoint:
-            return self._chain(value, params, cuts)
+            return self._chain(value, params)
         tensors, was_tuple = as_tuple(value)
 
         def layers(*flat: Tensor) -> Any:
@@ -73,52 +73,13 @@ class StageModule(nn.Sequential):
 
         return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
 
-    def _chain(self, value: Any, params: Optional[dict[str, Tensor]], cuts: Optional[list[Boundary]] = None) -> Any:
-        if params is None and cuts is not None:
-            for layer in self._modules.values():
-                value = layer(value if _modifies_input(layer) else cut(value, cuts))
-            return value
+    def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
         if params is None:
             return nn.Sequential.forward(self, value)
         for key, layer in self._modules.items():
             own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
-
-
-#: Where the graph of a micro-batch was cut: (the tensor, the leaf that replaced it) for each tensor
-#: that needed a gradient.
-Boundary = list[tuple[Tensor, Tensor]]
-
-
-def cut(value: Any, cuts: list[Boundary]) -> Any:
-    """``value`` with every tensor that needs a gradient replaced by a fresh leaf, the pair recorded
-    as a new boundary in ``cuts``. Values that are not tensors (or tuples of them) are left whole
-    (no boundary: the segment around them spans more layers)."""
-    if isinstance(value, Tensor):
-        tensors, was_tuple = (value,), False
-    elif isinstance(value, (tuple, list)) and all(isinstance(v, Tensor) for v in value):
-        tensors, was_tuple = tuple(value), True
-    else:
-        return value
-    boundary: Boundary = []
-    out = []
-    for t in tensors:
-        if t.requires_grad:
-            leaf = t.detach().requires_grad_(True)
-            boundary.append((t, leaf))
-            t = leaf
-        out.append(t)
-    cuts.append(boundary)
-    return from_tuple(tuple(out), was_tuple)
-
-
-def _modifies_input(layer: nn.Module) -> bool:
-    """Whether ``layer`` starts by changing its input in place (``nn.ReLU(inplace=True)``, or a
-    Sequential that begins with one): its input must stay a non-leaf, so no cut goes before it."""
-    while isinstance(layer, nn.Sequential) and len(layer) > 0:
-        layer = layer[0]
-    return bool(getattr(layer, "inplace", False))
 
 
 def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
@@ -164,16 +125,8 @@ class StageRunner:
         self.completed: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> its gradient on this stage
         self.trace: Optional[list[tuple[str, int, int]]] = None  # (kind, micro-batch, version) when tracing
         self._saved: dict[int, tuple[list[Tensor], Any]] = {}
-        # split backward: per micro-batch, the roots and their gradients that W backpropagates
-        self._weights_due: dict[int, tuple[list[Tensor], Optional[list[Tensor]]]] = {}
-        #: the tensors W computes gradients for (default: the stage's parameters; the strategy adds
-        #: the LightningModule's parameters outside the Sequential)
-        self.weight_params: Optional[list[Tensor]] = None
-        #: set for schedules with a split backward: the graph is cut before every layer, so that B
-        #: runs the input-gradient chain segment by segment and W each segment's weight gradients
-        #: only (without it, W would backpropagate through the whole stage again)
-        self.split_backward = False
-        self._cuts: dict[int, list[Boundary]] = {}
+        # split backward: per micro-batch, the weight-gradient work B left for W
+        self._weights_due: dict[int, list[WeightWork]] = {}
         self._microbatches = 1
         self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
 
@@ -181,7 +134,6 @@ class StageRunner:
         """Forget every micro-batch in flight."""
         self._saved.clear()
         self._weights_due.clear()
-        self._cuts.clear()
 
     def enable_trace(self) -> list[tuple[str, int, int]]:
         """Record which weight version each forward used and which version each backward's
@@ -225,7 +177,6 @@ class StageRunner:
             params = self.versions.params(version)
             if self.trace is not None:
                 self.trace.append(("F", microbatch, version))
-        cuts: Optional[list[Boundary]] = [] if self.split_backward and training and not use_ckpt and params is None else None
         leaves: list[Tensor] = []
         if received is not None:
             tensors, flags, was_tuple = received
@@ -242,22 +193,19 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                out = self.module.run_layers(argument if received is None else value, use_ckpt, params, cuts)
-                return out if cuts is None else cut(out, cuts)  # the step's loss is a segment too
+                return self.module.run_layers(argument if received is None else value, use_ckpt, params)
 
             loss = self._run_step(microbatch % num_microbatches, inject)
             if calls == 0:
                 raise RuntimeError(self._not_called())
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
-                if cuts:
-                    self._cuts[microbatch] = cuts
             return None
         if self.is_first:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(self.module.run_layers(argument, use_ckpt, params, cuts))
+                captured.append(self.module.run_layers(argument, use_ckpt, params))
                 raise _StageExit
 
             try:
@@ -268,12 +216,10 @@ class StageRunner:
                 raise RuntimeError(self._not_called())
             output = captured[0]
         else:
-            output = self.module.run_layers(value, use_ckpt, params, cuts)
+            output = self.module.run_layers(value, use_ckpt, params)
         tensors_out, was_tuple_out = as_tuple(output)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
-            if cuts:
-                self._cuts[microbatch] = cuts
         return tensors_out, was_tuple_out
 
     def output_grad_like(self, microbatch: int) -> list[Tensor]:
@@ -300,65 +246,16 @@ class StageRunner:
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]
 
     def backward_input(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
-        """B of a split backward: only the gradient of the stage's input, which the previous stage
-        waits for (``torch.autograd.grad`` on the received tensors, keeping the graph for W)."""
-        leaves, outputs = self._saved.pop(microbatch)
-        if self.is_last:
-            roots, root_grads = [outputs], None
-        else:
-            roots = [t for t in outputs if t.requires_grad]
-            root_grads = grads if roots else None
-        needing = [leaf for leaf in leaves if leaf.requires_grad]
-        cuts = self._cuts.pop(microbatch, None)
-        if cuts:
-            return self._backward_segments(microbatch, needing, cuts, roots, root_grads)
-        self._weights_due[microbatch] = [(roots, root_grads)]
-        if self.is_first:
-            return None
-        if not needing or not roots:
-            return [torch.zeros_like(leaf) for leaf in needing]
-        got = torch.autograd.grad(roots, needing, root_grads, retain_graph=True, allow_unused=True)
-        return [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(got, needing)]
-
-    def _backward_segments(
-        self,
-        microbatch: int,
-        needing: list[Tensor],
-        cuts: list[Boundary],
-        roots: list[Tensor],
-        root_grads: Optional[list[Tensor]],
-    ) -> Optional[list[Tensor]]:
-        """B over a graph cut into segments (one per layer): the input gradient of each segment
-        from the last to the first, keeping each segment's output gradient for W."""
-        segments: list[tuple[list[Tensor], list[Tensor]]] = [(needing, [t for t, _ in cuts[0]])]
-        for k, boundary in enumerate(cuts):
-            outs = [t for t, _ in cuts[k + 1]] if k + 1 < len(cuts) else roots
-            segments.append(([leaf for _, leaf in boundary], outs))
-        due: list[tuple[list[Tensor], Optional[list[Tensor]]]] = []
-        g = root_grads
-        for ins, outs in reversed(segments):
-            if outs and not all(t.is_leaf for t in outs):
-                due.append((outs, g))
-            if not ins:
-                g = []
-                continue
-            if not outs:
-                g = [torch.zeros_like(t) for t in ins]
-                continue
-            got = torch.autograd.grad(outs, ins, g, retain_graph=True, allow_unused=True)
-            g = [x if x is not None else torch.zeros_like(t) for x, t in zip(got, ins)]
-        self._weights_due[microbatch] = due
-        return None if self.is_first else list(g or [])
+        """B of a split backward: the whole backward except the weight-gradient products that the
+        stage's layers defer (see :mod:`lightning_pipe.runtime.weight_store`), kept for W."""
+        with weight_store.deferring() as works:
+            input_grads = self.backward(microbatch, grads)
+        self._weights_due[microbatch] = works
+        return input_grads
 
     def backward_weight(self, microbatch: int) -> None:
-        """W of a split backward: the weight gradients, accumulated into ``.grad``; the graph kept
-        since B is freed. Autograd computes only what leads to the weights; where B ran on a cut
-        graph, each segment backpropagates only through its own layer."""
-        params = self.weight_params if self.weight_params is not None else list(self.module.parameters())
-        params = [p for p in params if p.requires_grad]
-        for roots, root_grads in self._weights_due.pop(microbatch):
-            if roots and params:
-                torch.autograd.backward(roots, root_grads, inputs=params)
+        """W of a split backward: the weight gradients B deferred, accumulated into ``.grad``."""
+        weight_store.run(self._weights_due.pop(microbatch))
 
     def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
         if self.step is None:

@@ -1,0 +1,125 @@
+"""Convolutions whose weight gradient waits for a split backward's W action.
+
+In a zero-bubble schedule's B, a plain ``nn.Conv1d/2d/3d`` computes only its input gradient
+(``aten.convolution_backward`` with the weight and bias outputs masked off) and hands the
+weight and bias gradients to :mod:`lightning_pipe.runtime.weight_store`, to be computed in W
+from the layer's input and output gradient. Installed only for schedules with a split backward:
+elsewhere autograd's single ``convolution_backward`` is as fast. The same conditions as for
+:mod:`lightning_pipe.runtime.fused_linear` apply (training steps only, a plain trainable leaf
+weight, no autocast, matching dtypes, zero padding mode); everything else runs the layer's own
+forward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from lightning_pipe.runtime import fused_linear
+from lightning_pipe.runtime.weight_store import defer_or_run
+
+_Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
+_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class _ConvDeferred(torch.autograd.Function):
+    """A convolution whose backward computes the input gradient now and the rest in W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], layer: _Conv) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.parameters = (weight, bias)
+        ctx.layer = layer
+        return layer._conv_forward(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+        x, weight = ctx.saved_tensors
+        weight_param, bias = ctx.parameters
+        layer = ctx.layer
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _conv_backward(layer, grad, x, weight, bias, (True, False, False))[0]
+        want_weight = ctx.needs_input_grad[1]
+        want_bias = bias is not None and ctx.needs_input_grad[2]
+        if want_weight or want_bias:
+            mask = (False, want_weight, want_bias)
+            defer_or_run(partial(_weight_grad, layer, grad, x, weight, weight_param, bias, mask))
+        return grad_x, None, None, None
+
+
+def _conv_backward(
+    layer: _Conv, grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], mask: tuple[bool, bool, bool]
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    return torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight,
+        [bias.shape[0]] if bias is not None else None,
+        list(layer.stride),
+        list(layer.padding),  # type: ignore[arg-type]
+        list(layer.dilation),
+        False,
+        [0] * len(layer.stride),
+        layer.groups,
+        list(mask),
+    )
+
+
+def _weight_grad(
+    layer: _Conv,
+    grad: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    weight_param: Tensor,
+    bias: Optional[Tensor],
+    mask: tuple[bool, bool, bool],
+) -> None:
+    _, grad_weight, grad_bias = _conv_backward(layer, grad, x, weight, bias, mask)
+    if grad_weight is not None:
+        fused_linear.add_grad(weight_param, grad_weight)
+    if grad_bias is not None and bias is not None:
+        fused_linear.add_grad(bias, grad_bias)
+
+
+class _Forward:
+    """The forward installed on one convolution (an instance attribute: the class stays)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: _Conv) -> None:
+        self.layer = layer
+
+    def __call__(self, x: Tensor) -> Tensor:
+        layer = self.layer
+        if fused_linear.fusable(x, layer.weight, layer.bias):
+            return _ConvDeferred.apply(x, layer.weight, layer.bias, layer)
+        return layer._conv_forward(x, layer.weight, layer.bias)
+
+
+def install(module: nn.Module) -> list[nn.Module]:
+    """Give every plain convolution with zero padding and explicit padding sizes the deferring
+    forward; returns the layers that have it, for :func:`uninstall`."""
+    layers: list[nn.Module] = []
+    for layer in module.modules():
+        if type(layer) not in _TYPES or layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+            continue
+        installed = layer.__dict__.get("forward")
+        if installed is None:
+            layer.forward = _Forward(layer)  # type: ignore[method-assign]
+        elif not isinstance(installed, _Forward):
+            continue
+        layers.append(layer)
+    return layers
+
+
+def uninstall(layers: list[nn.Module]) -> None:
+    """Give the layers back their own forward."""
+    for layer in layers:
+        if isinstance(layer.__dict__.get("forward"), _Forward):
+            del layer.forward
