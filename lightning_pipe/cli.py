@@ -58,7 +58,9 @@ class SamplesPerSecond(L.Callback):
 
 class PlanOnly(L.Callback):
     """``lightning-pipe plan``: once the planner ranked the layouts (in the strategy's setup), print
-    and write them (``plan.txt``, ``plan.svg``) and stop before the first step."""
+    and write them (``plan.txt``, ``plan.svg``) and stop before the first step. Every stages x
+    replicas of the world is ranked for the run's global batch; a layout with other replicas than
+    configured needs ``strategy.stages`` and the DataLoader batch (per replica) set as printed."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -68,7 +70,13 @@ class PlanOnly(L.Callback):
 
         trainer.should_stop = True
         if trainer.global_rank == 0 and getattr(trainer.strategy, "plan_candidates", None):
-            print(write_plan(trainer.strategy.plan_candidates, trainer.strategy.num_stages, self.folder))
+            ranked = trainer.strategy.plan_candidates
+            print(write_plan(ranked, trainer.strategy.num_stages, self.folder))
+            best = ranked[0]
+            print(
+                f"best: {best.depth} stages x {best.replicas} replicas, DataLoader batch per replica {best.replica_batch}; "
+                f"strategy arguments {best.strategy_arguments()}"
+            )
             print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}")
 
 
@@ -129,6 +137,8 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     callbacks: list[L.Callback] = [SamplesPerSecond()]
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
+        if isinstance(strategy, PipelineStrategy):
+            strategy.plan_all_layouts = True  # rank stages x replicas too (printed, not applied)
     if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
         from lightning_pipe.plan.picture import TimelinePicture
 

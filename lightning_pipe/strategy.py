@@ -142,9 +142,10 @@ class PipelineStrategy(ParallelStrategy):
             integer ``N`` also every ``N`` steps, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
         plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
-            ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers and the measured
-            point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`); the ranked
-            candidates are kept in ``strategy.plan_candidates``. ``None`` (default): as given.
+            ``virtual_stages``, ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers
+            and the measured point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`);
+            ``stages`` (and so the replicas) stays as given. The ranked candidates are kept in
+            ``strategy.plan_candidates``. ``None`` (default): as given.
         stages: pipeline depth p (default: one stage per process). The world (devices x nodes) must be
             p x d: d replicas of the pipeline train together, each on its own part of every step.
         data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
@@ -187,6 +188,7 @@ class PipelineStrategy(ParallelStrategy):
         )  # fmt: skip
         self.plan = plan
         self.plan_candidates: Optional[list[Any]] = None  # plan="auto": the ranked layouts, the first one runs
+        self.plan_all_layouts = False  # `lightning-pipe plan`: rank every stages x replicas of the world too
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -455,12 +457,15 @@ class PipelineStrategy(ParallelStrategy):
 
     def _apply_plan(self, module: "pl.LightningModule", layers: nn.Sequential) -> None:
         """``plan="auto"``: take the planner's first choice (the same on every rank)."""
-        ranked, link, profiles = plan_for_strategy(self, module, layers)
-        best = ranked[0]
+        ranked, link, profiles = plan_for_strategy(self, module, layers, all_layouts=self.plan_all_layouts)
         self.plan_candidates = ranked
+        # the first choice of this layout: the strategy's stages x replicas are fixed, since the
+        # global batch is the DataLoader's batch x replicas (see docs/planner.md)
+        best = next(c for c in ranked if (c.depth, c.replicas) == (self.num_stages, self.num_replicas))
         self.schedule_name, self.chunks, self.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
+        self.virtual_stages = best.virtual_stages
         self.balance = list(best.balance)
-        self.profile = profiles[best.chunks]
+        self.profile = profiles[best.microbatch_size]
         if self.global_rank == 0:
             log.info(
                 "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",

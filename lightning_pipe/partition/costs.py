@@ -13,7 +13,7 @@ only each in-flight micro-batch's stage input is kept, and one micro-batch's act
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from lightning_pipe.schedules import get_schedule, is_async, peak_in_flight
 from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform
@@ -34,6 +34,17 @@ class LayerCost:
     input_bytes: int  # the layer's input, per micro-batch
     output_bytes: int  # what the layer passes on, per micro-batch (sent between stages at a cut)
     update: float = 0.0  # seconds of the optimizer step on the layer's parameters (once per batch)
+    # a split backward (zero-bubble schedules), measured apart: B (input gradient, with the work the
+    # layer does not defer) and W (the deferred weight-gradient work); None: not measured
+    input_backward: Optional[float] = None
+    weight_backward: float = 0.0
+
+    @property
+    def split_backward(self) -> tuple[float, float]:
+        """(B, W) seconds; without a split measurement the whole backward is B and W is 0."""
+        if self.input_backward is None:
+            return self.backward, 0.0
+        return self.input_backward, self.weight_backward
 
     @property
     def static_bytes(self) -> int:

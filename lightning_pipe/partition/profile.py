@@ -191,6 +191,9 @@ def measure_layers(
             if rep >= warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
+        input_backward, weight_backward = _split_backward(layer, tensors, was_tuple, warmup, repeats, context)
+        for p in params:
+            p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
         state_bytes, update = _update_cost(params, optimizers, device, repeats)
         costs.append(
@@ -204,6 +207,8 @@ def measure_layers(
                 input_bytes=_bytes(tensors),
                 output_bytes=_bytes(output),
                 update=update,
+                input_backward=input_backward,
+                weight_backward=weight_backward,
             )
         )
         for p in params:
@@ -211,6 +216,48 @@ def measure_layers(
         value = from_tuple(tuple(t.detach() for t in output), isinstance(out, (tuple, list)))
         layer.to(home)
     return costs
+
+
+def _split_backward(
+    layer: nn.Module,
+    tensors: tuple[Tensor, ...],
+    was_tuple: bool,
+    warmup: int,
+    repeats: int,
+    context: Callable[[], ContextManager[Any]],
+) -> tuple[float, float]:
+    """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
+    it: its plain ``Linear``/``ConvNd`` layers given the runtime's deferring forward, B the backward
+    inside :func:`weight_store.deferring`, W running the work it deferred (0 where nothing was)."""
+    from lightning_pipe.runtime import deferred_conv, fused_linear, weight_store
+
+    installed = fused_linear.install(layer) + deferred_conv.install(layer)
+    inputs_b: list[float] = []
+    weights: list[float] = []
+    try:
+        for rep in range(warmup + repeats):
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()).clone() for t in tensors)
+            with fused_linear.accumulating():
+                with context():
+                    out = layer(from_tuple(inputs, was_tuple))
+                needing = [t for t in as_tuple(out)[0] if t.requires_grad]
+                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                start = time.perf_counter()
+                with weight_store.deferring() as works:
+                    if needing:
+                        torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
+                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                middle = time.perf_counter()
+                weight_store.run(works)
+                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                end = time.perf_counter()
+            if rep >= warmup:
+                inputs_b.append(middle - start)
+                weights.append(end - middle if works else 0.0)
+    finally:
+        fused_linear.uninstall(installed)
+        deferred_conv.uninstall(installed)
+    return statistics.median(inputs_b), statistics.median(weights)
 
 
 def _rng_devices(device: torch.device) -> list[int]:

@@ -1,7 +1,7 @@
 """``PipelineStrategy(plan="auto")``: measure, plan on one rank, and give every rank the choice.
 
-Global rank 0 profiles the layers once per candidate micro-batch count (the run's first batch,
-as for ``balance="time"``); ranks 0 and 1 time point-to-point transfers between them; rank 0
+Global rank 0 profiles the layers once per candidate micro-batch size (from the run's first
+batch, as for ``balance="time"``); ranks 0 and 1 time point-to-point transfers between them; rank 0
 plans (:mod:`lightning_pipe.plan.planner`) and broadcasts the ranked candidates, so every rank
 runs the same first choice.
 """
@@ -58,12 +58,11 @@ def agreed_plan(
     broadcast: Callable[[Any], Any],
     profiles: Callable[[], dict[int, Profile]],
     link: Callable[[int], Optional[Link]],
-    num_stages: int,
-    memory_budget: Optional[int],
+    rank: Callable[[dict[int, Profile], Link], list[Candidate]],
 ) -> tuple[list[Candidate], Link, dict[int, Profile]]:
-    """Profiles measured on the source rank, the link measured by ranks 0 and 1 with the largest
-    activation the profiles saw, the ranked candidates computed on the source rank: the same on
-    every rank (a failure while measuring is raised on every rank)."""
+    """Profiles (by micro-batch size) measured on the source rank, the link measured by ranks 0
+    and 1 with the largest activation the profiles saw, the candidates ranked by ``rank`` on the
+    source rank: the same on every rank (a failure while measuring is raised on every rank)."""
     measured: dict[int, Profile] = {}
 
     def measure() -> Profile:
@@ -76,41 +75,64 @@ def agreed_plan(
     found = broadcast(found if is_source else None)
     if found is None:
         found = Link(latency=0.0, bandwidth=float("inf"))
-    ranked = plan(measured, num_stages, found, memory_budget) if is_source else None
+    ranked = rank(measured, found) if is_source else None
     ranked, measured_all = broadcast((ranked, measured if is_source else None))
     return ranked, found, measured_all
 
 
-
-
-def plan_for_strategy(strategy: Any, module: Any, layers: torch.nn.Sequential) -> tuple[list[Candidate], Link, dict[int, Profile]]:
+def plan_for_strategy(
+    strategy: Any, module: Any, layers: torch.nn.Sequential, all_layouts: bool = False
+) -> tuple[list[Candidate], Link, dict[int, Profile]]:
     """Measure and plan for a ``PipelineStrategy`` in its setup, before the split (see the module
-    docstring); returns what :func:`agreed_plan` returns."""
+    docstring); returns what :func:`agreed_plan` returns, the profiles keyed by micro-batch size.
+
+    The strategy's own layout (its ``stages`` x replicas, each replica reading the DataLoader's
+    batch) is planned for, unless ``all_layouts``: then every stages x replicas of the world is
+    ranked for the same global batch (DataLoader batch x the strategy's replicas), each replica
+    reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches larger
+    than the DataLoader's batch cannot be measured from it and are left out)."""
     from lightning_pipe.partition.profile import first_batch, profile_module
-    from lightning_pipe.plan.planner import chunk_candidates
+    from lightning_pipe.plan.planner import chunk_candidates, needed_sizes, plan, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
     trainer = module.trainer
     home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
     cache: list[Any] = []
+    stages, replicas = strategy.num_stages, strategy.num_replicas
 
     def batch() -> Any:  # drawn once, inside the first profile's saved random state
         if not cache:
             cache.append(strategy.batch_to_device(first_batch(trainer), home))
         return cache[0]
 
+    def sizes(per_replica: int) -> list[int]:
+        if all_layouts:
+            return [n for n in needed_sizes(stages * replicas, per_replica * replicas) if n <= per_replica]
+        return sorted({-(-per_replica // m) for m in chunk_candidates(per_replica)}, reverse=True)
+
     def profiles() -> dict[int, Profile]:
         context = strategy.precision_plugin.train_step_context
-        found = {1: profile_module(module, layers, batch, 1, strategy.root_device, context)}
-        for chunks in chunk_candidates(batch_size(cache[0]))[1:]:
-            found[chunks] = profile_module(module, layers, batch, chunks, strategy.root_device, context)
+        found: dict[int, Profile] = {}
+        first = profile_module(module, layers, batch, 1, strategy.root_device, context)
+        per_replica = batch_size(cache[0])
+        found[first.microbatch_size] = first
+        for size in sizes(per_replica):
+            if size not in found:
+                profile = profile_module(module, layers, batch, -(-per_replica // size), strategy.root_device, context)
+                found[profile.microbatch_size] = profile
         return found
 
+    def rank(measured: dict[int, Profile], link: Link) -> list[Candidate]:
+        per_replica = max(measured)  # the whole DataLoader batch (the first profile, one micro-batch)
+        if all_layouts:
+            return plan_layouts(measured, stages * replicas, per_replica * replicas, link, budget, rendezvous=rendezvous)
+        by_chunks = {m: measured[-(-per_replica // m)] for m in chunk_candidates(per_replica) if -(-per_replica // m) in measured}
+        return plan(by_chunks, stages, link, budget, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous)
+
     device = strategy.root_device
+    rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the strategy validates schedules
     budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return agreed_plan(
-        strategy.global_rank == 0, strategy.broadcast, profiles, lambda n: measure_link(device, n), strategy.num_stages, budget
-    )
+    return agreed_plan(strategy.global_rank == 0, strategy.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
 
 __all__ = ["agreed_plan", "measure_link", "plan_for_strategy"]

@@ -1,17 +1,25 @@
-"""Choose the schedule, ``chunks``, ``balance`` and ``checkpoint`` mode from measurements.
+"""Choose stages x replicas, the schedule, ``chunks``, ``balance`` and ``checkpoint`` mode from measurements.
 
-Pure: it takes a profile of the layers per candidate micro-batch count (so each micro-batch size
-is measured, not extrapolated) and the measured point-to-point link, and predicts for every
-combination:
+Pure: it takes a profile of the layers per micro-batch size (so each micro-batch size is measured,
+not extrapolated) and the measured point-to-point link, and predicts for every combination:
 
-- the step time: the schedule simulated with each stage's forward and backward seconds per
-  micro-batch, a transfer (latency + bytes / bandwidth) added to the action that produces it,
-  plus the slowest stage's optimizer step;
+- the step time: the schedule simulated with each stage's forward, B and W seconds per
+  micro-batch (B and W measured apart for the schedules that split the backward; the others run
+  B + W as one backward), a transfer (latency + bytes / bandwidth) added to the action that
+  produces it where the next stage sits on another rank, then the gradient all-reduce over the
+  replicas (a ring: ``2 (R - 1)`` transfers of ``1 / R`` of each rank's gradient bytes over the
+  same measured link, started after the rank's last backward and not overlapped with it) and the
+  slowest rank's optimizer step;
 - the bubble: the share of rank-time the simulation leaves idle;
-- the peak memory of each stage: parameters, gradients, optimizer state and the activations of
-  the micro-batches the schedule holds in flight there.
+- the peak memory of each rank: parameters, gradients, optimizer state and the activations of
+  the micro-batches the schedule holds in flight there, summed over the rank's stages.
 
-Candidates whose largest stage exceeds the memory budget are ranked after those that fit. Only
+Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes share a global batch,
+``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
+stages per rank (``interleaved_1f1b`` with ``v`` in 2..4, ``zbv`` with 2) split the layers into
+``S x v`` stages placed as the runtime places them.
+
+Candidates whose largest rank exceeds the memory budget are ranked after those that fit. Only
 the synchronous schedules are candidates: the asynchronous ones train with delayed gradients,
 which is the user's choice to make, not a speed setting. The framework's per-step work (the
 Trainer's loop, logging, sharing the loss) is not in the prediction.
@@ -20,15 +28,17 @@ Trainer's loop, logging, sharing the loss) is not in the prediction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
-from lightning_pipe.partition.costs import Profile, in_flight_microbatches
-from lightning_pipe.schedules import SCHEDULES, simulate
+from lightning_pipe.partition.costs import Profile
+from lightning_pipe.schedules import DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate
+from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
-PLAN_SCHEDULES = ("1f1b", "gpipe")
+PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "zbv")
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")
 PLAN_CHECKPOINTS = ("never", "except_last", "always")
+PLAN_VIRTUAL = (2, 3, 4)  # stages per rank tried for interleaved_1f1b
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,13 @@ class Link:
     def seconds(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
+    def all_reduce_seconds(self, nbytes: int, replicas: int) -> float:
+        """A ring all-reduce of ``nbytes`` over ``replicas``: ``2 (R - 1)`` steps of ``nbytes / R``."""
+        if replicas <= 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (replicas - 1)
+        return steps * self.latency + steps / replicas * nbytes / self.bandwidth
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -49,17 +66,43 @@ class Candidate:
     schedule: str
     chunks: int
     balance_mode: str  # the first balance mode that gave this split
-    balance: tuple[int, ...]
+    balance: tuple[int, ...]  # layers per stage (stages x virtual_stages of them)
     checkpoint: str
     step_seconds: float
     bubble: float
-    stage_bytes: tuple[int, ...]
+    stage_bytes: tuple[int, ...]  # peak bytes per rank of one pipeline (its stages together)
     fits: bool
-    stage_costs: tuple[tuple[float, float], ...] = ()  # per stage (forward, backward) seconds per micro-batch
+    stage_costs: tuple[tuple[float, ...], ...] = ()  # per stage (forward, B, W) seconds per micro-batch
+    stages: int = 0  # pipeline depth (ranks per pipeline); 0: len(stage_bytes)
+    replicas: int = 1
+    virtual_stages: int = 1
+    microbatch_size: int = 0
+    all_reduce_seconds: float = 0.0  # the slowest rank's gradient all-reduce over the replicas
+    replica_batch: int = 0  # samples per replica and step (each replica's DataLoader batch); 0: not known
+
+    @property
+    def depth(self) -> int:
+        return self.stages or len(self.stage_bytes)
 
     def strategy_arguments(self) -> dict[str, object]:
-        """The ``PipelineStrategy`` arguments that run this candidate."""
-        return {"schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint}
+        """The ``PipelineStrategy`` arguments that run this candidate (with replicas, each replica's
+        DataLoader batch must be ``batch / replicas`` for the global batch planned for)."""
+        args: dict[str, object] = {
+            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint,
+        }  # fmt: skip
+        if self.schedule in VIRTUAL_STAGES:
+            args["virtual_stages"] = self.virtual_stages
+        if self.replicas > 1:
+            args["stages"] = self.depth
+        return args
+
+
+def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]:
+    """The rank of each of the ``num_ranks x virtual_stages`` stages, as the runtime places them
+    (:func:`lightning_pipe.partition.virtual.stage_positions`)."""
+    if schedule == "zbv":
+        return zbv_stage_to_rank(num_ranks)
+    return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
 def _split(profile: Profile, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str) -> list[int]:
@@ -70,21 +113,28 @@ def _split(profile: Profile, mode: str, num_stages: int, in_flight: Sequence[int
     return profile.balance(mode, num_stages, in_flight, checkpoint)
 
 
-def stage_seconds(profile: Profile, balance: Sequence[int], checkpoint: str, chunks: int, link: Link) -> list[tuple[float, float]]:
-    """Each stage's (forward, backward) seconds per micro-batch, its outgoing transfer included:
-    the forward sends the stage's output on, the backward sends the gradient of its input back."""
-    costs: list[tuple[float, float]] = []
+def stage_seconds(
+    profile: Profile, balance: Sequence[int], checkpoint: str, chunks: int, link: Link, ranks: Optional[Sequence[int]] = None
+) -> list[tuple[float, float, float]]:
+    """Each stage's (forward, B, W) seconds per micro-batch, its outgoing transfers included: the
+    forward sends the stage's output on, B sends the gradient of its input back (only where the
+    neighbouring stage is on another rank of ``ranks``; default: one stage per rank). A recomputed
+    forward is part of B. Without a split measurement W is 0 and B the whole backward."""
+    ranks = list(ranks) if ranks is not None else list(range(len(balance)))
+    costs: list[tuple[float, float, float]] = []
     start = 0
     recompute = {"never": 0.0, "always": 1.0, "except_last": (chunks - 1) / chunks}[checkpoint]
     for stage, count in enumerate(balance):
         layers = profile.layers[start : start + count]
         forward = sum(c.forward for c in layers)
-        backward = sum(c.backward for c in layers) + recompute * forward
-        if stage < len(balance) - 1:
+        splits = [c.split_backward for c in layers]
+        b = sum(x for x, _ in splits) + recompute * forward
+        w = sum(y for _, y in splits)
+        if stage < len(balance) - 1 and ranks[stage + 1] != ranks[stage]:
             forward += link.seconds(layers[-1].output_bytes)
-        if stage > 0:
-            backward += link.seconds(layers[0].input_bytes)
-        costs.append((forward, backward))
+        if stage > 0 and ranks[stage - 1] != ranks[stage]:
+            b += link.seconds(layers[0].input_bytes)
+        costs.append((forward, b, w))
         start += count
     return costs
 
@@ -98,6 +148,79 @@ def stage_updates(profile: Profile, balance: Sequence[int]) -> list[float]:
     return updates
 
 
+def _per_rank(values: Sequence[float], ranks: Sequence[int], num_ranks: int) -> list[float]:
+    out = [0.0] * num_ranks
+    for value, rank in zip(values, ranks):
+        out[rank] += value
+    return out
+
+
+def _gradient_bytes(profile: Profile, balance: Sequence[int]) -> list[int]:
+    out, start = [], 0
+    for count in balance:
+        out.append(sum(c.gradient_bytes for c in profile.layers[start : start + count]))
+        start += count
+    return out
+
+
+def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Sequence[int]) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs that exist for ``stages`` ranks and ``layers`` layers."""
+    out: list[tuple[str, int]] = []
+    for schedule in schedules:
+        if stages == 1 and schedule != "1f1b":
+            continue  # one stage: every schedule runs the micro-batches one after another; 1F1B holds the fewest
+        counts = {"interleaved_1f1b": list(virtual), "zbv": [2]}.get(schedule, [1])
+        out += [(schedule, v) for v in counts if stages * v <= layers]
+    return out
+
+
+def _rank(
+    entries: Iterable[tuple[int, int, int, Profile, int]],
+    link: Link,
+    memory_budget: Optional[int],
+    schedules: Sequence[str],
+    balances: Sequence[str],
+    checkpoints: Sequence[str],
+    virtual: Sequence[int],
+    rendezvous: bool,
+) -> list[Candidate]:
+    """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries, ranked."""
+    found: dict[tuple, Candidate] = {}
+    for stages, replicas, chunks, profile, replica_batch in entries:
+        for schedule, v in _variants(schedules, stages, len(profile.layers), virtual):
+            try:
+                plan_schedule = build(schedule, stages, chunks, v)
+            except ValueError:
+                continue  # micro-batch counts interleaving cannot round
+            ranks = stage_ranks(schedule, stages, v)
+            peaks = peak_in_flight(plan_schedule)
+            in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
+            for checkpoint in checkpoints:
+                if chunks == 1 and checkpoint == "except_last":
+                    continue  # the same as "never" with one micro-batch
+                for mode in balances:
+                    balance = tuple(_split(profile, mode, len(ranks), in_flight, checkpoint))
+                    key = (stages, replicas, schedule, v, chunks, balance, checkpoint)
+                    if key in found:
+                        continue
+                    costs = stage_seconds(profile, balance, checkpoint, chunks, link, ranks)
+                    try:
+                        simulation = simulate(plan_schedule, stage_costs=costs, rendezvous=rendezvous)
+                    except DeadlockError:
+                        break  # the schedule cannot run with this backend and micro-batch count
+                    grads = _per_rank([float(b) for b in _gradient_bytes(profile, balance)], ranks, stages)
+                    reduce = [link.all_reduce_seconds(int(g), replicas) for g in grads]
+                    updates = _per_rank(stage_updates(profile, balance), ranks, stages)
+                    tail = max(r + u for r, u in zip(reduce, updates))
+                    memory = tuple(int(m) for m in _per_rank([float(m) for m in profile.stage_bytes(balance, in_flight, checkpoint)], ranks, stages))
+                    fits = memory_budget is None or max(memory) <= memory_budget
+                    found[key] = Candidate(
+                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
+                        memory, fits, tuple(costs), stages, replicas, v, profile.microbatch_size, max(reduce), replica_batch,
+                    )  # fmt: skip
+    return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
+
+
 def plan(
     profiles: Mapping[int, Profile],
     num_stages: int,
@@ -106,41 +229,81 @@ def plan(
     schedules: Sequence[str] = PLAN_SCHEDULES,
     balances: Sequence[str] = PLAN_BALANCES,
     checkpoints: Sequence[str] = PLAN_CHECKPOINTS,
+    replicas: int = 1,
+    virtual: Sequence[int] = PLAN_VIRTUAL,
+    replica_batch: int = 0,
+    rendezvous: bool = True,
 ) -> list[Candidate]:
-    """Every distinct layout over the grid, best first: those within ``memory_budget`` (bytes per
-    device; None: no limit) by predicted step time, then the others by their largest stage."""
-    found: dict[tuple, Candidate] = {}
-    for chunks, profile in sorted(profiles.items()):
-        for schedule in schedules:
-            in_flight = in_flight_microbatches(schedule, num_stages, chunks)
-            for checkpoint in checkpoints:
-                if chunks == 1 and checkpoint == "except_last":
-                    continue  # the same as "never" with one micro-batch
-                for mode in balances:
-                    balance = tuple(_split(profile, mode, num_stages, in_flight, checkpoint))
-                    key = (schedule, chunks, balance, checkpoint)
-                    if key in found:
-                        continue
-                    costs = stage_seconds(profile, balance, checkpoint, chunks, link)
-                    simulation = simulate(SCHEDULES[schedule](num_stages, chunks), stage_costs=costs)
-                    update = max(stage_updates(profile, balance))
-                    memory = tuple(profile.stage_bytes(balance, in_flight, checkpoint))
-                    fits = memory_budget is None or max(memory) <= memory_budget
-                    found[key] = Candidate(
-                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + update, simulation.bubble_fraction, memory, fits,
-                        tuple(costs),
-                    )
-    return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
+    """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
+    (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
+    (bytes per device; None: no limit) by predicted step time, then the others by their largest rank.
+    ``rendezvous``: NCCL's point-to-point model (True) or gloo's (False); a schedule that would
+    hang under it (see :func:`lightning_pipe.schedules.simulate`) is left out, as the runtime refuses it."""
+    entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
+    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous)
+
+
+def layouts(world_size: int, batch_size: int) -> list[tuple[int, int]]:
+    """(stages, replicas) of ``world_size`` processes whose replicas split ``batch_size`` evenly."""
+    return [(s, world_size // s) for s in range(1, world_size + 1) if world_size % s == 0 and batch_size % (world_size // s) == 0]
+
+
+def microbatch_size(batch_size: int, replicas: int, chunks: int) -> int:
+    """Samples in the first (largest) micro-batch of a replica's ``batch_size / replicas``."""
+    per_replica = batch_size // replicas
+    return -(-per_replica // chunks)
+
+
+def needed_sizes(world_size: int, batch_size: int, limit: int = 32) -> list[int]:
+    """The micro-batch sizes :func:`plan_layouts` looks up, largest first."""
+    sizes = {
+        microbatch_size(batch_size, r, m) for _, r in layouts(world_size, batch_size) for m in chunk_candidates(batch_size // r, limit)
+    }
+    return sorted(sizes, reverse=True)
+
+
+def plan_layouts(
+    profiles: Mapping[int, Profile],
+    world_size: int,
+    batch_size: int,
+    link: Link,
+    memory_budget: Optional[int] = None,
+    schedules: Sequence[str] = PLAN_SCHEDULES,
+    balances: Sequence[str] = PLAN_BALANCES,
+    checkpoints: Sequence[str] = PLAN_CHECKPOINTS,
+    virtual: Sequence[int] = PLAN_VIRTUAL,
+    limit: int = 32,
+    rendezvous: bool = True,
+) -> list[Candidate]:
+    """Stages x replicas too: every layout of ``world_size`` processes for a global batch of
+    ``batch_size`` samples, with a profile per micro-batch size (``profiles[size]``, see
+    :func:`needed_sizes`; a size without a profile leaves its candidates out), ranked as :func:`plan`."""
+    entries = []
+    for stages, replicas in layouts(world_size, batch_size):
+        for chunks in chunk_candidates(batch_size // replicas, limit):
+            size = microbatch_size(batch_size, replicas, chunks)
+            if size in profiles:
+                entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
+    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous)
+
+
+def _schedule_label(c: Candidate) -> str:
+    return f"{c.schedule} v{c.virtual_stages}" if c.schedule == "interleaved_1f1b" else c.schedule
 
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
-    """The best ``top`` candidates as a table: predicted step time, bubble, peak memory per stage."""
-    rows = [f"{'#':>2} {'schedule':<8} {'chunks':>6} {'balance':<22} {'checkpoint':<11} {'step ms':>8} {'bubble':>7}  peak MiB per stage"]
+    """The best ``top`` candidates as a table: layout, predicted step time, all-reduce, bubble, peak
+    memory per rank (each rank's stages together)."""
+    rows = [
+        f"{'#':>2} {'schedule':<19} {'chunks':>6} {'balance':<26} {'checkpoint':<11} {'SxR':>5} {'step ms':>8} "
+        f"{'reduce ms':>9} {'bubble':>7}  peak MiB per stage"
+    ]
     for i, c in enumerate(candidates[:top]):
         balance = f"{c.balance_mode} {list(c.balance)}"
         memory = ", ".join(f"{b / 2**20:.1f}" for b in c.stage_bytes) + ("" if c.fits else "  (over budget)")
         rows.append(
-            f"{i + 1:>2} {c.schedule:<8} {c.chunks:>6} {balance:<22} {c.checkpoint:<11} {1e3 * c.step_seconds:>8.2f} {100 * c.bubble:>6.1f}%  {memory}"
+            f"{i + 1:>2} {_schedule_label(c):<19} {c.chunks:>6} {balance:<26} {c.checkpoint:<11} {f'{c.depth}x{c.replicas}':>5} "
+            f"{1e3 * c.step_seconds:>8.2f} {1e3 * c.all_reduce_seconds:>9.2f} {100 * c.bubble:>6.1f}%  {memory}"
         )
     return "\n".join(rows)
 
@@ -154,4 +317,7 @@ def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:
     return counts
 
 
-__all__ = ["Candidate", "Link", "chunk_candidates", "format_plans", "plan", "stage_seconds", "stage_updates"]
+__all__ = [
+    "Candidate", "Link", "chunk_candidates", "format_plans", "layouts", "microbatch_size", "needed_sizes", "plan",
+    "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
+]  # fmt: skip

@@ -7,16 +7,19 @@ from typing import Sequence
 
 from lightning_pipe.plan.planner import Candidate, format_plans
 from lightning_pipe.plan.timeline_svg import simulated_bars, timeline_svg
-from lightning_pipe.schedules import SCHEDULES, simulate
+from lightning_pipe.schedules import build, simulate
 
 
 def predicted_timelines(candidates: Sequence[Candidate], num_stages: int, top: int = 3) -> str:
     """One SVG with the predicted timeline of each of the ``top`` candidates, best first."""
     panels = []
     for i, c in enumerate(candidates[:top]):
-        simulation = simulate(SCHEDULES[c.schedule](num_stages, c.chunks), stage_costs=c.stage_costs)
+        depth = c.stages or num_stages
+        simulation = simulate(build(c.schedule, depth, c.chunks, c.virtual_stages), stage_costs=c.stage_costs)
+        layout = f"{depth} stages x {c.replicas} replicas, " if c.replicas > 1 else ""
+        virtual = f" (v={c.virtual_stages})" if c.virtual_stages > 1 else ""
         title = (
-            f"#{i + 1}: {c.schedule}, chunks {c.chunks}, balance {list(c.balance)} ({c.balance_mode}), "
+            f"#{i + 1}: {layout}{c.schedule}{virtual}, chunks {c.chunks}, balance {list(c.balance)} ({c.balance_mode}), "
             f"checkpoint {c.checkpoint}: {1e3 * c.step_seconds:.1f} ms predicted"
         )
         panels.append((title, simulated_bars(simulation)))

@@ -79,6 +79,23 @@ def test_measured_costs_follow_the_layers() -> None:
     assert all(p.grad is None for p in layers.parameters())
 
 
+def test_split_backward_is_measured_as_b_and_w() -> None:
+    """B (input gradient, weight-gradient work deferred) and W (that work) of each layer, as the
+    zero-bubble schedules run them; a layer that defers nothing has W = 0."""
+    layers = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Conv1d(4, 4, 3, padding=1))
+    linear, relu = measure_layers(layers[:2], torch.randn(64, 256), torch.device("cpu"), warmup=1, repeats=5)
+    (conv,) = measure_layers(layers[2:], torch.randn(8, 4, 64), torch.device("cpu"), warmup=1, repeats=5)
+    for cost in (linear, conv):
+        b, w = cost.split_backward
+        assert b > 0 and w > 0
+        assert 0.1 < (b + w) / cost.backward < 10  # the same work, timed in two parts (a loaded machine is noisy)
+    b, w = relu.split_backward
+    assert w == 0.0 and b > 0
+    assert "forward" not in layers[0].__dict__ and "forward" not in layers[2].__dict__  # the runtime's forwards removed again
+    assert all(p.grad is None for p in layers.parameters())
+    assert LayerCost(1.0, 2.0, 0, 0, 0, 0, 0, 0).split_backward == (2.0, 0.0)  # not measured: all of it is B
+
+
 def test_profiling_leaves_no_trace() -> None:
     class Normed(TinyNet):
         def __init__(self) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition.costs import LayerCost, Profile
-from lightning_pipe.plan.planner import Link, chunk_candidates, format_plans, plan, stage_seconds
+from lightning_pipe.plan.planner import (
+    Link, chunk_candidates, format_plans, layouts, microbatch_size, needed_sizes, plan, plan_layouts, stage_ranks, stage_seconds,
+)  # fmt: skip
 from lightning_pipe.schedules import closed_form_bubble
 from tests.models import RecordSplit, SkewedNet, loader
 from tests.pipeline import fit_pipeline
@@ -86,3 +89,81 @@ def test_auto_plan_runs_the_same_first_choice_on_every_rank(tmp_path: Path) -> N
     best = ranked[0]
     for record in records:  # every rank runs the first choice
         assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
+
+
+def _split_profile(size: int, layers: int = 8, gradient_bytes: int = 100, param_bytes: int = 100, overhead: float = 0.0) -> Profile:
+    """Layers whose F, B and W each take ``overhead + size`` seconds (B + W the whole backward)."""
+    t = overhead + size
+    costs = tuple(
+        LayerCost(
+            forward=t, backward=2 * t, parameter_bytes=param_bytes, gradient_bytes=gradient_bytes, optimizer_bytes=0,
+            activation_bytes=10 * size, input_bytes=size, output_bytes=size, input_backward=t, weight_backward=t,
+        )  # fmt: skip
+        for _ in range(layers)
+    )
+    return Profile(costs, size, "cpu", 3)
+
+
+ONE: dict[str, Any] = {"balances": ("uniform",), "checkpoints": ("never",)}
+GLOO: dict[str, Any] = {**ONE, "rendezvous": False}  # interleaving and ZB-V hang under NCCL's model at most counts
+
+
+def test_zero_bubble_predicts_less_bubble_than_1f1b_with_equal_f_b_w() -> None:
+    ranked = plan({4: _split_profile(4)}, 4, FREE, schedules=("1f1b", "zero_bubble"), **ONE)
+    by_schedule = {c.schedule: c for c in ranked}
+    assert by_schedule["zero_bubble"].bubble < by_schedule["1f1b"].bubble
+    assert by_schedule["zero_bubble"].step_seconds < by_schedule["1f1b"].step_seconds
+    assert ranked[0].schedule == "zero_bubble"
+    assert by_schedule["zero_bubble"].stage_costs[1] == pytest.approx((8.0, 8.0, 8.0))  # two layers: F, B, W apart
+
+
+def test_interleaving_bubble_falls_with_more_stages_per_rank() -> None:
+    ranked = plan({4: _split_profile(4, layers=24)}, 2, FREE, schedules=("interleaved_1f1b",), **GLOO)
+    by_v = {c.virtual_stages: c for c in ranked}
+    assert sorted(by_v) == [2, 3, 4]
+    assert by_v[2].bubble > by_v[3].bubble > by_v[4].bubble  # equal stages: (p - 1) / (v m) of the ideal time
+    assert [len(c.balance) for c in ranked if c.virtual_stages == 2] == [4]
+    few = plan({4: _split_profile(4, layers=6)}, 2, FREE, schedules=("interleaved_1f1b",), **GLOO)
+    assert {c.virtual_stages for c in few} == {2, 3}  # 2 x 4 stages would need more than 6 layers
+    assert len(by_v[3].balance) == 6 and len(by_v[3].stage_bytes) == 2  # memory per rank, its stages together
+    assert by_v[3].strategy_arguments()["virtual_stages"] == 3
+    # under NCCL's rendezvous only the counts that cannot hang are candidates (the runtime refuses the others)
+    nccl = plan({m: _split_profile(16 // m) for m in (2, 4)}, 2, FREE, schedules=("interleaved_1f1b", "zbv"), **ONE)
+    assert {(c.schedule, c.chunks) for c in nccl} == {("interleaved_1f1b", 2)}
+
+
+def test_zbv_places_the_last_stage_on_rank_0() -> None:
+    (zbv,) = plan({4: _split_profile(4)}, 2, FREE, schedules=("zbv",), **GLOO)
+    assert zbv.virtual_stages == 2 and len(zbv.balance) == 4
+    assert stage_ranks("zbv", 2, 2) == [0, 1, 1, 0] and stage_ranks("interleaved_1f1b", 2, 2) == [0, 1, 0, 1]
+    # stages 1 and 2 share rank 1: stage 1's output is handed over in memory, no transfer costed
+    slow = plan({4: _split_profile(4)}, 2, Link(latency=100.0, bandwidth=float("inf")), schedules=("zbv",), **GLOO)[0]
+    assert slow.stage_costs[1][0] == zbv.stage_costs[1][0] and slow.stage_costs[0][0] == zbv.stage_costs[0][0] + 100.0
+
+
+def _layout_profiles(batch: int, world: int, **kwargs: Any) -> dict[int, Profile]:
+    return {size: _split_profile(size, **kwargs) for size in needed_sizes(world, batch)}
+
+
+def test_replicas_win_on_a_free_link_and_lose_to_a_slow_all_reduce() -> None:
+    assert layouts(4, 16) == [(1, 4), (2, 2), (4, 1)] and layouts(4, 6) == [(2, 2), (4, 1)]
+    assert microbatch_size(16, 2, 4) == 2 and 8 in needed_sizes(4, 16) and 16 in needed_sizes(4, 16)
+    profiles = _layout_profiles(16, 4, gradient_bytes=10**6)
+    free = plan_layouts(profiles, 4, 16, FREE, **ONE)
+    assert (free[0].depth, free[0].replicas) == (1, 4)  # no pipeline bubble, a quarter of the batch each
+    assert free[0].replica_batch == 4 and free[0].strategy_arguments()["stages"] == 1
+    assert {(c.depth, c.replicas) for c in free} == {(1, 4), (2, 2), (4, 1)}
+    slow = plan_layouts(profiles, 4, 16, Link(latency=0.0, bandwidth=1.0), **ONE)  # 1 byte/s: the all-reduce dominates
+    assert slow[0].replicas == 1 and slow[0].all_reduce_seconds == 0.0
+    two = next(c for c in slow if c.replicas == 2)
+    assert two.all_reduce_seconds == pytest.approx(2 * (2 - 1) / 2 * 4 * 10**6)  # a ring over 2 replicas of a rank's 4 layers' gradients
+    assert two.step_seconds > two.all_reduce_seconds
+
+
+def test_the_memory_budget_excludes_whole_model_replicas() -> None:
+    profiles = _layout_profiles(16, 4, param_bytes=10**6, gradient_bytes=10**6)
+    free = plan_layouts(profiles, 4, 16, FREE, **ONE)
+    whole = min(max(c.stage_bytes) for c in free if c.depth == 1)  # the whole model on every rank
+    ranked = plan_layouts(profiles, 4, 16, FREE, memory_budget=whole - 1, **ONE)
+    assert ranked[0].fits and ranked[0].depth > 1
+    assert all(not c.fits for c in ranked if c.depth == 1)
