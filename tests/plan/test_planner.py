@@ -167,3 +167,22 @@ def test_the_memory_budget_excludes_whole_model_replicas() -> None:
     ranked = plan_layouts(profiles, 4, 16, FREE, memory_budget=whole - 1, **ONE)
     assert ranked[0].fits and ranked[0].depth > 1
     assert all(not c.fits for c in ranked if c.depth == 1)
+
+
+class _AllLayouts(RecordSplit):
+    """What ``lightning-pipe plan`` sets: rank every stages x replicas too (before the strategy's setup)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        trainer.strategy.plan_all_layouts = True
+
+
+def test_auto_plan_ranking_all_layouts_still_runs_the_configured_one(tmp_path: Path) -> None:
+    fit_pipeline(SkewedNet(heavy=2.0), 2, data=loader(32, 8), max_steps=1, plan="auto", callbacks=[_AllLayouts(str(tmp_path))])
+    record = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    ranked = record["plan"]
+    assert {(c.depth, c.replicas) for c in ranked} == {(2, 1), (1, 2)}
+    assert {c.replica_batch for c in ranked if c.replicas == 2} == {4} and all(c.all_reduce_seconds > 0 for c in ranked if c.replicas == 2)
+    best = next(c for c in ranked if c.replicas == 1)  # the configured 2 stages x 1 replica runs
+    assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
+    assert any(c.schedule in ("zero_bubble", "interleaved_1f1b", "zbv") for c in ranked)
+    assert all(c.stage_costs for c in ranked) and any(w > 0 for c in ranked for _, _, w in c.stage_costs)  # W measured
