@@ -51,14 +51,14 @@ COMPUTE = ("F", "B", "W")
 
 def _work_bytes(runners: list[StageRunner]) -> int:
     """Bytes of the tensors the deferred weight-gradient work of every runner keeps for W."""
-    seen: dict[int, int] = {}
+    seen: set[tuple[int, int]] = set()  # as the meter counts: a tensor's own bytes, once
     for runner in runners:
         for works in runner._weights_due.values():
             for work in works:
                 for arg in getattr(work, "args", ()):
                     if isinstance(arg, Tensor) and not isinstance(arg, torch.nn.Parameter):
-                        seen[arg.untyped_storage().data_ptr()] = arg.untyped_storage().nbytes()
-    return sum(seen.values())
+                        seen.add((arg.data_ptr(), arg.numel() * arg.element_size()))
+    return sum(nbytes for _, nbytes in seen)
 
 
 class Record(L.Callback):
