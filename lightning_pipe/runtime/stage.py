@@ -82,7 +82,7 @@ class StageModule(nn.Sequential):
         stage must find its input unchanged when it recomputes."""
         if not (self.modifies_input and torch.is_grad_enabled()):
             return value
-        if not isinstance(value, (Tensor, tuple, list)) or not all(isinstance(t, Tensor) for t in as_list(value)):
+        if not isinstance(value, (Tensor, tuple, list)) or not all(isinstance(t, Tensor) for t in _as_list(value)):
             return value  # not an activation the pipeline passes (the first stage's own input)
         tensors, was_tuple = as_tuple(value)
         return from_tuple(tuple(t.clone() if t.requires_grad else t for t in tensors), was_tuple)
@@ -96,7 +96,7 @@ class StageModule(nn.Sequential):
         return value
 
 
-def as_list(value: Any) -> list[Any]:
+def _as_list(value: Any) -> list[Any]:
     return [value] if isinstance(value, Tensor) else list(value)
 
 
