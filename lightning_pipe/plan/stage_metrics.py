@@ -143,7 +143,7 @@ class StageMetrics(pl.Callback):
         self._timeline.listeners.append(self._on_step)
         if self.every_n_steps is None:
             self.every_n_steps = max(1, int(trainer.log_every_n_steps))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank runs on_fit_start: a collective call
 
     def _on_step(self, spans: list[Any]) -> None:
@@ -190,7 +190,10 @@ class StageMetrics(pl.Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._timeline is not None and self._on_step in self._timeline.listeners:
             self._timeline.listeners.remove(self._on_step)
+        self._timeline = None
         self._pending = None
+        self._group = None  # a later fit may run in a new process group
+        self._window, self._last, self._in_batch = Window(), None, False
 
     # ------------------------------------------------------------------ sending and logging
     def _post(self, trainer: "pl.Trainer") -> None:
