@@ -429,14 +429,8 @@ class PipelineStrategy(ParallelStrategy):
             self._apply_plan(module, layers)
         virtual = self.virtual_stages if self.schedule_name in VIRTUAL_STAGES else 1
         positions = stage_positions(self.schedule_name, self.num_stages, virtual)
-        if self.balance in MEASURED_BALANCES and virtual > 1:
-            raise MisconfigurationException(
-                f"balance={self.balance!r} measures a split into one stage per process; schedule="
-                f"{self.schedule_name!r} splits into {len(positions)} stages. Use balance='uniform', 'parameters' "
-                "or a list of layer counts per stage."
-            )
-        if self.balance in MEASURED_BALANCES and self.num_stages > 1:
-            balance = self._measured_balance(module, layers)
+        if self.balance in MEASURED_BALANCES and len(positions) > 1:
+            balance = self._measured_balance(module, layers, virtual)
         elif self.balance in MEASURED_BALANCES:
             balance = [len(layers)]
         else:
@@ -474,14 +468,15 @@ class PipelineStrategy(ParallelStrategy):
                 1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
             )
 
-    def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential) -> list[int]:
+    def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential, virtual: int) -> list[int]:
         """``balance="time"``/``"memory"``: global rank 0 profiles the layers on its device with the
         first micro-batch of the run's first batch (drawn from the DataLoader here, in setup, since the
         split must exist before the optimizers); every rank gets that profile and solves alike. The
-        profile is kept for the run (a later setup, such as test after fit, reuses the split)."""
+        profile is kept for the run (a later setup, such as test after fit, reuses the split). With
+        ``virtual`` stages per process the split is into processes x ``virtual`` stages."""
         trainer = module.trainer
         home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
-        in_flight = in_flight_microbatches(self.schedule_name, self.num_stages, self.num_microbatches)
+        in_flight = in_flight_microbatches(self.schedule_name, self.num_stages, self.num_microbatches, virtual)
 
         def measure() -> Profile:
             return profile_module(
@@ -496,7 +491,7 @@ class PipelineStrategy(ParallelStrategy):
 
         if self.profile is None or len(self.profile.layers) != len(layers):
             self.profile = agreed_profile(self.global_rank == 0, self.broadcast, measure)
-        balance = self.profile.balance(str(self.balance), self.num_stages, in_flight, self.checkpoint_mode)
+        balance = self.profile.balance(str(self.balance), len(in_flight), in_flight, self.checkpoint_mode)
         if self.global_rank == 0:
             log.info("lightning-pipe: balance=%s, %s", self.balance, self.profile.report(balance, in_flight, self.checkpoint_mode))
         return balance

@@ -48,15 +48,13 @@ class Simulation:
     forward_cost: float
     backward_cost: float
     weight_cost: float = 0.0
-    stage_costs: tuple[tuple[float, float], ...] | None = None  # per stage (forward, backward), when given
+    #: per stage (forward, backward) or (forward, B, W), when given
+    stage_costs: tuple[tuple[float, ...], ...] | None = None
 
     def cost(self, action: Action) -> float:
         """What ``action`` took in this simulation."""
         if self.stage_costs is not None:
-            forward, backward = self.stage_costs[action.stage]
-            if action.kind is not ActionKind.FORWARD and self.schedule.split_backward:
-                backward = backward / 2
-            return forward if action.kind is ActionKind.FORWARD else backward
+            return _stage_cost(self.stage_costs[action.stage], action, self.schedule.split_backward)
         return _cost(action, self.forward_cost, self.backward_cost, self.weight_cost)
 
     @property
@@ -70,6 +68,18 @@ def _cost(action: Action, forward: float, backward: float, weight: float) -> flo
     if action.kind is ActionKind.FORWARD:
         return forward
     return backward if action.kind is ActionKind.BACKWARD else weight
+
+
+def _stage_cost(costs: tuple[float, ...], action: Action, split: bool) -> float:
+    """``action``'s cost from its stage's (forward, backward) or (forward, B, W): a split
+    backward given as one figure is B and W at half of it each."""
+    if action.kind is ActionKind.FORWARD:
+        return costs[0]
+    if len(costs) == 3:
+        if action.kind is ActionKind.WEIGHT:
+            return costs[2]
+        return costs[1] if split else costs[1] + costs[2]
+    return costs[1] / 2 if split else costs[1]
 
 
 def split_costs(schedule: Schedule, backward_cost: float, weight_cost: Optional[float]) -> tuple[float, float]:
@@ -88,17 +98,17 @@ def simulate(
     backward_cost: float = 2.0,
     weight_cost: Optional[float] = None,
     rendezvous: bool = True,
-    stage_costs: Sequence[tuple[float, float]] | None = None,
+    stage_costs: Sequence[tuple[float, ...]] | None = None,
 ) -> Simulation:
     """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
     (unequal stages, as a planner predicts them; a split backward's B and W take half the backward
-    each); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
+    each) or ``(forward, B, W)`` costs (as measured; an unsplit backward costs B + W); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
     backward's B and W take half of ``backward_cost`` each. With ``rendezvous`` false the model is
     gloo's instead of NCCL's: every posted send and receive proceeds on its own (matched per peer
     and tag), whatever else the rank posted before; only shape headers and the compute that
     consumes a receive wait."""
     backward_cost, weight_cost = split_costs(schedule, backward_cost, weight_cost)
-    per_stage = tuple((float(f), float(b)) for f, b in stage_costs) if stage_costs is not None else None
+    per_stage = tuple(tuple(float(c) for c in costs) for costs in stage_costs) if stage_costs is not None else None
     ranks = range(schedule.num_ranks)
     lists = schedule.actions
     pointer = [0 for _ in ranks]
@@ -118,10 +128,7 @@ def simulate(
 
     def cost(action: Action) -> float:
         if per_stage is not None:
-            forward, backward = per_stage[action.stage]
-            if action.kind is ActionKind.FORWARD:
-                return forward
-            return backward / 2 if schedule.split_backward else backward
+            return _stage_cost(per_stage[action.stage], action, schedule.split_backward)
         return _cost(action, forward_cost, backward_cost, weight_cost)
 
     def advance(rank: int) -> bool:
