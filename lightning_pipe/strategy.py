@@ -365,18 +365,25 @@ class PipelineStrategy(ParallelStrategy):
     def num_microbatches(self) -> int:
         return self.chunks if self.chunks is not None else 2 * self.num_stages
 
-    def enable_timeline(self) -> Timeline:
+    def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
         """Record, from the next step on, when each forward, backward, communication post and wait
         ran on this rank (CUDA events on a GPU): ``timeline.totals()`` gives seconds per step by kind,
         ``timeline.steps`` every span. Call it once the Trainer has set the strategy up (for example
-        in a callback's ``on_fit_start``)."""
+        in a callback's ``on_fit_start``).
+
+        Callers share one timeline: a second call returns the one already recording. ``keep``
+        (steps to keep in ``timeline.steps``; None: all) is the most any caller asked for."""
         if self._executor is None:
             raise RuntimeError(
                 "The pipeline is not set up yet. Call enable_timeline() once the Trainer has set up the "
                 "strategy, for example in a callback's on_fit_start."
             )
-        self._executor.timeline = Timeline(self.root_device)
-        return self._executor.timeline
+        timeline = self._executor.timeline
+        if timeline is None:
+            timeline = self._executor.timeline = Timeline(self.root_device, keep)
+        elif timeline.keep is not None:
+            timeline.keep = None if keep is None else max(keep, timeline.keep)
+        return timeline
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
