@@ -73,3 +73,17 @@ def test_chart_scales_each_model_to_its_fastest_contender() -> None:
     svg = compare.svg_chart(results)
     widths = [float(w) for w in re.findall(r'rect x="150" y="\d+" width="([\d.]+)"', svg)]
     assert widths == [440.0, 220.0, 440.0, 110.0]
+
+
+def test_sync_schedules_measures_the_bubble_from_the_spans_and_simulates_the_measured_costs() -> None:
+    import sync_schedules
+
+    # 2 ranks, 1F1B over 2 stages, 2 micro-batches: F 1 s, B 2 s on each stage; rank 0 idles 3 s
+    spans0 = [["F", 0, 1.0], ["F", 0, 1.0], ["wait", 0, 3.0], ["B", 0, 2.0], ["B", 0, 2.0], ["step", -1, 12.0]]
+    spans1 = [["wait", 1, 1.0], ["F", 1, 1.0], ["B", 1, 2.0], ["F", 1, 1.0], ["B", 1, 2.0], ["step", -1, 12.0]]
+    result = {"step_s": [12.5], "ranks": [{"steps": [spans0], "peak_bytes": 2**20}, {"steps": [spans1], "peak_bytes": 2**21}]}
+    summary = sync_schedules.analyse("1f1b", result, 2, 2)
+    assert summary["measured_bubble_per_rank"] == pytest.approx([0.5, 0.5])
+    assert summary["stage_costs_ms"] == [[1000.0, 2000.0, 0.0], [1000.0, 2000.0, 0.0]]
+    assert summary["simulated_bubble"] == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
+    assert summary["peak_activation_mib_per_rank"] == [1.0, 2.0]

@@ -244,3 +244,22 @@ def test_gloo_host_staging_matches_plain_training(monkeypatch: pytest.MonkeyPatc
     fit_pipeline(piped, 2, schedule="1f1b", chunks=3)
     assert_same_weights(reference, piped)
     assert len(list(tmp_path.glob("staged*"))) == 2  # both ranks received through the host path
+
+
+def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -> None:
+    """A split may leave ``nn.ReLU(inplace=True)`` first on a stage, whose input is the received
+    activation: a leaf that requires a gradient, which autograd does not let change in place."""
+    from torch import nn
+
+    from tests.models import CLASSES, HIDDEN, IN, fit_plain
+    from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.layers = nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, CLASSES)
+    )
+    reference, piped = twins(model)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, balance=[1, 4], chunks=3, checkpoint="except_last")
+    assert_same_weights(reference, piped)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_pipe.schedules import get_schedule, is_async, peak_in_flight
+from lightning_pipe.schedules import build, is_async, peak_in_flight
 from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform
 
 MEASURED_BALANCES = ("time", "memory")
@@ -108,14 +108,16 @@ class Profile:
         return f"profile of {len(self.layers)} layers on {self.device} (micro-batch of {self.microbatch_size}): " + "; ".join(parts)
 
 
-def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:
+def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[int]:
     """Micro-batches whose activations each stage holds at once, read off the schedule's own action
     lists (GPipe: all of them; 1F1B: ``stages - stage``); the asynchronous schedules hold
-    ``stages - stage`` in their steady state, across batches."""
+    ``stages - stage`` in their steady state, across batches. With ``virtual_stages`` (interleaved
+    1F1B, ZB-V) ``num_stages`` counts processes and the list has an entry per stage of the
+    ``num_stages x virtual_stages``."""
     if is_async(schedule):
         return [num_stages - s for s in range(num_stages)]
-    peaks = peak_in_flight(get_schedule(schedule)(num_stages, num_microbatches))
-    return [peaks.get(s, 0) for s in range(num_stages)]
+    peaks = peak_in_flight(build(schedule, num_stages, num_microbatches, virtual_stages))
+    return [peaks.get(s, 0) for s in range(num_stages * virtual_stages)]
 
 
 def _bounds(balance: Sequence[int]) -> list[tuple[int, int]]:

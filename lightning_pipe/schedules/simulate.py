@@ -48,12 +48,13 @@ class Simulation:
     forward_cost: float
     backward_cost: float
     weight_cost: float = 0.0
-    stage_costs: tuple[tuple[float, ...], ...] | None = None  # per stage (F, B+W) or (F, B, W), when given
+    #: per stage (forward, backward) or (forward, B, W), when given
+    stage_costs: tuple[tuple[float, ...], ...] | None = None
 
     def cost(self, action: Action) -> float:
         """What ``action`` took in this simulation."""
         if self.stage_costs is not None:
-            return _stage_cost(action, self.stage_costs[action.stage], self.schedule.split_backward)
+            return _stage_cost(self.stage_costs[action.stage], action, self.schedule.split_backward)
         return _cost(action, self.forward_cost, self.backward_cost, self.weight_cost)
 
     @property
@@ -63,22 +64,22 @@ class Simulation:
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
 
 
-def _stage_cost(action: Action, costs: tuple[float, ...], split: bool) -> float:
-    """One action's cost from its stage's ``(F, B+W)`` or ``(F, B, W)`` seconds: a split backward
-    takes B and W apart (half each from a pair), an unsplit one their sum."""
-    if action.kind is ActionKind.FORWARD:
-        return costs[0]
-    if len(costs) == 2:
-        return costs[1] / 2 if split else costs[1]
-    if not split:
-        return costs[1] + costs[2]
-    return costs[1] if action.kind is ActionKind.BACKWARD else costs[2]
-
-
 def _cost(action: Action, forward: float, backward: float, weight: float) -> float:
     if action.kind is ActionKind.FORWARD:
         return forward
     return backward if action.kind is ActionKind.BACKWARD else weight
+
+
+def _stage_cost(costs: tuple[float, ...], action: Action, split: bool) -> float:
+    """``action``'s cost from its stage's (forward, backward) or (forward, B, W): a split
+    backward given as one figure is B and W at half of it each."""
+    if action.kind is ActionKind.FORWARD:
+        return costs[0]
+    if len(costs) == 3:
+        if action.kind is ActionKind.WEIGHT:
+            return costs[2]
+        return costs[1] if split else costs[1] + costs[2]
+    return costs[1] / 2 if split else costs[1]
 
 
 def split_costs(schedule: Schedule, backward_cost: float, weight_cost: Optional[float]) -> tuple[float, float]:
@@ -101,7 +102,7 @@ def simulate(
 ) -> Simulation:
     """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
     (unequal stages, as a planner predicts them; a split backward's B and W take half the backward
-    each) or ``(forward, B, W)`` costs (measured apart; an unsplit backward costs B + W); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
+    each) or ``(forward, B, W)`` costs (as measured; an unsplit backward costs B + W); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
     backward's B and W take half of ``backward_cost`` each. With ``rendezvous`` false the model is
     gloo's instead of NCCL's: every posted send and receive proceeds on its own (matched per peer
     and tag), whatever else the rank posted before; only shape headers and the compute that
@@ -127,7 +128,7 @@ def simulate(
 
     def cost(action: Action) -> float:
         if per_stage is not None:
-            return _stage_cost(action, per_stage[action.stage], schedule.split_backward)
+            return _stage_cost(per_stage[action.stage], action, schedule.split_backward)
         return _cost(action, forward_cost, backward_cost, weight_cost)
 
     def advance(rank: int) -> bool:

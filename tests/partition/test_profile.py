@@ -66,6 +66,30 @@ def test_memory_balance_gives_the_first_1f1b_stage_less_activation() -> None:
     assert "stage 0: 3 layers" in profile.report([3, 6], [2, 1])
 
 
+def test_in_flight_counts_every_stage_of_a_virtual_layout() -> None:
+    # interleaved 1F1B, 2 processes x 2 stages: every stage is listed; ZB-V's too
+    interleaved = in_flight_microbatches("interleaved_1f1b", 2, 4, 2)
+    assert len(interleaved) == 4 and all(count >= 1 for count in interleaved)
+    assert len(in_flight_microbatches("zbv", 2, 4, 2)) == 4
+    profile = _profile([_layer(1.0, static=10, saved=100)] * 9)
+    assert sum(profile.balance("memory", 4, interleaved)) == 9
+
+
+def test_time_balance_splits_a_virtual_layout_into_every_stage(tmp_path: Path) -> None:
+    """balance="time" under interleaved 1F1B splits into processes x virtual stages, alike on
+    every rank, and trains as plain training does."""
+    from tests.models import fit_plain
+    from tests.pipeline import assert_same_weights, twins
+
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="interleaved_1f1b", balance="time", chunks=4, callbacks=[RecordSplit(str(tmp_path))])
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert records[0]["balance"] == records[1]["balance"] and len(records[0]["balance"]) == 4
+    assert_same_weights(reference, piped)
+
+
 def test_measured_costs_follow_the_layers() -> None:
     layers = nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0), nn.Tanh())
     costs = measure_layers(layers, torch.randn(4, HIDDEN), torch.device("cpu"), warmup=1, repeats=3)

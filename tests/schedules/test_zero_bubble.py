@@ -186,3 +186,17 @@ def test_sampled_counts_are_random_enough() -> None:
     rng = random.Random(0)
     extra = [(rng.randint(1, 8), rng.randint(1, 32)) for _ in range(4)]
     _check_zero_bubble(extra)
+
+
+def test_measured_stage_costs_give_b_and_w_their_own_times() -> None:
+    """Per-stage (F, B, W) costs, as measured, play like the same fixed costs; under an unsplit
+    schedule the backward costs B + W."""
+    split = zero_bubble(4, 8)
+    fixed = simulate(split, forward_cost=1.0, backward_cost=1.5, weight_cost=0.5)
+    measured = simulate(split, stage_costs=[(1.0, 1.5, 0.5)] * 4)
+    assert measured.makespan == pytest.approx(fixed.makespan)
+    assert measured.cost(W(0, 3)) == 0.5
+    unsplit = simulate(one_f_one_b(4, 8), stage_costs=[(1.0, 1.5, 0.5)] * 4)
+    assert unsplit.makespan == pytest.approx(simulate(one_f_one_b(4, 8), forward_cost=1.0, backward_cost=2.0).makespan)
+    cheap_w = simulate(split, stage_costs=[(1.0, 1.5, 0.1)] * 4)
+    assert cheap_w.makespan < measured.makespan
