@@ -126,8 +126,11 @@ def plan_for_strategy(
         per_replica = max(measured)  # the whole DataLoader batch (the first profile, one micro-batch)
         if all_layouts:
             return plan_layouts(measured, stages * replicas, per_replica * replicas, link, budget, rendezvous=rendezvous)
-        by_chunks = {m: measured[-(-per_replica // m)] for m in chunk_candidates(per_replica) if -(-per_replica // m) in measured}
-        return plan(by_chunks, stages, link, budget, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous)
+        sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
+        by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
+        return plan(
+            by_chunks, stages, link, budget, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous
+        )
 
     device = strategy.root_device
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the strategy validates schedules

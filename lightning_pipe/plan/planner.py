@@ -114,7 +114,12 @@ def _split(profile: Profile, mode: str, num_stages: int, in_flight: Sequence[int
 
 
 def stage_seconds(
-    profile: Profile, balance: Sequence[int], checkpoint: str, chunks: int, link: Link, ranks: Optional[Sequence[int]] = None
+    profile: Profile,
+    balance: Sequence[int],
+    checkpoint: str,
+    chunks: int,
+    link: Link,
+    ranks: Optional[Sequence[int]] = None,
 ) -> list[tuple[float, float, float]]:
     """Each stage's (forward, B, W) seconds per micro-batch, its outgoing transfers included: the
     forward sends the stage's output on, B sends the gradient of its input back (only where the
@@ -212,7 +217,8 @@ def _rank(
                     reduce = [link.all_reduce_seconds(int(g), replicas) for g in grads]
                     updates = _per_rank(stage_updates(profile, balance), ranks, stages)
                     tail = max(r + u for r, u in zip(reduce, updates))
-                    memory = tuple(int(m) for m in _per_rank([float(m) for m in profile.stage_bytes(balance, in_flight, checkpoint)], ranks, stages))
+                    per_stage = [float(m) for m in profile.stage_bytes(balance, in_flight, checkpoint)]
+                    memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
                     fits = memory_budget is None or max(memory) <= memory_budget
                     found[key] = Candidate(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
@@ -245,7 +251,8 @@ def plan(
 
 def layouts(world_size: int, batch_size: int) -> list[tuple[int, int]]:
     """(stages, replicas) of ``world_size`` processes whose replicas split ``batch_size`` evenly."""
-    return [(s, world_size // s) for s in range(1, world_size + 1) if world_size % s == 0 and batch_size % (world_size // s) == 0]
+    divisors = [s for s in range(1, world_size + 1) if world_size % s == 0]
+    return [(s, world_size // s) for s in divisors if batch_size % (world_size // s) == 0]
 
 
 def microbatch_size(batch_size: int, replicas: int, chunks: int) -> int:
@@ -257,7 +264,9 @@ def microbatch_size(batch_size: int, replicas: int, chunks: int) -> int:
 def needed_sizes(world_size: int, batch_size: int, limit: int = 32) -> list[int]:
     """The micro-batch sizes :func:`plan_layouts` looks up, largest first."""
     sizes = {
-        microbatch_size(batch_size, r, m) for _, r in layouts(world_size, batch_size) for m in chunk_candidates(batch_size // r, limit)
+        microbatch_size(batch_size, r, m)
+        for _, r in layouts(world_size, batch_size)
+        for m in chunk_candidates(batch_size // r, limit)
     }
     return sorted(sizes, reverse=True)
 
