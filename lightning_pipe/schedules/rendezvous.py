@@ -26,7 +26,9 @@ from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 from lightning_pipe.schedules.comm import needs, produces
 from lightning_pipe.schedules.simulate import DeadlockError, simulate
 
+#: The costs of :func:`.simulate`'s defaults: forward 1, backward 2, or B 1 and W 1 where it is split.
 _COSTS = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0, ActionKind.WEIGHT: 1.0}
+_SPLIT_COSTS = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 1.0, ActionKind.WEIGHT: 1.0}
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Rank:
     clock: float = 0.0
     queue: list[_Group] = field(default_factory=list)
     gaps: list[list[Action]] = field(default_factory=list)
+    deferred: list[Action] = field(default_factory=list)  # sends moved to the next step
 
 
 class RendezvousError(ValueError):
@@ -55,19 +58,29 @@ def for_rendezvous(schedule: Schedule) -> Schedule:
     """``schedule`` with the same compute order per rank and its sends and receives regrouped so
     that it finishes under the rendezvous model (NCCL). Raises :class:`RendezvousError` if the
     regrouping does not."""
-    regrouped = replace(schedule, actions=tuple(_regroup(schedule)))
-    try:
-        simulate(regrouped, rendezvous=True)
-    except DeadlockError as err:
-        raise RendezvousError(
-            f"schedule {schedule.name!r} with {schedule.num_ranks} processes and {schedule.num_microbatches} "
-            f"micro-batches cannot be regrouped to run where point-to-point calls rendezvous (NCCL): {err}"
-        ) from err
-    return regrouped
+    best: tuple[float, Schedule] | None = None
+    errors: list[str] = []
+    for defer in (True, False):
+        try:
+            regrouped = replace(schedule, actions=tuple(_regroup(schedule, defer)))
+            makespan = simulate(regrouped, rendezvous=True).makespan
+        except (RendezvousError, DeadlockError) as err:
+            errors.append(str(err))
+            continue
+        if best is None or makespan < best[0]:
+            best = (makespan, regrouped)
+    if best is None:
+        raise RendezvousError(errors[-1])
+    return best[1]
 
 
-def _regroup(schedule: Schedule) -> list[tuple[Action, ...]]:
+def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
+    """Play the schedule under the rendezvous model, deciding each group as it is posted. With
+    ``defer``, a step whose next compute's input is already on its way posts only the sends whose
+    receive is already posted, and the others one step later, so that the compute does not wait
+    for a peer still busy with its own."""
     n = schedule.num_stages
+    costs = _SPLIT_COSTS if schedule.split_backward else _COSTS
     ranks = [
         _Rank(
             order=(order := schedule.compute(r)),
@@ -88,8 +101,13 @@ def _regroup(schedule: Schedule) -> list[tuple[Action, ...]]:
         sends = produces(state.order[k - 1], n) if k > 0 else []
         wanted = needs(state.order[k], n) if k < len(state.order) else []
         local = [a for a in sends + wanted if schedule.is_local(a)]
-        sends = [a for a in sends if not schedule.is_local(a)]
+        fresh = [a for a in sends if not schedule.is_local(a)]
+        sends = state.deferred + fresh
         wanted = [a for a in wanted if not schedule.is_local(a) and a not in received]
+        later: list[Action] = []
+        if defer and wanted and all(a.matching() in posted for a in wanted):
+            later = [a for a in fresh if a.matching() not in received]
+            sends = [a for a in sends if a not in later]
         for a in sends:  # their headers go out before the rank waits for any (as the executor does)
             headers_out.setdefault(a, state.clock)
         headers = [headers_out.get(a.matching()) for a in wanted if a.kind is ActionKind.RECV_ACTIVATION]
@@ -109,6 +127,7 @@ def _regroup(schedule: Schedule) -> list[tuple[Action, ...]]:
                     posted[a] = post
                 else:
                     received.add(a)
+        state.deferred = later
         state.at_gap = False
         return True
 
@@ -119,7 +138,7 @@ def _regroup(schedule: Schedule) -> list[tuple[Action, ...]]:
         if any(t is None for t in waits):
             return False
         start = max([state.clock, *(t for t in waits if t is not None)])
-        state.clock = start + _COSTS[action.kind]
+        state.clock = start + costs[action.kind]
         state.pointer += 1
         state.at_gap = True
         return True
