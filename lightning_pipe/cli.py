@@ -132,7 +132,7 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
         from lightning_pipe.plan.picture import TimelinePicture
 
-        callbacks.append(TimelinePicture(output / "timeline.svg"))
+        callbacks.append(TimelinePicture(output / "timeline.svg", log=False))  # the CSVLogger below takes no images
     if cfg.get("checkpoint", False):
         callbacks.append(ModelCheckpoint(dirpath=output / "checkpoints", save_last=True))
     trainer = L.Trainer(

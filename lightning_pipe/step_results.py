@@ -205,3 +205,61 @@ class SummaryBroadcaster:
         loss = values[0] if buffer[2] != 0 else None
         logs = [(name, value, kwargs) for (name, kwargs), value in zip(self._structure, values[1:])]
         return {"loss": loss, "logs": logs}
+
+
+class SummarySharing:
+    """The last stage's step summaries on every rank of a pipeline, one broadcaster per kind of
+    step (train, validation, ...).
+
+    The last stage has its summary already and does not wait for its broadcast to arrive: it
+    completes it before the next collective on the group (:meth:`finish_pending`), so its
+    optimizer step overlaps the other stages' last backwards instead of waiting for them. The
+    other stages finish their backwards after the last stage posted the broadcast, so receiving
+    it costs them nothing. Asynchronous schedules post a step's summary and read it a step later
+    (:meth:`post_lagged`, :meth:`take_lagged`), so that no rank waits for the others between steps.
+    """
+
+    def __init__(self, src: int, group: Any, is_src: bool) -> None:
+        self.src, self.group, self.is_src = src, group, is_src
+        self._broadcasters: dict[str, SummaryBroadcaster] = {}
+        self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
+        self._lagged: Optional[Any] = None
+
+    def _broadcaster(self, kind: str) -> SummaryBroadcaster:
+        if kind not in self._broadcasters:
+            self._broadcasters[kind] = SummaryBroadcaster(self.src, self.group, self.is_src)
+        return self._broadcasters[kind]
+
+    def share(self, kind: str, summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """``summary`` (given on the last stage only) on every rank."""
+        self.finish_pending()
+        broadcaster = self._broadcaster(kind)
+        handle = broadcaster.post(summary)
+        if not self.is_src:
+            return broadcaster.complete(handle)
+        if broadcaster.needs_more(handle):  # new names: the receivers wait for them now
+            broadcaster.complete(handle)
+        else:
+            self._unfinished = (broadcaster, handle)
+        assert summary is not None
+        return summary
+
+    def finish_pending(self) -> None:
+        """Complete the last stage's outstanding broadcast before the next collective on its group."""
+        if self._unfinished is not None:
+            broadcaster, handle = self._unfinished
+            self._unfinished = None
+            broadcaster.complete(handle)
+
+    def take_lagged(self) -> Optional[dict[str, Any]]:
+        """The training summary posted by :meth:`post_lagged` a step ago, if any, on every rank."""
+        self.finish_pending()
+        if self._lagged is None:
+            return None
+        handle, self._lagged = self._lagged, None
+        return self._broadcaster("train").complete(handle)
+
+    def post_lagged(self, summary: Optional[dict[str, Any]]) -> None:
+        """Start sharing this training step's summary, to be read by the next step."""
+        self._lagged = self._broadcaster("train").post(summary)
+

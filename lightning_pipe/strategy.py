@@ -100,7 +100,7 @@ from lightning_pipe.schedules import (
 from lightning_pipe.schedules.interleaved import valid_microbatches
 from lightning_pipe import signals
 from lightning_pipe.schedules.asynchronous import min_chunks
-from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, replay, step_loss
+from lightning_pipe.step_results import StepRecorder, SummarySharing, replay, step_loss
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
@@ -228,11 +228,9 @@ class PipelineStrategy(ParallelStrategy):
         self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
         self._meta_group: Any = None
         self._agreement: Optional[BatchAgreement] = None
-        self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._async: Optional[AsyncPipeline] = None
-        self._lagged: Optional[Any] = None
-        self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
+        self._sharing: Optional[SummarySharing] = None  # the last stage's summaries, on every rank
         self._last_loss = float("nan")
         self.stage_balance: Optional[list[int]] = None
         self.profile: Optional[Profile] = None  # balance="time"/"memory": the measured layer costs
@@ -368,18 +366,25 @@ class PipelineStrategy(ParallelStrategy):
     def num_microbatches(self) -> int:
         return self.chunks if self.chunks is not None else 2 * self.num_stages
 
-    def enable_timeline(self) -> Timeline:
+    def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
         """Record, from the next step on, when each forward, backward, communication post and wait
         ran on this rank (CUDA events on a GPU): ``timeline.totals()`` gives seconds per step by kind,
         ``timeline.steps`` every span. Call it once the Trainer has set the strategy up (for example
-        in a callback's ``on_fit_start``)."""
+        in a callback's ``on_fit_start``).
+
+        Callers share one timeline: a second call returns the one already recording. ``keep``
+        (steps to keep in ``timeline.steps``; None: all) is the most any caller asked for."""
         if self._executor is None:
             raise RuntimeError(
                 "The pipeline is not set up yet. Call enable_timeline() once the Trainer has set up the "
                 "strategy, for example in a callback's on_fit_start."
             )
-        self._executor.timeline = Timeline(self.root_device)
-        return self._executor.timeline
+        timeline = self._executor.timeline
+        if timeline is None:
+            timeline = self._executor.timeline = Timeline(self.root_device, keep)
+        elif timeline.keep is not None:
+            timeline.keep = None if keep is None else max(keep, timeline.keep)
+        return timeline
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -775,15 +780,17 @@ class PipelineStrategy(ParallelStrategy):
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = self._summary(recorder) if self.is_last_stage else None
-        broadcaster = self._broadcaster_for("train")
-        self._finish_pending()
-        if self._lagged is not None:
-            self._replay_summary(module, broadcaster.complete(self._lagged))
-            self._lagged = None
-        if sync or self.num_stages == 1:
-            self._replay_summary(module, self._share("train", recorder))
+        if self.num_stages == 1:
+            assert summary is not None
+            self._replay_summary(module, summary)
         else:
-            self._lagged = broadcaster.post(summary)
+            lagged = self._summaries().take_lagged()
+            if lagged is not None:
+                self._replay_summary(module, lagged)
+            if sync:
+                self._replay_summary(module, self._summaries().share("train", summary))
+            else:
+                self._summaries().post_lagged(summary)
         recorder.log_local(module)
         return torch.tensor(self._last_loss, device=self.root_device)
 
@@ -910,39 +917,21 @@ class PipelineStrategy(ParallelStrategy):
         return summary
 
     def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
-        """The last stage's loss and logged means, on every rank.
-
-        The last stage has them already and does not wait for the broadcast to arrive (it finishes
-        it before the next one): so its optimizer step overlaps the other stages' last backwards
-        instead of waiting for them. The other stages finish their backwards after the last stage
-        posted the broadcast, so receiving it costs them nothing."""
+        """The last stage's loss and logged means, on every rank (see :class:`SummarySharing`)."""
         summary = self._summary(recorder) if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
-        self._finish_pending()
-        broadcaster = self._broadcaster_for(kind)
-        if self.is_last_stage:
-            handle = broadcaster.post(summary)
-            if broadcaster.needs_more(handle):  # new names: the receivers wait for them now
-                broadcaster.complete(handle)
-            else:
-                self._unfinished = (broadcaster, handle)
-            assert summary is not None
-            return summary
-        return broadcaster.complete(broadcaster.post(summary))
+        return self._summaries().share(kind, summary)
+
+    def _summaries(self) -> SummarySharing:
+        if self._sharing is None:
+            self._sharing = SummarySharing(self.pipeline_ranks[self._last_position], self._meta_group, self.is_last_stage)
+        return self._sharing
 
     def _finish_pending(self) -> None:
-        """Complete the last stage's outstanding broadcast before the next collective on its group."""
-        if self._unfinished is not None:
-            broadcaster, handle = self._unfinished
-            self._unfinished = None
-            broadcaster.complete(handle)
-
-    def _broadcaster_for(self, kind: str) -> SummaryBroadcaster:
-        if kind not in self._broadcasters:
-            self._broadcasters[kind] = SummaryBroadcaster(self.pipeline_ranks[self._last_position], self._meta_group, self.is_last_stage)
-        return self._broadcasters[kind]
+        if self._sharing is not None:
+            self._sharing.finish_pending()
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -291,3 +291,22 @@ def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix(mon
     strategy = PipelineStrategy(schedule="interleaved_1f1b", chunks=1, parallel_devices=[torch.device("cpu")] * 2)
     with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use more chunks \(checked: >= 2"):
         strategy._schedule("interleaved_1f1b", 1)
+
+
+def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -> None:
+    """A split may leave ``nn.ReLU(inplace=True)`` first on a stage, whose input is the received
+    activation: a leaf that requires a gradient, which autograd does not let change in place."""
+    from torch import nn
+
+    from tests.models import CLASSES, HIDDEN, IN, fit_plain
+    from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.layers = nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, CLASSES)
+    )
+    reference, piped = twins(model)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, balance=[1, 4], chunks=3, checkpoint="except_last")
+    assert_same_weights(reference, piped)

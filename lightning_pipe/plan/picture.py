@@ -5,7 +5,8 @@ send one step's spans to global rank 0, which writes an SVG with the predicted t
 schedule (simulated with the measured median forward and backward times) above the measured one.
 The rows of the measured timeline share one clock through the step start times each rank read
 from ``perf_counter`` (one host's processes share it; ranks on other hosts are drawn from their
-own step starts).
+own step starts). The same picture goes to the Trainer's loggers as an image (without its text;
+see :mod:`lightning_pipe.plan.timeline_image` and :mod:`lightning_pipe.plan.image_logging`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 
+from lightning_pipe.plan.image_logging import log_image
+from lightning_pipe.plan.timeline_image import timeline_image
 from lightning_pipe.plan.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.runtime.timeline import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, simulate
@@ -26,13 +30,25 @@ class TimelinePicture(pl.Callback):
     """Write ``path`` (SVG) at the end of training: the predicted and the measured timeline of
     training step ``step`` (default: the last one, in the steady state) on every rank.
 
-    ``self.svg`` holds the picture on global rank 0 afterwards, ``self.spans`` each rank's spans.
+    With ``log=True`` (default) the picture also goes to the Trainer's loggers under ``tag``, as
+    an image: TensorBoard's ``add_image``, or a logger's ``log_image``; other loggers are skipped
+    with a warning. ``path=None`` only logs it.
+
+    ``self.svg`` holds the picture on global rank 0 afterwards, ``self.image`` the logged image,
+    ``self.spans`` each rank's spans.
     """
 
-    def __init__(self, path: Union[str, Path], step: int = -1) -> None:
-        self.path = Path(path)
+    def __init__(
+        self, path: Union[str, Path, None], step: int = -1, log: bool = True, tag: str = "pipeline/timeline"
+    ) -> None:
+        if path is None and not log:
+            raise ValueError("TimelinePicture(path=None, log=False) would draw nothing: give a path, or log=True.")
+        self.path = Path(path) if path is not None else None
         self.step = step
+        self.log = log
+        self.tag = tag
         self.svg: Optional[str] = None
+        self.image: Optional[torch.Tensor] = None
         self.spans: dict[int, list[Span]] = {}
         self._timeline: Optional[Timeline] = None
 
@@ -73,8 +89,13 @@ class TimelinePicture(pl.Callback):
         which = "the last training step" if self.step == -1 else f"training step {self.step}"
         panels.append((f"{name}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
         self.svg = timeline_svg(panels, unit="s")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(self.svg)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.svg)
+        if self.log and trainer.loggers:
+            self.image = timeline_image(panels)
+            step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+            log_image(trainer.loggers, self.tag, self.image, step)
 
 
 __all__ = ["TimelinePicture"]

@@ -43,6 +43,9 @@ class StageModule(nn.Sequential):
         self._param_names = {
             key: [(f"{key}.{name}", name) for name, _ in layer.named_parameters()] for key, layer in self._modules.items()
         }
+        #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
+        #: start, as a split may leave it)
+        self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
 
     def forward(self, value: Any) -> Any:  # noqa: D102 - the user's forward calls this
         if self._hook is not None:
@@ -65,13 +68,24 @@ class StageModule(nn.Sequential):
         ``params`` (names as in ``named_parameters``) the layers run on those tensors instead of
         their own parameters (a stashed weight version)."""
         if not use_checkpoint:
-            return self._chain(value, params)
+            return self._chain(self._guard(value), params)
         tensors, was_tuple = as_tuple(value)
 
         def layers(*flat: Tensor) -> Any:
-            return self._chain(from_tuple(flat, was_tuple), params)
+            return self._chain(self._guard(from_tuple(flat, was_tuple)), params)
 
         return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
+
+    def _guard(self, value: Any) -> Any:
+        """A copy of the stage's input where the first layer changes it in place and it needs a
+        gradient: autograd refuses that on a leaf (the received activation), and a checkpointed
+        stage must find its input unchanged when it recomputes."""
+        if not (self.modifies_input and torch.is_grad_enabled()):
+            return value
+        if not isinstance(value, (Tensor, tuple, list)) or not all(isinstance(t, Tensor) for t in _as_list(value)):
+            return value  # not an activation the pipeline passes (the first stage's own input)
+        tensors, was_tuple = as_tuple(value)
+        return from_tuple(tuple(t.clone() if t.requires_grad else t for t in tensors), was_tuple)
 
     def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
         if params is None:
@@ -80,6 +94,18 @@ class StageModule(nn.Sequential):
             own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [value] if isinstance(value, Tensor) else list(value)
+
+
+def _modifies_input(layer: Optional[nn.Module]) -> bool:
+    """Whether ``layer`` starts by changing its input in place (``nn.ReLU(inplace=True)``, or a
+    Sequential that begins with one)."""
+    while isinstance(layer, nn.Sequential) and len(layer) > 0:
+        layer = layer[0]
+    return bool(getattr(layer, "inplace", False))
 
 
 def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -34,10 +34,16 @@ class Span:
 
 
 class Timeline:
-    """Records the spans of every step the executor runs while it is attached."""
+    """Records the spans of every step the executor runs while it is attached.
 
-    def __init__(self, device: torch.device) -> None:
+    ``keep`` bounds the history: None keeps every step in ``steps``; ``n`` keeps the last ``n``
+    (0: none), so a consumer that reads each step as it ends (a ``listeners`` entry, called with
+    the step's spans) does not make a long run's memory grow."""
+
+    def __init__(self, device: torch.device, keep: Optional[int] = None) -> None:
         self.cuda = device.type == "cuda"
+        self.keep = keep
+        self.listeners: list[Callable[[list[Span]], None]] = []
         self.steps: list[list[Span]] = []
         self.origins: list[float] = []  # per step: ``perf_counter`` at its start, a clock shared by the host's processes
         self._origin: Any = None
@@ -81,6 +87,11 @@ class Timeline:
         self.steps.append(spans)
         self.origins.append(self._wall)
         self._origin = None
+        if self.keep is not None and len(self.steps) > self.keep:
+            del self.steps[: len(self.steps) - self.keep]
+            del self.origins[: len(self.origins) - self.keep]
+        for listener in self.listeners:
+            listener(spans)
 
     def totals(self, steps: Optional[slice] = None) -> dict[str, float]:
         """Mean seconds per step spent in each kind of span (``step`` is the executor's whole run),

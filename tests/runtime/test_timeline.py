@@ -46,3 +46,32 @@ def test_spans_follow_the_schedule_and_add_up() -> None:
     assert abs(totals["F"] + totals["B"] + totals["other"] - totals["step"]) < 1e-9
     assert totals["other"] >= 0
 
+
+
+def test_bounded_history_and_listeners() -> None:
+    executor, m = _executor(0.0)
+    timeline = executor.timeline = Timeline(torch.device("cpu"), keep=1)
+    heard: list[list[str]] = []
+    timeline.listeners.append(lambda spans: heard.append([s.name for s in spans]))
+    for _ in range(3):
+        executor.run(one_f_one_b(1, m), [None] * m)
+    assert len(timeline.steps) == len(timeline.origins) == 1  # only the last step is kept
+    assert len(heard) == 3 and all(names[-1] == "step" and names.count("F") == m for names in heard)
+    assert [s.name for s in timeline.steps[0]] == heard[-1]
+    timeline.keep = 0
+    executor.run(one_f_one_b(1, m), [None] * m)
+    assert timeline.steps == [] and len(heard) == 4
+
+
+def test_callers_share_one_timeline_keeping_what_each_needs() -> None:
+    from types import SimpleNamespace
+
+    from lightning_pipe import PipelineStrategy
+
+    strategy = PipelineStrategy(parallel_devices=[torch.device("cpu")])
+    strategy._executor = SimpleNamespace(timeline=None)
+    first = strategy.enable_timeline(keep=0)
+    assert first.keep == 0
+    assert strategy.enable_timeline(keep=3) is first and first.keep == 3
+    assert strategy.enable_timeline() is first and first.keep is None  # someone wants every step
+    assert strategy.enable_timeline(keep=0) is first and first.keep is None
