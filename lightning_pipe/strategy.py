@@ -85,10 +85,13 @@ from lightning_pipe.runtime.topology import Layout, Topology
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
 from lightning_pipe.schedules import (
+    REGROUPED_FOR_RENDEZVOUS,
     VIRTUAL_STAGES,
     InvalidScheduleError,
+    RendezvousError,
     Schedule,
     build,
+    for_rendezvous,
     forward_only,
     forward_only_like,
     is_async,
@@ -619,23 +622,35 @@ class PipelineStrategy(ParallelStrategy):
             )
 
     def _schedule(self, name: str, num_microbatches: int) -> Schedule:
+        """The schedule for ``num_microbatches``, proven to finish on this process group: under NCCL
+        (point-to-point calls rendezvous) with its communication regrouped where it needs it."""
         key = (name, num_microbatches)
         if key not in self._schedules:
             p, v = self.num_stages, self.virtual_stages
-            if name != "forward":
-                schedule = build(name, p, num_microbatches, v)
-            elif self.schedule_name in VIRTUAL_STAGES:  # evaluation on the training layout
-                schedule = forward_only_like(build(self.schedule_name, p, num_microbatches, v))
-            else:
-                schedule = forward_only(p, num_microbatches)
             rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"
+            under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
             try:
+                if name != "forward":
+                    schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
+                elif self.schedule_name in VIRTUAL_STAGES:  # evaluation on the training layout
+                    schedule = forward_only_like(build(self.schedule_name, p, num_microbatches, v))
+                    if rendezvous and self.schedule_name in REGROUPED_FOR_RENDEZVOUS:
+                        schedule = for_rendezvous(schedule)
+                else:
+                    schedule = forward_only(p, num_microbatches)
                 validate(schedule, rendezvous=rendezvous)
+            except RendezvousError as err:
+                raise MisconfigurationException(
+                    f"schedule={self.schedule_name!r} with {p} processes and {num_microbatches} micro-batches cannot "
+                    f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
+                    f"back around the pipeline. Use more chunks (checked: >= {p} for 'interleaved_1f1b', "
+                    f">= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, drop_last=True in the DataLoader), "
+                    "or schedule='1f1b' or 'zero_bubble'."
+                ) from err
             except InvalidScheduleError as err:
                 raise MisconfigurationException(
                     f"schedule={self.schedule_name!r} with {p} processes and {num_microbatches} micro-batches cannot "
-                    f"run{' under NCCL (whose point-to-point calls rendezvous)' if rendezvous else ''}: {err}. "
-                    "Use schedule='1f1b' or 'zero_bubble', or other chunks."
+                    f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
                 ) from err
             self._schedules[key] = schedule
         return self._schedules[key]

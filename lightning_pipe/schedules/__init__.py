@@ -21,6 +21,7 @@ from lightning_pipe.schedules.asynchronous import (
     versions_held,
 )
 from lightning_pipe.schedules.render import render
+from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
 from lightning_pipe.schedules.interleaved import interleaved_1f1b
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
@@ -45,12 +46,23 @@ SCHEDULES: dict[str, ScheduleFn] = {
 VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2}
 
 
-def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Schedule ``name`` for ``num_ranks`` ranks with ``virtual_stages`` stages each."""
+#: Schedules whose default placement of communication deadlocks where point-to-point calls
+#: rendezvous (NCCL); ``build(..., rendezvous=True)`` regroups theirs with :func:`for_rendezvous`.
+REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv"})
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False) -> Schedule:
+    """Schedule ``name`` for ``num_ranks`` ranks with ``virtual_stages`` stages each. With
+    ``rendezvous`` (NCCL) the schedules in :data:`REGROUPED_FOR_RENDEZVOUS` come with their
+    communication regrouped so that they finish there (same compute order); raises
+    :class:`RendezvousError` where that is impossible (too few micro-batches)."""
     if name == "interleaved_1f1b":
-        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
-    fn = get_schedule(name)
-    return fn(num_ranks, num_microbatches)
+        schedule = interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    else:
+        schedule = get_schedule(name)(num_ranks, num_microbatches)
+    if rendezvous and name in REGROUPED_FOR_RENDEZVOUS:
+        return for_rendezvous(schedule)
+    return schedule
 
 
 def check_virtual_stages(name: str, virtual_stages: int) -> None:
@@ -90,6 +102,8 @@ __all__ = [
     "ActionKind",
     "DeadlockError",
     "InvalidScheduleError",
+    "REGROUPED_FOR_RENDEZVOUS",
+    "RendezvousError",
     "SCHEDULES",
     "Schedule",
     "Simulation",
@@ -104,6 +118,7 @@ __all__ = [
     "update_delay",
     "versions_held",
     "forward_only",
+    "for_rendezvous",
     "forward_only_like",
     "build",
     "check_virtual_stages",

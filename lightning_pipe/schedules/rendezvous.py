@@ -1,0 +1,203 @@
+"""Regroup a schedule's sends and receives so that it runs where point-to-point calls rendezvous.
+
+Under NCCL a rank's communication groups run one after another on one stream, a group completes
+only when every send and receive in it met its peer, and a rank reads an activation's shape header
+before it posts the receive. A schedule with several stages per rank can then deadlock with the
+placement of :mod:`.comm` (each receive right before the compute that needs it): rank 0 waits,
+behind a send that rank 1 has not received yet, for a gradient that rank 1 sends only after it
+got a receive that waits on rank 0. Megatron-LM avoids this by posting, at each step, what a rank
+just computed together with what it will receive next, so both ends of a transfer are posted in
+the same step.
+
+:func:`for_rendezvous` does the same for any schedule, from its compute order alone: it plays the
+schedule on paper under the rendezvous model of :mod:`.simulate`, ranks advancing in time order
+(forward 1, backward 2, weight gradient 1), and decides each group when the rank posts it: the
+sends of the compute just done, the receive the next compute needs, and the receive of every
+transfer a peer has already posted to this rank (the receiver picks it up at its next step, as in
+Megatron's steps). The compute order does not change; only where communication is posted does.
+It builds two such placements (with and without moving a send whose receiver is busy to the next
+step), checks each with :func:`.simulate` (``rendezvous=True``) and returns the faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
+from lightning_pipe.schedules.comm import needs, produces
+from lightning_pipe.schedules.simulate import DeadlockError, simulate
+
+#: The costs of :func:`.simulate`'s defaults: forward 1, backward 2, or B 1 and W 1 where it is split.
+_COSTS = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 2.0, ActionKind.WEIGHT: 1.0}
+_SPLIT_COSTS = {ActionKind.FORWARD: 1.0, ActionKind.BACKWARD: 1.0, ActionKind.WEIGHT: 1.0}
+
+
+@dataclass
+class _Group:
+    ops: list[Action]
+    post_time: float
+    done: dict[Action, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Rank:
+    order: list[Action]
+    inbound: list[Action]  # remote receives, in the order their computes come
+    pointer: int = 0  # next compute
+    at_gap: bool = True  # the group before compute ``pointer`` is not posted yet
+    clock: float = 0.0
+    queue: list[_Group] = field(default_factory=list)
+    gaps: list[list[Action]] = field(default_factory=list)
+    deferred: list[Action] = field(default_factory=list)  # sends moved to the next step
+
+
+class RendezvousError(ValueError):
+    """No regrouping of the schedule's communication runs under the rendezvous model."""
+
+
+def for_rendezvous(schedule: Schedule) -> Schedule:
+    """``schedule`` with the same compute order per rank and its sends and receives regrouped so
+    that it finishes under the rendezvous model (NCCL). Raises :class:`RendezvousError` if the
+    regrouping does not."""
+    best: tuple[float, Schedule] | None = None
+    errors: list[str] = []
+    for defer in (True, False):
+        try:
+            regrouped = replace(schedule, actions=tuple(_regroup(schedule, defer)))
+            makespan = simulate(regrouped, rendezvous=True).makespan
+        except RendezvousError as err:
+            errors.append(str(err))
+            continue
+        except DeadlockError as err:  # not expected: the regrouping plays the same model
+            errors.append(f"schedule {schedule.name!r} regrouped for rendezvous point-to-point (NCCL) still deadlocks: {err}")
+            continue
+        if best is None or makespan < best[0]:
+            best = (makespan, regrouped)
+    if best is None:
+        raise RendezvousError(errors[-1])
+    return best[1]
+
+
+def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
+    """Play the schedule under the rendezvous model, deciding each group as it is posted. With
+    ``defer``, a step whose next compute's input is already on its way posts only the sends whose
+    receive is already posted, and the others one step later, so that the compute does not wait
+    for a peer still busy with its own."""
+    n = schedule.num_stages
+    costs = _SPLIT_COSTS if schedule.split_backward else _COSTS
+    ranks = [
+        _Rank(
+            order=(order := schedule.compute(r)),
+            inbound=[x for a in order for x in needs(a, n) if not schedule.is_local(x)],
+            gaps=[[] for _ in range(len(order) + 1)],
+        )
+        for r in range(schedule.num_ranks)
+    ]
+    posted: dict[Action, float] = {}  # remote sends posted so far, and when
+    headers_out: dict[Action, float] = {}  # remote activation sends whose shape header went out
+    received: set[Action] = set()  # remote receives posted so far
+    where: dict[Action, tuple[int, _Group]] = {}
+    completed: dict[Action, float] = {}  # remote receives whose group completed, and when
+
+    def post_gap(rank: int) -> bool:
+        state = ranks[rank]
+        k = state.pointer
+        sends = produces(state.order[k - 1], n) if k > 0 else []
+        wanted = needs(state.order[k], n) if k < len(state.order) else []
+        local = [a for a in sends + wanted if schedule.is_local(a)]
+        fresh = [a for a in sends if not schedule.is_local(a)]
+        sends = state.deferred + fresh
+        wanted = [a for a in wanted if not schedule.is_local(a) and a not in received]
+        later: list[Action] = []
+        if defer and wanted and all(a.matching() in posted for a in wanted):
+            later = [a for a in fresh if a.matching() not in received]
+            sends = [a for a in sends if a not in later]
+        for a in sends:  # their headers go out before the rank waits for any (as the executor does)
+            headers_out.setdefault(a, state.clock)
+        headers = [headers_out.get(a.matching()) for a in wanted if a.kind is ActionKind.RECV_ACTIVATION]
+        if any(t is None for t in headers):
+            return False  # waits for the shape header of what the next compute needs
+        extra = [a for a in state.inbound if a not in received and a not in wanted and a.matching() in posted]
+        ops = sends + wanted + extra
+        state.gaps[k] = sends + local + wanted + extra
+        if ops:
+            post = max([state.clock, *(t for t in headers if t is not None)])
+            state.clock = post
+            group = _Group(ops, post)
+            state.queue.append(group)
+            for a in ops:
+                where[a] = (rank, group)
+                if a.kind.is_send:
+                    posted[a] = post
+                else:
+                    received.add(a)
+        state.deferred = later
+        state.at_gap = False
+        return True
+
+    def run_compute(rank: int) -> bool:
+        state = ranks[rank]
+        action = state.order[state.pointer]
+        waits = [completed.get(a) for a in needs(action, n) if not schedule.is_local(a)]
+        if any(t is None for t in waits):
+            return False
+        start = max([state.clock, *(t for t in waits if t is not None)])
+        state.clock = start + costs[action.kind]
+        state.pointer += 1
+        state.at_gap = True
+        return True
+
+    def resolve() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for rank, state in enumerate(ranks):
+                if not state.queue:
+                    continue
+                head = state.queue[0]
+                for op in head.ops:
+                    if op in head.done:
+                        continue
+                    peer = where.get(op.matching())
+                    if peer is None or ranks[peer[0]].queue[:1] != [peer[1]]:
+                        continue
+                    t = max(head.post_time, peer[1].post_time)
+                    head.done[op] = t
+                    peer[1].done[op.matching()] = t
+                    changed = True
+                if len(head.done) == len(head.ops):
+                    finish = max(head.done.values())
+                    for op in head.ops:
+                        if op.kind.is_recv:
+                            completed[op] = finish
+                    state.queue.pop(0)
+                    if state.queue:
+                        state.queue[0].post_time = max(state.queue[0].post_time, finish)
+                    changed = True
+
+    def finished(state: _Rank) -> bool:
+        return state.pointer == len(state.order) and not state.at_gap
+
+    while not all(finished(s) for s in ranks):
+        for rank in sorted(range(len(ranks)), key=lambda r: (ranks[r].clock, r)):
+            state = ranks[rank]
+            if finished(state):
+                continue
+            if state.at_gap and post_gap(rank) or not state.at_gap and state.pointer < len(state.order) and run_compute(rank):
+                resolve()
+                break
+        else:
+            stuck = [f"rank {r} at {s.order[s.pointer] if s.pointer < len(s.order) else 'end'}" for r, s in enumerate(ranks)]
+            raise RendezvousError(
+                f"schedule {schedule.name!r} cannot be regrouped to run where point-to-point calls rendezvous "
+                f"(NCCL): {'; '.join(stuck)}"
+            )
+    lists: list[tuple[Action, ...]] = []
+    for state in ranks:
+        actions: list[Action] = []
+        for k, gap in enumerate(state.gaps):
+            actions += sorted(gap, key=lambda a: not a.kind.is_send)  # sends first, as the executor posts them
+            if k < len(state.order):
+                actions.append(state.order[k])
+        lists.append(tuple(actions))
+    return lists

@@ -1,0 +1,112 @@
+"""Schedules regrouped for NCCL's rendezvous point-to-point: they finish under the strict model,
+still finish under gloo's, keep every rank's compute order, and the regrouping refuses (rather
+than returns a schedule that hangs) where a process would wait for its own output."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from lightning_pipe.schedules import (
+    REGROUPED_FOR_RENDEZVOUS,
+    DeadlockError,
+    RendezvousError,
+    Schedule,
+    build,
+    for_rendezvous,
+    forward_only_like,
+    simulate,
+    validate,
+)
+
+
+def _min_chunks(name: str, p: int) -> int:
+    """The fewest micro-batches from which every count is checked to regroup (measured over the
+    grid below; fewer may or may not, and :func:`for_rendezvous` says which)."""
+    return p if name == "interleaved_1f1b" else max(1, 2 * p - 2)
+
+
+def _cases(name: str, ranks: range, per_rank: int) -> list[tuple[int, int, int]]:
+    virtual = (2, 3, 4) if name == "interleaved_1f1b" else (2,)
+    return [(p, m, v) for p in ranks for m in range(1, per_rank * p + 1) for v in virtual]
+
+
+def _check(name: str, p: int, m: int, v: int) -> None:
+    try:
+        original = build(name, p, m, v)
+    except ValueError:
+        assert name == "interleaved_1f1b" and m % max(1, m // p), (name, p, m)  # no equal rounds
+        return
+    for schedule in (original, forward_only_like(original)):
+        try:
+            regrouped = for_rendezvous(schedule)
+        except RendezvousError:
+            assert m < _min_chunks(name, p), (name, p, m, v, schedule.forward_only)
+            continue
+        _check_regrouped(schedule, regrouped)
+
+
+def _check_regrouped(schedule: Schedule, regrouped: Schedule) -> None:
+    where = (schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.virtual_stages)
+    for rank in range(schedule.num_ranks):
+        assert regrouped.compute(rank) == schedule.compute(rank), where
+        assert Counter(regrouped.actions[rank]) == Counter(schedule.actions[rank]), where  # same transfers
+    validate(regrouped, rendezvous=True)
+    validate(regrouped, rendezvous=False)
+
+
+SAMPLE = {
+    name: random.Random(20261123).sample(_cases(name, range(1, 9), 3), 40) + [(2, 8, 2), (8, 8, 2), (4, 16, 4)]
+    for name in sorted(REGROUPED_FOR_RENDEZVOUS)
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGROUPED_FOR_RENDEZVOUS))
+def test_default_placement_deadlocks_under_rendezvous(name: str) -> None:
+    """Why the regrouping exists: the placement gloo runs hangs where calls rendezvous."""
+    schedule = build(name, 2, 8, 2)
+    simulate(schedule, rendezvous=False)
+    with pytest.raises(DeadlockError):
+        simulate(schedule, rendezvous=True)
+
+
+@pytest.mark.parametrize("name", sorted(REGROUPED_FOR_RENDEZVOUS))
+def test_sampled_grid(name: str) -> None:
+    for p, m, v in SAMPLE[name]:
+        _check(name, p, m, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REGROUPED_FOR_RENDEZVOUS))
+def test_whole_grid(name: str) -> None:
+    """p in 1..8, m in 1..4p, v in 2..4 (interleaved) or 2 (ZB-V)."""
+    for p, m, v in _cases(name, range(1, 9), 4):
+        _check(name, p, m, v)
+
+
+def test_build_regroups_only_under_rendezvous() -> None:
+    plain = build("interleaved_1f1b", 4, 8, 2)
+    assert build("interleaved_1f1b", 4, 8, 2, rendezvous=False) == plain
+    nccl = build("interleaved_1f1b", 4, 8, 2, rendezvous=True)
+    assert nccl != plain
+    _check_regrouped(plain, nccl)
+    for name in ("1f1b", "gpipe", "zero_bubble"):  # already finish under rendezvous: left as they are
+        assert build(name, 4, 8, rendezvous=True) == build(name, 4, 8)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zero_bubble"])
+def test_regrouping_is_generic(name: str) -> None:
+    """The pass works from any valid compute order, not only the ones it was written for."""
+    for p, m in [(1, 1), (2, 1), (3, 7), (4, 4), (8, 16)]:
+        schedule = build(name, p, m)
+        _check_regrouped(schedule, for_rendezvous(schedule))
+
+
+def test_too_few_microbatches_is_refused_with_the_reason() -> None:
+    """Interleaved 1F1B with one micro-batch on two processes: rank 0's first stage output must go
+    out before rank 0 can receive its third stage's input, in the same step; under NCCL the
+    executor reads that input's shape header before it posts the step's send."""
+    with pytest.raises(RendezvousError, match="rendezvous"):
+        build("interleaved_1f1b", 2, 1, 2, rendezvous=True)
