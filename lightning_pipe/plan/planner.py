@@ -193,10 +193,10 @@ def _rank(
     found: dict[tuple, Candidate] = {}
     for stages, replicas, chunks, profile, replica_batch in entries:
         for schedule, v in _variants(schedules, stages, len(profile.layers), virtual):
-            try:
-                plan_schedule = build(schedule, stages, chunks, v)
+            try:  # as the strategy builds it: regrouped for NCCL where the schedule needs it
+                plan_schedule = build(schedule, stages, chunks, v, rendezvous=rendezvous)
             except ValueError:
-                continue  # micro-batch counts interleaving cannot round
+                continue  # micro-batch counts interleaving cannot round, or NCCL cannot run
             ranks = stage_ranks(schedule, stages, v)
             peaks = peak_in_flight(plan_schedule)
             in_flight = [peaks.get(s, 0) for s in range(len(ranks))]

@@ -13,7 +13,7 @@ from lightning_pipe.partition.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import (
     Link, chunk_candidates, format_plans, layouts, microbatch_size, needed_sizes, plan, plan_layouts, stage_ranks, stage_seconds,
 )  # fmt: skip
-from lightning_pipe.schedules import closed_form_bubble
+from lightning_pipe.schedules import build, closed_form_bubble, simulate
 from tests.models import RecordSplit, SkewedNet, loader
 from tests.pipeline import fit_pipeline
 
@@ -127,9 +127,12 @@ def test_interleaving_bubble_falls_with_more_stages_per_rank() -> None:
     assert {c.virtual_stages for c in few} == {2, 3}  # 2 x 4 stages would need more than 6 layers
     assert len(by_v[3].balance) == 6 and len(by_v[3].stage_bytes) == 2  # memory per rank, its stages together
     assert by_v[3].strategy_arguments()["virtual_stages"] == 3
-    # under NCCL's rendezvous only the counts that cannot hang are candidates (the runtime refuses the others)
-    nccl = plan({m: _split_profile(16 // m) for m in (2, 4)}, 2, FREE, schedules=("interleaved_1f1b", "zbv"), **ONE)
-    assert {(c.schedule, c.chunks) for c in nccl} == {("interleaved_1f1b", 2)}
+    # under NCCL's rendezvous the planner plays the regrouped schedules the runtime builds there
+    nccl = plan({m: _split_profile(16 // m) for m in (1, 2, 4)}, 2, FREE, schedules=("interleaved_1f1b", "zbv"), **ONE)
+    assert {(c.schedule, c.chunks) for c in nccl} == {("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zbv", 2), ("zbv", 4)}
+    zbv4 = next(c for c in nccl if (c.schedule, c.chunks) == ("zbv", 4))
+    regrouped = build("zbv", 2, 4, 2, rendezvous=True)
+    assert zbv4.bubble == pytest.approx(simulate(regrouped, stage_costs=zbv4.stage_costs).bubble_fraction)
 
 
 def test_zbv_places_the_last_stage_on_rank_0() -> None:
