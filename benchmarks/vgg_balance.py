@@ -87,6 +87,34 @@ def table(results: list[dict[str, Any]], batch: int) -> str:
     return "\n".join(rows)
 
 
+def svg_chart(results: list[dict[str, Any]], batch: int) -> str:
+    """Samples per second per layout: one group of bars per stage count and balance, one bar per
+    ``chunks`` (no plotting library)."""
+    colors = {1: "#999999", 8: "#2b7bba", 16: "#e08214"}
+    order = {"time": 0, "memory": 1, "uniform": 2, "parameters": 3}
+    groups = sorted({(r["stages"], r["balance"]) for r in results}, key=lambda g: (g[0], order.get(g[1], 9)))
+    top = max(batch / r["median_step_s"] for r in results)
+    bar, gap, left, width = 14, 10, 170, 420
+    out: list[str] = []
+    y = 30
+    for stages, balance in groups:
+        rows = sorted((r for r in results if (r["stages"], r["balance"]) == (stages, balance)), key=lambda r: r["chunks"])
+        out.append(f'<text x="10" y="{y + len(rows) * bar / 2 + 4:.0f}">{stages} stages, {balance}</text>')
+        for r in rows:
+            value = batch / r["median_step_s"]
+            length = width * value / top
+            color = colors.get(r["chunks"], "#444444")
+            out.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar - 2}" fill="{color}"/>')
+            out.append(f'<text x="{left + length + 4:.1f}" y="{y + bar - 3}" font-size="11">{value:.1f} (chunks {r["chunks"]})</text>')
+            y += bar
+        y += gap
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 130}" height="{y + 10}" font-family="sans-serif" font-size="12">'
+        f'<text x="10" y="18" font-weight="bold">VGG19, batch {batch}, 1F1B: samples per second (higher is faster)</text>'
+    )
+    return "\n".join([head, *out, "</svg>"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default="2,4")
@@ -97,7 +125,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--chart", help="only redraw: the table and vgg_balance.svg from this vgg_balance.json")
     args = parser.parse_args()
+    if args.chart:
+        saved = json.load(open(args.chart))
+        with open(os.path.join(os.path.dirname(args.chart), "vgg_balance.svg"), "w") as f:
+            f.write(svg_chart(saved["results"], saved["config"]["batch"]))
+        print(table(saved["results"], saved["config"]["batch"]))
+        return
     torch.set_num_threads(1)
     layouts = [
         (int(s), b, int(c)) for s in args.stages.split(",") for b in args.balances.split(",") for c in args.chunks.split(",")
@@ -117,6 +152,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "vgg_balance.json"), "w") as f:
         json.dump({"config": vars(args), "results": results}, f, indent=2)
+    with open(os.path.join(args.out, "vgg_balance.svg"), "w") as f:
+        f.write(svg_chart(results, args.batch))
     print(table(results, args.batch))
 
 

@@ -87,3 +87,20 @@ def test_sync_schedules_measures_the_bubble_from_the_spans_and_simulates_the_mea
     assert summary["stage_costs_ms"] == [[1000.0, 2000.0, 0.0], [1000.0, 2000.0, 0.0]]
     assert summary["simulated_bubble"] == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
     assert summary["peak_activation_mib_per_rank"] == [1.0, 2.0]
+
+
+def test_vgg_balance_table_marks_the_fastest_per_stage_count_and_the_chart_has_a_bar_per_layout() -> None:
+    import vgg_balance
+
+    results = [
+        {"stages": s, "balance": b, "chunks": c, "split": [3, 2], "median_step_s": 1.0 + 0.1 * c + (0.5 if b == "parameters" else 0)}
+        for s in (2, 4)
+        for b in ("parameters", "time")
+        for c in (1, 8)
+    ]
+    table = vgg_balance.table(results, 128)
+    assert table.count("**") == 4  # one fastest layout per stage count, in bold
+    assert "| 2 | time | [3, 2] | 1 | **1.100** | 116.4 |" in table
+    svg = vgg_balance.svg_chart(results, 128)
+    assert svg.count("<rect") == 8
+    assert svg.index("2 stages, time") < svg.index("2 stages, parameters") < svg.index("4 stages, time")
