@@ -301,11 +301,15 @@ def profile_module(
 
 
 def agreed_profile(
-    is_source: bool, broadcast: Callable[[Any], Any], measure: Callable[[], Profile]
+    is_source: bool, broadcast: Callable[[Any], Any], measure: Callable[[], Profile], everywhere: bool = True
 ) -> Profile:
-    """Measure on one rank (``is_source``) and give every rank that very profile through
-    ``broadcast``, so every rank computes the same split. A failure while measuring is raised on
-    every rank (with the measuring rank's message) instead of leaving the others waiting."""
+    """Measure and give every rank the source rank's (``is_source``) profile through
+    ``broadcast``, so every rank computes the same split. With ``everywhere`` every rank measures
+    at the same time and only the source's result is used: the measurement then sees what the
+    ranks share while they train together (a host's cores, caches and memory bandwidth, a PCIe
+    switch), as the pipeline will. A failure while measuring on the source is raised on every rank
+    (with the source's message) instead of leaving the others waiting; another rank's failure is
+    not its concern (its profile is not used)."""
     answer: tuple[Optional[Profile], Optional[str]] = (None, None)
     failure: Optional[BaseException] = None
     if is_source:
@@ -314,6 +318,11 @@ def agreed_profile(
         except Exception as error:  # told to every rank below, then raised here
             failure = error
             answer = (None, f"{type(error).__name__}: {error}")
+    elif everywhere:
+        try:
+            measure()
+        except Exception:
+            pass  # only the source's profile counts; training will meet this rank's problem itself
     profile, message = broadcast(answer)
     if failure is not None:
         raise failure

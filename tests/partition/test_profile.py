@@ -170,6 +170,26 @@ def test_a_failed_measurement_reaches_every_rank() -> None:
         agreed_profile(False, lambda obj: sent[0], fail)
 
 
+def test_every_rank_measures_at_once_and_the_source_profile_is_used() -> None:
+    calls: list[str] = []
+    source_profile = Profile((), 4, "cpu", 3)
+
+    def measure_here(name: str) -> Any:
+        def measure() -> Profile:
+            calls.append(name)
+            if name == "other":
+                raise MemoryError("this rank's own trouble")
+            return source_profile
+
+        return measure
+
+    assert agreed_profile(True, lambda obj: obj, measure_here("source")) is source_profile
+    got = agreed_profile(False, lambda obj: (source_profile, None), measure_here("other"))
+    assert got is source_profile and calls == ["source", "other"]  # the other rank measured too, its failure ignored
+    agreed_profile(False, lambda obj: (source_profile, None), measure_here("quiet"), everywhere=False)
+    assert calls == ["source", "other"]
+
+
 def _run(balance: str, folder: Path) -> tuple[list[int], float, list[Any]]:
     folder.mkdir()
     fit_pipeline(SkewedNet(), 2, data=loader(128, 32), balance=balance, chunks=16, max_steps=6, callbacks=[RecordSplit(str(folder))])
