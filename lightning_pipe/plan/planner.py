@@ -121,10 +121,12 @@ def stage_seconds(
     link: Link,
     ranks: Optional[Sequence[int]] = None,
 ) -> list[tuple[float, float, float]]:
-    """Each stage's (forward, B, W) seconds per micro-batch, its outgoing transfers included: the
-    forward sends the stage's output on, B sends the gradient of its input back (only where the
-    neighbouring stage is on another rank of ``ranks``; default: one stage per rank). A recomputed
-    forward is part of B. Without a split measurement W is 0 and B the whole backward."""
+    """Each stage's (forward, B, W) seconds per micro-batch, its transfers included: the forward
+    sends the stage's output on, B sends the gradient of its input back (latency + bytes /
+    bandwidth, where the neighbouring stage is on another rank of ``ranks``; default: one stage
+    per rank), and the receiving end of each transfer pays the latency too (taking a message in
+    costs its rank time as well). A recomputed forward is part of B. Without a split measurement W
+    is 0 and B the whole backward."""
     ranks = list(ranks) if ranks is not None else list(range(len(balance)))
     costs: list[tuple[float, float, float]] = []
     start = 0
@@ -136,9 +138,11 @@ def stage_seconds(
         b = sum(x for x, _ in splits) + recompute * forward
         w = sum(y for _, y in splits)
         if stage < len(balance) - 1 and ranks[stage + 1] != ranks[stage]:
-            forward += link.seconds(layers[-1].output_bytes)
+            forward += link.seconds(layers[-1].output_bytes)  # sends its output
+            b += link.latency  # receives the gradient of its output
         if stage > 0 and ranks[stage - 1] != ranks[stage]:
-            b += link.seconds(layers[0].input_bytes)
+            b += link.seconds(layers[0].input_bytes)  # sends the gradient of its input
+            forward += link.latency  # receives its input
         costs.append((forward, b, w))
         start += count
     return costs

@@ -139,9 +139,13 @@ def test_zbv_places_the_last_stage_on_rank_0() -> None:
     (zbv,) = plan({4: _split_profile(4)}, 2, FREE, schedules=("zbv",), **GLOO)
     assert zbv.virtual_stages == 2 and len(zbv.balance) == 4
     assert stage_ranks("zbv", 2, 2) == [0, 1, 1, 0] and stage_ranks("interleaved_1f1b", 2, 2) == [0, 1, 0, 1]
-    # stages 1 and 2 share rank 1: stage 1's output is handed over in memory, no transfer costed
+    # stages 1 and 2 share rank 1: stage 1's output is handed over in memory, no transfer costed;
+    # a transfer costs its sender latency + bytes / bandwidth and its receiver the latency
     slow = plan({4: _split_profile(4)}, 2, Link(latency=100.0, bandwidth=float("inf")), schedules=("zbv",), **GLOO)[0]
-    assert slow.stage_costs[1][0] == zbv.stage_costs[1][0] and slow.stage_costs[0][0] == zbv.stage_costs[0][0] + 100.0
+    assert slow.stage_costs[0][0] == zbv.stage_costs[0][0] + 100.0  # sends to stage 1
+    assert slow.stage_costs[1][0] == zbv.stage_costs[1][0] + 100.0  # receives from stage 0 only
+    assert slow.stage_costs[3][0] == zbv.stage_costs[3][0] + 100.0  # receives from stage 2 only
+    assert slow.stage_costs[3][1] == zbv.stage_costs[3][1] + 100.0  # its B sends the gradient to stage 2
 
 
 def _layout_profiles(batch: int, world: int, **kwargs: Any) -> dict[int, Profile]:
