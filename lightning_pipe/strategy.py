@@ -14,7 +14,6 @@ of a pipeline must see the very batches the user's DataLoader yields, in the sam
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from contextlib import contextmanager, nullcontext
@@ -41,23 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.checkpoint import (
-    is_pipeline_checkpoint,
-    merged_async_state,
-    merged_optimizer_states,
-    merged_state_dict,
-    optimizer_state_by_name,
-    optimizer_state_by_position,
-    parameter_names,
-    prepare_staging,
-    publish,
-    save_tag,
-    staging_path,
-    write_meta,
-    write_shard,
-    write_sharded_stage,
-)
-from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
 from lightning_pipe import failures
 from lightning_pipe.arguments import check_arguments
 from lightning_pipe.gradients import StageGradients, swap_grads
@@ -952,56 +935,26 @@ class PipelineStrategy(ParallelStrategy):
         return optimizer_state_by_name(optimizer, parameter_names(module))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata.
-        The save goes to a staging directory that replaces ``filepath`` only once every rank wrote
-        its part, so a crash while saving leaves the previous checkpoint whole."""
+        """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata,
+        published only once every rank wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
         self._finish_pending()
         self._drain()
-        path = Path(filepath)
-        staged = prepare_staging(path) if self.is_global_zero else staging_path(path)
-        tag = save_tag(checkpoint, self.broadcast(uuid.uuid4().hex))
-        rest = dict(checkpoint)
-        state_dict = rest.pop("state_dict", {})
-        optimizer_states = rest.pop("optimizer_states", None)
+        writer = stage_io.Writer(
+            self.stage, self.num_stages, self.replica, self.is_global_zero, self.broadcast, self.barrier,
+            self._topology.dp_group if self.sharded and self._topology is not None else None,
+        )  # fmt: skip
         extra = {"async": self._async.state_dict()} if self._async is not None else None
-        if self.sharded:  # every replica writes its shards (torch.distributed.checkpoint)
-            assert self._topology is not None
-            write_sharded_stage(
-                staged, self.stage, state_dict, optimizer_states, self._topology.dp_group, self.replica == 0, extra, tag
-            )
-        elif self.replica == 0:  # the replicas hold equal copies: one writes them
-            write_shard(staged, self.stage, state_dict, optimizer_states, extra, tag)
-        if self.is_global_zero:
-            write_meta(staged, rest, self.num_stages, tag)
-        self.barrier()  # every shard is complete
-        if self.is_global_zero:
-            publish(staged, path)
-        self.barrier()  # no rank reads the checkpoint before it is in place
+        stage_io.save(checkpoint, Path(filepath), writer, extra)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline
         checkpoint written under any number of stages (or a plain Lightning checkpoint)."""
         module = self.lightning_module
         assert module is not None
-        local = list(module.state_dict())
-        if is_pipeline_checkpoint(checkpoint_path):
-            meta, shards = read_checkpoint(checkpoint_path, weights_only)
-            checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
-            merged = merged_state_dict(shards)
-            checkpoint["optimizer_states"] = merged_optimizer_states(shards)
-            if checkpoint["optimizer_states"] is None:
-                del checkpoint["optimizer_states"]
-            self._restore_async(merged_async_state(shards))
-        else:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-            merged = checkpoint["state_dict"]
-            checkpoint.pop("optimizer_states", None)  # positions of the unsplit model: not restorable here
-        missing = [k for k in local if k not in merged]
-        if missing:
-            raise KeyError(f"The checkpoint {checkpoint_path} has no values for {missing[:5]} (of {len(missing)} missing).")
-        checkpoint["state_dict"] = {k: merged[k] for k in local}
+        checkpoint, async_state = stage_io.load(checkpoint_path, list(module.state_dict()), weights_only, super().load_checkpoint)
+        self._restore_async(async_state)
         return checkpoint
 
     def _restore_async(self, state: Optional[dict[str, Any]]) -> None:

@@ -261,9 +261,9 @@ def _fail_on_rank1_at_step(step: int):
 
 
 def test_a_crash_while_saving_leaves_the_previous_last_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_pipe.strategy as strategy_module
+    from lightning_pipe.checkpoint import stage_io
 
-    monkeypatch.setattr(strategy_module, "write_shard", _fail_on_rank1_at_step(4))  # the forked ranks inherit it
+    monkeypatch.setattr(stage_io, "write_shard", _fail_on_rank1_at_step(4))  # the forked ranks inherit it
     torch.manual_seed(0)
     piped = TinyNet()
     initial = {k: v.clone() for k, v in piped.state_dict().items()}

@@ -1,0 +1,94 @@
+"""How the ranks of a pipeline write and read a checkpoint together: each rank its stage's part.
+
+Saving goes to a staging directory that replaces the target only once every rank wrote its part,
+so a crash while saving leaves the previous checkpoint whole. Reading gives a rank the values of
+its own stage, by parameter name, from a checkpoint written under any number of stages (or a plain
+Lightning checkpoint), so a run resumes under another layout.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from lightning_pipe.checkpoint import (
+    is_pipeline_checkpoint,
+    merged_async_state,
+    merged_optimizer_states,
+    merged_state_dict,
+    prepare_staging,
+    publish,
+    save_tag,
+    staging_path,
+    write_meta,
+    write_shard,
+    write_sharded_stage,
+)
+from lightning_pipe.checkpoint import read as read_checkpoint
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Where this rank stands when it writes: its stage, its replica, and the process group's
+    broadcast (from global rank 0) and barrier."""
+
+    stage: int
+    num_stages: int
+    replica: int
+    is_global_zero: bool
+    broadcast: Callable[[Any], Any]
+    barrier: Callable[[], None]
+    dp_group: Any = None  # set when the replicas hold shards (``data_parallel="shard"``)
+
+
+def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional[dict[str, Any]] = None) -> None:
+    """Write ``checkpoint`` (this rank's view: its stage's state) to the directory ``path``: every
+    stage's shard (from replica 0, or every replica's shards under ``shard``), and, from global
+    rank 0, the metadata every stage shares; then publish it at once for all."""
+    staged = prepare_staging(path) if writer.is_global_zero else staging_path(path)
+    tag = save_tag(checkpoint, writer.broadcast(uuid.uuid4().hex))
+    rest = dict(checkpoint)
+    state_dict = rest.pop("state_dict", {})
+    optimizer_states = rest.pop("optimizer_states", None)
+    if writer.dp_group is not None:  # every replica writes its shards (torch.distributed.checkpoint)
+        write_sharded_stage(staged, writer.stage, state_dict, optimizer_states, writer.dp_group, writer.replica == 0, extra, tag)
+    elif writer.replica == 0:  # the replicas hold equal copies: one writes them
+        write_shard(staged, writer.stage, state_dict, optimizer_states, extra, tag)
+    if writer.is_global_zero:
+        write_meta(staged, rest, writer.num_stages, tag)
+    writer.barrier()  # every shard is complete
+    if writer.is_global_zero:
+        publish(staged, path)
+    writer.barrier()  # no rank reads the checkpoint before it is in place
+
+
+def load(
+    path: Any,
+    local: Sequence[str],
+    weights_only: Optional[bool],
+    plain: Callable[[Any, Optional[bool]], dict[str, Any]],
+) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """This rank's view of the checkpoint at ``path`` (the values of the state-dict names
+    ``local``) and the asynchronous schedules' saved state, if any. ``plain`` reads a checkpoint
+    that is not a pipeline's (Lightning's own loader); its optimizer states, by position in the
+    unsplit model, cannot be restored and are dropped."""
+    async_state = None
+    if is_pipeline_checkpoint(path):
+        meta, shards = read_checkpoint(path, weights_only)
+        checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
+        merged = merged_state_dict(shards)
+        checkpoint["optimizer_states"] = merged_optimizer_states(shards)
+        if checkpoint["optimizer_states"] is None:
+            del checkpoint["optimizer_states"]
+        async_state = merged_async_state(shards)
+    else:
+        checkpoint = plain(path, weights_only)
+        merged = checkpoint["state_dict"]
+        checkpoint.pop("optimizer_states", None)
+    missing = [k for k in local if k not in merged]
+    if missing:
+        raise KeyError(f"The checkpoint {path} has no values for {missing[:5]} (of {len(missing)} missing).")
+    checkpoint["state_dict"] = {k: merged[k] for k in local}
+    return checkpoint, async_state
