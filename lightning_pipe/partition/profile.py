@@ -14,6 +14,7 @@ strategy profiles on one rank and broadcasts the result, so every rank splits al
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile
+from lightning_pipe.partition.materialize import allocate, has_meta_tensors, reset
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
@@ -161,9 +163,8 @@ def measure_layers(
     :func:`user_optimizers`) also its optimizer state and update time."""
     optimizers = optimizers or {}
     costs: list[LayerCost] = []
-    for layer in layers:
-        home = next(iter(layer.state_dict().values()), torch.empty(0)).device
-        layer.to(device)
+    for original in layers:
+        layer, layer_optimizers = _on_device(original, device, optimizers)
         tensors, was_tuple = as_tuple(value)
         tensors = tuple(t.detach().to(device) for t in tensors)
         forwards: list[float] = []
@@ -195,7 +196,7 @@ def measure_layers(
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-        state_bytes, update = _update_cost(params, optimizers, device, repeats)
+        state_bytes, update = _update_cost(params, layer_optimizers, device, repeats)
         costs.append(
             LayerCost(
                 forward=statistics.median(forwards),
@@ -214,8 +215,35 @@ def measure_layers(
         for p in params:
             p.grad = None
         value = from_tuple(tuple(t.detach() for t in output), isinstance(out, (tuple, list)))
-        layer.to(home)
+        if layer is original:
+            layer.to(home_of(original))
     return costs
+
+
+def home_of(layer: nn.Module) -> torch.device:
+    """Where ``layer``'s tensors live (the CPU for a layer without any)."""
+    return next(iter(layer.state_dict().values()), torch.empty(0)).device
+
+
+def _on_device(
+    layer: nn.Module, device: torch.device, optimizers: dict[int, tuple[type, dict[str, Any]]]
+) -> tuple[nn.Module, dict[int, tuple[type, dict[str, Any]]]]:
+    """``layer`` on ``device`` for measuring, and the optimizer settings of its parameters. A layer
+    built on the meta device is measured as a temporary copy given storage and initialised as
+    its modules define it (as the pipeline initialises it; values matter little to timings)."""
+    if not has_meta_tensors(layer):
+        layer.to(device)
+        return layer, optimizers
+    real = copy.deepcopy(layer)
+    allocate(list(real.modules()), device)
+    try:
+        reset(real)
+    except TypeError:  # no reset_parameters(): any values time alike
+        with torch.no_grad():
+            for t in real.parameters():
+                t.normal_(0.0, 0.02)
+    settings = {id(r): optimizers[id(o)] for r, o in zip(real.parameters(), layer.parameters()) if id(o) in optimizers}
+    return real, settings
 
 
 def _split_backward(
@@ -260,6 +288,31 @@ def _split_backward(
     return statistics.median(inputs_b), statistics.median(weights)
 
 
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.to("meta")
+    if isinstance(value, Mapping):
+        return type(value)({k: _to_meta(v) for k, v in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _random_like(value: Any, device: torch.device) -> Any:
+    """Tensors of ``value``'s shapes and dtypes with storage on ``device``: normal floats, zero
+    integers (valid indices), true booleans (masks that keep everything)."""
+    tensors, was_tuple = as_tuple(value)
+    real = []
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            real.append(torch.randn(t.shape, dtype=t.dtype, device=device))
+        elif t.dtype == torch.bool:
+            real.append(torch.ones(t.shape, dtype=t.dtype, device=device))
+        else:
+            real.append(torch.zeros(t.shape, dtype=t.dtype, device=device))
+    return from_tuple(tuple(real), was_tuple)
+
+
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
@@ -278,16 +331,15 @@ def profile_module(
     """The profile of ``layers`` (the Sequential of ``module``) on ``device`` for the first
     micro-batch of the batch ``batch()`` gives. Random states (including those the batch's draw
     consumes) and buffers are as before when it returns."""
-    if any(t.is_meta for t in layers.state_dict().values()):
-        raise ValueError(
-            "balance='time'/'memory' measures the layers, but the Sequential is on the meta device (built in "
-            "configure_model), so there is nothing to run. Give balance as 'uniform', 'parameters' or a list of "
-            "layer counts (for example from a profile of the model built on a real device)."
-        )
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.random.fork_rng(devices=_rng_devices(device)):
         micro = split(batch(), num_microbatches)[0]
-        value = sequential_input(module, layers, micro)
+        if has_meta_tensors(module):
+            # built on the meta device (configure_model): the step runs there up to the Sequential,
+            # which gives the shapes, and the layers, each given storage in turn, see random values
+            value = _random_like(sequential_input(module, layers, _to_meta(micro)), device)
+        else:
+            value = sequential_input(module, layers, micro)
         optimizers = user_optimizers(module) if memory else {}
         costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
     with torch.no_grad():

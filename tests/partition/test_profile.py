@@ -141,16 +141,31 @@ def test_profiling_leaves_no_trace() -> None:
     assert first.optimizer_bytes == 2 * first.parameter_bytes  # Adam's two moments, measured
 
 
-def test_meta_layers_are_refused_clearly() -> None:
+def test_meta_built_layers_are_measured_on_temporary_copies() -> None:
+    """A model built on the meta device is profiled as a real one is (same bytes, real times), each
+    layer on a temporary copy with storage; the model itself stays on the meta device."""
+    torch.manual_seed(0)
+    real = TinyNet()
     with torch.device("meta"):
-        model = TinyNet()
-    with pytest.raises(ValueError, match="meta device.*'uniform', 'parameters' or a list"):
-        profile_module(model, model.layers, lambda: None, 2, torch.device("cpu"))
+        meta = TinyNet()
+    data = next(iter(loader(16, 8)))
+    measured = {
+        name: profile_module(model, model.layers, lambda: data, 2, torch.device("cpu")) for name, model in (("real", real), ("meta", meta))
+    }
+    assert len(measured["meta"].layers) == len(measured["real"].layers) == len(meta.layers)
+    for got, expected in zip(measured["meta"].layers, measured["real"].layers):
+        for field in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "output_bytes"):
+            assert getattr(got, field) == getattr(expected, field), field
+        assert got.forward > 0 and got.backward > 0
+    assert measured["meta"].layers[0].optimizer_bytes > 0  # SGD with momentum, found for the copies too
+    assert all(t.is_meta for t in meta.state_dict().values())  # no storage left behind
 
 
-def test_a_model_built_on_the_meta_device_is_refused_on_every_rank() -> None:
-    with pytest.raises(Exception, match="meta device"):
-        fit_pipeline(DeferredNet(), 2, balance="memory")
+def test_a_model_built_on_the_meta_device_splits_by_measured_memory(tmp_path: Path) -> None:
+    fit_pipeline(DeferredNet(), 2, balance="memory", callbacks=[RecordSplit(str(tmp_path))])
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert records[0]["balance"] == records[1]["balance"] and sum(records[0]["balance"]) == 8
+    assert records[0]["profile"] is not None and len(records[0]["profile"].layers) == 8
 
 
 def test_a_failed_measurement_reaches_every_rank() -> None:

@@ -14,7 +14,7 @@ from lightning_pipe.plan.planner import (
     Link, chunk_candidates, format_plans, layouts, microbatch_size, needed_sizes, plan, plan_layouts, stage_ranks, stage_seconds,
 )  # fmt: skip
 from lightning_pipe.schedules import build, closed_form_bubble, simulate
-from tests.models import RecordSplit, SkewedNet, loader
+from tests.models import DeferredNet, RecordSplit, SkewedNet, loader
 from tests.pipeline import fit_pipeline
 
 
@@ -193,3 +193,12 @@ def test_auto_plan_ranking_all_layouts_still_runs_the_configured_one(tmp_path: P
     assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
     assert any(c.schedule in ("zero_bubble", "interleaved_1f1b", "zbv") for c in ranked)
     assert all(c.stage_costs for c in ranked) and any(w > 0 for c in ranked for _, _, w in c.stage_costs)  # W measured
+
+
+def test_auto_plan_profiles_a_model_built_on_the_meta_device(tmp_path: Path) -> None:
+    fit_pipeline(DeferredNet(), 2, max_steps=2, plan="auto", callbacks=[RecordSplit(str(tmp_path))])
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert records[0]["profile"] == records[1]["profile"] is not None and len(records[0]["profile"].layers) == 8
+    best = records[0]["plan"][0]
+    for record in records:
+        assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
