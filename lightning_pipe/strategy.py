@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
 from lightning_pipe import failures
 from lightning_pipe.arguments import check_arguments
+from lightning_pipe.compatibility import check_async, check_shard, run_schedule
 from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
@@ -67,22 +68,9 @@ from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
-from lightning_pipe.schedules import (
-    REGROUPED_FOR_RENDEZVOUS,
-    VIRTUAL_STAGES,
-    InvalidScheduleError,
-    RendezvousError,
-    Schedule,
-    build,
-    for_rendezvous,
-    forward_only,
-    forward_only_like,
-    is_async,
-    validate,
-)
+from lightning_pipe.schedules import VIRTUAL_STAGES, Schedule, is_async
 from lightning_pipe.schedules.interleaved import valid_microbatches
 from lightning_pipe import signals
-from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.step_results import StepRecorder, SummarySharing, replay, step_loss
 from lightning_pipe.weights import load_stage_weights, model_spec
 
@@ -506,7 +494,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._gradients is not None:
             self._gradients.close()
         if self.sharded and self._sharded is None:
-            self._check_shard(module)
+            check_shard(self.schedule_name, self._shared, bool(self._ties))
             self._sharded = ShardedStage(self._stage_module, topology.mesh["dp"])
         self._gradients = StageGradients(
             self._shared,
@@ -528,7 +516,10 @@ class PipelineStrategy(ParallelStrategy):
         )
         versions = None
         if is_async(self.schedule_name):
-            self._check_async(module)
+            check_async(
+                self.schedule_name, module, self._shared, bool(self._ties), self.num_stages, self.num_microbatches,
+                getattr(self.precision_plugin, "scaler", None),
+            )
             versions = WeightVersions(self._stage_module)
         if self.num_stages > 1:
             self._agreement = BatchAgreement(self._meta_group, self.num_stages)
@@ -558,84 +549,18 @@ class PipelineStrategy(ParallelStrategy):
         """Whether each stage is sharded over its replicas (FSDP2)."""
         return self.data_parallel == "shard" and self.num_replicas > 1
 
-    def _check_shard(self, module: "pl.LightningModule") -> None:
-        problems = []
-        if is_async(self.schedule_name):
-            problems.append(f"schedule={self.schedule_name!r} keeps weight versions, which sharded weights do not have")
-        if any(p.requires_grad for p in self._shared):
-            problems.append("the module has trainable parameters outside the split nn.Sequential")
-        if self._ties:
-            problems.append("weights are tied across stages")
-        if problems:
-            raise MisconfigurationException(
-                "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems)
-                + ". Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
-            )
-
     def _stages_through_host(self) -> bool:
         """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
         return dist.get_backend() == "gloo" and self.root_device.type != "cpu"
 
-    def _check_async(self, module: "pl.LightningModule") -> None:
-        outside = [p for p in self._shared if p.requires_grad]
-        if outside:
-            names = [n for n, p in module.named_parameters() if any(p is q for q in outside)]
-            raise MisconfigurationException(
-                f"schedule={self.schedule_name!r} stashes weight versions of the split nn.Sequential only, but "
-                f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
-                "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
-            )
-        if self._ties and self.schedule_name == "pipedream":
-            raise MisconfigurationException(
-                "schedule='pipedream' applies gradients with a different delay on each stage, so the copies of a "
-                "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
-                "stage) or untie the weights."
-            )
-        needed = min_chunks(self.schedule_name, self.num_stages)
-        if self.num_microbatches < needed:
-            raise MisconfigurationException(
-                f"schedule={self.schedule_name!r} keeps two weight versions, which needs chunks >= stages - 1; got "
-                f"chunks={self.num_microbatches} with {self.num_stages} stages. Use chunks >= {needed} or "
-                "schedule='pipedream'. (A shorter last batch of an epoch is fine: it runs drained.)"
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise MisconfigurationException(
-                f"schedule={self.schedule_name!r} applies gradients a step late, when the loss scale of "
-                "precision='16-mixed' may have changed. Use precision='bf16-mixed' or a synchronous schedule."
-            )
-
     def _schedule(self, name: str, num_microbatches: int) -> Schedule:
-        """The schedule for ``num_microbatches``, proven to finish on this process group: under NCCL
-        (point-to-point calls rendezvous) with its communication regrouped where it needs it."""
+        """The schedule for ``num_microbatches``, proven to finish on this process group."""
         key = (name, num_microbatches)
         if key not in self._schedules:
-            p, v = self.num_stages, self.virtual_stages
             rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"
-            under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
-            try:
-                if name != "forward":
-                    schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
-                elif self.schedule_name in VIRTUAL_STAGES:  # evaluation on the training layout
-                    schedule = forward_only_like(build(self.schedule_name, p, num_microbatches, v))
-                    if rendezvous and self.schedule_name in REGROUPED_FOR_RENDEZVOUS:
-                        schedule = for_rendezvous(schedule)
-                else:
-                    schedule = forward_only(p, num_microbatches)
-                validate(schedule, rendezvous=rendezvous)
-            except RendezvousError as err:
-                raise MisconfigurationException(
-                    f"schedule={self.schedule_name!r} with {p} processes and {num_microbatches} micro-batches cannot "
-                    f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
-                    f"back around the pipeline. Use more chunks (checked: >= {p} for 'interleaved_1f1b', "
-                    f">= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, drop_last=True in the DataLoader), "
-                    "or schedule='1f1b' or 'zero_bubble'."
-                ) from err
-            except InvalidScheduleError as err:
-                raise MisconfigurationException(
-                    f"schedule={self.schedule_name!r} with {p} processes and {num_microbatches} micro-batches cannot "
-                    f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
-                ) from err
-            self._schedules[key] = schedule
+            self._schedules[key] = run_schedule(
+                self.schedule_name, name, self.num_stages, num_microbatches, self.virtual_stages, rendezvous
+            )
         return self._schedules[key]
 
     def _set_step(self, step: Optional[Callable[[int], Optional[Tensor]]]) -> None:

@@ -148,27 +148,24 @@ def stage_seconds(
     return costs
 
 
+def _per_stage(profile: Profile, balance: Sequence[int], field: str) -> list[float]:
+    """The sum of one :class:`LayerCost` field over each stage's layers."""
+    out, start = [], 0
+    for count in balance:
+        out.append(float(sum(getattr(c, field) for c in profile.layers[start : start + count])))
+        start += count
+    return out
+
+
 def stage_updates(profile: Profile, balance: Sequence[int]) -> list[float]:
     """Seconds of each stage's optimizer step (the stages step at once, after their last backward)."""
-    updates, start = [], 0
-    for count in balance:
-        updates.append(sum(c.update for c in profile.layers[start : start + count]))
-        start += count
-    return updates
+    return _per_stage(profile, balance, "update")
 
 
 def _per_rank(values: Sequence[float], ranks: Sequence[int], num_ranks: int) -> list[float]:
     out = [0.0] * num_ranks
     for value, rank in zip(values, ranks):
         out[rank] += value
-    return out
-
-
-def _gradient_bytes(profile: Profile, balance: Sequence[int]) -> list[int]:
-    out, start = [], 0
-    for count in balance:
-        out.append(sum(c.gradient_bytes for c in profile.layers[start : start + count]))
-        start += count
     return out
 
 
@@ -217,7 +214,7 @@ def _rank(
                         simulation = simulate(plan_schedule, stage_costs=costs, rendezvous=rendezvous)
                     except DeadlockError:
                         break  # the schedule cannot run with this backend and micro-batch count
-                    grads = _per_rank([float(b) for b in _gradient_bytes(profile, balance)], ranks, stages)
+                    grads = _per_rank(_per_stage(profile, balance, "gradient_bytes"), ranks, stages)
                     reduce = [link.all_reduce_seconds(int(g), replicas) for g in grads]
                     updates = _per_rank(stage_updates(profile, balance), ranks, stages)
                     tail = max(r + u for r, u in zip(reduce, updates))

@@ -102,24 +102,16 @@ class _Forward:
         return layer._conv_forward(x, layer.weight, layer.bias)
 
 
+def _eligible(layer: nn.Module) -> bool:
+    return type(layer) in _TYPES and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+
+
 def install(module: nn.Module) -> list[nn.Module]:
     """Give every plain convolution with zero padding and explicit padding sizes the deferring
     forward; returns the layers that have it, for :func:`uninstall`."""
-    layers: list[nn.Module] = []
-    for layer in module.modules():
-        if type(layer) not in _TYPES or layer.padding_mode != "zeros" or isinstance(layer.padding, str):
-            continue
-        installed = layer.__dict__.get("forward")
-        if installed is None:
-            layer.forward = _Forward(layer)  # type: ignore[method-assign]
-        elif not isinstance(installed, _Forward):
-            continue
-        layers.append(layer)
-    return layers
+    return fused_linear.install_forward(module, _eligible, _Forward)
 
 
 def uninstall(layers: list[nn.Module]) -> None:
     """Give the layers back their own forward."""
-    for layer in layers:
-        if isinstance(layer.__dict__.get("forward"), _Forward):
-            del layer.forward
+    fused_linear.uninstall_forward(layers, _Forward)

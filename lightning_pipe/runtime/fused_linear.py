@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,25 +137,35 @@ class _Forward:
         return F.linear(x, weight, bias)
 
 
-def install(module: nn.Module) -> list[nn.Module]:
-    """Give every plain ``nn.Linear`` in ``module`` the fused forward (subclasses, which may compute
-    something else, keep theirs; a layer given its own forward by someone else is left alone).
-    Returns the layers that have it, for :func:`uninstall`."""
+def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], forward: type) -> list[nn.Module]:
+    """Give every ``eligible`` layer of ``module`` the instance forward ``forward(layer)`` (a layer
+    given its own forward by someone else is left alone); returns the layers that have it."""
     layers: list[nn.Module] = []
     for layer in module.modules():
-        if type(layer) is not nn.Linear:
+        if not eligible(layer):
             continue
         installed = layer.__dict__.get("forward")
         if installed is None:
-            layer.forward = _Forward(layer)  # type: ignore[method-assign]
-        elif not isinstance(installed, _Forward):
+            layer.forward = forward(layer)  # type: ignore[method-assign]
+        elif not isinstance(installed, forward):
             continue
         layers.append(layer)
     return layers
 
 
-def uninstall(layers: list[nn.Module]) -> None:
+def uninstall_forward(layers: list[nn.Module], forward: type) -> None:
     """Give the layers back their own forward."""
     for layer in layers:
-        if isinstance(layer.__dict__.get("forward"), _Forward):
+        if isinstance(layer.__dict__.get("forward"), forward):
             del layer.forward
+
+
+def install(module: nn.Module) -> list[nn.Module]:
+    """Give every plain ``nn.Linear`` in ``module`` the fused forward (subclasses, which may compute
+    something else, keep theirs). Returns the layers that have it, for :func:`uninstall`."""
+    return install_forward(module, lambda layer: type(layer) is nn.Linear, _Forward)
+
+
+def uninstall(layers: list[nn.Module]) -> None:
+    """Give the layers back their own forward."""
+    uninstall_forward(layers, _Forward)
