@@ -46,8 +46,9 @@ def run_schedule(training: str, name: str, stages: int, num_microbatches: int, v
         raise MisconfigurationException(
             f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
             f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
-            f"back around the pipeline. Use more chunks (checked: >= {p} for 'interleaved_1f1b', "
-            f">= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, drop_last=True in the DataLoader), "
+            f"back around the pipeline. Use other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of "
+            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, "
+            "drop_last=True in the DataLoader), "
             "or schedule='1f1b' or 'zero_bubble'."
         ) from err
     except InvalidScheduleError as err:

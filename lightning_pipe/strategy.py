@@ -69,7 +69,7 @@ from lightning_pipe.runtime.topology import Layout, Topology
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
 from lightning_pipe.schedules import VIRTUAL_STAGES, Schedule, is_async
-from lightning_pipe.schedules.interleaved import valid_microbatches
+from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe import signals
 from lightning_pipe.step_results import StepRecorder, SummarySharing, replay, step_loss
 from lightning_pipe.weights import load_stage_weights, model_spec
@@ -106,8 +106,8 @@ class PipelineStrategy(ParallelStrategy):
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
-        virtual_stages: stages per process for ``"interleaved_1f1b"`` (>= 2, default 2) and ``"zbv"``
-            (2); the layers are split into processes x virtual_stages stages by ``balance``.
+        virtual_stages: stages per process for ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
+            (>= 2, default 2) and ``"zbv"`` (2); the layers are split into processes x virtual_stages stages by ``balance``.
         weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
             ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
             stage's tensors (see :mod:`lightning_pipe.weights`).
@@ -571,7 +571,7 @@ class PipelineStrategy(ParallelStrategy):
     def _chunks_for(self, batch: Any) -> int:
         """Micro-batches for ``batch``: ``chunks``, or for interleaving the most it can round
         (a short last batch)."""
-        if self.schedule_name != "interleaved_1f1b":
+        if self.schedule_name not in ROUNDED:
             return self.num_microbatches
         return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, batch_size(batch))))
 

@@ -37,7 +37,7 @@ def _compose(overrides: list[str]):
 
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "vgg19_cifar100"]
-    assert GROUPS["strategy"] == ["1f1b", "gpipe", "interleaved_1f1b", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
+    assert GROUPS["strategy"] == ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
 
 
@@ -83,6 +83,8 @@ def test_virtual_stages_reach_the_strategy() -> None:
     cfg = _compose(["strategy=interleaved_1f1b", "strategy.virtual_stages=3"])
     assert build_strategy(cfg.strategy, 2)[0].virtual_stages == 3
     assert build_strategy(_compose(["strategy=zbv"]).strategy, 2)[0].virtual_stages == 2
+    izb = build_strategy(_compose(["strategy=interleaved_zero_bubble", "strategy.virtual_stages=4"]).strategy, 2)[0]
+    assert (izb.schedule_name, izb.virtual_stages) == ("interleaved_zero_bubble", 4)
     assert build_strategy(_compose(["strategy=zero_bubble"]).strategy, 2)[0].virtual_stages == 1
     with pytest.raises(ValueError, match="one stage per process"):
         build_strategy(_compose(["strategy=gpipe", "strategy.virtual_stages=2"]).strategy, 2)
@@ -143,7 +145,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
-    assert "strategy: 1f1b, gpipe, interleaved_1f1b, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
+    assert "strategy: 1f1b, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
 
 

@@ -22,8 +22,8 @@ from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 @pytest.mark.parametrize(
     "schedule, stages, devices",
-    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 1, 4), ("zero_bubble", 2, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4)],
-    ids=["gpipe-2x2", "1f1b-2x2", "1f1b-1x4", "zero_bubble-2x2", "interleaved-2x2", "zbv-2x2"],
+    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 1, 4), ("zero_bubble", 2, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4), ("interleaved_zero_bubble", 2, 4)],
+    ids=["gpipe-2x2", "1f1b-2x2", "1f1b-1x4", "zero_bubble-2x2", "interleaved-2x2", "zbv-2x2", "interleaved_zb-2x2"],
 )
 def test_replicas_train_as_plain_training_on_the_global_batch(tmp_path, schedule: str, stages: int, devices: int) -> None:
     replicas = devices // stages
@@ -189,7 +189,9 @@ def test_buckets_are_sent_while_the_backward_runs(tmp_path, fusion: bool) -> Non
         assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
 
 
-@pytest.mark.parametrize("schedule, stages", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zero_bubble", 2), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(
+    "schedule, stages", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zero_bubble", 2), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2)]
+)
 def test_sharded_replicas_train_as_plain_training_on_the_global_batch(schedule: str, stages: int) -> None:
     reference, piped = _twins_fit(TinyNet, loader, 12, 4 // stages, 4, stages=stages, schedule=schedule, chunks=3, data_parallel="shard")
     assert_same_weights(reference, piped)

@@ -289,7 +289,7 @@ def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix(mon
 
     monkeypatch.setattr(strategy_module, "dist", _Backend("nccl"))
     strategy = PipelineStrategy(schedule="interleaved_1f1b", chunks=1, parallel_devices=[torch.device("cpu")] * 2)
-    with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use more chunks \(checked: >= 2"):
+    with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"):
         strategy._schedule("interleaved_1f1b", 1)
 
 

@@ -31,6 +31,10 @@ def _val() -> torch.utils.data.DataLoader:
         ("interleaved_1f1b", 4, 6, "never"),
         ("zbv", 2, 4, "never"),
         ("zbv", 2, 3, "always"),
+        ("interleaved_zero_bubble", 2, 4, "never"),
+        ("interleaved_zero_bubble", 2, 3, "always"),
+        ("interleaved_zero_bubble", 4, 4, "always"),
+        ("interleaved_zero_bubble", 4, 8, "never"),
     ],
 )
 def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, checkpoint: str) -> None:
@@ -41,7 +45,15 @@ def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, c
     assert_same_weights(reference, piped)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_interleaved_zero_bubble_with_three_stages_per_process() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=12))
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="interleaved_zero_bubble", virtual_stages=3, chunks=4, checkpoint="except_last")
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "interleaved_zero_bubble"])
 def test_parameters_outside_the_sequential_and_tied_weights(schedule: str) -> None:
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())

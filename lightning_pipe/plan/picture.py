@@ -23,7 +23,7 @@ from lightning_pipe.plan.image_logging import log_image
 from lightning_pipe.plan.timeline_image import timeline_image
 from lightning_pipe.plan.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.runtime.timeline import Span, Timeline
-from lightning_pipe.schedules import SCHEDULES, simulate
+from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, simulate
 
 
 class TimelinePicture(pl.Callback):
@@ -81,7 +81,7 @@ class TimelinePicture(pl.Callback):
         name = getattr(strategy, "schedule_name", "")
         num_microbatches = len({s.microbatch for s in self.spans.get(0, []) if s.name == "F"})
         # predicted only for one stage per process and a whole backward (F and B spans per rank)
-        if name in SCHEDULES and name not in ("interleaved_1f1b", "zbv", "zero_bubble") and forwards and backwards and num_microbatches:
+        if name in SCHEDULES and name not in VIRTUAL_STAGES and name != "zero_bubble" and forwards and backwards and num_microbatches:
             schedule = SCHEDULES[name](len(self.spans), num_microbatches)
             simulation = simulate(schedule, statistics.median(forwards), statistics.median(backwards))
             panels.append((f"{name}: predicted from the median forward and backward times", simulated_bars(simulation)))

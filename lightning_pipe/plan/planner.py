@@ -16,7 +16,7 @@ not extrapolated) and the measured point-to-point link, and predicts for every c
 
 Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes share a global batch,
 ``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
-stages per rank (``interleaved_1f1b`` with ``v`` in 2..4, ``zbv`` with 2) split the layers into
+stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv`` with 2) split the layers into
 ``S x v`` stages placed as the runtime places them.
 
 Candidates whose largest rank exceeds the memory budget are ranked after those that fit. Only
@@ -33,12 +33,13 @@ from typing import Iterable, Mapping, Optional, Sequence
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
 from lightning_pipe.schedules import DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate
+from lightning_pipe.schedules.interleaved import ROUNDED
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
-PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "zbv")
+PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")
 PLAN_CHECKPOINTS = ("never", "except_last", "always")
-PLAN_VIRTUAL = (2, 3, 4)  # stages per rank tried for interleaved_1f1b
+PLAN_VIRTUAL = (2, 3, 4)  # stages per rank tried for the interleaved schedules
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
     for schedule in schedules:
         if stages == 1 and schedule != "1f1b":
             continue  # one stage: every schedule runs the micro-batches one after another; 1F1B holds the fewest
-        counts = {"interleaved_1f1b": list(virtual), "zbv": [2]}.get(schedule, [1])
+        counts = {"interleaved_1f1b": list(virtual), "interleaved_zero_bubble": list(virtual), "zbv": [2]}.get(schedule, [1])
         out += [(schedule, v) for v in counts if stages * v <= layers]
     return out
 
@@ -298,7 +299,7 @@ def plan_layouts(
 
 
 def _schedule_label(c: Candidate) -> str:
-    return f"{c.schedule} v{c.virtual_stages}" if c.schedule == "interleaved_1f1b" else c.schedule
+    return f"{c.schedule} v{c.virtual_stages}" if c.schedule in ROUNDED else c.schedule
 
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:

@@ -23,7 +23,7 @@ from lightning_pipe.schedules.asynchronous import (
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
-from lightning_pipe.schedules.interleaved import interleaved_1f1b
+from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
@@ -37,18 +37,19 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble": zero_bubble,
     "zbv": zbv,
+    "interleaved_zero_bubble": interleaved_zero_bubble,
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
 }
 
 
 #: Schedules with several stages per rank: the ones ``virtual_stages`` applies to, and its default.
-VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2}
+VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2, "interleaved_zero_bubble": 2}
 
 
 #: Schedules whose default placement of communication deadlocks where point-to-point calls
 #: rendezvous (NCCL); ``build(..., rendezvous=True)`` regroups theirs with :func:`for_rendezvous`.
-REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv"})
+REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv", "interleaved_zero_bubble"})
 
 
 def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False) -> Schedule:
@@ -58,6 +59,8 @@ def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int 
     :class:`RendezvousError` where that is impossible (too few micro-batches)."""
     if name == "interleaved_1f1b":
         schedule = interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    elif name == "interleaved_zero_bubble":
+        schedule = interleaved_zero_bubble(num_ranks, num_microbatches, virtual_stages)
     else:
         schedule = get_schedule(name)(num_ranks, num_microbatches)
     if rendezvous and name in REGROUPED_FOR_RENDEZVOUS:
@@ -69,17 +72,18 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
     """Reject a stage count per rank that schedule ``name`` cannot run, saying which it can."""
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r}: give an integer >= 1 (stages per process).")
-    if name == "interleaved_1f1b" and virtual_stages < 2:
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble") and virtual_stages < 2:
+        single = "1f1b" if name == "interleaved_1f1b" else "zero_bubble"
         raise ValueError(
-            f"schedule='interleaved_1f1b' with virtual_stages={virtual_stages}: interleaving needs at least 2 stages "
-            "per process. Use virtual_stages >= 2, or schedule='1f1b'."
+            f"schedule={name!r} with virtual_stages={virtual_stages}: interleaving needs at least 2 stages "
+            f"per process. Use virtual_stages >= 2, or schedule={single!r}."
         )
     if name == "zbv" and virtual_stages != 2:
         raise ValueError(f"schedule='zbv' holds exactly 2 stages per process (a V); got virtual_stages={virtual_stages}.")
     if name not in VIRTUAL_STAGES and virtual_stages != 1:
         raise ValueError(
             f"schedule={name!r} runs one stage per process; got virtual_stages={virtual_stages}. Several stages per "
-            f"process need schedule='interleaved_1f1b' (virtual_stages >= 2) or 'zbv' (2)."
+            f"process need schedule='interleaved_1f1b' or 'interleaved_zero_bubble' (virtual_stages >= 2) or 'zbv' (2)."
         )
 
 
@@ -126,6 +130,7 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zero_bubble",
     "one_f_one_b",
     "peak_in_flight",
     "render",

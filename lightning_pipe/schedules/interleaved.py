@@ -106,8 +106,27 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     return with_communication("interleaved_1f1b", compute, p * v, m, [s % p for s in range(p * v)])
 
 
+def interleaved_zero_bubble(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B with the backward split into B and W (zero bubble with several stages per
+    rank, torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble``): one warm-up forward per
+    hop instead of interleaving's two, and each rank's W's running ``rank`` backwards late. With equal
+    F, B and W per stage every rank idles ``(p - 1)(T_F + T_B - T_W)`` of one of its ``p x v`` stages
+    once ``m >= p`` (ZB-H1's idle, ``v`` times smaller), holding as many micro-batches as interleaved 1F1B.
+    The counts are interleaved 1F1B's."""
+    check_counts(num_ranks, num_microbatches, virtual_stages)
+    p, v, m = num_ranks, virtual_stages, num_microbatches
+    compute = [rank_order(p, m, v, r, 1, zero_bubble=True) for r in range(p)]
+    return with_communication(
+        "interleaved_zero_bubble", compute, p * v, m, [s % p for s in range(p * v)], split_backward=True
+    )
+
+
+#: The schedules whose micro-batches go through a rank's stages in rounds (see :func:`round_size`).
+ROUNDED = frozenset({"interleaved_1f1b", "interleaved_zero_bubble"})
+
+
 def valid_microbatches(num_ranks: int, num_microbatches: int) -> int:
-    """The largest count ``<= num_microbatches`` that :func:`interleaved_1f1b` takes (a short last
+    """The largest count ``<= num_microbatches`` that the interleaved schedules take (a short last
     batch runs in fewer micro-batches rather than failing mid-training)."""
     m = num_microbatches
     while m > 1 and m % max(1, m // num_ranks):

@@ -117,6 +117,20 @@ def test_zero_bubble_predicts_less_bubble_than_1f1b_with_equal_f_b_w() -> None:
     assert by_schedule["zero_bubble"].stage_costs[1] == pytest.approx((8.0, 8.0, 8.0))  # two layers: F, B, W apart
 
 
+def test_interleaved_zero_bubble_predicts_less_bubble_than_interleaving_at_each_v() -> None:
+    schedules = ("interleaved_1f1b", "interleaved_zero_bubble")
+    ranked = plan({4: _split_profile(4, layers=24)}, 2, FREE, schedules=schedules, **GLOO)
+    by = {(c.schedule, c.virtual_stages): c for c in ranked}
+    assert {v for s, v in by if s == "interleaved_zero_bubble"} == {2, 3, 4}
+    for v in (2, 3, 4):
+        assert by["interleaved_zero_bubble", v].bubble < by["interleaved_1f1b", v].bubble
+        assert by["interleaved_zero_bubble", v].step_seconds < by["interleaved_1f1b", v].step_seconds
+    assert by["interleaved_zero_bubble", 3].strategy_arguments()["virtual_stages"] == 3
+    # under NCCL's rendezvous only what the regrouped schedule runs is proposed: multiples of p here
+    nccl = plan({m: _split_profile(16 // m, layers=8) for m in (1, 2, 4)}, 2, FREE, schedules=("interleaved_zero_bubble",), **ONE)
+    assert {c.chunks for c in nccl} == {2, 4}
+
+
 def test_interleaving_bubble_falls_with_more_stages_per_rank() -> None:
     ranked = plan({4: _split_profile(4, layers=24)}, 2, FREE, schedules=("interleaved_1f1b",), **GLOO)
     by_v = {c.virtual_stages: c for c in ranked}

@@ -35,18 +35,20 @@ def _check_new(name: str, p: int, m: int) -> None:
     try:
         schedule = SCHEDULES[name](p, m)
     except ValueError:
-        assert name == "interleaved_1f1b" and m % max(1, m // p), (name, p, m)
+        assert name in ("interleaved_1f1b", "interleaved_zero_bubble") and m % max(1, m // p), (name, p, m)
         return
     validate(schedule, rendezvous=False)
     if name == "interleaved_1f1b" and m >= p:  # Megatron: (p - 1) / (v m) of the ideal time, v = 2
         idle = sum(_idle(schedule, 1.0, 2.0))
         assert idle / (3.0 * 2 * m * p) == pytest.approx((p - 1) / (2 * m)), (p, m)
+    if name == "interleaved_zero_bubble" and m >= p:  # ZB-H1's idle on half-size stages, v = 2
+        assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
     if name == "zbv" and m >= 2 * p:  # the V's ramp: p - 1 half-stage forwards per rank
         assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
 
 
 def _check(name: str, p: int, m: int) -> None:
-    if name in ("zero_bubble", "interleaved_1f1b", "zbv"):
+    if name in ("zero_bubble", "interleaved_1f1b", "zbv", "interleaved_zero_bubble"):
         _check_new(name, p, m)
         return
     if is_async(name):

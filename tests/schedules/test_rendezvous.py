@@ -22,14 +22,19 @@ from lightning_pipe.schedules import (
 )
 
 
-def _min_chunks(name: str, p: int) -> int:
-    """The fewest micro-batches from which every count is checked to regroup (measured over the
-    grid below; fewer may or may not, and :func:`for_rendezvous` says which)."""
-    return p if name == "interleaved_1f1b" else max(1, 2 * p - 2)
+def _regroups(name: str, p: int, m: int) -> bool:
+    """The counts checked to regroup over the grid below (others may or may not, and
+    :func:`for_rendezvous` says which): interleaved 1F1B from ``p`` micro-batches, interleaved
+    zero bubble at multiples of ``p``, ZB-V from ``2p - 2``."""
+    if name == "interleaved_1f1b":
+        return m >= p
+    if name == "interleaved_zero_bubble":
+        return m % p == 0
+    return m >= max(1, 2 * p - 2)
 
 
 def _cases(name: str, ranks: range, per_rank: int) -> list[tuple[int, int, int]]:
-    virtual = (2, 3, 4) if name == "interleaved_1f1b" else (2,)
+    virtual = (2, 3, 4) if name in ("interleaved_1f1b", "interleaved_zero_bubble") else (2,)
     return [(p, m, v) for p in ranks for m in range(1, per_rank * p + 1) for v in virtual]
 
 
@@ -37,13 +42,13 @@ def _check(name: str, p: int, m: int, v: int) -> None:
     try:
         original = build(name, p, m, v)
     except ValueError:
-        assert name == "interleaved_1f1b" and m % max(1, m // p), (name, p, m)  # no equal rounds
+        assert name != "zbv" and m % max(1, m // p), (name, p, m)  # no equal rounds
         return
     for schedule in (original, forward_only_like(original)):
         try:
             regrouped = for_rendezvous(schedule)
         except RendezvousError:
-            assert m < _min_chunks(name, p), (name, p, m, v, schedule.forward_only)
+            assert not _regroups(name, p, m), (name, p, m, v, schedule.forward_only)
             continue
         _check_regrouped(schedule, regrouped)
 
@@ -81,7 +86,7 @@ def test_sampled_grid(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REGROUPED_FOR_RENDEZVOUS))
 def test_whole_grid(name: str) -> None:
-    """p in 1..8, m in 1..4p, v in 2..4 (interleaved) or 2 (ZB-V)."""
+    """p in 1..8, m in 1..4p, v in 2..4 (the interleaved schedules) or 2 (ZB-V)."""
     for p, m, v in _cases(name, range(1, 9), 4):
         _check(name, p, m, v)
 

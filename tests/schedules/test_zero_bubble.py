@@ -8,6 +8,11 @@ Published figures compared against (bubble relative to the ideal, busy, time; eq
   T_W)`` instead of 1F1B's ``(p - 1)(T_F + T_B + T_W)``, with 1F1B's peak memory; ZB-V "0", which the
   exact simulation refines: the V still pays the ramp of one forward per rank, ``p - 1`` half-stage
   units on every rank once ``m >= 2p``, a rate of ``(p - 1) / (6 m)`` (a sixth of 1F1B's).
+- Interleaved zero bubble (ZB-H1's rule on Megatron's interleaving, as
+  ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` orders it): ZB-H1's idle
+  ``(p - 1)(T_F + T_B - T_W)`` with each of the ``p x v`` stages costing ``1 / v`` of a rank's
+  layers, i.e. ``(p - 1) / (3 v m)`` with equal costs once ``m >= p``, holding no more micro-batches
+  than interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from lightning_pipe.schedules import (
     ActionKind,
     InvalidScheduleError,
     Schedule,
+    build,
     interleaved_1f1b,
+    interleaved_zero_bubble,
     one_f_one_b,
     peak_in_flight,
     render,
@@ -97,6 +104,48 @@ def _check_zbv(grid: list[tuple[int, int]]) -> None:
             assert [peaks[r] + peaks[2 * p - 1 - r] for r in range(p)] == [2 * p + 1] * p
 
 
+def _check_interleaved_zero_bubble(grid: list[tuple[int, int]]) -> None:
+    for p, m in grid:
+        for v in (2, 3, 4):
+            if not _interleaved_counts(p, m):
+                with pytest.raises(ValueError, match="rounds"):
+                    interleaved_zero_bubble(p, m, v)
+                continue
+            schedule = interleaved_zero_bubble(p, m, v)
+            validate(schedule, rendezvous=False)
+            assert schedule.split_backward and schedule.stage_to_rank == tuple(s % p for s in range(p * v))
+            sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False)
+            if m >= p:
+                assert [sim.makespan - b for b in sim.busy] == pytest.approx([p - 1] * p), (p, m, v)
+                assert _idle_ratio(schedule, 1.0, 1.0, 1.0) == pytest.approx((p - 1) / (3 * v * m)), (p, m, v)
+            interleaved = interleaved_1f1b(p, m, v)
+            assert sim.makespan <= simulate(interleaved, 1.0, 2.0, rendezvous=False).makespan + 1e-9, (p, m, v)
+            assert max(peak_in_flight(schedule).values()) <= max(peak_in_flight(interleaved).values()), (p, m, v)
+            if m % p == 0:  # NCCL (rendezvous): regrouped, every multiple of p runs
+                validate(build("interleaved_zero_bubble", p, m, v, rendezvous=True))
+
+
+def test_interleaved_zero_bubble_sample() -> None:
+    _check_interleaved_zero_bubble(_grid(False))
+
+
+def test_interleaved_zero_bubble_orders_compute_as_torch_does() -> None:
+    """The same compute order per rank as torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+    (whose idle slots are its own runtime's, not actions)."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 4), (2, 3, 2)]:
+        ours = interleaved_zero_bubble(p, m, v)
+        torch_schedule = pipelining.ScheduleInterleavedZeroBubble.__new__(pipelining.ScheduleInterleavedZeroBubble)
+        torch_schedule.pp_group_size, torch_schedule.n_local_stages, torch_schedule._n_microbatches = p, v, m
+        torch_schedule.number_of_rounds = max(1, m // p)
+        torch_schedule.microbatches_per_round = m // torch_schedule.number_of_rounds
+        for rank in range(p):
+            theirs = [a for a in torch_schedule._calculate_single_rank_operations(rank) if a is not None]
+            expected = [(kinds[a.computation_type.name], a.stage_index, a.microbatch_index) for a in theirs]
+            assert [(a.kind.value, a.stage, a.microbatch) for a in ours.compute(rank)] == expected, (p, m, v, rank)
+
+
 def test_interleaved_sample() -> None:
     _check_interleaved(_grid(False))
 
@@ -110,7 +159,7 @@ def test_zbv_sample() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("check", [_check_interleaved, _check_zero_bubble, _check_zbv])
+@pytest.mark.parametrize("check", [_check_interleaved, _check_zero_bubble, _check_zbv, _check_interleaved_zero_bubble])
 def test_every_count(check) -> None:
     check(_grid(True))
 
