@@ -17,10 +17,11 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   what the fusion is worth and how the rest of lightning-pipe compares with torch's;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and
   ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split;
-  ``torch_interleaved_1f1b`` / ``torch_zero_bubble`` / ``torch_zbv``: its
-  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per process: ZB-H1) and
-  ``ScheduleZBVZeroBubble``, on the same p x v split as ``pipe_interleaved_1f1b``, ``pipe_zero_bubble``
-  and ``pipe_zbv`` (``--contenders`` picks them; not in the default set);
+  ``torch_interleaved_1f1b`` / ``torch_zero_bubble`` / ``torch_interleaved_zero_bubble`` / ``torch_zbv``:
+  its ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per process: ZB-H1;
+  two: interleaved zero bubble) and ``ScheduleZBVZeroBubble``, on the same p x v split as
+  ``pipe_interleaved_1f1b``, ``pipe_zero_bubble``, ``pipe_interleaved_zero_bubble`` and ``pipe_zbv``
+  (``--contenders`` picks them; not in the default set);
 - ``deepspeed_1f1b``: DeepSpeed's pipeline engine (its 1F1B ``TrainSchedule``), when DeepSpeed is
   installed (``pip install 'lightning-pipe[bench]'``); skipped with a message otherwise.
 
@@ -184,7 +185,12 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
     parts = [nn.Sequential(OrderedDict(stage_layers(layers, balance, s))).to(device) for s in mine]
     stages = [PipelineStage(part, s, len(positions), device) for s, part in zip(mine, parts)]
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+    multi = {
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zero_bubble": ScheduleInterleavedZeroBubble,  # one stage per process: ZB-H1
+        "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+    }
     loss = nn.functional.cross_entropy
     pipe = single[schedule](stages[0], spec["chunks"], loss_fn=loss) if schedule in single else multi[schedule](stages, spec["chunks"], loss_fn=loss)
     optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.01, momentum=0.9)

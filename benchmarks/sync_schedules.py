@@ -140,7 +140,7 @@ def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="1f1b,zero_bubble,interleaved_1f1b,zbv")
+    parser.add_argument("--schedules", default="1f1b,zero_bubble,interleaved_1f1b,interleaved_zero_bubble,zbv")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
