@@ -396,7 +396,21 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
     medians = {c: statistics.median(times[c]) for c in names}
     entry: dict[str, Any] = {"batch": spec["batch"], "chunks": m, "stages": p, "rounds": len(rounds), "contenders": {}}
     for c in names:
-        entry["contenders"][c] = {"median_step_s": medians[c], "samples_per_s": spec["batch"] / medians[c], "steps": len(times[c])}
+        entry["contenders"][c] = {
+            "median_step_s": medians[c],
+            "samples_per_s": spec["batch"] / medians[c],
+            "steps": len(times[c]),
+            "round_median_s": [statistics.median(r[c]) for r in rounds if r.get(c)],
+        }
+    # each schedule both engines ran: torch's step time over lightning-pipe's, per round (paired)
+    against = {
+        c[len("pipe_") :]: [statistics.median(r["torch_" + c[len("pipe_") :]]) / statistics.median(r[c]) for r in rounds if c in r and "torch_" + c[len("pipe_") :] in r]
+        for c in names
+        if c.startswith("pipe_") and "torch_" + c[len("pipe_") :] in names
+    }
+    if against:
+        entry["torch_over_pipe_per_round"] = against
+        entry["torch_over_pipe_paired_median"] = {s: statistics.median(v) for s, v in against.items()}
     if "pipe_1f1b" in medians:
         entry["pipe_1f1b_speedup_over"] = {c: medians[c] / medians["pipe_1f1b"] for c in names if c != "pipe_1f1b"}
         paired = {

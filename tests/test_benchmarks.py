@@ -36,6 +36,19 @@ def test_summary_pairs_rounds_and_takes_the_ideal_from_the_faster_single_process
     assert entry["pipe_1stage_over_plain_micro"] == pytest.approx(3.0 / 3.2)
 
 
+def test_each_schedule_is_paired_with_torch_per_round_without_1f1b() -> None:
+    rounds = [
+        {"pipe_zbv": [1.0, 1.2], "torch_zbv": [1.5], "pipe_interleaved_zero_bubble": [2.0], "torch_interleaved_zero_bubble": [3.0]},
+        {"pipe_zbv": [2.0], "torch_zbv": [1.8], "pipe_interleaved_zero_bubble": [1.0], "torch_interleaved_zero_bubble": [1.1]},
+    ]
+    entry = compare.summarize("mlp", rounds)
+    assert entry["torch_over_pipe_per_round"]["zbv"] == pytest.approx([1.5 / 1.1, 0.9])
+    assert entry["torch_over_pipe_per_round"]["interleaved_zero_bubble"] == pytest.approx([1.5, 1.1])
+    assert entry["torch_over_pipe_paired_median"]["interleaved_zero_bubble"] == pytest.approx(1.3)
+    assert entry["contenders"]["pipe_zbv"]["round_median_s"] == pytest.approx([1.1, 2.0])
+    assert "pipe_1f1b_speedup_per_round" not in entry
+
+
 def test_contenders_that_cannot_run_are_skipped_with_a_reason(capsys) -> None:
     if compare.deepspeed_runner.available() is None:
         pytest.skip("DeepSpeed is installed here")
