@@ -18,6 +18,7 @@ Published figures compared against (bubble relative to the ideal, busy, time; eq
 from __future__ import annotations
 
 import random
+from typing import Any, Iterator
 
 import pytest
 
@@ -62,20 +63,27 @@ def _interleaved_counts(p: int, m: int) -> bool:
     return True
 
 
-def _check_interleaved(grid: list[tuple[int, int]]) -> None:
+def _interleaved_cases(grid: list[tuple[int, int]], build_fn: Any) -> Iterator[tuple[int, int, int, Schedule]]:
+    """(p, m, v, schedule) for every v in 2..4 over ``grid``, checking that the counts that cannot
+    be split into equal rounds are refused."""
     for p, m in grid:
         for v in (2, 3, 4):
             if not _interleaved_counts(p, m):
                 with pytest.raises(ValueError, match="rounds"):
-                    interleaved_1f1b(p, m, v)
+                    build_fn(p, m, v)
                 continue
-            schedule = interleaved_1f1b(p, m, v)
+            schedule = build_fn(p, m, v)
             validate(schedule, rendezvous=False)
             assert schedule.stage_to_rank == tuple(s % p for s in range(p * v))
-            if m >= p:  # Megatron's figure holds once a round fills the pipeline
-                assert _idle_ratio(schedule, 1.0, 2.0) == pytest.approx((p - 1) / (v * m), abs=1e-9), (p, m, v)
-            else:
-                assert _idle_ratio(schedule, 1.0, 2.0) >= (p - 1) / (v * m) - 1e-9
+            yield p, m, v, schedule
+
+
+def _check_interleaved(grid: list[tuple[int, int]]) -> None:
+    for p, m, v, schedule in _interleaved_cases(grid, interleaved_1f1b):
+        if m >= p:  # Megatron's figure holds once a round fills the pipeline
+            assert _idle_ratio(schedule, 1.0, 2.0) == pytest.approx((p - 1) / (v * m), abs=1e-9), (p, m, v)
+        else:
+            assert _idle_ratio(schedule, 1.0, 2.0) >= (p - 1) / (v * m) - 1e-9
 
 
 def _check_zero_bubble(grid: list[tuple[int, int]]) -> None:
@@ -105,24 +113,17 @@ def _check_zbv(grid: list[tuple[int, int]]) -> None:
 
 
 def _check_interleaved_zero_bubble(grid: list[tuple[int, int]]) -> None:
-    for p, m in grid:
-        for v in (2, 3, 4):
-            if not _interleaved_counts(p, m):
-                with pytest.raises(ValueError, match="rounds"):
-                    interleaved_zero_bubble(p, m, v)
-                continue
-            schedule = interleaved_zero_bubble(p, m, v)
-            validate(schedule, rendezvous=False)
-            assert schedule.split_backward and schedule.stage_to_rank == tuple(s % p for s in range(p * v))
-            sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False)
-            if m >= p:
-                assert [sim.makespan - b for b in sim.busy] == pytest.approx([p - 1] * p), (p, m, v)
-                assert _idle_ratio(schedule, 1.0, 1.0, 1.0) == pytest.approx((p - 1) / (3 * v * m)), (p, m, v)
-            interleaved = interleaved_1f1b(p, m, v)
-            assert sim.makespan <= simulate(interleaved, 1.0, 2.0, rendezvous=False).makespan + 1e-9, (p, m, v)
-            assert max(peak_in_flight(schedule).values()) <= max(peak_in_flight(interleaved).values()), (p, m, v)
-            if m % p == 0:  # NCCL (rendezvous): regrouped, every multiple of p runs
-                validate(build("interleaved_zero_bubble", p, m, v, rendezvous=True))
+    for p, m, v, schedule in _interleaved_cases(grid, interleaved_zero_bubble):
+        assert schedule.split_backward
+        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False)
+        if m >= p:
+            assert [sim.makespan - b for b in sim.busy] == pytest.approx([p - 1] * p), (p, m, v)
+            assert _idle_ratio(schedule, 1.0, 1.0, 1.0) == pytest.approx((p - 1) / (3 * v * m)), (p, m, v)
+        interleaved = interleaved_1f1b(p, m, v)
+        assert sim.makespan <= simulate(interleaved, 1.0, 2.0, rendezvous=False).makespan + 1e-9, (p, m, v)
+        assert max(peak_in_flight(schedule).values()) <= max(peak_in_flight(interleaved).values()), (p, m, v)
+        if m % p == 0:  # NCCL (rendezvous): regrouped, every multiple of p runs
+            validate(build("interleaved_zero_bubble", p, m, v, rendezvous=True))
 
 
 def test_interleaved_zero_bubble_sample() -> None:
