@@ -47,12 +47,11 @@ from lightning_pipe.compatibility import check_async, check_shard, run_schedule
 from lightning_pipe.gradients import StageGradients, swap_grads
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
-from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile, in_flight_microbatches
+from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
-from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
 from lightning_pipe.partition.split import BalanceSpec, stage_bounds
-from lightning_pipe.plan.auto import plan_for_strategy
-from lightning_pipe.plan.planner import format_plans
+from lightning_pipe.plan.auto import apply_plan
+from lightning_pipe.partition.measured import measured_balance
 from lightning_pipe.precision import sync_gradient_scaler
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
@@ -400,11 +399,11 @@ class PipelineStrategy(ParallelStrategy):
             self._stage_module = layers
             return
         if self.plan == "auto" and self.num_stages > 1 and self.plan_candidates is None:
-            self._apply_plan(module, layers)
+            apply_plan(self, module, layers)
         virtual = self.virtual_stages if self.schedule_name in VIRTUAL_STAGES else 1
         positions = stage_positions(self.schedule_name, self.num_stages, virtual)
         if self.balance in MEASURED_BALANCES and len(positions) > 1:
-            balance = self._measured_balance(module, layers, virtual)
+            balance = measured_balance(self, module, layers, virtual)
         elif self.balance in MEASURED_BALANCES:
             balance = [len(layers)]
         else:
@@ -427,51 +426,6 @@ class PipelineStrategy(ParallelStrategy):
         rank_zero = self.global_rank == 0
         if rank_zero:
             log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
-
-    def _apply_plan(self, module: "pl.LightningModule", layers: nn.Sequential) -> None:
-        """``plan="auto"``: take the planner's first choice (the same on every rank)."""
-        ranked, link, profiles = plan_for_strategy(self, module, layers, all_layouts=self.plan_all_layouts)
-        self.plan_candidates = ranked
-        # the first choice of this layout: the strategy's stages x replicas are fixed, since the
-        # global batch is the DataLoader's batch x replicas (see docs/planner.md)
-        best = next(c for c in ranked if (c.depth, c.replicas) == (self.num_stages, self.num_replicas))
-        self.schedule_name, self.chunks, self.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
-        self.virtual_stages = best.virtual_stages
-        self.balance = list(best.balance)
-        self.profile = profiles[best.microbatch_size]
-        if self.global_rank == 0:
-            log.info(
-                "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",
-                1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
-            )
-
-    def _measured_balance(self, module: "pl.LightningModule", layers: nn.Sequential, virtual: int) -> list[int]:
-        """``balance="time"``/``"memory"``: global rank 0 profiles the layers on its device with the
-        first micro-batch of the run's first batch (drawn from the DataLoader here, in setup, since the
-        split must exist before the optimizers); every rank gets that profile and solves alike. The
-        profile is kept for the run (a later setup, such as test after fit, reuses the split). With
-        ``virtual`` stages per process the split is into processes x ``virtual`` stages."""
-        trainer = module.trainer
-        home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
-        in_flight = in_flight_microbatches(self.schedule_name, self.num_stages, self.num_microbatches, virtual)
-
-        def measure() -> Profile:
-            return profile_module(
-                module,
-                layers,
-                lambda: self.batch_to_device(first_batch(trainer), home),
-                self.num_microbatches,
-                self.root_device,
-                self.precision_plugin.train_step_context,
-                memory=self.balance == "memory",
-            )
-
-        if self.profile is None or len(self.profile.layers) != len(layers):
-            self.profile = agreed_profile(self.global_rank == 0, self.broadcast, measure)
-        balance = self.profile.balance(str(self.balance), len(in_flight), in_flight, self.checkpoint_mode)
-        if self.global_rank == 0:
-            log.info("lightning-pipe: balance=%s, %s", self.balance, self.profile.report(balance, in_flight, self.checkpoint_mode))
-        return balance
 
     def _setup_pipeline(self) -> None:
         module = self.lightning_module

@@ -8,6 +8,7 @@ runs the same first choice.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -17,7 +18,9 @@ import torch.distributed as dist
 
 from lightning_pipe.partition.costs import Profile
 from lightning_pipe.partition.profile import agreed_profile
-from lightning_pipe.plan.planner import Candidate, Link, plan
+from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
+
+log = logging.getLogger(__name__)
 
 
 def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Optional[Link]:
@@ -138,4 +141,23 @@ def plan_for_strategy(
     return agreed_plan(strategy.global_rank == 0, strategy.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
 
-__all__ = ["agreed_plan", "measure_link", "plan_for_strategy"]
+def apply_plan(strategy: Any, module: Any, layers: torch.nn.Sequential) -> None:
+    """``plan="auto"``: set the strategy's schedule, chunks, checkpoint mode, virtual stages,
+    balance and profile to the planner's first choice (the same on every rank) for its own
+    stages x replicas, which stay fixed: the global batch is the DataLoader's batch x replicas
+    (see docs/planner.md)."""
+    ranked, link, profiles = plan_for_strategy(strategy, module, layers, all_layouts=strategy.plan_all_layouts)
+    strategy.plan_candidates = ranked
+    best = next(c for c in ranked if (c.depth, c.replicas) == (strategy.num_stages, strategy.num_replicas))
+    strategy.schedule_name, strategy.chunks, strategy.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
+    strategy.virtual_stages = best.virtual_stages
+    strategy.balance = list(best.balance)
+    strategy.profile = profiles[best.microbatch_size]
+    if strategy.global_rank == 0:
+        log.info(
+            "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",
+            1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
+        )
+
+
+__all__ = ["agreed_plan", "apply_plan", "measure_link", "plan_for_strategy"]

@@ -80,6 +80,7 @@ class Candidate:
     microbatch_size: int = 0
     all_reduce_seconds: float = 0.0  # the slowest rank's gradient all-reduce over the replicas
     replica_batch: int = 0  # samples per replica and step (each replica's DataLoader batch); 0: not known
+    rendezvous: bool = False  # planned under NCCL's point-to-point model (its schedule regrouped where needed)
 
     @property
     def depth(self) -> int:
@@ -225,6 +226,7 @@ def _rank(
                     found[key] = Candidate(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
                         memory, fits, tuple(costs), stages, replicas, v, profile.microbatch_size, max(reduce), replica_batch,
+                        rendezvous,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 

@@ -15,7 +15,9 @@ def predicted_timelines(candidates: Sequence[Candidate], num_stages: int, top: i
     panels = []
     for i, c in enumerate(candidates[:top]):
         depth = c.stages or num_stages
-        simulation = simulate(build(c.schedule, depth, c.chunks, c.virtual_stages), stage_costs=c.stage_costs)
+        # as the planner played it: the backend's schedule under the backend's point-to-point model
+        schedule = build(c.schedule, depth, c.chunks, c.virtual_stages, rendezvous=c.rendezvous)
+        simulation = simulate(schedule, stage_costs=c.stage_costs, rendezvous=c.rendezvous)
         layout = f"{depth} stages x {c.replicas} replicas, " if c.replicas > 1 else ""
         virtual = f" (v={c.virtual_stages})" if c.virtual_stages > 1 else ""
         title = (

@@ -216,3 +216,16 @@ def test_auto_plan_profiles_a_model_built_on_the_meta_device(tmp_path: Path) -> 
     best = records[0]["plan"][0]
     for record in records:
         assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
+
+
+def test_predicted_timelines_replay_each_candidate_as_it_was_planned() -> None:
+    """gloo's placement of the V and interleaved schedules hangs under NCCL's model: the pictures
+    replay each candidate with the schedule and model it was planned with."""
+    from lightning_pipe.plan.report import predicted_timelines
+
+    for rendezvous in (False, True):
+        schedules = ("zbv", "interleaved_zero_bubble", "interleaved_1f1b")
+        ranked = plan({4: _split_profile(4)}, 2, FREE, schedules=schedules, rendezvous=rendezvous, **ONE)
+        assert ranked and all(c.rendezvous is rendezvous for c in ranked)
+        svg = predicted_timelines(ranked, 2, top=len(ranked))
+        assert all(f"#{i + 1}: {c.schedule}" in svg for i, c in enumerate(ranked))
