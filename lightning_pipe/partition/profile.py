@@ -66,14 +66,16 @@ def first_batch(trainer: Any) -> Any:
 
 def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) -> Any:
     """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
-    stopped there, before it computes or logs anything else)."""
+    stopped there, before it computes or logs anything else). Run with gradients on, as in
+    training, so that the value requires a gradient exactly where the pipeline's first stage
+    must compute one (after trainable layers outside the Sequential)."""
 
     def capture(_: nn.Module, args: tuple) -> None:
         raise _Captured(args[0])
 
     handle = layers.register_forward_pre_hook(capture)
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             module.training_step(microbatch, 0)
     except _Captured as captured:
         return captured.value
@@ -160,9 +162,12 @@ def measure_layers(
 ) -> list[LayerCost]:
     """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
     for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
-    :func:`user_optimizers`) also its optimizer state and update time."""
+    :func:`user_optimizers`) also its optimizer state and update time. A layer's input requires a
+    gradient where it would in the pipeline: where ``value`` does, or after a layer with trainable
+    parameters (the first layer on data computes no input gradient)."""
     optimizers = optimizers or {}
     costs: list[LayerCost] = []
+    flags = tuple(bool(t.requires_grad) for t in as_tuple(value)[0])
     for original in layers:
         layer, layer_optimizers = _on_device(original, device, optimizers)
         tensors, was_tuple = as_tuple(value)
@@ -174,7 +179,7 @@ def measure_layers(
         params = list(layer.parameters())
         for rep in range(warmup + repeats):
             # a fresh non-leaf copy: layers may work in place on their input (ReLU(inplace=True))
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()).clone() for t in tensors)
+            inputs = _inputs(tensors, flags)
             meter = SavedActivationMeter(params)
             _synchronize(device)
             start = time.perf_counter()
@@ -192,7 +197,7 @@ def measure_layers(
             if rep >= warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
-        input_backward, weight_backward = _split_backward(layer, tensors, was_tuple, warmup, repeats, context)
+        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, warmup, repeats, context)
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -214,6 +219,7 @@ def measure_layers(
         )
         for p in params:
             p.grad = None
+        flags = tuple(bool(t.requires_grad) for t in output)
         value = from_tuple(tuple(t.detach() for t in output), isinstance(out, (tuple, list)))
         if layer is original:
             layer.to(home_of(original))
@@ -246,9 +252,15 @@ def _on_device(
     return real, settings
 
 
+def _inputs(tensors: tuple[Tensor, ...], flags: tuple[bool, ...]) -> tuple[Tensor, ...]:
+    """Fresh copies of ``tensors``, requiring a gradient where ``flags`` say (floating point only)."""
+    return tuple(t.detach().requires_grad_(flag and t.is_floating_point()).clone() for t, flag in zip(tensors, flags))
+
+
 def _split_backward(
     layer: nn.Module,
     tensors: tuple[Tensor, ...],
+    flags: tuple[bool, ...],
     was_tuple: bool,
     warmup: int,
     repeats: int,
@@ -264,7 +276,7 @@ def _split_backward(
     weights: list[float] = []
     try:
         for rep in range(warmup + repeats):
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()).clone() for t in tensors)
+            inputs = _inputs(tensors, flags)
             with fused_linear.accumulating():
                 with context():
                     out = layer(from_tuple(inputs, was_tuple))
@@ -299,13 +311,14 @@ def _to_meta(value: Any) -> Any:
 
 
 def _random_like(value: Any, device: torch.device) -> Any:
-    """Tensors of ``value``'s shapes and dtypes with storage on ``device``: normal floats, zero
-    integers (valid indices), true booleans (masks that keep everything)."""
+    """Tensors of ``value``'s shapes and dtypes with storage on ``device``: normal floats (requiring
+    a gradient where ``value``'s do), zero integers (valid indices), true booleans (masks that keep
+    everything)."""
     tensors, was_tuple = as_tuple(value)
     real = []
     for t in tensors:
         if t.is_floating_point() or t.is_complex():
-            real.append(torch.randn(t.shape, dtype=t.dtype, device=device))
+            real.append(torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad))
         elif t.dtype == torch.bool:
             real.append(torch.ones(t.shape, dtype=t.dtype, device=device))
         else:

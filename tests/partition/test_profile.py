@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
-from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module
-from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, loader
+from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module, sequential_input
+from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, WrappedNet, loader
 from tests.pipeline import fit_pipeline
 
 
@@ -118,6 +118,23 @@ def test_split_backward_is_measured_as_b_and_w() -> None:
     assert "forward" not in layers[0].__dict__ and "forward" not in layers[2].__dict__  # the runtime's forwards removed again
     assert all(p.grad is None for p in layers.parameters())
     assert LayerCost(1.0, 2.0, 0, 0, 0, 0, 0, 0).split_backward == (2.0, 0.0)  # not measured: all of it is B
+
+
+def test_the_first_layer_on_data_computes_no_input_gradient() -> None:
+    """As in the pipeline: the first stage computes no gradient for data, but does for an input
+    that trainable layers outside the Sequential produced."""
+    torch.set_num_threads(1)
+    layers = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    x = torch.randn(128, 1024)
+    on_data = measure_layers(layers, x, torch.device("cpu"), warmup=1, repeats=5)
+    after_outside = measure_layers(layers, x.requires_grad_(), torch.device("cpu"), warmup=1, repeats=5)
+    assert on_data[0].input_backward < 0.5 * on_data[1].input_backward  # no input-gradient product
+    assert after_outside[0].input_backward > 0.5 * after_outside[1].input_backward
+    assert on_data[0].weight_backward > 0 and on_data[1].input_backward > 0  # W, and later layers, as before
+    tiny = TinyNet()
+    assert sequential_input(tiny, tiny.layers, next(iter(loader(8, 4)))).requires_grad is False
+    wrapped = WrappedNet()
+    assert sequential_input(wrapped, wrapped.blocks, next(iter(loader(8, 4)))).requires_grad is True
 
 
 def test_profiling_leaves_no_trace() -> None:
