@@ -28,6 +28,22 @@ Pending = dict[nn.Parameter, Optional[Tensor]]
 Tie = tuple[Any, nn.Parameter, bool]
 
 
+def tie_groups(
+    ties: Sequence[dict[int, str]], rank_of: Any, num_replicas: int, stage: int, replica: int, stage_module: nn.Module
+) -> list[Tie]:
+    """This rank's :data:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
+    holds. Every rank takes part in creating every tie's group, one per replica (``rank_of(stage,
+    replica)`` gives a global rank), as ``torch.distributed.new_group`` requires."""
+    local_params = dict(stage_module.named_parameters())
+    found: list[Tie] = []
+    for tie in ties:
+        for r in range(num_replicas):
+            group = dist.new_group([rank_of(s, r) for s in sorted(tie)])
+            if stage in tie and r == replica:
+                found.append((group, local_params[tie[stage]], stage == min(tie)))
+    return found
+
+
 def swap_grads(module: nn.Module, replacement: Pending) -> Pending:
     """Give ``module``'s parameters the gradients in ``replacement`` (None for those missing) and
     return the ones they had."""
@@ -202,4 +218,4 @@ class StageGradients:
         return total
 
 
-__all__ = ["Pending", "StageGradients", "Tie", "swap_grads"]
+__all__ = ["Pending", "StageGradients", "Tie", "swap_grads", "tie_groups"]

@@ -44,7 +44,7 @@ from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_b
 from lightning_pipe import failures
 from lightning_pipe.arguments import check_arguments
 from lightning_pipe.compatibility import check_async, check_shard, run_schedule
-from lightning_pipe.gradients import StageGradients, swap_grads
+from lightning_pipe.gradients import StageGradients, Tie, swap_grads, tie_groups
 from lightning_pipe.launcher import PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
@@ -197,7 +197,7 @@ class PipelineStrategy(ParallelStrategy):
         self._gradients: Optional[StageGradients] = None
         self._shared: list[nn.Parameter] = []
         self._ties: list[dict[int, str]] = []  # weights shared by layers of different stages
-        self._tie_groups: Optional[list[tuple[Any, nn.Parameter, bool]]] = None
+        self._tie_groups: Optional[list[Tie]] = None
         self._meta_group: Any = None
         self._agreement: Optional[BatchAgreement] = None
         self._scaler: Optional[torch.amp.GradScaler] = None
@@ -437,14 +437,9 @@ class PipelineStrategy(ParallelStrategy):
             self._meta_group = self._topology.meta_group
         topology = self._topology
         if self._tie_groups is None:
-            self._tie_groups = []
-            local = dict(self._stage_module.named_parameters())
-            for tie in self._ties:
-                for replica in range(self.num_replicas):  # every rank takes part in creating every group
-                    ranks = [self.layout.rank(s, replica) for s in sorted(tie)]
-                    group = dist.new_group(ranks)
-                    if self.stage in tie and replica == self.replica:
-                        self._tie_groups.append((group, local[tie[self.stage]], self.stage == min(tie)))
+            self._tie_groups = tie_groups(
+                self._ties, self.layout.rank, self.num_replicas, self.stage, self.replica, self._stage_module
+            )
         if self._gradients is not None:
             self._gradients.close()
         if self.sharded and self._sharded is None:
@@ -480,10 +475,10 @@ class PipelineStrategy(ParallelStrategy):
         split = not is_async(self.schedule_name) and self._schedule(self.schedule_name, self.num_microbatches).split_backward
         if self._sharded is not None:
             pass  # FSDP2 accumulates the micro-batches' gradients itself
-        elif self.gradient_accumulation_fusion or split:  # a split backward's W is these layers' deferred work
+        elif split:  # W is these layers' deferred work
+            self._fused_layers = deferred_conv.install_split(self._stage_module)
+        elif self.gradient_accumulation_fusion:
             self._fused_layers = fused_linear.install(self._stage_module)
-            if split:
-                self._fused_layers += deferred_conv.install(self._stage_module)
         if versions is None and self._sharded is None and not split:
             # the readiness hooks fire in B, while deferred weight gradients are complete only after
             # W: a split backward's replicas average after the step's last W
@@ -700,8 +695,7 @@ class PipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             self._finish_pending()
-        fused_linear.uninstall(self._fused_layers)
-        deferred_conv.uninstall(self._fused_layers)
+        deferred_conv.uninstall_split(self._fused_layers)
         self._fused_layers = []
         if self._gradients is not None:
             self._gradients.close()

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile
-from lightning_pipe.partition.materialize import allocate, has_meta_tensors, reset
+from lightning_pipe.partition.materialize import allocate, check_initializable, has_meta_tensors, reset
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
@@ -197,7 +197,7 @@ def measure_layers(
             if rep >= warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
-        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, warmup, repeats, context)
+        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, device, warmup, repeats, context)
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -236,18 +236,15 @@ def _on_device(
 ) -> tuple[nn.Module, dict[int, tuple[type, dict[str, Any]]]]:
     """``layer`` on ``device`` for measuring, and the optimizer settings of its parameters. A layer
     built on the meta device is measured as a temporary copy given storage and initialised as
-    its modules define it (as the pipeline initialises it; values matter little to timings)."""
+    its modules define it, as the pipeline will (a module that cannot be is refused as the
+    pipeline refuses it)."""
     if not has_meta_tensors(layer):
         layer.to(device)
         return layer, optimizers
+    check_initializable(layer)
     real = copy.deepcopy(layer)
     allocate(list(real.modules()), device)
-    try:
-        reset(real)
-    except TypeError:  # no reset_parameters(): any values time alike
-        with torch.no_grad():
-            for t in real.parameters():
-                t.normal_(0.0, 0.02)
+    reset(real)
     settings = {id(r): optimizers[id(o)] for r, o in zip(real.parameters(), layer.parameters()) if id(o) in optimizers}
     return real, settings
 
@@ -262,6 +259,7 @@ def _split_backward(
     tensors: tuple[Tensor, ...],
     flags: tuple[bool, ...],
     was_tuple: bool,
+    device: torch.device,
     warmup: int,
     repeats: int,
     context: Callable[[], ContextManager[Any]],
@@ -271,7 +269,7 @@ def _split_backward(
     inside :func:`weight_store.deferring`, W running the work it deferred (0 where nothing was)."""
     from lightning_pipe.runtime import deferred_conv, fused_linear, weight_store
 
-    installed = fused_linear.install(layer) + deferred_conv.install(layer)
+    installed = deferred_conv.install_split(layer)
     inputs_b: list[float] = []
     weights: list[float] = []
     try:
@@ -281,22 +279,21 @@ def _split_backward(
                 with context():
                     out = layer(from_tuple(inputs, was_tuple))
                 needing = [t for t in as_tuple(out)[0] if t.requires_grad]
-                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                _synchronize(device)
                 start = time.perf_counter()
                 with weight_store.deferring() as works:
                     if needing:
                         torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
-                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                _synchronize(device)
                 middle = time.perf_counter()
                 weight_store.run(works)
-                _synchronize(tensors[0].device if tensors else torch.device("cpu"))
+                _synchronize(device)
                 end = time.perf_counter()
             if rep >= warmup:
                 inputs_b.append(middle - start)
                 weights.append(end - middle if works else 0.0)
     finally:
-        fused_linear.uninstall(installed)
-        deferred_conv.uninstall(installed)
+        deferred_conv.uninstall_split(installed)
     return statistics.median(inputs_b), statistics.median(weights)
 
 

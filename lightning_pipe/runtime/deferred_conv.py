@@ -115,3 +115,15 @@ def install(module: nn.Module) -> list[nn.Module]:
 def uninstall(layers: list[nn.Module]) -> None:
     """Give the layers back their own forward."""
     fused_linear.uninstall_forward(layers, _Forward)
+
+
+def install_split(module: nn.Module) -> list[nn.Module]:
+    """The forwards a split backward runs with: every plain ``nn.Linear`` and convolution of
+    ``module`` defers its weight-gradient product to W. Returns the layers, for :func:`uninstall_split`."""
+    return fused_linear.install(module) + install(module)
+
+
+def uninstall_split(layers: list[nn.Module]) -> None:
+    """Give the layers of :func:`install_split` (or of :func:`fused_linear.install`) back their forward."""
+    fused_linear.uninstall(layers)
+    uninstall(layers)
