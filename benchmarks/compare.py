@@ -49,7 +49,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -62,13 +61,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import deepspeed_runner  # noqa: E402
-from step_time import MLP, StepTimer, intervals  # noqa: E402
+from workload import MODELS, STAGES, build_module, data, free_port  # noqa: E402
+from step_time import StepTimer, intervals  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
@@ -76,30 +76,8 @@ from lightning_pipe.partition.virtual import stage_positions  # noqa: E402
 from lightning_pipe.schedules import VIRTUAL_STAGES  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 
-MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
-    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2, "paired_rounds": 0},
-}
-STAGES = 2
 UNFUSED = "_unfused"  # a lightning-pipe contender without gradient-accumulation fusion
 DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
-
-
-def build_module(model: str) -> L.LightningModule:
-    torch.manual_seed(0)
-    if model == "mlp":
-        return MLP(1024, 8)
-    from lightning_pipe.recipes.vgg import VGGClassifier
-
-    return VGGClassifier(depth=19, batch_norm=True, num_classes=100)
-
-
-def data(model: str, batch: int, batches: int) -> DataLoader:
-    spec = MODELS[model]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch * batches, *spec["features"], generator=g)
-    y = torch.randint(0, spec["classes"], (batch * batches,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch)
 
 
 def _trainer_args(steps: int, callbacks: list) -> dict[str, Any]:
@@ -152,12 +130,6 @@ def run_lightning(model: str, contender: str, steps: int, warmup: int, folder: s
     fit_isolated(model, contender, steps, [StepTimer(path, warmup, every)])
     with open(path) as f:
         return json.load(f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int, port: int, path: str) -> None:
@@ -214,7 +186,7 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
 def run_torch(model: str, contender: str, steps: int, warmup: int, folder: str) -> list[float]:
     path = os.path.join(folder, "times.json")
     mp.start_processes(
-        _torch_worker, args=(model, contender[len("torch_") :], steps, warmup, _free_port(), path), nprocs=STAGES, start_method="fork"
+        _torch_worker, args=(model, contender[len("torch_") :], steps, warmup, free_port(), path), nprocs=STAGES, start_method="fork"
     )
     with open(path) as f:
         return json.load(f)

@@ -71,8 +71,8 @@ def _pipeline_module() -> type:
 
 
 def _micro_batches(model: str, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """compare.data's batches, each cut into ``chunks`` micro-batches as torch's schedules do."""
-    from compare import MODELS, data
+    """workload.data's batches, each cut into ``chunks`` micro-batches as torch's schedules do."""
+    from workload import MODELS, data
 
     spec: dict[str, Any] = MODELS[model]
     for x, y in data(model, spec["batch"], steps):
@@ -80,7 +80,7 @@ def _micro_batches(model: str, steps: int) -> Iterator[tuple[torch.Tensor, torch
 
 
 def _worker(rank: int, model: str, steps: int, warmup: int, port: int, folder: str) -> None:
-    from compare import MODELS, STAGES, build_module
+    from workload import MODELS, STAGES, build_module
     from step_time import intervals
 
     from lightning_pipe.partition import resolve_balance, stage_layers
@@ -145,8 +145,8 @@ def run_deepspeed(model: str, contender: str, steps: int, warmup: int, folder: s
     reason = available()
     if reason is not None:
         raise RuntimeError(reason)
-    from compare import STAGES, _free_port
+    from workload import STAGES, free_port
 
-    mp.start_processes(_worker, args=(model, steps, warmup, _free_port(), folder), nprocs=STAGES, start_method="fork")
+    mp.start_processes(_worker, args=(model, steps, warmup, free_port(), folder), nprocs=STAGES, start_method="fork")
     with open(os.path.join(folder, "times.json")) as f:
         return json.load(f)
