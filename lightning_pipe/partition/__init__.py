@@ -1,12 +1,11 @@
 """Partitioning: balance solvers over cost lists and splitting a Sequential into stages."""
 
-from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance
+from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
 from lightning_pipe.partition.split import (
     BALANCE_MODES,
     find_sequential,
     parameter_costs,
     resolve_balance,
-    stage_bounds,
     stage_layers,
     tied_parameters,
 )

@@ -95,3 +95,12 @@ def _solve(n: int, stages: int, combine, stage_cost: StageCost, limit: float) ->
         balance.append(i - j)
         i = j
     return best[stages][n], balance[::-1]
+
+
+def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` layer indices of each stage."""
+    bounds, start = [], 0
+    for count in balance:
+        bounds.append((start, start + count))
+        start += count
+    return bounds

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_pipe.schedules import build, is_async, peak_in_flight
-from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform
+from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform, stage_bounds
 
 MEASURED_BALANCES = ("time", "memory")
 
@@ -67,11 +67,11 @@ class Profile:
 
     def stage_seconds(self, balance: Sequence[int], checkpoint: str = "never") -> list[float]:
         costs = self.time_costs(checkpoint)
-        return [sum(costs[a:b]) for a, b in _bounds(balance)]
+        return [sum(costs[a:b]) for a, b in stage_bounds(balance)]
 
     def stage_bytes(self, balance: Sequence[int], in_flight: Sequence[int], checkpoint: str = "never") -> list[int]:
         """Peak bytes of each stage with ``in_flight[s]`` micro-batches' activations held on stage s."""
-        return [self._stage_memory(s, a, b, in_flight, checkpoint) for s, (a, b) in enumerate(_bounds(balance))]
+        return [self._stage_memory(s, a, b, in_flight, checkpoint) for s, (a, b) in enumerate(stage_bounds(balance))]
 
     def _stage_memory(self, stage: int, start: int, stop: int, in_flight: Sequence[int], checkpoint: str) -> int:
         layers = self.layers[start:stop]
@@ -118,14 +118,6 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
         return [num_stages - s for s in range(num_stages)]
     peaks = peak_in_flight(build(schedule, num_stages, num_microbatches, virtual_stages))
     return [peaks.get(s, 0) for s in range(num_stages * virtual_stages)]
-
-
-def _bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
-    bounds, start = [], 0
-    for count in balance:
-        bounds.append((start, start + count))
-        start += count
-    return bounds
 
 
 __all__ = ["LayerCost", "MEASURED_BALANCES", "Profile", "in_flight_microbatches"]

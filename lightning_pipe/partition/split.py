@@ -7,7 +7,7 @@ from typing import Sequence, Union
 
 from torch import nn
 
-from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance
+from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
 
 BalanceSpec = Union[str, Sequence[int]]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
@@ -68,15 +68,6 @@ def resolve_balance(balance: BalanceSpec, layers: nn.Sequential, num_stages: int
     if num_layers < num_stages:
         balance_uniform(num_layers, num_stages)  # raises the "more stages than layers" error
     return check_balance(balance, num_layers, num_stages)
-
-
-def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` layer indices of each stage."""
-    bounds, start = [], 0
-    for count in balance:
-        bounds.append((start, start + count))
-        start += count
-    return bounds
 
 
 def stage_layers(layers: nn.Sequential, balance: Sequence[int], stage: int) -> "OrderedDict[str, nn.Module]":
