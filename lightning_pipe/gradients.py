@@ -104,10 +104,10 @@ class StageGradients:
             self.reducer.remove()
             self.reducer = None
 
-    def begin(self) -> None:
-        """A step's backwards start (all ``.grad`` are None now)."""
+    def begin(self, microbatches: int) -> None:
+        """A step's backwards of ``microbatches`` micro-batches start (all ``.grad`` are None now)."""
         if self.reducer is not None:
-            self.reducer.start()
+            self.reducer.start(microbatches)
             self._reducing = True
 
     def take(self, module: nn.Module, saved: Pending) -> None:

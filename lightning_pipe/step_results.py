@@ -2,8 +2,10 @@
 
 On the last stage the user's step runs for each micro-batch. Its ``self.log`` calls are recorded
 instead of reaching Lightning; after the batch, each value's mean over the micro-batches
-(weighted by micro-batch size, so it equals the whole batch's mean for mean-reduced values) is
-sent to every rank and logged there once, so ``trainer.callback_metrics`` agree everywhere.
+(weighted by micro-batch size, so it equals the whole batch's mean for mean-reduced values; by
+the ``batch_size`` given to ``self.log`` where every micro-batch gave one, as Lightning weights
+epoch means by it) is sent to every rank and logged there once, so ``trainer.callback_metrics``
+agree everywhere.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 class _Logged:
     weighted_sum: Union[float, Tensor] = 0.0  # a tensor stays on its device until the step's end
     weight: float = 0.0
-    batch_size: Optional[int] = None
+    batch_size: Optional[int] = None  # the sum of the batch sizes given to self.log
+    sized_sum: Union[float, Tensor] = 0.0  # values times the batch sizes given to self.log
+    calls: int = 0
+    sized_calls: int = 0
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def mean(self) -> float:
+        """Weighted by the given batch sizes where every call gave one, else by micro-batch size."""
+        if self.sized_calls == self.calls and self.batch_size:
+            return float(self.sized_sum) / self.batch_size
+        return float(self.weighted_sum) / self.weight
 
 
 class StepRecorder:
@@ -72,9 +83,12 @@ class StepRecorder:
         entry = self.logged.setdefault(name, _Logged())
         entry.weighted_sum += scalar * weight
         entry.weight += weight
+        entry.calls += 1
         size = arguments.pop("batch_size", None)
         if size is not None:
             entry.batch_size = (entry.batch_size or 0) + int(size)
+            entry.sized_sum += scalar * int(size)
+            entry.sized_calls += 1
         entry.kwargs = arguments
 
     def log_local(self, module: "pl.LightningModule") -> None:
@@ -103,7 +117,7 @@ class StepRecorder:
             kwargs = dict(entry.kwargs)
             if entry.batch_size is not None:
                 kwargs["batch_size"] = entry.batch_size
-            logs.append((name, float(entry.weighted_sum) / entry.weight, kwargs))
+            logs.append((name, entry.mean(), kwargs))
         return {"loss": loss, "logs": logs}
 
 

@@ -189,6 +189,37 @@ def test_buckets_are_sent_while_the_backward_runs(tmp_path, fusion: bool) -> Non
         assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
 
 
+def _changing_batches() -> torch.utils.data.DataLoader:
+    """Batches of changing sizes, as a sampler with a token budget gives, starting with a short one:
+    2, 3, 3, 3, 3, 1, 3 micro-batches under chunks=3. A batch sampler of the user's own is read whole
+    by every replica."""
+    sizes, start, batches = [2, 12, 12, 5, 12, 1, 12], 0, []
+    for size in sizes:
+        batches.append(list(range(start, start + size)))
+        start += size
+    return torch.utils.data.DataLoader(loader().dataset, batch_sampler=batches)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_replicas_train_with_changing_micro_batch_counts(tmp_path, schedule: str) -> None:
+    """A short first batch, then full and short ones: each step expects its own number of gradient
+    accumulations; the weights equal plain training's, and from the second step on every bucket's
+    all-reduce starts inside the backward (schedules that average after the backward have no buckets)."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet())
+    fit_plain(reference, _changing_batches(), max_steps=7)
+    overlapped = schedule in ("gpipe", "1f1b", "interleaved_1f1b")
+    fit_pipeline(
+        piped, 4, data=_changing_batches(), stages=2, schedule=schedule, chunks=3, max_steps=7,
+        callbacks=[_SmallBuckets(str(tmp_path))] if overlapped else [],
+    )  # fmt: skip
+    assert_same_weights(reference, piped)
+    for rank in range(4 if overlapped else 0):
+        history = json.loads((tmp_path / f"buckets{rank}.json").read_text())
+        assert len(history) == 7 and history[0][0] == 0
+        assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
+
+
 @pytest.mark.parametrize(
     "schedule, stages", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zero_bubble", 2), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2)]
 )

@@ -1,17 +1,22 @@
-"""Validation, predict and checkpoints with data-parallel replicas of the pipeline: a 2 x 2
-checkpoint resumes exactly under 2 x 2 and loads under 4 x 1 and 1 x 4."""
+"""Validation, predict and checkpoints with data-parallel replicas of the pipeline: evaluation
+counts every sample once, as plain Lightning does; a 2 x 2 checkpoint resumes exactly under 2 x 2
+and loads under 4 x 1 and 1 x 4."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_pipe.checkpoint import consolidate
-from tests.models import LifecycleNet, RecordMetrics, fit_plain, loader, plain_trainer
+from tests.models import LifecycleNet, RecordMetrics, dataset, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -19,7 +24,8 @@ EPOCH = {"max_steps": -1}
 
 
 def _val(batch_size: int) -> torch.utils.data.DataLoader:
-    return loader(n=20, batch_size=batch_size, seed=5)
+    """21 samples: with 2 replicas of batch 5 the last step has one sample, on one replica."""
+    return loader(n=21, batch_size=batch_size, seed=5)
 
 
 def _trained(initial: dict, epochs: int) -> LifecycleNet:
@@ -63,6 +69,83 @@ def test_replicas_validate_checkpoint_resume_under_other_layouts_and_predict(tmp
     predictions = pipeline_trainer(4, stages=2, chunks=2).predict(resumed, loader(batch_size=12))
     assert predictions is not None and len(predictions) == 6
     torch.testing.assert_close(torch.cat(predictions), expected_out, rtol=1e-4, atol=1e-6)
+
+
+class _EvalNet(LifecycleNet):
+    """Logs a per-sample mean, and a mean over "tokens" (1 to 3 per sample) with their count as
+    ``batch_size``, which Lightning's epoch mean weights by; keeps the samples it validated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated: list[float] = []
+
+    def _evaluate(self, kind: str, batch: Any) -> None:
+        x, y = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if kind == "val":
+            self.validated += x[:, 0].tolist()
+        tokens = (y + 1).float()
+        self.log(f"{kind}_loss", losses.mean())
+        self.log(f"{kind}_per_token", (losses * tokens).sum() / tokens.sum(), batch_size=int(tokens.sum()))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("test", batch)
+
+
+class _EvaluationMetrics(L.Callback):
+    """Each rank's ``callback_metrics`` after validation and after test, in ``<folder>/<kind><rank>.json``
+    (after validation, with the samples the rank's validation steps saw)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def _write(self, trainer: L.Trainer, kind: str) -> None:
+        values: dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if kind == "validation":
+            values["validated"] = trainer.lightning_module.validated
+        (Path(self.folder) / f"{kind}{trainer.global_rank}.json").write_text(json.dumps(values))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "validation")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "test")
+
+
+@pytest.mark.parametrize(
+    "stages, drop_last, mode",
+    [(2, False, "replicate"), (1, False, "replicate"), (2, True, "replicate"), (2, False, "shard")],
+    ids=["2x2", "1x4", "2x2-drop_last", "2x2-shard"],
+)
+def test_evaluation_with_replicas_counts_every_sample_once(tmp_path: Path, stages: int, drop_last: bool, mode: str) -> None:
+    """21 samples in batches of 5: the replicas split them without repeating any (the last step has
+    one sample, on one replica; the others skip it, or under ``shard`` run its forward on a padding
+    sample and count nothing), and every rank's epoch means equal plain Lightning's."""
+    torch.manual_seed(0)
+    model = _EvalNet()
+
+    def data() -> DataLoader:
+        return DataLoader(dataset(21, seed=5), batch_size=5, drop_last=drop_last)
+
+    expected = {**plain_trainer().validate(model, data(), verbose=False)[0], **plain_trainer().test(model, data(), verbose=False)[0]}
+    assert len(expected) == 4
+    model.validated = []
+    trainer = pipeline_trainer(4, stages=stages, chunks=2, data_parallel=mode, callbacks=[_EvaluationMetrics(str(tmp_path))])
+    trainer.validate(model, data(), verbose=False)
+    trainer.test(model, data(), verbose=False)
+    validated = []
+    for rank in range(4):
+        seen = {**json.loads((tmp_path / f"validation{rank}.json").read_text()), **json.loads((tmp_path / f"test{rank}.json").read_text())}
+        for name, value in expected.items():
+            assert seen[name] == pytest.approx(value, rel=1e-6), (rank, name, seen[name], value)
+        validated += seen["validated"]  # only a last stage's steps get past the model's forward
+    samples = data().dataset.tensors[0][: 20 if drop_last else 21, 0].tolist()
+    # each once; a padding step runs no step, except under shard: there replica 1 runs its first sample again
+    padding = [samples[1]] if mode == "shard" and not drop_last else []
+    assert sorted(validated) == sorted(samples + padding)
 
 
 def test_bf16_mixed_with_replicas_matches_plain_bf16() -> None:

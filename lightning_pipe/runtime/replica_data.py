@@ -1,22 +1,29 @@
 """Each data-parallel replica of the pipeline reads its own part of every step.
 
-The DataLoader's sampler is replaced by a ``DistributedSampler`` over the ``d`` replicas, as
-Lightning does for DDP (shuffled when the user's sampler shuffled, seeded by ``seed_everything``'s
-seed and reshuffled per epoch through ``set_epoch``, which Lightning's loops call). All stages of
-one replica build the same sampler, so they read the same indices in the same order; a
-``DistributedSampler`` draws from no process state, so the pipeline's shared sample order
+Training: the DataLoader's sampler is replaced by a ``DistributedSampler`` over the ``d`` replicas,
+as Lightning does for DDP (shuffled when the user's sampler shuffled, seeded by
+``seed_everything``'s seed and reshuffled per epoch through ``set_epoch``, which Lightning's loops
+call). All stages of one replica build the same sampler, so they read the same indices in the same
+order; a ``DistributedSampler`` draws from no process state, so the pipeline's shared sample order
 (:mod:`lightning_pipe.runtime.sampling`) leaves it alone. The global batch is ``d`` times the
 DataLoader's batch size.
 
+Evaluation (validation, test): a ``DistributedSampler`` would pad the replicas' parts to equal
+sizes with repeated samples, which then count twice in the metrics. :class:`EvaluationShare`
+splits the samples without repeating any; a replica that runs out of samples before the others
+gets one-sample padding batches, so that the replicas still step together (their step summaries
+are combined every step), and skips them (:func:`is_padding`). :func:`combine_over_replicas` then
+weights each replica's means by its real sample count and logs the step's global count as
+``batch_size``, which is what Lightning weights the epoch means by: every sample counts once, as
+in plain training on one process.
+
 Samplers other than the plain sequential and random ones are kept as given: every replica then
 reads them whole (each pipeline keeps its own shared order), and the replicas do not split the data.
-
-:func:`mean_over_replicas` averages a step's summary (loss and logged means) over the replicas, so
-what Lightning sees is the mean over the global batch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
@@ -25,17 +32,22 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 
-def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> Optional[DistributedSampler]:
-    """The ``DistributedSampler`` that replaces ``dataloader``'s sampler, or None where the
-    DataLoader is left as it is (one replica, an iterable dataset, a custom sampler)."""
+def _splittable(dataloader: DataLoader, num_replicas: int) -> bool:
+    """Whether the replicas split ``dataloader`` (not: one replica, an iterable dataset, a custom sampler)."""
     if num_replicas == 1 or isinstance(dataloader.dataset, IterableDataset):
-        return None
-    sampler = dataloader.sampler
+        return False
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return False
+    return type(dataloader.sampler) in (SequentialSampler, RandomSampler)
+
+
+def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> Optional[DistributedSampler]:
+    """The ``DistributedSampler`` that replaces a training ``dataloader``'s sampler, or None where
+    the DataLoader is left as it is (see :func:`_splittable`)."""
+    if not _splittable(dataloader, num_replicas):
         return None
-    if type(sampler) not in (SequentialSampler, RandomSampler):
-        return None
+    sampler = dataloader.sampler
     return DistributedSampler(
         dataloader.dataset,
         num_replicas=num_replicas,
@@ -45,39 +57,125 @@ def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> 
     )
 
 
+class EvaluationShare(BatchSampler):
+    """Replica ``replica``'s batches of an evaluation DataLoader over ``num_samples`` samples: the
+    samples ``replica, replica + d, ...`` (none repeated; with ``drop_last``, only the samples that
+    plain training's full batches hold), in batches of ``batch_size``, followed by one-sample
+    padding batches up to the number of batches of the replica with the most, so that every
+    replica runs the same number of steps. Iterating it draws nothing at random (the stages of a
+    replica read the same batches)."""
+
+    def __init__(self, num_samples: int, batch_size: int, drop_last: bool, num_replicas: int, replica: int) -> None:
+        kept = num_samples - num_samples % batch_size if drop_last else num_samples
+        indices = list(range(replica, kept, num_replicas))
+        super().__init__(indices, batch_size, drop_last=False)
+        #: this replica's batches that hold samples; the ones after them are padding
+        self.real_batches = math.ceil(len(indices) / batch_size)
+        self.steps = math.ceil(math.ceil(kept / num_replicas) / batch_size)
+        self._padding = [indices[0] if indices else 0]
+
+    def __iter__(self) -> Any:
+        yield from super().__iter__()
+        for _ in range(self.steps - self.real_batches):
+            yield list(self._padding)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def is_padding(self, batch_idx: int) -> bool:
+        """Whether batch ``batch_idx`` only keeps this replica in step with the others."""
+        return batch_idx >= self.real_batches
+
+
 def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
-    """``dataloader`` rebuilt with :func:`replica_sampler` (Lightning's own re-instantiation, which
-    keeps the user's DataLoader arguments), or unchanged."""
+    """``dataloader`` rebuilt for this replica (Lightning's own re-instantiation, which keeps the
+    user's DataLoader arguments): with :func:`replica_sampler` for training, with an
+    :class:`EvaluationShare` for evaluation (``mode``: Lightning's ``RunningStage``); or unchanged."""
     if not isinstance(dataloader, DataLoader):
-        return dataloader
-    sampler = replica_sampler(dataloader, num_replicas, replica)
-    if sampler is None:
         return dataloader
     from lightning.pytorch.utilities.data import _update_dataloader
 
+    if mode is not None and mode.evaluating:
+        if not _splittable(dataloader, num_replicas):
+            return dataloader
+        size, drop_last = dataloader.batch_size, dataloader.drop_last
+        assert size is not None  # a plain BatchSampler has one
+        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
+        share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
+        # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
+        object.__setattr__(rebuilt, "batch_sampler", share)
+        return rebuilt
+    sampler = replica_sampler(dataloader, num_replicas, replica)
+    if sampler is None:
+        return dataloader
     return _update_dataloader(dataloader, sampler, mode=mode)
 
 
-def mean_over_replicas(summary: dict[str, Any], group: Any, device: torch.device) -> dict[str, Any]:
-    """The step summary's loss and logged values averaged over the replicas in ``group`` (every
-    replica's last stage, which computed them). Every replica logs the same names per step."""
-    values = [summary["loss"] if summary["loss"] is not None else 0.0] + [value for _, value, _ in summary["logs"]]
-    flat = torch.tensor(values, dtype=torch.float64, device=device)
-    size = torch.tensor([float(len(values))], dtype=torch.float64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    if any(int(s.item()) != len(values) for s in sizes):
+def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
+    """Whether the running evaluation step is a padding step of this replica's
+    :class:`EvaluationShare`. The loader comes from the running evaluation loop (the Trainer's
+    ``val_dataloaders`` would still give ``fit``'s in a later ``validate``)."""
+    loaders = trainer._evaluation_loop._combined_loader.flattened
+    share = getattr(loaders[dataloader_idx], "batch_sampler", None) if dataloader_idx < len(loaders) else None
+    return isinstance(share, EvaluationShare) and share.is_padding(batch_idx)
+
+
+#: A step summary with nothing in it: a replica's padding step
+EMPTY: dict[str, Any] = {"loss": None, "logs": []}
+
+
+def combine_over_replicas(
+    summary: dict[str, Any], group: Any, device: torch.device, samples: Optional[int] = None
+) -> dict[str, Any]:
+    """The step summary's loss and logged values over the replicas in ``group`` (every replica's
+    last stage, which computed them).
+
+    Each value is weighted by the ``batch_size`` it was logged with where the step gave one, else by
+    ``samples``, the replica's real sample count (evaluation; 0 on a padding step, whose replica
+    takes the other replicas' names); ``samples=None`` (training, where every replica's batch has
+    the same size) weights the replicas equally. In evaluation each value is logged with the step's
+    global sample count as ``batch_size``, so that Lightning's epoch means count every sample once."""
+    weight = 1.0 if samples is None else float(samples)
+    has_loss = summary["loss"] is not None
+    header = torch.tensor([float(len(summary["logs"])), float(has_loss), weight], dtype=torch.float64, device=device)
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(headers, header, group=group)
+    rows = [h.tolist() for h in headers]
+    with_data = [i for i, row in enumerate(rows) if samples is None or row[2] > 0]
+    shapes = {(int(rows[i][0]), bool(rows[i][1])) for i in with_data}
+    if len(shapes) > 1:
         raise RuntimeError(
             "The data-parallel replicas logged different values in one step (counts "
-            f"{[int(s.item()) for s in sizes]}). Under data parallelism every replica must log the same names "
+            f"{[int(row[0]) for row in rows]}). Under data parallelism every replica must log the same names "
             "in each step."
         )
+    structure = [(name, kwargs) for name, _, kwargs in summary["logs"]]
+    if 0 < len(with_data) < len(rows):  # a replica without samples in this step takes the others' names
+        box = [(structure, has_loss)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, with_data[0]), group=group)
+        structure, has_loss = box[0]  # type: ignore[misc]
+    flat = torch.zeros(2 + 2 * len(structure), dtype=torch.float64, device=device)
+    if weight > 0:
+        flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
+        for i, (_, value, kwargs) in enumerate(summary["logs"]):
+            logged = float(kwargs.get("batch_size", weight))
+            flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
     dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    means = flat.tolist()
-    loss = means[0] if summary["loss"] is not None else None
-    logs = [(name, mean, kwargs) for (name, _, kwargs), mean in zip(summary["logs"], means[1:])]
-    return {**summary, "loss": loss, "logs": logs}
+    sums = flat.tolist()
+    total = sum(row[2] for row in rows)
+
+    def mean(i: int) -> float:
+        return sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else float("nan")
+
+    logs = []
+    for i, (name, kwargs) in enumerate(structure, start=1):
+        kwargs = dict(kwargs)
+        if "batch_size" in kwargs:
+            kwargs["batch_size"] = round(sums[2 * i + 1])
+        elif samples is not None:
+            kwargs["batch_size"] = int(total)
+        logs.append((name, mean(i), kwargs))
+    return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
 
 
-__all__ = ["mean_over_replicas", "replica_sampler", "split_over_replicas"]
+__all__ = ["EMPTY", "EvaluationShare", "combine_over_replicas", "is_padding", "replica_sampler", "split_over_replicas"]

@@ -5,14 +5,17 @@ As in DDP, the stage's parameters are grouped into buckets (in backward order, a
 received its last micro-batch's gradient, overlapping the remaining backward work of the step.
 Each parameter is reduced once per step, never once per micro-batch.
 
-A parameter's gradient is final when it has been accumulated as many times in the step as in the
-first step (recorded then: a parameter used twice per micro-batch accumulates twice): the first
-step of a run reduces everything after its backward, later steps overlap. Readiness is observed
-with post-accumulate-grad hooks, which fire for layers under gradient-accumulation fusion too
-(the fused product writes ``.grad``; the hook runs after it, see
+A parameter's gradient is final when it has been accumulated as many times as the step has
+micro-batches times the parameter's uses per micro-batch (:class:`Accumulations`; a parameter
+used twice per micro-batch accumulates twice). Batches change size (a short first or last batch,
+a sampler with a token budget), so the expected count is decided per step from that step's
+micro-batch count; only the uses per micro-batch, a property of the model, are learned, in the
+first step, which reduces everything after its backward (later steps overlap). Readiness is
+observed with post-accumulate-grad hooks, which fire for layers under gradient-accumulation
+fusion too (the fused product writes ``.grad``; the hook runs after it, see
 :mod:`lightning_pipe.runtime.fused_linear`, which ignores these hooks when deciding to fuse).
-Like DDP's ``static_graph``, this assumes every step uses the parameters the same number of times
-on every replica; a step that accumulates a parameter again after its bucket was sent is an error.
+Like DDP's ``static_graph``, this assumes every micro-batch uses each parameter the same number of
+times; a step that accumulates a parameter again after its bucket was sent is an error.
 """
 
 from __future__ import annotations
@@ -25,6 +28,52 @@ from torch import Tensor, nn
 
 #: Attribute marking our hooks, so gradient-accumulation fusion knows they do not observe gradients.
 HOOK_TAG = "_lightning_pipe_readiness"
+
+
+class Accumulations:
+    """How many gradient accumulations each parameter (keyed by ``id``) gets in a step: its uses
+    per micro-batch times the step's micro-batches (:meth:`start`). The uses are learned from the
+    first step's counts (:meth:`learn`); a parameter whose count there is not a multiple of the
+    micro-batches (used by some micro-batches only) has no expected count: it is averaged after the
+    backward. Pure bookkeeping, no communication."""
+
+    def __init__(self) -> None:
+        self.uses: Optional[dict[int, Optional[int]]] = None
+        self.microbatches = 1
+        self.expected: Optional[dict[int, int]] = None  # this step's final counts; None in the first step
+
+    def start(self, microbatches: int) -> None:
+        """A step of ``microbatches`` micro-batches begins."""
+        self.microbatches = max(1, microbatches)
+        if self.uses is not None:
+            self.expected = {key: uses * self.microbatches for key, uses in self.uses.items() if uses is not None}
+
+    def learn(self, counts: dict[int, int]) -> None:
+        """The step is over: the first step's ``counts`` give the uses per micro-batch."""
+        if self.uses is None:
+            m = self.microbatches
+            self.uses = {key: count // m if count % m == 0 else None for key, count in counts.items()}
+
+    def final(self, key: int, count: int, shape: Sequence[int]) -> bool:
+        """Whether ``count`` accumulations so far make the parameter's gradient final in this step;
+        past that count its average has already started, which is an error."""
+        expected = self.expected.get(key) if self.expected is not None else None
+        if expected is None:
+            return False
+        if count > expected:
+            raise RuntimeError(
+                f"A parameter of shape {tuple(shape)} received {count} gradient accumulations in a step of "
+                f"{self.microbatches} micro-batches, where the first step gave it {expected // self.microbatches} per "
+                "micro-batch: its average over the data-parallel replicas had already started. Under "
+                "data_parallel='replicate' every micro-batch must use each parameter as often as the first step's "
+                "did. For a branch that only some batches take, run it in every micro-batch and multiply its "
+                "result by zero where it does not apply."
+            )
+        return count == expected
+
+    def ready(self, key: int, count: int) -> bool:
+        """Whether the parameter's gradient is final (never, for one without an expected count)."""
+        return self.expected is not None and count == self.expected.get(key, -1)
 
 
 class ReplicaReducer:
@@ -46,7 +95,7 @@ class ReplicaReducer:
         if current:
             self.buckets.append(current)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._expected: Optional[dict[int, int]] = None  # accumulations per step, from the first step
+        self.accumulations = Accumulations()
         self._counts: dict[int, int] = {}
         self._active = False
         self._next = 0
@@ -64,8 +113,9 @@ class ReplicaReducer:
             handle.remove()
         self._handles = []
 
-    def start(self) -> None:
-        """A step's backward begins: count accumulations from zero."""
+    def start(self, microbatches: int) -> None:
+        """A step's backward of ``microbatches`` micro-batches begins: count accumulations from zero."""
+        self.accumulations.start(microbatches)
         self._counts = {id(p): 0 for p in self.params}
         self._active = True
         self._next = 0
@@ -76,22 +126,12 @@ class ReplicaReducer:
         if not self._active:
             return
         key = id(param)
-        self._counts[key] = self._counts.get(key, 0) + 1
-        if self._expected is None:
-            return
-        expected = self._expected.get(key, 0)
-        if self._counts[key] > expected:
-            raise RuntimeError(
-                f"A parameter of shape {tuple(param.shape)} received {self._counts[key]} gradient accumulations in "
-                f"this step, {expected} in the first: its average over the data-parallel replicas was already "
-                "started. Under data parallelism every step must use each parameter the same number of times."
-            )
-        if self._counts[key] == expected:
+        count = self._counts[key] = self._counts.get(key, 0) + 1
+        if self.accumulations.final(key, count, param.shape):
             self._launch_ready()
 
     def _bucket_ready(self, index: int) -> bool:
-        assert self._expected is not None
-        return all(self._counts[id(p)] == self._expected.get(id(p), 0) for p in self.buckets[index])
+        return all(self.accumulations.ready(id(p), self._counts[id(p)]) for p in self.buckets[index])
 
     def _launch_ready(self) -> None:
         # in bucket order on every replica, so that the collectives match
@@ -110,9 +150,8 @@ class ReplicaReducer:
 
     def finish(self) -> None:
         """The step's backward is over: send the buckets not sent yet (all of them in the first
-        step, whose counts become the expected ones)."""
-        if self._expected is None:
-            self._expected = dict(self._counts)
+        step, whose counts give the uses per micro-batch)."""
+        self.accumulations.learn(self._counts)
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
@@ -140,4 +179,4 @@ def _tagged(hook: Any) -> Any:
     return readiness
 
 
-__all__ = ["HOOK_TAG", "ReplicaReducer"]
+__all__ = ["HOOK_TAG", "Accumulations", "ReplicaReducer"]
