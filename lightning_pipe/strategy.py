@@ -61,7 +61,7 @@ from lightning_pipe.runtime.microbatch import batch_size, merge, signature, spli
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.stage import StageModule, StageRunner
-from lightning_pipe.runtime.replica_data import mean_over_replicas, split_over_replicas
+from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas, is_padding, split_over_replicas
 from lightning_pipe.runtime.sharding import ShardedStage, is_dtensor, shard_like
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology
@@ -595,7 +595,7 @@ class PipelineStrategy(ParallelStrategy):
             finally:
                 self._set_step(None)
         saved = swap_grads(module, {})
-        self._gradients.begin()
+        self._gradients.begin(len(micro))  # this step's count of micro-batches: each expects its gradients
         if self._sharded is not None:
             self._sharded.begin()
         try:
@@ -732,8 +732,14 @@ class PipelineStrategy(ParallelStrategy):
         micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
         if self._signals is not None:
             self._signals.stop_if_requested()
+        # a replica without samples left joins the others' summary with none; sharded stages still run
+        # the forward (its parameter all-gathers are collectives over the replicas), counting nothing
+        padding = self._padding_step(hook, args)
+        if padding and self._sharded is None:
+            replay(self.lightning_module, self._share(hook, None, samples=0), self.root_device)
+            return None
         module, micro, keys, weights, recorder = self._begin_step(hook, args)
-        rest, keep = args[1:], self.is_last_stage
+        rest, keep = args[1:], self.is_last_stage and not padding
         outputs: list[Any] = [None] * len(micro)
 
         def step(i: int) -> None:
@@ -751,10 +757,20 @@ class PipelineStrategy(ParallelStrategy):
             self._executor.transport.pass_gate()
         finally:
             self._set_step(None)
-        summary = self._share(hook, recorder)
+        samples = 0 if padding else sum(batch_size(mb) for mb in micro)
+        summary = self._share(hook, None if padding else recorder, samples)
         replay(module, summary, self.root_device)
         recorder.log_local(module)
         return merge(outputs) if keep else None
+
+    def _padding_step(self, hook: str, args: tuple) -> bool:
+        """Whether this evaluation step only keeps this replica in step with replicas that have more
+        samples (see :class:`lightning_pipe.runtime.replica_data.EvaluationShare`)."""
+        if self.num_replicas == 1 or hook == "predict_step" or self.lightning_module is None:
+            return False
+        batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        dataloader_idx = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        return is_padding(self.lightning_module.trainer, batch_idx, dataloader_idx)
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Hand the gradients computed in ``training_step`` to the parameters (Lightning may have
@@ -769,17 +785,18 @@ class PipelineStrategy(ParallelStrategy):
             self._async.versions.protect()  # the optimizer changes the parameters in place next
         return closure_loss
 
-    def _summary(self, recorder: StepRecorder) -> dict[str, Any]:
-        """The last stage's step summary; with replicas, the mean over them (the global batch's)."""
-        summary = recorder.summary()
+    def _summary(self, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
+        """The last stage's step summary (None: a padding step's, empty); with replicas, combined
+        over them (the global batch's): in evaluation weighted by each replica's ``samples``."""
+        summary = recorder.summary() if recorder is not None else EMPTY
         if self.num_replicas > 1:
             assert self._topology is not None
-            summary = mean_over_replicas(summary, self._topology.dp_group, self.root_device)
+            summary = combine_over_replicas(summary, self._topology.dp_group, self.root_device, samples)
         return summary
 
-    def _share(self, kind: str, recorder: StepRecorder) -> dict[str, Any]:
+    def _share(self, kind: str, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank (see :class:`SummarySharing`)."""
-        summary = self._summary(recorder) if self.is_last_stage else None
+        summary = self._summary(recorder, samples) if self.is_last_stage else None
         if self.num_stages == 1:
             assert summary is not None
             return summary
