@@ -197,11 +197,11 @@ class _Meter(L.Callback):
         self.folder = folder
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy._runner.meter = SavedActivationMeter(pl_module.parameters())
+        trainer.strategy.pipeline.runner.meter = SavedActivationMeter(pl_module.parameters())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         with open(os.path.join(self.folder, f"peak{trainer.global_rank}.json"), "w") as f:
-            json.dump(trainer.strategy._runner.meter.peak, f)
+            json.dump(trainer.strategy.pipeline.runner.meter.peak, f)
 
 
 class _Breakdown(L.Callback):

@@ -34,7 +34,7 @@ class VersionMemory(L.Callback):
         self.folder = folder
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
-        versions = trainer.strategy._runner.versions
+        versions = trainer.strategy.pipeline.runner.versions
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
         with open(os.path.join(self.folder, f"mem{trainer.global_rank}.json"), "w") as f:
             json.dump({"version_bytes": versions.peak_bytes if versions else 0, "param_bytes": params}, f)

@@ -71,7 +71,7 @@ class Record(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
         self.timeline = strategy.enable_timeline()
-        runners = list(strategy._executor.runners.values())
+        runners = list(strategy.pipeline.runners.values())
         meter = SavedActivationMeter(pl_module.parameters())
         for runner in runners:
             runner.meter = meter

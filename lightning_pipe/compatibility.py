@@ -1,62 +1,30 @@
-"""What a run's layout allows, checked in setup before the first batch: the schedule each step
-executes (proven to finish on the process group's backend), and the combinations of schedule,
-sharding, tied weights, parameters outside the Sequential and precision that cannot train, each
-refused with the reason and what to change."""
+"""What a run's layout allows, checked in setup before the first batch: the combinations of
+schedule, sharding, tied weights, parameters outside the Sequential and precision that cannot
+train, each refused with the reason and what to change, as Lightning's configuration error (the
+schedule a step executes is checked by :mod:`lightning_pipe.schedules.runnable`, whose refusal
+:func:`as_misconfiguration` turns into the same error)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_pipe.schedules import (
-    REGROUPED_FOR_RENDEZVOUS,
-    VIRTUAL_STAGES,
-    InvalidScheduleError,
-    RendezvousError,
-    Schedule,
-    build,
-    for_rendezvous,
-    forward_only,
-    forward_only_like,
-    is_async,
-    validate,
-)
+from lightning_pipe.schedules import is_async
 from lightning_pipe.schedules.asynchronous import min_chunks
+from lightning_pipe.schedules.runnable import ScheduleRefused
 
 
-def run_schedule(training: str, name: str, stages: int, num_microbatches: int, virtual_stages: int, rendezvous: bool) -> Schedule:
-    """Schedule ``name`` (``"forward"`` for evaluation, on the layout of the ``training`` schedule)
-    for ``num_microbatches``, validated; with ``rendezvous`` (NCCL, whose point-to-point calls
-    rendezvous) with its communication regrouped where it needs it."""
-    p, v = stages, virtual_stages
-    under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
+@contextmanager
+def as_misconfiguration() -> Iterator[None]:
+    """A schedule the pipeline refuses (:class:`ScheduleRefused`) reaches the user as Lightning's
+    configuration error, as the other checks here do."""
     try:
-        if name != "forward":
-            schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
-        elif training in VIRTUAL_STAGES:  # evaluation on the training layout
-            schedule = forward_only_like(build(training, p, num_microbatches, v))
-            if rendezvous and training in REGROUPED_FOR_RENDEZVOUS:
-                schedule = for_rendezvous(schedule)
-        else:
-            schedule = forward_only(p, num_microbatches)
-        validate(schedule, rendezvous=rendezvous)
-    except RendezvousError as err:
-        raise MisconfigurationException(
-            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
-            f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
-            f"back around the pipeline. Use other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of "
-            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, "
-            "drop_last=True in the DataLoader), "
-            "or schedule='1f1b' or 'zero_bubble'."
-        ) from err
-    except InvalidScheduleError as err:
-        raise MisconfigurationException(
-            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
-            f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
-        ) from err
-    return schedule
+        yield
+    except ScheduleRefused as err:
+        raise MisconfigurationException(str(err)) from err.__cause__
 
 
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool) -> None:
@@ -107,4 +75,4 @@ def check_async(
         )
 
 
-__all__ = ["check_async", "check_shard", "run_schedule"]
+__all__ = ["as_misconfiguration", "check_async", "check_shard"]

@@ -12,10 +12,13 @@ that reported nothing are named as the likely dead.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 _NOTE = "lightning_pipe/failed/"
 _LOST = "lightning_pipe/lost/"
@@ -86,4 +89,17 @@ def explain(store: Any, rank: int, world_size: int, describe_rank: Callable[[int
     )
 
 
-__all__ = ["PeerFailure", "explain", "is_communication_error", "report"]
+def note(exception: BaseException, rank: int, describe_rank: Callable[[int], str]) -> None:
+    """Tell the other ranks why this one fails (:func:`report`), or explain a communication error
+    with the note of the rank that failed first, added to ``exception`` (logged on Python 3.10)."""
+    explained = report(exception, rank, describe_rank)
+    if explained is None:
+        return
+    message = f"lightning-pipe: {explained}"
+    if hasattr(exception, "add_note"):
+        exception.add_note(message)
+    else:  # Python 3.10
+        log.error(message)
+
+
+__all__ = ["PeerFailure", "explain", "is_communication_error", "note", "report"]

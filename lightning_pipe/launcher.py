@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 from unittest import mock
 
@@ -31,22 +32,41 @@ from lightning_pipe.runtime.sharding import full_tensor
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
 
+@dataclass(frozen=True)
+class Gathering:
+    """How a worker's whole weights are put together for the main process.
+
+    Attributes:
+        group: the group of this rank's pipeline that gathers the stages (None: the default group).
+        ranks: global ranks of this pipeline's stages; the first gathers.
+        whole: False for a module built on the meta device (it may not fit one process): nothing is
+            sent back.
+    """
+
+    group: Any = None
+    ranks: Sequence[int] = (0,)
+    whole: bool = True
+
+
 class _GatheringLauncher(_MultiProcessingLauncher):
+    def __init__(self, strategy: "pl.strategies.Strategy", start_method: str, gathering: Callable[[], Gathering]) -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self._gathering = gathering
+
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
         original = module.state_dict
-        deferred = getattr(self._strategy, "deferred_build", False)
+        gathering = self._gathering()
 
         def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
-            if deferred:  # built on the meta device because it may not fit one process: sent nowhere
+            if not gathering.whole:  # built on the meta device because it may not fit one process: sent nowhere
                 return {}
             # sharded stages: every replica takes part in gathering each whole tensor
             local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
             if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
                 return local
             # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
-            group = getattr(self._strategy, "_meta_group", None)
-            ranks = getattr(self._strategy, "pipeline_ranks", [0])
+            group, ranks = gathering.group, list(gathering.ranks)
             first = dist.get_rank() == ranks[0]
             gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
             dist.gather_object(local, gathered, dst=ranks[0], group=group)
@@ -55,6 +75,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
                 merged.update(part)
             return merged
 
+        # Lightning sends back what the module's state_dict gives: for this call, the whole model
         module.state_dict = full_state_dict  # type: ignore[method-assign]
         try:
             output = super()._collect_rank_zero_results(trainer, results)
@@ -73,8 +94,8 @@ class _Serialized(bytes):
 
 
 class PipelineMultiProcessingLauncher(_Launcher):
-    def __init__(self, strategy: "pl.strategies.Strategy", start_method: str) -> None:
-        self._inner = _GatheringLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+    def __init__(self, strategy: "pl.strategies.Strategy", start_method: str, gathering: Callable[[], Gathering]) -> None:
+        self._inner = _GatheringLauncher(strategy, start_method, gathering)
 
     @property
     def is_interactive_compatible(self) -> bool:

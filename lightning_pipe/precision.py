@@ -4,11 +4,14 @@ With ``precision="16-mixed"`` a gradient scaler skips an optimizer step when a g
 inf or NaN. Each stage's scaler sees only its own gradients, so the stages would skip different
 steps and their loss scales would drift apart. :func:`sync_gradient_scaler` makes every stage's
 scaler act on the verdict over all stages.
+
+Clipping by norm (``Trainer(gradient_clip_val=...)``) must take the norm over every stage's
+gradients: :func:`clip_by_global_norm` gives the precision plugin that clipping.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,5 +40,31 @@ def sync_gradient_scaler(scaler: "torch.amp.GradScaler", group: Optional[Any] = 
             target = next(iter(found)) if found else device
             found[target] = torch.ones((), dtype=torch.float32, device=device)
 
+    # a patch: neither GradScaler nor Lightning's MixedPrecision has a hook between unscale_ and step
     scaler.unscale_ = unscale_across_stages  # type: ignore[method-assign]
     scaler._lightning_pipe_synced = True  # type: ignore[attr-defined]
+
+
+class _GlobalNormClipping:
+    """Lightning's clip-by-norm hook (``Precision.clip_grad_by_norm``, the method Lightning's own
+    ``FSDPPrecision`` overrides) with the norm taken over every stage's gradients."""
+
+    _lightning_pipe_clip: Callable[[list[Any], Union[int, float]], Any]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self._lightning_pipe_clip(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
+
+
+_CLIPPING: dict[type, type] = {}
+
+
+def clip_by_global_norm(plugin: Any, clip: Callable[[list[Any], Union[int, float]], Any]) -> None:
+    """Make ``gradient_clip_val`` (norm) clip ``plugin``'s parameters with ``clip(parameters,
+    max_norm)``. The Trainer chose the plugin's class from ``precision=``, so the override comes as
+    a subclass of that class (isinstance checks still hold). Idempotent."""
+    cls = type(plugin)
+    if not issubclass(cls, _GlobalNormClipping):
+        if cls not in _CLIPPING:
+            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), {"__module__": __name__})
+        plugin.__class__ = _CLIPPING[cls]
+    plugin._lightning_pipe_clip = clip

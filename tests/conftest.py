@@ -1,7 +1,11 @@
 import os
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from lightning_pipe.runtime.topology import Topology
 
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -28,3 +32,20 @@ def fresh_main_port(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator["Topology"]:
+    """A gloo process group of the test process alone, with its topology (one stage, one replica),
+    for driving the pipeline's parts without a Trainer. Destroyed with the module's tests: the
+    processes later tests start must not inherit it."""
+    import torch.distributed as dist
+
+    from lightning_pipe.runtime.topology import Layout, Topology
+
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield Topology(Layout(1, 1), 0, "cpu")
+    finally:
+        dist.destroy_process_group()

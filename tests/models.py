@@ -243,13 +243,13 @@ class TraceVersions(L.Callback):
         self.trace: Optional[list] = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.trace = trainer.strategy._runner.enable_trace()
+        self.trace = trainer.strategy.pipeline.runner.enable_trace()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import json
         import os
 
-        versions = trainer.strategy._runner.versions
+        versions = trainer.strategy.pipeline.runner.versions
         with open(os.path.join(self.folder, f"trace{trainer.global_rank}.json"), "w") as f:
             json.dump({"trace": self.trace, "peak_bytes": versions.peak_bytes if versions else 0}, f)
 

@@ -50,7 +50,7 @@ class _CountAllReduce(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed as dist
 
-        group = trainer.strategy._topology.dp_group
+        group = trainer.strategy.pipeline.topology.dp_group
         original = dist.all_reduce
         self.current = 0
 
@@ -161,13 +161,13 @@ class _SmallBuckets(L.Callback):
         self.folder = folder
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        gradients = trainer.strategy._gradients
+        gradients = trainer.strategy.pipeline.gradients
         gradients.close()
         gradients.bucket_bytes = 200
         gradients.overlap(list(pl_module.parameters()))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        history = trainer.strategy._gradients.reducer.history
+        history = trainer.strategy.pipeline.gradients.reducer.history
         (Path(self.folder) / f"buckets{trainer.global_rank}.json").write_text(json.dumps(history))
 
 
@@ -240,7 +240,7 @@ class _ShardRecord(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed as dist
 
-        group = trainer.strategy._topology.dp_group
+        group = trainer.strategy.pipeline.topology.dp_group
         record = self
 
         def counting(original, position: int):  # type: ignore[no-untyped-def]

@@ -45,7 +45,7 @@ def test_registered_name_and_registering_twice() -> None:
     assert isinstance(trainer.strategy, lightning_pipe.PipelineStrategy)
     for name, method in (("pipeline", "popen"), ("pipeline_notebook", "fork"), ("pipeline_spawn", "spawn")):
         strategy = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
-        assert isinstance(strategy, lightning_pipe.PipelineStrategy) and strategy._start_method == method
+        assert isinstance(strategy, lightning_pipe.PipelineStrategy) and strategy.config.start_method == method
 
 
 class NoSequential(L.LightningModule):

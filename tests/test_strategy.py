@@ -236,7 +236,9 @@ def test_gloo_host_staging_matches_plain_training(monkeypatch: pytest.MonkeyPatc
         (tmp_path / f"staged{os.getpid()}").touch()
         return arrived(self, buffers)
 
-    monkeypatch.setattr(PipelineStrategy, "_stages_through_host", lambda self: True)  # the forked ranks inherit both
+    from lightning_pipe.runtime.topology import Placement
+
+    monkeypatch.setattr(Placement, "through_host", property(lambda self: True))  # the forked ranks inherit both
     monkeypatch.setattr(Transport, "arrived", staged)
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
@@ -246,51 +248,34 @@ def test_gloo_host_staging_matches_plain_training(monkeypatch: pytest.MonkeyPatc
     assert len(list(tmp_path.glob("staged*"))) == 2  # both ranks received through the host path
 
 
-class _Backend:
-    """``torch.distributed`` as the strategy sees it on a process group of ``backend``."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def get_backend(self) -> str:
-        return self.backend
-
-
 @pytest.mark.parametrize("schedule, chunks", [("interleaved_1f1b", 4), ("zbv", 4)])
-def test_schedules_with_several_stages_per_process_are_regrouped_under_nccl(
-    monkeypatch: pytest.MonkeyPatch, schedule: str, chunks: int
-) -> None:
-    """Under NCCL the strategy runs the regrouped placement (proven to finish where calls
+def test_schedules_with_several_stages_per_process_are_regrouped_under_nccl(schedule: str, chunks: int) -> None:
+    """Under NCCL the pipeline runs the regrouped placement (proven to finish where calls
     rendezvous) instead of refusing; under gloo the placement built for gloo, unchanged."""
-    import lightning_pipe.strategy as strategy_module
+    from lightning_pipe.runtime.topology import Layout, Placement
     from lightning_pipe.schedules import build, for_rendezvous, forward_only_like, validate
+    from lightning_pipe.schedules.runnable import runnable_schedule
 
-    cpus = [torch.device("cpu")] * 2
-    monkeypatch.setattr(strategy_module, "dist", _Backend("nccl"))
-    nccl = PipelineStrategy(schedule=schedule, chunks=chunks, parallel_devices=cpus)
-    train, evaluate = nccl._schedule(schedule, chunks), nccl._schedule("forward", chunks)
+    nccl = Placement(Layout(2, 1), 0, (0, 1, 1, 0) if schedule == "zbv" else (0, 1, 0, 1), torch.device("cpu"), "nccl")
+    assert nccl.rendezvous and not Placement(Layout(2, 1), 0, nccl.positions, torch.device("cpu"), "gloo").rendezvous
+    train = runnable_schedule(schedule, schedule, 2, chunks, 2, nccl.rendezvous)
+    evaluate = runnable_schedule(schedule, "forward", 2, chunks, 2, nccl.rendezvous)
     assert train == build(schedule, 2, chunks, 2, rendezvous=True) != build(schedule, 2, chunks, 2)
     assert evaluate == for_rendezvous(forward_only_like(build(schedule, 2, chunks, 2)))
     validate(train, rendezvous=True)
     validate(evaluate, rendezvous=True)
-
-    monkeypatch.setattr(strategy_module, "dist", _Backend("gloo"))
-    gloo = PipelineStrategy(schedule=schedule, chunks=chunks, parallel_devices=cpus)
-    assert gloo._schedule(schedule, chunks) == build(schedule, 2, chunks, 2)
+    assert runnable_schedule(schedule, schedule, 2, chunks, 2, rendezvous=False) == build(schedule, 2, chunks, 2)
 
 
-def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    import lightning_pipe.strategy as strategy_module
+    from lightning_pipe.compatibility import as_misconfiguration
+    from lightning_pipe.schedules.runnable import runnable_schedule
 
-    monkeypatch.setattr(strategy_module, "dist", _Backend("nccl"))
-    strategy = PipelineStrategy(schedule="interleaved_1f1b", chunks=1, parallel_devices=[torch.device("cpu")] * 2)
     with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"):
-        strategy._schedule("interleaved_1f1b", 1)
+        with as_misconfiguration():  # how the strategy's steps and setup report the pipeline's refusal
+            runnable_schedule("interleaved_1f1b", "interleaved_1f1b", 2, 1, 2, rendezvous=True)
 
 
 def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -> None:

@@ -1,51 +1,75 @@
-"""``balance="time"``/``"memory"`` for a ``PipelineStrategy`` in its setup, before the split.
+"""``balance="time"``/``"memory"`` in the pipeline's setup, before the split.
 
 Every rank profiles the layers at once on its device with the first micro-batch of the run's
 first batch (drawn from the DataLoader in setup, since the split must exist before the
-optimizers); global rank 0's profile reaches every rank, which solve alike. The profile is kept
-on the strategy for the run (a later setup, such as test after fit, reuses it).
+optimizers); global rank 0's profile reaches every rank, which solve alike. The caller keeps the
+profile for the run (a later setup, such as test after fit, passes it back and reuses it).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
-from lightning_pipe.partition.profile import agreed_profile, first_batch, profile_module
+from lightning_pipe.partition.profile import agreed_profile, profile_module
 
 log = logging.getLogger(__name__)
 
 
-def measured_balance(strategy: Any, module: Any, layers: nn.Sequential, virtual: int) -> list[int]:
-    """Layer counts per stage for the strategy's measured ``balance``; with ``virtual`` stages
-    per process the split is into processes x ``virtual`` stages, each stage holding the
-    micro-batches its schedule keeps in flight there."""
-    trainer = module.trainer
-    home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
-    in_flight = in_flight_microbatches(strategy.schedule_name, strategy.num_stages, strategy.num_microbatches, virtual)
+@dataclass(frozen=True)
+class MeasureInputs:
+    """What measuring the layers before the split needs from the run.
+
+    Attributes:
+        batch: the run's first batch, on the device the module's tensors are on (drawn when called).
+        device: the device to measure on (this rank's).
+        is_source: whether this rank's measurement is the one every rank uses (global rank 0).
+        broadcast: gives every rank the source rank's object.
+        context: the precision's training-step context (autocast under mixed precision).
+    """
+
+    batch: Callable[[], Any]
+    device: torch.device
+    is_source: bool
+    broadcast: Callable[[Any], Any]
+    context: Callable[[], ContextManager[Any]] = nullcontext
+
+
+def measured_balance(
+    schedule: str,
+    balance: str,
+    checkpoint: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual: int,
+    module: Any,
+    layers: nn.Sequential,
+    inputs: MeasureInputs,
+    profile: Optional[Profile] = None,
+) -> tuple[list[int], Profile]:
+    """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``) and the
+    profile they come from (``profile`` when given for these layers, else measured); with
+    ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
+    holding the micro-batches its schedule keeps in flight there."""
+    in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, virtual)
 
     def measure() -> Profile:
         return profile_module(
-            module,
-            layers,
-            lambda: strategy.batch_to_device(first_batch(trainer), home),
-            strategy.num_microbatches,
-            strategy.root_device,
-            strategy.precision_plugin.train_step_context,
-            memory=strategy.balance == "memory",
+            module, layers, inputs.batch, num_microbatches, inputs.device, inputs.context, memory=balance == "memory"
         )
 
-    if strategy.profile is None or len(strategy.profile.layers) != len(layers):
-        strategy.profile = agreed_profile(strategy.global_rank == 0, strategy.broadcast, measure)
-    profile: Profile = strategy.profile
-    balance = profile.balance(str(strategy.balance), len(in_flight), in_flight, strategy.checkpoint_mode)
-    if strategy.global_rank == 0:
-        log.info("lightning-pipe: balance=%s, %s", strategy.balance, profile.report(balance, in_flight, strategy.checkpoint_mode))
-    return balance
+    if profile is None or len(profile.layers) != len(layers):
+        profile = agreed_profile(inputs.is_source, inputs.broadcast, measure)
+    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint)
+    if inputs.is_source:
+        log.info("lightning-pipe: balance=%s, %s", balance, profile.report(counts, in_flight, checkpoint))
+    return counts, profile
 
 
-__all__ = ["measured_balance"]
+__all__ = ["MeasureInputs", "measured_balance"]

@@ -16,9 +16,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.costs import Profile
+from lightning_pipe.partition.measured import MeasureInputs
 from lightning_pipe.partition.profile import agreed_profile
 from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
+from lightning_pipe.runtime.topology import Layout
 
 log = logging.getLogger(__name__)
 
@@ -83,29 +86,29 @@ def agreed_plan(
     return ranked, found, measured_all
 
 
-def plan_for_strategy(
-    strategy: Any, module: Any, layers: torch.nn.Sequential, all_layouts: bool = False
+def plan_layers(
+    config: PipelineConfig, layout: Layout, module: Any, layers: torch.nn.Sequential, inputs: MeasureInputs
 ) -> tuple[list[Candidate], Link, dict[int, Profile]]:
-    """Measure and plan for a ``PipelineStrategy`` in its setup, before the split (see the module
-    docstring); returns what :func:`agreed_plan` returns, the profiles keyed by micro-batch size.
+    """Measure and plan in the pipeline's setup, before the split (see the module docstring);
+    returns what :func:`agreed_plan` returns, the profiles keyed by micro-batch size.
 
-    The strategy's own layout (its ``stages`` x replicas, each replica reading the DataLoader's
-    batch) is planned for, unless ``all_layouts``: then every stages x replicas of the world is
-    ranked for the same global batch (DataLoader batch x the strategy's replicas), each replica
-    reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches larger
-    than the DataLoader's batch cannot be measured from it and are left out)."""
-    from lightning_pipe.partition.profile import first_batch, profile_module
+    The run's own ``layout`` (its stages x replicas, each replica reading the DataLoader's
+    batch) is planned for, unless ``config.plan_all_layouts``: then every stages x replicas of the
+    world is ranked for the same global batch (DataLoader batch x the layout's replicas), each
+    replica reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches
+    larger than the DataLoader's batch cannot be measured from it and are left out)."""
+    from lightning_pipe.partition.profile import profile_module
     from lightning_pipe.plan.planner import chunk_candidates, needed_sizes, plan, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
-    trainer = module.trainer
-    home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
+    all_layouts = config.plan_all_layouts
     cache: list[Any] = []
-    stages, replicas = strategy.num_stages, strategy.num_replicas
+    stages, replicas = layout.stages, layout.replicas
+    device = inputs.device
 
     def batch() -> Any:  # drawn once, inside the first profile's saved random state
         if not cache:
-            cache.append(strategy.batch_to_device(first_batch(trainer), home))
+            cache.append(inputs.batch())
         return cache[0]
 
     def sizes(per_replica: int) -> list[int]:
@@ -114,14 +117,13 @@ def plan_for_strategy(
         return sorted({-(-per_replica // m) for m in chunk_candidates(per_replica)}, reverse=True)
 
     def profiles() -> dict[int, Profile]:
-        context = strategy.precision_plugin.train_step_context
         found: dict[int, Profile] = {}
-        first = profile_module(module, layers, batch, 1, strategy.root_device, context)
+        first = profile_module(module, layers, batch, 1, device, inputs.context)
         per_replica = batch_size(cache[0])
         found[first.microbatch_size] = first
         for size in sizes(per_replica):
             if size not in found:
-                profile = profile_module(module, layers, batch, -(-per_replica // size), strategy.root_device, context)
+                profile = profile_module(module, layers, batch, -(-per_replica // size), device, inputs.context)
                 found[profile.microbatch_size] = profile
         return found
 
@@ -135,29 +137,30 @@ def plan_for_strategy(
             by_chunks, stages, link, budget, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous
         )
 
-    device = strategy.root_device
-    rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the strategy validates schedules
+    rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
     budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return agreed_plan(strategy.global_rank == 0, strategy.broadcast, profiles, lambda n: measure_link(device, n), rank)
+    return agreed_plan(inputs.is_source, inputs.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
 
-def apply_plan(strategy: Any, module: Any, layers: torch.nn.Sequential) -> None:
-    """``plan="auto"``: set the strategy's schedule, chunks, checkpoint mode, virtual stages,
-    balance and profile to the planner's first choice (the same on every rank) for its own
-    stages x replicas, which stay fixed: the global batch is the DataLoader's batch x replicas
-    (see docs/planner.md)."""
-    ranked, link, profiles = plan_for_strategy(strategy, module, layers, all_layouts=strategy.plan_all_layouts)
-    strategy.plan_candidates = ranked
-    best = next(c for c in ranked if (c.depth, c.replicas) == (strategy.num_stages, strategy.num_replicas))
-    strategy.schedule_name, strategy.chunks, strategy.checkpoint_mode = best.schedule, best.chunks, best.checkpoint
-    strategy.virtual_stages = best.virtual_stages
-    strategy.balance = list(best.balance)
-    strategy.profile = profiles[best.microbatch_size]
-    if strategy.global_rank == 0:
+def apply_plan(
+    config: PipelineConfig, layout: Layout, module: Any, layers: torch.nn.Sequential, inputs: MeasureInputs
+) -> tuple[PipelineConfig, Profile, list[Candidate]]:
+    """``plan="auto"``: ``config`` with the schedule, chunks, checkpoint mode, virtual stages and
+    balance of the planner's first choice (the same on every rank) for the run's own stages x
+    replicas, which stay fixed (the global batch is the DataLoader's batch x replicas, see
+    docs/planner.md); with the profile of that choice's micro-batch size and the ranked candidates."""
+    ranked, link, profiles = plan_layers(config, layout, module, layers, inputs)
+    best = next(c for c in ranked if (c.depth, c.replicas) == (layout.stages, layout.replicas))
+    planned = config.replace(
+        schedule=best.schedule, chunks=best.chunks, checkpoint=best.checkpoint,
+        virtual_stages=best.virtual_stages, balance=list(best.balance),
+    )  # fmt: skip
+    if inputs.is_source:
         log.info(
             "lightning-pipe plan: link %.1f us + %.0f MB/s; best of %d layouts:\n%s",
             1e6 * link.latency, link.bandwidth / 1e6, len(ranked), format_plans(ranked),
         )
+    return planned, profiles[best.microbatch_size], ranked
 
 
-__all__ = ["agreed_plan", "apply_plan", "measure_link", "plan_for_strategy"]
+__all__ = ["agreed_plan", "apply_plan", "measure_link", "plan_layers"]

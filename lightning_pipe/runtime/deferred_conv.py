@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_pipe.runtime import fused_linear
+from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.weight_store import defer_or_run
 
 _Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
@@ -82,9 +83,9 @@ def _weight_grad(
 ) -> None:
     _, grad_weight, grad_bias = _conv_backward(layer, grad, x, weight, bias, mask)
     if grad_weight is not None:
-        fused_linear.add_grad(weight_param, grad_weight)
+        add_grad(weight_param, grad_weight)
     if grad_bias is not None and bias is not None:
-        fused_linear.add_grad(bias, grad_bias)
+        add_grad(bias, grad_bias)
 
 
 class _Forward:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
 from lightning_pipe.runtime.weight_store import defer_or_run
 
@@ -51,15 +52,6 @@ def accumulating(fuse: bool = True) -> Iterator[None]:
         yield
     finally:
         _active, _fuse = previous
-
-
-def add_grad(param: Tensor, grad: Tensor) -> None:
-    """Accumulate ``grad`` into ``param.grad`` as autograd's ``AccumulateGrad`` does (``grad`` may
-    become ``param.grad``)."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
 
 
 class _LinearAccumulate(torch.autograd.Function):

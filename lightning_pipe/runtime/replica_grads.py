@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_pipe.runtime.flat import FlatAllReduce
 
 #: Attribute marking our hooks, so gradient-accumulation fusion knows they do not observe gradients.
 HOOK_TAG = "_lightning_pipe_readiness"
@@ -99,7 +100,7 @@ class ReplicaReducer:
         self._counts: dict[int, int] = {}
         self._active = False
         self._next = 0
-        self._works: list[tuple[Any, Tensor, list[Tensor]]] = []
+        self._works: list[FlatAllReduce] = []
         self._handles = []
         #: per step: (buckets sent from within the backward, buckets sent in all)
         self.history: list[tuple[int, int]] = []
@@ -142,11 +143,8 @@ class ReplicaReducer:
 
     def _launch(self, index: int) -> None:
         grads = [p.grad for p in self.buckets[index] if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._works.append((work, flat, grads))
+        if grads:
+            self._works.append(FlatAllReduce(grads, self.group))
 
     def finish(self) -> None:
         """The step's backward is over: send the buckets not sent yet (all of them in the first
@@ -161,14 +159,8 @@ class ReplicaReducer:
     def wait(self) -> None:
         """Wait for the sums and leave the replicas' mean in each gradient."""
         works, self._works = self._works, []
-        for work, flat, grads in works:
-            work.wait()
-            flat.div_(self.replicas)
-            offset = 0
-            for grad in grads:
-                n = grad.numel()
-                grad.copy_(flat[offset : offset + n].view_as(grad))
-                offset += n
+        for work in works:
+            work.wait(self.replicas)
 
 
 def _tagged(hook: Any) -> Any:

@@ -12,7 +12,7 @@ the process groups of this rank, built once from the mesh.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -74,6 +74,96 @@ class Layout:
         return [self.rank(stage, j) for j in range(self.replicas)]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank's part of the model runs: its place in the layout, the (virtual) stages it
+    holds, and its device. A value handed down to the pipeline, built once the schedule (and so
+    where each stage goes) is final.
+
+    Attributes:
+        layout: stages x replicas of the world.
+        rank: this process's global rank.
+        positions: for each stage of the split (``stages x virtual_stages`` of them), the pipeline
+            position that holds it (see :func:`lightning_pipe.partition.virtual.stage_positions`).
+        device: this rank's device.
+        backend: the default process group's backend (``"gloo"``, ``"nccl"``): how point-to-point
+            messages are posted and whether tensors stage through host memory.
+    """
+
+    layout: Layout
+    rank: int
+    positions: tuple[int, ...]
+    device: Any
+    backend: str = "gloo"
+
+    @property
+    def stage(self) -> int:
+        """This rank's position along its pipeline (its stage, where each process holds one)."""
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.rank)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth: processes per pipeline."""
+        return self.layout.stages
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this pipeline's positions, first to last."""
+        return self.layout.pipeline_ranks(self.replica)
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The stages of the split that this rank holds (one, or several for interleaved schedules)."""
+        return [s for s, p in enumerate(self.positions) if p == self.stage]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """Global rank holding each stage of the split, in this rank's pipeline."""
+        ranks = self.pipeline_ranks
+        return [ranks[p] for p in self.positions]
+
+    @property
+    def last_position(self) -> int:
+        """The position holding the last stage (with several stages per process not necessarily the
+        last process: ZB-V's last stage is on the first)."""
+        return self.positions[-1]
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage, where the user's step computes the loss."""
+        return self.stage == self.last_position
+
+    @property
+    def rendezvous(self) -> bool:
+        """Whether point-to-point calls rendezvous (NCCL): schedules must be regrouped for it."""
+        return self.backend == "nccl"
+
+    @property
+    def through_host(self) -> bool:
+        """gloo on GPUs (no NCCL, or two stages sharing a GPU to debug) sends through host memory."""
+        return self.backend == "gloo" and getattr(self.device, "type", "cpu") != "cpu"
+
+    def describe_rank(self, rank: int) -> str:
+        """``rank r (stage s of p)``: how errors name a process."""
+        return describe_rank(self.layout, rank)
+
+
+def describe_rank(layout: Layout, rank: int) -> str:
+    """``rank r (stage s of p[, replica j of d])``: how errors name a process."""
+    where = f"stage {layout.stage_of(rank)} of {layout.stages}"
+    if layout.replicas > 1:
+        where += f", replica {layout.replica_of(rank)} of {layout.replicas}"
+    return f"rank {rank} ({where})"
+
+
 class Topology:
     """This rank's place in the layout and its process groups (every rank must build it: creating
     a group is collective).
@@ -85,6 +175,7 @@ class Topology:
         meta_group: a gloo group over this rank's pipeline, for small host-side messages (activation
             headers, sample indices, step summaries), whatever the backend of ``pp_group``.
         meta_src: global rank of this pipeline's first stage (the source of its sample order).
+        backend: the default group's backend (``"gloo"``, ``"nccl"``).
     """
 
     def __init__(self, layout: Layout, rank: int, device_type: str) -> None:
@@ -94,6 +185,7 @@ class Topology:
         self.rank = rank
         self.stage = layout.stage_of(rank)
         self.replica = layout.replica_of(rank)
+        self.backend = dist.get_backend()
         self.mesh = init_device_mesh(device_type, (layout.stages, layout.replicas), mesh_dim_names=("pp", "dp"))
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
@@ -109,6 +201,16 @@ class Topology:
                 self.meta_group = group
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)
         self.meta_src = self.pipeline_ranks[0]
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def group(self, ranks: Sequence[int]) -> Any:
+        """The process group of ``ranks``, created on first use. Creating a group is collective:
+        every rank asks for the same groups in the same order (a second setup, such as test after
+        fit, creates none)."""
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key))
+        return self._groups[key]
 
 
-__all__ = ["DATA_PARALLEL_MODES", "Layout", "Topology", "check_layout_arguments"]
+__all__ = ["DATA_PARALLEL_MODES", "Layout", "Placement", "Topology", "check_layout_arguments", "describe_rank"]

@@ -61,17 +61,3 @@ def test_bounded_history_and_listeners() -> None:
     timeline.keep = 0
     executor.run(one_f_one_b(1, m), [None] * m)
     assert timeline.steps == [] and len(heard) == 4
-
-
-def test_callers_share_one_timeline_keeping_what_each_needs() -> None:
-    from types import SimpleNamespace
-
-    from lightning_pipe import PipelineStrategy
-
-    strategy = PipelineStrategy(parallel_devices=[torch.device("cpu")])
-    strategy._executor = SimpleNamespace(timeline=None)
-    first = strategy.enable_timeline(keep=0)
-    assert first.keep == 0
-    assert strategy.enable_timeline(keep=3) is first and first.keep == 3
-    assert strategy.enable_timeline() is first and first.keep is None  # someone wants every step
-    assert strategy.enable_timeline(keep=0) is first and first.keep is None

@@ -11,14 +11,16 @@ replicas, the average over the replicas of the stage. Clipping by the global nor
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pipe.runtime.flat import FlatAllReduce, add_grad
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
 from lightning_pipe.runtime.sharding import local
+from lightning_pipe.runtime.topology import Layout
 
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
 Pending = dict[nn.Parameter, Optional[Tensor]]
@@ -29,26 +31,31 @@ Tie = tuple[Any, nn.Parameter, bool]
 
 
 def tie_groups(
-    ties: Sequence[dict[int, str]], rank_of: Any, num_replicas: int, stage: int, replica: int, stage_module: nn.Module
+    ties: Sequence[dict[int, str]],
+    layout: Layout,
+    stage: int,
+    replica: int,
+    stage_module: nn.Module,
+    new_group: Callable[[list[int]], Any] = dist.new_group,
 ) -> list[Tie]:
     """This rank's :data:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
-    holds. Every rank takes part in creating every tie's group, one per replica (``rank_of(stage,
-    replica)`` gives a global rank), as ``torch.distributed.new_group`` requires."""
+    holds. Every rank takes part in creating every tie's group, one per replica, as
+    ``torch.distributed.new_group`` requires (``new_group`` may hand out groups created before)."""
     local_params = dict(stage_module.named_parameters())
     found: list[Tie] = []
     for tie in ties:
-        for r in range(num_replicas):
-            group = dist.new_group([rank_of(s, r) for s in sorted(tie)])
+        for r in range(layout.replicas):
+            group = new_group([layout.rank(s, r) for s in sorted(tie)])
             if stage in tie and r == replica:
                 found.append((group, local_params[tie[stage]], stage == min(tie)))
     return found
 
 
-def swap_grads(module: nn.Module, replacement: Pending) -> Pending:
-    """Give ``module``'s parameters the gradients in ``replacement`` (None for those missing) and
-    return the ones they had."""
+def swap_grads(params: Iterable[nn.Parameter], replacement: Pending) -> Pending:
+    """Give ``params`` the gradients in ``replacement`` (None for those missing) and return the
+    ones they had."""
     current: Pending = {}
-    for param in module.parameters():
+    for param in params:
         current[param] = param.grad
         param.grad = replacement.get(param)
     return current
@@ -88,7 +95,7 @@ class StageGradients:
         self.dp_group = dp_group
         self.bucket_bytes = bucket_bytes
         self.pending: Pending = {}
-        self._buckets: list[tuple[Any, Tensor, list[nn.Parameter]]] = []
+        self._buckets: list[FlatAllReduce] = []
         self.reducer: Optional[ReplicaReducer] = None  # set by :meth:`overlap`
         self._reducing = False
 
@@ -110,15 +117,15 @@ class StageGradients:
             self.reducer.start(microbatches)
             self._reducing = True
 
-    def take(self, module: nn.Module, saved: Pending) -> None:
+    def take(self, params: Iterable[nn.Parameter], saved: Pending) -> None:
         """Keep the gradients the schedule just produced aside and give back the ``saved`` ones."""
         if self._reducing:
             assert self.reducer is not None
             self._reducing = False
             self.reducer.finish()
-            self.pending = swap_grads(module, saved)
+            self.pending = swap_grads(params, saved)
             return
-        self.keep(swap_grads(module, saved))
+        self.keep(swap_grads(params, saved))
 
     def keep(self, pending: Pending) -> None:
         """Keep ``pending`` for :meth:`hand_over`; with replicas, start averaging it over them now
@@ -127,53 +134,37 @@ class StageGradients:
         if self.dp_group is None:
             return
         ready = [(p, g) for p, g in reversed(list(pending.items())) if g is not None]  # backward order
-        bucket: list[nn.Parameter] = []
+        bucket: list[Tensor] = []
         size = 0
         for i, (param, grad) in enumerate(ready):
-            bucket.append(param)
+            bucket.append(grad)
             size += grad.numel() * grad.element_size()
             last = i == len(ready) - 1
             if size >= self.bucket_bytes or last or ready[i + 1][1].dtype != grad.dtype:
-                flat = torch.cat([pending[p].reshape(-1) for p in bucket])  # type: ignore[union-attr]
-                work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-                self._buckets.append((work, flat, bucket))
+                self._buckets.append(FlatAllReduce(bucket, self.dp_group))
                 bucket, size = [], 0
 
-    def _finish_replicas(self, pending: Pending) -> None:
-        """Wait for the replicas' sums and put their means in ``pending``."""
+    def _finish_replicas(self) -> None:
+        """Wait for the replicas' sums and leave their means in the kept gradients."""
         if self.reducer is not None:
             self.reducer.wait()
         buckets, self._buckets = self._buckets, []
-        if not buckets:
-            return
-        replicas = dist.get_world_size(self.dp_group)
-        for work, flat, params in buckets:
-            work.wait()
-            flat.div_(replicas)
-            offset = 0
-            for param in params:
-                grad = pending[param]
-                assert grad is not None
-                n = grad.numel()
-                grad.copy_(flat[offset : offset + n].view_as(grad))
-                offset += n
+        if buckets:
+            replicas = dist.get_world_size(self.dp_group)
+            for bucket in buckets:
+                bucket.wait(replicas)
 
     def hand_over(self, scale: float) -> None:
         """Sum the kept gradients across ranks where needed and add them, times ``scale``, into
         ``.grad`` (which Lightning may have zeroed since the schedule ran)."""
         pending, self.pending = self.pending, {}
-        self._finish_replicas(pending)
+        self._finish_replicas()
         self._all_reduce_shared(pending)
         self._all_reduce_tied(pending)
         for param, grad in pending.items():
             if grad is None:
                 continue
-            if scale != 1.0:
-                grad = grad.mul_(scale)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+            add_grad(param, grad.mul_(scale) if scale != 1.0 else grad)
 
     def _all_reduce_tied(self, pending: Pending) -> None:
         """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
@@ -190,13 +181,8 @@ class StageGradients:
         if not self.shared or self.num_stages == 1:
             return
         grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self.shared]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.pp_group)
-        offset = 0
-        for param, grad in zip(self.shared, grads):
-            n = grad.numel()
-            pending[param] = flat[offset : offset + n].view_as(param).clone()
-            offset += n
+        FlatAllReduce(grads, self.pp_group, async_op=False).wait()
+        pending.update(zip(self.shared, grads))
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, device: torch.device) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.

@@ -1,0 +1,136 @@
+"""Every ``PipelineStrategy`` argument as one frozen value, checked once where the user wrote it.
+
+The strategy, the planner and the pipeline read the same :class:`PipelineConfig`; nothing
+changes it in place. ``plan="auto"`` gets a new one from the planner (``dataclasses.replace``),
+so the values a run uses are always the ones that were checked, and no module below the
+strategy needs the strategy object to learn or to change them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.stage import CHECKPOINT_MODES
+from lightning_pipe.runtime.topology import check_layout_arguments
+from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule
+from lightning_pipe.weights import check_weights_argument
+
+PLANS = (None, "auto")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The arguments of a pipeline run (names and meanings as ``PipelineStrategy``'s).
+
+    Attributes:
+        schedule: micro-batch order: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
+            (ZB-H1: each backward split into the input gradient and, later, the weight gradient),
+            ``"interleaved_zero_bubble"``, ``"zbv"``, or an asynchronous one (``"pipedream"``,
+            ``"pipedream_2bw"``).
+        chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
+            ``chunks`` is split into as many micro-batches as it has samples.
+        balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
+            ``"parameters"`` (equal parameter counts), ``"time"`` / ``"memory"`` (the least slowest /
+            largest stage, from a profile measured on the device before the split, identical on every
+            rank; kept in ``strategy.profile``) or a list of layer counts per stage.
+        checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
+            the last) or ``"never"``.
+        module: name of the ``nn.Sequential`` attribute to split, if the module has several.
+        gradient_accumulation_fusion: in training steps, the backward of each plain ``nn.Linear``
+            adds its weight gradient into ``.grad`` within the matrix product instead of computing
+            each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
+            see :mod:`lightning_pipe.runtime.fused_linear`).
+        virtual_stages: stages per process for ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
+            (>= 2, default 2) and ``"zbv"`` (2); the layers are split into processes x virtual_stages
+            stages by ``balance``. None becomes the schedule's default here, so a ``replace`` that
+            changes the schedule must give its ``virtual_stages`` too.
+        check_data: when the stages compare a checksum of the batch they loaded (they compare its
+            shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
+            integer ``N`` also every ``N`` steps, ``False`` never (see
+            :mod:`lightning_pipe.runtime.agreement`).
+        weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
+            ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
+            stage's tensors (see :mod:`lightning_pipe.weights`).
+        plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
+            ``virtual_stages``, ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers
+            and the measured point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`);
+            ``stages`` (and so the replicas) stays as given. None: as given.
+        stages: pipeline depth p (None: one stage per process). The world (devices x nodes) must be
+            p x d: d replicas of the pipeline train together, each on its own part of every step.
+        data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
+            averaged over the replicas) or ``"shard"`` (FSDP2 over the replicas).
+        start_method: how processes start, as in ``DDPStrategy``: ``"popen"`` (scripts and the CLI),
+            ``"spawn"`` or ``"fork"`` (notebooks and tests).
+        plan_all_layouts: with ``plan="auto"``, rank every stages x replicas of the world too
+            (``lightning-pipe plan`` prints them; the run keeps its own layout).
+    """
+
+    schedule: str = "1f1b"
+    chunks: Optional[int] = None
+    balance: BalanceSpec = "uniform"
+    checkpoint: str = "never"
+    module: Optional[str] = None
+    gradient_accumulation_fusion: bool = True
+    virtual_stages: Optional[int] = None
+    check_data: Union[bool, int] = True
+    weights: Optional[Union[str, Path]] = None
+    plan: Optional[str] = None
+    stages: Optional[int] = None
+    data_parallel: str = "replicate"
+    start_method: str = "popen"
+    plan_all_layouts: bool = False
+
+    def __post_init__(self) -> None:
+        check_arguments(self)
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", VIRTUAL_STAGES.get(self.schedule, 1))
+
+    def replace(self, **changes: Any) -> "PipelineConfig":
+        """A copy with ``changes``, checked like the original."""
+        return dataclasses.replace(self, **changes)
+
+    def num_microbatches(self, num_stages: int) -> int:
+        """Micro-batches per batch for a pipeline of ``num_stages``: ``chunks``, or twice the stages."""
+        return self.chunks if self.chunks is not None else 2 * num_stages
+
+
+def check_arguments(config: PipelineConfig) -> None:
+    """Reject bad ``PipelineStrategy`` arguments, naming the valid values."""
+    schedule, chunks, balance, checkpoint = config.schedule, config.chunks, config.balance, config.checkpoint
+    get_schedule(schedule)
+    check_weights_argument(config.weights)
+    check_layout_arguments(config.stages, config.data_parallel)
+    if config.virtual_stages is not None:
+        check_virtual_stages(schedule, config.virtual_stages)
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
+    if isinstance(balance, str):
+        if balance not in BALANCE_MODES:
+            raise ValueError(
+                f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
+                "or a list of layer counts per stage."
+            )
+    elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
+        raise ValueError(
+            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
+        )
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
+    if config.plan not in PLANS:
+        raise ValueError(f"PipelineStrategy(plan={config.plan!r}): valid values are None (use the arguments as given) and 'auto'.")
+    check_data = config.check_data
+    if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
+        raise ValueError(
+            f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
+            "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
+        )
+    if config.start_method not in START_METHODS:
+        raise ValueError(f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}.")
+
+
+__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments"]

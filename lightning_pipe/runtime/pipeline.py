@@ -1,0 +1,308 @@
+"""``StagePipeline``: one rank's share of the pipeline, driven one batch at a time.
+
+Built once (per setup) from the run's values (:class:`~lightning_pipe.config.PipelineConfig`,
+:class:`~lightning_pipe.runtime.topology.Placement`), the split (the stage modules this rank
+holds) and the process groups, it owns everything a step touches below Lightning: the executor
+that walks the schedule, the transport to the neighbouring stages, the per-step agreement on what
+the stages loaded, the stage's gradients (replicas, shards, weights tied across stages, clipping
+by the global norm), the weight versions of asynchronous schedules, and the timeline. A caller
+drives it with a few verbs and never reaches inside:
+
+- :meth:`agree` starts comparing this step's batch with the other stages' (checked before the
+  step's first receive, inside the next verb);
+- :meth:`train_step` runs a batch's forwards and backwards and keeps the gradients away from
+  whatever zeroes ``.grad`` before the optimizer step; :meth:`hand_over_gradients` gives them to the
+  parameters then; :meth:`clip_grad_norm_` clips them by the norm over every stage;
+- :meth:`evaluate` runs a forward-only batch; :meth:`drain` finishes an asynchronous schedule's
+  work in flight; :meth:`state_dict` / :meth:`load_state_dict` carry that schedule's state
+  through a checkpoint; :meth:`enable_timeline` records every action; :meth:`close` undoes what
+  the pipeline installed on the layers.
+
+The user's code enters as a step function per micro-batch (``step(i)`` runs micro-batch ``i``'s
+step and returns, on the last stage, the weighted loss to backpropagate): the pipeline gives it
+to its stage runners for the duration of one verb. Nothing here imports Lightning, so the
+pipeline can be built and driven without a Trainer (``tests/runtime/test_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, Mapping, Optional, Sequence
+
+from torch import Tensor, nn
+
+from lightning_pipe.runtime import deferred_conv, fused_linear
+from lightning_pipe.runtime.agreement import BatchAgreement
+from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sharding import ShardedStage
+from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
+from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.topology import Placement, Topology
+from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.schedules import Schedule, is_async
+from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
+from lightning_pipe.schedules.runnable import runnable_schedule
+
+if TYPE_CHECKING:  # the values only: the runtime imports nothing above it
+    from lightning_pipe.config import PipelineConfig
+
+#: A context to run a verb's compute in (the precision's autocast, for example).
+Context = Callable[[], ContextManager[Any]]
+
+
+@dataclass
+class StageSplit:
+    """This rank's part of the split model.
+
+    Attributes:
+        host: the module that replaces the split ``nn.Sequential`` in the user's model: all of this
+            rank's layers under their original names.
+        stages: the stages this rank holds, by their index in the split; with one stage per rank,
+            the host itself.
+        ties: weights tied across pipeline positions: position -> the parameter's name in that
+            position's host (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
+    """
+
+    host: StageModule
+    stages: dict[int, StageModule]
+    ties: list[dict[int, str]] = field(default_factory=list)
+
+
+class StagePipeline:
+    """One rank's share of the pipeline (see the module docstring).
+
+    Args:
+        config: the run's arguments (the schedule, chunks, checkpoint mode, fusion, replicas' mode).
+        placement: where this rank's stages sit in the layout, and its device and backend.
+        split: the stage modules this rank holds.
+        topology: the process groups of this rank (pipeline, replicas, the gloo group for headers).
+        model: the user's model on this rank, holding ``split.host`` in place of its Sequential: a
+            training step's gradients of all its parameters are kept until :meth:`hand_over_gradients`.
+        shared: the parameters outside the split Sequential (each stage computes a part of their
+            gradient), in the same order on every rank.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        placement: Placement,
+        split: StageSplit,
+        topology: Topology,
+        model: nn.Module,
+        shared: Sequence[nn.Parameter] = (),
+    ) -> None:
+        self.config = config
+        self.placement = placement
+        self.host = split.host
+        self.stages = split.stages
+        self.topology = topology
+        self.num_stages = placement.num_stages
+        self.num_microbatches = config.num_microbatches(self.num_stages)
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        replicas = placement.num_replicas
+        self.sharded = config.data_parallel == "shard" and replicas > 1
+        self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
+        self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
+        ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, self.host, topology.group)
+        self.gradients = StageGradients(
+            shared,
+            ties,
+            topology.pp_group,
+            self.num_stages,
+            counts_shared=placement.stage == 0,
+            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
+            dp_group=topology.dp_group if replicas > 1 and not self.sharded else None,
+        )
+        self.transport = Transport(
+            stage_ranks=placement.stage_ranks,
+            device=placement.device,
+            group=None,
+            meta_group=topology.meta_group,
+            batched=placement.backend == "nccl",
+            through_host=placement.through_host,
+        )
+        asynchronous = is_async(config.schedule)
+        versions = WeightVersions(self.host) if asynchronous else None
+        self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
+        split_backward = not asynchronous and self.schedule(config.schedule, self.num_microbatches).split_backward
+        self._fused: list[nn.Module] = []
+        if self.shards is not None:
+            pass  # FSDP2 accumulates the micro-batches' gradients itself
+        elif split_backward:  # W is these layers' deferred work
+            self._fused = deferred_conv.install_split(self.host)
+        elif config.gradient_accumulation_fusion:
+            self._fused = fused_linear.install(self.host)
+        if versions is None and self.shards is None and not split_backward:
+            # the readiness hooks fire in B, while deferred weight gradients are complete only after
+            # W: a split backward's replicas average after the step's last W
+            self.gradients.overlap(self.params)
+        self.runners = {
+            s: StageRunner(m, checkpoint=config.checkpoint, versions=versions, host=self.host) for s, m in self.stages.items()
+        }
+        self.executor = Executor(self.transport, self.runners, rank=placement.stage)
+        self.asynchronous: Optional[AsyncPipeline] = None
+        if versions is not None:
+            self.asynchronous = AsyncPipeline(config.schedule, self.executor, self.runner, self.num_stages)
+
+    # ------------------------------------------------------------------ what callers may read
+    @property
+    def runner(self) -> StageRunner:
+        """The runner of this rank's first stage (the only one without interleaving)."""
+        return self.runners[min(self.runners)]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous schedule has work in flight (drain before saving or evaluating)."""
+        return self.asynchronous is not None and self.asynchronous.in_flight
+
+    def microbatches_for(self, samples: int) -> int:
+        """Micro-batches for a batch of ``samples``: ``chunks``, or for interleaving the most it can
+        round (a short last batch)."""
+        if self.config.schedule not in ROUNDED:
+            return self.num_microbatches
+        return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, samples)))
+
+    def schedule(self, name: str, num_microbatches: int) -> Schedule:
+        """The schedule ``name`` (``"forward"`` for evaluation) for ``num_microbatches``, proven to
+        finish on this process group (raises :class:`~lightning_pipe.schedules.runnable.ScheduleRefused`)."""
+        key = (name, num_microbatches)
+        if key not in self._schedules:
+            config = self.config
+            assert config.virtual_stages is not None
+            self._schedules[key] = runnable_schedule(
+                config.schedule, name, self.num_stages, num_microbatches, config.virtual_stages, self.placement.rendezvous
+            )
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------ verbs
+    def agree(self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: str = "the DataLoader") -> None:
+        """Start comparing this step's micro-batch ``keys`` (and a checksum of ``content``, the
+        batch's tensors, when given) with the other stages'; the next verb waits for the answer
+        before its first receive, and raises, naming ``source``, where the stages disagree."""
+        if self.agreement is None:
+            return
+        self.agreement.post(keys, content, source)
+        self.transport.before_receive = self.agreement.check
+
+    def train_step(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext, pause_after: bool = False) -> bool:
+        """Run one batch of ``len(keys)`` micro-batches (``keys[i]``: micro-batch ``i``'s input
+        shapes, alike on every stage) through the training schedule; ``step(i)`` runs the user's
+        step for micro-batch ``i``. The gradients are kept for :meth:`hand_over_gradients`.
+
+        An asynchronous schedule runs this batch's forwards and the backwards due now, and drains
+        where the pipeline cannot stay full (``pause_after``: training pauses after this step, for
+        an epoch's end or the last step). Returns whether the pipeline started or drained in this
+        step, so a rank reading the step's results at once waits for no work still in flight
+        (always, for synchronous schedules)."""
+        with self._running(step):
+            if self.asynchronous is not None:
+                return self._async_step(self.asynchronous, keys, context, pause_after)
+            saved = swap_grads(self.params, {})
+            self.gradients.begin(len(keys))  # this step's count of micro-batches: each expects its gradients
+            if self.shards is not None:
+                self.shards.begin()
+            try:
+                with context(), self._accumulation():
+                    self.executor.run(self.schedule(self.config.schedule, len(keys)), keys)
+                self.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
+                if self.shards is not None:
+                    self.shards.finish()  # one reduce-scatter of the step's gradients
+            finally:
+                self.gradients.take(self.params, saved)
+            return True
+
+    def _async_step(self, run: AsyncPipeline, keys: Sequence[Hashable], context: Context, pause_after: bool) -> bool:
+        """This batch's forwards and the backwards due now; the gradient kept for this step's
+        update is that of an earlier batch."""
+        m = len(keys)
+        fresh = not run.in_flight
+        first = run.step * m
+        with context(), self._accumulation():
+            t = run.train_step(m, {first + i: key for i, key in enumerate(keys)})
+            self.transport.pass_gate()
+            isolated = run.isolated(m)
+            settled = fresh or isolated or pause_after
+            if isolated or (settled and not fresh):
+                run.drain()
+        params = dict(self.host.named_parameters())
+        self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
+        return settled
+
+    def evaluate(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext) -> None:
+        """Run one batch forward only (``step(i)`` on the last stage once per micro-batch)."""
+        with self._running(step):
+            with context():
+                self.executor.run(self.schedule("forward", len(keys)), keys)
+            if self.shards is not None:
+                self.shards.reshard()
+            self.transport.pass_gate()
+
+    def drain(self, context: Context = nullcontext) -> None:
+        """Finish an asynchronous schedule's backwards in flight (before evaluation, a checkpoint,
+        the end of training); a no-op otherwise."""
+        if self.asynchronous is not None and self.asynchronous.in_flight:
+            with context(), self._accumulation():
+                self.asynchronous.drain()
+
+    def hand_over_gradients(self, scale: float = 1.0) -> None:
+        """Give the kept gradients, summed across ranks where needed and times ``scale``, to the
+        parameters (added to what ``.grad`` holds, which may have been zeroed since the step)."""
+        self.gradients.hand_over(scale)
+        if self.asynchronous is not None:
+            self.asynchronous.versions.protect()  # the optimizer changes the parameters in place next
+
+    def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
+        (see :meth:`lightning_pipe.runtime.gradients.StageGradients.clip_grad_norm_`)."""
+        return self.gradients.clip_grad_norm_(parameters, max_norm, self.placement.device)
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones."""
+        return self.asynchronous.state_dict() if self.asynchronous is not None else None
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        """Give this stage its share of an asynchronous schedule's saved state (every stage's, by
+        parameter name)."""
+        if self.asynchronous is None or state is None:
+            return
+        local = {name for name, _ in self.host.named_parameters()}
+        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in state["pending"].items()}
+        self.asynchronous.load_state_dict({"step": state["step"], "pending": pending})
+
+    def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
+        """Record, from the next step on, when each action ran on this rank; callers share one
+        timeline, keeping the most steps any of them asked for (None: all)."""
+        timeline = self.executor.timeline
+        if timeline is None:
+            timeline = self.executor.timeline = Timeline(self.placement.device, keep)
+        elif timeline.keep is not None:
+            timeline.keep = None if keep is None else max(keep, timeline.keep)
+        return timeline
+
+    def close(self) -> None:
+        """Give the layers back their own forwards and remove the gradient hooks."""
+        deferred_conv.uninstall_split(self._fused)
+        self._fused = []
+        self.gradients.close()
+
+    # ------------------------------------------------------------------ internals
+    @contextmanager
+    def _running(self, step: StepFn) -> Iterator[None]:
+        """The user's step on every runner of this rank for one verb."""
+        for runner in self.runners.values():
+            runner.step = step
+        try:
+            yield
+        finally:
+            for runner in self.runners.values():
+                runner.step = None
+
+    def _accumulation(self) -> ContextManager[Any]:
+        return fused_linear.accumulating(self.config.gradient_accumulation_fusion) if self._fused else nullcontext()
+
+
+__all__ = ["Context", "StagePipeline", "StageSplit"]

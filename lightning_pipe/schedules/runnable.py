@@ -1,0 +1,64 @@
+"""The schedule a pipeline step executes, proven to finish on its process group's backend.
+
+Pure (no processes): the pipeline asks for a schedule per micro-batch count, and this module
+builds it, regroups its communication where point-to-point calls rendezvous (NCCL), validates it,
+and refuses what cannot run with the reason and what to change.
+"""
+
+from __future__ import annotations
+
+from lightning_pipe.schedules import (
+    REGROUPED_FOR_RENDEZVOUS,
+    VIRTUAL_STAGES,
+    InvalidScheduleError,
+    RendezvousError,
+    Schedule,
+    build,
+    for_rendezvous,
+    forward_only,
+    forward_only_like,
+    validate,
+)
+
+
+class ScheduleRefused(ValueError):
+    """A schedule that cannot run with these stages, micro-batches and backend; the message says
+    what to change."""
+
+
+def runnable_schedule(
+    training: str, name: str, stages: int, num_microbatches: int, virtual_stages: int, rendezvous: bool
+) -> Schedule:
+    """Schedule ``name`` (``"forward"`` for evaluation, on the layout of the ``training`` schedule)
+    for ``num_microbatches``, validated; with ``rendezvous`` (NCCL, whose point-to-point calls
+    rendezvous) with its communication regrouped where it needs it."""
+    p, v = stages, virtual_stages
+    under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
+    try:
+        if name != "forward":
+            schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
+        elif training in VIRTUAL_STAGES:  # evaluation on the training layout
+            schedule = forward_only_like(build(training, p, num_microbatches, v))
+            if rendezvous and training in REGROUPED_FOR_RENDEZVOUS:
+                schedule = for_rendezvous(schedule)
+        else:
+            schedule = forward_only(p, num_microbatches)
+        validate(schedule, rendezvous=rendezvous)
+    except RendezvousError as err:
+        raise ScheduleRefused(
+            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
+            f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
+            f"back around the pipeline. Use other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of "
+            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, "
+            "drop_last=True in the DataLoader), "
+            "or schedule='1f1b' or 'zero_bubble'."
+        ) from err
+    except InvalidScheduleError as err:
+        raise ScheduleRefused(
+            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
+            f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
+        ) from err
+    return schedule
+
+
+__all__ = ["ScheduleRefused", "runnable_schedule"]

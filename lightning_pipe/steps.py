@@ -1,0 +1,290 @@
+"""From a Lightning batch to the pipeline's verbs, and back to what Lightning expects of a step.
+
+Lightning calls ``training_step`` (or an evaluation step) once per batch with the batch and its
+index. :class:`PipelineSteps` splits the batch into micro-batches, has the stages start agreeing
+on what they loaded, wraps the user's step method into the per-micro-batch step function the
+:class:`~lightning_pipe.runtime.pipeline.StagePipeline` runs, and turns what the last stage's
+steps returned and logged into one loss and one set of logged means per batch, on every rank
+(:mod:`lightning_pipe.step_results`). Asynchronous schedules share a step's summary a step late,
+so that no rank waits for the others between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from lightning_pipe.compatibility import as_misconfiguration
+from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
+from lightning_pipe.runtime.pipeline import Context, StagePipeline
+from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas, is_padding
+from lightning_pipe.runtime.topology import Topology
+from lightning_pipe.step_results import StepRecorder, SummarySharing, replay, step_loss
+
+_LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
+    "train": ("training", "train_dataloader"),
+    "validation_step": ("validation", "val_dataloaders"),
+    "test_step": ("test", "test_dataloaders"),
+    "predict_step": ("predict", "predict_dataloaders"),
+}
+
+
+class PipelineSteps:
+    """The Lightning side of this rank's steps.
+
+    Args:
+        pipeline: this rank's pipeline.
+        topology: its process groups (the replicas' group for combined summaries, the pipeline's
+            gloo group for summaries and predictions).
+        module: the user's LightningModule, whose step methods run.
+        precision: the Trainer's precision plugin: each kind of step's context, and the gradient
+            scaler (``16-mixed``) that scales each micro-batch's loss.
+        stop_if_requested: called before each step (stops every stage at the same step after a
+            SIGTERM); None: nothing to check.
+    """
+
+    def __init__(
+        self,
+        pipeline: StagePipeline,
+        topology: Topology,
+        module: "pl.LightningModule",
+        precision: Precision,
+        stop_if_requested: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.placement = pipeline.placement
+        self.config = pipeline.config
+        self.module = module
+        self._dp_group = topology.dp_group
+        self._meta_group = topology.meta_group
+        self._precision = precision
+        self._contexts: dict[str, Context] = {
+            "validation_step": precision.val_step_context,
+            "test_step": precision.test_step_context,
+            "predict_step": precision.predict_step_context,
+        }
+        self._scaler = getattr(precision, "scaler", None)
+        self._stop_if_requested = stop_if_requested or (lambda: None)
+        self._sharing: Optional[SummarySharing] = None  # the last stage's summaries, on every rank
+        self._last_loss = float("nan")
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, args: tuple, kwargs: dict) -> Tensor:
+        """One batch through the training schedule; the mean loss over its micro-batches."""
+        self._stop_if_requested()  # after a SIGTERM, every stage stops here at the same step
+        context = self._precision.train_step_context
+        module, micro, keys, weights, recorder = self.begin_step(self.module, "train", args)
+        rest, keep = args[1:], self.placement.is_last_stage
+
+        def step(i: int) -> Optional[Tensor]:
+            weight = weights[i]
+            with recorder.capture(module, weight, keep):
+                output = module.training_step(micro[i], *rest, **kwargs)
+            if not keep:
+                return None
+            loss = step_loss(output)
+            if loss is None:
+                raise RuntimeError(
+                    "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
+                    "return its loss; skipping a batch is not supported."
+                )
+            if torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
+                raise FloatingPointError(
+                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
+                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{self.placement.describe_rank(self.placement.rank)}; stopping because Trainer(detect_anomaly=True)."
+                )
+            recorder.add_loss(loss, weight)
+            scaled = loss * weight
+            return self._scaler.scale(scaled) if self._scaler is not None else scaled
+
+        if self.pipeline.asynchronous is not None:
+            return self._async_training_step(module, keys, recorder, step, context, rest[0] if rest else 0)
+        with as_misconfiguration():
+            self.pipeline.train_step(keys, step, context)
+        summary = self.share("train", recorder)
+        replay(module, summary, self.device)
+        recorder.log_local(module)
+        return torch.tensor(summary["loss"], device=self.device)
+
+    def _async_training_step(
+        self, module: "pl.LightningModule", keys: list, recorder: StepRecorder, step: Callable, context: Context, batch_idx: int
+    ) -> Tensor:
+        """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
+        the gradient applied by this step's optimizer update is that of an earlier batch."""
+        trainer = module.trainer
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"schedule={self.config.schedule!r} applies one batch's gradient per optimizer step; "
+                "accumulate_grad_batches must be 1 (raise `chunks` for larger batches instead)."
+            )
+        with as_misconfiguration():
+            sync = self.pipeline.train_step(keys, step, context, pause_after=self._async_sync_point(trainer, batch_idx))
+        # Logged values reach the other ranks a step late, so that no rank waits between steps;
+        # where the pipeline starts or drains anyway, they are shared at once.
+        summary = self.summary(recorder) if self.placement.is_last_stage else None
+        if self.placement.num_stages == 1:
+            assert summary is not None
+            self._replay_summary(module, summary)
+        else:
+            lagged = self._summaries().take_lagged()
+            if lagged is not None:
+                self._replay_summary(module, lagged)
+            if sync:
+                self._replay_summary(module, self._summaries().share("train", summary))
+            else:
+                self._summaries().post_lagged(summary)
+        recorder.log_local(module)
+        return torch.tensor(self._last_loss, device=self.device)
+
+    def _replay_summary(self, module: "pl.LightningModule", summary: dict[str, Any]) -> None:
+        replay(module, summary, self.device)
+        if summary["loss"] is not None:
+            self._last_loss = summary["loss"]
+
+    @staticmethod
+    def _async_sync_point(trainer: "pl.Trainer", batch_idx: int) -> bool:
+        """Whether training pauses after this step (epoch end, ``max_steps``): drain now."""
+        loop = trainer.fit_loop.epoch_loop
+        if loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+            return True
+        return 0 < trainer.max_steps <= trainer.global_step + 1
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Forward-only pipeline of one evaluation batch; the hook runs on the last stage once per
+        micro-batch. Returns the merged outputs on the last stage, None elsewhere."""
+        self._stop_if_requested()
+        module, context = self.module, self._contexts[hook]
+        # a replica without samples left joins the others' summary with none; sharded stages still run
+        # the forward (its parameter all-gathers are collectives over the replicas), counting nothing
+        padding = self._padding_step(module, hook, args)
+        if padding and self.pipeline.shards is None:
+            replay(module, self.share(hook, None, samples=0), self.device)
+            return None
+        module, micro, keys, weights, recorder = self.begin_step(module, hook, args)
+        rest, keep = args[1:], self.placement.is_last_stage and not padding
+        outputs: list[Any] = [None] * len(micro)
+
+        def step(i: int) -> None:
+            with recorder.capture(module, weights[i], keep):
+                output = getattr(module, hook)(micro[i], *rest, **kwargs)
+            outputs[i] = output
+            return None
+
+        with as_misconfiguration():
+            self.pipeline.evaluate(keys, step, context)
+        samples = 0 if padding else sum(batch_size(mb) for mb in micro)
+        summary = self.share(hook, None if padding else recorder, samples)
+        replay(module, summary, self.device)
+        recorder.log_local(module)
+        return merge(outputs) if keep else None
+
+    def _padding_step(self, module: "pl.LightningModule", hook: str, args: tuple) -> bool:
+        """Whether this evaluation step only keeps this replica in step with replicas that have more
+        samples (see :class:`lightning_pipe.runtime.replica_data.EvaluationShare`)."""
+        if self.placement.num_replicas == 1 or hook == "predict_step" or module is None:
+            return False
+        batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        dataloader_idx = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        return is_padding(module.trainer, batch_idx, dataloader_idx)
+
+    def predict_step(self, args: tuple, kwargs: dict) -> Any:
+        """Outputs of the batch's micro-batches, merged, on global rank 0 (None on other ranks)."""
+        outputs = self.evaluate("predict_step", args, kwargs)
+        placement = self.placement
+        if placement.num_stages == 1:
+            return outputs if placement.rank == 0 else None
+        box = [outputs]
+        self.finish_pending()
+        ranks = placement.pipeline_ranks
+        last = ranks[placement.last_position]
+        if placement.replica == 0 and last != ranks[0]:  # replica 0's outputs go to rank 0
+            if placement.is_last_stage:
+                dist.send_object_list(box, dst=ranks[0], group=self._meta_group)
+            elif placement.rank == 0:
+                dist.recv_object_list(box, src=last, group=self._meta_group)
+        return box[0] if placement.rank == 0 else None
+
+    # ------------------------------------------------------------------ a step's batch
+    def begin_step(
+        self, module: "pl.LightningModule", kind: str, args: tuple
+    ) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
+        """The module, the batch's micro-batches, their shape keys, their weights (share of the
+        batch's samples) and a recorder for what the step logs. Starts checking that every stage
+        loaded the same batch (finished before this rank's first receive)."""
+        assert module is not None
+        batch = args[0]
+        micro = split(batch, self.pipeline.microbatches_for(batch_size(batch)))
+        keys = [signature(mb) for mb in micro]
+        if self.pipeline.agreement is not None:
+            batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            if self._checks_values(batch_idx):
+                self.pipeline.agree(keys, tensors_of(batch), self._data_source(module, kind))
+            else:
+                self.pipeline.agree(keys)
+        sizes = [batch_size(mb) for mb in micro]
+        total = float(sum(sizes))
+        weights = [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
+        return module, micro, keys, weights, StepRecorder()
+
+    def _checks_values(self, batch_idx: int) -> bool:
+        every = self.config.check_data
+        return every is not False and (batch_idx == 0 or (every is not True and batch_idx % every == 0))
+
+    @staticmethod
+    def _data_source(module: "pl.LightningModule", kind: str) -> str:
+        """The DataLoader a step's batch came from, named for an error message."""
+        name, attribute = _LOADERS[kind]
+        loader = getattr(module.trainer, attribute, None) if module is not None else None
+        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+        dataset = getattr(loader, "dataset", None)
+        return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+
+    # ------------------------------------------------------------------ summaries
+    def summary(self, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
+        """The last stage's step summary (None: a padding step's, empty); with replicas, combined
+        over them (the global batch's): in evaluation weighted by each replica's ``samples``."""
+        summary = recorder.summary() if recorder is not None else EMPTY
+        if self.placement.num_replicas > 1:
+            summary = combine_over_replicas(summary, self._dp_group, self.device, samples)
+        return summary
+
+    def share(self, kind: str, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
+        """The last stage's loss and logged means, on every rank (see :class:`SummarySharing`)."""
+        summary = self.summary(recorder, samples) if self.placement.is_last_stage else None
+        if self.placement.num_stages == 1:
+            assert summary is not None
+            return summary
+        return self._summaries().share(kind, summary)
+
+    def _summaries(self) -> SummarySharing:
+        if self._sharing is None:
+            placement = self.placement
+            src = placement.pipeline_ranks[placement.last_position]
+            self._sharing = SummarySharing(src, self._meta_group, placement.is_last_stage)
+        return self._sharing
+
+    def finish_pending(self) -> None:
+        """Complete this rank's outstanding summary broadcast (before another collective on its group)."""
+        if self._sharing is not None:
+            self._sharing.finish_pending()
+
+    def finish_in_flight(self) -> None:
+        """Before a collective of another kind (evaluation, a checkpoint): this rank's summary
+        broadcast, then an asynchronous schedule's work in flight."""
+        self.finish_pending()
+        self.pipeline.drain(self._precision.train_step_context)
+
+
+__all__ = ["PipelineSteps"]
