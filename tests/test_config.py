@@ -1,0 +1,46 @@
+"""Every strategy argument as one frozen value, checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_pipe.config import PipelineConfig
+
+
+def test_defaults_and_the_schedules_own_stages_per_process() -> None:
+    assert PipelineConfig().virtual_stages == 1 and PipelineConfig().num_microbatches(3) == 6
+    assert PipelineConfig(schedule="zbv").virtual_stages == 2
+    assert PipelineConfig(schedule="interleaved_1f1b", virtual_stages=3, chunks=5).num_microbatches(3) == 5
+
+
+def test_a_config_cannot_change_and_a_replacement_is_checked_again() -> None:
+    config = PipelineConfig(schedule="gpipe")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.chunks = 4  # type: ignore[misc]
+    planned = config.replace(schedule="interleaved_1f1b", virtual_stages=2, chunks=4)
+    assert (planned.schedule, planned.virtual_stages, planned.chunks, config.chunks) == ("interleaved_1f1b", 2, 4, None)
+    with pytest.raises(ValueError, match="holds exactly 2 stages per process"):
+        config.replace(schedule="zbv")  # gpipe's one stage per process does not fit ZB-V
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"schedule": "zigzag"}, "Unknown pipeline schedule 'zigzag'"),
+        ({"chunks": 0}, "chunks=0"),
+        ({"balance": "speed"}, "unknown balance"),
+        ({"balance": [2, True]}, "list of layer counts"),
+        ({"checkpoint": "sometimes"}, "unknown mode"),
+        ({"plan": "manual"}, "plan='manual'"),
+        ({"check_data": 0}, "check_data=0"),
+        ({"stages": 0}, "stages=0"),
+        ({"data_parallel": "zero"}, "data_parallel='zero'"),
+        ({"start_method": "thread"}, "start_method='thread'"),
+        ({"schedule": "gpipe", "virtual_stages": 2}, "one stage per process"),
+    ],
+)
+def test_a_bad_argument_is_refused_naming_it(arguments: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(**arguments)

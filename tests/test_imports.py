@@ -1,0 +1,123 @@
+"""The package's layers, read from its import statements: the runtime and the schedules never
+import Lightning, nothing below the strategy imports it, and no two modules import each other
+(directly or around a circle), in the package or in the benchmarks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_pipe"
+
+
+def _module_name(path: Path, base: Path, prefix: str) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([prefix, *parts]) if prefix else ".".join(parts)
+
+
+def _imports(path: Path, module_level_only: bool, modules: frozenset[str] = frozenset()) -> Iterator[str]:
+    """The modules ``path`` imports; with ``module_level_only``, leaving out imports inside
+    functions and ``if TYPE_CHECKING:``. ``from a import b`` gives ``a.b`` where that is one of
+    ``modules`` (a submodule: importing it runs package ``a`` first, which is no dependency on
+    ``a``'s contents), else ``a``."""
+    tree = ast.parse(path.read_text())
+    nodes: list[ast.AST] = list(tree.body) if module_level_only else list(ast.walk(tree))
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                yield full if full in modules else node.module
+        elif module_level_only and isinstance(node, (ast.Try, ast.With)):
+            nodes.extend(node.body)
+        elif module_level_only and isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            nodes.extend(node.body + node.orelse)
+
+
+def _graph(base: Path, prefix: str, files: list[Path], module_level_only: bool = True) -> dict[str, set[str]]:
+    names = {_module_name(f, base, prefix): f for f in files}
+    known = frozenset(names)
+    return {name: {m for m in _imports(f, module_level_only, known) if m in names and m != name} for name, f in names.items()}
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in ``graph`` (empty when there is none)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_the_pipeline_and_what_it_is_built_from_never_import_lightning() -> None:
+    """``StagePipeline`` and every module it reaches (functions' imports included), and the
+    schedules: drivable without a Trainer."""
+    files = list(PACKAGE.rglob("*.py"))
+    graph = _graph(ROOT, "", files, module_level_only=False)
+    below = _reachable(graph, "lightning_pipe.runtime.pipeline") | {m for m in graph if m.startswith("lightning_pipe.schedules")}
+    assert {"lightning_pipe.runtime.executor", "lightning_pipe.runtime.gradients", "lightning_pipe.config"} <= below
+    paths = {_module_name(f, ROOT, ""): f for f in files}
+    found = {
+        name: sorted(m for m in _imports(paths[name], module_level_only=False) if m.split(".")[0] == "lightning")
+        for name in below
+        if name != "lightning_pipe"  # the package's face registers the strategy; the modules below never need it
+    }
+    assert {name: m for name, m in found.items() if m} == {}
+
+
+def test_nothing_below_the_strategy_imports_it() -> None:
+    importers = sorted(
+        str(f.relative_to(ROOT))
+        for f in PACKAGE.rglob("*.py")
+        if any(m.startswith(("lightning_pipe.strategy", "lightning_pipe.steps")) for m in _imports(f, module_level_only=False))
+        and f.name not in ("strategy.py", "steps.py")
+    )
+    assert importers == ["lightning_pipe/__init__.py", "lightning_pipe/cli.py"]  # the package's face and the CLI
+
+
+def test_no_import_circle_in_the_package() -> None:
+    files = [f for f in PACKAGE.rglob("*.py")]
+    graph = _graph(ROOT, "", files)
+    assert "lightning_pipe.runtime.pipeline" in graph and graph["lightning_pipe.strategy"]
+    assert _cycle(graph) == []
+
+
+def test_no_import_circle_in_the_benchmarks() -> None:
+    files = list((ROOT / "benchmarks").glob("*.py"))
+    graph = _graph(ROOT / "benchmarks", "", files)
+    assert graph["compare"]  # the graph sees the benchmarks' own imports of each other
+    assert _cycle(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
