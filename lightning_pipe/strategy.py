@@ -57,10 +57,8 @@ class PipelineStrategy(ProcessStrategy):
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``; see
     :class:`~lightning_pipe.processes.ProcessStrategy`).
 
-    A module that builds its layers in ``configure_model()`` (or under
-    ``trainer.init_module(empty_init=True)``) is built on the meta device; each rank gives storage
-    only to its stage and to the parameters outside the split Sequential, initialised layer by layer
-    from the run's seed (see :mod:`lightning_pipe.partition.materialize`).
+    A module that builds its layers in ``configure_model()`` (or under ``init_module(empty_init=True)``)
+    is built on the meta device; each rank materialises only its stage (:mod:`lightning_pipe.partition.materialize`).
     """
 
     strategy_name = "pipeline"
@@ -83,8 +81,10 @@ class PipelineStrategy(ProcessStrategy):
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule, chunks, balance, checkpoint, module, gradient_accumulation_fusion, virtual_stages, check_data,
-            weights, plan, stages, data_parallel, start_method,
+            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module,
+            gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
+            check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
+            start_method=start_method,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)
