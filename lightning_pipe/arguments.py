@@ -52,8 +52,8 @@ def check_arguments(
         raise ValueError(f"PipelineStrategy(plan={plan!r}): valid values are None (use the arguments as given) and 'auto'.")
     if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
         raise ValueError(
-            f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
-            "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
+            f"PipelineStrategy(check_data={check_data!r}): give True (compare a checksum of the stages' batches "
+            "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
 
 

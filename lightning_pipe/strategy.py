@@ -111,8 +111,8 @@ class PipelineStrategy(ParallelStrategy):
             ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
             stage's tensors (see :mod:`lightning_pipe.weights`).
         check_data: when the stages compare a checksum of the batch they loaded (they compare its
-            shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
-            integer ``N`` also every ``N`` steps, ``False`` never (see
+            shapes every step): ``True`` every step, an integer ``N`` every ``N`` steps and at the
+            first step of each epoch and evaluation loop, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
         plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
             ``virtual_stages``, ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers
@@ -538,8 +538,12 @@ class PipelineStrategy(ParallelStrategy):
         keys = [signature(mb) for mb in micro]
         if self._agreement is not None:
             batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            loader_idx = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
             if self._checks_values(batch_idx):
-                self._agreement.post(keys, tensors_of(batch), self._data_source(kind))
+                trainer = module.trainer
+                at = (trainer.current_epoch, trainer.global_step) if kind == "train" else None  # as the step began
+                source = lambda: self._data_source(kind, batch_idx, loader_idx, at)
+                self._agreement.post(keys, tensors_of(batch), source)
             else:
                 self._agreement.post(keys)
             self._executor.transport.before_receive = self._agreement.check
@@ -549,16 +553,30 @@ class PipelineStrategy(ParallelStrategy):
         return module, micro, keys, weights, StepRecorder()
 
     def _checks_values(self, batch_idx: int) -> bool:
+        """Whether this step's fingerprint carries a checksum of the batch's values: every step by
+        default, every N steps (and the first of each epoch and loop) with ``check_data=N``."""
         every = self.check_data
-        return every is not False and (batch_idx == 0 or (every is not True and batch_idx % every == 0))
+        return every is True or (every is not False and (batch_idx == 0 or batch_idx % every == 0))
 
-    def _data_source(self, kind: str) -> str:
-        """The DataLoader a step's batch came from, named for an error message."""
+    def _data_source(
+        self, kind: str, batch_idx: int, loader_idx: int = 0, at: Optional[tuple[int, int]] = None
+    ) -> str:
+        """The DataLoader a step's batch came from and where in it (``at``: the training step's epoch
+        and global step), named for an error message (formatted only when the stages disagree)."""
         name, attribute = _LOADERS[kind]
-        loader = getattr(self.lightning_module.trainer, attribute, None) if self.lightning_module is not None else None
-        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loader = getattr(trainer, attribute, None)
+        if isinstance(loader, (list, tuple)) and loader:
+            loader = loader[min(loader_idx, len(loader) - 1)]
         dataset = getattr(loader, "dataset", None)
-        return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+        where = f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+        where += f" at batch {batch_idx}"
+        if at is not None:
+            where += f" of epoch {at[0]} (global step {at[1]})"
+        every = self.check_data
+        if every is not True and every > 1 and batch_idx > 0:  # check_data=N: last compared N batches ago
+            where += f", compared every {every} batches, so they may differ from batch {batch_idx - every + 1} on"
+        return where
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._signals is not None:  # after a SIGTERM, every stage stops here at the same step
