@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
+from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io, tie_aliases
 from lightning_pipe import failures
 from lightning_pipe.arguments import check_arguments
 from lightning_pipe.compatibility import check_async, check_shard, run_schedule
@@ -840,7 +840,8 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return optimizer_state_by_name(optimizer, parameter_names(module))
+        aliases = tie_aliases(self._ties, self.stage, f"{self.module_name}.")  # tied copies, for consolidation
+        return optimizer_state_by_name(optimizer, parameter_names(module), aliases)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata,

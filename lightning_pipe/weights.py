@@ -18,15 +18,15 @@ any one of its names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_pipe.checkpoint import is_pipeline_checkpoint, merged_state_dict
-from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _PATH = Union[str, Path]
@@ -76,9 +76,9 @@ def open_weights(path: _PATH) -> WeightSource:
     try:
         if path.suffix == ".safetensors":
             return _open_safetensors(path)
-        if path.is_dir():
-            _, shards = read_checkpoint(path)
-            return _from_mapping(path, merged_state_dict(shards), shards)
+        if path.is_dir():  # each tensor compared with its recorded checksum when it is read
+            state, checked = read_state_dict(path)
+            return replace(_from_mapping(path, state, None), read=checked)
         return _from_mapping(path, _state_dict(_torch_load(path)), None)
     except (FileNotFoundError, ValueError) as err:
         if str(path) in str(err):
@@ -191,7 +191,12 @@ def load_stage_weights(module: nn.Module, path: _PATH, spec: ModelSpec) -> int:
     """Check ``path`` against the whole model (``spec``), then load this rank's tensors."""
     source = open_weights(path)
     check_names(source, spec)
-    return load_local(module, source, spec)
+    copied = load_local(module, source, spec)
+    rank_zero_info(  # where Lightning prints its own setup lines
+        f"lightning-pipe: rank 0 loaded {copied} of the {len(source.shapes)} tensors in {source.path} "
+        "(its stage's and those outside the Sequential; the other ranks read theirs)"
+    )
+    return copied
 
 
 __all__ = [
