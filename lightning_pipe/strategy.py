@@ -36,7 +36,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -53,6 +53,7 @@ from lightning_pipe.partition.split import BalanceSpec, stage_bounds
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.partition.measured import measured_balance
 from lightning_pipe.precision import sync_gradient_scaler
+from lightning_pipe.run_report import describe_layout
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime import deferred_conv, fused_linear
@@ -423,9 +424,11 @@ class PipelineStrategy(ParallelStrategy):
             load_stage_weights(module, self.weights, spec)
         self._stage_module = stage
         self.module_name = name
-        rank_zero = self.global_rank == 0
-        if rank_zero:
-            log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", self.num_stages, balance, self.schedule_name)
+        if self.global_rank == 0:  # where Lightning prints its own setup lines, in any script
+            rank_zero_info(describe_layout(
+                module.trainer, self.num_stages, self.num_replicas, balance, positions, self.schedule_name,
+                self.num_microbatches,
+            ))  # fmt: skip
 
     def _setup_pipeline(self) -> None:
         module = self.lightning_module
