@@ -12,13 +12,14 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe.checkpoint import tie_aliases
 from lightning_pipe.compatibility import as_misconfiguration, check_async, check_shard
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
@@ -29,13 +30,12 @@ from lightning_pipe.partition.profile import first_batch
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
+from lightning_pipe.run_report import describe_layout
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async
 from lightning_pipe.weights import load_stage_weights, model_spec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +61,11 @@ class ModuleSplit:
     deferred_build: bool = False
     profile: Optional[Profile] = None
     candidates: Optional[list[Any]] = None
+
+    def optimizer_aliases(self) -> dict[str, str]:
+        """This rank's names of weights tied to an earlier stage's layer -> the unsplit module's name
+        for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
+        return tie_aliases(self.split.ties, self.placement.stage, f"{self.attribute}.")
 
 
 def split_module(
@@ -115,8 +120,9 @@ def split_module(
     setattr(module, name, stage)
     if spec is not None:
         load_stage_weights(module, config.weights, spec)
-    if rank == 0:
-        log.info("lightning-pipe: %d stages, layers per stage %s, schedule %s", layout.stages, balance, config.schedule)
+    if rank == 0:  # where Lightning prints its own setup lines, in any script
+        chunks = config.num_microbatches(layout.stages)
+        rank_zero_info(describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks))
     return ModuleSplit(config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates)
 
 

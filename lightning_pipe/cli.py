@@ -4,14 +4,21 @@
     lightning-pipe recipe=vgg19_cifar100 strategy=gpipe strategy.chunks=8 trainer.devices=4
     lightning-pipe -m strategy.chunks=2,4                 # a sweep, one output folder per run
     lightning-pipe --cfg job                              # print the composed configuration
+    lightning-pipe checkpoint=true logger=tensorboard     # save checkpoints, metrics to TensorBoard
+
+A run prints its folder first and a summary last (rank 0); a key that nothing reads fails before
+anything starts (:func:`check_keys`).
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import os
 import sys
 import time
+import warnings
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
@@ -20,12 +27,17 @@ import hydra
 import lightning as L
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_pipe.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
+from lightning_pipe.plan.stage_metrics import StageMetrics
+from lightning_pipe.run_report import summary_lines
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.strategy import PipelineStrategy
 
@@ -40,10 +52,31 @@ STRATEGY_KEYS = (
     "stages", "data_parallel",
     "virtual_stages", "check_data",
 )  # fmt: skip
+LOGGERS = ("csv", "tensorboard")
+# Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
+# stage's values, averaged over the replicas, and Lightning drops sync_dist for a strategy that is not
+# `is_distributed` (the pipeline's is not, so that Lightning never swaps in its own sampler)
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
+# top-level keys that are not in config.yaml: what `lightning-pipe plan` adds
+INTERNAL_KEYS = ("plan_only",)
+# Trainer arguments the command line sets itself, and how to set them instead
+SET_BY_THE_COMMAND = {
+    "strategy": "choose it with strategy=<option> and strategy.<key>=<value>",
+    "logger": "choose it with logger=csv or logger=tensorboard",
+    "callbacks": "the command line adds its own; use the Python API for others",
+    "default_root_dir": "each run writes to its Hydra folder: hydra.run.dir=PATH",
+    "enable_checkpointing": "use checkpoint=true",
+}
+
+
+def _replicas(trainer: L.Trainer) -> int:
+    """Data-parallel replicas of the pipeline: each reads its own batch of every step."""
+    return int(getattr(trainer.strategy, "num_replicas", 1))
 
 
 class SamplesPerSecond(L.Callback):
-    """Logs ``samples_per_sec`` (shown in the progress bar) from each step's wall time."""
+    """Logs ``samples_per_sec`` (shown in the progress bar) from each step's wall time: the samples
+    of the whole step, over all replicas."""
 
     def __init__(self) -> None:
         self._start = 0.0
@@ -53,31 +86,103 @@ class SamplesPerSecond(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._start
-        pl_module.log("samples_per_sec", batch_size(batch) / seconds, prog_bar=True, on_step=True, on_epoch=False)
+        samples = batch_size(batch) * _replicas(trainer)
+        pl_module.log("samples_per_sec", samples / seconds, prog_bar=True, on_step=True, on_epoch=False)
+
+
+class RunSummary(L.Callback):
+    """Prints, on global rank 0 once training is over, where the run went and how it went (see
+    :func:`lightning_pipe.run_report.summary_lines`). ``started``: ``time.time()`` when the command
+    began, so the wall time includes starting the processes."""
+
+    def __init__(self, output: Path, started: float) -> None:
+        self.output, self.started = output, started
+        self.samples = 0
+        self.train_seconds = 0.0
+        self.text: Optional[str] = None
+        self._last_loss: Optional[float] = None
+        self._train_start: Optional[float] = None
+        self._validation_start: Optional[float] = None
+        self._validation_seconds = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_start = time.perf_counter()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._train_start is not None:  # not the sanity check before training
+            self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validation_start is not None:
+            self._validation_seconds += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.samples += batch_size(batch) * _replicas(trainer)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._last_loss = float(loss)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._train_start is not None:
+            self.train_seconds = time.perf_counter() - self._train_start - self._validation_seconds
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        logged = trainer.callback_metrics.get("train_loss")  # what the progress bar showed last
+        checkpoint = trainer.checkpoint_callback
+        saved = (checkpoint.last_model_path or checkpoint.best_model_path) if isinstance(checkpoint, ModelCheckpoint) else ""
+        self.text = summary_lines(
+            self.output, str(Path(saved).resolve()) if saved else None,
+            float(logged) if logged is not None else self._last_loss, trainer.global_step,
+            time.time() - self.started, self.samples, self.train_seconds,
+        )  # fmt: skip
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Started with spawn/fork, this is a worker whose state the launching process does not get back:
+        # print here. Otherwise `run` prints it once `fit` returns, below the progress bar's last line.
+        if self.text is not None and isinstance(trainer.strategy.launcher, PipelineMultiProcessingLauncher):
+            print(self.text, flush=True)
 
 
 class PlanOnly(L.Callback):
     """``lightning-pipe plan``: once the planner ranked the layouts (in the strategy's setup), print
     and write them (``plan.txt``, ``plan.svg``) and stop before the first step. Every stages x
     replicas of the world is ranked for the run's global batch; a layout with other replicas than
-    configured needs ``strategy.stages`` and the DataLoader batch (per replica) set as printed."""
+    configured needs ``strategy.stages`` and the DataLoader batch (per replica) set as printed, which
+    the printed overrides do. Nothing that looks like training is shown: no model summary, no
+    sanity-check validation."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.callbacks import ModelSummary
+
+        # the summary (printed at fit start, after this callback) and the sanity check would read as a start of training
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        trainer.num_sanity_val_steps = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning_pipe.plan.report import write_plan
 
         trainer.should_stop = True
-        if trainer.global_rank == 0 and getattr(trainer.strategy, "plan_candidates", None):
-            ranked = trainer.strategy.plan_candidates
-            print(write_plan(ranked, trainer.strategy.num_stages, self.folder))
-            best = ranked[0]
+        if trainer.global_rank != 0:
+            return
+        strategy = trainer.strategy
+        ranked = getattr(strategy, "plan_candidates", None)
+        if not ranked:
+            stages = getattr(strategy, "num_stages", 1)
             print(
-                f"best: {best.depth} stages x {best.replicas} replicas, DataLoader batch per replica {best.replica_batch}; "
-                f"strategy arguments {best.strategy_arguments()}"
+                f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has "
+                f"{stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and strategy.stages to 2 "
+                "or more (or leave it unset: one stage per process).",
+                flush=True,
             )
-            print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}")
+            return
+        print(write_plan(ranked, strategy.num_stages, strategy.num_replicas, self.folder), flush=True)
+        print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}", flush=True)
 
 
 def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
@@ -96,6 +201,80 @@ def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
     return PipelineStrategy(**args), devices
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse a key that nothing reads, naming it and the valid ones: at the top level and in the
+    ``recipe``, ``strategy`` and ``trainer`` nodes (``recipe.model`` and ``recipe.data``:
+    :func:`instantiate_recipe`). Hydra refuses a new key unless it is added with ``+``, as its own
+    message suggests; a misspelt key added that way would otherwise be ignored without a word."""
+    problems = _unknown_keys("", cfg, _top_level_keys(), hidden=("hydra", *INTERNAL_KEYS))
+    problems += _unknown_keys("recipe.", cfg.recipe, ("name", "model", "data"))  # their keys: instantiate_recipe
+    name = cfg.strategy.get("name")
+    if name in ("pipeline", "none"):
+        problems += _unknown_keys("strategy.", cfg.strategy, ("name", *STRATEGY_KEYS) if name == "pipeline" else ("name",))
+    trainer = [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self" and p not in SET_BY_THE_COMMAND]
+    for key in cfg.trainer:
+        if key in SET_BY_THE_COMMAND:
+            problems.append(f"trainer.{key} is set by lightning-pipe: {SET_BY_THE_COMMAND[key]}.")
+    problems += _unknown_keys("trainer.", cfg.trainer, trainer)
+    if problems:
+        raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
+
+
+def _top_level_keys() -> list[str]:
+    """config.yaml's own keys and the groups."""
+    own = OmegaConf.load(Path(CONFIG_DIR) / "config.yaml")
+    return [str(k) for k in own if k not in ("defaults", "hydra")] + ["recipe", "strategy", "trainer"]
+
+
+def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -> list[str]:
+    """One message per key of ``node`` neither in ``valid`` nor in ``hidden`` (accepted, not listed);
+    the Trainer arguments the command sets itself are reported apart."""
+    valid = sorted(valid)
+    problems = []
+    for key in node:
+        if key in valid or key in hidden or (prefix == "trainer." and key in SET_BY_THE_COMMAND):
+            continue
+        close = difflib.get_close_matches(str(key), valid, n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        problems.append(f"unknown key {prefix}{key}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
+    return problems
+
+
+def instantiate_recipe(cfg: DictConfig, part: str) -> Any:
+    """``recipe.<part>`` (``model`` or ``data``) built by Hydra. A key its ``_target_`` does not take
+    fails naming the valid ones (the arguments of the target, which may be more than the recipe's
+    file lists). The target is inspected only once ``instantiate`` has located it, under Hydra's
+    own rules for which targets a configuration may name."""
+    node = cfg.recipe[part]
+    try:
+        return instantiate(node)
+    except InstantiationException as error:
+        if not isinstance(error.__cause__, TypeError):
+            raise
+        target = get_object(str(node["_target_"]))  # imported by instantiate already
+        parameters = inspect.signature(target).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            raise
+        hydra_keys = [str(k) for k in node if str(k).startswith("_") and str(k).endswith("_")]  # _target_, ...
+        valid = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+        problems = _unknown_keys(f"recipe.{part}.", node, valid, hidden=hydra_keys)
+        if not problems:  # a TypeError of the target's own
+            raise
+        raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems)) from error
+
+
+def make_logger(name: str, output: Path) -> Logger:
+    """The run's logger, writing to ``<output>/logs/version_N``."""
+    if name == "csv":
+        return CSVLogger(str(output), name="logs")
+    if name == "tensorboard":
+        try:
+            return TensorBoardLogger(str(output), name="logs")
+        except ModuleNotFoundError as error:
+            raise SystemExit(f"lightning-pipe: logger=tensorboard needs TensorBoard: pip install tensorboard ({error})") from error
+    raise SystemExit(f"lightning-pipe: logger={name!r} is unknown. Valid: {', '.join(LOGGERS)}.")
 
 
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
@@ -126,30 +305,43 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
 
 def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
+    started = time.time()
+    check_keys(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    output = Path(output_dir or HydraConfig.get().runtime.output_dir)
+    output = Path(output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    _say(f"lightning-pipe: output folder {output}")
+    logger = make_logger(str(cfg.get("logger", "csv")), output)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
     strategy, devices = build_strategy(cfg.strategy, trainer_cfg.pop("devices"))
-    model = instantiate(cfg.recipe.model)
+    model = instantiate_recipe(cfg, "model")
     check_tied_weights(cfg, model, devices)
-    data = instantiate(cfg.recipe.data)
+    data = instantiate_recipe(cfg, "data")
+    if cfg.strategy.name == "pipeline":
+        warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
     callbacks: list[L.Callback] = [SamplesPerSecond()]
+    summary: Optional[RunSummary] = None
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
         if isinstance(strategy, PipelineStrategy):
             strategy.plan_all_layouts = True  # rank stages x replicas too (printed, not applied)
+    else:
+        summary = RunSummary(output, started)
+        callbacks.append(summary)
+        if cfg.strategy.name == "pipeline":
+            callbacks.append(StageMetrics())  # pipeline/stage{s}/bubble, samples_per_sec, peak memory: to the logger
     if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
         from lightning_pipe.plan.picture import TimelinePicture
 
-        callbacks.append(TimelinePicture(output / "timeline.svg", log=False))  # the CSVLogger below takes no images
+        # the file, and the same picture as an image where the logger takes images (a CSV logger does not)
+        callbacks.append(TimelinePicture(output / "timeline.svg", to_loggers=isinstance(logger, TensorBoardLogger)))
     if cfg.get("checkpoint", False):
         callbacks.append(ModelCheckpoint(dirpath=output / "checkpoints", save_last=True))
     trainer = L.Trainer(
         strategy=strategy,
         devices=devices,
         default_root_dir=str(output),
-        logger=CSVLogger(str(output), name="logs"),
+        logger=logger,
         callbacks=callbacks,
         enable_checkpointing=bool(cfg.get("checkpoint", False)),
         **trainer_cfg,
@@ -159,7 +351,16 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
         trainer.fit(model, datamodule=data)
     finally:
         _end_job(environment)
+    if summary is not None and summary.text is not None:  # this process ran global rank 0
+        print(summary.text, flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@rank_zero_only
+def _say(text: str) -> None:
+    """Print on the process that started the run only (Lightning's script launcher re-runs the
+    command in the others)."""
+    print(text, flush=True)
 
 
 def _end_job(environment: dict[str, Optional[str]]) -> None:

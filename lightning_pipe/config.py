@@ -50,11 +50,12 @@ class PipelineConfig:
             stages by ``balance``. None becomes the schedule's default here, so a ``replace`` that
             changes the schedule must give its ``virtual_stages`` too.
         check_data: when the stages compare a checksum of the batch they loaded (they compare its
-            shapes every step): ``True`` at the first step of each epoch and evaluation loop, an
-            integer ``N`` also every ``N`` steps, ``False`` never (see
+            shapes every step): ``True`` every step, an integer ``N`` every ``N`` steps and at the
+            first step of each epoch and evaluation loop, ``False`` never (see
             :mod:`lightning_pipe.runtime.agreement`).
         weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
-            ``.safetensors`` or a lightning-pipe checkpoint directory); each rank reads only its
+            ``.safetensors``, a ``save_pretrained`` directory or a lightning-pipe checkpoint
+            directory); each rank reads only its
             stage's tensors (see :mod:`lightning_pipe.weights`).
         plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
             ``virtual_stages``, ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers
@@ -126,8 +127,8 @@ def check_arguments(config: PipelineConfig) -> None:
     check_data = config.check_data
     if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
         raise ValueError(
-            f"PipelineStrategy(check_data={check_data!r}): give True (compare the stages' batches at the first "
-            "step of each epoch), an integer N >= 1 (and every N steps) or False (shapes only)."
+            f"PipelineStrategy(check_data={check_data!r}): give True (compare a checksum of the stages' batches "
+            "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
     if config.start_method not in START_METHODS:
         raise ValueError(f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}.")

@@ -11,7 +11,7 @@ so that no rank waits for the others between steps.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -229,8 +229,13 @@ class PipelineSteps:
         keys = [signature(mb) for mb in micro]
         if self.pipeline.agreement is not None:
             batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            loader_idx = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
             if self._checks_values(batch_idx):
-                self.pipeline.agree(keys, tensors_of(batch), self._data_source(module, kind))
+                trainer = module.trainer
+                at = (trainer.current_epoch, trainer.global_step) if kind == "train" else None  # as the step began
+                every = self.config.check_data
+                source = lambda: _data_source(module, kind, batch_idx, loader_idx, at, every)  # noqa: E731 - named only on a mismatch
+                self.pipeline.agree(keys, tensors_of(batch), source)
             else:
                 self.pipeline.agree(keys)
         sizes = [batch_size(mb) for mb in micro]
@@ -239,17 +244,7 @@ class PipelineSteps:
         return module, micro, keys, weights, StepRecorder()
 
     def _checks_values(self, batch_idx: int) -> bool:
-        every = self.config.check_data
-        return every is not False and (batch_idx == 0 or (every is not True and batch_idx % every == 0))
-
-    @staticmethod
-    def _data_source(module: "pl.LightningModule", kind: str) -> str:
-        """The DataLoader a step's batch came from, named for an error message."""
-        name, attribute = _LOADERS[kind]
-        loader = getattr(module.trainer, attribute, None) if module is not None else None
-        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
-        dataset = getattr(loader, "dataset", None)
-        return f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+        return checks_values(self.config.check_data, batch_idx)
 
     # ------------------------------------------------------------------ summaries
     def summary(self, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
@@ -287,4 +282,31 @@ class PipelineSteps:
         self.pipeline.drain(self._precision.train_step_context)
 
 
-__all__ = ["PipelineSteps"]
+
+def checks_values(check_data: Union[bool, int], batch_idx: int) -> bool:
+    """Whether the step of ``batch_idx`` compares a checksum of the batch's values across the
+    stages: every step with ``check_data=True`` (the default), every N steps and the first of each
+    epoch and loop with ``check_data=N``, never with ``False`` (shapes are compared every step)."""
+    return check_data is True or (check_data is not False and (batch_idx == 0 or batch_idx % check_data == 0))
+
+
+def _data_source(
+    module: "pl.LightningModule", kind: str, batch_idx: int, loader_idx: int, at: Optional[tuple[int, int]],
+    every: Union[bool, int],
+) -> str:
+    """The DataLoader a step's batch came from and where in it (``at``: the training step's epoch
+    and global step), named for an error message (formatted only when the stages disagree)."""
+    name, attribute = _LOADERS[kind]
+    loader = getattr(module.trainer, attribute, None) if module is not None else None
+    if isinstance(loader, (list, tuple)) and loader:
+        loader = loader[min(loader_idx, len(loader) - 1)]
+    dataset = getattr(loader, "dataset", None)
+    where = f"the {name} DataLoader" + (f" (dataset {type(dataset).__name__})" if dataset is not None else "")
+    where += f" at batch {batch_idx}"
+    if at is not None:
+        where += f" of epoch {at[0]} (global step {at[1]})"
+    if every is not True and batch_idx > 0:  # check_data=N: the values were last compared N batches ago
+        where += f", compared every {every} batches, so they may differ from batch {batch_idx - every + 1} on"
+    return where
+
+__all__ = ["checks_values", "PipelineSteps"]

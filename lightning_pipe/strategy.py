@@ -263,7 +263,7 @@ class PipelineStrategy(ProcessStrategy):
         return True  # restore into the split module: each rank loads only the names its stage holds
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return hooks.optimizer_state(self.lightning_module, optimizer)
+        return hooks.optimizer_state(self.lightning_module, optimizer, self._split.optimizer_aliases() if self._split else None)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self.steps.finish_in_flight()

@@ -5,28 +5,36 @@
 - a ``state_dict`` saved with ``torch.save`` (``.pt`` / ``.pth``),
 - a Lightning checkpoint (``.ckpt``: its ``state_dict``),
 - a lightning-pipe checkpoint directory (read with :mod:`lightning_pipe.checkpoint`),
-- a ``.safetensors`` file.
+- a ``.safetensors`` file,
+- a directory written by Hugging Face ``save_pretrained`` (or a hub snapshot): ``model.safetensors``,
+  or shards with their ``model.safetensors.index.json``, or the ``pytorch_model.bin`` forms (read
+  with :mod:`lightning_pipe.hf_weights`, each process opening only the shards that hold its tensors).
 
-Tensors are matched by their names in the unsplit module (``layers.7.weight``). Files are read
-memory-mapped (``torch.load(mmap=True, weights_only=True)``, ``safetensors.safe_open``), so a
-process reads from disk only the tensors it copies. Before anything is copied, every process
-checks the file's names and shapes against the whole model's (the same check with the same
-answer on every rank, so a bad file stops every rank with the same error instead of a hang).
-A tensor shared by several names (tied weights; ``safetensors`` stores it once) is satisfied by
-any one of its names.
+Tensors are matched by their names in the unsplit module (``layers.7.weight``); a file named from
+the model the module holds (``transformer.h.0...`` for ``self.model``'s ``model.transformer.h.0...``)
+is matched by the one prefix that makes every name fit, and ``rename`` maps other layouts (see
+:mod:`lightning_pipe.weight_names`). Files are read memory-mapped (``torch.load(mmap=True,
+weights_only=True)``, ``safetensors.safe_open``), so a process reads from disk only the tensors it
+copies. Before anything is copied, every process checks the file's names and shapes against the
+whole model's (the same check with the same answer on every rank, so a bad file stops every rank
+with the same error instead of a hang; the shapes in ``.bin`` shards are checked as they are
+copied). A tensor shared by several names (tied weights; ``safetensors`` and ``save_pretrained``
+store it once) is satisfied by any one of its names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_pipe.checkpoint import is_pipeline_checkpoint, merged_state_dict
-from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
+from lightning_pipe.hf_weights import PRETRAINED_FILES, PretrainedFiles, pretrained_file
+from lightning_pipe.weight_names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _PATH = Union[str, Path]
@@ -35,17 +43,19 @@ _SHOWN = 8
 
 def check_weights_argument(weights: Optional[_PATH]) -> Optional[Path]:
     """``PipelineStrategy(weights=...)`` checked where the strategy is built: a path to an
-    existing file of a known kind or a lightning-pipe checkpoint directory."""
+    existing file of a known kind, a lightning-pipe checkpoint directory or a ``save_pretrained``
+    directory."""
     if weights is None:
         return None
     if not isinstance(weights, (str, Path)):
         raise TypeError(f"PipelineStrategy(weights={weights!r}): give the path of a weights file or checkpoint directory.")
     path = Path(weights).expanduser()
     if path.is_dir():
-        if not is_pipeline_checkpoint(path):
+        if not is_pipeline_checkpoint(path) and pretrained_file(path) is None:
             raise ValueError(
-                f"PipelineStrategy(weights={str(weights)!r}) is a directory but not a lightning-pipe checkpoint "
-                "(it has no meta.pt). Give a checkpoint directory, or a file: " + ", ".join(FILE_SUFFIXES) + "."
+                f"PipelineStrategy(weights={str(weights)!r}) is a directory but neither a lightning-pipe checkpoint "
+                f"(it has no meta.pt) nor a Hugging Face save_pretrained directory (it has none of "
+                f"{', '.join(PRETRAINED_FILES)}). Give such a directory, or a file: " + ", ".join(FILE_SUFFIXES) + "."
             )
         return path
     if not path.exists():
@@ -54,19 +64,22 @@ def check_weights_argument(weights: Optional[_PATH]) -> Optional[Path]:
         raise ValueError(
             f"PipelineStrategy(weights={str(weights)!r}): unknown kind of file {path.suffix!r}. Valid: "
             + ", ".join(FILE_SUFFIXES)
-            + " or a lightning-pipe checkpoint directory."
+            + ", a lightning-pipe checkpoint directory or a save_pretrained directory."
         )
     return path
 
 
 @dataclass
 class WeightSource:
-    """The names and shapes a weights file holds, and how to read one tensor."""
+    """The names and shapes a weights file holds (a shape None: known once read), and how to
+    read one tensor."""
 
     path: Path
-    shapes: dict[str, tuple[int, ...]]
+    shapes: dict[str, Optional[tuple[int, ...]]]
     read: Callable[[str], Tensor]
     keep: list[Any] = field(default_factory=list)  # open handles the reads need
+    files: Optional[PretrainedFiles] = None  # a save_pretrained directory's files (which were opened)
+    hint: str = ""  # how the names were matched, for errors
 
 
 def open_weights(path: _PATH) -> WeightSource:
@@ -76,9 +89,11 @@ def open_weights(path: _PATH) -> WeightSource:
     try:
         if path.suffix == ".safetensors":
             return _open_safetensors(path)
-        if path.is_dir():
-            _, shards = read_checkpoint(path)
-            return _from_mapping(path, merged_state_dict(shards), shards)
+        if path.is_dir() and not is_pipeline_checkpoint(path) and pretrained_file(path) is not None:
+            return _open_pretrained(path)
+        if path.is_dir():  # each tensor compared with its recorded checksum when it is read
+            state, checked = read_state_dict(path)
+            return replace(_from_mapping(path, state, None), read=checked)
         return _from_mapping(path, _state_dict(_torch_load(path)), None)
     except (FileNotFoundError, ValueError) as err:
         if str(path) in str(err):
@@ -87,7 +102,8 @@ def open_weights(path: _PATH) -> WeightSource:
     except Exception as err:  # torch and safetensors raise many kinds for a damaged file
         raise ValueError(
             f"Cannot read the weights {path}: {type(err).__name__}: {err}. Expected a state_dict saved with "
-            "torch.save, a Lightning .ckpt, a .safetensors file or a lightning-pipe checkpoint directory."
+            "torch.save, a Lightning .ckpt, a .safetensors file, a lightning-pipe checkpoint directory or a "
+            "save_pretrained directory."
         ) from err
 
 
@@ -115,6 +131,14 @@ def _from_mapping(path: Path, state: Mapping[str, Any], keep: Any) -> WeightSour
     return WeightSource(path, {k: tuple(v.shape) for k, v in state.items()}, lambda name: state[name], [keep])
 
 
+def _open_pretrained(path: Path) -> WeightSource:
+    try:
+        files = PretrainedFiles(path)
+    except (OSError, ValueError) as err:  # a damaged index or shard, named by the error
+        raise ValueError(f"Cannot read the weights {path}: {err}") from err
+    return WeightSource(path, files.shapes, files.read, [files], files)
+
+
 def _open_safetensors(path: Path) -> WeightSource:
     from safetensors import safe_open
 
@@ -140,14 +164,28 @@ def model_spec(module: nn.Module) -> ModelSpec:
     return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, {n: groups[id(t)] for n, t in state.items()})
 
 
+def match_names(source: WeightSource, spec: ModelSpec, rename: Optional[Rename] = None) -> WeightSource:
+    """``source`` with its tensors named as the module names them: as they are when they fit,
+    else by the one prefix that makes them all fit, or by ``rename`` (see
+    :mod:`lightning_pipe.weight_names`). Raises ``ValueError`` when several prefixes fit."""
+    names: NameMap = name_map(list(source.shapes), spec.aliases, rename, where=str(source.path))
+    hint = mismatch_hint(names, list(source.shapes), list(spec.shapes))
+    if all(f == m for f, m in names.names.items()) and len(names.names) == len(source.shapes):
+        return replace(source, hint=hint)
+    back = {m: f for f, m in names.names.items()}
+    read = source.read
+    shapes = {m: source.shapes[f] for f, m in names.names.items()}
+    return replace(source, shapes=shapes, read=lambda n: read(back[n]), hint=hint)
+
+
 def check_names(source: WeightSource, spec: ModelSpec) -> None:
     """Fail, listing the names, when the file and the model disagree on names or shapes."""
     extra = sorted(set(source.shapes) - set(spec.shapes))
     missing = sorted(n for n in spec.shapes if not any(a in source.shapes for a in spec.aliases[n]))
     wrong = sorted(
-        f"{n}: file {list(source.shapes[n])}, model {list(spec.shapes[n])}"
+        f"{n}: file {list(shape)}, model {list(spec.shapes[n])}"
         for n in spec.shapes
-        if n in source.shapes and source.shapes[n] != spec.shapes[n]
+        if (shape := source.shapes.get(n)) is not None and shape != spec.shapes[n]
     )
     problems = []
     if missing:
@@ -160,7 +198,8 @@ def check_names(source: WeightSource, spec: ModelSpec) -> None:
         raise ValueError(
             f"PipelineStrategy(weights={str(source.path)!r}) does not fit {len(spec.shapes)} tensors of the model: "
             + "; ".join(problems)
-            + ". Names are those of the unsplit LightningModule's state_dict (for example 'layers.0.weight')."
+            + ". "
+            + (source.hint or "Names are those of the unsplit LightningModule's state_dict (e.g. 'layers.0.weight').")
         )
 
 
@@ -182,16 +221,34 @@ def load_local(module: nn.Module, source: WeightSource, spec: ModelSpec) -> int:
             if id(t) in copied or t.is_meta:
                 continue
             stored = next(a for a in spec.aliases.get(name, [name]) if a in source.shapes)
-            t.copy_(source.read(stored))
+            value = source.read(stored)
+            if tuple(value.shape) != tuple(t.shape):  # shapes a file's index does not give
+                raise ValueError(
+                    f"PipelineStrategy(weights={str(source.path)!r}): {stored} has shape {list(value.shape)} in "
+                    f"the file, the model's {name} {list(t.shape)}."
+                )
+            t.copy_(value)
             copied.add(id(t))
     return len(copied)
 
 
-def load_stage_weights(module: nn.Module, path: _PATH, spec: ModelSpec) -> int:
-    """Check ``path`` against the whole model (``spec``), then load this rank's tensors."""
-    source = open_weights(path)
+def load_stage_weights(module: nn.Module, path: _PATH, spec: ModelSpec, rename: Optional[Rename] = None) -> int:
+    """Check ``path`` against the whole model (``spec``), its names matched to the module's (see
+    :func:`match_names`; ``rename``: a mapping of file-name prefixes to module-name prefixes, or a
+    callable file_name -> module_name, None leaving a tensor out), then load this rank's tensors."""
+    check_rename(rename)
+    source = match_names(open_weights(path), spec, rename)
     check_names(source, spec)
-    return load_local(module, source, spec)
+    copied = load_local(module, source, spec)
+    files = ""
+    if source.files is not None:
+        opened = len(set(source.files.opened))
+        files = f" from {opened} of its {len(set(source.files.files.values()))} files"
+    rank_zero_info(  # where Lightning prints its own setup lines
+        f"lightning-pipe: rank 0 loaded {copied} of the {len(source.shapes)} tensors in {source.path}{files} "
+        "(its stage's and those outside the Sequential; the other ranks read theirs)"
+    )
+    return copied
 
 
 __all__ = [
@@ -202,6 +259,7 @@ __all__ = [
     "check_weights_argument",
     "load_local",
     "load_stage_weights",
+    "match_names",
     "model_spec",
     "open_weights",
 ]

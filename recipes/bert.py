@@ -179,6 +179,9 @@ class BertMLM(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        # No sync_dist=True: under the pipeline every rank already logs the last stage's value, averaged over
+        # the replicas, and Lightning drops sync_dist for a strategy that is not `is_distributed` (the
+        # pipeline's, so that Lightning never swaps in its own sampler): its warning asking for it is moot.
         self.log("val_loss", self._loss(batch), prog_bar=True)
 
     def configure_optimizers(self) -> Any:

@@ -112,6 +112,9 @@ class VGGClassifier(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        # No sync_dist=True: under the pipeline every rank already logs the last stage's value, averaged over
+        # the replicas, and Lightning drops sync_dist for a strategy that is not `is_distributed` (the
+        # pipeline's, so that Lightning never swaps in its own sampler): its warning asking for it is moot.
         x, y = batch
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)

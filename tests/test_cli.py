@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
 from lightning_pipe.launcher import child_overrides
@@ -35,6 +35,12 @@ def _compose(overrides: list[str]):
         return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
 
+def _check_keys(cfg: DictConfig) -> None:
+    from lightning_pipe.cli import check_keys
+
+    check_keys(cfg)
+
+
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "vgg19_cifar100"]
     assert GROUPS["strategy"] == ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
@@ -53,6 +59,7 @@ def test_every_option_composes_and_instantiates(group: str) -> None:
         model = instantiate(cfg.recipe.model)
         data = instantiate(cfg.recipe.data)
         assert hasattr(model, "layers") and hasattr(data, "train_dataloader")
+        _check_keys(cfg)  # every shipped option holds only keys that something reads
         strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
         if cfg.strategy.name == "none":
             assert strategy == "auto" and devices == 1
@@ -94,6 +101,86 @@ def test_a_bad_value_names_it() -> None:
     cfg = _compose(["strategy.schedule=zigzag"])
     with pytest.raises(ValueError, match="'zigzag'"):
         build_strategy(cfg.strategy, 2)
+
+
+UNREAD_KEYS = [
+    ("+strategy.chunk=4", (r"unknown key strategy.chunk \(did you mean strategy.chunks\?\): nothing reads it. "
+                           r"Valid keys: balance, check_data, checkpoint, chunks, ")),
+    ("+recipe.loss=mse", r"unknown key recipe.loss: nothing reads it. Valid keys: data, model, name."),
+    ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
+    ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or logger=tensorboard"),
+    ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
+                           r"Valid keys: checkpoint, logger, recipe, seed, strategy, timeline, trainer.$")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("override", "message"), UNREAD_KEYS, ids=[o for o, _ in UNREAD_KEYS])
+def test_a_key_that_nothing_reads_fails_naming_the_valid_ones(override: str, message: str) -> None:
+    """Hydra's own hint for a misspelt key is to add it with +; then it must not be ignored."""
+    with pytest.raises(SystemExit, match=message):
+        _check_keys(_compose([override]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+recipe.model.hiden=64", r"unknown key recipe.model.hiden \(did you mean recipe.model.hidden\?\).*Valid keys: .*build"),
+        ("+recipe.data.batchsize=4", r"unknown key recipe.data.batchsize \(did you mean recipe.data.batch_size\?\)"),
+    ],
+)
+def test_a_recipe_key_its_class_does_not_take_names_the_valid_ones(override: str, message: str) -> None:
+    """Checked once Hydra has located the recipe's class (under its rules for config-named targets)."""
+    from lightning_pipe.cli import instantiate_recipe
+
+    part = override.split(".")[1]
+    with pytest.raises(SystemExit, match=message):
+        instantiate_recipe(_compose([override]), part)
+
+
+def test_keys_that_something_reads_pass_and_run_checks_first(tmp_path: Path) -> None:
+    from lightning_pipe.cli import instantiate_recipe
+
+    # arguments of the recipe's class that its yaml leaves out, and any Trainer argument, may be added
+    cfg = _compose(["+recipe.model.hidden=64", "+trainer.gradient_clip_val=1.0", "+plan_only=true"])
+    _check_keys(cfg)
+    assert instantiate_recipe(cfg, "model").hparams.hidden == 64
+    with pytest.raises(SystemExit, match=r"unknown key strategy.chunks: nothing reads it. Valid keys: name."):
+        _check_keys(_compose(["strategy=none", "+strategy.chunks=4"]))
+    cfg = _compose(["+strategy.chunk=4"])
+    with open_dict(cfg):
+        del cfg.hydra
+    with pytest.raises(SystemExit, match="strategy.chunk"):
+        run(cfg, output_dir=str(tmp_path))  # before anything is built or started
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_logger_choice(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_pipe.cli import make_logger
+
+    assert isinstance(make_logger("csv", tmp_path), CSVLogger)
+    assert isinstance(make_logger("tensorboard", tmp_path), TensorBoardLogger)
+    with pytest.raises(SystemExit, match="logger='wandb' is unknown. Valid: csv, tensorboard."):
+        make_logger("wandb", tmp_path)
+
+
+def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path) -> None:
+    """``logger=tensorboard``: the run's event file in its folder holds the recipe's values, every stage's
+    metrics and (``timeline=true``) the timeline picture."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _compose(["logger=tensorboard", "timeline=true", *SMALL["bert_mlm"], *QUICK, "strategy.start_method=fork",
+                    "strategy.chunks=2", "trainer.max_steps=2"])  # fmt: skip
+    with open_dict(cfg):
+        del cfg.hydra
+    run(cfg, output_dir=str(tmp_path))
+    (events,) = (tmp_path / "logs" / "version_0").glob("events.out.tfevents.*")
+    tags = EventAccumulator(str(events)).Reload().Tags()
+    for tag in ("train_loss", "val_loss", "samples_per_sec", "pipeline/stage0/bubble", "pipeline/stage1/bubble"):
+        assert tag in tags["scalars"], tags
+    assert tags["images"] == ["pipeline/timeline"]
+    assert (tmp_path / "timeline.svg").is_file() and not (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
 
 
 @pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
@@ -147,6 +234,11 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "recipe: bert_mlm, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert "strategy: 1f1b, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
+    own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
+    assert sorted(own) == ["checkpoint", "logger", "seed", "timeline"]
+    for key in own:  # every top-level key, with what it does
+        assert any(line.startswith(f"  {key}=") and len(line.split()) > 3 for line in lines), key
+    assert any(line.strip().startswith("lightning-pipe plan ") for line in lines)
 
 
 def test_pipedream_with_tied_embeddings_names_the_override(tmp_path: Path) -> None:
@@ -178,15 +270,37 @@ def test_consolidate_command_runs_without_warnings(tmp_path: Path) -> None:
 
 
 def test_readme_commands(tmp_path: Path) -> None:
-    """The README's first-run command (shortened) from an unrelated folder, --cfg job, and a bad override."""
-    result = _command([*SMALL["bert_mlm"], *QUICK, "hydra.run.dir=run"], tmp_path)
+    """The README's first-run command (shortened, with checkpoint=true) from an unrelated folder, --cfg job,
+    and bad overrides; what the run shows: its folder first, the layout, a summary last, no empty log file,
+    no warning asking for sync_dist."""
+    result = _command([*SMALL["bert_mlm"], *QUICK, "hydra.run.dir=run", "checkpoint=true"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_steps=3" in result.stderr + result.stdout
-    assert (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").is_file()
+    folder = (tmp_path / "run").resolve()
+    with open(folder / "logs" / "version_0" / "metrics.csv") as f:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]]
+    out = result.stdout.rstrip().splitlines()
+    assert out[0] == f"lightning-pipe: output folder {folder}" and out.count(out[0]) == 1  # not the other process
+    assert ("lightning-pipe: 2 stages (2 processes), layers per stage [2, 2], schedule 1f1b, 4 chunks; "
+            "the model summary below counts rank 0's stage 0 only") in result.stderr.splitlines()  # fmt: skip
+    assert out[-7] == "lightning-pipe: run finished" and out.count("lightning-pipe: run finished") == 1
+    rows = dict(line.strip().split("  ", 1) for line in out[-6:])
+    rows = {name: value.strip() for name, value in rows.items()}
+    assert rows["output folder"] == str(folder) and rows["steps"] == "3"
+    assert rows["checkpoint"] == str(folder / "checkpoints" / "last.ckpt") and (folder / "checkpoints" / "last.ckpt").is_dir()
+    assert rows["final loss"] == f"{losses[-1]:.4f}"
+    assert float(rows["wall time"].removesuffix(" s")) > 0 and float(rows["samples/s"].split()[0]) > 0
+    assert all(log.stat().st_size > 0 for log in folder.glob("*.log"))  # no empty train_ddp_process_1.log
+    assert "sync_dist=True" not in result.stderr
     shown = _command(["--cfg", "job", "recipe=vgg19_cifar100"], tmp_path)
     assert shown.returncode == 0 and "vgg19_cifar100" in shown.stdout
     bad = _command(["strategy.chunkz=3"], tmp_path)
     assert bad.returncode != 0 and "chunkz" in bad.stderr
+    # as Hydra's message for the above suggests; under another logging choice of Hydra's, into which the
+    # config's own (delayed) file handler merges
+    added = _command(["+strategy.chunkz=3", "hydra/job_logging=stdout"], tmp_path)
+    assert added.returncode != 0 and "Traceback" not in added.stderr
+    assert added.stderr.startswith("lightning-pipe: unknown key strategy.chunkz (did you mean strategy.chunks?)")
     missing = _command(["strategy=zigzag"], tmp_path)
     assert missing.returncode != 0 and "zigzag" in missing.stderr and "1f1b" in missing.stderr
 

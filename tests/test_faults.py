@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
+from lightning_pipe import PipelineStrategy
 from lightning_pipe import checkpoint as ckpt_files
 from lightning_pipe.checkpoint import consolidate, read
 from tests.models import HIDDEN, IN, MaskedNet, TinyNet, dataset, fit_plain, loader
@@ -330,9 +332,77 @@ def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path)
             x, y = dataset()[index]
             return (x + os.getpid() if index >= 40 else x), y  # the 6th batch on differs per process
 
-    with pytest.raises(Exception, match=r"different data for the same step"):
+    with pytest.raises(Exception, match=r"different data for the same step from the training DataLoader \(dataset LateDrift\) at batch 6 of epoch 0 \(global step 6\), compared every 2 batches, so they may differ from batch 5 on"):
         fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=2, max_steps=8)
-    fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=True, max_steps=8)  # first steps only: not seen
+    with pytest.raises(Exception, match=r"\(dataset LateDrift\) at batch 5 of epoch 0 \(global step 5\):"):
+        fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=True, max_steps=8)
+    fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=False, max_steps=8)  # shapes only
+
+
+def test_check_data_says_which_steps_compare_values() -> None:
+    from lightning_pipe.steps import checks_values
+
+    def checked(check_data: object) -> list[int]:
+        every = PipelineStrategy(check_data=check_data).config.check_data  # checked as the strategy checks it
+        return [i for i in range(7) if checks_values(every, i)]
+
+    assert checked(True) == [0, 1, 2, 3, 4, 5, 6]  # every step, by default
+    assert checked(PipelineStrategy().config.check_data) == checked(True)
+    assert checked(3) == [0, 3, 6]
+    assert checked(1) == checked(True)
+    assert checked(False) == []
+
+
+class GlobalRandomDataset(Dataset):
+    """Draws each sample from the process's global random state, as ``torch.randn`` in a
+    ``__getitem__`` does, and records what this rank loaded to ``<folder>/loaded<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.loaded: list[list[float]] = []
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> Any:
+        x, y = torch.randn(IN), int(torch.randint(0, 3, ()))
+        self.loaded.append([*x.tolist(), y])
+        Path(self.folder, f"loaded{dist.get_rank()}.json").write_text(json.dumps(self.loaded))
+        return x, y
+
+
+class RecordSteps(L.Callback):
+    """Writes the global steps this rank finished to ``<folder>/steps<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.done: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.done.append(trainer.global_step)
+        Path(self.folder, f"steps{trainer.global_rank}.json").write_text(json.dumps(self.done))
+
+
+def test_data_that_parts_after_the_first_batch_is_caught_at_the_first_step_it_differs(tmp_path: Path) -> None:
+    """Both processes start from the same random state, so the first batch is the same on both; the
+    Dropout on the first stage then draws and the last stage's does not, and from then on the
+    batches differ. The default check stops the run at the first batch that differs, before any
+    optimizer step on it."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.layers.insert(1, nn.Dropout(0.5))  # on stage 0 only
+    data = DataLoader(GlobalRandomDataset(str(tmp_path)), batch_size=8, shuffle=False)
+    with pytest.raises(Exception, match=r"different data for the same step from the training DataLoader \(dataset GlobalRandomDataset\) at batch (\d+) of epoch 0 \(global step \1\):") as caught:
+        fit_pipeline(model, 2, data, chunks=2, max_steps=6, callbacks=[RecordSteps(str(tmp_path))])
+    named = int(re.search(r"at batch (\d+) of epoch 0", str(caught.value)).group(1))
+
+    loaded = [json.loads((tmp_path / f"loaded{rank}.json").read_text()) for rank in range(2)]
+    batches = [[rows[i : i + 8] for i in range(0, min(map(len, loaded)), 8)] for rows in loaded]
+    first = next(b for b, (mine, theirs) in enumerate(zip(*batches)) if mine != theirs)
+    assert first >= 1  # the first batch was equal: a check at each epoch's first step alone misses it
+    assert named == first
+    for rank in range(2):  # every step before it trained, none after
+        assert json.loads((tmp_path / f"steps{rank}.json").read_text())[-1] == first
 
 
 def test_detect_anomaly_names_the_micro_batch_and_the_stage() -> None:

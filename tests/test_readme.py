@@ -1,8 +1,9 @@
-"""The README's first Python example under "Use" runs as written: copied into a file in an empty
-folder and run with ``python`` on a CPU-only machine."""
+"""The README's Python examples run as written: the first under "Use" copied into a file in an empty
+folder and run with ``python`` on a CPU-only machine; the safetensors one in this process."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -31,4 +32,54 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
     result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "`Trainer.fit` stopped: `max_epochs=5` reached." in result.stderr + result.stdout
+    output = result.stderr + result.stdout
+    assert "`Trainer.fit` stopped: `max_epochs=5` reached." in output
+    # where Lightning prints its setup lines, without any logging set up by the script
+    layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [3, 2], schedule 1f1b, 4 chunks, global batch 64; "
+              "the model summary below counts rank 0's stage 0 only")  # fmt: skip
+    assert layout in result.stderr.splitlines()
+    assert "train_loss" in result.stdout  # prog_bar=True: in the progress bar
+    assert "log_every_n_steps" not in output  # no warning that 32 batches never reach the logging interval
+
+
+def readme_block(containing: str) -> str:
+    """The README's ```python block that contains ``containing``."""
+    blocks = re.compile(r"```python\n(.*?)```", re.S).findall((ROOT / "README.md").read_text())
+    (block,) = [b for b in blocks if containing in b]
+    return block
+
+
+def test_a_tied_model_saved_as_the_readme_shows_loads_through_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``safetensors.torch.save_model`` (``save_file`` refuses tied weights) as the README writes it; the
+    file starts a 2-stage pipeline, each stage with the saved values, and rank 0 says what it loaded."""
+    import lightning as L
+    import torch
+    from safetensors.torch import save_file
+
+    from lightning_pipe import PipelineStrategy
+    from tests.models import SaveStageState, TiedNet, merged_stage_states, token_loader
+    from tests.pipeline import fit_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    saved = TiedNet()
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file(saved.state_dict(), "refused.safetensors")
+    namespace = {"model": saved, "L": L, "PipelineStrategy": PipelineStrategy}
+    exec(readme_block("save_model("), namespace)
+    assert namespace["trainer"].strategy.weights == "model.safetensors"
+    messages = tmp_path / "rank0.log"
+    handler = logging.FileHandler(messages)  # the forked ranks inherit it
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        fit_pipeline(TiedNet(), 2, token_loader(), weights="model.safetensors", max_steps=1,
+                     callbacks=[SaveStageState(str(tmp_path), start=True)])  # fmt: skip
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    started = merged_stage_states(str(tmp_path), 2, start=True)
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(started[name], value, rtol=0, atol=0, msg=name)
+    lines = messages.read_text().splitlines()
+    assert ("lightning-pipe: rank 0 loaded 3 of the 3 tensors in model.safetensors (its stage's and those outside "
+            "the Sequential; the other ranks read theirs)") in lines, lines  # fmt: skip

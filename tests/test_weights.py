@@ -1,4 +1,6 @@
+import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -42,6 +44,72 @@ def test_stages_from_a_weights_file_train_as_plain_training(tmp_path: Path, suff
         for name, value in expected.items():
             torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}")
             assert not torch.equal(value, state[name])  # training moved it
+
+
+OPENED: list[str] = []  # the files safe_open opened in this process (each rank's own copy under fork)
+
+
+class RecordOpened(L.Callback):
+    """Each rank writes the files it opened for tensor data to ``<folder>/opened-rank<k>.json``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.folder / f"opened-rank{trainer.global_rank}.json").write_text(json.dumps(OPENED))
+
+
+def save_pretrained_like(state: dict[str, torch.Tensor], directory: Path, shards: list[list[str]]) -> dict[str, str]:
+    """``state`` as save_pretrained shards it: model-0000k-of-0000N.safetensors and the index."""
+    directory.mkdir()
+    weight_map = {}
+    for k, names in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: state[n] for n in names}, str(directory / file))
+        weight_map |= {n: file for n in names}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Sequential's own state_dict ('0.weight', ...) saved as a sharded save_pretrained directory
+    (3 shards and their index): the module's prefix 'layers.' is found; on 2 and 4 stages each rank
+    opens only the shards holding its tensors, and 6 steps equal plain training from the same weights."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    def recording(path: str, *args: Any, **kwargs: Any) -> Any:
+        OPENED.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", recording)
+    state = start_weights()
+    saved = {k[len("layers."):]: v for k, v in state.items()}
+    groups = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"], ["6.weight", "6.bias", "7.weight", "7.bias"]]
+    weight_map = save_pretrained_like(saved, tmp_path / "pretrained", groups)
+    plain = built(DeferredNet())
+    plain.load_state_dict(state)
+    fit_plain(plain)
+    expected = plain.state_dict()
+    for stages in (2, 4):
+        folder = tmp_path / str(stages)
+        folder.mkdir()
+        OPENED.clear()
+        fit_pipeline(DeferredNet(), stages, weights=str(tmp_path / "pretrained"),
+                     callbacks=[SaveStageState(str(folder)), SaveStageState(str(folder), start=True), RecordOpened(folder)])  # fmt: skip
+        for rank in range(stages):
+            held = torch.load(folder / f"start-rank{rank}.pt", weights_only=True)
+            opened = json.loads((folder / f"opened-rank{rank}.json").read_text())
+            assert sorted(opened) == sorted({weight_map[n[len("layers."):]] for n in held}), (stages, rank)
+        if stages == 4:  # layers 0-1: the first shard only
+            assert json.loads((folder / "opened-rank0.json").read_text()) == ["model-00001-of-00003.safetensors"]
+        trained = merged_stage_states(str(folder), stages)
+        assert set(trained) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}")
 
 
 def test_every_format_loads_the_same_tensors(tmp_path: Path) -> None:
@@ -128,7 +196,7 @@ def test_the_argument_is_checked_when_the_strategy_is_built(tmp_path: Path) -> N
     (tmp_path / "w.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"unknown kind of file '.bin'. Valid: .pt, .pth, .ckpt, .safetensors"):
         PipelineStrategy(weights=str(tmp_path / "w.bin"))
-    with pytest.raises(ValueError, match="not a lightning-pipe checkpoint"):
+    with pytest.raises(ValueError, match="neither a lightning-pipe checkpoint .* nor a Hugging Face save_pretrained directory"):
         PipelineStrategy(weights=str(tmp_path))
     with pytest.raises(TypeError, match="give the path"):
         PipelineStrategy(weights=3)  # type: ignore[arg-type]

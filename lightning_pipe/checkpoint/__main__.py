@@ -4,6 +4,6 @@ A package's ``__main__`` rather than ``if __name__ == "__main__"`` in the module
 imports the checkpoint module itself, and running an already imported module with ``-m`` makes
 Python warn that it was found in ``sys.modules``."""
 
-from lightning_pipe.checkpoint import main
+from lightning_pipe.checkpoint.cli import main
 
 main()

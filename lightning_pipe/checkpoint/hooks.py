@@ -18,11 +18,12 @@ from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_b
 from lightning_pipe.runtime.sharding import is_dtensor, shard_like
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state keyed by parameter name (so it loads under another layout)."""
+def optimizer_state(module: nn.Module, optimizer: Optimizer, aliases: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter name (so it loads under another layout); ``aliases``:
+    this rank's copies of tied weights under the unsplit module's name (see :func:`tie_aliases`)."""
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer._optimizer
-    return optimizer_state_by_name(optimizer, parameter_names(module))
+    return optimizer_state_by_name(optimizer, parameter_names(module), aliases)
 
 
 def save_checkpoint(

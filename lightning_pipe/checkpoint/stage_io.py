@@ -13,20 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from lightning_pipe.checkpoint import (
-    is_pipeline_checkpoint,
-    merged_async_state,
-    merged_optimizer_states,
-    merged_state_dict,
-    prepare_staging,
-    publish,
-    save_tag,
-    staging_path,
-    write_meta,
-    write_shard,
-    write_sharded_stage,
-)
-from lightning_pipe.checkpoint import read as read_checkpoint
+from lightning_pipe.checkpoint.files import is_pipeline_checkpoint, write_meta, write_shard, write_sharded_stage
+from lightning_pipe.checkpoint.files import read as read_checkpoint
+from lightning_pipe.checkpoint.merged import merged_async_state, merged_optimizer_states, merged_state_dict
+from lightning_pipe.checkpoint.staging import prepare_staging, publish, staging_path
+from lightning_pipe.checkpoint.tags import save_tag
 
 
 @dataclass(frozen=True)
@@ -76,7 +67,7 @@ def load(
     unsplit model, cannot be restored and are dropped."""
     async_state = None
     if is_pipeline_checkpoint(path):
-        meta, shards = read_checkpoint(path, weights_only)
+        meta, shards = read_checkpoint(path, weights_only, names=local)  # checks the local tensors only
         checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
         merged = merged_state_dict(shards)
         checkpoint["optimizer_states"] = merged_optimizer_states(shards)

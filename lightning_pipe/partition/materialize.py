@@ -9,11 +9,22 @@ pipeline rank materialises the layers of its own stage and everything outside th
 The initialisation rule (the same for 1, 2 or 4 stages, and for :func:`init_like_pipeline` in a
 plain run):
 
-- layer ``i`` of the Sequential is initialised from the random state ``torch.manual_seed(
-  layer_seed(seed, i))``, by calling, children before parents, each of its modules'
-  ``reset_parameters()`` (``_reset_parameters()`` where PyTorch names it so, as in
-  ``nn.MultiheadAttention``). A parent's ``reset_parameters`` therefore has the last word, as in
-  eager construction where a parent initialises after its children are built;
+- layer ``i`` of the Sequential (or of a block container, ``nn.ModuleList``) is initialised
+  from the random state ``torch.manual_seed(layer_seed(seed, i))``, by initialising its modules
+  children before parents. A parent therefore has the last word, as in eager construction where
+  a parent initialises after its children are built. Each module is initialised by (see
+  :class:`Initializer`):
+
+  - the ``init`` hook when one is given: ``init(module)`` for every module;
+  - otherwise, for a module inside a Hugging Face ``PreTrainedModel``, that model's own
+    ``_init_weights(module)``, as ``post_init()`` would have (HF's rules, e.g. GPT-2's scaled
+    residual projections; see :mod:`lightning_pipe.partition.hf_init`);
+  - otherwise its ``reset_parameters()`` (``_reset_parameters()`` where PyTorch names it so, as
+    in ``nn.MultiheadAttention``).
+
+  Fresh floating-point storage starts as NaN, so a tensor that none of these set is found and
+  named instead of training from uninitialised memory; a module that the hook or HF's rule left
+  wholly untouched falls back to its ``reset_parameters()`` (what eager construction gave it);
 - the modules outside the Sequential that were built on the meta device are initialised the same
   way from ``layer_seed(seed, -1)``, children before parents (modules built eagerly keep their
   values);
@@ -27,15 +38,21 @@ none was set).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import hashlib
 import os
-from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.partition.hf_init import hf_init_context, init_with_owner, pretrained_owners
+
 OUTSIDE = -1  # the key of the modules outside the Sequential in layer_seed
+ModuleInit = Callable[[nn.Module], None]  # initialise one module's own tensors (the ``init`` hook)
+Blocks = Union[nn.Sequential, nn.ModuleList]  # the layers split into stages
 
 
 def run_seed() -> int:
@@ -65,13 +82,13 @@ def _direct(module: nn.Module) -> Iterator[tuple[str, Optional[Tensor], bool]]:
         yield name, t, False
 
 
-def outside_modules(module: nn.Module, layers: nn.Sequential) -> list[nn.Module]:
+def outside_modules(module: nn.Module, layers: Blocks) -> list[nn.Module]:
     """The modules of ``module`` that are not the Sequential ``layers`` or inside it."""
     inside = {id(m) for m in layers.modules()}
     return [m for m in module.modules() if id(m) not in inside]
 
 
-def first_holders(layers: nn.Sequential) -> dict[int, tuple[int, str]]:
+def first_holders(layers: Blocks) -> dict[int, tuple[int, str]]:
     """``id(tensor)`` -> (index of the first layer that holds it, its name in that layer)."""
     owners: dict[int, tuple[int, str]] = {}
     for index, layer in enumerate(layers):
@@ -82,8 +99,9 @@ def first_holders(layers: nn.Sequential) -> dict[int, tuple[int, str]]:
 
 
 def allocate(modules: Iterable[nn.Module], device: Union[str, torch.device]) -> dict[int, Tensor]:
-    """Replace every meta parameter and buffer of ``modules`` (their own, not recursively) by an
-    uninitialised tensor on ``device``; a tensor held in several places stays one tensor. Returns
+    """Replace every meta parameter and buffer of ``modules`` (their own, not recursively) by a
+    tensor on ``device`` (NaN where floating point, so that what initialisation misses shows;
+    uninitialised otherwise); a tensor held in several places stays one tensor. Returns
     ``id(meta tensor)`` -> its replacement."""
     made: dict[int, Tensor] = {}
     for m in modules:
@@ -91,7 +109,8 @@ def allocate(modules: Iterable[nn.Module], device: Union[str, torch.device]) -> 
             if t is None or not t.is_meta:
                 continue
             if id(t) not in made:
-                real = torch.empty_like(t, device=device)
+                floating = t.is_floating_point()
+                real = torch.full_like(t, float("nan"), device=device) if floating else torch.empty_like(t, device=device)
                 made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if is_param else real
             if is_param:
                 m._parameters[name] = made[id(t)]  # type: ignore[assignment]
@@ -105,31 +124,122 @@ def _reset_fn(m: nn.Module) -> Optional[Callable[[], None]]:
     return fn if callable(fn) else None
 
 
-def check_initializable(module: nn.Module) -> None:
-    """Every module holding meta tensors of its own must say how to initialise them. Checked on
-    the whole model, so every rank gives the same answer before any rank materialises anything."""
+class Initializer:
+    """How each module of one model initialises its own tensors: ``init(module)`` when the hook
+    is given; otherwise, inside a Hugging Face ``PreTrainedModel``, that model's
+    ``_init_weights(module)``; otherwise ``reset_parameters()``. Built once from the whole model
+    (``root``), since a block alone does not know the ``PreTrainedModel`` around it."""
+
+    def __init__(self, root: Optional[nn.Module] = None, init: Optional[ModuleInit] = None) -> None:
+        if init is not None and not callable(init):
+            raise TypeError(f"init={init!r}: give a callable init(module) -> None that sets the module's own tensors.")
+        self.init = init
+        self.owners: dict[int, nn.Module] = pretrained_owners(root) if root is not None and init is None else {}
+
+    def how(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        """The call that initialises ``module``'s own tensors, or None when there is none."""
+        if self.init is not None:
+            return functools.partial(self.init, module)
+        owner = self.owners.get(id(module))
+        if owner is not None:
+            return functools.partial(init_with_owner, owner, module)
+        return _reset_fn(module)
+
+    def context(self) -> ContextManager[Any]:
+        """What the walk runs under (HF's guard of ``torch.nn.init`` when HF models take part)."""
+        return hf_init_context() if self.owners and self.init is None else contextlib.nullcontext()
+
+    def for_copy(self, original: nn.Module, twin: nn.Module) -> "Initializer":
+        """The same rule for ``twin``, a ``copy.deepcopy`` of ``original`` (a module of the root)."""
+        copied = copy.copy(self)
+        copied.owners = dict(self.owners)
+        for a, b in zip(original.modules(), twin.modules()):
+            if id(a) in self.owners:
+                copied.owners[id(b)] = self.owners[id(a)]
+        return copied
+
+
+def check_initializable(module: nn.Module, initializer: Optional[Initializer] = None) -> None:
+    """Every module holding meta tensors of its own must have a way to initialise them. Checked on
+    the whole model, so every rank gives the same answer before any rank materialises anything.
+    With an ``init`` hook the hook answers for every module."""
+    initializer = Initializer(module) if initializer is None else initializer
     for path, m in module.named_modules():
         own = [name for name, t, _ in _direct(m) if t is not None and t.is_meta]
-        if own and _reset_fn(m) is None:
+        if own and initializer.how(m) is None:
             raise TypeError(
                 f"{path or 'the module'} ({type(m).__name__}) holds tensors of its own ({', '.join(own)}) but has no "
-                "reset_parameters(), so it cannot be initialised after being built on the meta device. Define "
-                "reset_parameters() on it (setting every tensor the module holds directly), or build the model "
-                "eagerly instead of in configure_model()."
+                "reset_parameters() and is not part of a Hugging Face PreTrainedModel, so it cannot be initialised "
+                "after being built on the meta device. Define reset_parameters() on it (setting every tensor the "
+                "module holds directly), give an init hook (init=, a callable init(module) called on every module), "
+                "or build the model eagerly instead of in configure_model()."
             )
 
 
-def reset(unit: nn.Module, skip: Optional[nn.Module] = None, only: Optional[set[int]] = None) -> None:
-    """Initialise ``unit`` as its modules define it, children before parents (``skip``'s subtree
-    left out; with ``only``, just the modules whose subtree holds one of those tensors)."""
-    for m in _post_order(unit, {id(skip)} if skip is not None else set()):
-        if only is not None and not any(id(t) in only for t in _subtree_tensors(m, skip)):
+def reset(
+    unit: nn.Module,
+    skip: Optional[nn.Module] = None,
+    only: Optional[set[int]] = None,
+    initializer: Optional[Initializer] = None,
+    exempt: frozenset[int] = frozenset(),
+    where: str = "",
+) -> None:
+    """Initialise ``unit``'s modules by ``initializer``'s rule (default: ``reset_parameters()``),
+    children before parents (``skip``'s subtree left out; with ``only``, just the modules whose
+    subtree holds one of those tensors). Then every floating-point tensor still NaN from
+    :func:`allocate` (but those in ``exempt``, which the caller sets afterwards) is found: a
+    module the rule left wholly unset falls back to its ``reset_parameters()``; anything else
+    unset is an error naming it (``where``: the unit's path in the model, for that error)."""
+    initializer = Initializer() if initializer is None else initializer
+    walked = [
+        m for m in _post_order(unit, {id(skip)} if skip is not None else set())
+        if only is None or any(id(t) in only for t in _subtree_tensors(m, skip))
+    ]  # fmt: skip
+    with initializer.context():
+        for m in walked:
+            fn = initializer.how(m)
+            if fn is not None:
+                fn()
+            elif any(t is not None for _, t, _ in _direct(m)):
+                raise TypeError(
+                    f"{type(m).__name__} holds tensors of its own but has no reset_parameters() to initialise them "
+                    "(give an init hook, init=, to initialise it)."
+                )
+    paths = {id(m): ".".join(p for p in (where, name) if p) for name, m in unit.named_modules(remove_duplicate=False)}
+    _check_set([(paths.get(id(m), ""), m) for m in walked], only, exempt)
+
+
+def _unset(m: nn.Module, only: Optional[set[int]], exempt: frozenset[int]) -> list[str]:
+    return [
+        name for name, t, _ in _direct(m)
+        if t is not None and t.is_floating_point() and (only is None or id(t) in only) and id(t) not in exempt
+        and _has_nan(t)
+    ]  # fmt: skip
+
+
+def _has_nan(t: Tensor) -> bool:
+    """Whether ``t`` holds a NaN: its maximum propagates one, in one pass and without the
+    tensor-sized mask ``isnan`` would allocate."""
+    return t.numel() > 0 and bool(t.detach().max().isnan())
+
+
+def _check_set(modules: list[tuple[str, nn.Module]], only: Optional[set[int]], exempt: frozenset[int]) -> None:
+    for path, m in modules:
+        unset = _unset(m, only, exempt)
+        if not unset:
             continue
         fn = _reset_fn(m)
-        if fn is not None:
-            fn()
-        elif any(t is not None for _, t, _ in _direct(m)):
-            raise TypeError(f"{type(m).__name__} holds tensors of its own but has no reset_parameters() to initialise them.")
+        whole = len(unset) == sum(1 for _, t, _ in _direct(m) if t is not None and t.is_floating_point())
+        if fn is not None and whole:
+            fn()  # untouched by the hook or HF's rule: what eager construction gave it
+            unset = _unset(m, only, exempt)
+        if unset:
+            raise ValueError(
+                f"{path + ' ' if path else ''}({type(m).__name__}): its tensors {', '.join(unset)} are not set by its "
+                "initialisation (init hook, PreTrainedModel._init_weights or reset_parameters(); they hold NaN) "
+                "after the module was built on the meta device. Initialise every tensor the module holds directly: "
+                "give an init hook (init=) that covers it, or define reset_parameters() on it."
+            )
 
 
 def _subtree_tensors(module: nn.Module, skip: Optional[nn.Module]) -> Iterator[Tensor]:
@@ -151,27 +261,36 @@ def _seeded(device: torch.device) -> ContextManager[None]:
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _first_holder_value(layers: nn.Sequential, index: int, name: str, seed: int, device: torch.device) -> Tensor:
+def _first_holder_value(
+    layers: Blocks, index: int, name: str, seed: int, device: torch.device, initializer: Initializer
+) -> Tensor:
     """The value layer ``index`` gives its tensor ``name``, from a temporary copy of that layer."""
     twin = copy.deepcopy(layers[index])
     allocate(twin.modules(), device)
-    _reset_seeded(twin, layer_seed(seed, index), device)
+    _reset_seeded(twin, layer_seed(seed, index), device, initializer=initializer.for_copy(layers[index], twin))
     values = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
     return values[name].detach()
 
 
 def _reset_seeded(
-    unit: nn.Module, seed: int, device: torch.device, skip: Optional[nn.Module] = None, only: Optional[set[int]] = None
+    unit: nn.Module,
+    seed: int,
+    device: torch.device,
+    skip: Optional[nn.Module] = None,
+    only: Optional[set[int]] = None,
+    initializer: Optional[Initializer] = None,
+    exempt: frozenset[int] = frozenset(),
+    where: str = "",
 ) -> None:
     with _seeded(device):
         torch.manual_seed(seed)
         with torch.no_grad():
-            reset(unit, skip, only)
+            reset(unit, skip, only, initializer, exempt, where)
 
 
 def initialize(
     module: nn.Module,
-    layers: nn.Sequential,
+    layers: Blocks,
     fresh: Sequence[int],
     local: Sequence[int],
     owners: dict[int, tuple[int, str]],
@@ -179,13 +298,16 @@ def initialize(
     device: Union[str, torch.device],
     outside: bool = True,
     outside_only: Optional[set[int]] = None,
+    init: Optional[ModuleInit] = None,
 ) -> None:
     """Initialise the layers ``fresh`` of ``layers`` (and, with ``outside``, the modules outside
     it: with ``outside_only``, those holding one of these tensors) by the rule in the module
-    docstring. ``local`` are the layers with storage here (the others may be on the meta device);
+    docstring (``init``: the hook called on every module instead of the default rule).
+    ``local`` are the layers with storage here (the others may be on the meta device);
     ``owners`` is :func:`first_holders` of the layers, taken before any tensor got storage and
     keyed by the tensors now held."""
     device = torch.device(device)
+    initializer = Initializer(module, init)
     units: list[tuple[int, list[nn.Module]]] = [(i, list(layers[i].modules())) for i in sorted(fresh)]
     if outside:
         units.append((OUTSIDE, outside_modules(module, layers)))
@@ -199,24 +321,33 @@ def initialize(
             if owner in local:
                 kept[ident] = t.detach().clone()  # its first holder's value, set before this unit
             else:
-                kept[ident] = _first_holder_value(layers, owner, name, seed, device)
+                kept[ident] = _first_holder_value(layers, owner, name, seed, device, initializer)
+        exempt = frozenset(kept)
         if key == OUTSIDE:
-            _reset_seeded(module, layer_seed(seed, key), device, skip=layers, only=outside_only)
+            _reset_seeded(module, layer_seed(seed, key), device, layers, outside_only, initializer, exempt)
         else:
-            _reset_seeded(layers[key], layer_seed(seed, key), device)
+            where = next((n for n, m in module.named_modules() if m is layers[key]), "")
+            _reset_seeded(layers[key], layer_seed(seed, key), device, None, None, initializer, exempt, where)
         with torch.no_grad():
             for ident, value in kept.items():
                 held[ident].copy_(value)
 
 
 def materialize(
-    module: nn.Module, layers: nn.Sequential, local: Sequence[int], device: Union[str, torch.device], seed: Optional[int] = None
+    module: nn.Module,
+    layers: Blocks,
+    local: Sequence[int],
+    device: Union[str, torch.device],
+    seed: Optional[int] = None,
+    init: Optional[ModuleInit] = None,
 ) -> None:
-    """Give storage on ``device`` to the meta tensors of the layers ``local`` of ``layers`` and
-    of the modules outside it, and initialise the parts that were on the meta device (see the
-    module docstring). The other layers stay on the meta device."""
+    """Give storage on ``device`` to the meta tensors of the layers ``local`` of ``layers`` (an
+    ``nn.Sequential`` or ``nn.ModuleList`` inside ``module``) and of the modules outside it, and
+    initialise the parts that were on the meta device (see the module docstring; ``init``: a hook
+    ``init(module)`` called on every module instead of the default rule). The other layers stay
+    on the meta device."""
     seed = run_seed() if seed is None else seed
-    check_initializable(module)
+    check_initializable(module, Initializer(module, init))
     outside = outside_modules(module, layers)
     fresh = [i for i in local if has_meta_tensors(layers[i])]
     fresh_outside = any(t is not None and t.is_meta for m in outside for _, t, _ in _direct(m))
@@ -224,11 +355,15 @@ def materialize(
     made = allocate([m for i in local for m in layers[i].modules()] + outside, device)
     owners = {id(made[k]) if k in made else k: v for k, v in owners.items()}
     made_ids = {id(t) for t in made.values()}
-    initialize(module, layers, fresh, local, owners, seed, device, fresh_outside, outside_only=made_ids)
+    initialize(module, layers, fresh, local, owners, seed, device, fresh_outside, outside_only=made_ids, init=init)
 
 
 def init_like_pipeline(
-    module: nn.Module, seed: Optional[int] = None, sequential: Optional[str] = None, device: Union[str, torch.device, None] = None
+    module: nn.Module,
+    seed: Optional[int] = None,
+    sequential: Optional[str] = None,
+    device: Union[str, torch.device, None] = None,
+    init: Optional[ModuleInit] = None,
 ) -> nn.Module:
     """Initialise ``module`` exactly as ``PipelineStrategy`` initialises a module built in
     ``configure_model()``, so that a plain run starts from the weights a pipeline of any depth
@@ -236,23 +371,47 @@ def init_like_pipeline(
     model.configure_model()``): its tensors get storage on ``device`` (default: CPU). On a module
     without meta tensors every layer and the modules outside the Sequential are re-initialised.
     ``seed`` defaults to the run's seed; ``sequential`` names the ``nn.Sequential`` to split, as
-    ``PipelineStrategy(module=...)`` does. Returns ``module``."""
-    from lightning_pipe.partition.split import find_sequential
-
-    _, layers = find_sequential(module, sequential)
+    ``PipelineStrategy(module=...)`` does, or is a dotted path to a block container
+    (``"model.transformer.h"``, an ``nn.ModuleList`` or ``nn.Sequential``) whose entries are the
+    layers; ``init`` is the per-module hook (default: the rule in the module docstring).
+    Returns ``module``."""
+    layers = _layers(module, sequential)
     everything = range(len(layers))
     seed = run_seed() if seed is None else seed
     if has_meta_tensors(module):
-        materialize(module, layers, everything, torch.device("cpu") if device is None else device, seed)
+        materialize(module, layers, everything, torch.device("cpu") if device is None else device, seed, init)
         return module
     first = next(iter(_tensors(module)), None)
     device = (first.device if first is not None else torch.device("cpu")) if device is None else device
-    initialize(module, layers, everything, everything, first_holders(layers), seed, device)
+    initialize(module, layers, everything, everything, first_holders(layers), seed, device, init=init)
     return module
+
+
+def _layers(module: nn.Module, path: Optional[str]) -> Blocks:
+    """The layers ``init_like_pipeline`` initialises one by one."""
+    from lightning_pipe.partition.split import find_sequential
+
+    if path is None or "." not in path:
+        return find_sequential(module, path)[1]
+    try:
+        found = module.get_submodule(path)
+    except AttributeError as err:
+        raise ValueError(
+            f"init_like_pipeline(sequential={path!r}): {type(module).__name__} has no submodule {path!r} ({err})."
+        ) from err
+    if not isinstance(found, (nn.Sequential, nn.ModuleList)):
+        raise TypeError(
+            f"init_like_pipeline(sequential={path!r}) is a {type(found).__name__}; give the path of the "
+            "nn.ModuleList or nn.Sequential that holds the model's repeated blocks."
+        )
+    return found
 
 
 __all__ = [
     "OUTSIDE",
+    "Blocks",
+    "Initializer",
+    "ModuleInit",
     "allocate",
     "check_initializable",
     "first_holders",

@@ -2,7 +2,8 @@
 
 Every rank records its spans (``strategy.enable_timeline()``); at the end of training the ranks
 send one step's spans to global rank 0, which writes an SVG with the predicted timeline of the
-schedule (simulated with the measured median forward and backward times) above the measured one.
+schedule (every synchronous one, simulated with each stage's measured median forward, backward and,
+for the schedules that split the backward, weight-gradient times) above the measured one.
 The rows of the measured timeline share one clock through the step start times each rank read
 from ``perf_counter`` (one host's processes share it; ranks on other hosts are drawn from their
 own step starts). The same picture goes to the Trainer's loggers as an image (without its text;
@@ -12,6 +13,7 @@ see :mod:`lightning_pipe.plan.timeline_image` and :mod:`lightning_pipe.plan.imag
 from __future__ import annotations
 
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -23,29 +25,67 @@ from lightning_pipe.plan.image_logging import log_image
 from lightning_pipe.plan.timeline_image import timeline_image
 from lightning_pipe.plan.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.runtime.timeline import Span, Timeline
-from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, simulate
+from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
+
+
+def stage_costs(spans_by_rank: dict[int, list[Span]]) -> dict[int, tuple[float, float, float]]:
+    """Each stage's median forward, backward (B) and weight-gradient (W) seconds over its micro-batches
+    (and replicas) in the spans: the costs the predicted timeline plays the schedule with. W is 0 for
+    a schedule that runs the backward whole; a stage that recorded no forward or backward is left out."""
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for spans in spans_by_rank.values():
+        for span in spans:
+            if span.name in ("F", "B", "W"):
+                seconds.setdefault((span.stage, span.name), []).append(span.seconds)
+    stages = {stage for stage, name in seconds if name == "F"} & {stage for stage, name in seconds if name == "B"}
+    return {
+        stage: tuple(statistics.median(seconds.get((stage, kind), [0.0])) for kind in ("F", "B", "W"))  # type: ignore[misc]
+        for stage in sorted(stages)
+    }
+
+
+def _training_steps(timeline: Timeline) -> list[int]:
+    """The indices of the recorded steps that trained (those with a backward): validation's forwards
+    run through the same executor and are recorded too."""
+    return [i for i, spans in enumerate(timeline.steps) if any(s.name in ("B", "W") for s in spans)]
 
 
 class TimelinePicture(pl.Callback):
     """Write ``path`` (SVG) at the end of training: the predicted and the measured timeline of
     training step ``step`` (default: the last one, in the steady state) on every rank.
 
-    With ``log=True`` (default) the picture also goes to the Trainer's loggers under ``tag``, as
-    an image: TensorBoard's ``add_image``, or a logger's ``log_image``; other loggers are skipped
-    with a warning. ``path=None`` only logs it.
+    With ``to_loggers=True`` (default) the picture also goes to the Trainer's loggers under ``tag``,
+    as an image: TensorBoard's ``add_image``, or a logger's ``log_image``; other loggers are skipped
+    with a warning. ``path=None`` only logs it. (The option is not called ``log``: Lightning sets
+    every callback's ``log`` attribute to the module's ``log`` method at fit start; ``log=`` is still
+    accepted, with a ``DeprecationWarning``.)
 
     ``self.svg`` holds the picture on global rank 0 afterwards, ``self.image`` the logged image,
     ``self.spans`` each rank's spans.
     """
 
     def __init__(
-        self, path: Union[str, Path, None], step: int = -1, log: bool = True, tag: str = "pipeline/timeline"
+        self,
+        path: Union[str, Path, None],
+        step: int = -1,
+        to_loggers: bool = True,
+        tag: str = "pipeline/timeline",
+        *,
+        log: Optional[bool] = None,
     ) -> None:
-        if path is None and not log:
-            raise ValueError("TimelinePicture(path=None, log=False) would draw nothing: give a path, or log=True.")
+        if log is not None:
+            warnings.warn(
+                f"TimelinePicture(log={log!r}) is deprecated: write TimelinePicture(..., to_loggers={log!r}) (Lightning "
+                "replaces every callback's `log` attribute with the module's `log` method when fitting starts).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            to_loggers = log
+        if path is None and not to_loggers:
+            raise ValueError("TimelinePicture(path=None, to_loggers=False) would draw nothing: give a path, or to_loggers=True.")
         self.path = Path(path) if path is not None else None
         self.step = step
-        self.log = log
+        self.to_loggers = bool(to_loggers)
         self.tag = tag
         self.svg: Optional[str] = None
         self.image: Optional[torch.Tensor] = None
@@ -59,9 +99,10 @@ class TimelinePicture(pl.Callback):
         strategy = trainer.strategy
         timeline = self._timeline
         mine: Optional[tuple[float, list[Span]]] = None
-        if timeline is not None and timeline.steps:
-            index = self.step if self.step < 0 else min(self.step, len(timeline.steps) - 1)
-            mine = (timeline.origins[index], timeline.steps[index])
+        training = _training_steps(timeline) if timeline is not None else []
+        if training:
+            index = training[self.step if self.step < 0 else min(self.step, len(training) - 1)]
+            mine = (timeline.origins[index], timeline.steps[index])  # type: ignore[union-attr]
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
@@ -75,16 +116,11 @@ class TimelinePicture(pl.Callback):
         self.spans = {rank: spans for rank, (_, spans) in recorded.items()}
         offsets = {rank: origin - first for rank, (origin, _) in recorded.items()}
         measured = measured_bars(self.spans, offsets)
-        panels = []
-        forwards = [s.seconds for spans in self.spans.values() for s in spans if s.name == "F"]
-        backwards = [s.seconds for spans in self.spans.values() for s in spans if s.name == "B"]
         name = getattr(strategy, "schedule_name", "")
-        num_microbatches = len({s.microbatch for s in self.spans.get(0, []) if s.name == "F"})
-        # predicted only for one stage per process and a whole backward (F and B spans per rank)
-        if name in SCHEDULES and name not in VIRTUAL_STAGES and name != "zero_bubble" and forwards and backwards and num_microbatches:
-            schedule = SCHEDULES[name](len(self.spans), num_microbatches)
-            simulation = simulate(schedule, statistics.median(forwards), statistics.median(backwards))
-            panels.append((f"{name}: predicted from the median forward and backward times", simulated_bars(simulation)))
+        panels = []
+        predicted = self._predicted(strategy, name)
+        if predicted is not None:
+            panels.append(predicted)
         step_seconds = max(b.end for b in measured)
         which = "the last training step" if self.step == -1 else f"training step {self.step}"
         panels.append((f"{name}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
@@ -92,10 +128,28 @@ class TimelinePicture(pl.Callback):
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(self.svg)
-        if self.log and trainer.loggers:
+        if self.to_loggers and trainer.loggers:
             self.image = timeline_image(panels)
             step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
             log_image(trainer.loggers, self.tag, self.image, step)
+
+    def _predicted(self, strategy: Any, name: str) -> Optional[tuple[str, list]]:
+        """The schedule the run used, simulated with each stage's measured median F, B and W times (a
+        schedule that splits the backward plays B and W apart, the others their sum); None for the
+        asynchronous schedules, whose step runs across batches."""
+        if name not in SCHEDULES or is_async(name):
+            return None
+        costs = stage_costs(self.spans)
+        microbatches = len({s.microbatch for spans in self.spans.values() for s in spans if s.name == "F" and s.stage == 0})
+        ranks = int(getattr(strategy, "num_stages", len(self.spans)))
+        virtual = int(getattr(strategy, "virtual_stages", 1)) if name in VIRTUAL_STAGES else 1
+        if not microbatches or sorted(costs) != list(range(ranks * virtual)):
+            return None
+        rendezvous = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"  # as the strategy ran it
+        schedule = build(name, ranks, microbatches, virtual, rendezvous=rendezvous)
+        simulation = simulate(schedule, stage_costs=[costs[s] for s in range(ranks * virtual)], rendezvous=rendezvous)
+        times = "forward, backward (B) and weight-gradient (W)" if schedule.split_backward else "forward and backward"
+        return f"{name}: predicted from each stage's median {times} times", simulated_bars(simulation)
 
 
 __all__ = ["TimelinePicture"]

@@ -81,6 +81,7 @@ class Candidate:
     all_reduce_seconds: float = 0.0  # the slowest rank's gradient all-reduce over the replicas
     replica_batch: int = 0  # samples per replica and step (each replica's DataLoader batch); 0: not known
     rendezvous: bool = False  # planned under NCCL's point-to-point model (its schedule regrouped where needed)
+    link: Optional[Link] = None  # the measured link the prediction used
 
     @property
     def depth(self) -> int:
@@ -226,7 +227,7 @@ def _rank(
                     found[key] = Candidate(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
                         memory, fits, tuple(costs), stages, replicas, v, profile.microbatch_size, max(reduce), replica_batch,
-                        rendezvous,
+                        rendezvous, link,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
@@ -306,19 +307,25 @@ def _schedule_label(c: Candidate) -> str:
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
     """The best ``top`` candidates as a table: layout, predicted step time, all-reduce, bubble, peak
-    memory per rank (each rank's stages together)."""
+    memory per rank (each rank's stages together). Columns are as wide as their longest entry, so
+    they stay aligned whatever the schedule's name or the balance."""
+    header = ("#", "schedule", "chunks", "balance", "checkpoint", "SxR", "step ms", "reduce ms", "bubble", "peak MiB per rank")
+    right = {0, 2, 5, 6, 7, 8}  # numbers are right-aligned
     rows = [
-        f"{'#':>2} {'schedule':<19} {'chunks':>6} {'balance':<26} {'checkpoint':<11} {'SxR':>5} {'step ms':>8} "
-        f"{'reduce ms':>9} {'bubble':>7}  peak MiB per stage"
+        (
+            str(i + 1), _schedule_label(c), str(c.chunks), f"{c.balance_mode} {list(c.balance)}", c.checkpoint,
+            f"{c.depth}x{c.replicas}", f"{1e3 * c.step_seconds:.2f}", f"{1e3 * c.all_reduce_seconds:.2f}",
+            f"{100 * c.bubble:.1f}%",
+            ", ".join(f"{b / 2**20:.1f}" for b in c.stage_bytes) + ("" if c.fits else "  (over budget)"),
+        )  # fmt: skip
+        for i, c in enumerate(candidates[:top])
     ]
-    for i, c in enumerate(candidates[:top]):
-        balance = f"{c.balance_mode} {list(c.balance)}"
-        memory = ", ".join(f"{b / 2**20:.1f}" for b in c.stage_bytes) + ("" if c.fits else "  (over budget)")
-        rows.append(
-            f"{i + 1:>2} {_schedule_label(c):<19} {c.chunks:>6} {balance:<26} {c.checkpoint:<11} {f'{c.depth}x{c.replicas}':>5} "
-            f"{1e3 * c.step_seconds:>8.2f} {1e3 * c.all_reduce_seconds:>9.2f} {100 * c.bubble:>6.1f}%  {memory}"
-        )
-    return "\n".join(rows)
+    widths = [max(len(row[j]) for row in (header, *rows)) for j in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if j in right else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(line(row) for row in (header, *rows))
 
 
 def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:

@@ -1,13 +1,75 @@
-"""What ``lightning-pipe plan`` writes: the ranked layouts as a table and their predicted timelines."""
+"""What ``lightning-pipe plan`` prints and writes: the measured link, the ranked layouts as a table,
+the chosen layout with the command-line overrides that run it, and the predicted timelines."""
 
 from __future__ import annotations
 
+import math
+import shlex
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
-from lightning_pipe.plan.planner import Candidate, format_plans
+from lightning_pipe.plan.planner import Candidate, Link, format_plans
 from lightning_pipe.plan.timeline_svg import simulated_bars, timeline_svg
-from lightning_pipe.schedules import build, simulate
+from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
+
+#: balance modes that give the same split in any run; a measured split (time, memory) is written
+#: out as its layer counts, since a new run would measure again and might split otherwise
+_REPRODUCIBLE_BALANCES = ("uniform", "parameters")
+
+
+def describe(c: Candidate) -> str:
+    """One candidate in words: schedule, layout, chunks, balance, checkpoint mode."""
+    virtual = f" (v={c.virtual_stages})" if c.schedule in VIRTUAL_STAGES else ""
+    stages = f"{c.depth} stage" + ("s" if c.depth != 1 else "")
+    replicas = f" x {c.replicas} replicas" if c.replicas > 1 else ""
+    return (
+        f"{c.schedule}{virtual} on {stages}{replicas}, chunks {c.chunks}, balance {c.balance_mode} "
+        f"{list(c.balance)}, checkpoint {c.checkpoint}"
+    )
+
+
+def link_line(link: Optional[Link]) -> str:
+    """The point-to-point link the predictions used, as measured between ranks 0 and 1."""
+    if link is None or (link.latency == 0 and math.isinf(link.bandwidth)):
+        return "link between ranks 0 and 1: none measured (one process); transfers predicted free"
+    latency = f"measured link between ranks 0 and 1: latency {1e6 * link.latency:.1f} us"
+    if math.isinf(link.bandwidth):
+        return latency + ", bandwidth not resolved (an activation-sized message took no longer than a 4-byte one)"
+    return latency + f", bandwidth {link.bandwidth / 1e6:.0f} MB/s"
+
+
+def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
+    """The ``lightning-pipe`` overrides that run candidate ``c`` in a run configured with ``stages``
+    x ``replicas``: the strategy group named after the schedule and its keys, and, where ``c``'s
+    layout differs, the pipeline depth and each replica's DataLoader batch (same global batch)."""
+    balance = c.balance_mode if c.balance_mode in _REPRODUCIBLE_BALANCES else "[" + ",".join(map(str, c.balance)) + "]"
+    out = [f"strategy={c.schedule}", f"strategy.chunks={c.chunks}", f"strategy.balance={balance}", f"strategy.checkpoint={c.checkpoint}"]
+    if c.schedule in VIRTUAL_STAGES:
+        out.append(f"strategy.virtual_stages={c.virtual_stages}")
+    if (c.depth, c.replicas) != (stages, replicas):
+        out.append(f"strategy.stages={c.depth}")
+        if c.replica_batch:
+            out.append(f"recipe.data.batch_size={c.replica_batch}")
+    return out
+
+
+def plan_text(candidates: Sequence[Candidate], stages: int, replicas: int, top: int = 5) -> str:
+    """The report of ``lightning-pipe plan``: the link, the best ``top`` layouts, the first choice and
+    the overrides (shell-quoted) that run it in a run configured with ``stages`` x ``replicas``."""
+    if not candidates:
+        raise ValueError("plan_text needs at least one ranked candidate")
+    best = candidates[0]
+    chosen = f"best: #1, {describe(best)}: {1e3 * best.step_seconds:.2f} ms per step predicted"
+    if best.replicas > 1 or (best.depth, best.replicas) != (stages, replicas):
+        chosen += f"; each replica's DataLoader batch {best.replica_batch}"
+    lines = [
+        link_line(best.link),
+        f"{len(candidates)} layouts ranked by predicted step time; the best {min(top, len(candidates))}:",
+        format_plans(candidates, top),
+        chosen,
+        "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, stages, replicas)),
+    ]
+    return "\n".join(lines)
 
 
 def predicted_timelines(candidates: Sequence[Candidate], num_stages: int, top: int = 3) -> str:
@@ -18,24 +80,19 @@ def predicted_timelines(candidates: Sequence[Candidate], num_stages: int, top: i
         # as the planner played it: the backend's schedule under the backend's point-to-point model
         schedule = build(c.schedule, depth, c.chunks, c.virtual_stages, rendezvous=c.rendezvous)
         simulation = simulate(schedule, stage_costs=c.stage_costs, rendezvous=c.rendezvous)
-        layout = f"{depth} stages x {c.replicas} replicas, " if c.replicas > 1 else ""
-        virtual = f" (v={c.virtual_stages})" if c.virtual_stages > 1 else ""
-        title = (
-            f"#{i + 1}: {layout}{c.schedule}{virtual}, chunks {c.chunks}, balance {list(c.balance)} ({c.balance_mode}), "
-            f"checkpoint {c.checkpoint}: {1e3 * c.step_seconds:.1f} ms predicted"
-        )
+        title = f"#{i + 1}: {describe(c)}: {1e3 * c.step_seconds:.2f} ms predicted"
         panels.append((title, simulated_bars(simulation)))
     return timeline_svg(panels, unit="s")
 
 
-def write_plan(candidates: Sequence[Candidate], num_stages: int, folder: Path, top: int = 5) -> str:
-    """Write ``plan.txt`` (the best ``top`` layouts) and ``plan.svg`` (the best three's predicted
-    timelines) into ``folder``; returns the table."""
-    table = format_plans(candidates, top)
+def write_plan(candidates: Sequence[Candidate], stages: int, replicas: int, folder: Path, top: int = 5) -> str:
+    """Write ``plan.txt`` (:func:`plan_text`) and ``plan.svg`` (the best three's predicted
+    timelines) into ``folder``; returns the text."""
+    text = plan_text(candidates, stages, replicas, top)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "plan.txt").write_text(table + "\n")
-    (folder / "plan.svg").write_text(predicted_timelines(candidates, num_stages))
-    return table
+    (folder / "plan.txt").write_text(text + "\n")
+    (folder / "plan.svg").write_text(predicted_timelines(candidates, stages))
+    return text
 
 
-__all__ = ["predicted_timelines", "write_plan"]
+__all__ = ["describe", "link_line", "overrides", "plan_text", "predicted_timelines", "write_plan"]

@@ -13,6 +13,8 @@ Every bar is an SVG ``rect`` carrying ``data-rank``, ``data-kind``, ``data-stage
 
 from __future__ import annotations
 
+import math
+import textwrap
 from dataclasses import dataclass
 from html import escape
 from typing import Iterable, Mapping, Sequence
@@ -72,13 +74,50 @@ def measured_bars(spans_by_rank: Mapping[int, Iterable[object]], offsets: Mappin
 
 
 _ROW, _GAP, _LEFT, _RIGHT, _TITLE, _AXIS = 28, 6, 64, 16, 26, 26
+_TITLE_LINE = 16  # each further line of a wrapped title
+# a bold 13 px sans-serif character is at most this wide on average (DejaVu Sans Bold's digits are
+# 9.05 px, its letters less): titles wrap to stay inside the picture whatever font draws them
+_TITLE_CHAR = 0.7 * 13
+
+
+def nice_ticks(span: float, most: int = 8) -> list[float]:
+    """Tick values from 0 up to ``span``, ``most`` at most, a round step apart: 1, 2 or 5 times a
+    power of ten (0, 0.2, 0.4, ... rather than fifths of the span, which read 0, 0.406, 0.813)."""
+    if most < 2:
+        raise ValueError(f"nice_ticks(most={most}): give at least 2 ticks")
+    if not math.isfinite(span) or span <= 0:
+        return [0.0]
+    least = span / (most - 1)  # the smallest step that keeps the ticks within ``most``
+    exponent = math.floor(math.log10(least))
+    step = next(m * 10.0**exponent for m in (1, 2, 5, 10) if m * 10.0**exponent >= least * (1 - 1e-9))
+    digits = max(0, 1 - exponent)  # enough to hold a step of 5 x 10^exponent exactly
+    return [round(i * step, digits) for i in range(math.floor(span / step * (1 + 1e-9)) + 1)]
+
+
+def _display_unit(span: float, unit: str) -> tuple[float, str]:
+    """Seconds are shown in the unit that suits the span (a 12 ms step in ms, not 0.012 s)."""
+    if unit != "s":
+        return 1.0, unit
+    if span >= 1.0 or span <= 0:
+        return 1.0, "s"
+    return (1e3, "ms") if span >= 1e-3 else (1e6, "\u00b5s")
+
+
+def title_lines(title: str, width: float) -> list[str]:
+    """``title`` wrapped at spaces into lines that fit a picture ``width`` pixels wide."""
+    chars = max(10, int((width - _LEFT - _RIGHT) / _TITLE_CHAR))
+    return textwrap.wrap(title, chars) or [""]
 
 
 def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float, span: float, ranks: int) -> list[str]:
     plot = width - _LEFT - _RIGHT
     x = lambda t: _LEFT + plot * (t / span if span > 0 else 0.0)  # noqa: E731
-    out = [f'<g class="panel" data-title="{escape(title)}">', f'<text x="{_LEFT}" y="{top + 17}" class="title">{escape(title)}</text>']
-    y0 = top + _TITLE
+    scale, shown = _display_unit(span, unit)
+    lines = title_lines(title, width)
+    out = [f'<g class="panel" data-title="{escape(title)}">', f'<text x="{_LEFT}" y="{top + 17}" class="title">']
+    out += [f'<tspan x="{_LEFT}" dy="{0 if i == 0 else _TITLE_LINE}">{escape(line)}</tspan>' for i, line in enumerate(lines)]
+    out.append("</text>")
+    y0 = top + _TITLE + _TITLE_LINE * (len(lines) - 1)
     for rank in range(ranks):
         y = y0 + rank * (_ROW + _GAP)
         out.append(f'<text x="{_LEFT - 8}" y="{y + _ROW / 2 + 4}" class="rank" text-anchor="end">rank {rank}</text>')
@@ -90,7 +129,7 @@ def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float,
         tip = f"rank {bar.rank}, stage {bar.stage}: {KIND_NAMES[bar.kind]}"
         if bar.microbatch >= 0:
             tip += f" of micro-batch {bar.microbatch}"
-        tip += f", {bar.start:.4g}-{bar.end:.4g} {unit}"
+        tip += f", {bar.start * scale:.4g}-{bar.end * scale:.4g} {shown}"
         out.append(
             f'<rect x="{left:.2f}" y="{y + 1}" width="{max(right - left, 0.5):.2f}" height="{_ROW - 2}" '
             f'fill="{COLOURS[bar.kind]}" class="bar" data-rank="{bar.rank}" data-kind="{bar.kind}" '
@@ -99,11 +138,11 @@ def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float,
         if label and right - left >= 14:
             out.append(f'<text x="{(left + right) / 2:.2f}" y="{y + _ROW / 2 + 4}" class="label" text-anchor="middle">{label}{bar.microbatch}</text>')
     axis_y = y0 + ranks * (_ROW + _GAP)
-    for i in range(6):
-        t = span * i / 5
-        out.append(f'<line x1="{x(t):.2f}" y1="{axis_y - _GAP}" x2="{x(t):.2f}" y2="{axis_y}" class="tick"/>')
-        out.append(f'<text x="{x(t):.2f}" y="{axis_y + 12}" class="axis" text-anchor="middle">{t:.3g}</text>')
-    out.append(f'<text x="{_LEFT + plot:.2f}" y="{axis_y + 24}" class="axis" text-anchor="end">{escape(unit)}</text>')
+    for tick in nice_ticks(span * scale):
+        at = x(tick / scale)
+        out.append(f'<line x1="{at:.2f}" y1="{axis_y - _GAP}" x2="{at:.2f}" y2="{axis_y}" class="tick"/>')
+        out.append(f'<text x="{at:.2f}" y="{axis_y + 12}" class="axis" text-anchor="middle">{tick:g}</text>')
+    out.append(f'<text x="{_LEFT + plot:.2f}" y="{axis_y + 24}" class="axis" text-anchor="end">{escape(shown)}</text>')
     out.append("</g>")
     return out
 
@@ -119,7 +158,7 @@ def timeline_svg(panels: Sequence[tuple[str, Sequence[Bar]]], unit: str = "s", w
     for title, bars in panels:
         ranks = 1 + max((b.rank for b in bars), default=0)
         body += _panel(title, bars, unit, top, width, span, ranks)
-        height = _TITLE + ranks * (_ROW + _GAP) + _AXIS + 8
+        height = _TITLE + _TITLE_LINE * (len(title_lines(title, width)) - 1) + ranks * (_ROW + _GAP) + _AXIS + 8
         heights.append(height)
         top += height
     legend_y = top + 4
@@ -148,4 +187,4 @@ def timeline_svg(panels: Sequence[tuple[str, Sequence[Bar]]], unit: str = "s", w
     )
 
 
-__all__ = ["Bar", "COLOURS", "measured_bars", "simulated_bars", "timeline_svg"]
+__all__ = ["COLOURS", "Bar", "measured_bars", "nice_ticks", "simulated_bars", "timeline_svg", "title_lines"]

@@ -11,14 +11,17 @@ slower one beyond what the schedule makes it wait anyway.
 
 Equal shapes are not equal data: a Dataset whose ``__getitem__`` draws from the process's random
 state gives stage 0 inputs of one sample and the last stage labels of another, and training runs
-on silently. So on some steps (the first of each epoch by default) the fingerprint also carries a
-checksum of a sample of the batch's values.
+on silently. The stages' random states part as soon as one of them draws and another does not (a
+``Dropout`` on the first stage only), so equal first batches prove nothing about the next ones.
+So the same fingerprint also carries a checksum of a sample of the batch's values, every step by
+default: it rides in the all-gather that the shapes need anyway, and sampling a few elements per
+tensor keeps it cheap whatever the batch's size.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,9 @@ _SLOTS = 32  # micro-batch count, key hash, content checksum, then the batch's f
 _HEAD = 3
 _SAMPLED = 64  # elements per tensor that enter the content checksum
 NO_CONTENT = -1
+
+#: where a step's batch came from, for the message: a name, or a function that gives it
+Source = Union[str, Callable[[], str]]
 
 
 def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:
@@ -40,16 +46,23 @@ def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:
 
 def checksum(tensors: Sequence[Tensor]) -> int:
     """A CRC of up to 64 evenly spaced elements of each tensor: equal for equal data, and cheap
-    (one small gather and copy per tensor, whatever the batch's size)."""
-    crc = 0
+    enough to run every step (a strided view and a 64-element copy per tensor, whatever the
+    batch's size, and one read-back to the host for all of them: on a GPU the only wait is for
+    the batch's own copy to the device)."""
+    samples = []
     for t in tensors:
         flat = t.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
         if flat.numel() == 0:
             continue
-        positions = torch.linspace(0, flat.numel() - 1, min(_SAMPLED, flat.numel()), device=flat.device).long()
-        sample = flat[positions].to(device="cpu", dtype=torch.float64)
-        crc = zlib.crc32(sample.numpy().tobytes(), crc)
-    return crc
+        step = max(1, (flat.numel() - 1) // (_SAMPLED - 1))  # from the first element to (nearly) the last
+        samples.append(flat[::step][:_SAMPLED].to(torch.float64))
+    if not samples:
+        return 0
+    if len({s.device for s in samples}) > 1:
+        samples = [s.cpu() for s in samples]
+    return zlib.crc32(torch.cat(samples).cpu().numpy().tobytes())
 
 
 def fingerprint(keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None) -> Tensor:
@@ -87,10 +100,11 @@ def mismatch_message(rows: Sequence[Sequence[int]], source: str = "the DataLoade
             + ", ".join(f"stage {s}: {row[2]}" for s, row in enumerate(rows))
             + "). Every stage loads each batch itself, so each sample must be the same in every process: the "
             "Dataset's __getitem__ (or the collate_fn) draws from the process's own random state (torch.randn, "
-            "torch.randint, random, numpy without a generator), which differs between stages. Derive the "
+            "torch.randint, random, numpy without a generator), which differs between stages (their random states "
+            "part as soon as one stage draws and another does not, as a Dropout on one stage does). Derive the "
             "randomness from the sample, e.g. `g = torch.Generator().manual_seed(index)` and "
-            "`torch.randn(..., generator=g)`, as the BERT recipe's masking does. (PipelineStrategy(check_data=...) "
-            "sets how often this is checked.)"
+            "`torch.randn(..., generator=g)`, as the BERT recipe's masking does. (This is checked every step; "
+            "PipelineStrategy(check_data=N) checks every N steps, check_data=False never.)"
         )
     seen = "; ".join(f"stage {s}: {describe(row)}" for s, row in enumerate(rows))
     return (
@@ -108,11 +122,14 @@ class BatchAgreement:
     def __init__(self, group: Any, num_stages: int) -> None:
         self.group = group
         self.num_stages = num_stages
-        self._pending: Optional[tuple[Any, list[Tensor], str]] = None
+        self._pending: Optional[tuple[Any, list[Tensor], Source]] = None
 
-    def post(self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: str = "the DataLoader") -> None:
+    def post(
+        self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: Source = "the DataLoader"
+    ) -> None:
         """Start comparing this step's keys, and the sampled values of ``content`` when given (checks
-        the previous step's comparison first if still open)."""
+        the previous step's comparison first if still open). ``source`` names where the batch came
+        from, or gives that name when called: it is formatted only if the stages disagree."""
         self.check()
         mine = fingerprint(keys, content)
         rows = [torch.empty_like(mine) for _ in range(self.num_stages)]
@@ -125,9 +142,9 @@ class BatchAgreement:
             return
         (work, rows, source), self._pending = self._pending, None
         work.wait()
-        message = mismatch_message([row.tolist() for row in rows], source)
-        if message is not None:
-            raise RuntimeError(message)
+        seen = [row.tolist() for row in rows]
+        if any(row != seen[0] for row in seen):
+            raise RuntimeError(mismatch_message(seen, source() if callable(source) else source))
 
 
 __all__ = ["BatchAgreement", "checksum", "describe", "fingerprint", "mismatch_message"]

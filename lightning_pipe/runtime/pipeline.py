@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
@@ -179,10 +179,14 @@ class StagePipeline:
         return self._schedules[key]
 
     # ------------------------------------------------------------------ verbs
-    def agree(self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: str = "the DataLoader") -> None:
+    def agree(
+        self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None,
+        source: Union[str, Callable[[], str]] = "the DataLoader",
+    ) -> None:
         """Start comparing this step's micro-batch ``keys`` (and a checksum of ``content``, the
         batch's tensors, when given) with the other stages'; the next verb waits for the answer
-        before its first receive, and raises, naming ``source``, where the stages disagree."""
+        before its first receive, and raises, naming ``source`` (called only then, if a function),
+        where the stages disagree."""
         if self.agreement is None:
             return
         self.agreement.post(keys, content, source)

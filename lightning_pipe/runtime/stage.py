@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
+from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
 
@@ -64,9 +65,10 @@ class StageModule(nn.Sequential):
         params: Optional[dict[str, Tensor]] = None,
     ) -> Any:
         """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
-        in the backward, with the RNG state of the forward, so dropout draws the same mask. With
-        ``params`` (names as in ``named_parameters``) the layers run on those tensors instead of
-        their own parameters (a stashed weight version)."""
+        in the backward, with the RNG state of the forward, so dropout draws the same mask, and
+        leaving the buffers the forward updated (BatchNorm's running statistics) as they were, so
+        each micro-batch counts once. With ``params`` (names as in ``named_parameters``) the layers
+        run on those tensors instead of their own parameters (a stashed weight version)."""
         if not use_checkpoint:
             return self._chain(self._guard(value), params)
         tensors, was_tuple = as_tuple(value)
@@ -74,7 +76,9 @@ class StageModule(nn.Sequential):
         def layers(*flat: Tensor) -> Any:
             return self._chain(self._guard(from_tuple(flat, was_tuple)), params)
 
-        return torch_checkpoint(layers, *tensors, use_reentrant=False, preserve_rng_state=True)
+        return torch_checkpoint(
+            layers, *tensors, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(self)
+        )
 
     def _guard(self, value: Any) -> Any:
         """A copy of the stage's input where the first layer changes it in place and it needs a

@@ -89,8 +89,59 @@ def test_a_module_without_reset_parameters_is_named() -> None:
             super().__init__()
             self.layers = nn.Sequential(nn.Linear(4, 4), Scale())
 
-    with pytest.raises(TypeError, match=r"layers.1 \(Scale\) holds tensors of its own \(gain\).*reset_parameters"):
+    with pytest.raises(TypeError, match=r"layers.1 \(Scale\) holds tensors of its own \(gain\).*reset_parameters.*init="):
         check_initializable(meta(Net))
+    from lightning_pipe.partition.materialize import Initializer
+
+    check_initializable(meta(Net), Initializer(init=lambda m: None))  # a hook answers for every module
+
+
+def test_an_init_hook_is_called_on_every_module_seeded_per_layer() -> None:
+    """init(module) children before parents; any subset of layers gets the same values; a module the
+    hook leaves wholly untouched falls back to its reset_parameters (the LayerNorm: ones)."""
+    calls: list[str] = []
+
+    def init(module: nn.Module) -> None:
+        calls.append(type(module).__name__)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=3.0)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    whole = init_like_pipeline(meta(), seed=1, init=init)
+    assert calls.index("Linear") < calls.index("MultiheadAttention") < calls.index("Tied")  # children first, outside last
+    assert 2.5 < float(whole.layers[1].weight.detach().std()) < 3.5
+    assert torch.equal(whole.layers[3].weight.detach(), torch.ones(4))  # untouched by the hook: reset_parameters
+    part = meta()
+    materialize(part, part.layers, [1, 3], "cpu", seed=1, init=init)
+    for i in (1, 3):
+        torch.testing.assert_close(part.layers[i].weight, whole.layers[i].weight, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="give a callable init"):
+        materialize(part, part.layers, [0], "cpu", init=3)  # type: ignore[arg-type]
+
+
+def test_a_tensor_left_unset_is_named_instead_of_training_from_garbage() -> None:
+    """Fresh storage starts as NaN: a reset_parameters (or hook) that misses a tensor is caught."""
+
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(4))
+            self.register_buffer("scale", torch.ones(4))
+
+        def reset_parameters(self) -> None:
+            nn.init.ones_(self.weight)  # forgets the buffer
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 4), Half())
+
+    with pytest.raises(ValueError, match=r"layers.1 \(Half\): its tensors scale are not set by its initialisation.*init="):
+        init_like_pipeline(meta(Net), seed=0)
+    net = meta(Net)
+    materialize(net, net.layers, [0], "cpu", seed=0)  # the layer that is not held is not checked
+    assert net.layers[1].scale.is_meta and not bool(net.layers[0].weight.isnan().any())
 
 
 def test_bert_layers_keep_berts_initialisation() -> None:

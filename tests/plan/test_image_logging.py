@@ -92,5 +92,32 @@ def test_timeline_picture_reaches_tensorboard(tmp_path: Path) -> None:
 
 
 def test_picture_needs_somewhere_to_go() -> None:
-    with pytest.raises(ValueError, match="draw nothing"):
+    with pytest.raises(ValueError, match=r"TimelinePicture\(path=None, to_loggers=False\) would draw nothing"):
+        TimelinePicture(None, to_loggers=False)
+
+
+def test_the_old_log_keyword_still_works_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match=r"TimelinePicture\(log=False\) is deprecated: write .*to_loggers=False"):
+        picture = TimelinePicture("t.svg", log=False)
+    picture.log = print  # what Lightning does to every callback when fitting starts
+    assert picture.to_loggers is False
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="draw nothing"):
         TimelinePicture(None, log=False)
+
+
+def test_not_logging_survives_lightning_and_warns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``to_loggers=False`` is kept although Lightning replaces every callback's ``log`` when fitting
+    starts: the file is written, no logger gets the picture, and no logger is warned about (the
+    warnings are errors here, in rank 0's process too)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setattr(image_logging, "_warned", set())
+    warnings.filterwarnings("error", message=".*takes no images")  # inherited by the forked ranks; pytest restores the filters
+    path = tmp_path / "timeline.svg"
+    loggers = [CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")]
+    fit_pipeline(TinyNet(), 2, chunks=3, max_steps=2, logger=loggers, callbacks=[TimelinePicture(path, to_loggers=False)])
+    assert "measured, the last training step" in path.read_text()
+    (events,) = (tmp_path / "tb").rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["images"] == []

@@ -66,7 +66,24 @@ def test_the_memory_budget_ranks_layouts_that_fit_first() -> None:
     assert all(not c.fits for c in ranked if max(c.stage_bytes) > tight)
     assert [c.fits for c in ranked] == sorted((c.fits for c in ranked), reverse=True)
     table = format_plans(ranked, top=3)
-    assert table.count("\n") == 3 and "peak MiB per stage" in table
+    assert table.count("\n") == 3 and "peak MiB per rank" in table
+
+
+def test_the_table_stays_aligned_for_long_names() -> None:
+    """Every row's entries start (text) or end (numbers) where the header's do, whatever the
+    schedule's name (``interleaved_zero_bubble v3``) or the balance's length."""
+    ranked = plan({4: _split_profile(4, layers=12)}, 2, FREE, schedules=("1f1b", "interleaved_zero_bubble"), virtual=(2, 3), **GLOO)
+    assert {c.virtual_stages for c in ranked} == {1, 2, 3}
+    table = format_plans(ranked, top=len(ranked)).splitlines()
+    header, rows = table[0], table[1:]
+    for row, c in zip(rows, ranked):
+        label = f"{c.schedule} v{c.virtual_stages}" if c.virtual_stages > 1 else c.schedule
+        for text, entry in (("schedule", label), ("balance", f"{c.balance_mode} {list(c.balance)}"), ("checkpoint", c.checkpoint)):
+            start = header.index(text)
+            assert row[start : start + len(entry)] == entry and row[start - 1] == " ", (text, row)
+        for text, entry in (("chunks", str(c.chunks)), ("step ms", f"{1e3 * c.step_seconds:.2f}"), ("bubble", f"{100 * c.bubble:.1f}%")):
+            end = header.index(text) + len(text)
+            assert row[end - len(entry) : end] == entry and row[end : end + 1] in ("", " "), (text, row)
 
 
 def test_chunk_candidates() -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from lightning_pipe.runtime.agreement import describe, fingerprint, mismatch_message
+from lightning_pipe.runtime import agreement
+from lightning_pipe.runtime.agreement import checksum, describe, fingerprint, mismatch_message
 from lightning_pipe.runtime.microbatch import signature, split
 
 
@@ -54,3 +57,47 @@ def test_equal_shapes_with_other_values_are_told_apart_and_explained() -> None:
     assert message is not None and "different data for the same step from the training DataLoader (dataset Noisy)" in message
     assert "same shapes (1 micro-batches, the first with tensor shapes [(4, 6)])" in message
     assert fingerprint(keys).tolist()[2] == -1  # no values compared
+
+
+def test_the_checksum_samples_the_whole_of_every_tensor() -> None:
+    x, y = torch.arange(4096.0).reshape(256, 16), torch.arange(256) % 10
+    base = checksum([x, y])
+    assert base == checksum([x.clone(), y.clone()])
+    late = x.clone()
+    late[-1, -1] += 1  # the sample reaches the last element
+    assert checksum([late, y]) != base
+    other_labels = y.clone()
+    other_labels[128] += 1
+    assert checksum([x, other_labels]) != base
+    assert checksum([x.to(torch.bfloat16), y]) == checksum([x.to(torch.bfloat16), y])
+    assert checksum([torch.zeros(0), torch.ones(3, dtype=torch.bool)]) == checksum([torch.ones(3, dtype=torch.bool)])
+
+
+def test_the_source_is_named_only_when_the_stages_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step post gives the DataLoader's name as a function: formatting it every step would
+    cost more than the check."""
+    x = torch.arange(24.0).reshape(4, 6)
+    theirs: list[torch.Tensor] = []
+
+    def all_gather(rows: list[torch.Tensor], mine: torch.Tensor, group: object, async_op: bool) -> SimpleNamespace:
+        rows[0].copy_(mine)
+        rows[1].copy_(theirs[0])
+        return SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(agreement.dist, "all_gather", all_gather)
+    named: list[int] = []
+
+    def source() -> str:
+        named.append(1)
+        return "the training DataLoader (dataset Noisy) at batch 3 of epoch 1 (global step 7)"
+
+    board = agreement.BatchAgreement(group=None, num_stages=2)
+    theirs.append(fingerprint([signature(x)], [x]))
+    board.post([signature(x)], [x], source)
+    board.check()
+    assert named == []
+    theirs[0] = fingerprint([signature(x)], [x + 1])
+    board.post([signature(x)], [x], source)
+    with pytest.raises(RuntimeError, match=r"from the training DataLoader \(dataset Noisy\) at batch 3 of epoch 1 \(global step 7\): the batches have the same shapes"):
+        board.check()
+    assert named == [1]

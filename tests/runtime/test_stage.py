@@ -106,3 +106,35 @@ def test_meter_counts_what_the_schedules_hold() -> None:
         peaks[schedule.__name__] = runner.meter.peak
         assert runner.meter.current == 0  # everything saved was freed by the backward
     assert peaks["gpipe"] == 4 * peaks["one_f_one_b"] > 0
+
+
+def _batch_norm_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 2))
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.clone() for name, b in module.named_buffers()}
+
+
+def test_recomputation_leaves_batch_norm_statistics_as_the_forward_left_them() -> None:
+    """The recomputed forward would update the running statistics a second time: each micro-batch
+    must count once, as without recomputation (momentum=None, a cumulative average, included)."""
+    x, y = torch.randn(12, 4), torch.randn(12, 2)
+    for schedule in (gpipe, one_f_one_b):
+        never = _run_pipeline(_batch_norm_net(), x, y, chunks=3, checkpoint="never", schedule=schedule)
+        for mode in ("always", "except_last"):
+            recomputed = _run_pipeline(_batch_norm_net(), x, y, chunks=3, checkpoint=mode, schedule=schedule)
+            assert int(recomputed.get_submodule("1").num_batches_tracked) == 3
+            for name, value in _buffers(never).items():
+                torch.testing.assert_close(_buffers(recomputed)[name], value, rtol=0, atol=0, msg=f"{mode}: {name}")
+            for a, b in zip(_grads(recomputed), _grads(never)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    reference = _batch_norm_net()  # one micro-batch per batch: the same as plain training
+    nn.functional.mse_loss(reference(x), y).backward()
+    single = _run_pipeline(_batch_norm_net(), x, y, chunks=1, checkpoint="always")
+    for name, value in _buffers(reference).items():
+        torch.testing.assert_close(_buffers(single)[name], value, msg=name)
+    for a, b in zip(_grads(single), _grads(reference)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

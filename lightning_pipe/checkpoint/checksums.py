@@ -1,0 +1,125 @@
+"""Checksums of a checkpoint's tensors and files, recorded when they are written and compared when
+they are read, so that bytes changed on disk or in a copy stop a run instead of training on.
+
+A stage file (``torch.save``) records the CRC-32 of every tensor it holds, by the tensor's place in
+the file (``("state_dict", "layers.7.weight")``); a reader compares only the tensors it uses, so a
+rank that reads one stage of a memory-mapped checkpoint still reads nothing of the others. Files
+written by ``torch.distributed.checkpoint`` are compared whole (every byte of them is read anyway).
+
+CRC-32 (``zlib.crc32``, no dependency): the fastest checksum of the standard library (about twice
+SHA-1's speed, three times MD5's on one core); it catches every burst of up to 32 flipped bits and
+all but one in 2**32 of other damage. It guards against accidents, not against a forged file.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any, Collection, Iterable, Iterator, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+
+Key = tuple[Union[str, int], ...]  # a tensor's place in a nested checkpoint: mapping keys and list indices
+_CHUNK = 1 << 24
+
+
+def tensor_checksum(tensor: Tensor) -> int:
+    """CRC-32 of the tensor's dtype, shape and bytes (a changed shape or dtype counts as damage too)."""
+    head = zlib.crc32(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(memoryview(data.numpy()), head)
+
+
+def file_checksum(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _checkable(value: Any) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and value.device.type != "meta"
+        and type(value) in (Tensor, torch.nn.Parameter)  # not a DTensor or another subclass
+    )
+
+
+def _tensors(value: Any, key: Key = ()) -> Iterator[tuple[Key, Tensor]]:
+    if _checkable(value):
+        yield key, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if isinstance(k, (str, int)):
+                yield from _tensors(v, (*key, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, (*key, i))
+
+
+def record(value: Any) -> dict[Key, int]:
+    """The checksum of every tensor in ``value`` (nested mappings and lists), by its key."""
+    return {key: tensor_checksum(tensor) for key, tensor in _tensors(value)}
+
+
+def _find(value: Any, key: Key) -> Any:
+    for part in key:
+        value = value[part]
+    return value
+
+
+def describe(key: Key) -> str:
+    return "/".join(str(part) for part in key)
+
+
+def damaged(file: Path, what: str) -> RuntimeError:
+    """The error for a file whose ``what`` (a clause: "the tensor ... does not match ...") is wrong."""
+    return RuntimeError(
+        f"The checkpoint file {file} is damaged: {what} (its bytes changed on disk or in a copy, or a file of "
+        "another save was put in its place). Copy the file again from where it was written, or resume from "
+        "another checkpoint."
+    )
+
+
+def mismatch(subject: str) -> str:
+    return f"{subject} does not match the checksum recorded when it was written"
+
+
+class Verifier:
+    """Compares the tensors of one loaded file with the checksums recorded in it, the tensors of a
+    few names at a time: a key mentioning one of ``names`` (a state-dict name: the tensor itself,
+    its optimizer state, its pending gradients) belongs to that name, other keys to every reader."""
+
+    def __init__(self, file: Path, loaded: Any, recorded: Optional[Mapping[Key, int]], names: Collection[str]) -> None:
+        self.file = file
+        self._loaded = loaded
+        self._recorded = dict(recorded or {})
+        self._by_name: dict[Optional[str], list[Key]] = {}
+        for key in self._recorded:
+            owner = next((part for part in key if isinstance(part, str) and part in names), None)
+            self._by_name.setdefault(owner, []).append(key)
+        self._done: set[Key] = set()
+
+    def verify(self, names: Optional[Iterable[str]] = None) -> None:
+        """Check the tensors of ``names`` and those of no name (None: every tensor of the file)."""
+        groups = list(self._by_name) if names is None else [None, *names]
+        for group in groups:
+            for key in self._by_name.get(group, ()):
+                if key not in self._done:
+                    self._check(key)
+                    self._done.add(key)
+
+    def _check(self, key: Key) -> None:
+        try:
+            value = _find(self._loaded, key)
+        except (KeyError, IndexError, TypeError):
+            raise damaged(self.file, f"the tensor {describe(key)}, recorded when it was written, is missing") from None
+        if not isinstance(value, Tensor) or tensor_checksum(value) != self._recorded[key]:
+            raise damaged(self.file, mismatch(f"the tensor {describe(key)}"))
+
+
+__all__ = ["Key", "Verifier", "damaged", "describe", "file_checksum", "mismatch", "record", "tensor_checksum"]

@@ -1,0 +1,171 @@
+"""A checkpoint directory's files: each stage's shard and the shared metadata, written with the
+save tag and a checksum of every tensor, and read back refusing a missing, unreadable, damaged or
+foreign file with an error that names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Collection, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_pipe.checkpoint import checksums, sharded
+from lightning_pipe.checkpoint.merged import merged_state_dict
+from lightning_pipe.checkpoint.tags import foreign
+
+META = "meta.pt"
+FORMAT = "lightning-pipe/1"
+_PATH = Union[str, Path]
+
+
+def shard_name(rank: int) -> str:
+    return f"stage-{rank:05d}.pt"
+
+
+def is_pipeline_checkpoint(path: _PATH) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META).is_file()
+
+
+# ---------------------------------------------------------------------------- writing
+def write_shard(
+    path: _PATH,
+    rank: int,
+    state_dict: Mapping[str, Tensor],
+    optimizer_states: Optional[list],
+    extra: Optional[dict[str, Any]] = None,
+    tag: Optional[dict[str, Any]] = None,
+) -> None:
+    """Stage ``rank``'s shard; ``extra`` holds strategy state such as an asynchronous schedule's
+    gradients not yet applied (keyed by layer name as well); ``tag`` names the save it belongs to."""
+    shard = {
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+        "optimizer_states": optimizer_states,
+        "extra": _to_cpu(extra),
+        "save": tag,
+    }
+    _save(shard, Path(path) / shard_name(rank))
+
+
+def write_sharded_stage(
+    path: _PATH,
+    stage: int,
+    state_dict: Mapping[str, Tensor],
+    optimizer_states: Optional[list],
+    group: Any,
+    write_index: bool,
+    extra: Optional[dict[str, Any]] = None,
+    tag: Optional[dict[str, Any]] = None,
+) -> None:
+    """A stage sharded over the replicas in ``group`` (FSDP2): every replica writes its parts of the
+    sharded tensors into ``stage-NNNNN.dcp`` (see :mod:`lightning_pipe.checkpoint.sharded`); one
+    replica (``write_index``) writes ``stage-NNNNN.pt`` with everything else, a placeholder per
+    tensor and the checksum of every file of the directory."""
+    directory = Path(path) / sharded.dcp_name(stage)
+    index_state, index_optim = sharded.write_parts(directory, state_dict, optimizer_states, group, tag)
+    if write_index:
+        shard = {"state_dict": index_state, "optimizer_states": index_optim, "extra": _to_cpu(extra), "save": tag}
+        shard["dcp"] = directory.name
+        shard["dcp_files"] = sharded.part_checksums(directory)
+        _save(shard, Path(path) / shard_name(stage))
+
+
+def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: Optional[dict[str, Any]] = None) -> None:
+    meta = dict(checkpoint)
+    recorded = checksums.record(meta)
+    meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages, "save": tag, "checksums": recorded}
+    torch.save(meta, Path(path) / META)
+
+
+def _save(shard: dict[str, Any], file: Path) -> None:
+    shard["checksums"] = checksums.record(shard)
+    torch.save(shard, file)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------- reading
+def read(
+    path: _PATH, weights_only: Optional[bool] = None, names: Optional[Collection[str]] = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The metadata and every stage's shard (tensors memory-mapped). Refuses a checkpoint with a
+    missing, unreadable, damaged or foreign shard (one written by another save), naming the file.
+
+    Every tensor is compared with the checksum recorded when it was written, or, given ``names``
+    (state-dict names), only those of these names (their values, optimizer states and pending
+    gradients) and those of no name: a rank resuming its stage reads nothing of the others'."""
+    meta, shards, verifiers = _open(path, weights_only)
+    for verifier in verifiers:
+        verifier.verify(names)
+    return meta, shards
+
+
+def read_state_dict(path: _PATH) -> tuple[dict[str, Tensor], Callable[[str], Tensor]]:
+    """Every stage's tensors by name (memory-mapped, not yet read) and a reader that compares a
+    tensor with the checksum recorded when it was written before it hands it out, so that
+    ``weights=`` reads and checks only the tensors of a rank's stage."""
+    _, shards, verifiers = _open(path, True)
+    owners: dict[str, checksums.Verifier] = {}
+    for shard, verifier in zip(shards, verifiers):
+        verifier.verify(())
+        owners.update(dict.fromkeys(shard["state_dict"], verifier))
+    merged = merged_state_dict(shards)
+
+    def checked(name: str) -> Tensor:
+        owners[name].verify([name])
+        return merged[name]
+
+    return merged, checked
+
+
+def _open(path: _PATH, weights_only: Optional[bool]) -> tuple[dict[str, Any], list[dict[str, Any]], list[checksums.Verifier]]:
+    """The metadata (checked), every stage's shard (tensors memory-mapped and not yet compared with
+    their checksums) and, per shard, what compares them."""
+    path = Path(path)
+    if not is_pipeline_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a lightning-pipe checkpoint directory (no {META} in it).")
+    meta = _load(path / META, weights_only=True if weights_only is None else weights_only)
+    count = meta["lightning_pipe"]["num_stages"]
+    tag = meta["lightning_pipe"].get("save")
+    checksums.Verifier(path / META, meta, meta["lightning_pipe"].get("checksums"), ()).verify()
+    shards, verifiers = [], []
+    for rank in range(count):
+        file = path / shard_name(rank)
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} is incomplete: {file.name} is missing (the checkpoint has {count} stages).")
+        shard = _load(file, weights_only=True, mmap=True)
+        if shard.get("save") != tag:
+            raise foreign(file, shard.get("save"), path / META, tag)
+        verifiers.append(checksums.Verifier(file, shard, shard.get("checksums"), shard.get("state_dict", {})))
+        shards.append(sharded.fill(path, shard, tag, path / META) if shard.get("dcp") else shard)
+    return meta, shards, verifiers
+
+
+def _load(file: Path, **kwargs: Any) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", **kwargs)
+    except Exception as error:
+        raise RuntimeError(
+            f"The checkpoint file {file} cannot be read ({type(error).__name__}: {error}); it is damaged or "
+            "truncated (a save that did not finish?). Resume from another checkpoint."
+        ) from error
+
+
+__all__ = [
+    "FORMAT",
+    "META",
+    "is_pipeline_checkpoint",
+    "read",
+    "read_state_dict",
+    "shard_name",
+    "write_meta",
+    "write_shard",
+    "write_sharded_stage",
+]

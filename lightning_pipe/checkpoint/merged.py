@@ -1,0 +1,40 @@
+"""One view over every stage's shard: the whole state dict, each optimizer's state by name, an
+asynchronous schedule's pending gradients."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from torch import Tensor
+
+from lightning_pipe.checkpoint.optimizer_state import merge_optimizer_states
+
+
+def merged_state_dict(shards: Iterable[Mapping[str, Any]]) -> dict[str, Tensor]:
+    merged: dict[str, Tensor] = {}
+    for shard in shards:
+        merged.update(shard["state_dict"])
+    return merged
+
+
+def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> Optional[list[dict[str, Any]]]:
+    if any(shard.get("optimizer_states") is None for shard in shards):
+        return None
+    count = len(shards[0]["optimizer_states"])
+    return [merge_optimizer_states([shard["optimizer_states"][i] for shard in shards]) for i in range(count)]
+
+
+def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """An asynchronous schedule's state over all stages: the step counter and, per batch, the
+    unapplied gradient of every layer (by name)."""
+    states = [(shard.get("extra") or {}).get("async") for shard in shards]
+    if any(state is None for state in states):
+        return None
+    pending: dict[int, dict[str, Any]] = {}
+    for state in states:
+        for batch, grads in state["pending"].items():
+            pending.setdefault(int(batch), {}).update(grads)
+    return {"step": states[0]["step"], "pending": pending}
+
+
+__all__ = ["merged_async_state", "merged_optimizer_states", "merged_state_dict"]

@@ -1,0 +1,145 @@
+"""Optimizer states keyed by parameter name, so that a checkpoint loads under any layout, and back
+to positions in the unsplit module's order for the plain file a consolidation writes."""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Mapping, Optional, Sequence
+
+from torch import nn
+from torch.optim import Optimizer
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> its name, the first of its names (as ``named_parameters`` gives it)."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def optimizer_state_by_name(
+    optimizer: Optimizer, names: Mapping[int, str], aliases: Optional[Mapping[str, str]] = None
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names instead of positions.
+
+    ``names`` maps ``id(parameter)`` to its name in the unsplit module; ``aliases`` (see
+    :func:`tie_aliases`) are kept with it for consolidation.
+    """
+    state = optimizer.state_dict()
+    position_to_name: dict[int, str] = {}
+    position = 0
+    groups = []
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        group_names = []
+        for param in group["params"]:
+            position_to_name[position] = names[id(param)]
+            group_names.append(names[id(param)])
+            position += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": group_names})
+    by_name = {position_to_name[p]: value for p, value in state["state"].items()}
+    named: dict[str, Any] = {"state": by_name, "param_groups": groups}
+    if aliases:
+        named["aliases"] = dict(aliases)
+    return named
+
+
+def tie_aliases(ties: Sequence[Mapping[int, str]], position: int, prefix: str) -> dict[str, str]:
+    """The names on pipeline ``position`` of weights tied to a layer of an earlier stage (each tie
+    as ``{position: name in the Sequential}``, the first stage's first), with the name the unsplit
+    module gives the tensor: the first stage's. The unsplit optimizer holds such a tensor once."""
+    aliases = {}
+    for tie in ties:
+        first = next(iter(tie))
+        if position in tie and position != first:
+            aliases[prefix + tie[position]] = prefix + tie[first]
+    return aliases
+
+
+def optimizer_state_by_position(named: Mapping[str, Any], order: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """The inverse: a ``state_dict`` for an optimizer whose groups hold the parameters named in
+    ``order`` (one list per group), taking the states that exist under those names."""
+    if len(order) != len(named["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(named['param_groups'])} parameter groups but this one has "
+            f"{len(order)}; configure_optimizers must build the same groups."
+        )
+    state: dict[int, Any] = {}
+    groups = []
+    position = 0
+    for saved, group_names in zip(named["param_groups"], order):
+        positions = []
+        for name in group_names:
+            if name in named["state"]:
+                state[position] = named["state"][name]
+            positions.append(position)
+            position += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
+    return {"state": state, "param_groups": groups}
+
+
+def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One optimizer's by-name state over all stages: states unioned, group members merged in the
+    unsplit module's order (each stage lists its members in that order). A tied weight's copies on
+    later stages are no members (the unsplit optimizer holds the tensor once, under its first name,
+    and the copies' states equal its own: their gradients are summed); their states stay, for a
+    pipeline that resumes them."""
+    state: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for part in per_stage:
+        state.update(part["state"])
+        aliases.update(part.get("aliases") or {})
+    listed = {name for part in per_stage for group in part["param_groups"] for name in group["params"]}
+    copies = {alias for alias, name in aliases.items() if name in listed}
+    groups = []
+    for g, first in enumerate(per_stage[0]["param_groups"]):
+        members = merge_orders([part["param_groups"][g]["params"] for part in per_stage])
+        members = [name for name in members if name not in copies]
+        groups.append({**{k: v for k, v in first.items() if k != "params"}, "params": members})
+    return {"state": state, "param_groups": groups}
+
+
+def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
+    """The one order consistent with every list (each a subsequence of it) that follows the layer
+    indices of the names where the lists leave a choice: a process may hold non-adjacent stages
+    (interleaved schedules hold stages 0 and 2, ZB-V 0 and 3), so the files' order is not the
+    module's. Parameters outside the Sequential appear in every list and pin the stages' parameters
+    around them."""
+    after: dict[str, set[str]] = {}
+    incoming: dict[str, int] = {}
+    rank: dict[str, tuple[tuple[int, int, str], ...]] = {}
+    for names in lists:
+        for name in names:
+            rank.setdefault(name, _natural_key(name))
+            after.setdefault(name, set())
+            incoming.setdefault(name, 0)
+        for a, b in zip(names, names[1:]):
+            if b not in after[a]:
+                after[a].add(b)
+                incoming[b] += 1
+    ready = [(rank[n], n) for n, count in incoming.items() if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for nxt in after[name]:
+            incoming[nxt] -= 1
+            if incoming[nxt] == 0:
+                heapq.heappush(ready, (rank[nxt], nxt))
+    if len(order) != len(rank):
+        raise ValueError("The stages list their optimizer parameters in contradicting orders.")
+    return order
+
+
+def _natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
+    """``layers.10.weight`` after ``layers.9.bias``: numbers compare as numbers (a Sequential's
+    layer index), other parts as text."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
+__all__ = [
+    "merge_optimizer_states",
+    "merge_orders",
+    "optimizer_state_by_name",
+    "optimizer_state_by_position",
+    "parameter_names",
+    "tie_aliases",
+]

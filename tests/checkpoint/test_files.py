@@ -1,0 +1,72 @@
+"""Reading a checkpoint directory: every tensor is compared with the checksum recorded when it was
+written, so damaged bytes stop a consolidation, a resume and ``weights=``, naming the file; a rank
+compares only the tensors it uses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_pipe.checkpoint import consolidate, read, shard_name, write_meta, write_shard
+from lightning_pipe.checkpoint import main as consolidate_main
+from tests.models import TinyNet
+from tests.pipeline import fit_pipeline
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def flip(file: Path, tensor: torch.Tensor) -> None:
+    """Invert 8 bytes inside ``tensor``'s data where ``file`` stores it."""
+    data = bytearray(file.read_bytes())
+    at = data.find(tensor.numpy().tobytes())
+    assert at >= 0 and data.find(tensor.numpy().tobytes(), at + 1) < 0
+    data[at + 8 : at + 16] = bytes(b ^ 0xFF for b in data[at + 8 : at + 16])
+    file.write_bytes(bytes(data))
+
+
+def test_damaged_metadata_and_shards_written_without_processes_are_refused(tmp_path: Path) -> None:
+    tag = {"token": "t", "global_step": 3, "epoch": 0}
+    state = TinyNet().state_dict()
+    write_shard(tmp_path, 0, state, None, tag=tag)
+    best = torch.arange(16, dtype=torch.float32)
+    write_meta(tmp_path, {"epoch": 0, "callbacks": {"ModelCheckpoint": {"best_model_score": best}}}, 1, tag)
+    read(tmp_path)
+    flip(tmp_path / "meta.pt", best)
+    with pytest.raises(RuntimeError, match=r"meta.pt is damaged: the tensor callbacks/ModelCheckpoint/best_model_score"):
+        read(tmp_path)
+    write_meta(tmp_path, {"epoch": 0}, 1, tag)
+    flip(tmp_path / shard_name(0), state["layers.2.bias"])
+    read(tmp_path, names=["layers.0.weight"])  # another stage's tensor: not read, not compared
+    with pytest.raises(RuntimeError, match=r"stage-00000.pt is damaged: the tensor state_dict/layers.2.bias does not match"):
+        read(tmp_path, names=["layers.2.bias"])
+
+
+def test_damaged_bytes_stop_consolidation_resume_and_weights_naming_the_file(tmp_path: Path) -> None:
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(TinyNet(optimizer="adam"), 2, chunks=3, max_steps=2, enable_checkpointing=True, callbacks=[saves])
+    last = tmp_path / "last.ckpt"
+    shard = last / shard_name(1)
+    whole = shard.read_bytes()
+    stored = torch.load(shard, weights_only=True)
+    flip(shard, stored["state_dict"]["layers.7.weight"])
+    message = re.escape(str(shard)) + r" is damaged: the tensor state_dict/layers.7.weight does not match the checksum"
+    with pytest.raises(RuntimeError, match=message):
+        consolidate(last)
+    with pytest.raises(RuntimeError, match=message):
+        consolidate_main([str(last), str(tmp_path / "plain.ckpt")])
+    assert not (tmp_path / "plain.ckpt").exists()
+    with pytest.raises(Exception, match=message):
+        fit_pipeline(TinyNet(optimizer="adam"), 2, ckpt_path=str(last), chunks=3, max_steps=4)
+    with pytest.raises(Exception, match=message):
+        fit_pipeline(TinyNet(), 2, weights=str(last), chunks=3, max_steps=1)
+    # the optimizer state too, compared by the rank that holds it only
+    shard.write_bytes(whole)
+    flip(shard, stored["optimizer_states"][0]["state"]["layers.6.weight"]["exp_avg_sq"])
+    stage_zero = [n for n in TinyNet().state_dict() if int(n.split(".")[1]) < 4]
+    read(last, names=stage_zero)
+    with pytest.raises(RuntimeError, match=r"the tensor optimizer_states/0/state/layers.6.weight/exp_avg_sq does not match"):
+        read(last)

@@ -1,0 +1,88 @@
+"""Optimizer states keyed by parameter name, and the consolidated state in the unsplit module's
+order whatever stages a process holds (interleaved and V schedules hold non-adjacent ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_pipe.checkpoint import consolidate, merge_orders, tie_aliases
+from tests.models import TiedNet, TinyNet, fit_plain, loader, token_loader
+from tests.pipeline import assert_same_weights, fit_pipeline
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _names(*layers: int) -> list[str]:
+    return [f"layers.{i}.{kind}" for i in layers for kind in ("weight", "bias")]
+
+
+@pytest.mark.parametrize(
+    "lists",
+    [
+        [_names(0, 2), _names(4, 6, 7)],  # one stage per process
+        [_names(0, 4), _names(2, 6, 7)],  # interleaved, v=2: stages 0 and 2, 1 and 3
+        [_names(0, 6, 7), _names(2, 4)],  # ZB-V: stages 0 and 3, 1 and 2
+        [_names(10, 11), _names(2, 9)],  # layer 10 after layer 9, not after layer 1
+    ],
+)
+def test_merged_order_is_the_unsplit_modules(lists: list[list[str]]) -> None:
+    assert merge_orders(lists) == sorted((n for part in lists for n in part), key=lambda n: (int(n.split(".")[1]), n[-4:] == "bias"))
+
+
+def test_parameters_outside_the_sequential_stay_around_it() -> None:
+    lists = [["embed.weight", *_names(0, 3), "head.weight"], ["embed.weight", *_names(1, 2), "head.weight"]]
+    assert merge_orders(lists) == ["embed.weight", *_names(0, 1, 2, 3), "head.weight"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"])
+def test_plain_lightning_resumes_a_consolidated_checkpoint_exactly(tmp_path: Path, schedule: str) -> None:
+    """2 pipeline steps (Adam), consolidated, then 2 plain steps == 4 plain steps: the Adam moments
+    of every layer land on that layer."""
+    data = loader(n=24, batch_size=12)  # two steps per epoch
+    torch.manual_seed(0)
+    initial = TinyNet(optimizer="adam", lr=0.01).state_dict()
+    four = TinyNet(optimizer="adam", lr=0.01)
+    four.load_state_dict(initial)
+    fit_plain(four, data, max_steps=-1, max_epochs=2)
+
+    piped = TinyNet(optimizer="adam", lr=0.01)
+    piped.load_state_dict(initial)
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(
+        piped, 2, data, schedule=schedule, chunks=4, max_steps=-1, max_epochs=1, enable_checkpointing=True, callbacks=[saves]
+    )
+    plain_file = tmp_path / "plain.ckpt"
+    consolidate(tmp_path / "last.ckpt", plain_file)
+    resumed = TinyNet(optimizer="adam", lr=0.01)
+    fit_plain(resumed, data, ckpt_path=str(plain_file), max_steps=-1, max_epochs=2)
+    assert_same_weights(four, resumed)
+
+
+def test_tied_copies_on_later_stages_are_aliases_of_the_first_name() -> None:
+    ties = [{0: "0.weight", 1: "4.weight"}, {1: "2.weight", 3: "9.weight"}]
+    assert tie_aliases(ties, 0, "layers.") == {}
+    assert tie_aliases(ties, 1, "layers.") == {"layers.4.weight": "layers.0.weight"}
+    assert tie_aliases(ties, 3, "m.layers.") == {"m.layers.9.weight": "m.layers.2.weight"}
+
+
+def test_a_weight_tied_across_processes_is_one_entry_of_the_consolidated_optimizer(tmp_path: Path) -> None:
+    data = token_loader(n=24)  # two steps per epoch
+    torch.manual_seed(0)
+    initial = TiedNet().state_dict()
+    four = TiedNet()
+    four.load_state_dict(initial)
+    fit_plain(four, data, max_steps=-1, max_epochs=2)
+    piped = TiedNet()
+    piped.load_state_dict(initial)
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(piped, 2, data, chunks=4, max_steps=-1, max_epochs=1, enable_checkpointing=True, callbacks=[saves])
+    plain_file = tmp_path / "plain.ckpt"
+    consolidated = consolidate(tmp_path / "last.ckpt", plain_file)
+    assert consolidated["optimizer_states"][0]["param_groups"][0]["params"] == list(range(len(list(TiedNet().parameters()))))
+    resumed = TiedNet()
+    fit_plain(resumed, data, ckpt_path=str(plain_file), max_steps=-1, max_epochs=2)
+    assert_same_weights(four, resumed)

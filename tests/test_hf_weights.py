@@ -1,0 +1,186 @@
+"""weights= reads what Hugging Face save_pretrained writes, each rank opening only its shards."""
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import pytest
+import safetensors
+import torch
+from torch import nn
+
+from lightning_pipe.partition.materialize import materialize
+from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec, open_weights
+
+transformers = pytest.importorskip("transformers")
+
+
+class Holder(L.LightningModule):
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.model = build()
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=100, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(tied: bool) -> Callable[[], nn.Module]:
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied,
+                                      max_position_embeddings=64, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return lambda: transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"gpt2": (gpt2, "model.transformer.h"), "llama_untied": (llama(False), "model.model.layers"),
+          "llama_tied": (llama(True), "model.model.layers")}  # fmt: skip
+
+
+@pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files whose tensor data is opened (safetensors.safe_open), by name."""
+    names: list[str] = []
+    real = safetensors.safe_open
+
+    def recording(path: str, *args: Any, **kwargs: Any) -> Any:
+        names.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", recording)
+    return names
+
+
+def saved(tmp_path: Path, build: Callable[[], nn.Module], shard: str | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A model saved by save_pretrained (sharded with ``shard``) and what from_pretrained reads back."""
+    torch.manual_seed(3)
+    model = build()
+    directory = tmp_path / "saved"
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    loaded = type(model).from_pretrained(directory)
+    return directory, {f"model.{k}": v for k, v in loaded.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_sharded_save_pretrained_directory_loads_as_from_pretrained_on_2_and_4_stages(
+    tmp_path: Path, kind: str, opened: list[str]
+) -> None:
+    """Each "rank" materialises its blocks (and the modules outside them) on meta-built copies, then
+    loads: its tensors equal from_pretrained's, the names found by the prefix 'model.', and it opened
+    exactly the shards the index places its tensors in (rank 0 of 4 not the last blocks' shards)."""
+    build, path = MODELS[kind]
+    directory, expected = saved(tmp_path, build, "40KB")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 3
+    spec = model_spec(Holder(build))
+    for stages in (2, 4):
+        seen: set[str] = set()
+        for stage, (start, end) in enumerate((s * 4 // stages, (s + 1) * 4 // stages) for s in range(stages)):
+            with torch.device("meta"):
+                part = Holder(build)
+            materialize(part, part.get_submodule(path), range(start, end), "cpu", seed=0)
+            opened.clear()
+            load_stage_weights(part, directory, spec)
+            held = {k: v for k, v in part.state_dict().items() if not v.is_meta}
+            assert any(k.startswith(f"{path}.{start}.") for k in held) and not any(k.startswith(f"{path}.{end}.") for k in held)
+            for name, value in held.items():
+                torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=f"{stages} stages, {name}")
+            files = {index[n[len("model."):]] for n in held if n[len("model."):] in index}
+            assert sorted(opened) == sorted(files), (stages, stage)
+            seen |= set(held)
+            if stages == 4 and stage == 0:
+                assert len(files) < len(set(index.values()))  # not every shard
+        assert seen == set(expected)
+
+
+def test_a_single_file_and_the_tie_stored_once(tmp_path: Path) -> None:
+    """model.safetensors without an index; GPT-2's lm_head.weight is not stored (tied) and is
+    satisfied by transformer.wte.weight."""
+    from lightning_pipe.hf_weights import safetensors_shapes
+
+    directory, expected = saved(tmp_path, gpt2, None)
+    assert (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").exists()
+    assert "lm_head.weight" not in safetensors_shapes(directory / "model.safetensors")
+    target = Holder(gpt2)
+    assert load_stage_weights(target, directory, model_spec(target)) == len(set(map(id, target.parameters())))
+    for name, value in target.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+    assert target.model.lm_head.weight is target.model.transformer.wte.weight
+
+
+@pytest.mark.parametrize("shard", [None, 700])
+def test_pytorch_model_bin_single_and_sharded(tmp_path: Path, shard: int | None) -> None:
+    """pytorch_model.bin and pytorch_model.bin.index.json (as huggingface_hub writes them): the names
+    of a Sequential saved alone found under the module's 'layers.' prefix; only needed shards opened."""
+    hub = pytest.importorskip("huggingface_hub")
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    hub.save_torch_state_dict(layers.state_dict(), tmp_path, safe_serialization=False, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / ("pytorch_model.bin.index.json" if shard else "pytorch_model.bin")).is_file()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    spec = model_spec(Net())
+    with torch.device("meta"):
+        part = Net()
+    part.layers[4].to_empty(device="cpu")
+    source = open_weights(tmp_path)
+    assert source.files is not None
+    load_stage_weights(part, tmp_path, spec)
+    torch.testing.assert_close(part.layers[4].weight, layers[4].weight, rtol=0, atol=0)
+    torch.testing.assert_close(part.layers[4].bias, layers[4].bias, rtol=0, atol=0)
+    if shard:
+        shards = set(source.files.files.values())
+        assert len(shards) >= 3
+        source.read("4.weight")
+        assert source.files.opened == [source.files.files["4.weight"]]
+
+
+def test_rename_maps_a_custom_layout_and_names_that_do_not_fit_say_so(tmp_path: Path) -> None:
+    directory, expected = saved(tmp_path, gpt2, "40KB")
+
+    class Renamed(L.LightningModule):  # the same model under other attribute names
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = gpt2().transformer
+
+    target = Renamed()
+    spec = model_spec(target)
+    expected_error = r"4 names in the file not in the model: transformer.ln_f.bias.*mapped by rename.*rename \(a mapping"
+    with pytest.raises(ValueError, match=expected_error) as info:
+        load_stage_weights(target, directory, spec, rename={"transformer.h.": "backbone.h."})
+    assert "4 names of the model not in the file: backbone.ln_f.bias" in str(info.value)
+    for rename in ({"transformer.": "backbone."}, lambda n: "backbone." + n[len("transformer."):]):
+        with torch.no_grad():
+            for t in target.parameters():
+                t.zero_()
+        load_stage_weights(target, directory, spec, rename=rename)
+        for name, value in target.state_dict().items():
+            torch.testing.assert_close(value, expected["model." + name.replace("backbone.", "transformer.")], rtol=0, atol=0)
+
+
+def test_the_argument_accepts_a_save_pretrained_directory_and_damage_is_named(tmp_path: Path) -> None:
+    directory, _ = saved(tmp_path, gpt2, "40KB")
+    assert check_weights_argument(str(directory)) == directory
+    index = directory / "model.safetensors.index.json"
+    table = json.loads(index.read_text())
+    shard = sorted(set(table["weight_map"].values()))[1]
+    (directory / shard).rename(directory / "moved.safetensors")
+    with pytest.raises(ValueError, match=rf"Cannot read the weights .*saved: .*index.json names shards that are not in .*: {shard}"):
+        open_weights(directory)
+    (directory / "moved.safetensors").rename(directory / shard)
+    good = (directory / shard).read_bytes()
+    (directory / shard).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match=rf"Cannot read the weights .*{shard} is not a safetensors file"):
+        open_weights(directory)
+    (directory / shard).write_bytes(good)
+    first = sorted(set(table["weight_map"].values()))[0]
+    table["weight_map"]["transformer.extra.weight"] = first
+    index.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=rf"places 'transformer.extra.weight' in {first}, which does not hold it"):
+        open_weights(directory)

@@ -1,0 +1,57 @@
+"""The lines a run prints about itself: the layout line and the command line's summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_pipe.run_report import layout_line, summary_lines
+
+
+def test_layout_line_names_stages_replicas_and_processes() -> None:
+    assert layout_line(2, 1, [2, 2], [0], "1f1b", 4) == (
+        "lightning-pipe: 2 stages (2 processes), layers per stage [2, 2], schedule 1f1b, 4 chunks"
+    )
+    assert layout_line(2, 2, [2, 2], [0], "1f1b", 8, global_batch=128) == (
+        "lightning-pipe: 2 stages x 2 replicas (4 processes), layers per stage [2, 2], schedule 1f1b, 8 chunks, "
+        "global batch 128"
+    )
+    # one stage of the whole model on each of 2 replicas (was "1 stages, layers per stage [4]")
+    assert layout_line(1, 2, [4], [0], "gpipe", 1, global_batch=64).startswith(
+        "lightning-pipe: 1 stage x 2 replicas (2 processes), layers per stage [4], schedule gpipe, 1 chunk, global batch 64"
+    )
+
+
+def test_layout_line_with_virtual_stages_says_processes_x_virtual_stages() -> None:
+    line = layout_line(2, 1, [1, 1, 1, 1], [0, 2], "interleaved_1f1b", 4)
+    assert line == (
+        "lightning-pipe: 2 processes x 2 virtual stages = 4 stages (process 0 holds stages 0 and 2), "
+        "layers per stage [1, 1, 1, 1], schedule interleaved_1f1b, 4 chunks"
+    )
+    with_replicas = layout_line(2, 3, [1, 1, 1, 1], [0, 3], "zbv", 4)
+    assert "= 4 stages (process 0 holds stages 0 and 3) x 3 replicas (6 processes), " in with_replicas
+
+
+def test_layout_line_says_whose_stage_the_model_summary_counts() -> None:
+    assert layout_line(2, 1, [2, 2], [0], "1f1b", 4, summary=True).endswith(
+        "4 chunks; the model summary below counts rank 0's stage 0 only"
+    )
+    assert layout_line(2, 1, [1, 1, 1, 1], [0, 3], "zbv", 4, summary=True).endswith(
+        "; the model summary below counts rank 0's stages 0 and 3 only"
+    )
+    assert "summary" not in layout_line(1, 2, [4], [0], "1f1b", 4, summary=True)  # rank 0 holds the whole model
+
+
+def test_summary_lists_folder_checkpoint_loss_steps_time_and_speed() -> None:
+    text = summary_lines(Path("/runs/a"), "/runs/a/checkpoints/last.ckpt", 2.345678, 20, 12.34, 640, 4.0)
+    assert text.splitlines() == [
+        "lightning-pipe: run finished",
+        "  output folder  /runs/a",
+        "  checkpoint     /runs/a/checkpoints/last.ckpt",
+        "  final loss     2.3457",
+        "  steps          20",
+        "  wall time      12.3 s",
+        "  samples/s      160.0 (the training loop, validation left out)",
+    ]
+    empty = summary_lines(Path("/runs/b"), None, None, 0, 1.0, 0, 0.0)
+    assert "checkpoint     none; checkpoint=true to save one" in empty
+    assert "final loss     n/a" in empty and "samples/s      n/a (no training step)" in empty
