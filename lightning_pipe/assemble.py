@@ -119,7 +119,7 @@ def split_module(
         materialize(module, layers, local, device)
     setattr(module, name, stage)
     if spec is not None:
-        load_stage_weights(module, config.weights, spec)
+        load_stage_weights(module, config.weights, spec, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
         chunks = config.num_microbatches(layout.stages)
         rank_zero_info(describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks))

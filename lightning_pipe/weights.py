@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
@@ -232,10 +231,15 @@ def load_local(module: nn.Module, source: WeightSource, spec: ModelSpec) -> int:
     return len(copied)
 
 
-def load_stage_weights(module: nn.Module, path: _PATH, spec: ModelSpec, rename: Optional[Rename] = None) -> int:
+def load_stage_weights(
+    module: nn.Module, path: _PATH, spec: ModelSpec, rename: Optional[Rename] = None,
+    report: Optional[Callable[[str], None]] = None,
+) -> int:
     """Check ``path`` against the whole model (``spec``), its names matched to the module's (see
     :func:`match_names`; ``rename``: a mapping of file-name prefixes to module-name prefixes, or a
-    callable file_name -> module_name, None leaving a tensor out), then load this rank's tensors."""
+    callable file_name -> module_name, None leaving a tensor out), then load this rank's tensors;
+    ``report`` is given one line saying how many tensors came from where (the caller decides where
+    it shows: Lightning's setup lines)."""
     check_rename(rename)
     source = match_names(open_weights(path), spec, rename)
     check_names(source, spec)
@@ -244,10 +248,11 @@ def load_stage_weights(module: nn.Module, path: _PATH, spec: ModelSpec, rename: 
     if source.files is not None:
         opened = len(set(source.files.opened))
         files = f" from {opened} of its {len(set(source.files.files.values()))} files"
-    rank_zero_info(  # where Lightning prints its own setup lines
-        f"lightning-pipe: rank 0 loaded {copied} of the {len(source.shapes)} tensors in {source.path}{files} "
-        "(its stage's and those outside the Sequential; the other ranks read theirs)"
-    )
+    if report is not None:
+        report(
+            f"lightning-pipe: rank 0 loaded {copied} of the {len(source.shapes)} tensors in {source.path}{files} "
+            "(its stage's and those outside the Sequential; the other ranks read theirs)"
+        )
     return copied
 
 
