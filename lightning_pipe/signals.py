@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 GRACE_SECONDS = 10.0
@@ -93,6 +94,15 @@ class PipelineSignalConnector(_SignalConnector):
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
         flag = torch.tensor([1 if self.requested else 0])
         self._posted = (dist.broadcast(flag, src=0, group=self._group, async_op=True), flag)
+
+    def finish(self) -> None:
+        """At the end of a run that ended normally, wait for the last step's flag broadcast: every
+        rank posted as many, and a collective still in flight when the process exits can abort it
+        (SIGABRT from gloo's threads at interpreter exit). After an exception it is dropped, as a
+        peer that failed may never post its part."""
+        posted, self._posted = self._posted, None
+        if posted is not None and self.trainer.state.status != TrainerStatus.INTERRUPTED:
+            posted[0].wait()
 
     def _stop(self) -> None:
         if self._deadline is not None:

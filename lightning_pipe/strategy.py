@@ -38,13 +38,11 @@ from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.steps import PipelineSteps
 
-def _argument(name: str) -> property:
-    """A read-only view of one of the run's arguments (after ``plan="auto"``, the planner's choice)."""
+def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (see :class:`PipelineConfig`).")
 
 
-def _decided(name: str, doc: str) -> property:
-    """A read-only view of what splitting the module decided (None before the split)."""
+def _decided(name: str, doc: str) -> property:  # what splitting the module decided (None before the split)
     return property(lambda self: getattr(self._split, name) if self._split is not None else None, doc=doc)
 
 
@@ -216,6 +214,8 @@ class PipelineStrategy(ProcessStrategy):
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized() and self._steps is not None:
             self._steps.finish_pending()
+        if self._signals is not None:
+            self._signals.finish()  # the last step's stop flag, still travelling
         if self._pipeline is not None:
             self._pipeline.close()
         super().teardown()
