@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +37,7 @@ from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.steps import PipelineSteps
+from lightning_pipe.weight_names import Rename
 
 def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (see :class:`PipelineConfig`).")
@@ -68,6 +69,8 @@ class PipelineStrategy(ProcessStrategy):
         balance: BalanceSpec = "uniform",
         checkpoint: str = "never",
         module: Optional[str] = None,
+        init: Optional[Callable[[nn.Module], None]] = None,
+        rename: Optional[Rename] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         virtual_stages: Optional[int] = None,
@@ -79,7 +82,7 @@ class PipelineStrategy(ProcessStrategy):
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module,
+            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module, init=init, rename=rename,
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method,

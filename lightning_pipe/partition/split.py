@@ -104,16 +104,18 @@ def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> "Ordered
     return OrderedDict(named[start:stop])
 
 
-def tied_parameters(layers: Layers, balance: Sequence[int]) -> list[dict[int, str]]:
+def tied_parameters(layers: Layers, balance: Sequence[int], end_stages: Sequence[int] = ()) -> list[dict[int, str]]:
     """Parameters shared by layers of different stages (one tensor used in two places, like word
     embeddings tied to a language-model head), each as ``{stage: its name inside that stage}``,
-    in a fixed order. Each stage keeps its own copy; their gradients must be summed."""
+    in a fixed order. Each stage keeps its own copy; their gradients must be summed. ``layers`` may
+    end with layers beyond ``balance`` (a model's ends, see :mod:`lightning_pipe.partition.ends`),
+    on the stages ``end_stages``."""
     bounds = stage_bounds(balance)
+    stage_of = [s for s, (a, b) in enumerate(bounds) for _ in range(a, b)] + list(end_stages)
     owners: dict[int, dict[int, str]] = {}
     for index, (key, layer) in enumerate(layers.named_children()):
-        stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
         for name, param in layer.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(param), {}).setdefault(stage, f"{key}.{name}")
+            owners.setdefault(id(param), {}).setdefault(stage_of[index], f"{key}.{name}")
     return [where for where in owners.values() if len(where) > 1]
 
 
