@@ -93,6 +93,7 @@ class PipelineStrategy(ProcessStrategy):
         self._pipeline: Optional[StagePipeline] = None
         self._steps: Optional[PipelineSteps] = None
         self._signals: Optional[signals.PipelineSignalConnector] = None
+        self._failure: Optional[BaseException] = None  # what failed the run, not to be hidden by teardown
 
     schedule_name = _argument("schedule")
     chunks = _argument("chunks")
@@ -221,7 +222,7 @@ class PipelineStrategy(ProcessStrategy):
             self._signals.finish()  # the last step's stop flag, still travelling
         if self._pipeline is not None:
             self._pipeline.close()
-        super().teardown()
+        failures.after_failure(self._failure, super().teardown)
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -254,6 +255,7 @@ class PipelineStrategy(ProcessStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, or explain why they fail (:mod:`lightning_pipe.failures`)."""
+        self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
