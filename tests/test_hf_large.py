@@ -53,3 +53,27 @@ def test_the_start_is_the_same_for_2_and_4_stages(tmp_path: Path) -> None:
     # HF's rules: normal(0, 0.02) weights, ones for norms (not PyTorch's defaults)
     assert abs(float(starts[2]["model.model.layers.3.mlp.up_proj.weight"].std()) / 0.02 - 1) < 0.2
     assert torch.equal(starts[2]["model.model.norm.weight"], torch.ones(32))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_weights_from_a_sharded_save_pretrained_directory_start_a_configure_model_llama(tmp_path: Path, devices: int) -> None:
+    """``weights=`` a directory ``save_pretrained(max_shard_size=...)`` wrote in 3 or more shards: the
+    stages of a model built in configure_model() start from exactly ``from_pretrained``'s values."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**LLAMA_TINY, "tie_word_embeddings": False}, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "saved", max_shard_size="30KB")
+    index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 3
+    expected = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    (tmp_path / "states").mkdir()
+    fit_pipeline(
+        DeferredLlama({**LLAMA_TINY, "tie_word_embeddings": False}), devices, token_data(LLAMA_TINY["vocab_size"]),
+        module="model.model.layers", weights=str(tmp_path / "saved"), max_steps=1,
+        callbacks=[SaveStageState(str(tmp_path / "states"), start=True)],
+    )
+    started = merged_stage_states(str(tmp_path / "states"), devices, start=True)
+    assert sorted(started) == sorted(f"model.{k}" for k in expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(started[f"model.{name}"], value, rtol=0, atol=0, msg=name)
