@@ -39,6 +39,7 @@ from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.steps import PipelineSteps
 from lightning_pipe.weight_names import Rename
 
+
 def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (see :class:`PipelineConfig`).")
 
@@ -69,8 +70,7 @@ class PipelineStrategy(ProcessStrategy):
         balance: BalanceSpec = "uniform",
         checkpoint: str = "never",
         module: Optional[str] = None,
-        init: Optional[Callable[[nn.Module], None]] = None,
-        rename: Optional[Rename] = None,
+        init: Optional[Callable[[nn.Module], None]] = None, rename: Optional[Rename] = None,  # fmt: skip
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         virtual_stages: Optional[int] = None,
@@ -130,11 +130,9 @@ class PipelineStrategy(ProcessStrategy):
         with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
             yield
 
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
+    def model_sharded_context(self) -> Any:
         """``configure_model()`` builds on the meta device; ``setup`` materialises the stage."""
-        with torch.device("meta"):
-            yield
+        return torch.device("meta")
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make every stage of the pipeline draw the first stage's indices: each stage loads the
