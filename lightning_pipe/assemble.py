@@ -24,7 +24,7 @@ from lightning_pipe.compatibility import as_misconfiguration, check_async, check
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
-from lightning_pipe.partition.ends import end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
+from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.profile import first_batch
@@ -111,6 +111,7 @@ def split_module(
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
     placement = Placement(layout, rank, tuple(positions), device, backend)
+    ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     if config.balance in MEASURED_BALANCES and len(positions) > 1:
         p = layout.stages
         balance, profile = measured_balance(
@@ -120,8 +121,7 @@ def split_module(
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
-        balance = resolve_balance(config.balance, layers, len(positions))
-    ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
+        balance = resolve_balance(config.balance, layers, len(positions), end_parameters(ends))
     with_ends = extended(layers, ends)
     num_stages = len(positions)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]

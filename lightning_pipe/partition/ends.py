@@ -78,6 +78,12 @@ def extended(layers: nn.Module, ends: Ends) -> nn.ModuleList:
     return nn.ModuleList([*layers, *ends.modules])
 
 
+def end_parameters(ends: Ends) -> tuple[float, float]:
+    """The parameter counts the first and the last stage hold for the ends (a tied weight on both)."""
+    count = lambda pairs: float(sum(p.numel() for _, m in pairs for p in m.parameters()))  # noqa: E731
+    return count(ends.pre), count(ends.post)
+
+
 def end_stages(num_layers: int, ends: Ends, num_stages: int) -> list[int]:
     """The stage of each end module of :func:`extended`, after its ``num_layers`` blocks."""
     return [0] * len(ends.pre) + [num_stages - 1] * len(ends.post)
@@ -170,6 +176,7 @@ def local_end_indices(num_layers: int, ends: Ends, stages: Sequence[int], num_st
 __all__ = [
     "Ends",
     "StandIn",
+    "end_parameters",
     "end_stages",
     "extended",
     "find_ends",

@@ -77,14 +77,23 @@ def parameter_costs(layers: Layers) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
 
-def resolve_balance(balance: BalanceSpec, layers: Layers, num_stages: int) -> list[int]:
-    """Turn the user's ``balance`` into layer counts per stage."""
+def resolve_balance(
+    balance: BalanceSpec, layers: Layers, num_stages: int, end_costs: tuple[float, float] = (0.0, 0.0)
+) -> list[int]:
+    """Turn the user's ``balance`` into layer counts per stage. ``end_costs``: the parameters the
+    first and the last stage hold beyond their layers (a model's embeddings and head, see
+    :mod:`lightning_pipe.partition.ends`), counted with the first and the last layer, which those
+    stages always hold."""
     num_layers = len(layers)
     if isinstance(balance, str):
         if balance == "uniform":
             return balance_uniform(num_layers, num_stages)
         if balance == "parameters":
-            return balance_by_cost(parameter_costs(layers), num_stages)
+            costs = parameter_costs(layers)
+            if costs:
+                costs[0] += end_costs[0]
+                costs[-1] += end_costs[1]
+            return balance_by_cost(costs, num_stages)
         if balance in ("time", "memory"):
             raise ValueError(
                 f"balance={balance!r} needs a measured profile (lightning_pipe.partition.profile); "
