@@ -96,17 +96,17 @@ def split_module(
             return previous
         placement = Placement(layout, rank, tuple(range(layout.stages)), device, backend)
         return ModuleSplit(config, placement, name, StageSplit(layers, {placement.stage: layers}))
+    if not isinstance(layers, nn.Sequential) and (config.plan == "auto" or config.balance in MEASURED_BALANCES):
+        measuring = "plan='auto'" if config.plan == "auto" else f"balance={config.balance!r}"
+        raise ValueError(
+            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
+            f"runs with arguments computed on the way; {measuring} profiles an nn.Sequential layer by layer and does "
+            "not measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
+        )
     profile = previous.profile if previous is not None else None
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
         config, profile, candidates = apply_plan(config, layout, module, layers, inputs)
-    if not isinstance(layers, nn.Sequential) and (config.plan == "auto" or config.balance in MEASURED_BALANCES):
-        raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
-            f"runs with arguments computed on the way; balance={config.balance!r}"
-            f"{' and plan=auto' if config.plan == 'auto' else ''} profile an nn.Sequential layer by layer and do not "
-            "measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
-        )
     virtual = config.virtual_stages
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)

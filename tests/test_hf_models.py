@@ -120,3 +120,10 @@ def test_the_embeddings_live_on_the_end_stages_only(tmp_path: Path, name: str) -
     assert embedding in names[0] and head not in names[0]
     assert not {embedding, head} & (names[1] | names[2])
     assert head in names[3] and embedding not in names[3]  # GPT-2's tie: the head's name for the same tensor
+
+
+@pytest.mark.parametrize("options, named", [({"balance": "time"}, "balance='time'"), ({"plan": "auto"}, "plan='auto'")])
+def test_measuring_a_block_container_is_refused_before_training(options: dict, named: str) -> None:
+    build, path = MODELS["gpt2"]
+    with pytest.raises(Exception, match=rf"names a block container.*{named} profiles an nn.Sequential"):
+        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, **options)
