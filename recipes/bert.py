@@ -214,4 +214,6 @@ class TextData(CorpusData):
     """Rows of the corpus (see :mod:`lightning_pipe.recipes.text`) with BERT's masking."""
 
     def dataset(self, rows: torch.Tensor, seed: int) -> MaskedSequences:
+        if self.tokenizer_dir:
+            raise ValueError("recipe.data.tokenizer: bert_mlm masks with its own word tokenizer; leave it unset.")
         return MaskedSequences(rows, self.vocab_size, seed)

@@ -15,9 +15,8 @@ line passes it as ``strategy.module`` unless the run sets that itself.
   tensors from its files. Built on a device, the model loads them itself (``from_pretrained``);
   built on the meta device under the pipeline, the strategy's ``weights=`` loads each stage's.
   Nothing is downloaded.
-- Text: the Python standard library's docstrings or the user's files
-  (:mod:`lightning_pipe.recipes.text`), with a word tokenizer built locally, or the tokenizer saved
-  in a directory (``CausalTextData(tokenizer=...)``, which must be the one of ``weights``).
+- Text: the Python standard library's docstrings or the user's files, with a word tokenizer built
+  locally, or the tokenizer saved with ``weights`` (:mod:`lightning_pipe.recipes.text`).
 - AdamW (no weight decay on biases and norms) with linear warm-up and a cosine decay to
   ``min_lr_ratio`` of the learning rate.
 
@@ -28,22 +27,24 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import lightning as L
 import torch
 from torch import nn
 
-from lightning_pipe.recipes import builds_in_configure_model
-from lightning_pipe.recipes.text import CLS, PAD, SEP, CorpusData, pack
+from lightning_pipe.recipes import builds_in_configure_model, require_transformers
+from lightning_pipe.recipes.text import CLS, PAD, SEP, CorpusData
 from lightning_pipe.recipes.warmup import warmup_then_decay
 
+_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+# each size's LlamaConfig fields
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4),
-    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    "tiny": dict(zip(_FIELDS, (64, 256, 4, 4, 4))),
+    "small": dict(zip(_FIELDS, (512, 1408, 8, 8, 8))),
+    "1b": dict(zip(_FIELDS, (2048, 8192, 16, 32, 8))),
+    "3b": dict(zip(_FIELDS, (3072, 8192, 28, 24, 8))),
+    "7b": dict(zip(_FIELDS, (4096, 11008, 32, 32, 32))),
 }
 MODEL_TYPES = ("llama", "gpt2")
 # where each model type keeps its blocks (an nn.ModuleList), from the model's top
@@ -51,13 +52,7 @@ BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 
 def _transformers() -> ModuleType:
-    try:
-        import transformers
-    except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(
-            f"recipe=llama trains a Hugging Face transformers model: pip install 'lightning-pipe[hf]' ({error})"
-        ) from error
-    return transformers
+    return require_transformers("recipe=llama (a transformers model)")
 
 
 def model_config(
@@ -215,37 +210,9 @@ class CausalLM(L.LightningModule):
 
 
 class CausalTextData(CorpusData):
-    """Rows of token ids for next-token prediction (a batch is one ``(batch, max_len)`` tensor;
-    the model shifts the labels itself). ``tokenizer``: a directory with a saved ``transformers``
-    tokenizer (the one of the model's ``weights``) instead of the word tokenizer built locally."""
-
-    def __init__(
-        self,
-        source: str = "stdlib",
-        files: Optional[Sequence[str]] = None,
-        vocab_size: int = 8000,
-        max_len: int = 128,
-        batch_size: int = 32,
-        val_fraction: float = 0.02,
-        limit_chars: Optional[int] = 3_000_000,
-        seed: int = 0,
-        num_workers: int = 0,
-        tokenizer: Optional[str] = None,
-    ) -> None:
-        super().__init__(source, files, vocab_size, max_len, batch_size, val_fraction, limit_chars, seed, num_workers)
-        self.tokenizer_dir = tokenizer
-
-    def rows(self, documents: list[str]) -> torch.Tensor:
-        if not self.tokenizer_dir:
-            return super().rows(documents)
-        directory = str(Path(self.tokenizer_dir).expanduser())
-        self.tokenizer = _transformers().AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        last = self.tokenizer.eos_token_id
-        if last is None:
-            raise ValueError(f"recipe.data.tokenizer={directory}: the tokenizer has no end-of-text token to separate documents.")
-        first = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else last
-        ids = (self.tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents)
-        return pack(ids, self.max_len, first=first, last=last)
+    """Rows of token ids for next-token prediction: a batch is one ``(batch, max_len)`` tensor, the
+    model shifts the labels itself. ``tokenizer``: the directory of the model's ``weights``, whose
+    saved tokenizer then replaces the word tokenizer."""
 
     def dataset(self, rows: torch.Tensor, seed: int) -> torch.Tensor:
         return rows  # a map-style dataset already: row i is rows[i]

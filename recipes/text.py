@@ -8,9 +8,10 @@ Text sources:
 - ``files``: the user's own text files (``files=[a.txt, b.txt]``); blank lines separate documents.
 
 The tokenizer is built locally from the training text: lower-cased words and punctuation, the most
-frequent ``vocab_size - 5`` of them, plus ``[PAD] [UNK] [CLS] [SEP] [MASK]``. The documents'
-tokens are concatenated, ``[SEP]`` after each, and cut into rows of ``max_len`` that start with
-``[CLS]`` and end with ``[SEP]``: no padding.
+frequent ``vocab_size - 5`` of them, plus ``[PAD] [UNK] [CLS] [SEP] [MASK]``; or it is the
+``transformers`` tokenizer saved in a directory (``tokenizer=``, the ``hf`` extra), with its own
+begin and end tokens. The documents' tokens are concatenated, ``[SEP]`` after each, and cut into
+rows of ``max_len`` that start with ``[CLS]`` and end with ``[SEP]``: no padding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Iterable, Optional, Sequence
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
+
+from lightning_pipe.recipes import require_transformers
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, UNK, CLS, SEP, MASK = range(5)
@@ -119,6 +122,18 @@ def pack(token_lists: Iterable[list[int]], max_len: int, first: int = CLS, last:
     return torch.cat([torch.full((rows, 1), first), data, torch.full((rows, 1), last)], dim=1)
 
 
+def saved_tokenizer(directory: str) -> tuple[Any, int, int]:
+    """The ``transformers`` tokenizer saved in ``directory`` (read from disk only), and the ids that
+    begin and end a row: its begin-of-text token (its end-of-text one when it has none) and its
+    end-of-text token, which also separates documents."""
+    path = str(Path(directory).expanduser())
+    tokenizer = require_transformers("recipe.data.tokenizer").AutoTokenizer.from_pretrained(path, local_files_only=True)
+    last = tokenizer.eos_token_id
+    if last is None:
+        raise ValueError(f"recipe.data.tokenizer={path}: the tokenizer has no end-of-text token to separate documents.")
+    return tokenizer, tokenizer.bos_token_id if tokenizer.bos_token_id is not None else last, last
+
+
 class CorpusData(L.LightningDataModule):
     """The documents of ``source``, tokenized and packed into rows of ``max_len``, the first
     ``val_fraction`` of them held out for validation. A recipe says what a row becomes
@@ -135,6 +150,7 @@ class CorpusData(L.LightningDataModule):
         limit_chars: Optional[int] = 3_000_000,
         seed: int = 0,
         num_workers: int = 0,
+        tokenizer: Optional[str] = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -144,6 +160,7 @@ class CorpusData(L.LightningDataModule):
         self.source, self.files = source, list(files or [])
         self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
         self.val_fraction, self.limit_chars, self.seed, self.num_workers = val_fraction, limit_chars, seed, num_workers
+        self.tokenizer_dir = tokenizer
         self.tokenizer: Optional[Any] = None
         self.train: Optional[Any] = None
         self.val: Optional[Any] = None
@@ -152,7 +169,11 @@ class CorpusData(L.LightningDataModule):
         return stdlib_documents(self.limit_chars) if self.source == "stdlib" else file_documents(self.files)
 
     def rows(self, documents: list[str]) -> torch.Tensor:
-        """Token rows of ``max_len`` from a word tokenizer built on ``documents``."""
+        """Token rows of ``max_len``: from a word tokenizer built on ``documents``, or the saved one."""
+        if self.tokenizer_dir:
+            self.tokenizer, first, last = saved_tokenizer(self.tokenizer_dir)
+            ids = (self.tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents)
+            return pack(ids, self.max_len, first, last)
         self.tokenizer = WordTokenizer.build(documents, self.vocab_size)
         return pack((self.tokenizer.encode(d) for d in documents), self.max_len)
 

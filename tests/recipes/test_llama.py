@@ -1,0 +1,129 @@
+"""recipe=llama: an unchanged transformers Llama / GPT-2 as a causal LM (needs the hf extra)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import open_dict
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_pipe.cli import build_strategy, run  # noqa: E402
+from lightning_pipe.recipes.llama import CausalLM, CausalTextData, model_config  # noqa: E402
+from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
+from tests.test_cli import SMALL, _compose  # noqa: E402
+
+WORD = r"[a-z0-9]+|[^\sa-z0-9]"  # the word tokenizer's pieces (recipes/text.py)
+
+
+def _parameters(model: CausalLM) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in model._new_model().parameters())
+
+
+def test_sizes_are_llama_configs_built_where_their_size_says() -> None:
+    tiny = CausalLM(size="tiny", vocab_size=500, max_len=32)
+    assert isinstance(tiny.hf_config, transformers.LlamaConfig) and tiny.hf_config.hidden_size == 64
+    assert isinstance(tiny.model, transformers.LlamaForCausalLM) and len(tiny.model.model.layers) == 4
+    large = CausalLM(size="1b")  # above 100M parameters: created in configure_model()
+    assert large.model is None and 0.9e9 < _parameters(large) < 1.1e9
+    assert 2.5e9 < _parameters(CausalLM(size="3b")) < 3.2e9
+    gpt2 = CausalLM(model_type="gpt2", size="tiny", vocab_size=500, max_len=32)
+    assert isinstance(gpt2.model, transformers.GPT2LMHeadModel) and gpt2.hf_config.n_inner == 256
+    assert gpt2.model.lm_head.weight is gpt2.model.transformer.wte.weight  # GPT-2 ties them; Llama does not
+    assert tiny.model.lm_head.weight is not tiny.model.model.embed_tokens.weight
+    assert model_config("gpt2", "tiny", tie_embeddings=False).tie_word_embeddings is False
+    with pytest.raises(ValueError, match="valid sizes: tiny, small, 1b, 3b, 7b"):
+        CausalLM(size="huge")
+    with pytest.raises(ValueError, match="valid types are llama, gpt2"):
+        CausalLM(model_type="bert")
+
+
+def test_the_recipe_names_its_blocks_for_the_strategy_and_an_override_wins() -> None:
+    cfg = _compose(["recipe=llama"])
+    model = CausalLM(size="tiny", vocab_size=500, max_len=32)
+    strategy, _ = build_strategy(cfg.strategy, 2, model.strategy_defaults)
+    assert strategy.config.module == "model.model.layers" and strategy.weights is None
+    gpt2 = CausalLM(model_type="gpt2", size="tiny", vocab_size=500, max_len=32)
+    assert build_strategy(cfg.strategy, 2, gpt2.strategy_defaults)[0].config.module == "model.transformer.h"
+    cfg = _compose(["recipe=llama", "strategy.module=model.model"])
+    assert build_strategy(cfg.strategy, 2, model.strategy_defaults)[0].config.module == "model.model"
+    assert build_strategy(_compose(["strategy=none"]).strategy, 1, model.strategy_defaults) == ("auto", 1)
+
+
+def test_the_loss_falls_without_the_pipeline(tmp_path: Path) -> None:
+    """``lightning-pipe recipe=llama strategy=none``: the composed recipe trains, its loss falling."""
+    cfg = _compose(["recipe=llama", "strategy=none", "trainer.devices=1", *SMALL["llama"], "trainer.max_steps=30",
+                    "recipe.model.warmup_steps=5", "trainer.val_check_interval=30", "trainer.limit_val_batches=1",
+                    "trainer.log_every_n_steps=1"])  # fmt: skip
+    with open_dict(cfg):
+        del cfg.hydra
+    metrics = run(cfg, output_dir=str(tmp_path))
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # from about ln(500) = 6.2
+    assert metrics["val_loss"] < losses[0]
+
+
+def _save_pretrained(directory: Path, documents: list[str]) -> WordTokenizer:
+    """A tiny Llama and the word tokenizer (as a transformers tokenizer) saved as a hub checkpoint would be."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    words = WordTokenizer.build(documents, 300)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words.vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(WORD), behavior="isolated")]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]", pad_token="[PAD]"
+    )
+    fast.save_pretrained(directory)
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(model_config("llama", "tiny", len(words), max_len=64)).save_pretrained(directory)
+    return words
+
+
+def test_weights_and_tokenizer_from_a_save_pretrained_directory(tmp_path: Path) -> None:
+    documents = stdlib_documents(limit_chars=20_000)
+    words = _save_pretrained(tmp_path / "hub", documents)
+    saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hub"))
+    model = CausalLM(weights=str(tmp_path / "hub"), size="1b", max_len=32)  # the directory's config, not size's
+    assert model.hf_config.hidden_size == 64 and model.strategy_defaults["weights"] is None  # loaded already
+    for name, value in saved.state_dict().items():
+        assert torch.equal(model.model.state_dict()[name], value), name
+    deferred = CausalLM(weights=str(tmp_path / "hub"), max_len=32, build="configure_model")
+    assert deferred.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path / "hub")}
+    with torch.device("meta"):  # the pipeline's deferred build: the strategy loads each stage's tensors
+        deferred.configure_model()
+    assert deferred.model.model.embed_tokens.weight.is_meta
+    with pytest.raises(ValueError, match="takes at most 64 positions"):
+        CausalLM(weights=str(tmp_path / "hub"), max_len=128)
+    with pytest.raises(FileNotFoundError, match="no config.json there"):
+        CausalLM(weights=str(tmp_path))
+    # the saved tokenizer cuts the text as the word tokenizer does
+    hub = CausalTextData(tokenizer=str(tmp_path / "hub"), limit_chars=20_000, max_len=32)
+    assert torch.equal(hub.rows(documents), CausalTextData(vocab_size=len(words), max_len=32).rows(documents))
+
+
+def test_the_command_line_starts_from_the_weights(tmp_path: Path) -> None:
+    """``recipe.model.weights=DIR`` (no pipeline, learning rate 0): the validation loss is the saved model's."""
+    _save_pretrained(tmp_path / "hub", stdlib_documents(limit_chars=20_000))
+    cfg = _compose(["recipe=llama", "strategy=none", "trainer.devices=1", f"recipe.model.weights={tmp_path / 'hub'}",
+                    "recipe.data.limit_chars=20000", "recipe.data.max_len=32", "recipe.data.batch_size=4",
+                    "recipe.model.lr=0.0", "trainer.max_steps=1", "trainer.val_check_interval=1",
+                    "trainer.limit_val_batches=1"])  # fmt: skip
+    with open_dict(cfg):
+        del cfg.hydra
+    metrics = run(cfg, output_dir=str(tmp_path / "run"))
+    data = CausalTextData(tokenizer=str(tmp_path / "hub"), limit_chars=20_000, max_len=32, batch_size=4)
+    data.setup()
+    saved = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hub"))
+    batch = next(iter(data.val_dataloader()))
+    with torch.no_grad():
+        expected = float(saved(input_ids=batch, labels=batch).loss)
+    assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
