@@ -22,7 +22,7 @@ from torch import nn
 from lightning_pipe.checkpoint import tie_aliases
 from lightning_pipe.compatibility import as_misconfiguration, check_async, check_shard
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
+from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
@@ -32,6 +32,7 @@ from lightning_pipe.partition.virtual import split_stages, stage_positions, ties
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.run_report import describe_layout
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
+from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async
@@ -86,7 +87,7 @@ def split_module(
     layout, rank, backend = topology.layout, topology.rank, topology.backend
     inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
     name, layers = find_sequential(module, config.module)
-    if isinstance(layers, StageModule):  # set up before (fit, then test): already split
+    if isinstance(layers, (StageModule, BlockStage)):  # set up before (fit, then test): already split
         if previous is not None:
             return previous
         placement = Placement(layout, rank, tuple(range(layout.stages)), device, backend)
@@ -95,6 +96,13 @@ def split_module(
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
         config, profile, candidates = apply_plan(config, layout, module, layers, inputs)
+    if not isinstance(layers, nn.Sequential) and (config.plan == "auto" or config.balance in MEASURED_BALANCES):
+        raise ValueError(
+            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
+            f"runs with arguments computed on the way; balance={config.balance!r}"
+            f"{' and plan=auto' if config.plan == 'auto' else ''} profile an nn.Sequential layer by layer and do not "
+            "measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
+        )
     virtual = config.virtual_stages
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
@@ -113,11 +121,12 @@ def split_module(
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
     deferred_build = has_meta_tensors(module)
+    bounds = stage_bounds(balance)
+    local = [i for s in sorted(stages) for i in range(*bounds[s])]
     if deferred_build:
-        bounds = stage_bounds(balance)
-        local = [i for s in sorted(stages) for i in range(*bounds[s])]
         materialize(module, layers, local, device)
-    setattr(module, name, stage)
+    place(module, name, stage)
+    release_elsewhere(module, layers, local, stage)
     if spec is not None:
         load_stage_weights(module, config.weights, spec, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
@@ -149,8 +158,10 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     """This rank's pipeline over the split stages, after refusing the combinations of schedule,
     sharding, ties, parameters outside the Sequential and precision that cannot train."""
     config, placement = split.config, split.placement
-    prefix = f"{split.attribute}."
-    shared = [p for n, p in sorted(module.named_parameters()) if not n.startswith(prefix)]
+    held = {id(p) for p in split.split.host.parameters()}
+    # by identity: a parameter also reachable under another name (a tie, a model kept beside its
+    # Sequential) is the stage's own, not one outside the split layers
+    shared = [p for n, p in sorted(module.named_parameters()) if id(p) not in held]
     tied = bool(split.split.ties)
     if config.data_parallel == "shard" and placement.num_replicas > 1:
         check_shard(config.schedule, shared, tied)

@@ -1,4 +1,5 @@
-"""Find the ``nn.Sequential`` to split and carve out one stage of it under the original names."""
+"""Find the layers to split (an ``nn.Sequential``, or a block container) and carve out one stage of
+them under the original names."""
 
 from __future__ import annotations
 
@@ -13,22 +14,39 @@ BalanceSpec = Union[str, Sequence[int]]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
 
 
-def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The attribute of ``module`` that holds the layers to split.
+Layers = Union[nn.Sequential, nn.ModuleList]
 
-    With ``name`` the attribute must be an ``nn.Sequential``; without it the module must have
-    exactly one top-level ``nn.Sequential``.
+
+def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, Layers]:
+    """The path in ``module`` of the layers to split, and the container holding them.
+
+    With ``name`` (an attribute, or a dotted path such as ``"model.transformer.h"``) the container
+    is an ``nn.Sequential`` that the model calls, or an ``nn.ModuleList`` of blocks that the
+    model's ``forward`` loops over (see :mod:`lightning_pipe.runtime.blocks`); without it the
+    module must have exactly one top-level ``nn.Sequential``.
     """
     cls = type(module).__name__
     if name is not None:
-        found = getattr(module, name, None)
-        if found is None:
-            children = ", ".join(n for n, _ in module.named_children()) or "none"
-            raise ValueError(f"PipelineStrategy(module={name!r}): {cls} has no attribute {name!r}. Its submodules: {children}.")
-        if not isinstance(found, nn.Sequential):
+        try:
+            found = module.get_submodule(name)
+        except AttributeError:
+            parent, _, leaf = name.rpartition(".")
+            owner = module
+            for part in parent.split(".") if parent else []:
+                if not isinstance(getattr(owner, part, None), nn.Module):
+                    leaf = part
+                    break
+                owner = getattr(owner, part)
+            children = ", ".join(n for n, _ in owner.named_children()) or "none"
+            raise ValueError(
+                f"PipelineStrategy(module={name!r}): {type(owner).__name__} has no attribute {leaf!r}. "
+                f"Its submodules: {children}."
+            ) from None
+        if not isinstance(found, (nn.Sequential, nn.ModuleList)):
             raise TypeError(
-                f"PipelineStrategy(module={name!r}): {cls}.{name} is a {type(found).__name__}, not an nn.Sequential. "
-                f"Express the layers to split as an nn.Sequential."
+                f"PipelineStrategy(module={name!r}): {cls}.{name} is a {type(found).__name__}, not an nn.Sequential "
+                "or nn.ModuleList. Give the path of the container that holds the model's repeated blocks (for "
+                "example 'model.transformer.h' or 'model.model.layers'), or express the layers as an nn.Sequential."
             )
         return name, found
     candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
@@ -36,8 +54,10 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn
         return candidates[0]
     if not candidates:
         raise ValueError(
-            f"{cls} has no top-level nn.Sequential to split into pipeline stages. Put the layers to split in an "
-            f"nn.Sequential attribute (for example self.layers = nn.Sequential(...)) and call it from forward."
+            f"{cls} has no top-level nn.Sequential to split into pipeline stages. Name the container of the model's "
+            f"repeated blocks with PipelineStrategy(module='model.transformer.h') (an nn.ModuleList or nn.Sequential "
+            f"anywhere in the module), or put the layers in an nn.Sequential attribute (self.layers = "
+            f"nn.Sequential(...)) and call it from forward."
         )
     names = ", ".join(repr(n) for n, _ in candidates)
     raise ValueError(
@@ -46,12 +66,18 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn
     )
 
 
-def parameter_costs(layers: nn.Sequential) -> list[float]:
+def place(module: nn.Module, path: str, layers: nn.Module) -> None:
+    """Put ``layers`` at ``path`` (dotted) in ``module``, in place of what is there."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, leaf, layers)
+
+
+def parameter_costs(layers: Layers) -> list[float]:
     """Parameter count per layer, the cost behind ``balance="parameters"``."""
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
 
-def resolve_balance(balance: BalanceSpec, layers: nn.Sequential, num_stages: int) -> list[int]:
+def resolve_balance(balance: BalanceSpec, layers: Layers, num_stages: int) -> list[int]:
     """Turn the user's ``balance`` into layer counts per stage."""
     num_layers = len(layers)
     if isinstance(balance, str):
@@ -70,7 +96,7 @@ def resolve_balance(balance: BalanceSpec, layers: nn.Sequential, num_stages: int
     return check_balance(balance, num_layers, num_stages)
 
 
-def stage_layers(layers: nn.Sequential, balance: Sequence[int], stage: int) -> "OrderedDict[str, nn.Module]":
+def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> "OrderedDict[str, nn.Module]":
     """The layers of ``stage`` keyed by their names in the unsplit Sequential (``"7"``, ...), so
     parameter names (``layers.7.weight``) survive the split."""
     start, stop = stage_bounds(balance)[stage]
@@ -78,7 +104,7 @@ def stage_layers(layers: nn.Sequential, balance: Sequence[int], stage: int) -> "
     return OrderedDict(named[start:stop])
 
 
-def tied_parameters(layers: nn.Sequential, balance: Sequence[int]) -> list[dict[int, str]]:
+def tied_parameters(layers: Layers, balance: Sequence[int]) -> list[dict[int, str]]:
     """Parameters shared by layers of different stages (one tensor used in two places, like word
     embeddings tied to a language-model head), each as ``{stage: its name inside that stage}``,
     in a fixed order. Each stage keeps its own copy; their gradients must be summed."""
@@ -89,3 +115,42 @@ def tied_parameters(layers: nn.Sequential, balance: Sequence[int]) -> list[dict[
         for name, param in layer.named_parameters(remove_duplicate=False):
             owners.setdefault(id(param), {}).setdefault(stage, f"{key}.{name}")
     return [where for where in owners.values() if len(where) > 1]
+
+
+class Elsewhere(nn.Module):
+    """Stands, outside the split layers, where the module held a piece of another stage's layers (a
+    model kept beside the Sequential built from its parts): no tensors, so this rank keeps none of
+    another stage's weights, and a clear error if called."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, *args: object, **kwargs: object) -> None:  # noqa: D102
+        raise RuntimeError(
+            f"This {self.kind} belongs to another pipeline stage's layers, so this rank does not hold it. Under the "
+            "pipeline only the split layers run there; to use the whole model, load a consolidated checkpoint."
+        )
+
+
+def release_elsewhere(module: nn.Module, layers: Layers, local: Sequence[int], host: nn.Module) -> list[str]:
+    """Replace every module reachable from ``module`` (outside ``host``, this rank's stage) that
+    belongs only to layers of other stages by :class:`Elsewhere`, so that no attribute keeps another
+    stage's tensors alive and parameters are classified by identity. Returns the paths replaced."""
+    keep = {id(m) for i in local for m in layers[i].modules()}
+    foreign = {id(m) for i in range(len(layers)) if i not in set(local) for m in layers[i].modules()} - keep
+    replaced: list[str] = []
+
+    def visit(parent: nn.Module, prefix: str, seen: set[int]) -> None:
+        for key, child in list(parent._modules.items()):
+            if child is None or child is host or id(child) in seen:
+                continue
+            if id(child) in foreign:
+                parent._modules[key] = Elsewhere(type(child).__name__)
+                replaced.append(prefix + key)
+                continue
+            seen.add(id(child))
+            visit(child, f"{prefix}{key}.", seen)
+
+    visit(module, "", {id(module)})
+    return replaced

@@ -9,11 +9,12 @@ names, checkpoints and optimizers see one module), and each stage runs as its ow
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 from torch import nn
 
-from lightning_pipe.partition.split import stage_layers
+from lightning_pipe.partition.split import Layers, stage_layers
+from lightning_pipe.runtime.blocks import BlockShell, BlockStage
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
@@ -25,20 +26,31 @@ def stage_positions(schedule: str, num_ranks: int, virtual_stages: int) -> list[
     return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
+Stage = Union[StageModule, BlockStage]
+
+
 def split_stages(
-    layers: nn.Sequential, balance: Sequence[int], positions: Sequence[int], position: int
-) -> tuple[StageModule, dict[int, StageModule]]:
-    """The module that replaces the Sequential on pipeline ``position`` and its stages by index.
-    With one stage per position the two are the same module."""
+    layers: Layers, balance: Sequence[int], positions: Sequence[int], position: int
+) -> tuple[Stage, dict[int, Stage]]:
+    """The module that replaces the layers on pipeline ``position`` and its stages by index. With
+    one stage per position the two are the same module. An ``nn.Sequential`` becomes
+    :class:`StageModule` (the model calls it); an ``nn.ModuleList`` of blocks becomes
+    :class:`BlockStage` (the model's forward loops over it)."""
     num_stages = len(positions)
+    make: Callable[["OrderedDict[str, nn.Module]", int], Stage]
+    if isinstance(layers, nn.Sequential):
+        make = lambda held, s: StageModule(held, s, num_stages)  # noqa: E731
+    else:
+        shells = [BlockShell(block) for block in layers]
+        make = lambda held, s: BlockStage(held, s, num_stages, shells)  # noqa: E731
     mine = [s for s, p in enumerate(positions) if p == position]
-    stages = {s: StageModule(stage_layers(layers, balance, s), s, num_stages) for s in mine}
+    stages = {s: make(stage_layers(layers, balance, s), s) for s in mine}
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: "OrderedDict[str, nn.Module]" = OrderedDict()
     for s in sorted(mine):
         held.update(stage_layers(layers, balance, s))
-    host = StageModule(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine), num_stages)
+    host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine))
     return host, stages
 
 

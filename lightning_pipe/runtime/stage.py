@@ -18,6 +18,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime import weight_store
+from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -25,11 +26,6 @@ from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-class _StageExit(BaseException):
-    """Ends the user's step on a stage once its layers ran. A BaseException so that a step's own
-    ``except Exception`` cannot swallow it."""
 
 
 class StageModule(nn.Sequential):
@@ -212,6 +208,8 @@ class StageRunner:
             tensors, flags, was_tuple = received
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
             value = from_tuple(tuple(leaves), was_tuple)
+        if isinstance(self.module, BlockStage):
+            return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params)
         if self.is_last:
             calls = 0
 
@@ -236,11 +234,11 @@ class StageRunner:
 
             def capture(argument: Any) -> Any:
                 captured.append(self.module.run_layers(argument, use_ckpt, params))
-                raise _StageExit
+                raise StageExit
 
             try:
                 self._run_step(microbatch % num_microbatches, capture)
-            except _StageExit:
+            except StageExit:
                 pass
             if not captured:
                 raise RuntimeError(self._not_called())
@@ -248,6 +246,37 @@ class StageRunner:
         else:
             output = self.module.run_layers(value, use_ckpt, params)
         tensors_out, was_tuple_out = as_tuple(output)
+        if training:
+            self._saved[microbatch] = (leaves, tensors_out)
+        return tensors_out, was_tuple_out
+
+    def _forward_blocks(
+        self,
+        microbatch: int,
+        num_microbatches: int,
+        received: Optional[Received],
+        leaves: list[Tensor],
+        use_ckpt: bool,
+        params: Optional[dict[str, Tensor]],
+    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+        """A block container's stage: the user's step runs here too, its loop over the blocks
+        skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
+        the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`)."""
+        assert isinstance(self.module, BlockStage)
+        value = None if received is None else from_tuple(tuple(leaves), received[2])
+        drive = BlockDrive(self.module.bounds, value, not self.is_last, use_ckpt, params)
+        loss = None
+        try:
+            loss = self._run_step(microbatch % num_microbatches, drive)
+        except StageExit:
+            pass
+        drive.check(self.is_last)
+        training = torch.is_grad_enabled()
+        if self.is_last:
+            if loss is not None and training:
+                self._saved[microbatch] = (leaves, loss)
+            return None
+        tensors_out, was_tuple_out = as_tuple(drive.captured)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
         return tensors_out, was_tuple_out

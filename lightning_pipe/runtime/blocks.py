@@ -1,0 +1,276 @@
+"""Block containers: pipelining a model whose ``forward`` loops over its repeated blocks.
+
+A Hugging Face model (and most vision transformers) keeps its blocks in an ``nn.ModuleList`` and
+runs them in its own ``forward``: ``for block in self.layers: hidden = block(hidden, mask=...,
+position_embeddings=...)``. :class:`BlockStage` replaces that container, holding only this rank's
+blocks under their original indices (so parameter names do not change), and the model's
+``forward`` runs unchanged on *every* stage, once per micro-batch:
+
+- what runs before the first block (embeddings, rotary tables, masks) runs on every stage, so
+  every block gets the keyword arguments it would get in the unsplit model, computed locally from
+  the micro-batch that every stage loads anyway;
+- blocks held by earlier stages are skipped (the loop sees a stand-in that hands its hidden state
+  on unchanged), and the first block of this stage receives, instead of that hidden state, the
+  activation the previous stage sent;
+- on a stage that is not the last, the loop reaches the first block of the next stage, which
+  takes the hidden state it is called with (what crosses the boundary) and ends the step there;
+- on the last stage the loop runs to its end, and what follows (final norm, head, loss) runs too.
+
+What crosses a stage boundary is exactly the first argument a block is called with (the hidden
+state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
+the micro-batch on every stage, and a block must not return anything but the next hidden state that
+a later block needs (see the README's "Bring your own model").
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from typing import Any, Iterator, Optional, Union
+
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from lightning_pipe.runtime.recomputation import keep_buffers
+
+
+class StageExit(BaseException):
+    """Ends the user's step on a stage once its layers ran. A BaseException so that a step's own
+    ``except Exception`` cannot swallow it."""
+
+
+def hidden_argument(block: nn.Module) -> str:
+    """The name of the first parameter of ``block``'s ``forward`` (the hidden state), for blocks
+    that are called with it as a keyword."""
+    params = [p for p in inspect.signature(block.forward).parameters.values() if p.kind not in (p.VAR_KEYWORD,)]
+    return params[0].name if params else "hidden_states"
+
+
+def plain_attributes(block: nn.Module) -> dict[str, Any]:
+    """The attributes of ``block`` that are not tensors or modules (``attention_type``, ``layer_idx``),
+    which a model's loop may read from blocks held by other stages."""
+    return {k: v for k, v in vars(block).items() if not k.startswith("_")}
+
+
+class BlockShell:
+    """What remains on this rank of a block held by another stage: its plain attributes and the name
+    of its hidden-state argument."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.attributes = plain_attributes(block)
+        self.hidden = hidden_argument(block)
+        self.kind = type(block).__name__
+
+
+class BlockStage(nn.Module):
+    """The blocks of one or more stages of a block container, keyed by their index in it.
+
+    ``shells``: for every index of the unsplit container, the :class:`BlockShell` of its block, so
+    that the loop sees the container's full length and every block's plain attributes.
+    """
+
+    runs_whole_step = True  # every stage runs the user's step (see the module docstring)
+    modifies_input = False
+
+    def __init__(self, blocks: "OrderedDict[str, nn.Module]", stage: int, num_stages: int, shells: list[BlockShell]) -> None:
+        super().__init__()
+        for key, block in blocks.items():
+            self.add_module(key, block)
+        self.stage = stage
+        self.num_stages = num_stages
+        self._shells = shells
+        indices = [int(k) for k in blocks]
+        self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
+        self._hook: Optional[BlockDrive] = None
+        self._param_names = {
+            key: [(f"{key}.{name}", name) for name, _ in block.named_parameters()] for key, block in self._modules.items()
+        }
+
+    def __len__(self) -> int:
+        return len(self._shells)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self._shells)))
+
+    def __getitem__(self, index: Union[int, slice]) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self._shells))[index]]
+        i = range(len(self._shells))[index]
+        if self._hook is not None:
+            return self._hook.entry(self, i)
+        held = self._modules.get(str(i))
+        if held is not None and self.num_stages == 1:
+            return held
+        raise RuntimeError(
+            f"This module holds only pipeline stage {self.stage} of {self.num_stages} (blocks "
+            f"{self.bounds[0]}..{self.bounds[1] - 1}); it runs inside the Trainer's steps. To use the whole model "
+            "outside the Trainer, load a consolidated checkpoint."
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        raise TypeError(
+            "The pipelined block container was called as a module; a block container is iterated by the model's "
+            "forward (for block in self.layers: ...). To split an nn.Sequential that forward calls, give its path "
+            "to PipelineStrategy(module=...) as an nn.Sequential."
+        )
+
+    def block(self, index: int) -> Optional[nn.Module]:
+        """The block at ``index`` of the unsplit container, if this rank holds it."""
+        return self._modules.get(str(index))
+
+    def shell(self, index: int) -> BlockShell:
+        return self._shells[index]
+
+    def own_params(self, index: int, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The entries of ``params`` (names as in this module's ``named_parameters``) that belong to the
+        block at ``index``, under their names inside the block."""
+        return {inner: params[full] for full, inner in self._param_names[str(index)]}
+
+
+class BlockDrive:
+    """One micro-batch's pass through the loop over the blocks, on one stage.
+
+    Args:
+        bounds: the stage's blocks, ``start`` to ``stop`` (exclusive) in the unsplit container.
+        received: the hidden state from the previous stage (None on the first stage).
+        stops: whether the pass ends at block ``stop`` (every stage but the last).
+        use_checkpoint: recompute each block in the backward.
+        params: the weight version to run on (asynchronous schedules), by the host's names.
+    """
+
+    def __init__(
+        self,
+        bounds: tuple[int, int],
+        received: Any,
+        stops: bool,
+        use_checkpoint: bool,
+        params: Optional[dict[str, Tensor]],
+    ) -> None:
+        self.start, self.stop = bounds
+        self.received = received
+        self.stops = stops
+        self.use_checkpoint = use_checkpoint
+        self.params = params
+        self.entered = False
+        self.captured: Optional[Any] = None
+        self.finished = False
+
+    def entry(self, host: BlockStage, index: int) -> Any:
+        if index < self.start:
+            return _Skipped(host, index)
+        if index < self.stop:
+            return _Local(host, index, self)
+        if self.stops and index == self.stop:
+            return _Boundary(host, index, self)
+        return _Skipped(host, index)
+
+    def check(self, is_last: bool) -> None:
+        """After the step: the loop reached this stage's blocks (and, on a stage that hands on, the
+        next stage's first block) exactly as the unsplit model would."""
+        if not self.entered:
+            raise RuntimeError(
+                f"The step never reached the pipelined blocks {self.start}..{self.stop - 1}. Under the pipeline the "
+                "model's forward must run its blocks in order, once per micro-batch, in the step."
+            )
+        if not is_last and not self.finished:
+            raise RuntimeError(
+                f"The step ran blocks {self.start}..{self.stop - 1} but never called block {self.stop}, the next stage's "
+                "first. Under the pipeline the model's forward must run all its blocks in order, once per micro-batch."
+            )
+
+
+class _Entry:
+    """What the model's loop gets for one index of the container: proxies the block's attributes."""
+
+    def __init__(self, host: BlockStage, index: int) -> None:
+        self._host = host
+        self._index = index
+
+    def __getattr__(self, name: str) -> Any:
+        block = self._host.block(self._index)
+        if block is not None:
+            return getattr(block, name)
+        shell = self._host.shell(self._index)
+        try:
+            return shell.attributes[name]
+        except KeyError:
+            raise AttributeError(
+                f"{shell.kind} {self._index} is held by another pipeline stage; only its plain attributes "
+                f"({', '.join(sorted(shell.attributes)) or 'none'}) are readable here, not {name!r}."
+            ) from None
+
+    def _hidden(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        if args:
+            return args[0], True
+        name = self._host.shell(self._index).hidden
+        if name not in kwargs:
+            raise TypeError(
+                f"Block {self._index} was called without its hidden state (no positional argument and no {name!r}); "
+                "the pipeline passes the first argument of each block between stages."
+            )
+        return kwargs[name], False
+
+    def _with_hidden(self, value: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, self._host.shell(self._index).hidden: value}
+
+
+class _Skipped(_Entry):
+    """A block of an earlier stage: hands its hidden state on (the next held block replaces it)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hidden(args, kwargs)[0]
+
+
+class _Boundary(_Entry):
+    """The next stage's first block: what it is called with crosses the boundary."""
+
+    def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
+        super().__init__(host, index)
+        self._drive = drive
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._drive.entered:
+            raise RuntimeError(f"The model's forward called block {self._index} before the blocks of this stage.")
+        self._drive.captured = self._hidden(args, kwargs)[0]
+        self._drive.finished = True
+        raise StageExit
+
+
+class _Local(_Entry):
+    """A block of this stage: runs, on the received hidden state if it is the stage's first."""
+
+    def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
+        super().__init__(host, index)
+        self._drive = drive
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        drive = self._drive
+        if self._index == drive.start:
+            if drive.entered:
+                raise RuntimeError(
+                    "The step ran the pipelined blocks twice for one micro-batch. Under the pipeline the step may run "
+                    "the model's blocks once per micro-batch."
+                )
+            drive.entered = True
+            if drive.received is not None:
+                args, kwargs = self._with_hidden(drive.received, args, kwargs)
+        elif not drive.entered:
+            raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
+        block = self._host.block(self._index)
+        assert block is not None
+        own = self._host.own_params(self._index, drive.params) if drive.params is not None else None
+
+        def run(*a: Any, **k: Any) -> Any:
+            return functional_call(block, own, a, k) if own else block(*a, **k)
+
+        if not drive.use_checkpoint:
+            return run(*args, **kwargs)
+        return torch_checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
+        )
+
+
+__all__ = ["BlockDrive", "BlockShell", "BlockStage", "StageExit", "hidden_argument"]

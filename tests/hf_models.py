@@ -1,0 +1,144 @@
+"""Unchanged Hugging Face models in LightningModules, and their data, for the tests (importable by
+spawned processes). Needs ``transformers``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=96, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(tied: bool, layers: int = 4) -> nn.Module:
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      tie_word_embeddings=tied, max_position_embeddings=64, bos_token_id=0,
+                                      eos_token_id=0)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def vit(layers: int = 4) -> nn.Module:
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                    intermediate_size=64, image_size=8, patch_size=4, num_channels=3, num_labels=5,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+#: name -> (builder, the path of its block container in :class:`HFModule`)
+MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "gpt2": (gpt2, "model.transformer.h"),
+    "llama_gqa_tied": (lambda: llama(True), "model.model.layers"),
+    "llama_gqa_untied": (lambda: llama(False), "model.model.layers"),
+    "vit": (vit, "model.vit.layers"),
+}
+
+
+class HFModule(L.LightningModule):
+    """An unchanged Hugging Face model; its own loss (``labels=``) is the training loss."""
+
+    def __init__(self, build: Callable[[], nn.Module], optimizer: str = "sgd", lr: float = 0.1, microbatches: int = 1) -> None:
+        super().__init__()
+        self.model = build()
+        self.optimizer = optimizer
+        self.lr = lr
+        self.microbatches = microbatches  # > 1: the float-noise control (the loss summed over micro-batches)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        if inputs.is_floating_point():
+            return self.model(pixel_values=inputs, labels=labels)
+        return self.model(input_ids=inputs, labels=labels, use_cache=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch
+        if self.microbatches > 1:  # as the pipeline weights its micro-batches
+            parts = zip(inputs.tensor_split(self.microbatches), labels.tensor_split(self.microbatches))
+            return sum(self(x, y).loss * (len(x) / len(inputs)) for x, y in parts)
+        loss = self(inputs, labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, labels = batch
+        self.log("val_loss", self(inputs, labels).loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr * 0.1, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def data_for(name: str, n: int = 48, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """Token sequences (labels = inputs: the model shifts them) or small images with class labels."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "vit":
+        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
+    else:
+        tokens = torch.randint(1, 96, (n, 12), generator=g)
+        data = TensorDataset(tokens, tokens)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class _Embed(nn.Module):
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe = transformer.wte, transformer.wpe
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Head(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+class BesideModule(L.LightningModule):
+    """The Hugging Face GPT-2 kept as ``self.hf`` (for ``generate`` and ``save_pretrained``) beside a
+    Sequential of its own parts, which the steps call: every parameter reachable under two names,
+    the embedding tied to the head across the first and last stage."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.hf = gpt2(layers)
+        self.layers = nn.Sequential(_Embed(self.hf.transformer), *self.hf.transformer.h, _Head(self.hf))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        logits = self.layers(ids)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class RecordHeld(L.Callback):
+    """Writes, per rank, the bytes of every distinct tensor the module holds (parameters and buffers,
+    through any attribute) and the names of its parameters, to ``<folder>/held<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        seen: dict[int, int] = {}
+        for t in list(pl_module.parameters()) + list(pl_module.buffers()):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        names = [n for n, _ in pl_module.named_parameters()]
+        with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
+            json.dump({"bytes": sum(seen.values()), "names": names}, f)
