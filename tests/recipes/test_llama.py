@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import json
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from omegaconf import open_dict
+from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.cli import build_strategy, run  # noqa: E402
 from lightning_pipe.recipes.llama import CausalLM, CausalTextData, model_config  # noqa: E402
 from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
+from tests.models import fit_plain  # noqa: E402
+from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
 from tests.test_cli import SMALL, _compose  # noqa: E402
 
 WORD = r"[a-z0-9]+|[^\sa-z0-9]"  # the word tokenizer's pieces (recipes/text.py)
@@ -127,3 +134,53 @@ def test_the_command_line_starts_from_the_weights(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = float(saved(input_ids=batch, labels=batch).loss)
     assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+class RecordLosses(L.Callback):
+    """Writes each rank's ``train_loss`` of every step to ``<folder>/losses<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.losses = folder, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (Path(self.folder) / f"losses{trainer.global_rank}.json").write_text(json.dumps(self.losses))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_the_recipe_trains_on_two_stages_as_without_the_pipeline(tmp_path: Path, model_type: str) -> None:
+    """The recipe's module as the command line runs it (AdamW in two groups, warm-up and cosine), its
+    blocks split at ``strategy_defaults["module"]``: the losses of plain training, step by step."""
+    data = CausalTextData(limit_chars=40_000, vocab_size=500, max_len=32)
+    data.setup()
+    loader = DataLoader(data.train, batch_size=8, shuffle=False)
+    torch.manual_seed(0)
+    piped = CausalLM(model_type=model_type, size="tiny", vocab_size=500, max_len=32, warmup_steps=2, max_steps=8)
+    reference = copy.deepcopy(piped)
+    (tmp_path / "plain").mkdir()
+    fit_plain(reference, loader, max_steps=8, callbacks=[RecordLosses(str(tmp_path / "plain"))])
+    fit_pipeline(piped, 2, loader, max_steps=8, callbacks=[RecordLosses(str(tmp_path))], **piped.strategy_defaults)
+    plain = json.loads((tmp_path / "plain" / "losses0.json").read_text())
+    for rank in range(2):
+        piped_losses = json.loads((tmp_path / f"losses{rank}.json").read_text())
+        assert piped_losses == pytest.approx(plain, rel=1e-4, abs=1e-5), (rank, piped_losses, plain)
+    assert plain[-1] < plain[0] - 0.1  # it learns (from about ln(500) = 6.2)
+    assert_same_weights(reference, piped, rtol=1e-3, atol=1e-4)
+
+
+def test_the_command_line_trains_on_two_processes(tmp_path: Path) -> None:
+    """``lightning-pipe recipe=llama trainer.max_steps=...``: two CPU processes (forked here, not
+    started afresh), one stage each, the loss falling."""
+    cfg = _compose(["recipe=llama", "trainer.max_steps=30", *SMALL["llama"], "recipe.model.warmup_steps=5",
+                    "trainer.log_every_n_steps=1", "trainer.val_check_interval=30", "trainer.limit_val_batches=1",
+                    "strategy.start_method=fork"])  # fmt: skip
+    assert (cfg.trainer.devices, cfg.strategy.name, cfg.strategy.module) == (2, "pipeline", None)  # the recipe names it
+    with open_dict(cfg):
+        del cfg.hydra
+    metrics = run(cfg, output_dir=str(tmp_path))
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert metrics["val_loss"] < losses[0]
