@@ -117,10 +117,17 @@ def test_weights_and_tokenizer_from_a_save_pretrained_directory(tmp_path: Path) 
     assert torch.equal(hub.rows(documents), CausalTextData(vocab_size=len(words), max_len=32).rows(documents))
 
 
-def test_the_command_line_starts_from_the_weights(tmp_path: Path) -> None:
-    """``recipe.model.weights=DIR`` (no pipeline, learning rate 0): the validation loss is the saved model's."""
+@pytest.mark.parametrize(
+    "how",
+    [["strategy=none", "trainer.devices=1"], ["strategy.start_method=fork", "recipe.model.build=configure_model"]],
+    ids=["loaded-by-the-model", "loaded-by-each-stage"],
+)
+def test_the_command_line_starts_from_the_weights(tmp_path: Path, how: list[str]) -> None:
+    """``recipe.model.weights=DIR`` (learning rate 0): the validation loss is the saved model's, whether
+    the model loads the weights (built on a device) or, built on the meta device under the pipeline,
+    each stage loads its part through the strategy's ``weights=``."""
     _save_pretrained(tmp_path / "hub", stdlib_documents(limit_chars=20_000))
-    cfg = _compose(["recipe=llama", "strategy=none", "trainer.devices=1", f"recipe.model.weights={tmp_path / 'hub'}",
+    cfg = _compose(["recipe=llama", *how, f"recipe.model.weights={tmp_path / 'hub'}",
                     "recipe.data.limit_chars=20000", "recipe.data.max_len=32", "recipe.data.batch_size=4",
                     "recipe.model.lr=0.0", "trainer.max_steps=1", "trainer.val_check_interval=1",
                     "trainer.limit_val_batches=1"])  # fmt: skip
