@@ -12,7 +12,7 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -24,6 +24,7 @@ from lightning_pipe.compatibility import as_misconfiguration, check_async, check
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
+from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.profile import first_batch
@@ -52,6 +53,8 @@ class ModuleSplit:
         deferred_build: whether the module was built on the meta device.
         profile: the measured layer costs (``balance="time"/"memory"``, ``plan="auto"``).
         candidates: ``plan="auto"``: the ranked layouts; the first one runs.
+        held_ends: the parameters of a model's ends (its embeddings, see
+            :mod:`lightning_pipe.partition.ends`) that this rank's stages hold.
     """
 
     config: PipelineConfig
@@ -62,11 +65,12 @@ class ModuleSplit:
     deferred_build: bool = False
     profile: Optional[Profile] = None
     candidates: Optional[list[Any]] = None
+    held_ends: list[nn.Parameter] = field(default_factory=list)
 
     def optimizer_aliases(self) -> dict[str, str]:
         """This rank's names of weights tied to an earlier stage's layer -> the unsplit module's name
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
-        return tie_aliases(self.split.ties, self.placement.stage, f"{self.attribute}.")
+        return tie_aliases(self.split.ties, self.placement.stage, "")
 
 
 def split_module(
@@ -107,6 +111,7 @@ def split_module(
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
     placement = Placement(layout, rank, tuple(positions), device, backend)
+    ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     if config.balance in MEASURED_BALANCES and len(positions) > 1:
         p = layout.stages
         balance, profile = measured_balance(
@@ -116,23 +121,41 @@ def split_module(
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
-        balance = resolve_balance(config.balance, layers, len(positions))
-    ties = ties_by_position(tied_parameters(layers, balance), positions)
+        balance = resolve_balance(config.balance, layers, len(positions), end_parameters(ends))
+    with_ends = extended(layers, ends)
+    num_stages = len(positions)
+    paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
+    tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_stages))
+    ties = ties_by_position([in_module(tie, paths) for tie in tied], positions)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
     local = [i for s in sorted(stages) for i in range(*bounds[s])]
+    local += local_end_indices(len(layers), ends, list(stages), num_stages)
     if deferred_build:
-        materialize(module, layers, local, device)
+        materialize(module, with_ends, local, device, init=config.init)
     place(module, name, stage)
-    release_elsewhere(module, layers, local, stage)
+    stand_in_ends(module, ends, first=0 in stages)
+    release_elsewhere(module, with_ends, local, stage)
     if spec is not None:
-        load_stage_weights(module, config.weights, spec, report=rank_zero_info)
+        load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
         chunks = config.num_microbatches(layout.stages)
         rank_zero_info(describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks))
-    return ModuleSplit(config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates)
+    held_ends = held_end_parameters(ends, list(stages), num_stages)
+    return ModuleSplit(
+        config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates, held_ends
+    )
+
+
+def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
+    """A tie's names (``"<layer index>.<name in the layer>"``) as names in the user's module."""
+    out = {}
+    for stage, name in tie.items():
+        index, _, rest = name.partition(".")
+        out[stage] = f"{paths[int(index)]}.{rest}"
+    return out
 
 
 def measure_inputs(
@@ -158,16 +181,17 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     """This rank's pipeline over the split stages, after refusing the combinations of schedule,
     sharding, ties, parameters outside the Sequential and precision that cannot train."""
     config, placement = split.config, split.placement
-    held = {id(p) for p in split.split.host.parameters()}
+    held = {id(p) for p in split.split.host.parameters()} | {id(p) for p in split.held_ends}
     # by identity: a parameter also reachable under another name (a tie, a model kept beside its
     # Sequential) is the stage's own, not one outside the split layers
     shared = [p for n, p in sorted(module.named_parameters()) if id(p) not in held]
     tied = bool(split.split.ties)
+    beyond_layers = shared + split.held_ends  # neither sharded nor versioned with the stage's layers
     if config.data_parallel == "shard" and placement.num_replicas > 1:
-        check_shard(config.schedule, shared, tied)
+        check_shard(config.schedule, beyond_layers, tied)
     if is_async(config.schedule):
         p = placement.num_stages
-        check_async(config.schedule, module, shared, tied, p, config.num_microbatches(p), scaler)
+        check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler)
     with as_misconfiguration():
         return StagePipeline(config, placement, split.split, topology, module, shared)
 

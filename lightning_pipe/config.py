@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+from torch import nn
 
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
 from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule
+from lightning_pipe.weight_names import Rename, check_rename
 from lightning_pipe.weights import check_weights_argument
 
 PLANS = (None, "auto")
@@ -40,7 +43,17 @@ class PipelineConfig:
             rank; kept in ``strategy.profile``) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
             the last) or ``"never"``.
-        module: name of the ``nn.Sequential`` attribute to split, if the module has several.
+        module: what to split: the name or dotted path of an ``nn.Sequential`` that the model calls
+            (needed when the module has several top-level ones), or the dotted path of an
+            ``nn.ModuleList`` of blocks that the model's ``forward`` loops over, the model unchanged
+            (``"model.transformer.h"``; see :mod:`lightning_pipe.runtime.blocks`).
+        init: for a module built on the meta device, ``init(module)`` initialises one module's own
+            tensors, called on every module, children before parents, seeded per layer (default: a
+            Hugging Face ``PreTrainedModel``'s own ``_init_weights``, else ``reset_parameters()``;
+            see :mod:`lightning_pipe.partition.materialize`).
+        rename: for ``weights``: a mapping of file-name prefixes to module-name prefixes, or a
+            callable file name -> module name (None leaves a tensor out), where the file's names
+            differ from the module's by more than one common prefix (see :mod:`lightning_pipe.weight_names`).
         gradient_accumulation_fusion: in training steps, the backward of each plain ``nn.Linear``
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
@@ -76,6 +89,8 @@ class PipelineConfig:
     balance: BalanceSpec = "uniform"
     checkpoint: str = "never"
     module: Optional[str] = None
+    init: Optional[Callable[[nn.Module], None]] = None
+    rename: Optional[Rename] = None
     gradient_accumulation_fusion: bool = True
     virtual_stages: Optional[int] = None
     check_data: Union[bool, int] = True
@@ -105,6 +120,9 @@ def check_arguments(config: PipelineConfig) -> None:
     schedule, chunks, balance, checkpoint = config.schedule, config.chunks, config.balance, config.checkpoint
     get_schedule(schedule)
     check_weights_argument(config.weights)
+    check_rename(config.rename)
+    if config.init is not None and not callable(config.init):
+        raise TypeError(f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own tensors.")
     check_layout_arguments(config.stages, config.data_parallel)
     if config.virtual_stages is not None:
         check_virtual_stages(schedule, config.virtual_stages)

@@ -103,3 +103,15 @@ def note(exception: BaseException, rank: int, describe_rank: Callable[[int], str
 
 
 __all__ = ["PeerFailure", "explain", "is_communication_error", "note", "report"]
+
+
+def after_failure(failure: Optional[BaseException], teardown: Callable[[], None]) -> None:
+    """Run ``teardown``. When the run already failed with ``failure``, a failure of the teardown
+    itself (Lightning moving a half-built module to the CPU: ``Cannot copy out of meta tensor``) is
+    added to ``failure`` as a note instead of replacing it, so the user sees the first error."""
+    try:
+        teardown()
+    except Exception as error:
+        if failure is None:
+            raise
+        failure.add_note(f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +37,8 @@ from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.steps import PipelineSteps
+from lightning_pipe.weight_names import Rename
+
 
 def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
     return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (see :class:`PipelineConfig`).")
@@ -68,6 +70,7 @@ class PipelineStrategy(ProcessStrategy):
         balance: BalanceSpec = "uniform",
         checkpoint: str = "never",
         module: Optional[str] = None,
+        init: Optional[Callable[[nn.Module], None]] = None, rename: Optional[Rename] = None,  # fmt: skip
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         virtual_stages: Optional[int] = None,
@@ -79,7 +82,7 @@ class PipelineStrategy(ProcessStrategy):
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module,
+            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module, init=init, rename=rename,
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method,
@@ -90,6 +93,7 @@ class PipelineStrategy(ProcessStrategy):
         self._pipeline: Optional[StagePipeline] = None
         self._steps: Optional[PipelineSteps] = None
         self._signals: Optional[signals.PipelineSignalConnector] = None
+        self._failure: Optional[BaseException] = None  # what failed the run, not to be hidden by teardown
 
     schedule_name = _argument("schedule")
     chunks = _argument("chunks")
@@ -126,11 +130,9 @@ class PipelineStrategy(ProcessStrategy):
         with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
             yield
 
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
+    def model_sharded_context(self) -> Any:
         """``configure_model()`` builds on the meta device; ``setup`` materialises the stage."""
-        with torch.device("meta"):
-            yield
+        return torch.device("meta")
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make every stage of the pipeline draw the first stage's indices: each stage loads the
@@ -218,7 +220,7 @@ class PipelineStrategy(ProcessStrategy):
             self._signals.finish()  # the last step's stop flag, still travelling
         if self._pipeline is not None:
             self._pipeline.close()
-        super().teardown()
+        failures.after_failure(self._failure, super().teardown)
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -251,6 +253,7 @@ class PipelineStrategy(ProcessStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one fails, or explain why they fail (:mod:`lightning_pipe.failures`)."""
+        self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:

@@ -142,3 +142,66 @@ class RecordHeld(L.Callback):
         names = [n for n, _ in pl_module.named_parameters()]
         with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
             json.dump({"bytes": sum(seen.values()), "names": names}, f)
+
+
+#: A Llama of 1.14 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
+#: vocabulary, untied head), and a tiny one of the same shape for quick checks.
+LLAMA_1GB = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=64)  # fmt: skip
+LLAMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=64)  # fmt: skip
+
+
+class DeferredLlama(L.LightningModule):
+    """A Hugging Face Llama built in ``configure_model()`` (on the meta device under the pipeline:
+    each rank materialises only its stage, initialised by HF's own rules)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**self.config, bos_token_id=0, eos_token_id=0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def token_data(vocab: int, n: int = 8, length: int = 8, batch_size: int = 4) -> DataLoader:
+    tokens = torch.randint(1, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens, tokens), batch_size=batch_size)
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory figure, in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+class PeakMemory(L.Callback):
+    """Each rank's peak resident memory from before ``configure_model`` (the peak counter reset
+    there) to the start of training, the split and materialisation included, and the bytes of the
+    tensors its module holds then; written to ``<folder>/memory<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+        self.base = _status("VmRSS")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pl_module.state_dict().values()}
+        peak = _status("VmHWM") - self.base
+        with open(f"{self.folder}/memory{trainer.global_rank}.json", "w") as f:
+            json.dump({"peak": peak, "held": sum(storages.values())}, f)

@@ -102,3 +102,22 @@ def test_a_model_kept_beside_its_sequential_trains_its_tie_once_and_keeps_only_i
         blocks |= {n.split(".")[1] for n in rank["names"] if n.startswith("layers.") and n.split(".")[1] not in ("0", "5")}
         assert len(blocks) <= 4 // devices + 1, (r, rank["names"])
         assert rank["bytes"] < whole - (4 - 4 // devices) * block * 0.99, (r, rank["bytes"], whole)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_untied"])
+def test_the_embeddings_live_on_the_end_stages_only(tmp_path: Path, name: str) -> None:
+    """4 stages: the input embeddings on the first, the head on the last (a tied one there too, as the
+    head's weight), neither on the middle two, whose model gets shapes from a stand-in."""
+    build, path = MODELS[name]
+    torch.manual_seed(0)
+    piped = HFModule(build)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for(name))
+    fit_pipeline(piped, 4, data_for(name), module=path, callbacks=[RecordHeld(str(tmp_path))])
+    assert_same_weights(reference, piped)
+    embedding = "model.transformer.wte.weight" if name == "gpt2" else "model.model.embed_tokens.weight"
+    head = "model.lm_head.weight"
+    names = [set(json.loads((tmp_path / f"held{r}.json").read_text())["names"]) for r in range(4)]
+    assert embedding in names[0] and head not in names[0]
+    assert not {embedding, head} & (names[1] | names[2])
+    assert head in names[3] and embedding not in names[3]  # GPT-2's tie: the head's name for the same tensor

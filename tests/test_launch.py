@@ -36,6 +36,20 @@ def test_script_launch_with_strategy_string(tmp_path: Path) -> None:
     assert_same_weights(reference, piped)
 
 
+def test_a_setup_error_is_not_hidden_by_the_teardown(tmp_path: Path) -> None:
+    """configure_model() builds a layer that cannot be initialised: each rank ends with that error,
+    the teardown's own failure on the half-built (meta) module only a note below it."""
+    script = ROOT / "tests" / "scripts" / "fail_in_setup.py"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert result.returncode != 0
+    last_errors = [line for line in result.stderr.splitlines() if "Error:" in line and "NoReset" in line]
+    assert last_errors and "TypeError: layers.1 (NoReset) holds tensors of its own" in last_errors[-1], result.stderr[-3000:]
+    final = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert "NotImplementedError: Cannot copy out of meta tensor" not in final.split("lightning-pipe:")[0], final
+    assert "tearing down after this error then failed too" in result.stderr
+
+
 def test_spawn_launch() -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())

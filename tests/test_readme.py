@@ -83,3 +83,16 @@ def test_a_tied_model_saved_as_the_readme_shows_loads_through_weights(tmp_path: 
     lines = messages.read_text().splitlines()
     assert ("lightning-pipe: rank 0 loaded 3 of the 3 tensors in model.safetensors (its stage's and those outside "
             "the Sequential; the other ranks read theirs)") in lines, lines  # fmt: skip
+
+
+def test_the_bring_your_own_model_example_runs_as_written(tmp_path: Path) -> None:
+    """The Hugging Face GPT-2 example, unchanged, on 2 processes launched as a script."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "causal_lm.py"
+    script.write_text(readme_block('module="model.transformer.h"'))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "causal_lm.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stderr + result.stdout
+    assert "lightning-pipe: 2 stages (2 processes), layers per stage [2, 2]" in result.stderr

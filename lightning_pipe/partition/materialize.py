@@ -48,6 +48,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.partition.ends import extended, find_ends
 from lightning_pipe.partition.hf_init import hf_init_context, init_with_owner, pretrained_owners
 
 OUTSIDE = -1  # the key of the modules outside the Sequential in layer_seed
@@ -192,7 +193,7 @@ def reset(
     unset is an error naming it (``where``: the unit's path in the model, for that error)."""
     initializer = Initializer() if initializer is None else initializer
     walked = [
-        m for m in _post_order(unit, {id(skip)} if skip is not None else set())
+        m for m in _post_order(unit, _skipped(skip))
         if only is None or any(id(t) in only for t in _subtree_tensors(m, skip))
     ]  # fmt: skip
     with initializer.context():
@@ -242,8 +243,19 @@ def _check_set(modules: list[tuple[str, nn.Module]], only: Optional[set[int]], e
             )
 
 
+def _skipped(skip: Optional[nn.Module]) -> set[int]:
+    """What a walk leaves out: ``skip`` and, for a list of layers (which may gather modules from
+    anywhere in the model, as the layers and ends of :mod:`lightning_pipe.partition.ends` do), each
+    of its layers."""
+    if skip is None:
+        return set()
+    if isinstance(skip, (nn.ModuleList, nn.Sequential)):
+        return {id(skip)} | {id(layer) for layer in skip}
+    return {id(skip)}
+
+
 def _subtree_tensors(module: nn.Module, skip: Optional[nn.Module]) -> Iterator[Tensor]:
-    for m in _post_order(module, {id(skip)} if skip is not None else set()):
+    for m in _post_order(module, _skipped(skip)):
         yield from (t for _, t, _ in _direct(m) if t is not None)
 
 
@@ -261,15 +273,23 @@ def _seeded(device: torch.device) -> ContextManager[None]:
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _first_holder_value(
-    layers: Blocks, index: int, name: str, seed: int, device: torch.device, initializer: Initializer
-) -> Tensor:
-    """The value layer ``index`` gives its tensor ``name``, from a temporary copy of that layer."""
+def _fill_from_first_holder(
+    layers: Blocks, index: int, name: str, target: Tensor, seed: int, device: torch.device, initializer: Initializer
+) -> None:
+    """Write into ``target`` the value layer ``index`` gives its tensor ``name``, from a temporary
+    copy of that layer in which that tensor is ``target`` itself (a tied embedding is not held twice)."""
     twin = copy.deepcopy(layers[index])
+    copied = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
+    placeholder = copied[name]
+    for m in twin.modules():  # every place the copy holds it
+        for key, t, is_param in list(_direct(m)):
+            if t is placeholder:
+                if is_param:
+                    m._parameters[key] = target if isinstance(target, nn.Parameter) else nn.Parameter(target)
+                else:
+                    m._buffers[key] = target
     allocate(twin.modules(), device)
     _reset_seeded(twin, layer_seed(seed, index), device, initializer=initializer.for_copy(layers[index], twin))
-    values = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
-    return values[name].detach()
 
 
 def _reset_seeded(
@@ -314,6 +334,7 @@ def initialize(
     for key, members in units:
         held = {id(t): t for m in members for _, t, _ in _direct(m) if t is not None}
         kept: dict[int, Tensor] = {}
+        elsewhere: dict[int, tuple[int, str]] = {}
         for ident, t in held.items():
             owner, name = owners.get(ident, (key, ""))
             if owner == key:
@@ -321,8 +342,8 @@ def initialize(
             if owner in local:
                 kept[ident] = t.detach().clone()  # its first holder's value, set before this unit
             else:
-                kept[ident] = _first_holder_value(layers, owner, name, seed, device, initializer)
-        exempt = frozenset(kept)
+                elsewhere[ident] = (owner, name)
+        exempt = frozenset(kept) | frozenset(elsewhere)
         if key == OUTSIDE:
             _reset_seeded(module, layer_seed(seed, key), device, layers, outside_only, initializer, exempt)
         else:
@@ -331,6 +352,8 @@ def initialize(
         with torch.no_grad():
             for ident, value in kept.items():
                 held[ident].copy_(value)
+        for ident, (owner, name) in elsewhere.items():  # after the unit: its own random draws unchanged
+            _fill_from_first_holder(layers, owner, name, held[ident], seed, device, initializer)
 
 
 def materialize(
@@ -388,11 +411,13 @@ def init_like_pipeline(
 
 
 def _layers(module: nn.Module, path: Optional[str]) -> Blocks:
-    """The layers ``init_like_pipeline`` initialises one by one."""
+    """The layers ``init_like_pipeline`` initialises one by one: as the pipeline does, a block
+    container's blocks followed by the model's ends (see :mod:`lightning_pipe.partition.ends`)."""
     from lightning_pipe.partition.split import find_sequential
 
     if path is None or "." not in path:
-        return find_sequential(module, path)[1]
+        found = find_sequential(module, path)[1]
+        return extended(found, find_ends(module, found))
     try:
         found = module.get_submodule(path)
     except AttributeError as err:
@@ -404,7 +429,7 @@ def _layers(module: nn.Module, path: Optional[str]) -> Blocks:
             f"init_like_pipeline(sequential={path!r}) is a {type(found).__name__}; give the path of the "
             "nn.ModuleList or nn.Sequential that holds the model's repeated blocks."
         )
-    return found
+    return extended(found, find_ends(module, found))
 
 
 __all__ = [

@@ -77,14 +77,23 @@ def parameter_costs(layers: Layers) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
 
-def resolve_balance(balance: BalanceSpec, layers: Layers, num_stages: int) -> list[int]:
-    """Turn the user's ``balance`` into layer counts per stage."""
+def resolve_balance(
+    balance: BalanceSpec, layers: Layers, num_stages: int, end_costs: tuple[float, float] = (0.0, 0.0)
+) -> list[int]:
+    """Turn the user's ``balance`` into layer counts per stage. ``end_costs``: the parameters the
+    first and the last stage hold beyond their layers (a model's embeddings and head, see
+    :mod:`lightning_pipe.partition.ends`), counted with the first and the last layer, which those
+    stages always hold."""
     num_layers = len(layers)
     if isinstance(balance, str):
         if balance == "uniform":
             return balance_uniform(num_layers, num_stages)
         if balance == "parameters":
-            return balance_by_cost(parameter_costs(layers), num_stages)
+            costs = parameter_costs(layers)
+            if costs:
+                costs[0] += end_costs[0]
+                costs[-1] += end_costs[1]
+            return balance_by_cost(costs, num_stages)
         if balance in ("time", "memory"):
             raise ValueError(
                 f"balance={balance!r} needs a measured profile (lightning_pipe.partition.profile); "
@@ -104,16 +113,18 @@ def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> "Ordered
     return OrderedDict(named[start:stop])
 
 
-def tied_parameters(layers: Layers, balance: Sequence[int]) -> list[dict[int, str]]:
+def tied_parameters(layers: Layers, balance: Sequence[int], end_stages: Sequence[int] = ()) -> list[dict[int, str]]:
     """Parameters shared by layers of different stages (one tensor used in two places, like word
     embeddings tied to a language-model head), each as ``{stage: its name inside that stage}``,
-    in a fixed order. Each stage keeps its own copy; their gradients must be summed."""
+    in a fixed order. Each stage keeps its own copy; their gradients must be summed. ``layers`` may
+    end with layers beyond ``balance`` (a model's ends, see :mod:`lightning_pipe.partition.ends`),
+    on the stages ``end_stages``."""
     bounds = stage_bounds(balance)
+    stage_of = [s for s, (a, b) in enumerate(bounds) for _ in range(a, b)] + list(end_stages)
     owners: dict[int, dict[int, str]] = {}
     for index, (key, layer) in enumerate(layers.named_children()):
-        stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
         for name, param in layer.named_parameters(remove_duplicate=False):
-            owners.setdefault(id(param), {}).setdefault(stage, f"{key}.{name}")
+            owners.setdefault(id(param), {}).setdefault(stage_of[index], f"{key}.{name}")
     return [where for where in owners.values() if len(where) > 1]
 
 

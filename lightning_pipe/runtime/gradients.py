@@ -11,7 +11,7 @@ replicas, the average over the replicas of the stage. Clipping by the global nor
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,13 @@ def tie_groups(
     layout: Layout,
     stage: int,
     replica: int,
-    stage_module: nn.Module,
+    local_params: Mapping[str, nn.Parameter],
     new_group: Callable[[list[int]], Any] = dist.new_group,
 ) -> list[Tie]:
     """This rank's :data:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
-    holds. Every rank takes part in creating every tie's group, one per replica, as
-    ``torch.distributed.new_group`` requires (``new_group`` may hand out groups created before)."""
-    local_params = dict(stage_module.named_parameters())
+    holds (``local_params``: this rank's parameters by every name that reaches them). Every rank
+    takes part in creating every tie's group, one per replica, as ``torch.distributed.new_group``
+    requires (``new_group`` may hand out groups created before)."""
     found: list[Tie] = []
     for tie in ties:
         for r in range(layout.replicas):

@@ -63,8 +63,8 @@ class StageSplit:
             rank's layers under their original names.
         stages: the stages this rank holds, by their index in the split; with one stage per rank,
             the host itself.
-        ties: weights tied across pipeline positions: position -> the parameter's name in that
-            position's host (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
+        ties: weights tied across pipeline positions: position -> the parameter's name in the user's
+            model on that position (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
     """
 
     host: StageModule
@@ -107,7 +107,8 @@ class StagePipeline:
         self.sharded = config.data_parallel == "shard" and replicas > 1
         self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
-        ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, self.host, topology.group)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
         self.gradients = StageGradients(
             shared,
             ties,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import init_like_pipeline
+from lightning_pipe.partition.ends import extended, find_ends
 from lightning_pipe.partition.materialize import check_initializable, materialize
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +48,14 @@ def on_meta(build: Callable[[], nn.Module], **kwargs: Any) -> Holder:
 
 
 def blocks(holder: nn.Module, kind: str) -> nn.ModuleList:
-    return holder.get_submodule(BLOCKS[kind])
+    """The layers the pipeline materialises one by one: the blocks (0-3), then the model's input and
+    output embeddings (4 and 5; see lightning_pipe.partition.ends)."""
+    container = holder.get_submodule(BLOCKS[kind])
+    return extended(container, find_ends(holder, container))
+
+
+EVERYTHING = range(6)  # the 4 blocks and the 2 ends
+ENDS = [4, 5]
 
 
 def test_gpt2_follows_hfs_rules_including_the_scaled_residual_projections() -> None:
@@ -55,7 +63,7 @@ def test_gpt2_follows_hfs_rules_including_the_scaled_residual_projections() -> N
     c_proj at 0.02/sqrt(2 * n_layer)); norms ones and biases zeros exactly; the tie kept."""
     build = gpt2(layers=4, width=256, vocab=1000, positions=128)
     meta = on_meta(build)
-    materialize(meta, blocks(meta, "gpt2"), range(4), "cpu", seed=0)
+    materialize(meta, blocks(meta, "gpt2"), EVERYTHING, "cpu", seed=0)
     torch.manual_seed(0)
     eager = Holder(build).state_dict()
     got = meta.state_dict()
@@ -81,7 +89,7 @@ def test_llama_follows_hfs_rules(tied: bool) -> None:
     RMSNorm ones, the rotary frequencies (non-persistent buffers, outside the blocks) exactly HF's."""
     build = llama(tied, layers=4, width=256, vocab=1000)
     meta = on_meta(build)
-    materialize(meta, blocks(meta, "llama"), range(4), "cpu", seed=0)
+    materialize(meta, blocks(meta, "llama"), EVERYTHING, "cpu", seed=0)
     torch.manual_seed(0)
     eager_model = Holder(build)
     eager = {k: v.detach() for k, v in [*eager_model.named_parameters(remove_duplicate=False), *eager_model.named_buffers()]}
@@ -103,11 +111,11 @@ def test_any_subset_of_layers_gets_the_same_values(kind: str) -> None:
     at once; the other layers stay on the meta device. This is what makes 2 and 4 stages start alike."""
     build = gpt2() if kind == "gpt2" else llama(tied=True)
     whole = on_meta(build)
-    materialize(whole, blocks(whole, kind), range(4), "cpu", seed=5)
+    materialize(whole, blocks(whole, kind), EVERYTHING, "cpu", seed=5)
     reference = whole.state_dict()
     for local in ([0, 1], [2, 3], [1, 2], [3]):
         part = on_meta(build)
-        materialize(part, blocks(part, kind), local, "cpu", seed=5)
+        materialize(part, blocks(part, kind), local + ENDS, "cpu", seed=5)
         held = {k: v for k, v in part.state_dict().items() if not v.is_meta}
         prefix = BLOCKS[kind] + "."
         layers_held = {k.split(".")[len(prefix.split(".")) - 1] for k in held if k.startswith(prefix)}
@@ -116,9 +124,33 @@ def test_any_subset_of_layers_gets_the_same_values(kind: str) -> None:
         for name, value in held.items():
             torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
     other = on_meta(build)
-    materialize(other, blocks(other, kind), range(4), "cpu", seed=6)
+    materialize(other, blocks(other, kind), EVERYTHING, "cpu", seed=6)
     first = f"{BLOCKS[kind]}.0.mlp.{'c_fc' if kind == 'gpt2' else 'up_proj'}.weight"
     assert not torch.equal(other.state_dict()[first], reference[first])  # another seed, other values
+
+
+@pytest.mark.parametrize("kind, tied", [("gpt2", True), ("llama", True), ("llama", False)])
+def test_the_ends_materialised_apart_get_the_values_of_the_whole(kind: str, tied: bool) -> None:
+    """The first stage holds the input embeddings (4), the last the head (5): each gets the value it
+    has when everything is materialised at once, a tied head the embedding's value although that
+    rank never holds the embedding."""
+    build = gpt2() if kind == "gpt2" else llama(tied=tied)
+    whole = on_meta(build)
+    materialize(whole, blocks(whole, kind), EVERYTHING, "cpu", seed=3)
+    reference = whole.state_dict()
+    first, last = on_meta(build), on_meta(build)
+    materialize(first, blocks(first, kind), [0, 1, 4], "cpu", seed=3)
+    materialize(last, blocks(last, kind), [2, 3, 5], "cpu", seed=3)
+    head = "model.lm_head.weight"
+    embedding = "model.transformer.wte.weight" if kind == "gpt2" else "model.model.embed_tokens.weight"
+    assert not first.state_dict()[embedding].is_meta and not last.state_dict()[head].is_meta
+    assert last.state_dict()[embedding].is_meta  # left for the stand-in, tied or not
+    for part in (first, last):
+        for name, value in part.state_dict().items():
+            if not value.is_meta:
+                torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+    if tied:
+        torch.testing.assert_close(last.state_dict()[head], reference[embedding], rtol=0, atol=0)
 
 
 def test_modules_outside_the_hf_model_keep_their_own_rule_and_a_plain_run_starts_alike() -> None:
@@ -183,10 +215,10 @@ def test_an_init_hook_replaces_the_rule() -> None:
 
     meta = on_meta(gpt2())
     check_initializable(meta)
-    materialize(meta, blocks(meta, "gpt2"), [0], "cpu", seed=1, init=init)
+    materialize(meta, blocks(meta, "gpt2"), [0, *ENDS], "cpu", seed=1, init=init)
     assert abs(float(meta.model.transformer.wte.weight.detach().std()) - 0.5) < 0.05
     assert float(meta.model.transformer.h[0].ln_1.weight.detach().std()) > 0.1  # not HF's ones
     assert seen.index("GPT2Attention") > seen.index("Conv1D") and "GPT2LMHeadModel" in seen and "Holder" in seen
     again = on_meta(gpt2())
-    materialize(again, blocks(again, "gpt2"), [0], "cpu", seed=1, init=init)
+    materialize(again, blocks(again, "gpt2"), [0, *ENDS], "cpu", seed=1, init=init)
     assert torch.equal(again.model.transformer.h[0].attn.c_attn.weight, meta.model.transformer.h[0].attn.c_attn.weight)

@@ -71,3 +71,14 @@ def test_resolve_balance_errors() -> None:
         resolve_balance([1, 1, 0], seq, 3)
     with pytest.raises(ValueError, match="sums to 3"):
         resolve_balance([1, 2], seq, 2)
+
+
+def test_parameters_balance_counts_the_ends_on_the_end_stages() -> None:
+    """Six equal blocks and an embedding as large as five of them held by the first stage: the first
+    stage takes fewer blocks."""
+    from lightning_pipe.partition.split import resolve_balance
+
+    blocks = nn.ModuleList([nn.Linear(10, 10) for _ in range(6)])
+    assert resolve_balance("parameters", blocks, 2) == [3, 3]
+    assert resolve_balance("parameters", blocks, 2, end_costs=(550.0, 0.0)) == [1, 5]
+    assert resolve_balance("parameters", blocks, 2, end_costs=(550.0, 550.0)) == [3, 3]

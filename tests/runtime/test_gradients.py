@@ -87,7 +87,8 @@ def test_each_tie_gets_a_group_per_replica_and_the_lowest_stage_counts_it() -> N
     stage = nn.Sequential(nn.Linear(2, 2))
     ties = [{0: "0.weight", 3: "0.weight"}]
     layout = Layout(4, 2)
-    found = tie_groups(ties, layout, stage=3, replica=1, stage_module=stage, new_group=new_group)
+    named = dict(stage.named_parameters())
+    found = tie_groups(ties, layout, stage=3, replica=1, local_params=named, new_group=new_group)
     assert asked == [[0, 6], [1, 7]]  # stage 0 and 3 of replica 0, then of replica 1
     assert found == [("group[1, 7]", stage[0].weight, False)]
-    assert tie_groups(ties, layout, 0, 0, stage, new_group)[0][2] is True
+    assert tie_groups(ties, layout, 0, 0, named, new_group)[0][2] is True
