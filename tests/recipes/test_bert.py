@@ -34,6 +34,8 @@ def test_textdata_on_files_and_the_model(tmp_path: Path) -> None:
         bert_layers(40, "huge")
     with pytest.raises(ValueError, match="needs recipe.data.files"):
         TextData(source="files")
+    with pytest.raises(ValueError, match="bert_mlm masks with its own word tokenizer"):
+        TextData(tokenizer="saved").dataset(torch.zeros(2, 16, dtype=torch.long), seed=0)
 
 
 def test_decoder_is_tied_to_the_word_embeddings() -> None:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 transformers = pytest.importorskip("transformers")
 
 from lightning_pipe.cli import build_strategy, run  # noqa: E402
-from lightning_pipe.recipes.llama import CausalLM, CausalTextData, model_config  # noqa: E402
+from lightning_pipe.recipes.llama import CausalLM, CausalTextData, block_path, model_config  # noqa: E402
 from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
 from tests.models import fit_plain  # noqa: E402
 from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
@@ -141,6 +141,27 @@ def test_the_command_line_starts_from_the_weights(tmp_path: Path, how: list[str]
     with torch.no_grad():
         expected = float(saved(input_ids=batch, labels=batch).loss)
     assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_blocks_of_another_model_type_are_found_by_their_count(tmp_path: Path) -> None:
+    """A checkpoint of a type the recipe has no entry for (Mistral): its one nn.ModuleList of
+    num_hidden_layers modules, found on the meta device."""
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    model = CausalLM(weights=str(tmp_path), max_len=32, build="configure_model")
+    assert model.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"which nn.ModuleList holds its 3 blocks \(candidates: none\); set strategy.module"):
+        block_path(_Depth(3), "mystery")
+
+
+class _Depth(torch.nn.Module):
+    """A model with a depth in its config and no container of that many blocks."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.config = transformers.PretrainedConfig(num_hidden_layers=depth)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
 
 
 class RecordLosses(L.Callback):
