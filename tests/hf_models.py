@@ -33,11 +33,11 @@ def vit(layers: int = 4) -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
-#: name -> (builder, the path of its block container in :class:`HFModule`)
-MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+#: name -> (builder taking the number of blocks (default 4), the path of its block container in :class:`HFModule`)
+MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "gpt2": (gpt2, "model.transformer.h"),
-    "llama_gqa_tied": (lambda: llama(True), "model.model.layers"),
-    "llama_gqa_untied": (lambda: llama(False), "model.model.layers"),
+    "llama_gqa_tied": (lambda layers=4: llama(True, layers), "model.model.layers"),
+    "llama_gqa_untied": (lambda layers=4: llama(False, layers), "model.model.layers"),
     "vit": (vit, "model.vit.layers"),
 }
 
