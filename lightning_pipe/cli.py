@@ -185,8 +185,10 @@ class PlanOnly(L.Callback):
         print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}", flush=True)
 
 
-def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
-    """The Trainer's ``strategy`` and ``devices`` for the ``strategy`` config group."""
+def build_strategy(cfg: DictConfig, devices: Any, defaults: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
+    """The Trainer's ``strategy`` and ``devices`` for the ``strategy`` config group. ``defaults``:
+    strategy arguments the recipe's model asks for (its ``strategy_defaults``, say the ``module``
+    that holds its blocks), used where the group leaves them unset."""
     if cfg.name == "none":
         if str(devices) != "1":
             log.warning(
@@ -197,7 +199,8 @@ def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
         return "auto", 1
     if cfg.name != "pipeline":
         raise ValueError(f"strategy.name={cfg.name!r}: valid names are 'pipeline' and 'none'.")
-    args = {k: cfg[k] for k in STRATEGY_KEYS if k in cfg and cfg[k] is not None}
+    args = {k: v for k, v in (defaults or {}).items() if v is not None}
+    args.update({k: cfg[k] for k in STRATEGY_KEYS if k in cfg and cfg[k] is not None})
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
     return PipelineStrategy(**args), devices
@@ -313,8 +316,8 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     logger = make_logger(str(cfg.get("logger", "csv")), output)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
-    strategy, devices = build_strategy(cfg.strategy, trainer_cfg.pop("devices"))
     model = instantiate_recipe(cfg, "model")
+    strategy, devices = build_strategy(cfg.strategy, trainer_cfg.pop("devices"), getattr(model, "strategy_defaults", None))
     check_tied_weights(cfg, model, devices)
     data = instantiate_recipe(cfg, "data")
     if cfg.strategy.name == "pipeline":

@@ -1,9 +1,11 @@
-"""Ready-made recipes: VGG19 on CIFAR-100 and BERT masked-language-model pre-training.
+"""Ready-made recipes: VGG19 on CIFAR-100, BERT masked-language-model pre-training, and a
+Hugging Face Llama or GPT-2 causal LM.
 
 Installed as ``lightning_pipe.recipes``; each recipe is an ordinary LightningModule whose layers
 form one ``nn.Sequential``, plus a LightningDataModule that works offline by default.
 """
 
+from types import ModuleType
 from typing import Callable
 
 from torch import nn
@@ -24,3 +26,12 @@ def builds_in_configure_model(build: str, layers: Callable[[], nn.Module]) -> bo
 
     with torch.device("meta"):
         return sum(p.numel() for p in layers().parameters()) > LARGE
+
+
+def require_transformers(what: str) -> ModuleType:
+    """``transformers``, an optional dependency (the ``hf`` extra), or an error saying how to get it."""
+    try:
+        import transformers
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"{what} needs Hugging Face transformers: pip install 'lightning-pipe[hf]' ({error})") from error
+    return transformers

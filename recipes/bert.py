@@ -6,33 +6,24 @@ head's decoder weight is the word-embedding matrix (``tie_embeddings``); under t
 first and the last stage each hold a copy and the strategy sums their gradients, so the copies stay
 equal.
 
-Text sources:
-
-- ``stdlib`` (default): the docstrings of the Python standard library installed with the running
-  interpreter, read with ``ast`` (nothing is imported or downloaded): several MB of English.
-- ``files``: the user's own text files (``files=[a.txt, b.txt]``); blank lines separate documents.
-
-The tokenizer is built locally from the training text: lower-cased words and punctuation, the most
-frequent ``vocab_size - 5`` of them, plus ``[PAD] [UNK] [CLS] [SEP] [MASK]``.
+Text: the Python standard library's docstrings or the user's files, with a word tokenizer built
+locally from them (:mod:`lightning_pipe.recipes.text`).
 """
 
 from __future__ import annotations
 
-import ast
-import math
-import re
-import sysconfig
 from collections import Counter
-from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_pipe.recipes import builds_in_configure_model
+from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
+from lightning_pipe.recipes.warmup import warmup_then_decay
 
 SIZES = {
     "tiny": dict(hidden=128, num_layers=2, heads=2, intermediate=512),
@@ -40,9 +31,6 @@ SIZES = {
     "base": dict(hidden=768, num_layers=12, heads=12, intermediate=3072),
     "large": dict(hidden=1024, num_layers=24, heads=16, intermediate=4096),
 }
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-PAD, UNK, CLS, SEP, MASK = range(5)
-_WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
 # ---------------------------------------------------------------------------- model
@@ -187,102 +175,11 @@ class BertMLM(L.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-
-        def factor(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            return max(0.0, (hp.max_steps - step) / max(1, hp.max_steps - hp.warmup_steps))
-
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        schedule = warmup_then_decay(optimizer, hp.warmup_steps, hp.max_steps, "linear")
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-# ---------------------------------------------------------------------------- text and tokens
-def stdlib_documents(limit_chars: Optional[int] = None) -> list[str]:
-    """Docstrings of the installed Python standard library, one document each (module, class or
-    function docstrings of at least 200 characters), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    documents: list[str] = []
-    total = 0
-    for path in sorted(root.rglob("*.py")):
-        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") for part in path.parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 200:
-                    documents.append(" ".join(doc.split()))
-                    total += len(documents[-1])
-                    if limit_chars is not None and total >= limit_chars:
-                        return documents
-    if not documents:
-        raise RuntimeError(f"No docstrings found under {root}; use recipe.data.source=files with your own text.")
-    return documents
-
-
-def file_documents(files: Sequence[str]) -> list[str]:
-    """Documents from text files: paragraphs separated by blank lines."""
-    documents: list[str] = []
-    for name in files:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"recipe.data.files: {path} does not exist")
-        for paragraph in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
-            text = " ".join(paragraph.split())
-            if text:
-                documents.append(text)
-    if not documents:
-        raise ValueError(f"recipe.data.files {list(files)} hold no text")
-    return documents
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
-
-
-class WordTokenizer:
-    """Word-level tokenizer with a vocabulary built from the corpus."""
-
-    def __init__(self, vocab: Sequence[str]) -> None:
-        self.vocab = list(vocab)
-        self.index = {w: i for i, w in enumerate(self.vocab)}
-
-    @classmethod
-    def build(cls, documents: Iterable[str], vocab_size: int) -> "WordTokenizer":
-        counts: Counter[str] = Counter()
-        for doc in documents:
-            counts.update(words(doc))
-        common = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - len(SPECIALS)]
-        return cls(SPECIALS + [w for w, _ in common])
-
-    def __len__(self) -> int:
-        return len(self.vocab)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.index.get(w, UNK) for w in words(text)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(self.vocab[i] for i in ids)
-
-
-def pack(token_lists: Iterable[list[int]], max_len: int) -> torch.Tensor:
-    """Concatenate the documents' tokens and cut them into ``[CLS] ... [SEP]`` rows of ``max_len``."""
-    body = max_len - 2
-    stream: list[int] = []
-    for tokens in token_lists:
-        stream.extend(tokens)
-        stream.append(SEP)
-    rows = len(stream) // body
-    if rows == 0:
-        raise ValueError(f"the corpus has {len(stream)} tokens, fewer than one sequence of {max_len}")
-    data = torch.tensor(stream[: rows * body], dtype=torch.long).view(rows, body)
-    return torch.cat([torch.full((rows, 1), CLS), data, torch.full((rows, 1), SEP)], dim=1)
-
-
+# ---------------------------------------------------------------------------- masking
 class MaskedSequences(Dataset):
     """Rows of token ids with BERT's masking (15% of tokens: 80% [MASK], 10% random, 10% kept).
 
@@ -313,45 +210,10 @@ class MaskedSequences(Dataset):
         return ids, torch.ones_like(ids, dtype=torch.bool), labels
 
 
-class TextData(L.LightningDataModule):
-    def __init__(
-        self,
-        source: str = "stdlib",
-        files: Optional[Sequence[str]] = None,
-        vocab_size: int = 8000,
-        max_len: int = 128,
-        batch_size: int = 32,
-        val_fraction: float = 0.02,
-        limit_chars: Optional[int] = 3_000_000,
-        seed: int = 0,
-        num_workers: int = 0,
-    ) -> None:
-        super().__init__()
-        if source not in ("stdlib", "files"):
-            raise ValueError(f"recipe.data.source={source!r}: valid sources are 'stdlib' and 'files'.")
-        if source == "files" and not files:
-            raise ValueError("recipe.data.source=files needs recipe.data.files=[path, ...]")
-        self.source, self.files = source, list(files or [])
-        self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
-        self.val_fraction, self.limit_chars, self.seed, self.num_workers = val_fraction, limit_chars, seed, num_workers
-        self.tokenizer: Optional[WordTokenizer] = None
-        self.train: Optional[Dataset] = None
-        self.val: Optional[Dataset] = None
+class TextData(CorpusData):
+    """Rows of the corpus (see :mod:`lightning_pipe.recipes.text`) with BERT's masking."""
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train is not None:
-            return
-        documents = stdlib_documents(self.limit_chars) if self.source == "stdlib" else file_documents(self.files)
-        self.tokenizer = WordTokenizer.build(documents, self.vocab_size)
-        rows = pack((self.tokenizer.encode(d) for d in documents), self.max_len)
-        n_val = max(1, int(math.ceil(len(rows) * self.val_fraction))) if len(rows) > 1 else 0
-        self.train = MaskedSequences(rows[n_val:] if n_val else rows, self.vocab_size, self.seed)
-        self.val = MaskedSequences(rows[:n_val] if n_val else rows, self.vocab_size, self.seed + 1)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train is not None
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val is not None
-        return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)
+    def dataset(self, rows: torch.Tensor, seed: int) -> MaskedSequences:
+        if self.tokenizer_dir:
+            raise ValueError("recipe.data.tokenizer: bert_mlm masks with its own word tokenizer; leave it unset.")
+        return MaskedSequences(rows, self.vocab_size, seed)

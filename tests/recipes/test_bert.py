@@ -3,46 +3,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pipe.recipes.bert import (
-    MASK,
-    SPECIALS,
-    BertMLM,
-    MaskedSequences,
-    TextData,
-    WordTokenizer,
-    bert_layers,
-    file_documents,
-    pack,
-    stdlib_documents,
-)
-
-TEXT = """The quick brown fox jumps over the lazy dog. It was the best of times.
-
-A second paragraph, with words the first one did not use: pipeline stages send activations.
-
-Third: the fox again, and the dog again."""
-
-
-def test_file_loader_and_tokenizer(tmp_path: Path) -> None:
-    path = tmp_path / "corpus.txt"
-    path.write_text(TEXT)
-    documents = file_documents([str(path)])
-    assert len(documents) == 3 and documents[1].startswith("A second paragraph")
-    tokenizer = WordTokenizer.build(documents, vocab_size=20)
-    assert len(tokenizer) == 20 and tokenizer.vocab[: len(SPECIALS)] == SPECIALS
-    ids = tokenizer.encode("the fox zebra")
-    assert tokenizer.decode(ids) == "the fox [UNK]"
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        file_documents([str(tmp_path / "missing.txt")])
-
-
-def test_stdlib_corpus_is_real_english() -> None:
-    documents = stdlib_documents(limit_chars=50_000)
-    text = " ".join(documents).lower()
-    assert len(text) >= 50_000
-    for word in (" the ", " of ", " return", " function"):
-        assert word in text
-
+from lightning_pipe.recipes.bert import BertMLM, MaskedSequences, TextData, bert_layers
+from lightning_pipe.recipes.text import MASK, pack
+from tests.recipes.test_text import TEXT
 
 def test_masking_is_a_function_of_the_row_and_its_reads() -> None:
     rows = pack([list(range(5, 60))] * 4, max_len=16)
@@ -71,6 +34,8 @@ def test_textdata_on_files_and_the_model(tmp_path: Path) -> None:
         bert_layers(40, "huge")
     with pytest.raises(ValueError, match="needs recipe.data.files"):
         TextData(source="files")
+    with pytest.raises(ValueError, match="bert_mlm masks with its own word tokenizer"):
+        TextData(tokenizer="saved").dataset(torch.zeros(2, 16, dtype=torch.long), seed=0)
 
 
 def test_decoder_is_tied_to_the_word_embeddings() -> None:
