@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pipe.checkpoint import tie_aliases
-from lightning_pipe.compatibility import as_misconfiguration, check_async, check_shard
+from lightning_pipe.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
@@ -28,9 +28,10 @@ from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.profile import first_batch
 from lightning_pipe.partition.split import stage_bounds
-from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
+from lightning_pipe.partition.virtual import split_of, split_stages, stage_positions, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.run_report import describe_layout
+from lightning_pipe.runtime.copies import written_elsewhere
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
@@ -67,6 +68,12 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, f"{self.attribute}.")
 
+    def written_elsewhere(self) -> frozenset[str]:
+        """This rank's state-dict names that another rank writes to a checkpoint (Chimera's second
+        copies: each stage is written once, by its down pipeline's process)."""
+        num_split = len(self.balance) if self.balance else len(self.split.stages)
+        return written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
+
 
 def split_module(
     module: Any,
@@ -98,8 +105,10 @@ def split_module(
     virtual = config.virtual_stages
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
+    num_split = layout.stages * virtual  # Chimera's 2 x stages run copies of these
+    check_chimera_layout(config.schedule, layout.stages, layout.replicas)
     placement = Placement(layout, rank, tuple(positions), device, backend)
-    if config.balance in MEASURED_BALANCES and len(positions) > 1:
+    if config.balance in MEASURED_BALANCES and num_split > 1:
         p = layout.stages
         balance, profile = measured_balance(
             config.schedule, str(config.balance), config.checkpoint, p, config.num_microbatches(p), virtual,
@@ -108,14 +117,14 @@ def split_module(
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
-        balance = resolve_balance(config.balance, layers, len(positions))
-    ties = ties_by_position(tied_parameters(layers, balance), positions)
+        balance = resolve_balance(config.balance, layers, num_split)
+    ties = ties_by_position(tied_parameters(layers, balance), positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
     deferred_build = has_meta_tensors(module)
     if deferred_build:
         bounds = stage_bounds(balance)
-        local = [i for s in sorted(stages) for i in range(*bounds[s])]
+        local = [i for s in sorted({split_of(s, num_split) for s in stages}) for i in range(*bounds[s])]
         materialize(module, layers, local, device)
     setattr(module, name, stage)
     if spec is not None:

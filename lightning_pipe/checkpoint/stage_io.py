@@ -32,6 +32,7 @@ class Writer:
     broadcast: Callable[[Any], Any]
     barrier: Callable[[], None]
     dp_group: Any = None  # set when the replicas hold shards (``data_parallel="shard"``)
+    skip: frozenset[str] = frozenset()  # names this rank holds that another rank writes (Chimera's copies)
 
 
 def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional[dict[str, Any]] = None) -> None:
@@ -43,6 +44,10 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional
     rest = dict(checkpoint)
     state_dict = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
+    if writer.skip:
+        state_dict = {k: v for k, v in state_dict.items() if k not in writer.skip}
+        if optimizer_states is not None:
+            optimizer_states = [_without(named, writer.skip) for named in optimizer_states]
     if writer.dp_group is not None:  # every replica writes its shards (torch.distributed.checkpoint)
         write_sharded_stage(staged, writer.stage, state_dict, optimizer_states, writer.dp_group, writer.replica == 0, extra, tag)
     elif writer.replica == 0:  # the replicas hold equal copies: one writes them
@@ -53,6 +58,12 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional
     if writer.is_global_zero:
         publish(staged, path)
     writer.barrier()  # no rank reads the checkpoint before it is in place
+
+
+def _without(named: dict[str, Any], skip: frozenset[str]) -> dict[str, Any]:
+    """An optimizer's by-name state without the parameters in ``skip``."""
+    groups = [{**g, "params": [n for n in g["params"] if n not in skip]} for g in named["param_groups"]]
+    return {**named, "state": {n: v for n, v in named["state"].items() if n not in skip}, "param_groups": groups}
 
 
 def load(

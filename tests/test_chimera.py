@@ -1,0 +1,131 @@
+"""Chimera: two pipelines in opposite directions over the same processes train like plain training,
+keep both copies of every stage equal, evaluate, checkpoint each stage once and resume under
+another layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_pipe.checkpoint import is_pipeline_checkpoint
+from tests.models import LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, plain_trainer, token_loader
+from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer, twins
+
+EPOCH = {"max_steps": -1}
+
+
+@pytest.mark.parametrize(
+    "stages, chunks, checkpoint",
+    [
+        (2, 2, "never"),
+        (2, 4, "always"),
+        (4, 4, "always"),
+        (4, 8, "never"),
+    ],
+)
+def test_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str) -> None:
+    """Six SGD-momentum steps (the models' default), chunks = D and 2D."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=2 * stages))  # a Linear on every stage
+    fit_plain(reference)
+    fit_pipeline(piped, stages, schedule="chimera", chunks=chunks, checkpoint=checkpoint)
+    assert_same_weights(reference, piped)
+
+
+def test_both_copies_of_every_stage_stay_equal(tmp_path: Path) -> None:
+    """Each process saves its own module (both of its stages) after training: the two processes
+    holding a stage hold equal weights, and those equal plain training's."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference)
+    fit_pipeline(piped, 4, schedule="chimera", chunks=4, callbacks=[SaveStageState(str(tmp_path))])
+    states = [torch.load(tmp_path / f"end-rank{r}.pt") for r in range(4)]
+    expected = reference.state_dict()
+    for r in range(4):
+        assert set(states[r]) == set(states[3 - r])  # the pair holds the same two stages
+        for name, value in states[r].items():
+            torch.testing.assert_close(value, states[3 - r][name], rtol=0, atol=0)
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_parameters_outside_the_sequential_and_tied_weights(stages: int) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(WrappedNet())
+    fit_plain(reference)
+    fit_pipeline(piped, stages, schedule="chimera", chunks=stages, checkpoint="except_last")
+    assert_same_weights(reference, piped)
+    # TiedNet ties its first and last layer (on processes 0 and D-1, each of which holds both copies)
+    reference, piped = twins(TiedNet())
+    fit_plain(reference, token_loader(), gradient_clip_val=0.5)
+    balance = [2, 3] if stages == 2 else [1, 1, 2, 1]
+    fit_pipeline(piped, stages, token_loader(), schedule="chimera", chunks=2 * stages, gradient_clip_val=0.5, balance=balance)
+    assert_same_weights(reference, piped)
+
+
+def test_evaluate_predict_checkpoint_once_and_resume_under_another_layout(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    initial = LifecycleNet().state_dict()
+    plain_model = LifecycleNet()
+    plain_model.load_state_dict(initial)
+    val = loader(n=20, batch_size=8, seed=5)
+    plain = fit_plain(plain_model, val_data=val, max_epochs=2, **EPOCH)
+
+    piped = LifecycleNet()
+    piped.load_state_dict(initial)
+    trainer = fit_pipeline(
+        piped, 2, val_data=val, schedule="chimera", chunks=4, max_epochs=2, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)], **EPOCH,
+    )  # fmt: skip
+    assert_same_weights(plain_model, piped)
+    for key in ("val_loss", "train_loss"):
+        assert float(trainer.callback_metrics[key]) == pytest.approx(float(plain.callback_metrics[key]), rel=1e-5), key
+    last = tmp_path / "last.ckpt"
+    assert is_pipeline_checkpoint(last)
+    # each stage written once, by its down pipeline's process: the shards hold disjoint names
+    shards = [torch.load(last / f"stage-{r:05d}.pt", weights_only=False) for r in range(2)]
+    names = [set(shard["state_dict"]) for shard in shards]
+    assert names[0] and names[1] and not names[0] & names[1]
+    assert names[0] | names[1] == set(initial)
+
+    # resumes under 1F1B and under Chimera, as plain training goes on
+    three = LifecycleNet()
+    three.load_state_dict(initial)
+    fit_plain(three, max_epochs=3, **EPOCH)
+    for options in ({"schedule": "1f1b", "chunks": 3}, {"schedule": "chimera", "chunks": 2}):
+        resumed = LifecycleNet()
+        fit_pipeline(resumed, 2, ckpt_path=str(last), max_epochs=3, **options, **EPOCH)
+        assert_same_weights(three, resumed)
+
+    expected = torch.cat(plain_trainer().predict(three, loader(batch_size=12)))
+    predictions = pipeline_trainer(2, schedule="chimera", chunks=4).predict(resumed, loader(batch_size=12))
+    assert predictions is not None and len(predictions) == 6
+    torch.testing.assert_close(torch.cat(predictions), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_balance_by_parameters_and_by_time() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="chimera", chunks=4, balance="parameters")
+    assert_same_weights(reference, piped)
+    piped = TinyNet(depth=8)
+    piped.load_state_dict(reference.state_dict())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="chimera", chunks=4, balance="time")
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize(
+    "devices, options, match",
+    [
+        (3, {}, "even number of pipeline stages"),
+        (4, {"stages": 2}, "does not combine with data-parallel replicas"),
+    ],
+)
+def test_layouts_chimera_cannot_run_are_refused(devices: int, options: dict, match: str) -> None:
+    with pytest.raises(Exception, match=match):  # raised in the processes, as Lightning reports it
+        fit_pipeline(TinyNet(depth=8), devices, schedule="chimera", chunks=4, **options)
