@@ -4,13 +4,17 @@ another layout."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import lightning as L
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint
+from lightning_pipe.runtime.replica_grads import ReplicaReducer
 from tests.models import LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, plain_trainer, token_loader
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer, twins
 
@@ -49,6 +53,37 @@ def test_both_copies_of_every_stage_stay_equal(tmp_path: Path) -> None:
         for name, value in states[r].items():
             torch.testing.assert_close(value, states[3 - r][name], rtol=0, atol=0)
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6)
+
+
+class _CopyBuckets(L.Callback):
+    """Buckets of about one layer for the pair's sums, and a record of when each step sent them."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        gradients = trainer.strategy.pipeline.gradients
+        gradients.close()
+        group, params, _ = gradients.copies
+        gradients.reducer = ReplicaReducer(params, group, 200, mean=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        history = trainer.strategy.pipeline.gradients.reducer.history
+        (Path(self.folder) / f"buckets{trainer.global_rank}.json").write_text(json.dumps(history))
+
+
+def test_copies_are_summed_while_the_backward_runs(tmp_path: Path) -> None:
+    """From the second step on, every bucket of the pair's sum starts inside the backward, each copy
+    counting its own pipeline's micro-batches; the weights still equal plain training's."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference)
+    fit_pipeline(piped, 4, schedule="chimera", chunks=8, callbacks=[_CopyBuckets(str(tmp_path))])
+    assert_same_weights(reference, piped)
+    for rank in range(4):
+        history = json.loads((tmp_path / f"buckets{rank}.json").read_text())
+        assert len(history) == 6 and history[0][0] == 0  # the first step counts the accumulations
+        assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
