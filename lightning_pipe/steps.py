@@ -84,7 +84,9 @@ class PipelineSteps:
         self._stop_if_requested()  # after a SIGTERM, every stage stops here at the same step
         context = self._precision.train_step_context
         module, micro, keys, weights, recorder = self.begin_step(self.module, "train", args)
-        rest, ends = args[1:], self.pipeline.ends_here(len(micro))  # where each micro-batch's loss is computed
+        rest = args[1:]
+        with as_misconfiguration():
+            ends = self.pipeline.ends_here(len(micro))  # where each micro-batch's loss is computed
 
         def step(i: int) -> Optional[Tensor]:
             weight, keep = weights[i], ends[i]
