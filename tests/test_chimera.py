@@ -155,6 +155,19 @@ def test_balance_in_every_mode() -> None:
         assert_same_weights(reference, piped)
 
 
+def test_accumulation_clipping_uneven_units_and_evaluation_on_four_processes() -> None:
+    """chunks=6 on 4 processes: a unit of 4 and a short one of 2; validation through the up pipeline."""
+    torch.manual_seed(0)
+    reference, piped = twins(LifecycleNet())
+    fit_plain(reference, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    fit_pipeline(piped, 4, schedule="chimera", chunks=6, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    assert_same_weights(reference, piped)
+    val = loader(n=20, batch_size=8, seed=5)
+    piped_val = pipeline_trainer(4, schedule="chimera", chunks=4).validate(piped, val, verbose=False)
+    plain_val = plain_trainer().validate(reference, val, verbose=False)
+    assert piped_val[0]["val_loss"] == pytest.approx(plain_val[0]["val_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "devices, options, match",
     [
