@@ -15,7 +15,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
-from tests.models import LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, plain_trainer, token_loader
+from tests.models import (
+    DeferredNet, LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, merged_stage_states, plain_trainer,
+    token_loader,
+)
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer, twins
 
 EPOCH = {"max_steps": -1}
@@ -84,6 +87,23 @@ def test_copies_are_summed_while_the_backward_runs(tmp_path: Path) -> None:
         history = json.loads((tmp_path / f"buckets{rank}.json").read_text())
         assert len(history) == 6 and history[0][0] == 0  # the first step counts the accumulations
         assert all(early == total and total >= 2 for early, total in history[1:]), (rank, history)
+
+
+def test_a_model_built_on_the_meta_device_starts_both_copies_as_any_layout_does(tmp_path: Path) -> None:
+    """Layers created in configure_model are initialised per layer from the run's seed, so both
+    copies of a stage (on two processes) start equal to each other and to 1F1B's single copy."""
+    for schedule in ("1f1b", "chimera"):
+        folder = tmp_path / schedule
+        folder.mkdir()
+        torch.manual_seed(0)
+        fit_pipeline(DeferredNet(), 4, schedule=schedule, chunks=4, max_steps=1, callbacks=[SaveStageState(str(folder), start=True)])
+    single = merged_stage_states(str(tmp_path / "1f1b"), 4, start=True)
+    copies = [torch.load(tmp_path / "chimera" / f"start-rank{r}.pt") for r in range(4)]
+    one = [torch.load(tmp_path / "1f1b" / f"start-rank{r}.pt") for r in range(4)]
+    for r in range(4):
+        assert set(copies[r]) == set(copies[3 - r]) == set(one[r]) | set(one[3 - r])  # both stages materialised
+        for name, value in copies[r].items():
+            torch.testing.assert_close(value, single[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
