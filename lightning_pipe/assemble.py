@@ -31,7 +31,7 @@ from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, stage_positions, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.run_report import describe_layout
-from lightning_pipe.runtime.copies import written_elsewhere
+from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
@@ -68,11 +68,13 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, f"{self.attribute}.")
 
-    def written_elsewhere(self) -> frozenset[str]:
-        """This rank's state-dict names that another rank writes to a checkpoint (Chimera's second
-        copies: each stage is written once, by its down pipeline's process)."""
+    def written_elsewhere(self) -> dict[str, Any]:
+        """What this rank leaves to another rank when writing a checkpoint (Chimera's second copies:
+        each stage is written once, by its down pipeline's process), as ``stage_io.Writer``'s ``skip``
+        (state-dict names) and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
         num_split = len(self.balance) if self.balance else len(self.split.stages)
-        return written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
+        skip = written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
+        return {"skip": skip, "rename": renamed_ties(self.split.host, skip, f"{self.attribute}.") if skip else {}}
 
 
 def split_module(

@@ -161,6 +161,27 @@ def test_evaluate_predict_checkpoint_once_and_resume_under_another_layout(tmp_pa
     torch.testing.assert_close(torch.cat(predictions), expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("writer", ["1f1b", "chimera"])
+def test_tied_weights_resume_across_layouts(tmp_path: Path, writer: str) -> None:
+    """A tied weight's copy on the last stage keeps its optimizer state in a Chimera checkpoint too
+    (written under that stage's name, as 1F1B writes it), so 1F1B and Chimera resume from either."""
+    torch.manual_seed(0)
+    initial = TiedNet().state_dict()
+    two = TiedNet()
+    two.load_state_dict(initial)
+    fit_plain(two, token_loader(), max_epochs=2, **EPOCH)
+    piped = TiedNet()
+    piped.load_state_dict(initial)
+    fit_pipeline(
+        piped, 2, token_loader(), schedule=writer, chunks=4, max_epochs=1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)], **EPOCH,
+    )  # fmt: skip
+    for options in ({"schedule": "1f1b", "chunks": 3}, {"schedule": "chimera", "chunks": 2}):
+        resumed = TiedNet()
+        fit_pipeline(resumed, 2, token_loader(), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=2, balance=[2, 3], **options, **EPOCH)
+        assert_same_weights(two, resumed)
+
+
 def test_balance_in_every_mode() -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=8))

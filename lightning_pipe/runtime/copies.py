@@ -58,6 +58,20 @@ def written_elsewhere(stages: Mapping[int, nn.Module], num_split: int, prefix: s
     return frozenset(copies - own)
 
 
+def renamed_ties(host: nn.Module, skip: frozenset[str], prefix: str) -> dict[str, str]:
+    """For a weight tied across stages whose first name on this rank (the optimizer's) is in ``skip``
+    (a copy another rank writes), that name -> the name this rank writes it under (its own stage's)."""
+    names: dict[int, list[str]] = {}
+    for name, param in host.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(f"{prefix}{name}")
+    renamed = {}
+    for held in names.values():
+        kept = [n for n in held if n not in skip]
+        if held[0] in skip and kept:
+            renamed[held[0]] = kept[0]
+    return renamed
+
+
 def loss_ranks(schedule: Schedule, pipeline_ranks: Sequence[int]) -> list[int]:
     """The global ranks holding a last stage, where the user's step computes losses; the last stage
     of the whole split (the one the others send their results to) last."""
@@ -65,4 +79,4 @@ def loss_ranks(schedule: Schedule, pipeline_ranks: Sequence[int]) -> list[int]:
     return [pipeline_ranks[r] for r in dict.fromkeys(lasts)]
 
 
-__all__ = ["loss_ranks", "reaching", "stage_copies", "written_elsewhere"]
+__all__ = ["loss_ranks", "reaching", "renamed_ties", "stage_copies", "written_elsewhere"]

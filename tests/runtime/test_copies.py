@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
-from lightning_pipe.runtime.copies import loss_ranks, reaching, written_elsewhere
+from lightning_pipe.runtime.copies import loss_ranks, reaching, renamed_ties, written_elsewhere
 from lightning_pipe.schedules import chimera, one_f_one_b
 
 
@@ -62,3 +62,15 @@ def test_checkpoint_names_written_by_the_other_process() -> None:
     assert written_elsewhere(stages, 4, "layers.") == {"layers.0.weight", "layers.0.bias"}
     _, single = split_stages(layers, [3, 3], [0, 1], 0)
     assert written_elsewhere(single, 2, "layers.") == frozenset()
+
+
+def test_a_tied_weight_is_written_under_the_name_of_the_stage_that_writes_it() -> None:
+    layers = _layers()
+    layers[5].weight = layers[0].weight  # tied first and last layer
+    positions = stage_positions("chimera", 4, 1)
+    host, stages = split_stages(layers, [1, 2, 2, 1], positions, 3)  # stage 3 and the up copy of stage 0
+    skip = written_elsewhere(stages, 4, "layers.")
+    assert "layers.0.weight" in skip and "layers.5.weight" not in skip
+    assert renamed_ties(host, skip, "layers.") == {"layers.0.weight": "layers.5.weight"}
+    host, stages = split_stages(layers, [1, 2, 2, 1], positions, 0)  # stage 0 writes its own name
+    assert renamed_ties(host, written_elsewhere(stages, 4, "layers."), "layers.") == {}
