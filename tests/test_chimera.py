@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint
+from lightning_pipe.checkpoint import main as consolidate_main
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
 from tests.models import (
     DeferredNet, LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, merged_stage_states, plain_trainer,
@@ -155,6 +156,10 @@ def test_evaluate_predict_checkpoint_once_and_resume_under_another_layout(tmp_pa
         fit_pipeline(resumed, 2, ckpt_path=str(last), max_epochs=3, **options, **EPOCH)
         assert_same_weights(three, resumed)
 
+    plain_file = tmp_path / "plain.ckpt"
+    consolidate_main([str(last), str(plain_file)])
+    assert_same_weights(plain_model, LifecycleNet.load_from_checkpoint(plain_file, weights_only=True))
+
     expected = torch.cat(plain_trainer().predict(three, loader(batch_size=12)))
     predictions = pipeline_trainer(2, schedule="chimera", chunks=4).predict(resumed, loader(batch_size=12))
     assert predictions is not None and len(predictions) == 6
@@ -180,6 +185,10 @@ def test_tied_weights_resume_across_layouts(tmp_path: Path, writer: str) -> None
         resumed = TiedNet()
         fit_pipeline(resumed, 2, token_loader(), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=2, balance=[2, 3], **options, **EPOCH)
         assert_same_weights(two, resumed)
+    # consolidated, the optimizer holds the tied tensor once, as plain training's does
+    consolidate_main([str(tmp_path / "last.ckpt"), str(tmp_path / "plain.ckpt")])
+    saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)
+    assert [len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"]] == [len(list(TiedNet().parameters()))]
 
 
 def test_balance_in_every_mode() -> None:
