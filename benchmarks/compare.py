@@ -12,7 +12,8 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   (``accumulate_grad_batches=chunks``): the work a pipeline divides between its stages;
 - ``pipe_1stage``: lightning-pipe on one process (one stage, the same micro-batches): its
   overhead over ``plain_micro``;
-- ``pipe_<schedule>``: lightning-pipe with each schedule; ``pipe_1f1b_unfused``: its 1F1B with
+- ``pipe_<schedule>``: lightning-pipe with each schedule (``pipe_chimera``: Chimera, the same split
+  kept twice, in two pipelines in opposite directions); ``pipe_1f1b_unfused``: its 1F1B with
   gradient-accumulation fusion switched off (``gradient_accumulation_fusion=False``), which shows
   what the fusion is worth and how the rest of lightning-pipe compares with torch's;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and

@@ -112,17 +112,19 @@ def run_one(schedule: str, args: argparse.Namespace, folder: str) -> dict[str, A
 def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> dict[str, Any]:
     """Measured bubble per rank, the simulated one from the measured stage costs, memory per rank."""
     per_stage: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    bubbles = []
+    bubbles, executor = [], []
     for rank in result["ranks"]:
-        shares = []
+        shares, steps = [], []
         for spans in rank["steps"]:
             step = next(sec for name, _, sec in spans if name == "step")
+            steps.append(step)
             busy = sum(sec for name, _, sec in spans if name in COMPUTE)
             shares.append(1.0 - busy / step)
             for name, stage, sec in spans:
                 if name in COMPUTE:
                     per_stage[stage][name].append(sec)
         bubbles.append(statistics.median(shares))
+        executor.append(statistics.median(steps))
     # median action time per stage, scaled to one step's worth of micro-batches
     costs = [
         tuple(statistics.median(per_stage[s][k]) if per_stage[s][k] else 0.0 for k in COMPUTE) for s in sorted(per_stage)
@@ -132,6 +134,9 @@ def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> 
     return {
         "median_step_s": statistics.median(result["step_s"]),
         "measured_bubble_per_rank": bubbles,
+        # the executor's share of the step (the schedule's actions); the rest is outside it: the
+        # gradients' hand-over (sums over ranks), the optimizer step, Lightning's work between steps
+        "executor_step_ms_per_rank": [1e3 * e for e in executor],
         "simulated_bubble": simulated.bubble_fraction,
         "stage_costs_ms": [[round(1e3 * c, 2) for c in stage] for stage in costs],
         "peak_activation_mib_per_rank": [r["peak_bytes"] / 2**20 for r in result["ranks"]],
@@ -171,6 +176,7 @@ def main() -> None:
             f"speedup_over_{base}_median": statistics.median(ratios),
             f"faster_than_{base}_in_rounds": sum(v > 1 for v in ratios),
             "measured_bubble_per_rank": [statistics.median(e["measured_bubble_per_rank"][r] for e in entries) for r in range(args.stages)],
+            "executor_step_ms_per_rank": [statistics.median(e["executor_step_ms_per_rank"][r] for e in entries) for r in range(args.stages)],
             "simulated_bubble": statistics.median(e["simulated_bubble"] for e in entries),
             "stage_costs_ms": entries[len(entries) // 2]["stage_costs_ms"],
             "peak_activation_mib_per_rank": [max(e["peak_activation_mib_per_rank"][r] for e in entries) for r in range(args.stages)],

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pipe.checkpoint import tie_aliases
-from lightning_pipe.compatibility import as_misconfiguration, check_async, check_shard
+from lightning_pipe.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
@@ -29,11 +29,12 @@ from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.profile import first_batch
 from lightning_pipe.partition.split import stage_bounds
-from lightning_pipe.partition.virtual import split_stages, stage_positions, ties_by_position
+from lightning_pipe.partition.virtual import split_of, split_stages, stage_positions, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.run_report import describe_layout
-from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
+from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.blocks import BlockStage
+from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async
@@ -72,6 +73,14 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, "")
 
+    def written_elsewhere(self) -> dict[str, Any]:
+        """What this rank leaves to another rank when writing a checkpoint (Chimera's second copies:
+        each stage is written once, by its down pipeline's process), as ``stage_io.Writer``'s ``skip``
+        (state-dict names) and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
+        num_split = len(self.balance) if self.balance else len(self.split.stages)
+        skip = written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
+        return {"skip": skip, "rename": renamed_ties(self.split.host, skip, f"{self.attribute}.") if skip else {}}
+
 
 def split_module(
     module: Any,
@@ -96,13 +105,8 @@ def split_module(
             return previous
         placement = Placement(layout, rank, tuple(range(layout.stages)), device, backend)
         return ModuleSplit(config, placement, name, StageSplit(layers, {placement.stage: layers}))
-    if not isinstance(layers, nn.Sequential) and (config.plan == "auto" or config.balance in MEASURED_BALANCES):
-        measuring = "plan='auto'" if config.plan == "auto" else f"balance={config.balance!r}"
-        raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
-            f"runs with arguments computed on the way; {measuring} profiles an nn.Sequential layer by layer and does "
-            "not measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
-        )
+    if not isinstance(layers, nn.Sequential):
+        refuse_for_blocks(config)
     profile = previous.profile if previous is not None else None
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
@@ -110,9 +114,11 @@ def split_module(
     virtual = config.virtual_stages
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
+    num_split = layout.stages * virtual  # Chimera's 2 x stages run copies of these
+    check_chimera_layout(config.schedule, layout.stages, layout.replicas)
     placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
-    if config.balance in MEASURED_BALANCES and len(positions) > 1:
+    if config.balance in MEASURED_BALANCES and num_split > 1:
         p = layout.stages
         balance, profile = measured_balance(
             config.schedule, str(config.balance), config.checkpoint, p, config.num_microbatches(p), virtual,
@@ -121,29 +127,29 @@ def split_module(
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
-        balance = resolve_balance(config.balance, layers, len(positions), end_parameters(ends))
+        balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
     with_ends = extended(layers, ends)
-    num_stages = len(positions)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
-    tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_stages))
-    ties = ties_by_position([in_module(tie, paths) for tie in tied], positions)
+    tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_split))
+    ties = ties_by_position([in_module(tie, paths) for tie in tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
-    local = [i for s in sorted(stages) for i in range(*bounds[s])]
-    local += local_end_indices(len(layers), ends, list(stages), num_stages)
+    held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
+    local = [i for s in held_split for i in range(*bounds[s])]
+    local += local_end_indices(len(layers), ends, held_split, num_split)
     if deferred_build:
         materialize(module, with_ends, local, device, init=config.init)
     place(module, name, stage)
-    stand_in_ends(module, ends, first=0 in stages)
+    stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
     if spec is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
         chunks = config.num_microbatches(layout.stages)
         rank_zero_info(describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks))
-    held_ends = held_end_parameters(ends, list(stages), num_stages)
+    held_ends = held_end_parameters(ends, held_split, num_split)
     return ModuleSplit(
         config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates, held_ends
     )
@@ -156,6 +162,23 @@ def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
         index, _, rest = name.partition(".")
         out[stage] = f"{paths[int(index)]}.{rest}"
     return out
+
+
+def refuse_for_blocks(config: PipelineConfig) -> None:
+    """What a block container (an ``nn.ModuleList`` the model's forward loops over) cannot run yet."""
+    if config.plan == "auto" or config.balance in MEASURED_BALANCES:
+        measuring = "plan='auto'" if config.plan == "auto" else f"balance={config.balance!r}"
+        raise ValueError(
+            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
+            f"runs with arguments computed on the way; {measuring} profiles an nn.Sequential layer by layer and does "
+            "not measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
+        )
+    if config.schedule == "chimera":
+        raise ValueError(
+            f"PipelineStrategy(module={config.module!r}) names a block container, and schedule='chimera' runs "
+            "copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
+            "'zero_bubble' or 'interleaved_1f1b'), or an nn.Sequential."
+        )
 
 
 def measure_inputs(

@@ -43,6 +43,25 @@ def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool) -> No
         )
 
 
+def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
+    """Chimera pairs process ``i`` with process ``stages - 1 - i`` (they hold the same two stages), and
+    does not combine with data-parallel replicas of the pipeline."""
+    if schedule != "chimera":
+        return
+    if stages < 2 or stages % 2:
+        raise MisconfigurationException(
+            f"schedule='chimera' needs an even number of pipeline stages >= 2 (process i holds stage i of the down "
+            f"pipeline and stage {max(stages, 2) - 1}-i of the up one), got {stages}. Use devices (or stages=) 2, 4, "
+            "6, ..., or schedule='1f1b'."
+        )
+    if replicas > 1:
+        raise MisconfigurationException(
+            f"schedule='chimera' does not combine with data-parallel replicas (stages={stages} on "
+            f"{stages * replicas} processes): its two pipelines already hold each stage twice. Run it with stages "
+            "equal to the number of processes, or use schedule='1f1b' (or 'zero_bubble') with replicas."
+        )
+
+
 def check_async(
     schedule: str, module: nn.Module, shared: Sequence[nn.Parameter], tied: bool, stages: int, num_microbatches: int, scaler: Any
 ) -> None:

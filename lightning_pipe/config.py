@@ -33,7 +33,8 @@ class PipelineConfig:
     Attributes:
         schedule: micro-batch order: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
             (ZB-H1: each backward split into the input gradient and, later, the weight gradient),
-            ``"interleaved_zero_bubble"``, ``"zbv"``, or an asynchronous one (``"pipedream"``,
+            ``"interleaved_zero_bubble"``, ``"zbv"``, ``"chimera"`` (two pipelines in opposite
+            directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
             ``"pipedream_2bw"``).
         chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.

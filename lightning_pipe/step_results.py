@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -120,6 +120,50 @@ class StepRecorder:
                 kwargs["batch_size"] = entry.batch_size
             logs.append((name, entry.mean(), kwargs))
         return {"loss": loss, "logs": logs}
+
+
+    def portable(self) -> dict[str, Any]:
+        """The sums so far as plain numbers, to be absorbed by another rank's recorder (see
+        :func:`gather_recorders`); metric objects stay with this rank."""
+        loss = float(self._loss_sum) if self._loss_sum is not None else None
+        logged = {
+            name: dict(entry.__dict__, weighted_sum=float(entry.weighted_sum), sized_sum=float(entry.sized_sum))
+            for name, entry in self.logged.items()
+        }
+        return {"loss": (loss, self._loss_weight), "logged": logged}
+
+    def absorb(self, state: dict[str, Any]) -> None:
+        """Add another recorder's :meth:`portable` sums to this one's: the batch's micro-batches whose
+        steps ran there."""
+        loss, weight = state["loss"]
+        if loss is not None:
+            self._loss_sum = torch.tensor(loss) if self._loss_sum is None else self._loss_sum + loss
+            self._loss_weight += weight
+        for name, other in state["logged"].items():
+            entry = self.logged.setdefault(name, _Logged())
+            entry.weighted_sum += other["weighted_sum"]
+            entry.weight += other["weight"]
+            entry.calls += other["calls"]
+            entry.sized_calls += other["sized_calls"]
+            entry.sized_sum += other["sized_sum"]
+            if other["batch_size"] is not None:
+                entry.batch_size = (entry.batch_size or 0) + other["batch_size"]
+            entry.kwargs = other["kwargs"]
+
+
+def gather_recorders(recorder: StepRecorder, ranks: Sequence[int], rank: int, group: Any) -> None:
+    """Where a step's losses are computed on several ranks (Chimera's two pipelines end on the first
+    and the last process), the earlier ``ranks`` send their recorder's sums to the last, which
+    absorbs them and shares the step's summary as usual."""
+    import torch.distributed as dist
+
+    if rank in ranks[:-1]:
+        dist.send_object_list([recorder.portable()], dst=ranks[-1], group=group)
+    elif rank == ranks[-1]:
+        for source in ranks[:-1]:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=source, group=group)
+            recorder.absorb(box[0])
 
 
 def _as_scalar(value: Any) -> Union[float, Tensor, None]:

@@ -25,7 +25,7 @@ from lightning_pipe.runtime.microbatch import batch_size, merge, signature, spli
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas, is_padding
 from lightning_pipe.runtime.topology import Topology
-from lightning_pipe.step_results import StepRecorder, SummarySharing, replay, step_loss
+from lightning_pipe.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
 
 _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
     "train": ("training", "train_dataloader"),
@@ -84,10 +84,12 @@ class PipelineSteps:
         self._stop_if_requested()  # after a SIGTERM, every stage stops here at the same step
         context = self._precision.train_step_context
         module, micro, keys, weights, recorder = self.begin_step(self.module, "train", args)
-        rest, keep = args[1:], self.placement.is_last_stage
+        rest = args[1:]
+        with as_misconfiguration():
+            ends = self.pipeline.ends_here(len(micro))  # where each micro-batch's loss is computed
 
         def step(i: int) -> Optional[Tensor]:
-            weight = weights[i]
+            weight, keep = weights[i], ends[i]
             with recorder.capture(module, weight, keep):
                 output = module.training_step(micro[i], *rest, **kwargs)
             if not keep:
@@ -112,6 +114,10 @@ class PipelineSteps:
             return self._async_training_step(module, keys, recorder, step, context, rest[0] if rest else 0)
         with as_misconfiguration():
             self.pipeline.train_step(keys, step, context)
+        losses_at = self.pipeline.loss_ranks(len(micro))
+        if len(losses_at) > 1:  # Chimera: the down pipeline's results join the up pipeline's first
+            self.finish_pending()
+            gather_recorders(recorder, losses_at, self.placement.rank, self._meta_group)
         summary = self.share("train", recorder)
         replay(module, summary, self.device)
         recorder.log_local(module)

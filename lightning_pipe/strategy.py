@@ -273,6 +273,7 @@ class PipelineStrategy(ProcessStrategy):
         writer = stage_io.Writer(
             self.stage, self.num_stages, self.replica, self.is_global_zero, self.broadcast, self.barrier,
             self._topology.dp_group if self.sharded and self._topology is not None else None,
+            **(self._split.written_elsewhere() if self._split is not None else {}),
         )  # fmt: skip
         hooks.save_checkpoint(checkpoint, filepath, storage_options, writer, self.pipeline.state_dict())
 

@@ -100,6 +100,7 @@ def test_sync_schedules_measures_the_bubble_from_the_spans_and_simulates_the_mea
     assert summary["stage_costs_ms"] == [[1000.0, 2000.0, 0.0], [1000.0, 2000.0, 0.0]]
     assert summary["simulated_bubble"] == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
     assert summary["peak_activation_mib_per_rank"] == [1.0, 2.0]
+    assert summary["executor_step_ms_per_rank"] == [12000.0, 12000.0]
 
 
 def test_vgg_balance_table_marks_the_fastest_per_stage_count_and_the_chart_has_a_bar_per_layout() -> None:

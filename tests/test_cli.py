@@ -47,7 +47,7 @@ def _check_keys(cfg: DictConfig) -> None:
 
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "llama", "vgg19_cifar100"]
-    assert GROUPS["strategy"] == ["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
+    assert GROUPS["strategy"] == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
 
 
@@ -99,6 +99,8 @@ def test_virtual_stages_reach_the_strategy() -> None:
     izb = build_strategy(_compose(["strategy=interleaved_zero_bubble", "strategy.virtual_stages=4"]).strategy, 2)[0]
     assert (izb.schedule_name, izb.virtual_stages) == ("interleaved_zero_bubble", 4)
     assert build_strategy(_compose(["strategy=zero_bubble"]).strategy, 2)[0].virtual_stages == 1
+    chimera = build_strategy(_compose(["strategy=chimera", "strategy.chunks=8"]).strategy, 2)[0]
+    assert (chimera.schedule_name, chimera.virtual_stages, chimera.config.chunks) == ("chimera", 1, 8)
     with pytest.raises(ValueError, match="one stage per process"):
         build_strategy(_compose(["strategy=gpipe", "strategy.virtual_stages=2"]).strategy, 2)
 
@@ -190,7 +192,7 @@ def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path)
 
 
 @pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
-@pytest.mark.parametrize("strategy", ["gpipe", "1f1b", "none", "zbv"])
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b", "none", "zbv", "chimera"])
 def test_each_recipe_runs(tmp_path: Path, recipe: str, strategy: str) -> None:
     cfg = _compose([f"recipe={recipe}", f"strategy={strategy}", *SMALL[recipe], *QUICK]
                    + ([] if strategy == "none" else ["strategy.start_method=fork", "strategy.chunks=2"]))  # fmt: skip
@@ -238,7 +240,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
-    assert "strategy: 1f1b, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
+    assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
     assert sorted(own) == ["checkpoint", "logger", "seed", "timeline"]

@@ -127,3 +127,9 @@ def test_measuring_a_block_container_is_refused_before_training(options: dict, n
     build, path = MODELS["gpt2"]
     with pytest.raises(Exception, match=rf"names a block container.*{named} profiles an nn.Sequential"):
         fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, **options)
+
+
+def test_chimera_on_a_block_container_is_refused_before_training() -> None:
+    build, path = MODELS["gpt2"]
+    with pytest.raises(Exception, match=r"names a block container, and schedule='chimera' runs copies"):
+        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, schedule="chimera")

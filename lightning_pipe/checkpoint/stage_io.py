@@ -9,9 +9,9 @@ Lightning checkpoint), so a run resumes under another layout.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_pipe.checkpoint.files import is_pipeline_checkpoint, write_meta, write_shard, write_sharded_stage
 from lightning_pipe.checkpoint.files import read as read_checkpoint
@@ -32,6 +32,10 @@ class Writer:
     broadcast: Callable[[Any], Any]
     barrier: Callable[[], None]
     dp_group: Any = None  # set when the replicas hold shards (``data_parallel="shard"``)
+    skip: frozenset[str] = frozenset()  # names this rank holds that another rank writes (Chimera's copies)
+    # optimizer-state names of tensors this rank writes under another of their names: a weight tied
+    # to another stage, whose first name is that of a copy written elsewhere (Chimera)
+    rename: Mapping[str, str] = field(default_factory=dict)
 
 
 def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional[dict[str, Any]] = None) -> None:
@@ -43,6 +47,10 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional
     rest = dict(checkpoint)
     state_dict = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
+    if writer.skip:
+        state_dict = {k: v for k, v in state_dict.items() if k not in writer.skip}
+        if optimizer_states is not None:
+            optimizer_states = [_without(named, writer.skip, writer.rename) for named in optimizer_states]
     if writer.dp_group is not None:  # every replica writes its shards (torch.distributed.checkpoint)
         write_sharded_stage(staged, writer.stage, state_dict, optimizer_states, writer.dp_group, writer.replica == 0, extra, tag)
     elif writer.replica == 0:  # the replicas hold equal copies: one writes them
@@ -53,6 +61,21 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional
     if writer.is_global_zero:
         publish(staged, path)
     writer.barrier()  # no rank reads the checkpoint before it is in place
+
+
+def _without(named: dict[str, Any], skip: frozenset[str], rename: Mapping[str, str]) -> dict[str, Any]:
+    """An optimizer's by-name state without the parameters in ``skip``; the states named in ``rename``
+    are kept under their new name, as the copy of a tied weight (an alias of its first name, like a
+    tied weight on a later stage of 1F1B: no group member, its state kept for a layout that resumes it)."""
+    state = {rename.get(n, n): v for n, v in named["state"].items()}
+    groups = [{**g, "params": [n for n in g["params"] if n not in skip]} for g in named["param_groups"]]
+    out = {**named, "state": {n: v for n, v in state.items() if n not in skip}, "param_groups": groups}
+    aliases = {k: v for k, v in (named.get("aliases") or {}).items() if k not in skip and k != v}
+    aliases.update({new: old for old, new in rename.items()})
+    out.pop("aliases", None)
+    if aliases:
+        out["aliases"] = aliases
+    return out
 
 
 def load(

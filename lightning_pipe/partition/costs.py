@@ -117,7 +117,10 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
     if is_async(schedule):
         return [num_stages - s for s in range(num_stages)]
     peaks = peak_in_flight(build(schedule, num_stages, num_microbatches, virtual_stages))
-    return [peaks.get(s, 0) for s in range(num_stages * virtual_stages)]
+    held = [peaks.get(s, 0) for s in range(num_stages * virtual_stages)]
+    if schedule == "chimera":  # each stage runs twice: the down pipeline's and the up pipeline's copy
+        held = [n + peaks.get(num_stages + s, 0) for s, n in enumerate(held)]
+    return held
 
 
 __all__ = ["LayerCost", "MEASURED_BALANCES", "Profile", "in_flight_microbatches"]

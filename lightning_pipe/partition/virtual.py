@@ -1,7 +1,9 @@
 """Several stages per process: which process holds which stage, and the modules that hold them.
 
 The layers are split into ``p x v`` stages by ``balance``; each process holds ``v`` of them (where
-depends on the schedule: every ``p``-th stage for interleaved 1F1B, a V for ZB-V). The process's
+depends on the schedule: every ``p``-th stage for interleaved 1F1B, a V for ZB-V). Chimera splits
+the layers into ``p`` stages and runs each twice: schedule stage ``s`` of its ``2p`` runs the layers
+of split stage ``s mod p`` (:func:`split_of`), the copy ``p + k`` on process ``p - 1 - k``. The process's
 LightningModule gets one module with all its layers under their original names (so parameter
 names, checkpoints and optimizers see one module), and each stage runs as its own view of it.
 """
@@ -9,24 +11,34 @@ names, checkpoints and optimizers see one module), and each stage runs as its ow
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from torch import nn
 
 from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
 from lightning_pipe.runtime.stage import StageModule
+from lightning_pipe.schedules.chimera import chimera_stage_to_rank
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
 
 def stage_positions(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]:
-    """For each of the ``num_ranks x virtual_stages`` stages, the pipeline position that holds it."""
+    """For each of the ``num_ranks x virtual_stages`` stages (Chimera: ``2 x num_ranks``, two copies
+    of ``num_ranks``), the pipeline position that holds it."""
     if schedule == "zbv":
         return zbv_stage_to_rank(num_ranks)
+    if schedule == "chimera":
+        return chimera_stage_to_rank(num_ranks)
     return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
 Stage = Union[StageModule, BlockStage]
+
+
+def split_of(stage: int, num_split: int) -> int:
+    """The split stage (of ``num_split``) whose layers schedule stage ``stage`` runs: itself, or for
+    Chimera's copies (stages ``num_split`` and up), the stage they copy."""
+    return stage % num_split
 
 
 def split_stages(
@@ -35,33 +47,45 @@ def split_stages(
     """The module that replaces the layers on pipeline ``position`` and its stages by index. With
     one stage per position the two are the same module. An ``nn.Sequential`` becomes
     :class:`StageModule` (the model calls it); an ``nn.ModuleList`` of blocks becomes
-    :class:`BlockStage` (the model's forward loops over it)."""
-    num_stages = len(positions)
-    make: Callable[["OrderedDict[str, nn.Module]", int], Stage]
+    :class:`BlockStage` (the model's forward loops over it). With more schedule stages than the
+    split has (Chimera's two copies), stage ``s`` runs split stage ``s mod len(balance)``, as the
+    first or last stage where that one is."""
+    num_stages, num_split = len(positions), len(balance)
+    make: Callable[["OrderedDict[str, nn.Module]", int, int], Stage]
     if isinstance(layers, nn.Sequential):
-        make = lambda held, s: StageModule(held, s, num_stages)  # noqa: E731
+        make = lambda held, s, n: StageModule(held, s, n)  # noqa: E731
     else:
         shells = [BlockShell(block) for block in layers]
-        make = lambda held, s: BlockStage(held, s, num_stages, shells)  # noqa: E731
+        make = lambda held, s, n: BlockStage(held, s, n, shells)  # noqa: E731
     mine = [s for s, p in enumerate(positions) if p == position]
-    stages = {s: make(stage_layers(layers, balance, s), s) for s in mine}
+    if num_stages == num_split:
+        stages = {s: make(stage_layers(layers, balance, s), s, num_stages) for s in mine}
+    else:
+        stages = {s: make(stage_layers(layers, balance, split_of(s, num_split)), split_of(s, num_split), num_split) for s in mine}
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: "OrderedDict[str, nn.Module]" = OrderedDict()
     for s in sorted(mine):
-        held.update(stage_layers(layers, balance, s))
-    host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine))
+        held.update(stage_layers(layers, balance, split_of(s, num_split)))
+    host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine), num_stages)
     return host, stages
 
 
-def ties_by_position(ties: Sequence[dict[int, str]], positions: Sequence[int]) -> list[dict[int, str]]:
+def ties_by_position(
+    ties: Sequence[dict[int, str]], positions: Sequence[int], num_split: Optional[int] = None
+) -> list[dict[int, str]]:
     """Weights shared across stages, keyed by the positions that hold a copy (two stages on one
-    position share the very tensor and need no reduction); only ties over several positions."""
+    position share the very tensor and need no reduction); only ties over several positions. Ties
+    are given over the ``num_split`` stages of the split (default: one per entry of ``positions``);
+    where the schedule runs copies of them (Chimera), a position holding several of the tied layers
+    names the tensor as its module does (the lowest layer's name)."""
+    num_split = len(positions) if num_split is None else num_split
     out = []
     for tie in ties:
         held: dict[int, str] = {}
-        for stage, name in sorted(tie.items()):
-            held.setdefault(positions[stage], name)
+        stages = [s for s in range(len(positions)) if split_of(s, num_split) in tie]
+        for stage in sorted(stages, key=lambda s: (split_of(s, num_split), s)):
+            held.setdefault(positions[stage], tie[split_of(stage, num_split)])
         if len(held) > 1:
             out.append(held)
     return out

@@ -34,9 +34,10 @@ from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
 from lightning_pipe.schedules import DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate
 from lightning_pipe.schedules.interleaved import ROUNDED
+from lightning_pipe.schedules.chimera import chimera_stage_to_rank
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
-PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "chimera")
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")
 PLAN_CHECKPOINTS = ("never", "except_last", "always")
 PLAN_VIRTUAL = (2, 3, 4)  # stages per rank tried for the interleaved schedules
@@ -105,6 +106,8 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]
     (:func:`lightning_pipe.partition.virtual.stage_positions`)."""
     if schedule == "zbv":
         return zbv_stage_to_rank(num_ranks)
+    if schedule == "chimera":  # 2 x num_ranks schedule stages, two copies of num_ranks
+        return chimera_stage_to_rank(num_ranks)
     return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
@@ -178,6 +181,8 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
     for schedule in schedules:
         if stages == 1 and schedule != "1f1b":
             continue  # one stage: every schedule runs the micro-batches one after another; 1F1B holds the fewest
+        if schedule == "chimera" and stages % 2:
+            continue  # pairs process i with process stages - 1 - i
         counts = {"interleaved_1f1b": list(virtual), "interleaved_zero_bubble": list(virtual), "zbv": [2]}.get(schedule, [1])
         out += [(schedule, v) for v in counts if stages * v <= layers]
     return out
@@ -202,26 +207,36 @@ def _rank(
             except ValueError:
                 continue  # micro-batch counts interleaving cannot round, or NCCL cannot run
             ranks = stage_ranks(schedule, stages, v)
+            split = stages * v  # the layers' stages; Chimera runs each of them twice (copies)
+            copies = len(ranks) // split
+            if copies > 1 and replicas > 1:
+                continue  # Chimera does not combine with data-parallel replicas
             peaks = peak_in_flight(plan_schedule)
             in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
+            split_in_flight = [sum(in_flight[s + c * split] for c in range(copies)) for s in range(split)]
+            summed_over = 2 if copies > 1 else replicas  # Chimera's pair sums its gradients, replicas average theirs
             for checkpoint in checkpoints:
                 if chunks == 1 and checkpoint == "except_last":
                     continue  # the same as "never" with one micro-batch
                 for mode in balances:
-                    balance = tuple(_split(profile, mode, len(ranks), in_flight, checkpoint))
+                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint))
                     key = (stages, replicas, schedule, v, chunks, balance, checkpoint)
                     if key in found:
                         continue
-                    costs = stage_seconds(profile, balance, checkpoint, chunks, link, ranks)
+                    costs = stage_seconds(profile, balance, checkpoint, chunks, link, ranks[:split]) * copies
                     try:
                         simulation = simulate(plan_schedule, stage_costs=costs, rendezvous=rendezvous)
                     except DeadlockError:
                         break  # the schedule cannot run with this backend and micro-batch count
-                    grads = _per_rank(_per_stage(profile, balance, "gradient_bytes"), ranks, stages)
-                    reduce = [link.all_reduce_seconds(int(g), replicas) for g in grads]
-                    updates = _per_rank(stage_updates(profile, balance), ranks, stages)
+                    grads = _per_rank(_per_stage(profile, balance, "gradient_bytes") * copies, ranks, stages)
+                    reduce = [link.all_reduce_seconds(int(g), summed_over) for g in grads]
+                    updates = _per_rank(stage_updates(profile, balance) * copies, ranks, stages)
                     tail = max(r + u for r, u in zip(reduce, updates))
-                    per_stage = [float(m) for m in profile.stage_bytes(balance, in_flight, checkpoint)]
+                    per_stage = [
+                        float(m)
+                        for c in range(copies)
+                        for m in profile.stage_bytes(balance, in_flight[c * split : (c + 1) * split], checkpoint)
+                    ]
                     memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
                     fits = memory_budget is None or max(memory) <= memory_budget
                     found[key] = Candidate(

@@ -81,7 +81,7 @@ class Executor:
         micro-batch ``i``'s input shapes (the same on every rank), under which activation shapes
         are cached."""
         self.run_actions(
-            schedule.actions[self.rank], schedule.num_stages, schedule.num_microbatches, keys,
+            schedule.actions[self.rank], schedule.chain_length, schedule.num_microbatches, keys,
             split_backward=schedule.split_backward,
         )
 
@@ -94,7 +94,8 @@ class Executor:
         finish: bool = True,
         split_backward: bool = False,
     ) -> None:
-        """Execute ``actions``. With ``finish`` false (asynchronous schedules between drains) the
+        """Execute ``actions`` (``num_stages``: the stages a micro-batch goes through, a chain's where the
+        schedule has several). With ``finish`` false (asynchronous schedules between drains) the
         micro-batches in flight stay with the stages and the last sends may still be travelling:
         they are waited for at the end of the next call.
 
@@ -247,14 +248,15 @@ class Executor:
         i = action.microbatch
         if action.kind is ActionKind.FORWARD:
             received = None
-            if action.stage > 0:
+            depth = action.stage % run.num_stages  # the stage's place along its chain
+            if depth > 0:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span("wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
                 received = (tensors, box.flags, box.was_tuple)
             with self._span("F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received)
-            if action.stage < run.num_stages - 1:
+            if depth < run.num_stages - 1:
                 assert result is not None
                 run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
             return
@@ -263,12 +265,13 @@ class Executor:
                 runner.backward_weight(i)
             return
         grads = None
-        if action.stage < run.num_stages - 1:
+        depth = action.stage % run.num_stages
+        if depth < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span("wait", action.stage, i):
                 grads = self.transport.arrived(box.wait())
         with self._span("B", action.stage, i):
             input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
-        if action.stage > 0:
+        if depth > 0:
             assert input_grads is not None
             run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)

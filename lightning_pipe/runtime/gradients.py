@@ -29,6 +29,11 @@ Pending = dict[nn.Parameter, Optional[Tensor]]
 #: copy, and whether this rank counts it in the global norm (the lowest stage of the tie does).
 Tie = tuple[Any, nn.Parameter, bool]
 
+#: Chimera's second copy of this rank's stages on another rank: the pair's group, the parameters
+#: whose gradients the pair sums (not the tied ones, which their tie sums over every holder), and
+#: whether this rank counts them in the global norm (one of the pair does).
+Copies = tuple[Any, list[nn.Parameter], bool]
+
 
 def tie_groups(
     ties: Sequence[dict[int, str]],
@@ -73,6 +78,8 @@ class StageGradients:
         norm_group: the ranks over which the global norm is summed (None: the default group).
         dp_group: the replicas of this stage (None: no data parallelism); their gradients are
             averaged in buckets of about ``bucket_bytes``.
+        copies: Chimera's other copy of this rank's stages (see :data:`Copies`); the pair's gradients
+            are summed in buckets as the replicas' are averaged, while the backward runs.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class StageGradients:
         norm_group: Any = None,
         dp_group: Any = None,
         bucket_bytes: int = 25 * 2**20,
+        copies: Optional[Copies] = None,
     ) -> None:
         self.shared = list(shared)
         self.ties = list(ties)
@@ -98,6 +106,9 @@ class StageGradients:
         self._buckets: list[FlatAllReduce] = []
         self.reducer: Optional[ReplicaReducer] = None  # set by :meth:`overlap`
         self._reducing = False
+        self.copies = copies
+        if copies is not None:
+            self.reducer = ReplicaReducer(copies[1], copies[0], bucket_bytes, mean=False)
 
     def overlap(self, params: Sequence[nn.Parameter]) -> None:
         """Average over the replicas while the backward runs (see
@@ -111,10 +122,11 @@ class StageGradients:
             self.reducer.remove()
             self.reducer = None
 
-    def begin(self, microbatches: int) -> None:
-        """A step's backwards of ``microbatches`` micro-batches start (all ``.grad`` are None now)."""
+    def begin(self, microbatches: int, per_param: Optional[dict[int, int]] = None) -> None:
+        """A step's backwards of ``microbatches`` micro-batches start (all ``.grad`` are None now);
+        ``per_param``: how many of them reach a parameter, by ``id``, where not all do."""
         if self.reducer is not None:
-            self.reducer.start(microbatches)
+            self.reducer.start(microbatches, per_param)
             self._reducing = True
 
     def take(self, params: Iterable[nn.Parameter], saved: Pending) -> None:
@@ -190,6 +202,8 @@ class StageGradients:
         several ranks and count once."""
         once = {id(p) for p in self.shared} if not self.counts_shared else set()
         once |= {id(p) for _, p, counted in self.ties if not counted}
+        if self.copies is not None and not self.copies[2]:
+            once |= {id(p) for p in self.copies[1]}
         grads = [p.grad for p in parameters if p.grad is not None]
         counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
         square = torch.zeros((), dtype=torch.float32, device=device)
@@ -204,4 +218,4 @@ class StageGradients:
         return total
 
 
-__all__ = ["Pending", "StageGradients", "Tie", "swap_grads", "tie_groups"]
+__all__ = ["Copies", "Pending", "StageGradients", "Tie", "swap_grads", "tie_groups"]

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.p2p import Transport
@@ -109,6 +110,9 @@ class StagePipeline:
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
+        # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
+        chimera = config.schedule == "chimera"
+        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if chimera else None
         self.gradients = StageGradients(
             shared,
             ties,
@@ -117,6 +121,7 @@ class StagePipeline:
             counts_shared=placement.stage == 0,
             norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
             dp_group=topology.dp_group if replicas > 1 and not self.sharded else None,
+            copies=copies,
         )
         self.transport = Transport(
             stage_ranks=placement.stage_ranks,
@@ -159,6 +164,23 @@ class StagePipeline:
     def in_flight(self) -> bool:
         """Whether an asynchronous schedule has work in flight (drain before saving or evaluating)."""
         return self.asynchronous is not None and self.asynchronous.in_flight
+
+    def ends_here(self, num_microbatches: int) -> list[bool]:
+        """Per micro-batch of a training step, whether its last stage, where the user's step computes
+        the loss, is on this rank (with Chimera, the down pipeline's micro-batches end on the last
+        process, the up pipeline's on the first)."""
+        if self.asynchronous is not None:
+            return [self.placement.is_last_stage] * num_microbatches
+        schedule = self.schedule(self.config.schedule, num_microbatches)
+        positions = self.placement.positions
+        return [positions[schedule.chain_stages(i)[-1]] == self.placement.stage for i in range(num_microbatches)]
+
+    def loss_ranks(self, num_microbatches: int) -> list[int]:
+        """The global ranks where a training step's losses are computed; the last of them holds the
+        split's last stage and shares the step's results (the others send theirs to it first)."""
+        if self.asynchronous is not None:
+            return [self.placement.pipeline_ranks[self.placement.last_position]]
+        return loss_ranks(self.schedule(self.config.schedule, num_microbatches), self.placement.pipeline_ranks)
 
     def microbatches_for(self, samples: int) -> int:
         """Micro-batches for a batch of ``samples``: ``chunks``, or for interleaving the most it can
@@ -206,13 +228,15 @@ class StagePipeline:
         with self._running(step):
             if self.asynchronous is not None:
                 return self._async_step(self.asynchronous, keys, context, pause_after)
+            schedule = self.schedule(self.config.schedule, len(keys))
             saved = swap_grads(self.params, {})
-            self.gradients.begin(len(keys))  # this step's count of micro-batches: each expects its gradients
+            per_param = reaching(schedule, self.stages) if schedule.chains > 1 else None
+            self.gradients.begin(len(keys), per_param)  # this step's count of micro-batches: each expects its gradients
             if self.shards is not None:
                 self.shards.begin()
             try:
                 with context(), self._accumulation():
-                    self.executor.run(self.schedule(self.config.schedule, len(keys)), keys)
+                    self.executor.run(schedule, keys)
                 self.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
                 if self.shards is not None:
                     self.shards.finish()  # one reduce-scatter of the step's gradients

@@ -20,7 +20,7 @@ times; a step that accumulates a parameter again after its bucket was sent is an
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -41,19 +41,28 @@ class Accumulations:
     def __init__(self) -> None:
         self.uses: Optional[dict[int, Optional[int]]] = None
         self.microbatches = 1
+        self.per_param: dict[int, int] = {}
         self.expected: Optional[dict[int, int]] = None  # this step's final counts; None in the first step
 
-    def start(self, microbatches: int) -> None:
-        """A step of ``microbatches`` micro-batches begins."""
+    def start(self, microbatches: int, per_param: Optional[Mapping[int, int]] = None) -> None:
+        """A step of ``microbatches`` micro-batches begins; ``per_param``: the micro-batches that reach
+        the parameters it names, where not all of them do (Chimera: each copy of a stage sees its own
+        pipeline's)."""
         self.microbatches = max(1, microbatches)
+        self.per_param = dict(per_param) if per_param else {}
         if self.uses is not None:
-            self.expected = {key: uses * self.microbatches for key, uses in self.uses.items() if uses is not None}
+            self.expected = {key: uses * self._reaching(key) for key, uses in self.uses.items() if uses is not None}
+
+    def _reaching(self, key: int) -> int:
+        return self.per_param.get(key, self.microbatches)
 
     def learn(self, counts: dict[int, int]) -> None:
         """The step is over: the first step's ``counts`` give the uses per micro-batch."""
         if self.uses is None:
-            m = self.microbatches
-            self.uses = {key: count // m if count % m == 0 else None for key, count in counts.items()}
+            self.uses = {}
+            for key, count in counts.items():
+                m = self._reaching(key)
+                self.uses[key] = count // m if m > 0 and count % m == 0 else None
 
     def final(self, key: int, count: int, shape: Sequence[int]) -> bool:
         """Whether ``count`` accumulations so far make the parameter's gradient final in this step;
@@ -78,11 +87,12 @@ class Accumulations:
 
 
 class ReplicaReducer:
-    """Bucketed, overlapped all-reduce (mean) of one stage's gradients over ``group``."""
+    """Bucketed, overlapped all-reduce (mean) of one stage's gradients over ``group``; with ``mean``
+    false, the sum (the two copies of a Chimera stage, each with its own micro-batches' gradient)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20, mean: bool = True) -> None:
         self.group = group
-        self.replicas = dist.get_world_size(group)
+        self.replicas = dist.get_world_size(group) if mean else 1
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
@@ -114,9 +124,10 @@ class ReplicaReducer:
             handle.remove()
         self._handles = []
 
-    def start(self, microbatches: int) -> None:
-        """A step's backward of ``microbatches`` micro-batches begins: count accumulations from zero."""
-        self.accumulations.start(microbatches)
+    def start(self, microbatches: int, per_param: Optional[Mapping[int, int]] = None) -> None:
+        """A step's backward of ``microbatches`` micro-batches begins: count accumulations from zero
+        (``per_param``: see :meth:`Accumulations.start`)."""
+        self.accumulations.start(microbatches, per_param)
         self._counts = {id(p): 0 for p in self.params}
         self._active = True
         self._next = 0

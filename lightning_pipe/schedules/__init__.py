@@ -20,6 +20,7 @@ from lightning_pipe.schedules.asynchronous import (
     update_delay,
     versions_held,
 )
+from lightning_pipe.schedules.chimera import chimera
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
@@ -40,6 +41,7 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "interleaved_zero_bubble": interleaved_zero_bubble,
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
+    "chimera": chimera,
 }
 
 
@@ -49,7 +51,7 @@ VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2, "interleaved_
 
 #: Schedules whose default placement of communication deadlocks where point-to-point calls
 #: rendezvous (NCCL); ``build(..., rendezvous=True)`` regroups theirs with :func:`for_rendezvous`.
-REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv", "interleaved_zero_bubble"})
+REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv", "interleaved_zero_bubble", "chimera"})
 
 
 def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False) -> Schedule:
@@ -126,6 +128,7 @@ __all__ = [
     "forward_only_like",
     "build",
     "check_virtual_stages",
+    "chimera",
     "VIRTUAL_STAGES",
     "get_schedule",
     "gpipe",

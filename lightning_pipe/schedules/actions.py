@@ -86,6 +86,11 @@ class Schedule:
     fit the same structure. ``forward_only`` schedules (evaluation) have no backward work.
     ``split_backward`` schedules run each backward as B (the input gradient, which the previous
     stage waits for) and, later, W (the weight gradient).
+
+    Schedules with several pipelines over the same ranks (Chimera) split the stages into ``chains``
+    equal chains, stage ``c x chain_length + k`` being depth ``k`` of chain ``c``; micro-batch ``i``
+    goes through chain ``chain_of[i]`` only (every micro-batch through chain 0 where ``chain_of``
+    is empty). Activations and gradients travel between neighbouring stages of one chain.
     """
 
     name: str
@@ -95,6 +100,18 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     forward_only: bool = False
     split_backward: bool = False
+    chains: int = 1
+    chain_of: tuple[int, ...] = ()
+
+    @property
+    def chain_length(self) -> int:
+        """Stages a micro-batch goes through (all of them, with one chain)."""
+        return self.num_stages // self.chains
+
+    def chain_stages(self, microbatch: int) -> range:
+        """The stages micro-batch ``microbatch`` goes through, first to last."""
+        chain = self.chain_of[microbatch] if self.chain_of else 0
+        return range(chain * self.chain_length, (chain + 1) * self.chain_length)
 
     @property
     def num_ranks(self) -> int:

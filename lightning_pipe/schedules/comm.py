@@ -14,19 +14,22 @@ from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 
 
 def needs(action: Action, num_stages: int) -> list[Action]:
-    """The receive a compute action waits for (none on the pipeline's ends)."""
-    if action.kind is ActionKind.FORWARD and action.stage > 0:
+    """The receive a compute action waits for (none on the pipeline's ends). ``num_stages`` is the
+    length of a chain where a schedule has several (:class:`Schedule`'s ``chain_length``)."""
+    depth = action.stage % num_stages
+    if action.kind is ActionKind.FORWARD and depth > 0:
         return [Action(ActionKind.RECV_ACTIVATION, action.stage, action.microbatch)]
-    if action.kind is ActionKind.BACKWARD and action.stage < num_stages - 1:
+    if action.kind is ActionKind.BACKWARD and depth < num_stages - 1:
         return [Action(ActionKind.RECV_GRADIENT, action.stage, action.microbatch)]
     return []
 
 
 def produces(action: Action, num_stages: int) -> list[Action]:
     """The send a compute action's result feeds (none on the pipeline's ends)."""
-    if action.kind is ActionKind.FORWARD and action.stage < num_stages - 1:
+    depth = action.stage % num_stages
+    if action.kind is ActionKind.FORWARD and depth < num_stages - 1:
         return [Action(ActionKind.SEND_ACTIVATION, action.stage, action.microbatch)]
-    if action.kind is ActionKind.BACKWARD and action.stage > 0:
+    if action.kind is ActionKind.BACKWARD and depth > 0:
         return [Action(ActionKind.SEND_GRADIENT, action.stage, action.microbatch)]
     return []
 
@@ -39,18 +42,22 @@ def with_communication(
     stage_to_rank: Sequence[int],
     forward_only: bool = False,
     split_backward: bool = False,
+    chains: int = 1,
+    chain_of: Sequence[int] = (),
 ) -> Schedule:
     """Build a :class:`Schedule` from each rank's compute order (``compute[r]`` is rank r's). A
-    weight-gradient action (W) needs nothing and feeds nothing."""
+    weight-gradient action (W) needs nothing and feeds nothing. ``chains`` and ``chain_of``: see
+    :class:`Schedule`."""
+    length = num_stages // chains
     per_rank: list[tuple[Action, ...]] = []
     for order in compute:
         actions: list[Action] = []
         pending_sends: list[Action] = []
         for action in order:
-            group = pending_sends + needs(action, num_stages)
+            group = pending_sends + needs(action, length)
             actions.extend(group)
             actions.append(action)
-            pending_sends = produces(action, num_stages)
+            pending_sends = produces(action, length)
         actions.extend(pending_sends)
         per_rank.append(tuple(actions))
     return Schedule(
@@ -61,4 +68,6 @@ def with_communication(
         actions=tuple(per_rank),
         forward_only=forward_only,
         split_backward=split_backward,
+        chains=chains,
+        chain_of=tuple(chain_of),
     )

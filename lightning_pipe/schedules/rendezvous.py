@@ -83,7 +83,7 @@ def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
     ``defer``, a step whose next compute's input is already on its way posts only the sends whose
     receive is already posted, and the others one step later, so that the compute does not wait
     for a peer still busy with its own."""
-    n = schedule.num_stages
+    n = schedule.chain_length
     costs = _SPLIT_COSTS if schedule.split_backward else _COSTS
     ranks = [
         _Rank(

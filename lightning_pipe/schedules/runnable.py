@@ -19,6 +19,7 @@ from lightning_pipe.schedules import (
     forward_only_like,
     validate,
 )
+from lightning_pipe.schedules.chimera import chimera_forward
 
 
 class ScheduleRefused(ValueError):
@@ -37,6 +38,8 @@ def runnable_schedule(
     try:
         if name != "forward":
             schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
+        elif training == "chimera":  # evaluation through one of its two pipelines
+            schedule = chimera_forward(p, num_microbatches)
         elif training in VIRTUAL_STAGES:  # evaluation on the training layout
             schedule = forward_only_like(build(training, p, num_microbatches, v))
             if rendezvous and training in REGROUPED_FOR_RENDEZVOUS:
@@ -49,7 +52,7 @@ def runnable_schedule(
             f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
             f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
             f"back around the pipeline. Use other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of "
-            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv'; with a short last batch, "
+            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv', >= {max(1, 2 * p - 4)} for 'chimera'; with a short last batch, "
             "drop_last=True in the DataLoader), "
             "or schedule='1f1b' or 'zero_bubble'."
         ) from err

@@ -277,7 +277,7 @@ def simulate(
 
 
 def _needs_of(schedule: Schedule, action: Action) -> list[Action]:
-    return needs(action, schedule.num_stages)
+    return needs(action, schedule.chain_length)
 
 
 def peak_in_flight(schedule: Schedule) -> dict[int, int]:

@@ -57,5 +57,6 @@ def forward_only_like(schedule: Schedule) -> Schedule:
     the training order, with their communication, and no backward work."""
     compute = [[a for a in schedule.compute(r) if a.kind is ActionKind.FORWARD] for r in range(schedule.num_ranks)]
     return with_communication(
-        "forward", compute, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, forward_only=True
+        "forward", compute, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, forward_only=True,
+        chains=schedule.chains, chain_of=schedule.chain_of,
     )

@@ -16,7 +16,7 @@ class InvalidScheduleError(ValueError):
 def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     """Raise :class:`InvalidScheduleError` unless, on every rank: each action belongs to a stage the
     rank holds; every stage runs each micro-batch's forward exactly once (and its backward exactly
-    once, after the forward; in a ``split_backward`` schedule also its weight gradient W exactly once,
+    once, after the forward; with several chains, the stages of the micro-batch's chain only; in a ``split_backward`` schedule also its weight gradient W exactly once,
     after the backward B); each receive comes before the compute that consumes it and each send
     after the compute that produces it; every send has exactly one matching receive (between two stages of one rank, the send comes
     first in the rank's list); and the whole
@@ -27,9 +27,13 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
         raise InvalidScheduleError(f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {p} stages")
     if any(not 0 <= r < schedule.num_ranks for r in schedule.stage_to_rank):
         raise InvalidScheduleError(f"stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{schedule.num_ranks - 1}")
+    if p % schedule.chains or (schedule.chain_of and len(schedule.chain_of) != m) or any(
+        not 0 <= c < schedule.chains for c in schedule.chain_of
+    ):
+        raise InvalidScheduleError(f"{p} stages in {schedule.chains} chains, micro-batch chains {schedule.chain_of}")
     expected: Counter[Action] = Counter()
-    for s in range(p):
-        for i in range(m):
+    for i in range(m):
+        for s in schedule.chain_stages(i):
             expected[Action(ActionKind.FORWARD, s, i)] += 1
             if not schedule.forward_only:
                 expected[Action(ActionKind.BACKWARD, s, i)] += 1
@@ -53,7 +57,7 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
                     raise InvalidScheduleError(f"{where}: backward before its forward")
                 if action.kind is ActionKind.WEIGHT and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done:
                     raise InvalidScheduleError(f"{where}: weight gradient before its input gradient (B)")
-                for need in needs(action, p):
+                for need in needs(action, schedule.chain_length):
                     if need not in posted:
                         raise InvalidScheduleError(f"{where}: runs before receiving {need}")
                 done.add(action)
@@ -73,8 +77,8 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
                 recvs.add(action)
             posted.add(action)
     if seen != expected:
-        missing = sorted((expected - seen).elements())
-        extra = sorted((seen - expected).elements())
+        missing = sorted((expected - seen).elements(), key=str)
+        extra = sorted((seen - expected).elements(), key=str)
         raise InvalidScheduleError(
             f"compute actions do not cover each micro-batch once: missing {[str(a) for a in missing]}, "
             f"extra {[str(a) for a in extra]}"

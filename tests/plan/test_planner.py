@@ -49,8 +49,12 @@ def test_prediction_matches_the_closed_form_on_equal_stages() -> None:
 def test_overheads_and_skew_change_the_choice() -> None:
     best = plan({m: _profile(m, overhead=40.0) for m in (1, 2, 4, 8)}, 2, FREE)[0]
     assert best.chunks < 8  # a fixed cost per micro-batch makes many small ones lose
-    skewed = plan({m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, checkpoints=("never",))
+    one_pipeline = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+    skewed = plan({m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, schedules=one_pipeline, checkpoints=("never",))
     assert skewed[0].balance_mode == "time" and skewed[0].balance[0] < 4
+    # Chimera on 2 processes runs both halves on each of them: the skew evens out whatever the split
+    both = plan({m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, checkpoints=("never",))
+    assert both[0].schedule == "chimera" and both[0].step_seconds < skewed[0].step_seconds
     slow_link = plan({4: _profile(4)}, 2, Link(latency=1.0, bandwidth=1.0), schedules=("1f1b",), balances=("uniform",), checkpoints=("never",))
     assert slow_link[0].step_seconds > plan({4: _profile(4)}, 2, FREE, schedules=("1f1b",), balances=("uniform",), checkpoints=("never",))[0].step_seconds
     assert stage_seconds(_profile(4), [4, 4], "never", 4, Link(1.0, 2.0))[0][0] == pytest.approx(4 * 4 + 1.0 + 4 / 2.0)
@@ -246,3 +250,22 @@ def test_predicted_timelines_replay_each_candidate_as_it_was_planned() -> None:
         assert ranked and all(c.rendezvous is rendezvous for c in ranked)
         svg = predicted_timelines(ranked, 2, top=len(ranked))
         assert all(f"#{i + 1}: {c.schedule}" in svg for i, c in enumerate(ranked))
+
+
+def test_chimera_in_the_grid_counts_both_copies() -> None:
+    """Equal stages, a free link: the predicted bubble is the paper's (D-2)/(2N+D-2) with the
+    profile's backward = 2 forward played out; each process holds two stages, so twice 1F1B's static
+    bytes; odd depths and data-parallel replicas leave Chimera out."""
+    profiles = {m: _profile(m) for m in (4, 8)}
+    ranked = plan(profiles, 4, FREE, schedules=("chimera", "1f1b"), balances=("uniform",), checkpoints=("never",))
+    chimera = {c.chunks: c for c in ranked if c.schedule == "chimera"}
+    one = {c.chunks: c for c in ranked if c.schedule == "1f1b"}
+    assert sorted(chimera) == [4, 8] and all(c.balance == (2, 2, 2, 2) for c in chimera.values())
+    for m, c in chimera.items():
+        assert c.bubble == pytest.approx(simulate(build("chimera", 4, m, rendezvous=True), 1.0, 2.0, rendezvous=True).bubble_fraction)
+        assert c.bubble < one[m].bubble
+        static = 2 * 300  # two layers of parameters, gradients and optimizer state per stage
+        assert min(c.stage_bytes) >= 2 * static
+        assert c.strategy_arguments()["schedule"] == "chimera" and "virtual_stages" not in c.strategy_arguments()
+    assert not [c for c in plan(profiles, 3, FREE, schedules=("chimera",)) if c.schedule == "chimera"]
+    assert not [c for c in plan(profiles, 2, FREE, schedules=("chimera",), replicas=2) if c.schedule == "chimera"]

@@ -47,7 +47,23 @@ def _check_new(name: str, p: int, m: int) -> None:
         assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
 
 
+def _check_chimera(p: int, m: int) -> None:
+    """Chimera: even stage counts only; the paper's bubble (D - 2) / (2N + D - 2) with equal forward
+    and backward costs for multiples of D (see tests/schedules/test_chimera.py)."""
+    if p % 2:
+        with pytest.raises(ValueError, match="even number"):
+            SCHEDULES["chimera"](p, m)
+        return
+    schedule = SCHEDULES["chimera"](p, m)
+    validate(schedule, rendezvous=False)
+    if m % p == 0:
+        assert simulate(schedule, 1.0, 1.0, rendezvous=False).bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2))
+
+
 def _check(name: str, p: int, m: int) -> None:
+    if name == "chimera":
+        _check_chimera(p, m)
+        return
     if name in ("zero_bubble", "interleaved_1f1b", "zbv", "interleaved_zero_bubble"):
         _check_new(name, p, m)
         return
