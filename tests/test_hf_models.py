@@ -133,3 +133,40 @@ def test_chimera_on_a_block_container_is_refused_before_training() -> None:
     build, path = MODELS["gpt2"]
     with pytest.raises(Exception, match=r"names a block container, and schedule='chimera' runs copies"):
         fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, schedule="chimera")
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "gpt2"])
+def test_checkpoints_resume_under_the_pipeline_and_consolidate_for_plain_lightning(tmp_path: Path, name: str) -> None:
+    """2 pipeline steps (AdamW) on 2 stages, saved; resumed on 4 stages for 2 more, saved again;
+    consolidated, then 2 plain steps: the weights equal 6 plain steps. The tie between the first
+    stage's embedding and the last stage's head is one entry of the consolidated optimizer."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pipe.checkpoint import consolidate
+
+    build, path = MODELS[name]
+    data = data_for(name, n=16, batch_size=8)  # two steps per epoch
+    torch.manual_seed(0)
+    initial = HFModule(build, optimizer="adamw").state_dict()
+
+    def fresh() -> HFModule:
+        module = HFModule(build, optimizer="adamw")
+        module.load_state_dict(initial)
+        return module
+
+    plain = fresh()
+    fit_plain(plain, data, max_steps=-1, max_epochs=3)
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = dict(module=path, max_steps=-1, enable_checkpointing=True)
+    fit_pipeline(fresh(), 2, data, max_epochs=1, callbacks=[ModelCheckpoint(dirpath=first, save_last=True, save_top_k=0)], **common)
+    fit_pipeline(fresh(), 4, data, max_epochs=2, ckpt_path=str(first / "last.ckpt"),
+                 callbacks=[ModelCheckpoint(dirpath=second, save_last=True, save_top_k=0)], **common)  # fmt: skip
+    merged = consolidate(second / "last.ckpt", tmp_path / "plain.ckpt")
+    assert len(merged["optimizer_states"][0]["state"]) == len(list(plain.parameters()))  # the tie once
+    resumed = fresh()
+    fit_plain(resumed, data, ckpt_path=str(tmp_path / "plain.ckpt"), max_steps=-1, max_epochs=3)
+    control = fresh()
+    control.microbatches = 4
+    fit_plain(control, data, max_steps=-1, max_epochs=3)
+    noise = _largest_difference(control, plain)
+    assert _largest_difference(resumed, plain) <= ADAMW_NOISE_FACTOR * max(noise, 1e-6), noise
