@@ -278,9 +278,9 @@ def make_logger(name: str, output: Path) -> Logger:
 
 
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
-    """``schedule=pipedream`` refuses weights tied across stages; say so before any process starts,
+    """``schedule=pipedream`` and ``pipemare`` refuse weights tied across stages; say so before any process starts,
     naming the override that unties them (the strategy itself would fail in every process)."""
-    if cfg.strategy.name != "pipeline" or cfg.strategy.schedule != "pipedream" or not isinstance(devices, int) or devices < 2:
+    if cfg.strategy.name != "pipeline" or cfg.strategy.schedule not in ("pipedream", "pipemare") or not isinstance(devices, int) or devices < 2:
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))

@@ -55,9 +55,9 @@ def check_async(
             f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
             "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
         )
-    if tied and schedule == "pipedream":
+    if tied and schedule in ("pipedream", "pipemare"):
         raise MisconfigurationException(
-            "schedule='pipedream' applies gradients with a different delay on each stage, so the copies of a "
+            f"schedule={schedule!r} applies gradients with a different delay on each stage, so the copies of a "
             "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
             "stage) or untie the weights."
         )
@@ -67,6 +67,14 @@ def check_async(
             f"schedule={schedule!r} keeps two weight versions, which needs chunks >= stages - 1; got "
             f"chunks={num_microbatches} with {stages} stages. Use chunks >= {needed} or "
             "schedule='pipedream'. (A shorter last batch of an epoch is fine: it runs drained.)"
+        )
+    trainer = getattr(module, "_trainer", None)
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+    if schedule == "pipemare" and accumulate > 1:
+        raise MisconfigurationException(
+            f"schedule='pipemare' counts its delays and its velocity in optimizer updates, one per batch; got "
+            f"accumulate_grad_batches={accumulate}. Use accumulate_grad_batches=1 with larger batches or more chunks, "
+            "or schedule='pipedream'."
         )
     if scaler is not None:
         raise MisconfigurationException(

@@ -14,6 +14,7 @@ from lightning_pipe.schedules.asynchronous import (
     drain_actions,
     pipedream,
     pipedream_2bw,
+    pipemare,
     step_actions,
     steady_state_bubble,
     unroll,
@@ -40,6 +41,7 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "interleaved_zero_bubble": interleaved_zero_bubble,
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
+    "pipemare": pipemare,
 }
 
 
@@ -116,6 +118,7 @@ __all__ = [
     "is_async",
     "pipedream",
     "pipedream_2bw",
+    "pipemare",
     "steady_state_bubble",
     "step_actions",
     "unroll",
