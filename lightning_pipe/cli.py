@@ -51,6 +51,7 @@ STRATEGY_KEYS = (
     "plan",
     "stages", "data_parallel",
     "virtual_stages", "check_data",
+    "pipemare_warmup", "pipemare_correction",
 )  # fmt: skip
 LOGGERS = ("csv", "tensorboard")
 # Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
@@ -191,7 +192,7 @@ def build_strategy(cfg: DictConfig, devices: Any) -> tuple[Any, Any]:
         if str(devices) != "1":
             log.warning(
                 "strategy=none: training without the pipeline, in one process on one device; trainer.devices=%s "
-                "applies to the pipeline strategies (strategy=1f1b, gpipe, pipedream, pipedream_2bw).",
+                "applies to the pipeline strategies (strategy=1f1b, gpipe, pipedream, pipedream_2bw, pipemare).",
                 devices,
             )
         return "auto", 1

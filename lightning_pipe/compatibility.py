@@ -68,14 +68,6 @@ def check_async(
             f"chunks={num_microbatches} with {stages} stages. Use chunks >= {needed} or "
             "schedule='pipedream'. (A shorter last batch of an epoch is fine: it runs drained.)"
         )
-    trainer = getattr(module, "_trainer", None)
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
-    if schedule == "pipemare" and accumulate > 1:
-        raise MisconfigurationException(
-            f"schedule='pipemare' counts its delays and its velocity in optimizer updates, one per batch; got "
-            f"accumulate_grad_batches={accumulate}. Use accumulate_grad_batches=1 with larger batches or more chunks, "
-            "or schedule='pipedream'."
-        )
     if scaler is not None:
         raise MisconfigurationException(
             f"schedule={schedule!r} applies gradients a step late, when the loss scale of "

@@ -317,3 +317,19 @@ def test_checkpoint_under_pipemare_resumes_exactly(tmp_path: Path) -> None:
     resumed = TinyNet()
     fit_pipeline(resumed, 4, ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=3, **options)
     assert_same_weights(straight, resumed)
+
+
+# ---------------------------------------------------------------------------- replicas
+def test_pipemare_with_replicas_equals_one_pipeline_on_the_global_batch() -> None:
+    """Replicas average their gradients before the update, so their weights, velocities and step
+    sizes stay those of one pipeline on the doubled batch."""
+    from tests.pipeline import twins
+
+    torch.manual_seed(0)
+    one, two = twins(TinyNet())
+    options = dict(schedule="pipemare", chunks=1, pipemare_warmup=4, max_steps=6)
+    fit_pipeline(one, 2, data=loader(batch_size=24), **options)
+    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, **options)
+    assert_same_weights(one, two)
+    torch.manual_seed(0)
+    assert not torch.allclose(TinyNet().layers[0].weight, two.layers[0].weight)

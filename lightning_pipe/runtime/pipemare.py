@@ -41,7 +41,8 @@ with ``D = DEFAULT_DECAY``.
 Neither technique needs the weights of the previous step: the velocity update is split around the
 optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
 ``delta += (1 - gamma) * w_{k+1}`` after it (rounding of order ``(1 - gamma) * ulp(w)``).
-Activation checkpointing recomputes a forward inside its own saved-tensor hooks, on the weights
+The asynchronous schedules refuse ``accumulate_grad_batches`` other than 1, so an update
+follows every batch. Activation checkpointing recomputes a forward inside its own saved-tensor hooks, on the weights
 of the backward's moment, so discrepancy correction refuses ``checkpoint`` other than ``"never"``
 (checked in :mod:`lightning_pipe.config`).
 """
