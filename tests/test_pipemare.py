@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from lightning_pipe.partition import balance_uniform, stage_bounds
 from lightning_pipe.runtime.pipemare import DEFAULT_DECAY, PipeMare, lr_factor, predicted_weight, resolve, velocity_decay
 from lightning_pipe.schedules import pipedream, pipemare, render, simulate, steady_state_bubble, unroll, update_delay, validate, versions_held
 from lightning_pipe.schedules.asynchronous import backward_gap, step_actions
-from tests.models import RecordMetrics, TinyNet, loader
+from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -333,3 +334,32 @@ def test_pipemare_with_replicas_equals_one_pipeline_on_the_global_batch() -> Non
     assert_same_weights(one, two)
     torch.manual_seed(0)
     assert not torch.allclose(TinyNet().layers[0].weight, two.layers[0].weight)
+
+
+# ---------------------------------------------------------------------------- weight memory
+class WeightMemory(L.Callback):
+    """On every rank after training: parameter bytes, PipeDream's peak stashed bytes, PipeMare's velocity."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        run = trainer.strategy.pipeline.asynchronous
+        record = {
+            "params": sum(p.numel() * p.element_size() for p in trainer.strategy.pipeline.host.parameters()),
+            "stashed": run.versions.peak_weight_bytes if run.stashes else 0,
+            "velocity": run.pipemare.nbytes() if run.pipemare is not None else 0,
+        }
+        (self.folder / f"mem{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipemare"])
+def test_pipemare_holds_at_most_two_weight_copies_where_pipedream_stashes_more(tmp_path: Path, schedule: str) -> None:
+    fit_pipeline(TinyNet(), 4, schedule=schedule, chunks=1, max_steps=6, callbacks=[WeightMemory(str(tmp_path))])
+    records = [json.loads((tmp_path / f"mem{r}.json").read_text()) for r in range(4)]
+    copies = [(r["params"] + r["stashed"] + r["velocity"]) / r["params"] for r in records]
+    if schedule == "pipemare":
+        assert copies == [2.0, 2.0, 2.0, 1.0]  # the weights and the velocity; the last stage needs no velocity
+        assert all(r["stashed"] == 0 for r in records)
+    else:  # delays 3, 2, 1, 0: up to 1 + 3 versions on the first stage
+        assert copies == [4.0, 3.0, 2.0, 1.0]

@@ -156,13 +156,13 @@ class PipeMare:
             return _SavedWeight(hit[0], tensor.size(), tensor.stride(), tensor.storage_offset(), update)
 
         def unpack(saved: Any) -> Any:
-            return self.backward_weight(saved) if isinstance(saved, _SavedWeight) else restore(saved)
+            return self.backward_weight(saved, params) if isinstance(saved, _SavedWeight) else restore(saved)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def backward_weight(self, saved: _SavedWeight) -> Tensor:
-        """The saved weight (or its view) as the backward uses it now."""
-        param = dict(self.module.named_parameters())[saved.name]
+    def backward_weight(self, saved: _SavedWeight, params: Mapping[str, Tensor]) -> Tensor:
+        """The saved weight (or its view) as the backward uses it now (``params``: the stage's by name)."""
+        param = params[saved.name]
         gap = self.updates - saved.update
         base = param.detach()
         if self.correction and gap > 0 and saved.name in self.velocity:
