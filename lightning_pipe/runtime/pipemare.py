@@ -34,9 +34,9 @@ the optimizer's update (when the gradients are handed over) and puts the user's 
 after it (an optimizer step post-hook), so the user's optimizer and LR scheduler run unchanged and
 a checkpoint saves the user's ``lr``. A delay of 0 (the last stage: synchronous) counts as 1.
 
-Discrepancy correction's decay: ``gamma_i = D ** (1 / tau_i)`` (the paper's choice of the
-velocity's decay per stage: over ``tau_i`` updates the old velocity decays by the factor ``D``),
-with ``D = DEFAULT_DECAY``.
+Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (the form of the
+paper's rule: over the stage's delay of ``tau_i`` updates the old velocity decays by the factor
+``D``), with ``D = DEFAULT_DECAY``; a delay of 0 counts as 1.
 
 Neither technique needs the weights of the previous step: the velocity update is split around the
 optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
@@ -116,7 +116,9 @@ class PipeMare:
         decay: ``D`` in ``gamma_i = D ** (1 / tau_i)``.
     """
 
-    def __init__(self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float = DEFAULT_DECAY) -> None:
+    def __init__(
+        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float = DEFAULT_DECAY
+    ) -> None:
         self.module = module
         self.delay = delay
         self.warmup = warmup
