@@ -2,6 +2,7 @@
 
     python benchmarks/pipemare_convergence.py --recipe bert --steps 300 --find-lr 1e-3,2e-3,4e-3
     python benchmarks/pipemare_convergence.py --recipe vgg --steps 300 --find-lr 0.02,0.05,0.1
+    python benchmarks/pipemare_convergence.py --report benchmarks/results/pipemare_bert.json   # the table again
 
 First (``--find-lr``) 1F1B runs at each learning rate given and the one with the lowest final loss
 is "1F1B's best" (or give it with ``--lr``). Then every schedule runs at 0.5x, 1x and 2x of it,
@@ -131,6 +132,18 @@ def steps_to_reach(losses: list[float], target: float) -> Optional[int]:
     return None
 
 
+def markdown(table: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table."""
+    lines = ["| lr | schedule | chunks | final loss | vs 1F1B | steps to 1F1B's final loss | weight copies per stage |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in table:
+        reach = row["steps_to_1f1b_final"] if row["steps_to_1f1b_final"] is not None else "never"
+        copies = ", ".join(f"{c:g}" for c in row["weight_copies"])
+        lines.append(f"| {row['lr']:g} | {row['variant']} | {row['chunks']} | {row['final_loss']:.4f} | "
+                     f"{100 * row['vs_1f1b']:+.1f}% | {reach} | {copies} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) -> None:
     """Loss against step, one panel per learning rate, one line per schedule (running mean over 5% of the steps)."""
     width, height, pad = 330, 240, 40
@@ -170,7 +183,7 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", choices=("bert", "vgg"), required=True)
+    parser.add_argument("--recipe", choices=("bert", "vgg"), default="bert")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=1, help="micro-batches per batch (1: delays 3, 2, 1, 0 on 4 stages)")
@@ -187,7 +200,12 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--out", default=None)
     parser.add_argument("--svg", default=None)
+    parser.add_argument("--report", default=None, help="print the Markdown table of a results file and stop")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(markdown(json.load(f)["table"]))
+        return
     torch.set_num_threads(1)
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 3)
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"pipemare_{args.recipe}.json")
@@ -218,8 +236,7 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "svg", "find_lr")}
     with open(out, "w") as f:
         json.dump({"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results}, f, indent=1)
-    for row in table:
-        print(json.dumps(row))
+    print(markdown(table))
     title = f"{args.recipe}: training loss, 4 stages, {args.steps} steps (1F1B's best lr {lr:g}, 0.5x, 2x)"
     svg(results, lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
 
