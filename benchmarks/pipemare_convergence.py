@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="1F1B's best learning rate, if known")
     parser.add_argument("--find-lr", default=None, help="comma-separated learning rates for 1F1B, to pick the best")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--factors", default="0.5,1,2", help="learning rates to run, as multiples of 1F1B's best")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=2000)
     parser.add_argument("--max-len", type=int, default=64)
@@ -219,7 +220,7 @@ def main() -> None:
             search[str(candidate)] = final_loss(result["losses"])
             print(f"1f1b lr {candidate:g}: final loss {search[str(candidate)]:.4f}", flush=True)
         lr = min((float(k) for k in search), key=lambda k: (search[str(k)] != search[str(k)], search[str(k)]))
-    lrs = [lr / 2, lr, lr * 2]
+    lrs = [lr * float(f) for f in args.factors.split(",")]
     results = []
     for value in lrs:
         for variant in args.variants.split(","):
@@ -237,7 +238,7 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump({"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results}, f, indent=1)
     print(markdown(table))
-    title = f"{args.recipe}: training loss, 4 stages, {args.steps} steps (1F1B's best lr {lr:g}, 0.5x, 2x)"
+    title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
     svg(results, lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
 
 
