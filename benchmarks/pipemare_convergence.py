@@ -133,14 +133,20 @@ def steps_to_reach(losses: list[float], target: float) -> Optional[int]:
 
 
 def markdown(table: list[dict[str, Any]]) -> str:
-    """The summary as a Markdown table."""
-    lines = ["| lr | schedule | chunks | final loss | vs 1F1B | steps to 1F1B's final loss | weight copies per stage |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for row in table:
-        reach = row["steps_to_1f1b_final"] if row["steps_to_1f1b_final"] is not None else "never"
-        copies = ", ".join(f"{c:g}" for c in row["weight_copies"])
-        lines.append(f"| {row['lr']:g} | {row['variant']} | {row['chunks']} | {row['final_loss']:.4f} | "
-                     f"{100 * row['vs_1f1b']:+.1f}% | {reach} | {copies} |")  # fmt: skip
+    """The summary as a Markdown table: one row per schedule, the learning rates side by side."""
+    lrs = sorted({row["lr"] for row in table})
+    variants = list(dict.fromkeys(row["variant"] for row in table))
+    by = {(row["variant"], row["lr"]): row for row in table}
+    rates = " / ".join(f"{lr:g}" for lr in lrs)
+    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight copies per stage |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for variant in variants:
+        rows = [by.get((variant, lr)) for lr in lrs]
+        first = next(r for r in rows if r is not None)
+        losses = " / ".join(f"{r['final_loss']:.4f}" if r else "-" for r in rows)
+        reach = " / ".join(str(r["steps_to_1f1b_final"] or "never") if r else "-" for r in rows)
+        copies = ", ".join(f"{c:g}" for c in first["weight_copies"])
+        lines.append(f"| {variant} | {first['chunks']} | {losses} | {reach} | {copies} |")
     return "\n".join(lines)
 
 
