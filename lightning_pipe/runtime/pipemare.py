@@ -27,12 +27,12 @@ tensor that is not a stage weight (an activation, or a weight already cast by au
 dtype, which then is the forward's value) is kept as it is.
 
 Learning-rate rescheduling: stage ``i``'s update ``k`` (counted from 0) steps with
-``alpha_k * tau_i ** (-p_k)``, ``p_k = 1 - min(k / K, 1)`` (the paper's rescheduling rule, as
-written in the technique's definition): the step size starts at ``alpha / tau_i`` and is back to
-the user's ``alpha_k`` after ``K`` updates. It multiplies each param group's ``lr`` right before
-the optimizer's update (when the gradients are handed over) and puts the user's value back right
-after it (an optimizer step post-hook), so the user's optimizer and LR scheduler run unchanged and
-a checkpoint saves the user's ``lr``. A delay of 0 (the last stage: synchronous) counts as 1.
+``alpha_k * tau_i ** (-p_k)``, ``p_k = 1 - min(k / K, 1)`` (PipeMare's rescheduling rule): the
+step size starts at ``alpha / tau_i`` and is back to the user's ``alpha_k`` after ``K`` updates.
+It multiplies each param group's ``lr`` right before the optimizer's update (when the gradients
+are handed over) and puts the user's value back right after it (an optimizer step post-hook), so
+the user's optimizer and LR scheduler run unchanged and a checkpoint saves the user's ``lr``. A
+delay of 0 (the last stage: synchronous) counts as 1.
 
 Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (the form of the
 paper's rule: over the stage's delay of ``tau_i`` updates the old velocity decays by the factor
@@ -42,9 +42,9 @@ Neither technique needs the weights of the previous step: the velocity update is
 optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
 ``delta += (1 - gamma) * w_{k+1}`` after it (rounding of order ``(1 - gamma) * ulp(w)``).
 The asynchronous schedules refuse ``accumulate_grad_batches`` other than 1, so an update
-follows every batch. Activation checkpointing recomputes a forward inside its own saved-tensor hooks, on the weights
-of the backward's moment, so discrepancy correction refuses ``checkpoint`` other than ``"never"``
-(checked in :mod:`lightning_pipe.config`).
+follows every batch. Activation checkpointing recomputes a forward inside its own saved-tensor
+hooks, on the weights of the backward's moment, so discrepancy correction refuses ``checkpoint``
+other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
 """
 
 from __future__ import annotations
