@@ -76,7 +76,8 @@ class PipelineConfig:
             :mod:`lightning_pipe.runtime.pipemare`).
         pipemare_correction: PipeMare's discrepancy correction: each backward runs on the weights
             predicted for its forward's moment from a velocity of the updates. None or True: on under
-            ``"pipemare"`` (it needs ``checkpoint="never"``); False: backwards on the current weights.
+            ``"pipemare"`` (it needs ``checkpoint="never"``); False: backwards on the current weights
+            (under activation checkpointing, the recomputed activations too).
     """
 
     schedule: str = "1f1b"

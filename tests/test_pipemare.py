@@ -363,3 +363,10 @@ def test_pipemare_holds_at_most_two_weight_copies_where_pipedream_stashes_more(t
         assert all(r["stashed"] == 0 for r in records)
     else:  # delays 3, 2, 1, 0: up to 1 + 3 versions on the first stage
         assert copies == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_weights_tied_across_stages_are_refused() -> None:
+    from tests.models import TiedNet, token_loader
+
+    with pytest.raises(Exception, match="schedule='pipemare' applies gradients with a different delay on each stage"):
+        fit_pipeline(TiedNet(), 2, token_loader(), schedule="pipemare", chunks=2)
