@@ -51,6 +51,7 @@ STRATEGY_KEYS = (
     "plan",
     "stages", "data_parallel",
     "virtual_stages", "check_data",
+    "pipemare_warmup", "pipemare_correction",
 )  # fmt: skip
 LOGGERS = ("csv", "tensorboard")
 # Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
@@ -193,7 +194,7 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: Optional[dict[str, A
         if str(devices) != "1":
             log.warning(
                 "strategy=none: training without the pipeline, in one process on one device; trainer.devices=%s "
-                "applies to the pipeline strategies (strategy=1f1b, gpipe, pipedream, pipedream_2bw).",
+                "applies to the pipeline strategies (strategy=1f1b, gpipe, pipedream, pipedream_2bw, pipemare).",
                 devices,
             )
         return "auto", 1
@@ -281,9 +282,9 @@ def make_logger(name: str, output: Path) -> Logger:
 
 
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
-    """``schedule=pipedream`` refuses weights tied across stages; say so before any process starts,
+    """``schedule=pipedream`` and ``pipemare`` refuse weights tied across stages; say so before any process starts,
     naming the override that unties them (the strategy itself would fail in every process)."""
-    if cfg.strategy.name != "pipeline" or cfg.strategy.schedule != "pipedream" or not isinstance(devices, int) or devices < 2:
+    if cfg.strategy.name != "pipeline" or cfg.strategy.schedule not in ("pipedream", "pipemare") or not isinstance(devices, int) or devices < 2:
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))

@@ -74,9 +74,9 @@ def check_async(
             f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
             "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
         )
-    if tied and schedule == "pipedream":
+    if tied and schedule in ("pipedream", "pipemare"):
         raise MisconfigurationException(
-            "schedule='pipedream' applies gradients with a different delay on each stage, so the copies of a "
+            f"schedule={schedule!r} applies gradients with a different delay on each stage, so the copies of a "
             "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "
             "stage) or untie the weights."
         )

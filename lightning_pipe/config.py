@@ -35,7 +35,7 @@ class PipelineConfig:
             (ZB-H1: each backward split into the input gradient and, later, the weight gradient),
             ``"interleaved_zero_bubble"``, ``"zbv"``, ``"chimera"`` (two pipelines in opposite
             directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
-            ``"pipedream_2bw"``).
+            ``"pipedream_2bw"``, ``"pipemare"``).
         chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
@@ -83,6 +83,15 @@ class PipelineConfig:
             ``"spawn"`` or ``"fork"`` (notebooks and tests).
         plan_all_layouts: with ``plan="auto"``, rank every stages x replicas of the world too
             (``lightning-pipe plan`` prints them; the run keeps its own layout).
+        pipemare_warmup: PipeMare's learning-rate rescheduling for the asynchronous schedules: stage
+            ``i`` steps with ``lr * tau_i ** -(1 - min(k / K, 1))`` at update ``k``, back to the user's
+            ``lr`` after ``K = pipemare_warmup`` updates (``tau_i``: the stage's update delay). None:
+            1000 under ``"pipemare"``, off under ``"pipedream"``/``"pipedream_2bw"``; 0: off (see
+            :mod:`lightning_pipe.runtime.pipemare`).
+        pipemare_correction: PipeMare's discrepancy correction: each backward runs on the weights
+            predicted for its forward's moment from a velocity of the updates. None or True: on under
+            ``"pipemare"`` (it needs ``checkpoint="never"``); False: backwards on the current weights
+            (under activation checkpointing, the recomputed activations too).
     """
 
     schedule: str = "1f1b"
@@ -101,6 +110,8 @@ class PipelineConfig:
     data_parallel: str = "replicate"
     start_method: str = "popen"
     plan_all_layouts: bool = False
+    pipemare_warmup: Optional[int] = None
+    pipemare_correction: Optional[bool] = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -149,8 +160,41 @@ def check_arguments(config: PipelineConfig) -> None:
             f"PipelineStrategy(check_data={check_data!r}): give True (compare a checksum of the stages' batches "
             "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
+    check_pipemare_options(config)
     if config.start_method not in START_METHODS:
         raise ValueError(f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}.")
 
 
-__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments"]
+def check_pipemare_options(config: PipelineConfig) -> None:
+    """PipeMare's switches: rescheduling for the asynchronous schedules, correction for ``pipemare``."""
+    warmup, correction, schedule = config.pipemare_warmup, config.pipemare_correction, config.schedule
+    if warmup is not None:
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(
+                f"PipelineStrategy(pipemare_warmup={warmup!r}): give the number of optimizer updates K >= 0 over which "
+                "the learning-rate rescheduling returns to your learning rate (0: off, None: the schedule's default)."
+            )
+        if warmup > 0 and schedule not in ("pipedream", "pipedream_2bw", "pipemare"):
+            raise ValueError(
+                f"PipelineStrategy(pipemare_warmup={warmup}) rescales the step size of asynchronous schedules, whose "
+                f"gradients arrive late; schedule={schedule!r} is synchronous. Use schedule='pipemare', 'pipedream' "
+                "or 'pipedream_2bw', or leave pipemare_warmup unset."
+            )
+    if correction is not None and not isinstance(correction, bool):
+        raise ValueError(f"PipelineStrategy(pipemare_correction={correction!r}): give True, False or None.")
+    if correction and schedule != "pipemare":
+        raise ValueError(
+            f"PipelineStrategy(pipemare_correction=True) predicts the forward's weights for backwards that run on "
+            f"newer ones; schedule={schedule!r} "
+            + ("keeps the forward's weights for its backwards already" if schedule.startswith("pipedream") else "has no such backwards")
+            + ". Use schedule='pipemare', or leave pipemare_correction unset."
+        )
+    if schedule == "pipemare" and correction is not False and config.checkpoint != "never":
+        raise ValueError(
+            f"PipelineStrategy(schedule='pipemare', checkpoint={config.checkpoint!r}): discrepancy correction gives each "
+            "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "
+            "checkpoint='never', or pipemare_correction=False."
+        )
+
+
+__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments", "check_pipemare_options"]

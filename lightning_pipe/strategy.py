@@ -79,13 +79,15 @@ class PipelineStrategy(ProcessStrategy):
         plan: Optional[str] = None,
         stages: Optional[int] = None,
         data_parallel: str = "replicate",
+        pipemare_warmup: Optional[int] = None,
+        pipemare_correction: Optional[bool] = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
             schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module, init=init, rename=rename,
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
-            start_method=start_method,
+            start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)
@@ -209,6 +211,7 @@ class PipelineStrategy(ProcessStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
         clip_by_global_norm(self.precision_plugin, self.clip_grad_norm_)  # Lightning's clip hook, by the global norm
         if scaler is not None:
             sync_gradient_scaler(scaler)

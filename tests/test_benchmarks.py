@@ -118,3 +118,16 @@ def test_vgg_balance_table_marks_the_fastest_per_stage_count_and_the_chart_has_a
     svg = vgg_balance.svg_chart(results, 128)
     assert svg.count("<rect") == 8
     assert svg.index("2 stages, time") < svg.index("2 stages, parameters") < svg.index("4 stages, time")
+
+
+def test_convergence_summary_takes_the_last_tenth_and_the_first_window_that_reaches_the_target(tmp_path) -> None:
+    from pipemare_convergence import final_loss, steps_to_reach, svg
+
+    losses = [10.0 - i for i in range(10)] + [1.0] * 10  # 20 steps: a window of 2
+    assert final_loss(losses) == 1.0
+    assert steps_to_reach(losses, 1.0) == 11  # the window ending at step 10 averages 1.5, at step 11 1.0
+    assert steps_to_reach(losses, 0.5) is None
+    runs = [{"variant": "1f1b", "lr": 0.1, "losses": losses}, {"variant": "pipemare", "lr": 0.1, "losses": [float("nan")] * 20}]
+    svg(runs, [0.1], "title", str(tmp_path / "c.svg"))
+    text = (tmp_path / "c.svg").read_text()
+    assert text.count("<polyline") == 2 and "pipemare_no_correction" in text  # a diverged run draws no points

@@ -47,7 +47,7 @@ def _check_keys(cfg: DictConfig) -> None:
 
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "llama", "vgg19_cifar100"]
-    assert GROUPS["strategy"] == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "zbv", "zero_bubble"]
+    assert GROUPS["strategy"] == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "pipemare", "zbv", "zero_bubble"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
 
 
@@ -81,6 +81,9 @@ def test_overrides_reach_the_strategy() -> None:
     assert strategy.gradient_accumulation_fusion is True
     cfg = _compose(["strategy=pipedream_2bw", "strategy.gradient_accumulation_fusion=false"])
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False
+    cfg = _compose(["strategy=pipemare", "strategy.pipemare_warmup=50", "strategy.pipemare_correction=false"])
+    config = build_strategy(cfg.strategy, 2)[0].config
+    assert (config.schedule, config.pipemare_warmup, config.pipemare_correction) == ("pipemare", 50, False)
     cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4", "strategy.check_data=5"])
     strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
     assert (strategy.stages, strategy.data_parallel, devices, strategy.check_data) == (2, "shard", 4, 5)
@@ -240,13 +243,23 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
-    assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, zbv, zero_bubble" in lines
+    assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
     assert sorted(own) == ["checkpoint", "logger", "seed", "timeline"]
     for key in own:  # every top-level key, with what it does
         assert any(line.startswith(f"  {key}=") and len(line.split()) > 3 for line in lines), key
     assert any(line.strip().startswith("lightning-pipe plan ") for line in lines)
+
+
+def test_pipemare_runs_the_bert_recipe_with_its_options(tmp_path: Path) -> None:
+    overrides = ["recipe=bert_mlm", "strategy=pipemare", "recipe.model.tie_embeddings=false", "strategy.pipemare_warmup=2",
+                 "strategy.start_method=fork", "strategy.chunks=1", *SMALL["bert_mlm"], *QUICK]  # fmt: skip
+    cfg = _compose(overrides)
+    with open_dict(cfg):
+        del cfg.hydra
+    metrics = run(cfg, output_dir=str(tmp_path))
+    assert metrics["train_loss"] > 0 and "val_loss" in metrics
 
 
 def test_pipedream_with_tied_embeddings_names_the_override(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"schedule": "pipedreamz"}, r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, zbv, zero_bubble"),
+        ({"schedule": "pipedreamz"}, r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"),
         ({"checkpoint": "sometimes"}, r"checkpoint='sometimes'.*Valid: always, except_last, never"),
         ({"chunks": 0}, r"chunks=0.*integer >= 1"),
         ({"chunks": 2.5}, r"chunks=2.5.*integer >= 1"),

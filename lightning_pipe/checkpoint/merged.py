@@ -34,7 +34,13 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str
     for state in states:
         for batch, grads in state["pending"].items():
             pending.setdefault(int(batch), {}).update(grads)
-    return {"step": states[0]["step"], "pending": pending}
+    merged: dict[str, Any] = {"step": states[0]["step"], "pending": pending}
+    if all("pipemare" in state for state in states):  # PipeMare: the update count and every stage's velocity
+        velocity: dict[str, Any] = {}
+        for state in states:
+            velocity.update(state["pipemare"]["velocity"])
+        merged["pipemare"] = {"updates": states[0]["pipemare"]["updates"], "velocity": velocity}
+    return merged
 
 
 __all__ = ["merged_async_state", "merged_optimizer_states", "merged_state_dict"]

@@ -6,6 +6,10 @@ on a stage is complete once the stage's last backward of it ran; it is applied a
 step ``update_delay`` steps after the batch. A drain runs the backwards still owed (before
 validation, a checkpoint, the end of training, or a change in the number of micro-batches); it
 does not apply anything early, so the update rule is the same with or without drains.
+
+Under PipeMare (:mod:`lightning_pipe.runtime.pipemare`) the versions are never stashed: they only
+gather each batch's gradient apart, while every forward and backward reads the stage's one copy
+of the weights (the backward through PipeMare's saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Hashable, Mapping, Optional
 from torch import Tensor
 
 from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, update_delay
 from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
@@ -23,7 +28,9 @@ from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
 class AsyncPipeline:
     """One rank's share of an asynchronous pipeline (stage ``runner.stage``)."""
 
-    def __init__(self, name: str, executor: Executor, runner: StageRunner, num_stages: int) -> None:
+    def __init__(
+        self, name: str, executor: Executor, runner: StageRunner, num_stages: int, pipemare: Optional[PipeMare] = None
+    ) -> None:
         if runner.versions is None:
             raise ValueError("an asynchronous pipeline needs a StageRunner with weight versions")
         self.name = name
@@ -36,6 +43,11 @@ class AsyncPipeline:
         self._in_flight: Optional[int] = None  # micro-batches per batch while work is in flight
         self.pending: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> gradient not yet applied
         self._schedules: dict[int, Schedule] = {}
+        #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on
+        self.pipemare = pipemare
+        self.stashes = name != "pipemare"  # PipeDream's and 2BW's versions keep their weights
+        if pipemare is not None and name == "pipemare":
+            runner.saving = pipemare.saving
 
     def _steady(self, m: int) -> Schedule:
         if m not in self._schedules:
@@ -104,11 +116,22 @@ class AsyncPipeline:
         Call after :meth:`drain`."""
         if self.in_flight:
             raise RuntimeError("drain the pipeline before saving its state")
-        return {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
+        state: dict[str, object] = {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
+        if self.pipemare is not None:
+            state["pipemare"] = self.pipemare.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.step = int(state["step"])  # type: ignore[call-overload]
         self.pending = {int(b): dict(g) for b, g in state["pending"].items()}  # type: ignore[attr-defined]
+        if self.pipemare is not None:
+            saved = state.get("pipemare")
+            if saved is None:
+                raise ValueError(
+                    "the checkpoint has no PipeMare state (update count, velocity): it was saved under another "
+                    "schedule or without learning-rate rescheduling; resume it with the schedule and options it was saved with"
+                )
+            self.pipemare.load_state_dict(saved)  # type: ignore[arg-type]
         self._in_flight = None
         self.versions.clear()
         self.runner.reset()

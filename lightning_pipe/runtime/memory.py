@@ -59,6 +59,10 @@ class SavedActivationMeter:
     def _unpack(saved: object) -> Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved  # type: ignore[return-value]
 
+    #: the hooks' two halves, for other saved-tensor hooks that count through this meter
+    pack = _pack
+    unpack = _unpack
+
     def _release(self, key: tuple[int, int]) -> None:
         entry = self._live.get(key)
         if entry is None:

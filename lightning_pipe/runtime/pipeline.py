@@ -39,12 +39,13 @@ from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.pipemare import PipeMare, resolve
 from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.schedules import Schedule, is_async
+from lightning_pipe.schedules import Schedule, is_async, update_delay
 from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
@@ -152,7 +153,17 @@ class StagePipeline:
         self.executor = Executor(self.transport, self.runners, rank=placement.stage)
         self.asynchronous: Optional[AsyncPipeline] = None
         if versions is not None:
-            self.asynchronous = AsyncPipeline(config.schedule, self.executor, self.runner, self.num_stages)
+            self.asynchronous = AsyncPipeline(config.schedule, self.executor, self.runner, self.num_stages, self._pipemare())
+
+    def _pipemare(self) -> Optional[PipeMare]:
+        """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
+        needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``)."""
+        config = self.config
+        warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
+        if config.schedule != "pipemare" and warmup <= 0:
+            return None
+        delay = update_delay(config.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
+        return PipeMare(self.host, delay, warmup, correction)
 
     # ------------------------------------------------------------------ what callers may read
     @property
@@ -281,8 +292,18 @@ class StagePipeline:
         """Give the kept gradients, summed across ranks where needed and times ``scale``, to the
         parameters (added to what ``.grad`` holds, which may have been zeroed since the step)."""
         self.gradients.hand_over(scale)
-        if self.asynchronous is not None:
-            self.asynchronous.versions.protect()  # the optimizer changes the parameters in place next
+        run = self.asynchronous
+        if run is not None:  # the optimizer changes the parameters in place next
+            if run.stashes:
+                run.versions.protect()
+            if run.pipemare is not None:
+                run.pipemare.before_update()
+
+    def attach_optimizers(self, optimizers: Sequence[Any]) -> None:
+        """The user's optimizers, which PipeMare's learning-rate factor and velocity follow (a no-op
+        for other schedules)."""
+        if self.asynchronous is not None and self.asynchronous.pipemare is not None:
+            self.asynchronous.pipemare.attach(optimizers)
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
@@ -300,7 +321,11 @@ class StagePipeline:
             return
         local = {name for name, _ in self.host.named_parameters()}
         pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in state["pending"].items()}
-        self.asynchronous.load_state_dict({"step": state["step"], "pending": pending})
+        mine: dict[str, Any] = {"step": state["step"], "pending": pending}
+        if "pipemare" in state:
+            saved = state["pipemare"]
+            mine["pipemare"] = {**saved, "velocity": {n: v for n, v in saved["velocity"].items() if n in local}}
+        self.asynchronous.load_state_dict(mine)
 
     def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
         """Record, from the next step on, when each action ran on this rank; callers share one
@@ -314,6 +339,8 @@ class StagePipeline:
 
     def close(self) -> None:
         """Give the layers back their own forwards and remove the gradient hooks."""
+        if self.asynchronous is not None and self.asynchronous.pipemare is not None:
+            self.asynchronous.pipemare.detach()
         deferred_conv.uninstall_split(self._fused)
         self._fused = []
         self.gradients.close()

@@ -10,7 +10,8 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
@@ -155,6 +156,9 @@ class StageRunner:
         self._weights_due: dict[int, list[WeightWork]] = {}
         self._microbatches = 1
         self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
+        # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
+        # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
+        self.saving: Optional[Callable[[Optional[SavedActivationMeter]], ContextManager[Any]]] = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -184,11 +188,13 @@ class StageRunner:
     ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage."""
+        saving = self.saving if self.saving is not None and torch.is_grad_enabled() else None
         if self.meter is None:
-            return self._forward(microbatch, num_microbatches, received)
+            with saving(None) if saving is not None else nullcontext():
+                return self._forward(microbatch, num_microbatches, received)
         if self.versions is not None:
             self.meter.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
-        with self.meter.hooks():
+        with self.meter.hooks(), saving(self.meter) if saving is not None else nullcontext():
             return self._forward(microbatch, num_microbatches, received)
 
     def _forward(

@@ -27,6 +27,7 @@ class WeightVersions:
         self._versions: dict[int, dict[str, Tensor]] = {}
         self.on_gradient = on_gradient  # instrumentation: called with (version, name) as gradients arrive
         self.peak_bytes = 0
+        self.peak_weight_bytes = 0  # stashed weights alone (no gradients): the weight copies beyond the parameters
 
     def create(self, version: int) -> None:
         """Take the current parameters as ``version`` (no copy yet)."""
@@ -53,6 +54,7 @@ class WeightVersions:
 
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self.peak_weight_bytes = max(self.peak_weight_bytes, self.nbytes(gradients=False))
 
     def _hook(self, version: int, name: str) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
@@ -73,9 +75,9 @@ class WeightVersions:
     def held(self) -> list[int]:
         return sorted(self._versions)
 
-    def nbytes(self) -> int:
+    def nbytes(self, gradients: bool = True) -> int:
         """Bytes held for versions beyond the parameters themselves: stashed weights whose memory
-        the parameters no longer use, and the gradients accumulated on versions."""
+        the parameters no longer use, and (``gradients``) the gradients accumulated on versions."""
         current = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
         counted: set[int] = set()
         total = 0
@@ -85,7 +87,7 @@ class WeightVersions:
                 if ptr not in current and ptr not in counted:
                     counted.add(ptr)
                     total += t.untyped_storage().nbytes()
-                if t.grad is not None:
+                if gradients and t.grad is not None:
                     total += t.grad.numel() * t.grad.element_size()
         return total
 

@@ -14,6 +14,7 @@ from lightning_pipe.schedules.asynchronous import (
     drain_actions,
     pipedream,
     pipedream_2bw,
+    pipemare,
     step_actions,
     steady_state_bubble,
     unroll,
@@ -42,6 +43,7 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "pipedream": pipedream,
     "pipedream_2bw": pipedream_2bw,
     "chimera": chimera,
+    "pipemare": pipemare,
 }
 
 
@@ -118,6 +120,7 @@ __all__ = [
     "is_async",
     "pipedream",
     "pipedream_2bw",
+    "pipemare",
     "steady_state_bubble",
     "step_actions",
     "unroll",

@@ -1,4 +1,4 @@
-"""Asynchronous schedules: 1F1B without a flush between batches (PipeDream, PipeDream-2BW).
+"""Asynchronous schedules: 1F1B without a flush between batches (PipeDream, PipeDream-2BW, PipeMare).
 
 The micro-batches of consecutive batches form one stream. Stage ``s`` runs each forward ``F(g)``
 followed by the backward of the micro-batch ``k = p - s - 1`` places earlier, ``B(g - k)``, so in
@@ -11,7 +11,10 @@ usual validator and simulator check.
 The two schedules share this order and differ in when a stage applies a batch's gradient
 (:func:`update_delay`): PipeDream at the first step boundary after the stage's own backward of
 the batch finished; PipeDream-2BW one step later than the batch, on every stage, so that
-``W(t+1) = W(t) - lr * grad f(W(t-1))`` with at most two weight versions.
+``W(t+1) = W(t) - lr * grad f(W(t-1))`` with at most two weight versions. PipeMare (Yang et al.,
+MLSys 2021) runs PipeDream's order and delays without stashing: every forward uses the stage's
+current weights (see :mod:`lightning_pipe.runtime.pipemare` for its learning-rate rescheduling and
+discrepancy correction).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 from lightning_pipe.schedules.actions import Action, B, F, Schedule
 from lightning_pipe.schedules.comm import with_communication
 
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw")
+ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare")
 
 
 def lag(num_stages: int, stage: int) -> int:
@@ -45,6 +48,11 @@ def _steady(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
     """PipeDream's 1F1B with weight stashing: one steady step."""
     return _steady("pipedream", num_stages, num_microbatches)
+
+
+def pipemare(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeMare: PipeDream's order and update delays with one weight version per stage (no stash)."""
+    return _steady("pipemare", num_stages, num_microbatches)
 
 
 def min_chunks(name: str, num_stages: int) -> int:
@@ -74,15 +82,25 @@ def update_delay(name: str, num_stages: int, num_microbatches: int, stage: int) 
     """Steps between a batch's step and the step whose optimizer update applies its gradient."""
     if name == "pipedream_2bw":
         return 1
-    if name == "pipedream":
+    if name in ("pipedream", "pipemare"):
         return math.ceil(lag(num_stages, stage) / num_microbatches)
     raise ValueError(f"{name!r} is not an asynchronous schedule; valid: {', '.join(ASYNC_SCHEDULES)}")
 
 
 def versions_held(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:
     """Weight versions stage ``stage`` holds at once: the current one plus one per batch still
-    waiting for backwards (PipeDream's stashing; always 2 or fewer for 2BW)."""
+    waiting for backwards (PipeDream's stashing; always 2 or fewer for 2BW); PipeMare keeps only
+    the current one (its discrepancy correction adds a velocity buffer, not a version)."""
+    if name == "pipemare":
+        return 1
     return 1 + math.ceil(lag(num_stages, stage) / num_microbatches)
+
+
+def backward_gap(num_stages: int, num_microbatches: int, stage: int, microbatch: int) -> int:
+    """Optimizer steps between micro-batch ``microbatch``'s forward and its backward on ``stage``
+    (in the steady state): its backward runs in the step of the forward ``lag`` places later.
+    PipeMare's ``tau_fwd - tau_bkwd`` for that micro-batch."""
+    return (microbatch + lag(num_stages, stage)) // num_microbatches
 
 
 def step_actions(steady: Schedule, rank: int, step: int, start_step: int = 0) -> list[Action]:

@@ -1,0 +1,252 @@
+"""Convergence of the asynchronous schedules against synchronous 1F1B, on the same runs.
+
+    python benchmarks/pipemare_convergence.py --recipe bert --steps 300 --find-lr 1e-3,2e-3,4e-3
+    python benchmarks/pipemare_convergence.py --recipe vgg --steps 300 --find-lr 0.02,0.05,0.1
+    python benchmarks/pipemare_convergence.py --report benchmarks/results/pipemare_bert.json   # the table again
+
+First (``--find-lr``) 1F1B runs at each learning rate given and the one with the lowest final loss
+is "1F1B's best" (or give it with ``--lr``). Then every schedule runs at 0.5x, 1x and 2x of it,
+4 stages, the same seed, data order and initial weights: ``1f1b``, ``pipedream``,
+``pipedream_2bw``, ``pipemare``, and ``pipemare`` without each of its techniques
+(``pipemare_no_resched``: ``pipemare_warmup=0``; ``pipemare_no_correction``:
+``pipemare_correction=False``). For each run: the final loss (mean training loss over the last 10%
+of steps), the first step from which the running mean over a window of 10% of the steps reaches
+1F1B's final loss at that learning rate (None: never), and the peak weight memory per stage in
+copies of the stage's weights (parameters + PipeDream's stashed versions + PipeMare's velocity,
+measured on every rank). Results go to a JSON file and a picture (loss against step, one line per
+schedule, one panel per learning rate) to an SVG.
+
+Recipes (small, so that the grid runs on a CPU): ``bert`` is the BERT masked-LM recipe
+(``size=tiny``: embeddings, 2 encoder layers, the head = 4 stages of one layer; AdamW with the
+recipe's warm-up and linear decay; untied embeddings, which the stage-wise delays require);
+``vgg`` is VGG19 with batch norm on the recipe's synthetic images (SGD with momentum 0.9 and the
+recipe's cosine schedule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from lightning_pipe import PipelineStrategy  # noqa: E402
+
+#: name -> (schedule, extra strategy arguments)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "1f1b": ("1f1b", {}),
+    "pipedream": ("pipedream", {}),
+    "pipedream_2bw": ("pipedream_2bw", {}),
+    "pipemare": ("pipemare", {}),
+    "pipemare_no_resched": ("pipemare", {"pipemare_warmup": 0}),
+    "pipemare_no_correction": ("pipemare", {"pipemare_correction": False}),
+}
+COLOURS = {
+    "1f1b": "#000000", "pipedream": "#d62728", "pipedream_2bw": "#ff7f0e", "pipemare": "#1f77b4",
+    "pipemare_no_resched": "#17becf", "pipemare_no_correction": "#9467bd",
+}  # fmt: skip
+
+
+class Record(L.Callback):
+    """Rank 0: the training loss of every step; every rank: its weight memory."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        pipeline = trainer.strategy.pipeline
+        params = sum(p.numel() * p.element_size() for p in pipeline.host.parameters())
+        run = pipeline.asynchronous
+        stashed = run.versions.peak_weight_bytes if run is not None and run.stashes else 0
+        velocity = run.pipemare.nbytes() if run is not None and run.pipemare is not None else 0
+        memory = {"param_bytes": params, "stash_bytes": stashed, "velocity_bytes": velocity}
+        with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"losses": self.losses, "memory": memory}, f)
+
+
+def build(recipe: str, lr: float, steps: int, args: argparse.Namespace) -> tuple[L.LightningModule, L.LightningDataModule]:
+    torch.manual_seed(0)
+    if recipe == "bert":
+        from lightning_pipe.recipes.bert import BertMLM, TextData
+
+        data = TextData(vocab_size=args.vocab, max_len=args.max_len, batch_size=args.batch, limit_chars=args.chars)
+        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr, warmup_steps=max(1, steps // 10),
+                        max_steps=steps, tie_embeddings=False, build="eager")  # fmt: skip
+        return model, data
+    from lightning_pipe.recipes.vgg import CIFAR100Data, VGGClassifier
+
+    data = CIFAR100Data(source="synthetic", batch_size=args.batch, num_classes=args.classes, augment=False,
+                        synthetic_train=args.batch * steps, synthetic_val=args.batch)  # fmt: skip
+    model = VGGClassifier(depth=19, width=args.width, num_classes=args.classes, lr=lr, max_steps=steps, build="eager")
+    return model, data
+
+
+def run(recipe: str, variant: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+    schedule, extra = VARIANTS[variant]
+    if schedule == "pipemare" and "pipemare_warmup" not in extra:
+        extra = {**extra, "pipemare_warmup": args.warmup}
+    chunks = args.chunks_2bw if schedule == "pipedream_2bw" else args.chunks
+    model, data = build(recipe, lr, args.steps, args)
+    with tempfile.TemporaryDirectory() as folder:
+        strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[Record(folder)],
+        )  # fmt: skip
+        trainer.fit(model, data)
+        ranks = []
+        for r in range(args.stages):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    losses = ranks[0]["losses"]
+    copies = [
+        round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3) if m["param_bytes"] else 0.0
+        for m in (r["memory"] for r in ranks)
+    ]
+    return {"variant": variant, "schedule": schedule, "chunks": chunks, "lr": lr, "losses": losses, "weight_copies": copies}
+
+
+def final_loss(losses: list[float]) -> float:
+    tail = max(1, len(losses) // 10)
+    return sum(losses[-tail:]) / tail
+
+
+def steps_to_reach(losses: list[float], target: float) -> Optional[int]:
+    window = max(1, len(losses) // 10)
+    for end in range(window, len(losses) + 1):
+        if sum(losses[end - window : end]) / window <= target:
+            return end
+    return None
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table: one row per schedule, the learning rates side by side."""
+    lrs = sorted({row["lr"] for row in table})
+    variants = list(dict.fromkeys(row["variant"] for row in table))
+    by = {(row["variant"], row["lr"]): row for row in table}
+    rates = " / ".join(f"{lr:g}" for lr in lrs)
+    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight copies per stage |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for variant in variants:
+        rows = [by.get((variant, lr)) for lr in lrs]
+        first = next(r for r in rows if r is not None)
+        losses = " / ".join(f"{r['final_loss']:.4f}" if r else "-" for r in rows)
+        reach = " / ".join(str(r["steps_to_1f1b_final"] or "never") if r else "-" for r in rows)
+        copies = ", ".join(f"{c:g}" for c in first["weight_copies"])
+        lines.append(f"| {variant} | {first['chunks']} | {losses} | {reach} | {copies} |")
+    return "\n".join(lines)
+
+
+def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) -> None:
+    """Loss against step, one panel per learning rate, one line per schedule (running mean over 5% of the steps)."""
+    width, height, pad = 330, 240, 40
+    finite = [v for r in results for v in r["losses"] if v == v and abs(v) < 1e6]
+    top = min(max(finite), 3 * sorted(finite)[len(finite) // 2]) if finite else 1.0
+    bottom = min(finite) if finite else 0.0
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" font-family="sans-serif" font-size="11">',
+             f'<text x="10" y="16" font-size="13">{title}</text>']  # fmt: skip
+    for panel, lr in enumerate(lrs):
+        x0, y0 = panel * width + pad, 30
+        w, h = width - pad - 10, height - 30
+        parts.append(f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#888"/>')
+        parts.append(f'<text x="{x0 + w / 2 - 30}" y="{y0 + h + 28}">lr {lr:g} (step)</text>')
+        for frac in (0.0, 0.5, 1.0):
+            value = bottom + frac * (top - bottom)
+            parts.append(f'<text x="{x0 - 36}" y="{y0 + h - frac * h + 4}">{value:.2f}</text>')
+        for r in (r for r in results if r["lr"] == lr):
+            losses = r["losses"]
+            smooth = max(1, len(losses) // 20)
+            points = []
+            for i in range(len(losses)):
+                window = losses[max(0, i - smooth + 1) : i + 1]
+                value = sum(window) / len(window)
+                if not (value == value) or abs(value) > 1e6:
+                    break
+                clipped = min(max(value, bottom), top)
+                points.append(f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}")
+            parts.append(f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" points="{" ".join(points)}"/>')
+    legend_x = width * len(lrs) + 10
+    for i, name in enumerate(VARIANTS):
+        parts.append(f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" stroke="{COLOURS[name]}" stroke-width="2"/>')
+        parts.append(f'<text x="{legend_x + 25}" y="{44 + 16 * i}">{name}</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", choices=("bert", "vgg"), default="bert")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=1, help="micro-batches per batch (1: delays 3, 2, 1, 0 on 4 stages)")
+    parser.add_argument("--chunks-2bw", type=int, default=3, help="pipedream_2bw needs chunks >= stages - 1")
+    parser.add_argument("--warmup", type=int, default=None, help="pipemare_warmup K (default: a third of the steps)")
+    parser.add_argument("--lr", type=float, default=None, help="1F1B's best learning rate, if known")
+    parser.add_argument("--find-lr", default=None, help="comma-separated learning rates for 1F1B, to pick the best")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--factors", default="0.5,1,2", help="learning rates to run, as multiples of 1F1B's best")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=2000)
+    parser.add_argument("--max-len", type=int, default=64)
+    parser.add_argument("--chars", type=int, default=400_000)
+    parser.add_argument("--width", type=float, default=0.125)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--svg", default=None)
+    parser.add_argument("--report", default=None, help="print the Markdown table of a results file and stop")
+    args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(markdown(json.load(f)["table"]))
+        return
+    torch.set_num_threads(1)
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 3)
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"pipemare_{args.recipe}.json")
+    search: dict[str, float] = {}
+    lr = args.lr
+    if lr is None:
+        if not args.find_lr:
+            parser.error("give --lr or --find-lr")
+        for candidate in (float(v) for v in args.find_lr.split(",")):
+            result = run(args.recipe, "1f1b", candidate, args)
+            search[str(candidate)] = final_loss(result["losses"])
+            print(f"1f1b lr {candidate:g}: final loss {search[str(candidate)]:.4f}", flush=True)
+        lr = min((float(k) for k in search), key=lambda k: (search[str(k)] != search[str(k)], search[str(k)]))
+    lrs = [lr * float(f) for f in args.factors.split(",")]
+    results = []
+    for value in lrs:
+        for variant in args.variants.split(","):
+            result = run(args.recipe, variant, value, args)
+            results.append(result)
+            print(f"lr {value:g} {variant}: final {final_loss(result['losses']):.4f} copies {result['weight_copies']}", flush=True)
+    table = []
+    for value in lrs:
+        reference = final_loss(next(r for r in results if r["lr"] == value and r["variant"] == "1f1b")["losses"])
+        for r in (r for r in results if r["lr"] == value):
+            table.append({"lr": value, "variant": r["variant"], "chunks": r["chunks"], "final_loss": round(final_loss(r["losses"]), 4),
+                          "vs_1f1b": round(final_loss(r["losses"]) / reference - 1, 4),
+                          "steps_to_1f1b_final": steps_to_reach(r["losses"], reference), "weight_copies": r["weight_copies"]})  # fmt: skip
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "svg", "find_lr")}
+    with open(out, "w") as f:
+        json.dump({"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results}, f, indent=1)
+    print(markdown(table))
+    title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
+    svg(results, lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""PipeMare's two techniques for asynchronous pipelines (Yang et al., "PipeMare: Asynchronous
+Pipeline Parallel DNN Training", MLSys 2021), for one stage.
+
+Which weights run what, under ``schedule="pipemare"`` in this engine. Stage ``i`` runs each
+forward ``F`` of batch ``t`` during step ``t`` on its *current* weights ``w(t)`` (no stash). The
+backward ``B`` of the same micro-batch runs ``lag = p - i - 1`` places later in the stage's 1F1B
+stream, so on an early stage it may run in a later step, after one or more optimizer updates:
+``gap = tau_fwd - tau_bkwd`` updates after its forward (:func:`backward_gap` in the schedule, and
+counted here at run time). The batch's gradient is applied ``tau_i = update_delay(...)`` steps
+after its forward, at the end of the step of its last backward. With ``gap = 0`` (the last stage;
+the first micro-batches of a batch on the others) the backward runs on exactly the forward's
+weights. With ``gap > 0`` the backward's weight-dependent products (a layer's input gradient
+``dy W``) run on
+
+- the weights of the backward's moment ``w(t + gap)`` without discrepancy correction (the paper's
+  ``u_bkwd``), or
+- the weights predicted for the forward's moment, ``u = w - gap * delta`` with discrepancy
+  correction, where the velocity ``delta`` follows every update:
+  ``delta <- gamma_i * delta + (1 - gamma_i) * (w_{k+1} - w_k)``.
+
+The activations saved by the forward (a layer's input, Tanh's output) are the forward's in both
+cases, as in the paper's model of an asynchronous pipeline: only the saved *weights* change. They
+are swapped at the moment autograd unpacks them (:func:`torch.autograd.graph.saved_tensors_hooks`),
+so ``u`` exists one parameter at a time, never as a whole copy: a stage holds its weights plus the
+velocity (two weight-sized buffers; one on the last stage, which needs no correction). A saved
+tensor that is not a stage weight (an activation, or a weight already cast by autocast to another
+dtype, which then is the forward's value) is kept as it is.
+
+Learning-rate rescheduling: stage ``i``'s update ``k`` (counted from 0) steps with
+``alpha_k * tau_i ** (-p_k)``, ``p_k = 1 - min(k / K, 1)`` (PipeMare's rescheduling rule): the
+step size starts at ``alpha / tau_i`` and is back to the user's ``alpha_k`` after ``K`` updates.
+It multiplies each param group's ``lr`` right before the optimizer's update (when the gradients
+are handed over) and puts the user's value back right after it (an optimizer step post-hook), so
+the user's optimizer and LR scheduler run unchanged and a checkpoint saves the user's ``lr``. A
+delay of 0 (the last stage: synchronous) counts as 1.
+
+Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (the form of the
+paper's rule: over the stage's delay of ``tau_i`` updates the old velocity decays by the factor
+``D``), with ``D = DEFAULT_DECAY``; a delay of 0 counts as 1.
+
+Neither technique needs the weights of the previous step: the velocity update is split around the
+optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
+``delta += (1 - gamma) * w_{k+1}`` after it (rounding of order ``(1 - gamma) * ulp(w)``).
+The asynchronous schedules refuse ``accumulate_grad_batches`` other than 1, so an update
+follows every batch. Activation checkpointing recomputes a forward inside its own saved-tensor
+hooks, on the weights of the backward's moment, so discrepancy correction refuses ``checkpoint``
+other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_pipe.runtime.memory import SavedActivationMeter
+
+#: Optimizer updates over which the step size returns from ``alpha / tau_i`` to ``alpha`` (``K``).
+DEFAULT_WARMUP = 1000
+#: ``D`` in ``gamma_i = D ** (1 / tau_i)``: the velocity's decay over one delay.
+DEFAULT_DECAY = 0.1
+
+
+def resolve(schedule: str, warmup: Optional[int], correction: Optional[bool]) -> tuple[int, bool]:
+    """``(K, discrepancy correction on)`` for ``schedule`` from the strategy's ``pipemare_warmup``
+    and ``pipemare_correction``; None is the schedule's default (both on for ``pipemare``, off for
+    ``pipedream`` and ``pipedream_2bw``). ``K = 0``: no rescheduling."""
+    is_pipemare = schedule == "pipemare"
+    k = (DEFAULT_WARMUP if is_pipemare else 0) if warmup is None else int(warmup)
+    return k, (is_pipemare if correction is None else bool(correction))
+
+
+def lr_factor(delay: int, update: int, warmup: int) -> float:
+    """``tau ** (-p_k)``, ``p_k = 1 - min(k / K, 1)``: the factor on stage's step size at update
+    ``k`` (``update``) for a stage whose gradients arrive ``delay`` updates late."""
+    if warmup <= 0:
+        return 1.0
+    tau = max(int(delay), 1)
+    power = 1.0 - min(update / warmup, 1.0)
+    return float(tau) ** (-power)
+
+
+def velocity_decay(delay: int, decay: float = DEFAULT_DECAY) -> float:
+    """``gamma_i = D ** (1 / tau_i)`` (a delay of 0 counts as 1)."""
+    return decay ** (1.0 / max(int(delay), 1))
+
+
+def predicted_weight(weight: Tensor, velocity: Tensor, gap: int) -> Tensor:
+    """``u = w - (tau_fwd - tau_bkwd) * delta``: the weights predicted for a forward ``gap`` updates ago."""
+    return weight - gap * velocity if gap > 0 else weight
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """A stage weight (or a view of it) that autograd saved: found again at the backward."""
+
+    name: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    update: int  # updates applied when the forward ran
+
+
+class PipeMare:
+    """One stage's PipeMare state: the learning-rate factor around the user's optimizer and the
+    velocity behind the backward's predicted weights (see the module docstring).
+
+    Args:
+        module: the stage's layers (parameters by the names they have there).
+        delay: ``tau_i``, the stage's update delay from the schedule (``update_delay``).
+        warmup: ``K``; 0 turns learning-rate rescheduling off.
+        correction: whether backwards run on the predicted weights (else on the current ones).
+        decay: ``D`` in ``gamma_i = D ** (1 / tau_i)``.
+    """
+
+    def __init__(
+        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float = DEFAULT_DECAY
+    ) -> None:
+        self.module = module
+        self.delay = delay
+        self.warmup = warmup
+        self.correction = correction
+        self.gamma = velocity_decay(delay, decay)
+        self.updates = 0  # optimizer updates applied so far (k)
+        # the last stage's backwards always follow their forwards within a step: no velocity there
+        needs_velocity = correction and delay > 0
+        self.velocity: dict[str, Tensor] = {
+            name: torch.zeros_like(p, memory_format=torch.preserve_format)
+            for name, p in module.named_parameters()
+            if needs_velocity and p.requires_grad
+        }
+        self._optimizers: list[Optimizer] = []
+        self._handles: list[Any] = []
+        self._saved_lr: dict[int, list[Any]] = {}  # optimizer id -> the user's lr per group, while scaled
+        self._velocity_open = False
+
+    # ------------------------------------------------------------------ the backward's weights
+    def saving(self, meter: Optional[SavedActivationMeter] = None) -> ContextManager[Any]:
+        """Around a forward: autograd saves each stage weight as a reference, and the backward gets
+        the weights of its own moment (corrected when correction is on) instead of the forward's.
+        Other saved tensors go through ``meter``'s hooks when one is counting them."""
+        keep: Callable[[Tensor], Any] = meter.pack if meter is not None else (lambda tensor: tensor)
+        restore: Callable[[Any], Any] = meter.unpack if meter is not None else (lambda saved: saved)
+        params = dict(self.module.named_parameters())
+        by_storage = {p.untyped_storage().data_ptr(): (name, p.dtype) for name, p in params.items()}
+        update = self.updates
+
+        def pack(tensor: Tensor) -> Any:
+            try:
+                hit = by_storage.get(tensor.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
+                return keep(tensor)
+            if hit is None or hit[1] != tensor.dtype:
+                return keep(tensor)
+            return _SavedWeight(hit[0], tensor.size(), tensor.stride(), tensor.storage_offset(), update)
+
+        def unpack(saved: Any) -> Any:
+            return self.backward_weight(saved, params) if isinstance(saved, _SavedWeight) else restore(saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def backward_weight(self, saved: _SavedWeight, params: Mapping[str, Tensor]) -> Tensor:
+        """The saved weight (or its view) as the backward uses it now (``params``: the stage's by name)."""
+        param = params[saved.name]
+        gap = self.updates - saved.update
+        base = param.detach()
+        if self.correction and gap > 0 and saved.name in self.velocity:
+            base = predicted_weight(base, self.velocity[saved.name], gap)
+        offset = saved.offset - param.storage_offset() + base.storage_offset()
+        return base.as_strided(saved.size, saved.stride, offset)
+
+    # ------------------------------------------------------------------ around the optimizer's update
+    def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Follow the user's optimizers: after each one's step, its ``lr`` comes back and the
+        velocity takes the new weights."""
+        self.detach()
+        for optimizer in optimizers:
+            self._optimizers.append(optimizer)
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._optimizers.clear()
+        self._saved_lr.clear()
+
+    @property
+    def factor(self) -> float:
+        """The step-size factor of the next update."""
+        return lr_factor(self.delay, self.updates, self.warmup)
+
+    def before_update(self) -> None:
+        """The optimizer changes the parameters next: scale its step size and start the velocity's
+        update. Called once or more (gradient accumulation) before each step."""
+        if self._saved_lr or self._velocity_open:
+            return
+        if not self._optimizers:
+            raise RuntimeError("PipeMare follows the optimizer's steps: attach the optimizers before the first update")
+        factor = self.factor
+        for optimizer in self._optimizers:
+            self._saved_lr[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
+            if factor != 1.0:
+                for group in optimizer.param_groups:
+                    group["lr"] = group["lr"] * factor
+        if self.velocity:
+            params = dict(self.module.named_parameters())
+            with torch.no_grad():
+                for name, v in self.velocity.items():
+                    v.mul_(self.gamma).add_(params[name].detach(), alpha=-(1.0 - self.gamma))
+        self._velocity_open = True
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        saved = self._saved_lr.pop(id(optimizer), None)
+        if saved is None:
+            return  # a step without handed-over gradients (nothing was armed)
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
+        if not self._saved_lr:
+            self._finish_update()
+
+    def _finish_update(self) -> None:
+        if not self._velocity_open:
+            return
+        if self.velocity:
+            params = dict(self.module.named_parameters())
+            with torch.no_grad():
+                for name, v in self.velocity.items():
+                    v.add_(params[name].detach(), alpha=1.0 - self.gamma)
+        self._velocity_open = False
+        self.updates += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The update counter ``k`` and the velocity (by parameter name), between steps."""
+        return {"updates": self.updates, "velocity": {n: v.detach().clone() for n, v in self.velocity.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.updates = int(state["updates"])
+        velocity = state.get("velocity") or {}
+        with torch.no_grad():
+            for name, v in self.velocity.items():
+                if name in velocity:
+                    v.copy_(velocity[name].to(v.device))
+                else:
+                    v.zero_()
+
+    def nbytes(self) -> int:
+        """Bytes of the velocity: PipeMare's one extra weight-sized buffer."""
+        return sum(v.numel() * v.element_size() for v in self.velocity.values())
+
+
+__all__ = ["DEFAULT_DECAY", "DEFAULT_WARMUP", "PipeMare", "lr_factor", "predicted_weight", "resolve", "velocity_decay"]
