@@ -27,6 +27,15 @@ def as_misconfiguration() -> Iterator[None]:
         raise MisconfigurationException(str(err)) from err.__cause__
 
 
+def check_automatic_optimization(module: Any) -> None:
+    """The strategy runs the backward itself, inside the schedule."""
+    if not module.automatic_optimization:
+        raise MisconfigurationException(
+            "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
+            "Remove `self.automatic_optimization = False` from the LightningModule."
+        )
+
+
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool) -> None:
     """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version."""
     problems = []
@@ -94,4 +103,4 @@ def check_async(
         )
 
 
-__all__ = ["as_misconfiguration", "check_async", "check_shard"]
+__all__ = ["as_misconfiguration", "check_async", "check_automatic_optimization", "check_chimera_layout", "check_shard"]

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe import failures, signals
 from lightning_pipe.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.checkpoint import hooks, stage_io
+from lightning_pipe.compatibility import check_automatic_optimization
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition.split import BalanceSpec
@@ -79,8 +79,7 @@ class PipelineStrategy(ProcessStrategy):
         plan: Optional[str] = None,
         stages: Optional[int] = None,
         data_parallel: str = "replicate",
-        pipemare_warmup: Optional[int] = None,
-        pipemare_correction: Optional[bool] = None,
+        pipemare_warmup: Optional[int] = None, pipemare_correction: Optional[bool] = None,  # fmt: skip
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
@@ -186,11 +185,8 @@ class PipelineStrategy(ProcessStrategy):
         self.accelerator.setup(trainer)
         self._signals = signals.install(trainer)
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
-        if fitting and not module.automatic_optimization:
-            raise MisconfigurationException(
-                "PipelineStrategy runs the backward itself, so it supports automatic optimization only. "
-                "Remove `self.automatic_optimization = False` from the LightningModule."
-            )
+        if fitting:
+            check_automatic_optimization(module)
         if self._topology is None:  # this rank's process groups, built once (creating a group is collective)
             self._topology = Topology(self.layout, self.global_rank, self.root_device.type)
         context = self.precision_plugin.train_step_context
@@ -281,14 +277,12 @@ class PipelineStrategy(ProcessStrategy):
         hooks.save_checkpoint(checkpoint, filepath, storage_options, writer, self.pipeline.state_dict())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        module = self.lightning_module
-        checkpoint, async_state = hooks.load_checkpoint(module, checkpoint_path, weights_only, super().load_checkpoint)
+        checkpoint, async_state = hooks.load_checkpoint(self.lightning_module, checkpoint_path, weights_only, super().load_checkpoint)
         self.pipeline.load_state_dict(async_state)
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        module = self.lightning_module
-        hooks.load_optimizer_state_dict(module, self.optimizers, checkpoint, self.sharded, self.root_device)
+        hooks.load_optimizer_state_dict(self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         hooks.load_model_state_dict(self.lightning_module, checkpoint, strict, self.sharded)
