@@ -166,12 +166,11 @@ def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
 
 def refuse_for_blocks(config: PipelineConfig) -> None:
     """What a block container (an ``nn.ModuleList`` the model's forward loops over) cannot run yet."""
-    if config.plan == "auto" or config.balance in MEASURED_BALANCES:
-        measuring = "plan='auto'" if config.plan == "auto" else f"balance={config.balance!r}"
+    if config.plan == "auto":
         raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container, whose blocks the model's forward "
-            f"runs with arguments computed on the way; {measuring} profiles an nn.Sequential layer by layer and does "
-            "not measure such blocks yet. Use balance='uniform', 'parameters', or a list of blocks per stage."
+            f"PipelineStrategy(module={config.module!r}) names a block container; plan='auto' plans an "
+            "nn.Sequential and does not plan block containers yet. Choose the schedule and chunks yourself, with "
+            "balance='time', 'memory', 'parameters', 'uniform' or a list of blocks per stage."
         )
     if config.schedule == "chimera":
         raise ValueError(

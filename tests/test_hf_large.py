@@ -55,6 +55,25 @@ def test_the_start_is_the_same_for_2_and_4_stages(tmp_path: Path) -> None:
     assert torch.equal(starts[2]["model.model.norm.weight"], torch.ones(32))
 
 
+def test_a_measured_balance_profiles_a_configure_model_llama_and_starts_as_it_would_otherwise(tmp_path: Path) -> None:
+    """balance='memory' measures the blocks of a meta-built Llama one temporary copy at a time (the
+    modules outside them given storage only while the step runs): the run starts from the same
+    weights as a uniform split, and nothing of the profile is left behind."""
+    starts = {}
+    for balance in ("memory", "uniform"):
+        folder = tmp_path / balance
+        folder.mkdir()
+        torch.manual_seed(0)
+        fit_pipeline(
+            DeferredLlama(LLAMA_TINY), 2, token_data(LLAMA_TINY["vocab_size"]), module="model.model.layers",
+            balance=balance, max_steps=1, callbacks=[SaveStageState(str(folder), start=True)],
+        )
+        starts[balance] = merged_stage_states(str(folder), 2, start=True)
+    assert sorted(starts["memory"]) == sorted(starts["uniform"])
+    for name, value in starts["uniform"].items():
+        torch.testing.assert_close(starts["memory"][name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("devices", [2, 4])
 def test_weights_from_a_sharded_save_pretrained_directory_start_a_configure_model_llama(tmp_path: Path, devices: int) -> None:
     """``weights=`` a directory ``save_pretrained(max_shard_size=...)`` wrote in 3 or more shards: the

@@ -122,11 +122,17 @@ def test_the_embeddings_live_on_the_end_stages_only(tmp_path: Path, name: str) -
     assert head in names[3] and embedding not in names[3]  # GPT-2's tie: the head's name for the same tensor
 
 
-@pytest.mark.parametrize("options, named", [({"balance": "time"}, "balance='time'"), ({"plan": "auto"}, "plan='auto'")])
-def test_measuring_a_block_container_is_refused_before_training(options: dict, named: str) -> None:
+def test_planning_a_block_container_is_refused_before_training() -> None:
     build, path = MODELS["gpt2"]
-    with pytest.raises(Exception, match=rf"names a block container.*{named} profiles an nn.Sequential"):
-        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, **options)
+    with pytest.raises(Exception, match=r"names a block container; plan='auto' plans an nn.Sequential"):
+        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, plan="auto")
+
+
+@pytest.mark.parametrize("balance", ["time", "memory"])
+def test_measured_balances_split_the_blocks_and_train_as_plain(balance: str) -> None:
+    """The blocks profiled on the arguments the model's forward gives them, then the split trains as
+    plain (a model built in configure_model(): tests/test_hf_large.py)."""
+    _parity("llama_gqa_untied", 2, balance=balance, layers=6)
 
 
 def test_chimera_on_a_block_container_is_refused_before_training() -> None:

@@ -18,14 +18,15 @@ import copy
 import statistics
 import time
 from collections.abc import Mapping
-from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile
-from lightning_pipe.partition.materialize import allocate, check_initializable, has_meta_tensors, reset
+from lightning_pipe.partition.materialize import Initializer, allocate, check_initializable, has_meta_tensors, reset
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
@@ -159,17 +160,26 @@ def measure_layers(
     repeats: int = 3,
     context: Callable[[], ContextManager[Any]] = nullcontext,
     optimizers: Optional[dict[int, tuple[type, dict[str, Any]]]] = None,
+    calls: Optional[Sequence["BlockCall"]] = None,
+    initializer: Optional[Initializer] = None,
 ) -> list[LayerCost]:
     """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
     for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
     :func:`user_optimizers`) also its optimizer state and update time. A layer's input requires a
     gradient where it would in the pipeline: where ``value`` does, or after a layer with trainable
-    parameters (the first layer on data computes no input gradient)."""
+    parameters (the first layer on data computes no input gradient). With ``calls`` (blocks of a
+    block container) layer ``i`` is called on ``calls[i]``'s hidden state and other arguments, as
+    the model's forward called it."""
     optimizers = optimizers or {}
     costs: list[LayerCost] = []
     flags = tuple(bool(t.requires_grad) for t in as_tuple(value)[0])
-    for original in layers:
-        layer, layer_optimizers = _on_device(original, device, optimizers)
+    for index, original in enumerate(layers):
+        layer, layer_optimizers = _on_device(original, device, optimizers, initializer)
+        if calls is not None:
+            value, call = calls[index].hidden, calls[index].bind(layer, device)
+            flags = tuple(t.is_floating_point() for t in as_tuple(value)[0])
+        else:
+            call = layer
         tensors, was_tuple = as_tuple(value)
         tensors = tuple(t.detach().to(device) for t in tensors)
         forwards: list[float] = []
@@ -184,7 +194,7 @@ def measure_layers(
             _synchronize(device)
             start = time.perf_counter()
             with context(), meter.hooks():
-                out = layer(from_tuple(inputs, was_tuple))
+                out = call(from_tuple(inputs, was_tuple))
             _synchronize(device)
             middle = time.perf_counter()
             output, _ = as_tuple(out)
@@ -197,7 +207,7 @@ def measure_layers(
             if rep >= warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
-        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, device, warmup, repeats, context)
+        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, device, warmup, repeats, context, call)
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -232,19 +242,24 @@ def home_of(layer: nn.Module) -> torch.device:
 
 
 def _on_device(
-    layer: nn.Module, device: torch.device, optimizers: dict[int, tuple[type, dict[str, Any]]]
+    layer: nn.Module,
+    device: torch.device,
+    optimizers: dict[int, tuple[type, dict[str, Any]]],
+    initializer: Optional[Initializer] = None,
 ) -> tuple[nn.Module, dict[int, tuple[type, dict[str, Any]]]]:
     """``layer`` on ``device`` for measuring, and the optimizer settings of its parameters. A layer
     built on the meta device is measured as a temporary copy given storage and initialised as
     its modules define it, as the pipeline will (a module that cannot be is refused as the
-    pipeline refuses it)."""
+    pipeline refuses it; ``initializer``: the whole model's rule, so a block of a Hugging Face model
+    is initialised by its ``_init_weights``)."""
     if not has_meta_tensors(layer):
         layer.to(device)
         return layer, optimizers
-    check_initializable(layer)
+    initializer = Initializer() if initializer is None else initializer
+    check_initializable(layer, initializer)
     real = copy.deepcopy(layer)
     allocate(list(real.modules()), device)
-    reset(real)
+    reset(real, initializer=initializer.for_copy(layer, real))
     settings = {id(r): optimizers[id(o)] for r, o in zip(real.parameters(), layer.parameters()) if id(o) in optimizers}
     return real, settings
 
@@ -263,6 +278,7 @@ def _split_backward(
     warmup: int,
     repeats: int,
     context: Callable[[], ContextManager[Any]],
+    call: Optional[Callable[[Any], Any]] = None,
 ) -> tuple[float, float]:
     """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
     it: its plain ``Linear``/``ConvNd`` layers given the runtime's deferring forward, B the backward
@@ -270,6 +286,7 @@ def _split_backward(
     from lightning_pipe.runtime import deferred_conv, fused_linear, weight_store
 
     installed = deferred_conv.install_split(layer)
+    call = layer if call is None else call
     inputs_b: list[float] = []
     weights: list[float] = []
     try:
@@ -277,7 +294,7 @@ def _split_backward(
             inputs = _inputs(tensors, flags)
             with fused_linear.accumulating():
                 with context():
-                    out = layer(from_tuple(inputs, was_tuple))
+                    out = call(from_tuple(inputs, was_tuple))
                 needing = [t for t in as_tuple(out)[0] if t.requires_grad]
                 _synchronize(device)
                 start = time.perf_counter()
@@ -338,20 +355,24 @@ def profile_module(
     warmup: int = 1,
     repeats: int = 3,
 ) -> Profile:
-    """The profile of ``layers`` (the Sequential of ``module``) on ``device`` for the first
-    micro-batch of the batch ``batch()`` gives. Random states (including those the batch's draw
-    consumes) and buffers are as before when it returns."""
+    """The profile of ``layers`` (the Sequential of ``module``, or a block container its forward loops
+    over: see :func:`block_calls`) on ``device`` for the first micro-batch of the batch ``batch()``
+    gives. Random states (including those the batch's draw consumes) and buffers are as before when
+    it returns."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.random.fork_rng(devices=_rng_devices(device)):
         micro = split(batch(), num_microbatches)[0]
-        if has_meta_tensors(module):
-            # built on the meta device (configure_model): the step runs there up to the Sequential,
-            # which gives the shapes, and the layers, each given storage in turn, see random values
-            value = _random_like(sequential_input(module, layers, _to_meta(micro)), device)
-        else:
-            value = sequential_input(module, layers, micro)
         optimizers = user_optimizers(module) if memory else {}
-        costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
+        if not isinstance(layers, nn.Sequential):  # a block container the model's forward loops over
+            costs, value = _profile_blocks(module, layers, micro, device, context, optimizers, warmup, repeats)
+        else:
+            if has_meta_tensors(module):
+                # built on the meta device (configure_model): the step runs there up to the Sequential,
+                # which gives the shapes, and the layers, each given storage in turn, see random values
+                value = _random_like(sequential_input(module, layers, _to_meta(micro)), device)
+            else:
+                value = sequential_input(module, layers, micro)
+            costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
     with torch.no_grad():
         for name, b in module.named_buffers():
             if name in buffers:
@@ -360,6 +381,238 @@ def profile_module(
     return Profile(tuple(costs), size, str(device), repeats)
 
 
+
+
+@dataclass
+class BlockCall:
+    """How the model's forward called one block of a block container for the profiled micro-batch:
+    its hidden state (the first argument) and the rest of its arguments, all detached."""
+
+    hidden: Any
+    rest: tuple
+    keywords: dict
+    hidden_name: Optional[str] = None  # the hidden state came as this keyword
+
+    def bind(self, block: nn.Module, device: torch.device) -> Callable[[Any], Any]:
+        """``block`` as a function of its hidden state, the other arguments as recorded (on ``device``)."""
+        rest, keywords = _moved(self.rest, device), _moved(self.keywords, device)
+        if self.hidden_name is not None:
+            return lambda hidden: block(*rest, **{**keywords, self.hidden_name: hidden})
+        return lambda hidden: block(hidden, *rest, **keywords)
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, device) for v in value)
+    return value
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+class _Recorder(nn.Module):
+    """Stands in for a block container while the user's step runs once: records how each block is
+    called, runs it (a block built on the meta device as a temporary copy with storage), and ends
+    the step after the last block, whose output it keeps. Also times what ran before the first block."""
+
+    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, start: float, initializer: Initializer) -> None:
+        super().__init__()
+        self._blocks = list(blocks)  # not submodules: the model keeps its own
+        self._device = device
+        self._initializer = initializer
+        self._start = start
+        self.calls: list[BlockCall] = []
+        self.first_input: Optional[Any] = None
+        self.pre_forward = 0.0
+        self.output: Any = None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Callable[..., Any]]:
+        return (self[i] for i in range(len(self._blocks)))
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self._blocks))[index]]
+        return lambda *args, **kwargs: self._call(range(len(self._blocks))[index], args, kwargs)
+
+    def _call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        from lightning_pipe.runtime.blocks import hidden_argument
+
+        block = self._blocks[index]
+        if index == 0:
+            _synchronize(self._device)
+            self.pre_forward = time.perf_counter() - self._start
+            self.first_input = args[0] if args else kwargs.get(hidden_argument(block))
+        if args:
+            self.calls.append(BlockCall(_detached(args[0]), _detached(args[1:]), _detached(kwargs)))
+        else:
+            name = hidden_argument(block)
+            self.calls.append(BlockCall(_detached(kwargs[name]), (), _detached({k: v for k, v in kwargs.items() if k != name}), name))
+        real = _on_device(block, self._device, {}, self._initializer)[0]
+        with torch.no_grad():
+            out = real(*args, **kwargs)
+        if index == len(self._blocks) - 1:
+            self.output = _detached(out)
+            raise _Captured(out)
+        return out
+
+
+@contextmanager
+def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch.device) -> Iterator[None]:
+    """The modules outside ``container`` that were built on the meta device, given storage (small
+    random values) while the block inputs are recorded, and put back on the meta device after."""
+    inside = {id(m) for m in container.modules()}
+    kept: list[tuple[nn.Module, str, Tensor, bool]] = []
+    for m in module.modules():
+        if id(m) in inside:
+            continue
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None and t.is_meta:
+                kept.append((m, name, t, name in m._parameters))
+    made = allocate([m for m in module.modules() if id(m) not in inside], device)
+    with torch.no_grad():
+        for t in made.values():
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02)
+    try:
+        yield
+    finally:
+        for m, name, t, is_param in kept:
+            (m._parameters if is_param else m._buffers)[name] = t
+
+
+def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: Any, device: torch.device) -> _Recorder:
+    """Run the user's ``training_step`` on ``microbatch`` once with a recorder in place of the block
+    container at ``path``: each block's call (see :class:`BlockCall`), the time the step took to
+    reach the first block, and the last block's output."""
+    from lightning_pipe.partition.split import place
+
+    deferred = has_meta_tensors(module)
+    _synchronize(device)
+    recorder = _Recorder(list(container), device, time.perf_counter(), Initializer(module))
+    place(module, path, recorder)
+    try:
+        with _outside_with_storage(module, container, device) if deferred else nullcontext():
+            recorder._start = time.perf_counter()
+            with torch.enable_grad():
+                module.training_step(microbatch, 0)
+    except _Captured:
+        return recorder
+    except Exception as error:
+        raise RuntimeError(
+            "balance='time'/'memory' runs training_step on one micro-batch to record how the model calls its "
+            f"blocks, and the step failed before the last block: {type(error).__name__}: {error}. Give balance "
+            "as 'uniform', 'parameters' or a list of blocks per stage."
+        ) from error
+    finally:
+        place(module, path, container)
+    raise RuntimeError(
+        f"balance='time'/'memory': training_step never ran the last of the {len(container)} blocks of {path}, so "
+        "they cannot be profiled. The model's forward must run every block once per micro-batch."
+    )
+
+
+def _profile_blocks(
+    module: nn.Module,
+    container: nn.Module,
+    microbatch: Any,
+    device: torch.device,
+    context: Callable[[], ContextManager[Any]],
+    optimizers: dict[int, tuple[type, dict[str, Any]]],
+    warmup: int,
+    repeats: int,
+) -> tuple[list[LayerCost], Any]:
+    """Each block measured on the arguments the model's forward gave it, and the ends' costs on the
+    first and last block (see :mod:`lightning_pipe.partition.ends`); and the first block's input."""
+    from lightning_pipe.partition.ends import find_ends
+
+    path = next(name for name, m in module.named_modules() if m is container)
+    recorder = block_calls(module, path, container, microbatch, device)
+    initializer = Initializer(module)
+    first = recorder.calls[0].hidden
+    costs = measure_layers(container, first, device, warmup, repeats, context, optimizers, recorder.calls, initializer)
+    pre, post = _ends_cost(recorder, find_ends(module, container), device, warmup, repeats, context, initializer)
+    for p in module.parameters():
+        p.grad = None
+    return _with_ends(costs, pre, post), recorder.calls[0].hidden
+
+
+def _ends_cost(
+    recorder: _Recorder,
+    ends: Any,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    context: Callable[[], ContextManager[Any]],
+    initializer: Initializer,
+) -> tuple[tuple[float, float, int], tuple[float, float, int]]:
+    """(forward s, backward s, parameter bytes) of what the first stage runs before its first block
+    (the step up to it, and the backward of the hidden state into the embeddings) and of the last
+    stage's head (the model's output embeddings on the last block's output)."""
+    pre_backward = 0.0
+    first = recorder.first_input
+    if isinstance(first, Tensor) and first.requires_grad:
+        _synchronize(device)
+        start = time.perf_counter()
+        first.backward(torch.ones_like(first))
+        _synchronize(device)
+        pre_backward = time.perf_counter() - start
+    pre_bytes = sum(p.numel() * p.element_size() for _, m in ends.pre for p in m.parameters())
+    post_forward = post_backward = 0.0
+    post_bytes = 0
+    hidden = as_tuple(recorder.output)[0][0] if recorder.output is not None else None
+    for _, head in ends.post:
+        real = _on_device(head, device, {}, initializer)[0]
+        post_bytes += sum(p.numel() * p.element_size() for p in real.parameters())
+        forwards, backwards = [], []
+        for rep in range(warmup + repeats):
+            x = hidden.detach().to(device).requires_grad_(True)
+            _synchronize(device)
+            start = time.perf_counter()
+            with context():
+                out = real(x)
+            _synchronize(device)
+            middle = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            _synchronize(device)
+            if rep >= warmup:
+                forwards.append(middle - start)
+                backwards.append(time.perf_counter() - middle)
+        for p in real.parameters():
+            p.grad = None
+        post_forward += statistics.median(forwards)
+        post_backward += statistics.median(backwards)
+    return (recorder.pre_forward, pre_backward, pre_bytes), (post_forward, post_backward, post_bytes)
+
+
+def _with_ends(costs: list[LayerCost], pre: tuple[float, float, int], post: tuple[float, float, int]) -> list[LayerCost]:
+    """The ends' costs counted on the first and the last block, which the end stages always hold."""
+
+    def add(cost: LayerCost, extra: tuple[float, float, int]) -> LayerCost:
+        forward, backward, size = extra
+        input_backward = None if cost.input_backward is None else cost.input_backward + backward
+        return replace(
+            cost, forward=cost.forward + forward, backward=cost.backward + backward, input_backward=input_backward,
+            parameter_bytes=cost.parameter_bytes + size, gradient_bytes=cost.gradient_bytes + size,
+        )  # fmt: skip
+
+    costs = list(costs)
+    costs[0] = add(costs[0], pre)
+    costs[-1] = add(costs[-1], post)
+    return costs
 
 
 def agreed_profile(
@@ -394,4 +647,7 @@ def agreed_profile(
     return profile
 
 
-__all__ = ["agreed_profile", "first_batch", "measure_layers", "user_optimizers", "profile_module", "sequential_input"]
+__all__ = [
+    "BlockCall", "agreed_profile", "block_calls", "first_batch", "measure_layers", "profile_module", "sequential_input",
+    "user_optimizers",
+]  # fmt: skip
