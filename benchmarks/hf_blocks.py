@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.step_time import StepTimer  # noqa: E402
 from lightning_pipe import PipelineStrategy  # noqa: E402
+from tests.hf_models import GPT2Embed, GPT2Head  # noqa: E402
 
 
 def gpt2(args: argparse.Namespace) -> nn.Module:
@@ -54,30 +55,12 @@ class Unchanged(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-class _Embed(nn.Module):
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe = transformer.wte, transformer.wpe
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-
-
-class _Head(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
 class Rewritten(Unchanged):
     """The same model as a Sequential of its parts (what users wrote before block containers)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.layers = nn.Sequential(_Embed(self.model.transformer), *self.model.transformer.h, _Head(self.model))
+        self.layers = nn.Sequential(GPT2Embed(self.model.transformer), *self.model.transformer.h, GPT2Head(self.model))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch

@@ -87,7 +87,9 @@ def data_for(name: str, n: int = 48, batch_size: int = 8, seed: int = 0) -> Data
     return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
-class _Embed(nn.Module):
+class GPT2Embed(nn.Module):
+    """GPT-2's token and position embeddings as one layer of a Sequential."""
+
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
         self.wte, self.wpe = transformer.wte, transformer.wpe
@@ -96,7 +98,9 @@ class _Embed(nn.Module):
         return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
 
 
-class _Head(nn.Module):
+class GPT2Head(nn.Module):
+    """GPT-2's final norm and head as one layer of a Sequential."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
@@ -113,7 +117,7 @@ class BesideModule(L.LightningModule):
     def __init__(self, layers: int = 4) -> None:
         super().__init__()
         self.hf = gpt2(layers)
-        self.layers = nn.Sequential(_Embed(self.hf.transformer), *self.hf.transformer.h, _Head(self.hf))
+        self.layers = nn.Sequential(GPT2Embed(self.hf.transformer), *self.hf.transformer.h, GPT2Head(self.hf))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, _ = batch
