@@ -148,7 +148,7 @@ class RecordHeld(L.Callback):
             json.dump({"bytes": sum(seen.values()), "names": names}, f)
 
 
-#: A Llama of 1.14 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
+#: A Llama of 1.13 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
 #: vocabulary, untied head), and a tiny one of the same shape for quick checks.
 LLAMA_1GB = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=16,
                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=64)  # fmt: skip

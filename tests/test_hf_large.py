@@ -17,7 +17,7 @@ from tests.pipeline import fit_pipeline  # noqa: E402
 
 
 def test_a_1gb_llama_built_in_configure_model_peaks_below_035x_per_rank_at_4_stages(tmp_path: Path) -> None:
-    """284M parameters (1.14 GB in float32): at 4 stages each rank holds 4 blocks, the first also the
+    """284M parameters (1.13 GB in float32): at 4 stages each rank holds 4 blocks, the first also the
     embeddings and the last the head. The resident peak from configure_model to the first step
     (the split, materialisation and HF's initialisation) stays at most 0.35x of the model."""
     import transformers
