@@ -105,12 +105,12 @@ def split_module(
             return previous
         placement = Placement(layout, rank, tuple(range(layout.stages)), device, backend)
         return ModuleSplit(config, placement, name, StageSplit(layers, {placement.stage: layers}))
-    if not isinstance(layers, nn.Sequential):
-        refuse_for_blocks(config)
     profile = previous.profile if previous is not None else None
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
         config, profile, candidates = apply_plan(config, layout, module, layers, inputs)
+    if not isinstance(layers, nn.Sequential):
+        refuse_for_blocks(config)
     virtual = config.virtual_stages
     assert virtual is not None
     positions = stage_positions(config.schedule, layout.stages, virtual)
@@ -166,12 +166,6 @@ def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
 
 def refuse_for_blocks(config: PipelineConfig) -> None:
     """What a block container (an ``nn.ModuleList`` the model's forward loops over) cannot run yet."""
-    if config.plan == "auto":
-        raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container; plan='auto' plans an "
-            "nn.Sequential and does not plan block containers yet. Choose the schedule and chunks yourself, with "
-            "balance='time', 'memory', 'parameters', 'uniform' or a list of blocks per stage."
-        )
     if config.schedule == "chimera":
         raise ValueError(
             f"PipelineStrategy(module={config.module!r}) names a block container, and schedule='chimera' runs "

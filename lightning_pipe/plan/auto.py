@@ -102,8 +102,11 @@ def plan_layers(
     replica reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches
     larger than the DataLoader's batch cannot be measured from it and are left out)."""
     from lightning_pipe.partition.profile import profile_module
-    from lightning_pipe.plan.planner import chunk_candidates, needed_sizes, plan, plan_layouts
+    from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
+
+    # a block container (the model's forward loops over its blocks) has no Chimera copies yet
+    schedules = PLAN_SCHEDULES if isinstance(layers, torch.nn.Sequential) else tuple(s for s in PLAN_SCHEDULES if s != "chimera")
 
     all_layouts = config.plan_all_layouts
     cache: list[Any] = []
@@ -134,11 +137,13 @@ def plan_layers(
     def rank(measured: dict[int, Profile], link: Link) -> list[Candidate]:
         per_replica = max(measured)  # the whole DataLoader batch (the first profile, one micro-batch)
         if all_layouts:
-            return plan_layouts(measured, stages * replicas, per_replica * replicas, link, budget, rendezvous=rendezvous)
+            return plan_layouts(
+                measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous
+            )
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
         return plan(
-            by_chunks, stages, link, budget, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous
+            by_chunks, stages, link, budget, schedules, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
