@@ -60,7 +60,7 @@ def find_ends(module: nn.Module, container: nn.Module) -> Ends:
     def found(getter: str) -> list[tuple[str, nn.Module]]:
         try:
             end = getattr(model, getter)()
-        except (AttributeError, NotImplementedError):
+        except (AttributeError, NotImplementedError):  # a model without that end (ViT has no output embeddings)
             return []
         if not isinstance(end, nn.Module) or id(end) in inside or id(end) not in paths:
             return []

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition.costs import LayerCost, Profile
 from lightning_pipe.partition.materialize import Initializer, allocate, check_initializable, has_meta_tensors, reset
+from lightning_pipe.runtime.blocks import LoopedContainer
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
@@ -314,14 +315,19 @@ def _split_backward(
     return statistics.median(inputs_b), statistics.median(weights)
 
 
-def _to_meta(value: Any) -> Any:
+def _map_tensors(value: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (through mappings, lists and tuples)."""
     if isinstance(value, Tensor):
-        return value.to("meta")
+        return fn(value)
     if isinstance(value, Mapping):
-        return type(value)({k: _to_meta(v) for k, v in value.items()})  # type: ignore[call-arg]
+        return type(value)({k: _map_tensors(v, fn) for k, v in value.items()})  # type: ignore[call-arg]
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
     return value
+
+
+def _to_meta(value: Any) -> Any:
+    return _map_tensors(value, lambda t: t.to("meta"))
 
 
 def _random_like(value: Any, device: torch.device) -> Any:
@@ -402,26 +408,14 @@ class BlockCall:
 
 
 def _moved(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _moved(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_moved(v, device) for v in value)
-    return value
+    return _map_tensors(value, lambda t: t.to(device))
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    return value
+    return _map_tensors(value, lambda t: t.detach())
 
 
-class _Recorder(nn.Module):
+class _Recorder(LoopedContainer):
     """Stands in for a block container while the user's step runs once: records how each block is
     called, runs it (a block built on the meta device as a temporary copy with storage), and ends
     the step after the last block, whose output it keeps. Also times what ran before the first block."""
@@ -440,13 +434,8 @@ class _Recorder(nn.Module):
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __iter__(self) -> Iterator[Callable[..., Any]]:
-        return (self[i] for i in range(len(self._blocks)))
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(len(self._blocks))[index]]
-        return lambda *args, **kwargs: self._call(range(len(self._blocks))[index], args, kwargs)
+    def entry(self, index: int) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self._call(index, args, kwargs)
 
     def _call(self, index: int, args: tuple, kwargs: dict) -> Any:
         from lightning_pipe.runtime.blocks import hidden_argument

@@ -25,8 +25,9 @@ a later block needs (see the README's "Bring your own model").
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -63,7 +64,35 @@ class BlockShell:
         self.kind = type(block).__name__
 
 
-class BlockStage(nn.Module):
+class LoopedContainer(nn.Module, ABC):
+    """What a model's loop over its blocks needs of the container standing in for its
+    ``nn.ModuleList``: a length, iteration, indexing and slicing, each index answered by
+    :meth:`entry`."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """How many blocks the model's loop sees."""
+
+    @abstractmethod
+    def entry(self, index: int) -> Any:
+        """What the loop gets at ``index``."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.entry(i) for i in range(len(self)))
+
+    def __getitem__(self, index: Union[int, slice]) -> Any:
+        if isinstance(index, slice):
+            return [self.entry(i) for i in range(len(self))[index]]
+        return self.entry(range(len(self))[index])
+
+
+def layer_parameter_names(layers: Mapping[str, nn.Module]) -> dict[str, list[tuple[str, str]]]:
+    """Per layer key: (name in the holding module, name inside the layer) of each of its parameters,
+    to run a layer on a weight version given by the holding module's names."""
+    return {key: [(f"{key}.{name}", name) for name, _ in layer.named_parameters()] for key, layer in layers.items()}
+
+
+class BlockStage(LoopedContainer):
     """The blocks of one or more stages of a block container, keyed by their index in it.
 
     ``shells``: for every index of the unsplit container, the :class:`BlockShell` of its block, so
@@ -83,20 +112,12 @@ class BlockStage(nn.Module):
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
         self._hook: Optional[BlockDrive] = None
-        self._param_names = {
-            key: [(f"{key}.{name}", name) for name, _ in block.named_parameters()] for key, block in self._modules.items()
-        }
+        self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return len(self._shells)
 
-    def __iter__(self) -> Iterator[Any]:
-        return (self[i] for i in range(len(self._shells)))
-
-    def __getitem__(self, index: Union[int, slice]) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(len(self._shells))[index]]
-        i = range(len(self._shells))[index]
+    def entry(self, i: int) -> Any:
         if self._hook is not None:
             return self._hook.entry(self, i)
         held = self._modules.get(str(i))
@@ -273,4 +294,4 @@ class _Local(_Entry):
         )
 
 
-__all__ = ["BlockDrive", "BlockShell", "BlockStage", "StageExit", "hidden_argument"]
+__all__ = ["BlockDrive", "BlockShell", "BlockStage", "LoopedContainer", "StageExit", "hidden_argument", "layer_parameter_names"]

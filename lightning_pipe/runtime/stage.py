@@ -19,7 +19,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime import weight_store
-from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit
+from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, layer_parameter_names
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -38,9 +38,7 @@ class StageModule(nn.Sequential):
         self.num_stages = num_stages
         self._hook: Optional[Callable[[Any], Any]] = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
-        self._param_names = {
-            key: [(f"{key}.{name}", name) for name, _ in layer.named_parameters()] for key, layer in self._modules.items()
-        }
+        self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
