@@ -76,8 +76,8 @@ class Record(L.Callback):
             json.dump({"losses": self.losses, "memory": memory}, f)
 
 
-def build(recipe: str, lr: float, steps: int, args: argparse.Namespace) -> tuple[L.LightningModule, L.LightningDataModule]:
-    torch.manual_seed(0)
+def build(recipe: str, lr: float, steps: int, args: argparse.Namespace, seed: int = 0) -> tuple[L.LightningModule, L.LightningDataModule]:
+    torch.manual_seed(seed)  # the initial weights and the data order (the workers fork after this)
     if recipe == "bert":
         from lightning_pipe.recipes.bert import BertMLM, TextData
 
@@ -93,12 +93,12 @@ def build(recipe: str, lr: float, steps: int, args: argparse.Namespace) -> tuple
     return model, data
 
 
-def run(recipe: str, variant: str, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
     schedule, extra = VARIANTS[variant]
     if schedule == "pipemare" and "pipemare_warmup" not in extra:
         extra = {**extra, "pipemare_warmup": args.warmup}
     chunks = args.chunks_2bw if schedule == "pipedream_2bw" else args.chunks
-    model, data = build(recipe, lr, args.steps, args)
+    model, data = build(recipe, lr, args.steps, args, seed)
     with tempfile.TemporaryDirectory() as folder:
         strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
         trainer = L.Trainer(
@@ -116,7 +116,8 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace) -> dict[
         round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3) if m["param_bytes"] else 0.0
         for m in (r["memory"] for r in ranks)
     ]
-    return {"variant": variant, "schedule": schedule, "chunks": chunks, "lr": lr, "losses": losses, "weight_copies": copies}
+    return {"variant": variant, "schedule": schedule, "chunks": chunks, "lr": lr, "seed": seed, "losses": losses,
+            "weight_copies": copies}
 
 
 def final_loss(losses: list[float]) -> float:
@@ -132,6 +133,26 @@ def steps_to_reach(losses: list[float], target: float) -> Optional[int]:
     return None
 
 
+def summary(results: list[dict[str, Any]], lrs: list[float]) -> list[dict[str, Any]]:
+    """One row per learning rate and schedule: the final loss per seed and its mean, each seed's
+    ratio to 1F1B's final loss on the same seed (and their mean), and the steps each seed took to
+    reach that 1F1B loss."""
+    table = []
+    for value in lrs:
+        runs = [r for r in results if r["lr"] == value]
+        reference = {r.get("seed", 0): final_loss(r["losses"]) for r in runs if r["variant"] == "1f1b"}
+        for variant in dict.fromkeys(r["variant"] for r in runs):
+            mine = [r for r in runs if r["variant"] == variant]
+            finals = [final_loss(r["losses"]) for r in mine]
+            ratios = [final_loss(r["losses"]) / reference[r.get("seed", 0)] - 1 for r in mine]
+            table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"], "seeds": [r.get("seed", 0) for r in mine],
+                          "final_loss": round(sum(finals) / len(finals), 4), "final_losses": [round(f, 4) for f in finals],
+                          "vs_1f1b": round(sum(ratios) / len(ratios), 4), "vs_1f1b_per_seed": [round(x, 4) for x in ratios],
+                          "steps_to_1f1b_final": [steps_to_reach(r["losses"], reference[r.get("seed", 0)]) for r in mine],
+                          "weight_copies": mine[0]["weight_copies"]})  # fmt: skip
+    return table
+
+
 def markdown(table: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table: one row per schedule, the learning rates side by side."""
     lrs = sorted({row["lr"] for row in table})
@@ -143,11 +164,33 @@ def markdown(table: list[dict[str, Any]]) -> str:
     for variant in variants:
         rows = [by.get((variant, lr)) for lr in lrs]
         first = next(r for r in rows if r is not None)
-        losses = " / ".join(f"{r['final_loss']:.4f}" if r else "-" for r in rows)
-        reach = " / ".join(str(r["steps_to_1f1b_final"] or "never") if r else "-" for r in rows)
+        losses = " / ".join(_loss_cell(r) if r else "-" for r in rows)
+        reach = " / ".join(_reach_cell(r["steps_to_1f1b_final"]) if r else "-" for r in rows)
         copies = ", ".join(f"{c:g}" for c in first["weight_copies"])
         lines.append(f"| {variant} | {first['chunks']} | {losses} | {reach} | {copies} |")
     return "\n".join(lines)
+
+
+def mean_over_seeds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per learning rate and schedule whose losses are the seeds' mean at each step."""
+    grouped: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in results:
+        grouped.setdefault((r["lr"], r["variant"]), []).append(r)
+    return [{**runs[0], "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs))]} for runs in grouped.values()]
+
+
+def _loss_cell(row: dict[str, Any]) -> str:
+    """The mean final loss, and with several seeds its ratio to 1F1B and each seed's loss."""
+    per_seed = row.get("final_losses")
+    if not per_seed or len(per_seed) == 1:
+        return f"{row['final_loss']:.4f}"
+    return f"{row['final_loss']:.4f} ({row['vs_1f1b']:+.1%}; " + ", ".join(f"{v:.4f}" for v in per_seed) + ")"
+
+
+def _reach_cell(steps: Any) -> str:
+    if not isinstance(steps, list):
+        return str(steps or "never")
+    return ", ".join(str(s or "never") for s in steps)
 
 
 def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) -> None:
@@ -205,6 +248,7 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=400_000)
     parser.add_argument("--width", type=float, default=0.125)
     parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (initial weights and data order), each run per seed")
     parser.add_argument("--out", default=None)
     parser.add_argument("--svg", default=None)
     parser.add_argument("--report", default=None, help="print the Markdown table of a results file and stop")
@@ -227,25 +271,24 @@ def main() -> None:
             print(f"1f1b lr {candidate:g}: final loss {search[str(candidate)]:.4f}", flush=True)
         lr = min((float(k) for k in search), key=lambda k: (search[str(k)] != search[str(k)], search[str(k)]))
     lrs = [lr * float(f) for f in args.factors.split(",")]
+    seeds = [int(v) for v in args.seeds.split(",")]
     results = []
     for value in lrs:
-        for variant in args.variants.split(","):
-            result = run(args.recipe, variant, value, args)
-            results.append(result)
-            print(f"lr {value:g} {variant}: final {final_loss(result['losses']):.4f} copies {result['weight_copies']}", flush=True)
-    table = []
-    for value in lrs:
-        reference = final_loss(next(r for r in results if r["lr"] == value and r["variant"] == "1f1b")["losses"])
-        for r in (r for r in results if r["lr"] == value):
-            table.append({"lr": value, "variant": r["variant"], "chunks": r["chunks"], "final_loss": round(final_loss(r["losses"]), 4),
-                          "vs_1f1b": round(final_loss(r["losses"]) / reference - 1, 4),
-                          "steps_to_1f1b_final": steps_to_reach(r["losses"], reference), "weight_copies": r["weight_copies"]})  # fmt: skip
+        for seed in seeds:
+            for variant in args.variants.split(","):
+                result = run(args.recipe, variant, value, args, seed)
+                results.append(result)
+                print(f"lr {value:g} seed {seed} {variant}: final {final_loss(result['losses']):.4f} "
+                      f"copies {result['weight_copies']}", flush=True)  # fmt: skip
+    table = summary(results, lrs)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "svg", "find_lr")}
     with open(out, "w") as f:
         json.dump({"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results}, f, indent=1)
     print(markdown(table))
     title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
-    svg(results, lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
+    if len(seeds) > 1:
+        title += f", mean of seeds {args.seeds}"
+    svg(mean_over_seeds(results), lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
 
 
 if __name__ == "__main__":

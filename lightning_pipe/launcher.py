@@ -53,6 +53,18 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
         self._gathering = gathering
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's worker, then a clean end of the process group. A spawned worker exits through
+        the interpreter's full shutdown, and with gloo's connections and threads still open it was
+        aborted there now and then (``terminate called without an active exception``, SIGABRT)
+        after training had succeeded. Every rank first waits for the others to be done with the
+        group, so that none closes its connections while a peer still uses them."""
+        super()._wrapping_function(*args, **kwargs)
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
         module = trainer.lightning_module
         original = module.state_dict

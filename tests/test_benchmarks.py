@@ -131,3 +131,19 @@ def test_convergence_summary_takes_the_last_tenth_and_the_first_window_that_reac
     svg(runs, [0.1], "title", str(tmp_path / "c.svg"))
     text = (tmp_path / "c.svg").read_text()
     assert text.count("<polyline") == 2 and "pipemare_no_correction" in text  # a diverged run draws no points
+
+
+def test_pipemare_convergence_summary_pairs_each_seed_with_its_own_1f1b() -> None:
+    from pipemare_convergence import markdown, mean_over_seeds, summary
+
+    def run(variant: str, seed: int, level: float) -> dict:
+        return {"variant": variant, "lr": 0.1, "seed": seed, "chunks": 1, "losses": [level] * 10, "weight_copies": [1, 1]}
+
+    runs = [run("1f1b", 0, 2.0), run("pipemare", 0, 2.2), run("1f1b", 1, 4.0), run("pipemare", 1, 4.0)]
+    table = summary(runs, [0.1])
+    mare = next(row for row in table if row["variant"] == "pipemare")
+    assert mare["final_losses"] == [2.2, 4.0] and mare["final_loss"] == 3.1
+    assert mare["vs_1f1b_per_seed"] == [0.1, 0.0] and mare["vs_1f1b"] == 0.05  # each seed against its own 1F1B
+    assert mare["steps_to_1f1b_final"] == [None, 1]
+    assert "3.1000 (+5.0%; 2.2000, 4.0000)" in markdown(table) and "never, 1" in markdown(table)
+    assert [r["losses"][0] for r in mean_over_seeds(runs)] == [3.0, 3.1]
