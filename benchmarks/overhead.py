@@ -1,0 +1,204 @@
+"""Where a pipeline step's time goes, against what the schedule would take if the pipeline cost
+nothing itself: the simulated bubble and the ideal step.
+
+    python benchmarks/overhead.py                                   # 1f1b and zero_bubble, 7 rounds
+    python benchmarks/overhead.py --rounds 9 --against /tmp/before  # paired: this tree against another checkout
+
+The workload is the benchmark MLP (8 blocks of width 1024 and a head, batch 256 in 8 micro-batches,
+``balance="parameters"``) on 2 CPU processes with one thread each; ``1stage`` is lightning-pipe on
+one process with the same micro-batches. Every run is a fresh interpreter. Per run:
+
+- on every rank, the parts of each step (:class:`lightning_pipe.plan.StepProfile`: compute,
+  waiting on a peer, posting communication, the executor's own Python, the work before and after
+  the executor, the gradients' hand-over, the optimizer, Lightning's loop between steps);
+- the measured bubble per rank (the share of the executor's run that is not F, B or W), and the
+  bubble of the same schedule simulated with the run's median F, B and W times per stage;
+- the step time on rank 0 (from one batch's end to the next).
+
+Rounds alternate the order of the runs. The ideal step is the 1stage median x (m + p - 1) / (p m);
+each schedule's ratio ideal / step is taken per round (paired) and its median reported.
+
+With ``--against DIR`` every run also runs with the library imported from ``DIR`` (another
+checkout), alternating A B / B A, and the paired ratio before / after per round is reported: how
+a change moved the step. Writes ``--out``/overhead.json and prints the Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+COMPUTE = ("F", "B", "W")
+
+
+def child(config: dict[str, Any]) -> None:
+    """One run, in this interpreter: the library comes first on ``sys.path`` from ``config['root']``."""
+    sys.path.insert(0, config["root"])
+    sys.path.insert(1, HERE)
+    import importlib.util
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe import PipelineStrategy
+    from step_time import MLP
+
+    # the profiler of this tree, whatever the library's checkout (it only reads the timeline)
+    spec = importlib.util.spec_from_file_location("_step_profile", os.path.join(ROOT, "lightning_pipe", "plan", "step_profile.py"))
+    profile_module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(profile_module)  # type: ignore[union-attr]
+    folder = config["folder"]
+
+    class Spans(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+            self.timeline = trainer.strategy.pipeline.enable_timeline()
+
+        def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+            steps = [[(s.name, s.stage, s.seconds) for s in spans] for spans in self.timeline.steps]
+            with open(os.path.join(folder, f"spans{trainer.global_rank}.json"), "w") as f:
+                json.dump(steps, f)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MLP(config["width"], config["blocks"])
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(config["batch"] * 4, config["width"], generator=g), torch.randint(0, 10, (config["batch"] * 4,), generator=g)
+    data = DataLoader(TensorDataset(x, y), batch_size=config["batch"])
+    stages = 1 if config["schedule"] == "1stage" else config["stages"]
+    strategy = PipelineStrategy(
+        schedule="1f1b" if stages == 1 else config["schedule"], chunks=config["chunks"], balance="parameters", start_method="fork"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+        callbacks=[profile_module.StepProfile(folder), Spans()],
+    )  # fmt: skip
+    trainer.fit(model, data)
+
+
+def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        config = {"root": root, "folder": folder, "schedule": schedule, "stages": args.stages, "chunks": args.chunks,
+                  "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps}  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{schedule} ({root}) failed:\n{done.stderr[-4000:]}")
+        ranks = 1 if schedule == "1stage" else args.stages
+        rows = [json.load(open(os.path.join(folder, f"step_profile_rank{r}.json"))) for r in range(ranks)]
+        spans = [json.load(open(os.path.join(folder, f"spans{r}.json"))) for r in range(ranks)]
+    return analyse(schedule, rows, spans, args)
+
+
+def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Step time, the parts per rank, the measured and the simulated bubble of one run."""
+    sys.path.insert(0, ROOT)
+    from lightning_pipe.plan.step_profile import means
+    from lightning_pipe.schedules import build, simulate
+
+    warm = args.warmup
+    parts = [means(r, skip=warm) for r in rows]
+    step_s = statistics.median(row["total"] for row in rows[0][warm:] if "total" in row)
+    result: dict[str, Any] = {"step_s": step_s, "parts": parts}
+    if schedule == "1stage":
+        return result
+    per_stage: dict[int, dict[str, list[float]]] = {}
+    bubbles = []
+    for rank_steps in spans:
+        shares = []
+        for step in rank_steps[warm:]:
+            total = next(sec for name, _, sec in step if name == "step")
+            busy = sum(sec for name, _, sec in step if name in COMPUTE)
+            shares.append(1.0 - busy / total)
+            for name, stage, sec in step:
+                if name in COMPUTE:
+                    per_stage.setdefault(stage, {}).setdefault(name, []).append(sec)
+        bubbles.append(statistics.median(shares))
+    costs = [tuple(statistics.median(per_stage[s].get(k, [0.0])) for k in COMPUTE) for s in sorted(per_stage)]
+    plan = build(schedule, args.stages, args.chunks, len(costs) // args.stages)
+    result["measured_bubble"] = bubbles
+    result["simulated_bubble"] = simulate(plan, stage_costs=costs, rendezvous=False).bubble_fraction
+    result["stage_costs_ms"] = [[round(1e3 * c, 3) for c in stage] for stage in costs]
+    return result
+
+
+def parts_table(parts: list[dict[str, float]]) -> str:
+    sys.path.insert(0, ROOT)
+    from lightning_pipe.plan.step_profile import markdown
+
+    return markdown(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--schedules", default="1f1b,zero_bubble")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="overhead", help="the results file's name, without .json")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
+    trees = {"after": ROOT} if args.against is None else {"before": os.path.abspath(args.against), "after": ROOT}
+    runs = ["1stage", *args.schedules.split(",")]
+    jobs = [(tree, schedule) for schedule in runs for tree in trees]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for index in range(args.rounds):
+        rounds.append({})
+        for tree, schedule in jobs if index % 2 == 0 else jobs[::-1]:
+            rounds[-1][f"{tree}:{schedule}"] = run(trees[tree], schedule, args)
+        print(json.dumps({"round": index, **{k: round(v["step_s"] * 1e3, 2) for k, v in rounds[-1].items()}}), flush=True)
+    m, p = args.chunks, args.stages
+    summary: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "runs": {}}
+    for tree in trees:
+        for schedule in runs:
+            key = f"{tree}:{schedule}"
+            entries = [r[key] for r in rounds]
+            entry: dict[str, Any] = {
+                "median_step_ms": round(1e3 * statistics.median(e["step_s"] for e in entries), 3),
+                "parts_ms_per_rank": [
+                    {k: round(1e3 * statistics.median(e["parts"][r][k] for e in entries), 3) for k in entries[0]["parts"][r]}
+                    for r in range(len(entries[0]["parts"]))
+                ],
+            }
+            if schedule != "1stage":
+                ideal = [r[f"{tree}:1stage"]["step_s"] * (m + p - 1) / (p * m) / r[key]["step_s"] for r in rounds]
+                entry["ideal_over_step_per_round"] = [round(v, 3) for v in ideal]
+                entry["ideal_over_step_median"] = round(statistics.median(ideal), 3)
+                entry["measured_bubble_per_rank"] = [round(statistics.median(e["measured_bubble"][r] for e in entries), 4) for r in range(p)]
+                entry["simulated_bubble"] = round(statistics.median(e["simulated_bubble"] for e in entries), 4)
+                entry["measured_over_simulated_rank0"] = round(entry["measured_bubble_per_rank"][0] / entry["simulated_bubble"], 3)
+            if "before" in trees:
+                ratios = [r[f"before:{schedule}"]["step_s"] / r[f"after:{schedule}"]["step_s"] for r in rounds]
+                entry["before_over_after_per_round"] = [round(v, 3) for v in ratios]
+                entry["before_over_after_median"] = round(statistics.median(ratios), 3)
+            summary["runs"][key] = entry
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    for key, entry in summary["runs"].items():
+        print(f"\n## {key}: median step {entry['median_step_ms']} ms over {args.rounds} rounds")
+        print(json.dumps({k: v for k, v in entry.items() if k not in ("parts_ms_per_rank",)}))
+        print(parts_table([{k: v / 1e3 for k, v in part.items()} for part in entry["parts_ms_per_rank"]]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""``StepProfile``: where each rank's training step goes, the pipeline's own time included.
+
+The executor's timeline (:class:`~lightning_pipe.runtime.timeline.Timeline`) says what happens
+inside one run of the schedule. A step is more than that: Lightning's loop fetches the batch (and
+the first stage's sampler sends its indices), the step splits it and posts the stages' agreement
+on what they loaded, the executor runs, the last stage's results are shared, the gradients are
+handed to the parameters, the optimizer steps. This callback reads the host clock at Lightning's
+hooks around those parts and joins it with the timeline, so that one run yields, per rank and
+per step (seconds):
+
+- ``compute``: forward, backward and weight-gradient work (the timeline's ``F``, ``B``, ``W``);
+- ``wait``: blocked on a peer (the timeline's ``wait``: receives, the end of sends);
+- ``post``: handing sends and receives to the backend (the timeline's ``post``);
+- ``executor_other``: the rest of the executor's runs: its own Python between actions;
+- ``before_executor``: from the batch's start to the executor's (splitting the batch, its
+  shapes, posting the agreement, the stop flag);
+- ``after_executor``: from the executor's end to the backward hook (the step's summary shared
+  and replayed into ``self.log``, Lightning's closure, ``zero_grad``);
+- ``hand_over``: Lightning's backward, where the pipeline hands its gradients to the parameters
+  (summed over replicas where there are several);
+- ``optimizer``: from then to the batch's end (clipping, ``optimizer.step`` and its hooks);
+- ``between``: from the previous batch's end to this one's start (Lightning's loop, LR
+  schedulers, loggers, the DataLoader's next batch including the sampler's sends).
+
+They add up to ``total``, the time from one batch's end to the next. The first step has no
+``between`` and no ``total``. On a GPU the hooks synchronize the device (so that the host clock
+sees the work done) and the executor's parts are its CUDA events; measuring then slows the step
+a little. Asynchronous schedules that drain run the executor twice in a step: both runs count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+
+PARTS = (
+    "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",
+)  # fmt: skip
+_COMPUTE = ("F", "B", "W")
+
+
+class StepProfile(pl.Callback):
+    """Per rank, one row per training step with the parts above (``rows``).
+
+    Args:
+        folder: where each rank writes ``step_profile_rank{r}.json`` (its rows) when training
+            ends; None: nowhere (read ``rows`` in the process).
+    """
+
+    def __init__(self, folder: Optional[str] = None) -> None:
+        self.folder = folder
+        self.rows: list[dict[str, float]] = []
+        self._timeline: Any = None
+        self._cuda = False
+        self._marks: dict[str, float] = {}
+        self._last_end: Optional[float] = None
+        self._seen = 0  # timeline steps already attributed
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        pipeline = trainer.strategy.pipeline  # type: ignore[attr-defined]
+        self._timeline = pipeline.enable_timeline()
+        self._seen = len(self._timeline.steps)
+        self._cuda = pipeline.placement.device.type == "cuda"
+        self._last_end = None
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._marks = {"start": self._now()}
+
+    def on_before_backward(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._marks["backward"] = self._now()
+
+    def on_after_backward(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._marks["handed"] = self._now()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+        end = self._now()
+        marks = self._marks
+        runs = self._timeline.steps[self._seen :] if self._timeline is not None else []
+        origins = self._timeline.origins[self._seen :] if self._timeline is not None else []
+        self._seen = len(self._timeline.steps) if self._timeline is not None else 0
+        if "backward" not in marks or not runs:
+            self._last_end = end
+            return  # a step without the pipeline's backward (skipped by the user): nothing to split
+        sums = {"compute": 0.0, "wait": 0.0, "post": 0.0, "executor": 0.0}
+        for spans in runs:
+            for span in spans:
+                if span.name in _COMPUTE:
+                    sums["compute"] += span.seconds
+                elif span.name in ("wait", "post"):
+                    sums[span.name] += span.seconds
+                elif span.name == "step":
+                    sums["executor"] += span.seconds
+        first_start = origins[0]
+        row = {
+            "compute": sums["compute"],
+            "wait": sums["wait"],
+            "post": sums["post"],
+            "executor_other": sums["executor"] - sums["compute"] - sums["wait"] - sums["post"],
+            "before_executor": first_start - marks["start"],
+            "after_executor": marks["backward"] - marks["start"] - (first_start - marks["start"]) - sums["executor"],
+            "hand_over": marks.get("handed", marks["backward"]) - marks["backward"],
+            "optimizer": end - marks.get("handed", marks["backward"]),
+        }
+        if self._last_end is not None:
+            row["between"] = marks["start"] - self._last_end
+            row["total"] = end - self._last_end
+        self.rows.append(row)
+        self._last_end = end
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(os.path.join(self.folder, f"step_profile_rank{trainer.global_rank}.json"), "w") as f:
+                json.dump(self.rows, f)
+
+
+def means(rows: Sequence[dict[str, float]], skip: int = 0) -> dict[str, float]:
+    """Each part's mean over the steps after the first ``skip`` that have a ``total`` (means, so
+    that the parts add up to the mean step)."""
+    chosen = [row for row in rows[skip:] if "total" in row]
+    if not chosen:
+        return {}
+    return {part: statistics.fmean(row[part] for row in chosen) for part in (*PARTS, "total")}
+
+
+def markdown(per_rank: Sequence[dict[str, float]]) -> str:
+    """A table of the parts (milliseconds and share of the step) with one column per rank."""
+    header = "| part | " + " | ".join(f"rank {r}" for r in range(len(per_rank))) + " |"
+    lines = [header, "|---|" + "---|" * len(per_rank)]
+    for part in (*PARTS, "total"):
+        cells = []
+        for m in per_rank:
+            share = m[part] / m["total"] if m.get("total") else 0.0
+            cells.append(f"{1e3 * m[part]:.1f} ms ({share:.0%})" if part != "total" else f"{1e3 * m[part]:.1f} ms")
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["PARTS", "StepProfile", "markdown", "means"]

@@ -1,0 +1,39 @@
+"""Where a rank's step goes: the executor's parts from its timeline, the rest from Lightning's hooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe.plan import StepProfile
+from lightning_pipe.plan.step_profile import PARTS, markdown, means
+from tests.models import TinyNet
+from tests.pipeline import fit_pipeline
+
+
+def test_means_skip_the_warm_up_and_the_first_step_and_add_up() -> None:
+    first = {part: 1.0 for part in PARTS if part != "between"}  # the first step: no between, no total
+    rows = [first] + [{**{part: float(k) for part in PARTS}, "total": 9.0 * k} for k in (1, 2, 3)]
+    assert means(rows) == {**{part: 2.0 for part in PARTS}, "total": 18.0}
+    assert means(rows, skip=2) == {**{part: 2.5 for part in PARTS}, "total": 22.5}
+    assert means([first]) == {}
+    table = markdown([means(rows), means(rows, skip=3)])
+    assert "| compute | 2000.0 ms (11%) | 3000.0 ms (11%) |" in table
+    assert table.splitlines()[-1] == "| total | 18000.0 ms | 27000.0 ms |"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_every_rank_profiles_every_step(tmp_path: Path, schedule: str) -> None:
+    fit_pipeline(TinyNet(), 2, schedule=schedule, chunks=4, callbacks=[StepProfile(str(tmp_path))], max_steps=5)
+    for rank in range(2):
+        rows = json.loads((tmp_path / f"step_profile_rank{rank}.json").read_text())
+        assert len(rows) == 5 and "total" not in rows[0] and all("total" in row for row in rows[1:])
+        for row in rows:
+            assert row["compute"] > 0.0 and row["optimizer"] > 0.0 and row["hand_over"] > 0.0
+            assert min(row[part] for part in PARTS if part in row) > -1e-4, row  # no part runs backwards
+        for row in rows[1:]:
+            assert sum(row[part] for part in PARTS) == pytest.approx(row["total"], rel=1e-6)
+            # the executor's parts lie within the step: it cannot take longer than the whole step
+            assert row["compute"] + row["wait"] + row["post"] + row["executor_other"] < row["total"]
