@@ -67,6 +67,19 @@ def child(config: dict[str, Any]) -> None:
             with open(os.path.join(folder, f"spans{trainer.global_rank}.json"), "w") as f:
                 json.dump(steps, f)
 
+    class Profiled(L.Callback):
+        """``--cprofile``: each rank's training under cProfile, the stats to ``cprofile{rank}``."""
+
+        def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+
+        def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+            self.profiler.disable()
+            self.profiler.dump_stats(os.path.join(config["cprofile"], f"cprofile{trainer.global_rank}"))
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = MLP(config["width"], config["blocks"])
@@ -80,7 +93,7 @@ def child(config: dict[str, Any]) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
-        callbacks=[profile_module.StepProfile(folder), Spans()],
+        callbacks=[profile_module.StepProfile(folder), Spans(), *([Profiled()] if config.get("cprofile") else [])],
     )  # fmt: skip
     trainer.fit(model, data)
 
@@ -88,7 +101,8 @@ def child(config: dict[str, Any]) -> None:
 def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         config = {"root": root, "folder": folder, "schedule": schedule, "stages": args.stages, "chunks": args.chunks,
-                  "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps}  # fmt: skip
+                  "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps,
+                  "cprofile": args.cprofile}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
         if done.returncode != 0:
@@ -153,6 +167,7 @@ def main() -> None:
     parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")
+    parser.add_argument("--cprofile", default=None, help="a folder: each rank's training under cProfile (slower) to cprofile<rank>")
     args = parser.parse_args()
     if args.child:
         child(json.loads(args.child))
