@@ -49,7 +49,7 @@ def child(config: dict[str, Any]) -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pipe import PipelineStrategy
+    from lightning_pipe import PipelineStrategy  # first: step_time puts this tree on sys.path too
     from step_time import MLP
 
     # the profiler of this tree, whatever the library's checkout (it only reads the timeline)
@@ -153,17 +153,13 @@ def parts_table(parts: list[dict[str, float]]) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, HERE)
+    from step_time import workload_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--schedules", default="1f1b,zero_bubble")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--stages", type=int, default=2)
+    workload_arguments(parser, rounds=7, steps=16)
     parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")

@@ -29,6 +29,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_pipe import PipelineStrategy  # noqa: E402
 
 
+def workload_arguments(parser: argparse.ArgumentParser, rounds: int, steps: int) -> None:
+    """The benchmark MLP's arguments (8 blocks of width 1024, batch 256 in 8 micro-batches, 2
+    stages), and how many rounds, steps and warm-up steps to run."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2)
+
+
 class StepTimer(L.Callback):
     """Seconds between the ends of consecutive optimizer steps, after ``warmup`` steps: everything a
     step costs (loading the batch and Lightning's work between steps included), as a user sees it.

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import MLP, StepTimer  # noqa: E402
+from step_time import MLP, StepTimer, workload_arguments  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
@@ -146,14 +146,7 @@ def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="1f1b,zero_bubble,interleaved_1f1b,interleaved_zero_bubble,zbv")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--stages", type=int, default=2)
+    workload_arguments(parser, rounds=7, steps=12)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(1)
