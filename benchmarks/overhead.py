@@ -49,7 +49,11 @@ def child(config: dict[str, Any]) -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    import lightning_pipe
     from lightning_pipe import PipelineStrategy  # first: step_time puts this tree on sys.path too
+
+    if not os.path.abspath(lightning_pipe.__file__).startswith(os.path.abspath(config["root"]) + os.sep):
+        raise RuntimeError(f"lightning_pipe came from {lightning_pipe.__file__}, not from {config['root']}")
     from step_time import MLP
 
     # the profiler of this tree, whatever the library's checkout (it only reads the timeline)
@@ -153,11 +157,13 @@ def parts_table(parts: list[dict[str, float]]) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:  # before anything imports the library from this tree
+        child(json.loads(sys.argv[2]))
+        return
     sys.path.insert(0, HERE)
     from step_time import workload_arguments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--schedules", default="1f1b,zero_bubble")
     workload_arguments(parser, rounds=7, steps=16)
     parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
@@ -165,9 +171,6 @@ def main() -> None:
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")
     parser.add_argument("--cprofile", default=None, help="a folder: each rank's training under cProfile (slower) to cprofile<rank>")
     args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child))
-        return
     trees = {"after": ROOT} if args.against is None else {"before": os.path.abspath(args.against), "after": ROOT}
     runs = ["1stage", *args.schedules.split(",")]
     jobs = [(tree, schedule) for schedule in runs for tree in trees]
@@ -178,7 +181,7 @@ def main() -> None:
             rounds[-1][f"{tree}:{schedule}"] = run(trees[tree], schedule, args)
         print(json.dumps({"round": index, **{k: round(v["step_s"] * 1e3, 2) for k, v in rounds[-1].items()}}), flush=True)
     m, p = args.chunks, args.stages
-    summary: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "runs": {}}
+    summary: dict[str, Any] = {"config": vars(args), "runs": {}}
     for tree in trees:
         for schedule in runs:
             key = f"{tree}:{schedule}"
