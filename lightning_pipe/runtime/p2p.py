@@ -93,11 +93,8 @@ class Transport:
         meta_group: Any = None,
         batched: bool = False,
         through_host: bool = False,
-        gradient_group: Any = None,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
-        # gradients (odd tags) on connections of their own where given (see Topology.gradient_group)
-        self.gradient_group = gradient_group if gradient_group is not None else group
         # gloo cannot send GPU tensors: stage them through (pinned) host memory
         self.through_host = through_host
         self._pin = through_host and device.type == "cuda"
@@ -188,7 +185,7 @@ class Transport:
         works = []
         for op in ops:
             fn = dist.isend if op.is_send else dist.irecv
-            works.append(fn(op.tensor, op.peer, group=self.gradient_group if op.tag % 2 else self.group, tag=op.tag))
+            works.append(fn(op.tensor, op.peer, group=self.group, tag=op.tag))
         return works
 
     def finish(self) -> None:

@@ -131,7 +131,6 @@ class StagePipeline:
             meta_group=topology.meta_group,
             batched=placement.backend == "nccl",
             through_host=placement.through_host,
-            gradient_group=topology.gradient_group,
         )
         asynchronous = is_async(config.schedule)
         versions = WeightVersions(self.host) if asynchronous else None

@@ -176,11 +176,6 @@ class Topology:
             headers, sample indices, step summaries), whatever the backend of ``pp_group``.
         meta_src: global rank of this pipeline's first stage (the source of its sample order).
         backend: the default group's backend (``"gloo"``, ``"nccl"``).
-        gradient_group: under gloo, a second gloo group over this rank's pipeline for the gradients
-            travelling back, so that each direction has its own connections: gloo writes a send
-            in the caller's thread, under a lock per connection that its receiving thread holds
-            while it reads an incoming message; on one connection a stage's send waited for the
-            gradient arriving from the next stage. None under NCCL (one stream per peer anyway).
     """
 
     def __init__(self, layout: Layout, rank: int, device_type: str) -> None:
@@ -195,23 +190,18 @@ class Topology:
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
         gloo = dist.get_backend() == "gloo"
-        self.meta_group: Any = self._gloo_pipeline_group(gloo)
-        self.gradient_group: Any = self._gloo_pipeline_group(gloo) if gloo and layout.stages > 1 else None
+        self.meta_group: Any = None
+        for replica in range(layout.replicas):
+            ranks = layout.pipeline_ranks(replica)
+            if gloo and layout.replicas == 1:
+                group = dist.new_group()
+            else:
+                group = dist.new_group(ranks, backend="gloo")
+            if replica == self.replica:
+                self.meta_group = group
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)
         self.meta_src = self.pipeline_ranks[0]
         self._groups: dict[tuple[int, ...], Any] = {}
-
-    def _gloo_pipeline_group(self, gloo: bool) -> Any:
-        """A new gloo group over this rank's pipeline (every rank creates one per pipeline)."""
-        mine: Any = None
-        for replica in range(self.layout.replicas):
-            if gloo and self.layout.replicas == 1:
-                group = dist.new_group()
-            else:
-                group = dist.new_group(self.layout.pipeline_ranks(replica), backend="gloo")
-            if replica == self.replica:
-                mine = group
-        return mine
 
     def group(self, ranks: Sequence[int]) -> Any:
         """The process group of ``ranks``, created on first use. Creating a group is collective:
