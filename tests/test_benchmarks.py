@@ -147,3 +147,23 @@ def test_pipemare_convergence_summary_pairs_each_seed_with_its_own_1f1b() -> Non
     assert mare["steps_to_1f1b_final"] == [None, 1]
     assert "3.1000 (+5.0%; 2.2000, 4.0000)" in markdown(table) and "never, 1" in markdown(table)
     assert [r["losses"][0] for r in mean_over_seeds(runs)] == [3.0, 3.1]
+
+
+def test_overhead_analysis_measures_the_bubble_and_simulates_the_same_schedule() -> None:
+    import argparse
+
+    import overhead
+
+    from lightning_pipe.plan.step_profile import PARTS
+
+    args = argparse.Namespace(warmup=1, stages=2, chunks=2)
+    row = {part: 0.001 for part in PARTS}
+    rows = [[dict(row)] + [{**row, "total": 0.010}] * 3 for _ in range(2)]
+    step = [("F", 0, 0.002)] * 2 + [("B", 0, 0.002)] * 2 + [("wait", -1, 0.002), ("step", -1, 0.010)]
+    last = [("F", 1, 0.002)] * 2 + [("B", 1, 0.002)] * 2 + [("step", -1, 0.010)]
+    result = overhead.analyse("1f1b", rows, [[step] * 4, [last] * 4], args)
+    assert result["step_s"] == 0.010
+    assert result["measured_bubble"] == [pytest.approx(0.2), pytest.approx(0.2)]  # 8 ms of compute in a 10 ms run
+    # equal F and B of 2 ms on 2 stages and 2 micro-batches: the closed form (p - 1) / (m + p - 1) = 1/3
+    assert result["simulated_bubble"] == pytest.approx(1 / 3)
+    assert result["parts"][0]["total"] == 0.010
