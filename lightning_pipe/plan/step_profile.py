@@ -20,7 +20,8 @@ per step (seconds):
   (summed over replicas where there are several);
 - ``optimizer``: from then to the batch's end (clipping, ``optimizer.step`` and its hooks);
 - ``between``: from the previous batch's end to this one's start (Lightning's loop, LR
-  schedulers, loggers, the DataLoader's next batch including the sampler's sends).
+  schedulers, loggers, the DataLoader's next batch including the sampler's sends, and a
+  validation run in between, if any).
 
 They add up to ``total``, the time from one batch's end to the next. The first step has no
 ``between`` and no ``total``. On a GPU the hooks synchronize the device (so that the host clock
@@ -56,11 +57,11 @@ class StepProfile(pl.Callback):
     def __init__(self, folder: Optional[str] = None) -> None:
         self.folder = folder
         self.rows: list[dict[str, float]] = []
-        self._timeline: Any = None
         self._cuda = False
         self._marks: dict[str, float] = {}
         self._last_end: Optional[float] = None
-        self._seen = 0  # timeline steps already attributed
+        self._timeline: Any = None
+        self._runs: list[tuple[float, list[Any]]] = []  # the executor's runs since the batch began: (start, spans)
 
     def _now(self) -> float:
         if self._cuda:
@@ -69,13 +70,19 @@ class StepProfile(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         pipeline = trainer.strategy.pipeline  # type: ignore[attr-defined]
-        self._timeline = pipeline.enable_timeline()
-        self._seen = len(self._timeline.steps)
+        if self._timeline is None:
+            # each run reaches the listener as it ends; the timeline keeps only the last (bounded memory)
+            self._timeline = pipeline.enable_timeline(keep=1)
+            self._timeline.listeners.append(self._ran)
         self._cuda = pipeline.placement.device.type == "cuda"
         self._last_end = None
 
+    def _ran(self, spans: list[Any]) -> None:
+        self._runs.append((self._timeline.origins[-1], spans))
+
     def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._marks = {"start": self._now()}
+        self._runs = []  # a validation in between ran the executor too, before this batch began
 
     def on_before_backward(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._marks["backward"] = self._now()
@@ -86,9 +93,8 @@ class StepProfile(pl.Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
         end = self._now()
         marks = self._marks
-        runs = self._timeline.steps[self._seen :] if self._timeline is not None else []
-        origins = self._timeline.origins[self._seen :] if self._timeline is not None else []
-        self._seen = len(self._timeline.steps) if self._timeline is not None else 0
+        origins, runs = [o for o, _ in self._runs], [spans for _, spans in self._runs]
+        self._runs = []
         if "backward" not in marks or not runs:
             self._last_end = end
             return  # a step without the pipeline's backward (skipped by the user): nothing to split

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_pipe.plan import StepProfile
 from lightning_pipe.plan.step_profile import PARTS, markdown, means
-from tests.models import TinyNet
+from tests.models import LifecycleNet, TinyNet, loader
 from tests.pipeline import fit_pipeline
 
 
@@ -37,3 +37,14 @@ def test_every_rank_profiles_every_step(tmp_path: Path, schedule: str) -> None:
             assert sum(row[part] for part in PARTS) == pytest.approx(row["total"], rel=1e-6)
             # the executor's parts lie within the step: it cannot take longer than the whole step
             assert row["compute"] + row["wait"] + row["post"] + row["executor_other"] < row["total"]
+
+
+def test_a_validation_between_steps_counts_as_between(tmp_path: Path) -> None:
+    """The executor also runs for validation batches: those runs are not taken for the next
+    training step's (its work before the executor would come out negative)."""
+    fit_pipeline(LifecycleNet(), 2, loader(), loader(24), callbacks=[StepProfile(str(tmp_path))], chunks=2,
+                 max_steps=5, val_check_interval=2, limit_val_batches=2)  # fmt: skip
+    for rank in range(2):
+        rows = json.loads((tmp_path / f"step_profile_rank{rank}.json").read_text())
+        assert len(rows) == 5
+        assert min(row["before_executor"] for row in rows) >= 0.0
