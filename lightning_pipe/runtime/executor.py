@@ -55,14 +55,16 @@ class _Run:
 
 
 def next_receives(actions: Sequence[Action]) -> dict[Action, Action]:
-    """Each activation receive mapped to the same stage's next activation receive in ``actions``."""
+    """Each receive mapped to the same stage's next receive of the same kind (activation or
+    gradient) in ``actions``."""
     following: dict[Action, Action] = {}
-    last: dict[int, Action] = {}
+    last: dict[tuple[int, ActionKind], Action] = {}
     for action in actions:
-        if action.kind is ActionKind.RECV_ACTIVATION:
-            if action.stage in last:
-                following[last[action.stage]] = action
-            last[action.stage] = action
+        if action.kind in (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRADIENT):
+            stream = (action.stage, action.kind)
+            if stream in last:
+                following[last[stream]] = action
+            last[stream] = action
     return following
 
 
@@ -100,7 +102,11 @@ class Executor:
         they are waited for at the end of the next call.
 
         Where the transport allows it (gloo), each activation receive is posted one receive early,
-        so the data lands while this rank computes instead of being copied when it asks for it."""
+        so the data lands while this rank computes instead of being copied when it asks for it.
+        Under a split backward (ZB-H1, ZB-V, interleaved zero bubble), whose weight-gradient work
+        delays the next gradient receive, each gradient receive is posted one early too (once the
+        forward it belongs to has run): on the benchmark MLP this cut ZB-H1's rank-0 posting from
+        9.2 to 1.4 ms a step (``docs/benchmarks.md``); under 1F1B it did not pay."""
         run = _Run(keys, num_stages, microbatches_per_batch, split_backward)
         if self.transport.prefetches_receives:
             run.following = next_receives(actions)
@@ -207,6 +213,9 @@ class Executor:
                 ops += recv_ops
                 prefetch.append(action)
             elif action.kind is ActionKind.RECV_GRADIENT:
+                prefetch.append(action)
+                if action in run.inbox:  # posted early
+                    continue
                 like = self.runners[action.stage].output_grad_like(action.microbatch)
                 buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
                 pending.append((action, _Inbox([], buffers), len(recv_ops)))
@@ -231,9 +240,20 @@ class Executor:
 
     def _prefetch(self, action: Action, run: _Run) -> None:
         """Post the receive after ``action``'s now, if its shapes are known (a new shape's header
-        would block until the sender gets there)."""
+        would block until the sender gets there; a gradient's shapes are its forward's outputs)."""
         following = run.following.get(action)
-        if following is None or self._is_local(following):
+        if following is None or following in run.inbox or self._is_local(following):
+            return
+        if following.kind is ActionKind.RECV_GRADIENT:
+            if not run.split_backward:  # measured: no gain under 1F1B (see run_actions)
+                return
+            runner = self.runners[following.stage]
+            if not runner.holds(following.microbatch):
+                return
+            buffers, recv_ops = self.transport.gradient_recv_ops(following.stage + 1, runner.output_grad_like(following.microbatch))
+            with self._span("post", following.stage, following.microbatch):
+                works = self.transport.post(recv_ops)
+            run.inbox[following] = _Inbox(works, buffers)
             return
         key = self._activation_key(following, run, following.stage)
         if not self.transport.knows(key):

@@ -285,6 +285,10 @@ class StageRunner:
             self._saved[microbatch] = (leaves, tensors_out)
         return tensors_out, was_tuple_out
 
+    def holds(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s forward has run and its backward has not."""
+        return microbatch in self._saved
+
     def output_grad_like(self, microbatch: int) -> list[Tensor]:
         """The outputs of ``microbatch`` whose gradient the next stage sends back."""
         _, outputs = self._saved[microbatch]
