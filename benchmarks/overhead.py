@@ -5,8 +5,8 @@ nothing itself: the simulated bubble and the ideal step.
     python benchmarks/overhead.py --rounds 9 --against /tmp/before  # paired: this tree against another checkout
 
 The workload is the benchmark MLP (8 blocks of width 1024 and a head, batch 256 in 8 micro-batches,
-``balance="parameters"``) on 2 CPU processes with one thread each; ``1stage`` is lightning-pipe on
-one process with the same micro-batches. Every run is a fresh interpreter. Per run:
+``balance="parameters"``, or ``--balance``) on 2 CPU processes with one thread each; ``1stage`` is
+lightning-pipe on one process with the same micro-batches. Every run is a fresh interpreter. Per run:
 
 - on every rank, the parts of each step (:class:`lightning_pipe.plan.StepProfile`: compute,
   waiting on a peer, posting communication, the executor's own Python, the work before and after
@@ -92,7 +92,8 @@ def child(config: dict[str, Any]) -> None:
     data = DataLoader(TensorDataset(x, y), batch_size=config["batch"])
     stages = 1 if config["schedule"] == "1stage" else config["stages"]
     strategy = PipelineStrategy(
-        schedule="1f1b" if stages == 1 else config["schedule"], chunks=config["chunks"], balance="parameters", start_method="fork"
+        schedule="1f1b" if stages == 1 else config["schedule"], chunks=config["chunks"], balance=config.get("balance", "parameters"),
+        start_method="fork",
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
@@ -106,7 +107,7 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         config = {"root": root, "folder": folder, "schedule": schedule, "stages": args.stages, "chunks": args.chunks,
                   "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps,
-                  "cprofile": args.cprofile}  # fmt: skip
+                  "cprofile": args.cprofile, "balance": args.balance}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
         if done.returncode != 0:
@@ -166,6 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="1f1b,zero_bubble")
     workload_arguments(parser, rounds=7, steps=16)
+    parser.add_argument("--balance", default="parameters", help="the strategy's balance (parameters, time, ...)")
     parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")
