@@ -140,9 +140,11 @@ def means(rows: Sequence[dict[str, float]], skip: int = 0) -> dict[str, float]:
     return {part: statistics.fmean(row[part] for row in chosen) for part in (*PARTS, "total")}
 
 
-def markdown(per_rank: Sequence[dict[str, float]]) -> str:
-    """A table of the parts (milliseconds and share of the step) with one column per rank."""
-    header = "| part | " + " | ".join(f"rank {r}" for r in range(len(per_rank))) + " |"
+def markdown(per_rank: Sequence[dict[str, float]], ranks: Optional[Sequence[int]] = None) -> str:
+    """A table of the parts (milliseconds and share of the step) with one column per rank
+    (``ranks``: the columns' ranks, by default 0, 1, ...)."""
+    names = ranks if ranks is not None else range(len(per_rank))
+    header = "| part | " + " | ".join(f"rank {r}" for r in names) + " |"
     lines = [header, "|---|" + "---|" * len(per_rank)]
     for part in (*PARTS, "total"):
         cells = []

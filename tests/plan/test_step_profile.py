@@ -22,6 +22,7 @@ def test_means_skip_the_warm_up_and_the_first_step_and_add_up() -> None:
     table = markdown([means(rows), means(rows, skip=3)])
     assert "| compute | 2000.0 ms (11%) | 3000.0 ms (11%) |" in table
     assert table.splitlines()[-1] == "| total | 18000.0 ms | 27000.0 ms |"
+    assert markdown([means(rows)], ranks=[3]).splitlines()[0] == "| part | rank 3 |"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
