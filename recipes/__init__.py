@@ -1,14 +1,17 @@
 """Ready-made recipes: VGG19 on CIFAR-100, BERT masked-language-model pre-training, and a
 Hugging Face Llama or GPT-2 causal LM.
 
-Installed as ``lightning_pipe.recipes``; each recipe is an ordinary LightningModule whose layers
-form one ``nn.Sequential``, plus a LightningDataModule that works offline by default.
+Installed as ``lightning_pipe.recipes``; each recipe is an ordinary LightningModule (VGG19 and
+BERT: layers in one ``nn.Sequential``; the causal LM: the model's own list of blocks), plus a
+LightningDataModule that works offline by default.
 """
 
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable, Optional
 
+import lightning as L
 from torch import nn
+from torch.utils.data import DataLoader
 
 BUILDS = ("auto", "eager", "configure_model")
 LARGE = 100_000_000  # parameters above which "auto" builds in configure_model()
@@ -35,3 +38,24 @@ def require_transformers(what: str) -> ModuleType:
     except ModuleNotFoundError as error:
         raise ModuleNotFoundError(f"{what} needs Hugging Face transformers: pip install 'lightning-pipe[hf]' ({error})") from error
     return transformers
+
+
+class TrainValData(L.LightningDataModule):
+    """The recipes' data modules: ``setup`` fills ``train`` and ``val`` (datasets); training
+    batches are shuffled, and a last short batch dropped so that every step has the full batch."""
+
+    batch_size: int
+    num_workers: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train: Optional[Any] = None
+        self.val: Optional[Any] = None
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train is not None
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val is not None
+        return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)

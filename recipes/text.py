@@ -26,9 +26,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_pipe.recipes import require_transformers
+from lightning_pipe.recipes import TrainValData, require_transformers
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, UNK, CLS, SEP, MASK = range(5)
@@ -134,7 +133,7 @@ def saved_tokenizer(directory: str) -> tuple[Any, int, int]:
     return tokenizer, tokenizer.bos_token_id if tokenizer.bos_token_id is not None else last, last
 
 
-class CorpusData(L.LightningDataModule):
+class CorpusData(TrainValData):
     """The documents of ``source``, tokenized and packed into rows of ``max_len``, the first
     ``val_fraction`` of them held out for validation. A recipe says what a row becomes
     (:meth:`dataset`) and may tokenize otherwise (:meth:`rows`)."""
@@ -162,8 +161,6 @@ class CorpusData(L.LightningDataModule):
         self.val_fraction, self.limit_chars, self.seed, self.num_workers = val_fraction, limit_chars, seed, num_workers
         self.tokenizer_dir = tokenizer
         self.tokenizer: Optional[Any] = None
-        self.train: Optional[Any] = None
-        self.val: Optional[Any] = None
 
     def documents(self) -> list[str]:
         return stdlib_documents(self.limit_chars) if self.source == "stdlib" else file_documents(self.files)
@@ -188,11 +185,3 @@ class CorpusData(L.LightningDataModule):
         n_val = max(1, int(math.ceil(len(rows) * self.val_fraction))) if len(rows) > 1 else 0
         self.train = self.dataset(rows[n_val:] if n_val else rows, self.seed)
         self.val = self.dataset(rows[:n_val] if n_val else rows, self.seed + 1)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train is not None
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val is not None
-        return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)

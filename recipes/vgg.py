@@ -23,9 +23,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_pipe.recipes import builds_in_configure_model
+from lightning_pipe.recipes import TrainValData, builds_in_configure_model
 
 CFG = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
@@ -225,7 +225,7 @@ def synthetic_images(n: int, num_classes: int, seed: int) -> tuple[torch.Tensor,
     return images.clamp(0, 1).mul(255).to(torch.uint8), labels
 
 
-class CIFAR100Data(L.LightningDataModule):
+class CIFAR100Data(TrainValData):
     def __init__(
         self,
         source: str = "synthetic",
@@ -244,8 +244,6 @@ class CIFAR100Data(L.LightningDataModule):
         self.source, self.root, self.download = source, root, download
         self.batch_size, self.num_workers, self.augment = batch_size, num_workers, augment
         self.num_classes, self.synthetic_train, self.synthetic_val = num_classes, synthetic_train, synthetic_val
-        self.train: Optional[Dataset] = None
-        self.val: Optional[Dataset] = None
 
     def prepare_data(self) -> None:
         if self.source == "cifar100":
@@ -260,14 +258,6 @@ class CIFAR100Data(L.LightningDataModule):
             val = synthetic_images(self.synthetic_val, self.num_classes, seed=1)
         self.train = AugmentedImages(*train, augment=self.augment, mean=CIFAR100_MEAN, std=CIFAR100_STD)
         self.val = AugmentedImages(*val, augment=False, mean=CIFAR100_MEAN, std=CIFAR100_STD)
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train is not None
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val is not None
-        return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)
 
 
 __all__ = [
