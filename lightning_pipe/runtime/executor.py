@@ -54,13 +54,14 @@ class _Run:
     following: dict[Action, Action] = field(default_factory=dict)  # receive -> the next one, to prefetch
 
 
-def next_receives(actions: Sequence[Action]) -> dict[Action, Action]:
-    """Each receive mapped to the same stage's next receive of the same kind (activation or
-    gradient) in ``actions``."""
+def next_receives(actions: Sequence[Action], gradients: bool = False) -> dict[Action, Action]:
+    """Each activation receive (and with ``gradients`` each gradient receive) mapped to the same
+    stage's next receive of the same kind in ``actions``."""
+    kinds = (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRADIENT) if gradients else (ActionKind.RECV_ACTIVATION,)
     following: dict[Action, Action] = {}
     last: dict[tuple[int, ActionKind], Action] = {}
     for action in actions:
-        if action.kind in (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRADIENT):
+        if action.kind in kinds:
             stream = (action.stage, action.kind)
             if stream in last:
                 following[last[stream]] = action
@@ -109,7 +110,8 @@ class Executor:
         9.2 to 1.4 ms a step (``docs/benchmarks.md``); under 1F1B it did not pay."""
         run = _Run(keys, num_stages, microbatches_per_batch, split_backward)
         if self.transport.prefetches_receives:
-            run.following = next_receives(actions)
+            # gradient receives too under a split backward only (measured: no gain under 1F1B)
+            run.following = next_receives(actions, gradients=split_backward)
         groups = dict(comm_groups(actions))
         if self.timeline is not None:
             self.timeline.begin_step()
@@ -202,20 +204,18 @@ class Executor:
         pending: list[tuple[Action, _Inbox, int]] = []
         prefetch: list[Action] = []
         for action in group:
+            if action.kind not in (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRADIENT):
+                continue
+            prefetch.append(action)
+            if action in run.inbox:  # posted early
+                continue
             if action.kind is ActionKind.RECV_ACTIVATION:
-                if action in run.inbox:  # posted early
-                    prefetch.append(action)
-                    continue
                 key = self._activation_key(action, run, action.stage)
                 with self._span("wait", action.stage, action.microbatch):  # a new shape's header
                     buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
                 pending.append((action, _Inbox([], buffers, meta.requires_grad, meta.was_tuple), len(recv_ops)))
                 ops += recv_ops
-                prefetch.append(action)
-            elif action.kind is ActionKind.RECV_GRADIENT:
-                prefetch.append(action)
-                if action in run.inbox:  # posted early
-                    continue
+            else:
                 like = self.runners[action.stage].output_grad_like(action.microbatch)
                 buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
                 pending.append((action, _Inbox([], buffers), len(recv_ops)))
@@ -245,8 +245,6 @@ class Executor:
         if following is None or following in run.inbox or self._is_local(following):
             return
         if following.kind is ActionKind.RECV_GRADIENT:
-            if not run.split_backward:  # measured: no gain under 1F1B (see run_actions)
-                return
             runner = self.runners[following.stage]
             if not runner.holds(following.microbatch):
                 return
