@@ -40,10 +40,11 @@ from typing import Any, Optional, Sequence
 import lightning.pytorch as pl
 import torch
 
+from lightning_pipe.plan.stage_metrics import COMPUTE
+
 PARTS = (
     "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",
 )  # fmt: skip
-_COMPUTE = ("F", "B", "W")
 
 
 class StepProfile(pl.Callback):
@@ -92,31 +93,26 @@ class StepProfile(pl.Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
         end = self._now()
-        marks = self._marks
-        origins, runs = [o for o, _ in self._runs], [spans for _, spans in self._runs]
-        self._runs = []
+        marks, runs, self._runs = self._marks, self._runs, []
         if "backward" not in marks or not runs:
             self._last_end = end
             return  # a step without the pipeline's backward (skipped by the user): nothing to split
-        sums = {"compute": 0.0, "wait": 0.0, "post": 0.0, "executor": 0.0}
-        for spans in runs:
+        sums = dict.fromkeys(("compute", "wait", "post", "step"), 0.0)
+        for _, spans in runs:
             for span in spans:
-                if span.name in _COMPUTE:
-                    sums["compute"] += span.seconds
-                elif span.name in ("wait", "post"):
-                    sums[span.name] += span.seconds
-                elif span.name == "step":
-                    sums["executor"] += span.seconds
-        first_start = origins[0]
+                part = "compute" if span.name in COMPUTE else span.name
+                if part in sums:
+                    sums[part] += span.seconds
+        first_start, handed = runs[0][0], marks.get("handed", marks["backward"])
         row = {
             "compute": sums["compute"],
             "wait": sums["wait"],
             "post": sums["post"],
-            "executor_other": sums["executor"] - sums["compute"] - sums["wait"] - sums["post"],
+            "executor_other": sums["step"] - sums["compute"] - sums["wait"] - sums["post"],
             "before_executor": first_start - marks["start"],
-            "after_executor": marks["backward"] - marks["start"] - (first_start - marks["start"]) - sums["executor"],
-            "hand_over": marks.get("handed", marks["backward"]) - marks["backward"],
-            "optimizer": end - marks.get("handed", marks["backward"]),
+            "after_executor": marks["backward"] - first_start - sums["step"],
+            "hand_over": handed - marks["backward"],
+            "optimizer": end - handed,
         }
         if self._last_end is not None:
             row["between"] = marks["start"] - self._last_end
