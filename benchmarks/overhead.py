@@ -86,7 +86,7 @@ def child(config: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = MLP(config["width"], config["blocks"])
+    model = MLP(config["width"], config["blocks"], heavy=config.get("heavy", 1))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(config["batch"] * 4, config["width"], generator=g), torch.randint(0, 10, (config["batch"] * 4,), generator=g)
     data = DataLoader(TensorDataset(x, y), batch_size=config["batch"])
@@ -107,7 +107,7 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         config = {"root": root, "folder": folder, "schedule": schedule, "stages": args.stages, "chunks": args.chunks,
                   "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps,
-                  "cprofile": args.cprofile, "balance": args.balance}  # fmt: skip
+                  "cprofile": args.cprofile, "balance": args.balance, "heavy": getattr(args, "heavy", 1)}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
         if done.returncode != 0:

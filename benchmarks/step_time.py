@@ -71,11 +71,16 @@ def intervals(ends: list[float], warmup: int) -> list[float]:
 
 
 class MLP(L.LightningModule):
-    def __init__(self, width: int, blocks: int, classes: int = 10) -> None:
+    """``blocks`` blocks of ``Linear(width, width)`` and ReLU, and a head. With ``heavy > 1`` the
+    first half of the blocks hold ``heavy`` such pairs each: a model whose costs are skewed
+    ``heavy``:1 between its halves, so that a split by layer count is unbalanced."""
+
+    def __init__(self, width: int, blocks: int, classes: int = 10, heavy: int = 1) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for _ in range(blocks):
-            layers += [nn.Sequential(nn.Linear(width, width), nn.ReLU())]
+        for index in range(blocks):
+            pairs = heavy if index < blocks // 2 else 1
+            layers += [nn.Sequential(*[m for _ in range(pairs) for m in (nn.Linear(width, width), nn.ReLU())])]
         layers.append(nn.Linear(width, classes))
         self.layers = nn.Sequential(*layers)
 

@@ -7,6 +7,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
@@ -167,3 +168,19 @@ def test_overhead_analysis_measures_the_bubble_and_simulates_the_same_schedule()
     # equal F and B of 2 ms on 2 stages and 2 micro-batches: the closed form (p - 1) / (m + p - 1) = 1/3
     assert result["simulated_bubble"] == pytest.approx(1 / 3)
     assert result["parts"][0]["total"] == 0.010
+
+
+def test_the_skewed_mlp_puts_heavy_times_the_layers_in_its_first_half() -> None:
+    from step_time import MLP
+
+    model = MLP(8, 4, heavy=4)
+    linears = [sum(isinstance(m, torch.nn.Linear) for m in block.modules()) for block in model.layers]
+    assert linears == [4, 4, 1, 1, 1]  # two heavy blocks, two light ones, the head
+    assert [sum(isinstance(m, torch.nn.Linear) for m in b.modules()) for b in MLP(8, 4).layers] == [1, 1, 1, 1, 1]
+
+
+def test_skewed_balance_bounds_the_gain_by_the_slowest_stage() -> None:
+    from skewed_balance import slowest_stage_ms
+
+    # F, B, W per micro-batch on each stage: the slowest stage's sum
+    assert slowest_stage_ms({"stage_costs_ms": [[4.0, 8.0, 0.0], [1.0, 2.0, 0.5]]}) == 12.0
