@@ -97,6 +97,8 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
     schedule, extra = VARIANTS[variant]
     if schedule == "pipemare" and "pipemare_warmup" not in extra:
         extra = {**extra, "pipemare_warmup": args.warmup}
+    if schedule == "pipemare" and extra.get("pipemare_correction") is not False and getattr(args, "decay", None) is not None:
+        extra = {**extra, "pipemare_decay": args.decay}
     chunks = args.chunks_2bw if schedule == "pipedream_2bw" else args.chunks
     model, data = build(recipe, lr, args.steps, args, seed)
     with tempfile.TemporaryDirectory() as folder:
@@ -239,6 +241,7 @@ def main() -> None:
     parser.add_argument("--chunks-2bw", type=int, default=3, help="pipedream_2bw needs chunks >= stages - 1")
     parser.add_argument("--warmup", type=int, default=None, help="pipemare_warmup K (default: a third of the steps)")
     parser.add_argument("--lr", type=float, default=None, help="1F1B's best learning rate, if known")
+    parser.add_argument("--decay", type=float, default=None, help="pipemare_decay D for the corrected pipemare runs (default 0.1)")
     parser.add_argument("--find-lr", default=None, help="comma-separated learning rates for 1F1B, to pick the best")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--factors", default="0.5,1,2", help="learning rates to run, as multiples of 1F1B's best")

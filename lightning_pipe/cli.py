@@ -51,7 +51,7 @@ STRATEGY_KEYS = (
     "plan",
     "stages", "data_parallel",
     "virtual_stages", "check_data",
-    "pipemare_warmup", "pipemare_correction",
+    "pipemare_warmup", "pipemare_correction", "pipemare_decay",
 )  # fmt: skip
 LOGGERS = ("csv", "tensorboard")
 # Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last

@@ -92,6 +92,10 @@ class PipelineConfig:
             predicted for its forward's moment from a velocity of the updates. None or True: on under
             ``"pipemare"`` (it needs ``checkpoint="never"``); False: backwards on the current weights
             (under activation checkpointing, the recomputed activations too).
+        pipemare_decay: ``D`` in the correction's velocity decay ``gamma_i = D ** (1 / tau_i)``, in
+            (0, 1): how much of the velocity is left after one delay of ``tau_i`` updates. None: 0.1
+            (:data:`lightning_pipe.runtime.pipemare.DEFAULT_DECAY`). Larger values average the
+            updates over more steps.
     """
 
     schedule: str = "1f1b"
@@ -112,6 +116,7 @@ class PipelineConfig:
     plan_all_layouts: bool = False
     pipemare_warmup: Optional[int] = None
     pipemare_correction: Optional[bool] = None
+    pipemare_decay: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -189,6 +194,19 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             + ("keeps the forward's weights for its backwards already" if schedule.startswith("pipedream") else "has no such backwards")
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
         )
+    decay = config.pipemare_decay
+    if decay is not None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise ValueError(
+                f"PipelineStrategy(pipemare_decay={decay!r}): give the velocity's decay over one delay, a number "
+                "strictly between 0 and 1 (None: 0.1)."
+            )
+        if schedule != "pipemare" or correction is False:
+            raise ValueError(
+                f"PipelineStrategy(pipemare_decay={decay}) sets the velocity of PipeMare's discrepancy correction, "
+                f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
+                "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
+            )
     if schedule == "pipemare" and correction is not False and config.checkpoint != "never":
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', checkpoint={config.checkpoint!r}): discrepancy correction gives each "

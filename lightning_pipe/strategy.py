@@ -76,10 +76,9 @@ class PipelineStrategy(ProcessStrategy):
         virtual_stages: Optional[int] = None,
         check_data: Union[bool, int] = True,
         weights: Optional[Union[str, Path]] = None,
-        plan: Optional[str] = None,
-        stages: Optional[int] = None,
-        data_parallel: str = "replicate",
+        plan: Optional[str] = None, stages: Optional[int] = None, data_parallel: str = "replicate",  # fmt: skip
         pipemare_warmup: Optional[int] = None, pipemare_correction: Optional[bool] = None,  # fmt: skip
+        pipemare_decay: Optional[float] = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
@@ -87,6 +86,7 @@ class PipelineStrategy(ProcessStrategy):
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
+            pipemare_decay=pipemare_decay,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)

@@ -84,6 +84,8 @@ def test_overrides_reach_the_strategy() -> None:
     cfg = _compose(["strategy=pipemare", "strategy.pipemare_warmup=50", "strategy.pipemare_correction=false"])
     config = build_strategy(cfg.strategy, 2)[0].config
     assert (config.schedule, config.pipemare_warmup, config.pipemare_correction) == ("pipemare", 50, False)
+    config = build_strategy(_compose(["strategy=pipemare", "strategy.pipemare_decay=0.9"]).strategy, 2)[0].config
+    assert (config.pipemare_decay, config.pipemare_correction) == (0.9, None)
     cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4", "strategy.check_data=5"])
     strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
     assert (strategy.stages, strategy.data_parallel, devices, strategy.check_data) == (2, "shard", 4, 5)

@@ -4,6 +4,7 @@ discrepancy correction (see :mod:`lightning_pipe.runtime.pipemare`)."""
 from __future__ import annotations
 
 import json
+from typing import Optional
 from pathlib import Path
 
 import lightning as L
@@ -180,6 +181,14 @@ def test_options_and_their_errors() -> None:
         PipelineConfig(schedule="pipedream", pipemare_correction=True)
     with pytest.raises(ValueError, match="checkpoint='never', or pipemare_correction=False"):
         PipelineConfig(schedule="pipemare", checkpoint="except_last")
+    PipelineConfig(schedule="pipemare", pipemare_decay=0.9)
+    for bad in (0.0, 1.0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="strictly between 0 and 1"):
+            PipelineConfig(schedule="pipemare", pipemare_decay=bad)
+    with pytest.raises(ValueError, match="which is off here"):
+        PipelineConfig(schedule="pipemare", pipemare_correction=False, pipemare_decay=0.5)
+    with pytest.raises(ValueError, match="which is off here"):
+        PipelineConfig(schedule="pipedream", pipemare_decay=0.5)
 
 
 # ---------------------------------------------------------------------------- the update rule, end to end
@@ -189,7 +198,8 @@ def _stage_of(model: TinyNet, stages: int) -> dict[int, int]:
 
 
 def _reference_pipemare(
-    model: TinyNet, batches: list, lr: float, stages: int, chunks: int, warmup: int, correction: bool
+    model: TinyNet, batches: list, lr: float, stages: int, chunks: int, warmup: int, correction: bool,
+    decay: float = DEFAULT_DECAY,
 ) -> None:
     """Single process, by hand: PipeMare's update rule with the delays of the schedule.
 
@@ -204,7 +214,7 @@ def _reference_pipemare(
     W = {i: {n: p.detach().clone() for n, p in layer.named_parameters()} for i, layer in enumerate(layers)}
     delta = {i: {n: torch.zeros_like(v) for n, v in W[i].items()} for i in W}
     tau = [update_delay("pipemare", stages, chunks, s) for s in range(stages)]
-    gamma = [velocity_decay(t) for t in tau]
+    gamma = [velocity_decay(t, decay) for t in tau]
     last = len(batches) - 1
     saved: dict[tuple[int, int], list] = {}  # (batch, micro-batch) -> per layer (input, output)
     dy: dict[tuple[int, int], torch.Tensor] = {}  # gradient at the output of the stage done last
@@ -251,9 +261,11 @@ def _reference_pipemare(
 
 
 @pytest.mark.parametrize(
-    "stages, chunks, correction", [(2, 1, True), (4, 2, True), (4, 2, False)], ids=["2-stages", "4-stages", "4-stages-uncorrected"]
+    "stages, chunks, correction, decay",
+    [(2, 1, True, None), (4, 2, True, 0.5), (4, 2, False, None)],
+    ids=["2-stages", "4-stages-decay-0.5", "4-stages-uncorrected"],
 )
-def test_weights_follow_the_pipemare_update_rule(stages: int, chunks: int, correction: bool) -> None:
+def test_weights_follow_the_pipemare_update_rule(stages: int, chunks: int, correction: bool, decay: Optional[float]) -> None:
     torch.manual_seed(0)
     piped = TinyNet(lr=0.1)
     piped.optimizer = "plain-sgd"
@@ -261,10 +273,10 @@ def test_weights_follow_the_pipemare_update_rule(stages: int, chunks: int, corre
     reference.load_state_dict(piped.state_dict())
     steps, warmup = 6, 4
     data = loader(n=12 * steps)  # six full batches; the last step drains the pipeline
-    _reference_pipemare(reference, list(data), 0.1, stages, chunks, warmup, correction)
+    _reference_pipemare(reference, list(data), 0.1, stages, chunks, warmup, correction, decay or DEFAULT_DECAY)
     fit_pipeline(
         piped, stages, data, schedule="pipemare", chunks=chunks, max_steps=steps, pipemare_warmup=warmup,
-        pipemare_correction=correction,
+        pipemare_correction=correction, pipemare_decay=decay,
     )  # fmt: skip
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
     torch.manual_seed(0)

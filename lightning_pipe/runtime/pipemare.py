@@ -36,7 +36,7 @@ delay of 0 (the last stage: synchronous) counts as 1.
 
 Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (the form of the
 paper's rule: over the stage's delay of ``tau_i`` updates the old velocity decays by the factor
-``D``), with ``D = DEFAULT_DECAY``; a delay of 0 counts as 1.
+``D``), with ``D = pipemare_decay`` (default :data:`DEFAULT_DECAY`); a delay of 0 counts as 1.
 
 Neither technique needs the weights of the previous step: the velocity update is split around the
 optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
