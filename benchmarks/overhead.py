@@ -12,7 +12,9 @@ lightning-pipe on one process with the same micro-batches. Every run is a fresh 
   waiting on a peer, posting communication, the executor's own Python, the work before and after
   the executor, the gradients' hand-over, the optimizer, Lightning's loop between steps);
 - the measured bubble per rank (the share of the executor's run that is not F, B or W), and the
-  bubble of the same schedule simulated with the run's median F, B and W times per stage;
+  bubble of the same schedule simulated with the run's median F, B and W times per stage, per rank
+  and as the mean over ranks: the ratios set each rank against its own simulated share, and the
+  mean against the mean;
 - the step time on rank 0 (from one batch's end to the next).
 
 Rounds alternate the order of the runs. The ideal step is the 1stage median x (m + p - 1) / (p m);
@@ -144,8 +146,11 @@ def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[
         bubbles.append(statistics.median(shares))
     costs = [tuple(statistics.median(per_stage[s].get(k, [0.0])) for k in COMPUTE) for s in sorted(per_stage)]
     plan = build(schedule, args.stages, args.chunks, len(costs) // args.stages)
+    played = simulate(plan, stage_costs=costs, rendezvous=False)
     result["measured_bubble"] = bubbles
-    result["simulated_bubble"] = simulate(plan, stage_costs=costs, rendezvous=False).bubble_fraction
+    result["simulated_bubble"] = played.bubble_fraction  # the mean over ranks
+    # each rank's own idle share, to set against the same rank's measured bubble
+    result["simulated_bubble_per_rank"] = [1.0 - busy / played.makespan for busy in played.busy]
     result["stage_costs_ms"] = [[round(1e3 * c, 3) for c in stage] for stage in costs]
     return result
 
@@ -201,7 +206,12 @@ def main() -> None:
                 entry["ideal_over_step_median"] = round(statistics.median(ideal), 3)
                 entry["measured_bubble_per_rank"] = [round(statistics.median(e["measured_bubble"][r] for e in entries), 4) for r in range(p)]
                 entry["simulated_bubble"] = round(statistics.median(e["simulated_bubble"] for e in entries), 4)
-                entry["measured_over_simulated_rank0"] = round(entry["measured_bubble_per_rank"][0] / entry["simulated_bubble"], 3)
+                entry["simulated_bubble_per_rank"] = [round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)]
+                # like for like: each rank against its own simulated idle share, and the mean over ranks against the mean
+                entry["measured_over_simulated_per_rank"] = [
+                    round(m / s, 3) if s > 0 else None for m, s in zip(entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"])
+                ]
+                entry["measured_over_simulated_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / entry["simulated_bubble"], 3)
             if "before" in trees:
                 ratios = [r[f"before:{schedule}"]["step_s"] / r[f"after:{schedule}"]["step_s"] for r in rounds]
                 entry["before_over_after_per_round"] = [round(v, 3) for v in ratios]

@@ -167,6 +167,8 @@ def test_overhead_analysis_measures_the_bubble_and_simulates_the_same_schedule()
     assert result["measured_bubble"] == [pytest.approx(0.2), pytest.approx(0.2)]  # 8 ms of compute in a 10 ms run
     # equal F and B of 2 ms on 2 stages and 2 micro-batches: the closed form (p - 1) / (m + p - 1) = 1/3
     assert result["simulated_bubble"] == pytest.approx(1 / 3)
+    # each rank idles one F + B of the other's (4 ms of a 12 ms makespan)
+    assert result["simulated_bubble_per_rank"] == [pytest.approx(1 / 3), pytest.approx(1 / 3)]
     assert result["parts"][0]["total"] == 0.010
 
 
@@ -184,3 +186,20 @@ def test_skewed_balance_bounds_the_gain_by_the_slowest_stage() -> None:
 
     # F, B, W per micro-batch on each stage: the slowest stage's sum
     assert slowest_stage_ms({"stage_costs_ms": [[4.0, 8.0, 0.0], [1.0, 2.0, 0.5]]}) == 12.0
+
+
+def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
+    import argparse
+
+    import overhead
+
+    from lightning_pipe.plan.step_profile import PARTS
+
+    args = argparse.Namespace(warmup=0, stages=2, chunks=2)
+    rows = [[{**{part: 0.001 for part in PARTS}, "total": 0.020}] * 2 for _ in range(2)]
+    first = [("F", 0, 0.002)] * 2 + [("B", 0, 0.002)] * 2 + [("step", -1, 0.020)]
+    last = [("F", 1, 0.004)] * 2 + [("B", 1, 0.004)] * 2 + [("step", -1, 0.020)]  # twice as slow
+    result = overhead.analyse("1f1b", rows, [[first] * 2, [last] * 2], args)
+    rank0, rank1 = result["simulated_bubble_per_rank"]
+    assert rank0 > rank1  # the fast first stage waits for the slow last one
+    assert (rank0 + rank1) / 2 == pytest.approx(result["simulated_bubble"])  # the mean is the old figure
