@@ -14,7 +14,8 @@ lightning-pipe on one process with the same micro-batches. Every run is a fresh 
 - the measured bubble per rank (the share of the executor's run that is not F, B or W), and the
   bubble of the same schedule simulated with the run's median F, B and W times per stage, per rank
   and as the mean over ranks: the ratios set each rank against its own simulated share, and the
-  mean against the mean;
+  mean against the mean; and played again with each rank's measured posting time spread over its
+  F and B (compute alone counted as busy), to show how much of the gap posting explains;
 - the step time on rank 0 (from one batch's end to the next).
 
 Rounds alternate the order of the runs. The ideal step is the 1stage median x (m + p - 1) / (p m);
@@ -151,6 +152,17 @@ def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[
     result["simulated_bubble"] = played.bubble_fraction  # the mean over ranks
     # each rank's own idle share, to set against the same rank's measured bubble
     result["simulated_bubble_per_rank"] = [1.0 - busy / played.makespan for busy in played.busy]
+    # the same schedule with each rank's measured posting time spread over its F and B (the rank
+    # posts in its own thread, between its computations): how much of the gap posting explains
+    posting = [statistics.median(sum(sec for name, _, sec in step if name == "post") for step in rank_steps[warm:]) for rank_steps in spans]
+    with_posting = list(costs)
+    for rank, posted in enumerate(posting):
+        stages = [s for s in range(len(costs)) if plan.rank_of(s) == rank]
+        share = posted / (2 * args.chunks * len(stages))
+        for s in stages:
+            with_posting[s] = (costs[s][0] + share, costs[s][1] + share, *costs[s][2:])
+    replayed = simulate(plan, stage_costs=with_posting, rendezvous=False)
+    result["simulated_bubble_with_posting_per_rank"] = [1.0 - busy / replayed.makespan for busy in played.busy]
     result["stage_costs_ms"] = [[round(1e3 * c, 3) for c in stage] for stage in costs]
     return result
 
@@ -212,6 +224,9 @@ def main() -> None:
                     round(m / s, 3) if s > 0 else None for m, s in zip(entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"])
                 ]
                 entry["measured_over_simulated_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / entry["simulated_bubble"], 3)
+                posted = [round(statistics.median(e["simulated_bubble_with_posting_per_rank"][r] for e in entries), 4) for r in range(p)]
+                entry["simulated_bubble_with_posting_per_rank"] = posted
+                entry["measured_over_simulated_with_posting_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / statistics.mean(posted), 3)
             if "before" in trees:
                 ratios = [r[f"before:{schedule}"]["step_s"] / r[f"after:{schedule}"]["step_s"] for r in rounds]
                 entry["before_over_after_per_round"] = [round(v, 3) for v in ratios]

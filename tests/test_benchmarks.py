@@ -197,9 +197,11 @@ def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
 
     args = argparse.Namespace(warmup=0, stages=2, chunks=2)
     rows = [[{**{part: 0.001 for part in PARTS}, "total": 0.020}] * 2 for _ in range(2)]
-    first = [("F", 0, 0.002)] * 2 + [("B", 0, 0.002)] * 2 + [("step", -1, 0.020)]
-    last = [("F", 1, 0.004)] * 2 + [("B", 1, 0.004)] * 2 + [("step", -1, 0.020)]  # twice as slow
+    first = [("F", 0, 0.002)] * 2 + [("B", 0, 0.002)] * 2 + [("post", 0, 0.001), ("step", -1, 0.020)]
+    last = [("F", 1, 0.004)] * 2 + [("B", 1, 0.004)] * 2 + [("post", 1, 0.001), ("step", -1, 0.020)]  # twice as slow
     result = overhead.analyse("1f1b", rows, [[first] * 2, [last] * 2], args)
     rank0, rank1 = result["simulated_bubble_per_rank"]
     assert rank0 > rank1  # the fast first stage waits for the slow last one
     assert (rank0 + rank1) / 2 == pytest.approx(result["simulated_bubble"])  # the mean is the old figure
+    # posting (1 ms a step on each rank here) only lengthens the step: a larger idle share, the same compute
+    assert all(p > s for p, s in zip(result["simulated_bubble_with_posting_per_rank"], result["simulated_bubble_per_rank"]))
