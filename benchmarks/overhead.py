@@ -110,7 +110,7 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         config = {"root": root, "folder": folder, "schedule": schedule, "stages": args.stages, "chunks": args.chunks,
                   "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps,
-                  "cprofile": args.cprofile, "balance": args.balance, "heavy": getattr(args, "heavy", 1)}  # fmt: skip
+                  "cprofile": args.cprofile, "balance": args.balance, "heavy": args.heavy}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
         if done.returncode != 0:
@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b,zero_bubble")
     workload_arguments(parser, rounds=7, steps=16)
     parser.add_argument("--balance", default="parameters", help="the strategy's balance (parameters, time, ...)")
+    parser.add_argument("--heavy", type=int, default=1, help="the first half's blocks this many times as costly (MLP(heavy=))")
     parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")

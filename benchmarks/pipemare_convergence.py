@@ -97,7 +97,7 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
     schedule, extra = VARIANTS[variant]
     if schedule == "pipemare" and "pipemare_warmup" not in extra:
         extra = {**extra, "pipemare_warmup": args.warmup}
-    if schedule == "pipemare" and extra.get("pipemare_correction") is not False and getattr(args, "decay", None) is not None:
+    if schedule == "pipemare" and extra.get("pipemare_correction") is not False and args.decay is not None:
         extra = {**extra, "pipemare_decay": args.decay}
     chunks = args.chunks_2bw if schedule == "pipedream_2bw" else args.chunks
     model, data = build(recipe, lr, args.steps, args, seed)

@@ -209,17 +209,9 @@ class Executor:
             prefetch.append(action)
             if action in run.inbox:  # posted early
                 continue
-            if action.kind is ActionKind.RECV_ACTIVATION:
-                key = self._activation_key(action, run, action.stage)
-                with self._span("wait", action.stage, action.microbatch):  # a new shape's header
-                    buffers, meta, recv_ops = self.transport.activation_recv_ops(action.stage - 1, key)
-                pending.append((action, _Inbox([], buffers, meta.requires_grad, meta.was_tuple), len(recv_ops)))
-                ops += recv_ops
-            else:
-                like = self.runners[action.stage].output_grad_like(action.microbatch)
-                buffers, recv_ops = self.transport.gradient_recv_ops(action.stage + 1, like)
-                pending.append((action, _Inbox([], buffers), len(recv_ops)))
-                ops += recv_ops
+            box, recv_ops = self._receive(action, run)
+            pending.append((action, box, len(recv_ops)))
+            ops += recv_ops
         with self._span("post", group[0].stage, group[0].microbatch):
             works = self.transport.post(ops)
         if self.transport.batched:  # one work may stand for the whole batch
@@ -238,28 +230,36 @@ class Executor:
         for action in prefetch:
             self._prefetch(action, run)
 
+    def _receive(self, action: Action, run: _Run) -> tuple[_Inbox, list[Op]]:
+        """The buffers (in an inbox whose works are set once posted) and the ops that receive
+        ``action``: an activation's shapes from its header, a gradient's from its forward's outputs."""
+        if action.kind is ActionKind.RECV_GRADIENT:
+            like = self.runners[action.stage].output_grad_like(action.microbatch)
+            buffers, ops = self.transport.gradient_recv_ops(action.stage + 1, like)
+            return _Inbox([], buffers), ops
+        key = self._activation_key(action, run, action.stage)
+        # only a new shape's header is waited for (until the sender gets there)
+        header = _UNTIMED if self.transport.knows(key) else self._span("wait", action.stage, action.microbatch)
+        with header:
+            buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key)
+        return _Inbox([], buffers, meta.requires_grad, meta.was_tuple), ops
+
     def _prefetch(self, action: Action, run: _Run) -> None:
         """Post the receive after ``action``'s now, if its shapes are known (a new shape's header
-        would block until the sender gets there; a gradient's shapes are its forward's outputs)."""
+        would block until the sender gets there; a gradient's shapes are its forward's outputs,
+        known once that forward has run)."""
         following = run.following.get(action)
         if following is None or following in run.inbox or self._is_local(following):
             return
         if following.kind is ActionKind.RECV_GRADIENT:
-            runner = self.runners[following.stage]
-            if not runner.holds(following.microbatch):
+            if not self.runners[following.stage].holds(following.microbatch):
                 return
-            buffers, recv_ops = self.transport.gradient_recv_ops(following.stage + 1, runner.output_grad_like(following.microbatch))
-            with self._span("post", following.stage, following.microbatch):
-                works = self.transport.post(recv_ops)
-            run.inbox[following] = _Inbox(works, buffers)
+        elif not self.transport.knows(self._activation_key(following, run, following.stage)):
             return
-        key = self._activation_key(following, run, following.stage)
-        if not self.transport.knows(key):
-            return
-        buffers, meta, recv_ops = self.transport.activation_recv_ops(following.stage - 1, key)
+        box, recv_ops = self._receive(following, run)
         with self._span("post", following.stage, following.microbatch):
-            works = self.transport.post(recv_ops)
-        run.inbox[following] = _Inbox(works, buffers, meta.requires_grad, meta.was_tuple)
+            box.works = self.transport.post(recv_ops)
+        run.inbox[following] = box
 
     def _compute(self, action: Action, run: _Run) -> None:
         runner = self.runners[action.stage]
