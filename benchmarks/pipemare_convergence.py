@@ -146,11 +146,15 @@ def summary(results: list[dict[str, Any]], lrs: list[float]) -> list[dict[str, A
         for variant in dict.fromkeys(r["variant"] for r in runs):
             mine = [r for r in runs if r["variant"] == variant]
             finals = [final_loss(r["losses"]) for r in mine]
-            ratios = [final_loss(r["losses"]) / reference[r.get("seed", 0)] - 1 for r in mine]
+            # no 1F1B run at this rate and seed (a subset of --variants): no ratio, no steps to reach it
+            refs = [reference.get(r.get("seed", 0)) for r in mine]
+            ratios = [None if ref is None else f / ref - 1 for f, ref in zip(finals, refs)]
+            known = [x for x in ratios if x is not None]
             table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"], "seeds": [r.get("seed", 0) for r in mine],
                           "final_loss": round(sum(finals) / len(finals), 4), "final_losses": [round(f, 4) for f in finals],
-                          "vs_1f1b": round(sum(ratios) / len(ratios), 4), "vs_1f1b_per_seed": [round(x, 4) for x in ratios],
-                          "steps_to_1f1b_final": [steps_to_reach(r["losses"], reference[r.get("seed", 0)]) for r in mine],
+                          "vs_1f1b": round(sum(known) / len(known), 4) if known else None,
+                          "vs_1f1b_per_seed": [None if x is None else round(x, 4) for x in ratios],
+                          "steps_to_1f1b_final": [None if ref is None else steps_to_reach(r["losses"], ref) for r, ref in zip(mine, refs)],
                           "weight_copies": mine[0]["weight_copies"]})  # fmt: skip
     return table
 
@@ -167,7 +171,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
         rows = [by.get((variant, lr)) for lr in lrs]
         first = next(r for r in rows if r is not None)
         losses = " / ".join(_loss_cell(r) if r else "-" for r in rows)
-        reach = " / ".join(_reach_cell(r["steps_to_1f1b_final"]) if r else "-" for r in rows)
+        reach = " / ".join(_reach_cell(r["steps_to_1f1b_final"]) if r and r["vs_1f1b"] is not None else "-" for r in rows)
         copies = ", ".join(f"{c:g}" for c in first["weight_copies"])
         lines.append(f"| {variant} | {first['chunks']} | {losses} | {reach} | {copies} |")
     return "\n".join(lines)
@@ -184,7 +188,7 @@ def mean_over_seeds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _loss_cell(row: dict[str, Any]) -> str:
     """The mean final loss, and with several seeds its ratio to 1F1B and each seed's loss."""
     per_seed = row.get("final_losses")
-    if not per_seed or len(per_seed) == 1:
+    if not per_seed or len(per_seed) == 1 or row.get("vs_1f1b") is None:
         return f"{row['final_loss']:.4f}"
     return f"{row['final_loss']:.4f} ({row['vs_1f1b']:+.1%}; " + ", ".join(f"{v:.4f}" for v in per_seed) + ")"
 

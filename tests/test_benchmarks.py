@@ -205,3 +205,12 @@ def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
     assert (rank0 + rank1) / 2 == pytest.approx(result["simulated_bubble"])  # the mean is the old figure
     # posting (1 ms a step on each rank here) only lengthens the step: a larger idle share, the same compute
     assert all(p > s for p, s in zip(result["simulated_bubble_with_posting_per_rank"], result["simulated_bubble_per_rank"]))
+
+
+def test_pipemare_convergence_summary_without_a_1f1b_run_gives_no_ratio() -> None:
+    from pipemare_convergence import markdown, summary
+
+    runs = [{"variant": "pipemare", "lr": 0.1, "seed": s, "chunks": 1, "losses": [2.0 + s] * 10, "weight_copies": [2, 1]} for s in (0, 1)]
+    (row,) = summary(runs, [0.1])
+    assert row["final_loss"] == 2.5 and row["vs_1f1b"] is None and row["steps_to_1f1b_final"] == [None, None]
+    assert "| pipemare | 1 | 2.5000 | - | 2, 1 |" in markdown(summary(runs, [0.1]))
