@@ -214,3 +214,25 @@ def test_pipemare_convergence_summary_without_a_1f1b_run_gives_no_ratio() -> Non
     (row,) = summary(runs, [0.1])
     assert row["final_loss"] == 2.5 and row["vs_1f1b"] is None and row["steps_to_1f1b_final"] == [None, None]
     assert "| pipemare | 1 | 2.5000 | - | 2, 1 |" in markdown(summary(runs, [0.1]))
+
+
+def test_messages_counts_sends_due_together_and_the_computations_between_sends() -> None:
+    import dataclasses
+
+    from messages import count
+
+    from lightning_pipe.schedules import build
+    from lightning_pipe.schedules.actions import ActionKind
+
+    plain = build("1f1b", 2, 4)
+    c = count(plain)
+    assert c["sends_per_rank"] == 4 and c["receives_per_rank"] == 4
+    assert c["sends_in_a_group_with_another_to_the_same_peer"] == 0 and c["computations_between_sends_min"] == 1
+    # rank 0 holding its first send back until after its second forward: the two go out together
+    rank0 = list(plain.actions[0])
+    first = next(i for i, a in enumerate(rank0) if a.kind is ActionKind.SEND_ACTIVATION)
+    held = rank0.pop(first)
+    second = next(i for i, a in enumerate(rank0) if a.kind is ActionKind.SEND_ACTIVATION)
+    rank0.insert(second, held)
+    merged = count(dataclasses.replace(plain, actions=(tuple(rank0), plain.actions[1])))
+    assert merged["sends_in_a_group_with_another_to_the_same_peer"] == 1 and merged["computations_between_sends_min"] == 0
