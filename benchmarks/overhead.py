@@ -16,7 +16,9 @@ lightning-pipe on one process with the same micro-batches. Every run is a fresh 
   and as the mean over ranks: the ratios set each rank against its own simulated share, and the
   mean against the mean; and played again with each rank's measured posting time spread over its
   F and B (compute alone counted as busy), to show how much of the gap posting explains;
-- the step time on rank 0 (from one batch's end to the next).
+- the step time on rank 0 (from one batch's end to the next);
+- what the uneven split costs: the schedule simulated at the measured costs against the same total
+  cost evened out over the stages, and the ideal / step ratio with that difference taken off the step.
 
 Rounds alternate the order of the runs. The ideal step is the 1stage median x (m + p - 1) / (p m);
 each schedule's ratio ideal / step is taken per round (paired) and its median reported.
@@ -163,6 +165,11 @@ def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[
             with_posting[s] = (costs[s][0] + share, costs[s][1] + share, *costs[s][2:])
     replayed = simulate(plan, stage_costs=with_posting, rendezvous=False)
     result["simulated_bubble_with_posting_per_rank"] = [1.0 - busy / replayed.makespan for busy in played.busy]
+    # the same schedule with the stages' costs evened out (each stage the mean of each kind): how
+    # much longer the run of the schedule is because the split is uneven
+    even = tuple(statistics.fmean(c[k] for c in costs) for k in range(len(COMPUTE)))
+    result["simulated_makespan_s"] = played.makespan
+    result["even_split_makespan_s"] = simulate(plan, stage_costs=[even] * len(costs), rendezvous=False).makespan
     result["stage_costs_ms"] = [[round(1e3 * c, 3) for c in stage] for stage in costs]
     return result
 
@@ -228,6 +235,14 @@ def main() -> None:
                 posted = [round(statistics.median(e["simulated_bubble_with_posting_per_rank"][r] for e in entries), 4) for r in range(p)]
                 entry["simulated_bubble_with_posting_per_rank"] = posted
                 entry["measured_over_simulated_with_posting_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / statistics.mean(posted), 3)
+                # what the uneven split costs: the simulated run at the measured costs against the
+                # same total evened over the stages, and the ideal against the step less that time
+                entry["uneven_split_over_even_median"] = round(statistics.median(e["simulated_makespan_s"] / e["even_split_makespan_s"] for e in entries), 4)
+                even_ideal = [
+                    r[f"{tree}:1stage"]["step_s"] * (m + p - 1) / (p * m) / (r[key]["step_s"] - r[key]["simulated_makespan_s"] + r[key]["even_split_makespan_s"])
+                    for r in rounds
+                ]
+                entry["ideal_over_step_even_split_median"] = round(statistics.median(even_ideal), 3)
             if "before" in trees:
                 ratios = [r[f"before:{schedule}"]["step_s"] / r[f"after:{schedule}"]["step_s"] for r in rounds]
                 entry["before_over_after_per_round"] = [round(v, 3) for v in ratios]
