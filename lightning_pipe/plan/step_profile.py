@@ -24,7 +24,10 @@ per step (seconds):
   validation run in between, if any).
 
 They add up to ``total``, the time from one batch's end to the next. The first step has no
-``between`` and no ``total``. On a GPU the hooks synchronize the device (so that the host clock
+``between`` and no ``total``. Beside them (not parts of ``total``), the CPU time the process used
+over the same interval: ``main_thread_cpu`` by the thread that runs the training loop, and
+``other_threads_cpu`` by all its other threads (on CPU with gloo mostly gloo's own threads, which
+read and write the messages: time they take from the cores the stages compute on). On a GPU the hooks synchronize the device (so that the host clock
 sees the work done) and the executor's parts are its CUDA events; measuring then slows the step
 a little. Asynchronous schedules that drain run the executor twice in a step: both runs count.
 """
@@ -45,6 +48,8 @@ from lightning_pipe.plan.stage_metrics import COMPUTE
 PARTS = (
     "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",
 )  # fmt: skip
+#: CPU time over each step's interval, beside the parts (they do not add up to ``total``)
+CPU = ("main_thread_cpu", "other_threads_cpu")
 
 
 class StepProfile(pl.Callback):
@@ -61,6 +66,7 @@ class StepProfile(pl.Callback):
         self._cuda = False
         self._marks: dict[str, float] = {}
         self._last_end: Optional[float] = None
+        self._last_cpu: Optional[tuple[float, float]] = None  # (process, this thread) CPU seconds at the last batch end
         self._timeline: Any = None
         self._runs: list[tuple[float, list[Any]]] = []  # the executor's runs since the batch began: (start, spans)
 
@@ -77,6 +83,7 @@ class StepProfile(pl.Callback):
             self._timeline.listeners.append(self._ran)
         self._cuda = pipeline.placement.device.type == "cuda"
         self._last_end = None
+        self._last_cpu = None
 
     def _ran(self, spans: list[Any]) -> None:
         self._runs.append((self._timeline.origins[-1], spans))
@@ -93,6 +100,8 @@ class StepProfile(pl.Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
         end = self._now()
+        cpu, last_cpu = (time.process_time(), time.thread_time()), self._last_cpu
+        self._last_cpu = cpu
         marks, runs, self._runs = self._marks, self._runs, []
         if "backward" not in marks or not runs:
             self._last_end = end
@@ -117,6 +126,9 @@ class StepProfile(pl.Callback):
         if self._last_end is not None:
             row["between"] = marks["start"] - self._last_end
             row["total"] = end - self._last_end
+        if last_cpu is not None:
+            row["main_thread_cpu"] = cpu[1] - last_cpu[1]
+            row["other_threads_cpu"] = (cpu[0] - last_cpu[0]) - row["main_thread_cpu"]
         self.rows.append(row)
         self._last_end = end
 
@@ -129,11 +141,12 @@ class StepProfile(pl.Callback):
 
 def means(rows: Sequence[dict[str, float]], skip: int = 0) -> dict[str, float]:
     """Each part's mean over the steps after the first ``skip`` that have a ``total`` (means, so
-    that the parts add up to the mean step)."""
+    that the parts add up to the mean step), and the CPU times' where every such step has them."""
     chosen = [row for row in rows[skip:] if "total" in row]
     if not chosen:
         return {}
-    return {part: statistics.fmean(row[part] for row in chosen) for part in (*PARTS, "total")}
+    keys = (*PARTS, "total", *(c for c in CPU if all(c in row for row in chosen)))
+    return {part: statistics.fmean(row[part] for row in chosen) for part in keys}
 
 
 def markdown(per_rank: Sequence[dict[str, float]], ranks: Optional[Sequence[int]] = None) -> str:
@@ -148,7 +161,10 @@ def markdown(per_rank: Sequence[dict[str, float]], ranks: Optional[Sequence[int]
             share = m[part] / m["total"] if m.get("total") else 0.0
             cells.append(f"{1e3 * m[part]:.1f} ms ({share:.0%})" if part != "total" else f"{1e3 * m[part]:.1f} ms")
         lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    for part in CPU:  # CPU time over the step, beside the parts
+        if all(part in m for m in per_rank):
+            lines.append(f"| {part} | " + " | ".join(f"{1e3 * m[part]:.1f} ms" for m in per_rank) + " |")
     return "\n".join(lines)
 
 
-__all__ = ["PARTS", "StepProfile", "markdown", "means"]
+__all__ = ["CPU", "PARTS", "StepProfile", "markdown", "means"]

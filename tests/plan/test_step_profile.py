@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.plan import StepProfile
-from lightning_pipe.plan.step_profile import PARTS, markdown, means
+from lightning_pipe.plan.step_profile import CPU, PARTS, markdown, means
 from tests.models import LifecycleNet, TinyNet, loader
 from tests.pipeline import fit_pipeline
 
@@ -25,6 +25,16 @@ def test_means_skip_the_warm_up_and_the_first_step_and_add_up() -> None:
     assert markdown([means(rows)], ranks=[3]).splitlines()[0] == "| part | rank 3 |"
 
 
+
+def test_cpu_times_are_averaged_beside_the_parts_where_every_step_has_them() -> None:
+    rows = [{**{part: 1.0 for part in PARTS}, "total": 9.0, "main_thread_cpu": 0.5 * k, "other_threads_cpu": 0.1 * k} for k in (1, 3)]
+    m = means(rows)
+    assert m["main_thread_cpu"] == 1.0 and m["other_threads_cpu"] == pytest.approx(0.2) and m["total"] == 9.0
+    assert "| other_threads_cpu | 200.0 ms |" in markdown([m])
+    del rows[0]["other_threads_cpu"]
+    assert "other_threads_cpu" not in means(rows) and "main_thread_cpu" in means(rows)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
 def test_every_rank_profiles_every_step(tmp_path: Path, schedule: str) -> None:
     fit_pipeline(TinyNet(), 2, schedule=schedule, chunks=4, callbacks=[StepProfile(str(tmp_path))], max_steps=5)
@@ -36,6 +46,10 @@ def test_every_rank_profiles_every_step(tmp_path: Path, schedule: str) -> None:
             assert min(row[part] for part in PARTS if part in row) > -1e-4, row  # no part runs backwards
         for row in rows[1:]:
             assert sum(row[part] for part in PARTS) == pytest.approx(row["total"], rel=1e-6)
+            # the training loop's thread computed during the step; the process's other threads
+            # (gloo's) used CPU time of their own, none of it counted twice
+            assert row["main_thread_cpu"] > 0.0 and row["other_threads_cpu"] >= 0.0
+            assert set(CPU) <= set(row)
             # the executor's parts lie within the step: it cannot take longer than the whole step
             assert row["compute"] + row["wait"] + row["post"] + row["executor_other"] < row["total"]
 
