@@ -34,9 +34,10 @@ are handed over) and puts the user's value back right after it (an optimizer ste
 the user's optimizer and LR scheduler run unchanged and a checkpoint saves the user's ``lr``. A
 delay of 0 (the last stage: synchronous) counts as 1.
 
-Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (the form of the
-paper's rule: over the stage's delay of ``tau_i`` updates the old velocity decays by the factor
-``D``), with ``D = pipemare_decay`` (default :data:`DEFAULT_DECAY`); a delay of 0 counts as 1.
+Discrepancy correction's decay per stage: ``gamma_i = D ** (1 / tau_i)`` (over the stage's delay
+of ``tau_i`` updates the old velocity decays by the factor ``D``), with ``D = pipemare_decay``
+(default :data:`DEFAULT_DECAY`); a delay of 0 counts as 1. This form and the default have not been
+checked against the paper's own equation here; ``D`` is an argument so that its value can be set.
 
 Neither technique needs the weights of the previous step: the velocity update is split around the
 optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
