@@ -229,7 +229,8 @@ def main() -> None:
                 entry["simulated_bubble_per_rank"] = [round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)]
                 # like for like: each rank against its own simulated idle share, and the mean over ranks against the mean
                 entry["measured_over_simulated_per_rank"] = [
-                    round(m / s, 3) if s > 0 else None for m, s in zip(entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"])
+                    round(measured / simulated, 3) if simulated > 0 else None
+                    for measured, simulated in zip(entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"])
                 ]
                 entry["measured_over_simulated_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / entry["simulated_bubble"], 3)
                 posted = [round(statistics.median(e["simulated_bubble_with_posting_per_rank"][r] for e in entries), 4) for r in range(p)]

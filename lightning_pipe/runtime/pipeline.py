@@ -39,7 +39,7 @@ from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.pipemare import DEFAULT_DECAY, PipeMare, resolve
+from lightning_pipe.runtime.pipemare import PipeMare, resolve
 from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
@@ -163,8 +163,7 @@ class StagePipeline:
         if config.schedule != "pipemare" and warmup <= 0:
             return None
         delay = update_delay(config.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
-        decay = DEFAULT_DECAY if config.pipemare_decay is None else float(config.pipemare_decay)
-        return PipeMare(self.host, delay, warmup, correction, decay)
+        return PipeMare(self.host, delay, warmup, correction, config.pipemare_decay)
 
     # ------------------------------------------------------------------ what callers may read
     @property

@@ -114,17 +114,18 @@ class PipeMare:
         delay: ``tau_i``, the stage's update delay from the schedule (``update_delay``).
         warmup: ``K``; 0 turns learning-rate rescheduling off.
         correction: whether backwards run on the predicted weights (else on the current ones).
-        decay: ``D`` in ``gamma_i = D ** (1 / tau_i)``.
+        decay: ``D`` in ``gamma_i = D ** (1 / tau_i)`` (None: :data:`DEFAULT_DECAY`, as the
+            strategy's ``pipemare_decay`` left unset).
     """
 
     def __init__(
-        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float = DEFAULT_DECAY
+        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: Optional[float] = None
     ) -> None:
         self.module = module
         self.delay = delay
         self.warmup = warmup
         self.correction = correction
-        self.gamma = velocity_decay(delay, decay)
+        self.gamma = velocity_decay(delay, DEFAULT_DECAY if decay is None else decay)
         self.updates = 0  # optimizer updates applied so far (k)
         # the last stage's backwards always follow their forwards within a step: no velocity there
         needs_velocity = correction and delay > 0
