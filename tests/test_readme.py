@@ -1,4 +1,4 @@
-"""The README's Python examples run as written: the first under "Use" copied into a file in an empty
+"""The README's and the docs' Python examples run as written: the first under "Use" copied into a file in an empty
 folder and run with ``python`` on a CPU-only machine; the safetensors one in this process."""
 
 from __future__ import annotations
@@ -42,9 +42,15 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     assert "log_every_n_steps" not in output  # no warning that 32 batches never reach the logging interval
 
 
+def guide_text() -> str:
+    """The README and every page of the docs site."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return "\n".join(page.read_text() for page in pages)
+
+
 def readme_block(containing: str) -> str:
-    """The README's ```python block that contains ``containing``."""
-    blocks = re.compile(r"```python\n(.*?)```", re.S).findall((ROOT / "README.md").read_text())
+    """The ```python block of the README or the docs that contains ``containing``."""
+    blocks = re.compile(r"```python\n(.*?)```", re.S).findall(guide_text())
     (block,) = [b for b in blocks if containing in b]
     return block
 

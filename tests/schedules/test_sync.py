@@ -125,9 +125,9 @@ def test_validator_rejects_an_action_on_the_wrong_rank() -> None:
         validate(broken)
 
 
-def test_readme_timetable_is_what_render_prints() -> None:
+def test_docs_timetable_is_what_render_prints() -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "observe.md").read_text()
     for line in render(one_f_one_b(num_stages=2, num_microbatches=3)).splitlines():
         assert f"# {line}" in readme
