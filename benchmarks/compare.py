@@ -73,7 +73,7 @@ from step_time import StepTimer, intervals  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
-from lightning_pipe.partition.virtual import stage_positions  # noqa: E402
+from lightning_pipe.schedules import stage_positions  # noqa: E402
 from lightning_pipe.schedules import VIRTUAL_STAGES  # noqa: E402
 from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
 

@@ -29,7 +29,7 @@ from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.profile import first_batch
 from lightning_pipe.partition.split import stage_bounds
-from lightning_pipe.partition.virtual import split_of, split_stages, stage_positions, ties_by_position
+from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.run_report import describe_layout
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
@@ -37,7 +37,7 @@ from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
-from lightning_pipe.schedules import is_async
+from lightning_pipe.schedules import is_async, stage_positions, traits
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 
@@ -166,9 +166,9 @@ def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
 
 def refuse_for_blocks(config: PipelineConfig) -> None:
     """What a block container (an ``nn.ModuleList`` the model's forward loops over) cannot run yet."""
-    if config.schedule == "chimera":
+    if not traits(config.schedule).block_containers:
         raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container, and schedule='chimera' runs "
+            f"PipelineStrategy(module={config.module!r}) names a block container, and schedule={config.schedule!r} runs "
             "copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
             "'zero_bubble' or 'interleaved_1f1b'), or an nn.Sequential."
         )

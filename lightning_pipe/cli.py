@@ -39,6 +39,7 @@ from lightning_pipe.partition import find_sequential, resolve_balance, tied_para
 from lightning_pipe.plan.stage_metrics import StageMetrics
 from lightning_pipe.run_report import summary_lines
 from lightning_pipe.runtime.microbatch import batch_size
+from lightning_pipe.schedules import traits
 from lightning_pipe.strategy import PipelineStrategy
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,7 @@ def make_logger(name: str, output: Path) -> Logger:
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
     """``schedule=pipedream`` and ``pipemare`` refuse weights tied across stages; say so before any process starts,
     naming the override that unties them (the strategy itself would fail in every process)."""
-    if cfg.strategy.name != "pipeline" or cfg.strategy.schedule not in ("pipedream", "pipemare") or not isinstance(devices, int) or devices < 2:
+    if cfg.strategy.name != "pipeline" or not traits(cfg.strategy.schedule).refuses_ties or not isinstance(devices, int) or devices < 2:
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_pipe.schedules import is_async
+from lightning_pipe.schedules import is_async, traits
 from lightning_pipe.schedules.asynchronous import min_chunks
 from lightning_pipe.schedules.runnable import ScheduleRefused
 
@@ -55,15 +55,15 @@ def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool) -> No
 def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
     """Chimera pairs process ``i`` with process ``stages - 1 - i`` (they hold the same two stages), and
     does not combine with data-parallel replicas of the pipeline."""
-    if schedule != "chimera":
+    if not traits(schedule).even_stages and traits(schedule).replicas:
         return
-    if stages < 2 or stages % 2:
+    if traits(schedule).even_stages and (stages < 2 or stages % 2):
         raise MisconfigurationException(
             f"schedule='chimera' needs an even number of pipeline stages >= 2 (process i holds stage i of the down "
             f"pipeline and stage {max(stages, 2) - 1}-i of the up one), got {stages}. Use devices (or stages=) 2, 4, "
             "6, ..., or schedule='1f1b'."
         )
-    if replicas > 1:
+    if not traits(schedule).replicas and replicas > 1:
         raise MisconfigurationException(
             f"schedule='chimera' does not combine with data-parallel replicas (stages={stages} on "
             f"{stages * replicas} processes): its two pipelines already hold each stage twice. Run it with stages "
@@ -83,7 +83,7 @@ def check_async(
             f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
             "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
         )
-    if tied and schedule in ("pipedream", "pipemare"):
+    if tied and traits(schedule).refuses_ties:
         raise MisconfigurationException(
             f"schedule={schedule!r} applies gradients with a different delay on each stage, so the copies of a "
             "weight tied across stages would drift apart. Use schedule='pipedream_2bw' (the same delay on every "

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
-from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule
+from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weight_names import Rename, check_rename
 from lightning_pipe.weights import check_weights_argument
 
@@ -179,7 +179,7 @@ def check_pipemare_options(config: PipelineConfig) -> None:
                 f"PipelineStrategy(pipemare_warmup={warmup!r}): give the number of optimizer updates K >= 0 over which "
                 "the learning-rate rescheduling returns to your learning rate (0: off, None: the schedule's default)."
             )
-        if warmup > 0 and schedule not in ("pipedream", "pipedream_2bw", "pipemare"):
+        if warmup > 0 and not traits(schedule).asynchronous:
             raise ValueError(
                 f"PipelineStrategy(pipemare_warmup={warmup}) rescales the step size of asynchronous schedules, whose "
                 f"gradients arrive late; schedule={schedule!r} is synchronous. Use schedule='pipemare', 'pipedream' "
@@ -187,11 +187,11 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             )
     if correction is not None and not isinstance(correction, bool):
         raise ValueError(f"PipelineStrategy(pipemare_correction={correction!r}): give True, False or None.")
-    if correction and schedule != "pipemare":
+    if correction and not traits(schedule).predicts_weights:
         raise ValueError(
             f"PipelineStrategy(pipemare_correction=True) predicts the forward's weights for backwards that run on "
             f"newer ones; schedule={schedule!r} "
-            + ("keeps the forward's weights for its backwards already" if schedule.startswith("pipedream") else "has no such backwards")
+            + ("keeps the forward's weights for its backwards already" if traits(schedule).stashes_weights else "has no such backwards")
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
         )
     decay = config.pipemare_decay
@@ -201,13 +201,13 @@ def check_pipemare_options(config: PipelineConfig) -> None:
                 f"PipelineStrategy(pipemare_decay={decay!r}): give the velocity's decay over one delay, a number "
                 "strictly between 0 and 1 (None: 0.1)."
             )
-        if schedule != "pipemare" or correction is False:
+        if not traits(schedule).predicts_weights or correction is False:
             raise ValueError(
                 f"PipelineStrategy(pipemare_decay={decay}) sets the velocity of PipeMare's discrepancy correction, "
                 f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
                 "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
             )
-    if schedule == "pipemare" and correction is not False and config.checkpoint != "never":
+    if traits(schedule).predicts_weights and correction is not False and config.checkpoint != "never":
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', checkpoint={config.checkpoint!r}): discrepancy correction gives each "
             "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "

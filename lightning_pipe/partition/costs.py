@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_pipe.schedules import build, is_async, peak_in_flight
+from lightning_pipe.schedules import build, is_async, peak_in_flight, traits
 from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform, stage_bounds
 
 MEASURED_BALANCES = ("time", "memory")
@@ -118,7 +118,7 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
         return [num_stages - s for s in range(num_stages)]
     peaks = peak_in_flight(build(schedule, num_stages, num_microbatches, virtual_stages))
     held = [peaks.get(s, 0) for s in range(num_stages * virtual_stages)]
-    if schedule == "chimera":  # each stage runs twice: the down pipeline's and the up pipeline's copy
+    if traits(schedule).mirrored:  # each stage runs twice: the down pipeline's and the up pipeline's copy
         held = [n + peaks.get(num_stages + s, 0) for s, n in enumerate(held)]
     return held
 

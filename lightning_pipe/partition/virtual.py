@@ -18,18 +18,6 @@ from torch import nn
 from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
 from lightning_pipe.runtime.stage import StageModule
-from lightning_pipe.schedules.chimera import chimera_stage_to_rank
-from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
-
-
-def stage_positions(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]:
-    """For each of the ``num_ranks x virtual_stages`` stages (Chimera: ``2 x num_ranks``, two copies
-    of ``num_ranks``), the pipeline position that holds it."""
-    if schedule == "zbv":
-        return zbv_stage_to_rank(num_ranks)
-    if schedule == "chimera":
-        return chimera_stage_to_rank(num_ranks)
-    return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
 Stage = Union[StageModule, BlockStage]

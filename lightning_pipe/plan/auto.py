@@ -23,6 +23,7 @@ from lightning_pipe.partition.profile import agreed_profile
 from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
 from lightning_pipe.plan.report import link_line
 from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.schedules import traits
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def plan_layers(
     from lightning_pipe.runtime.microbatch import batch_size
 
     # a block container (the model's forward loops over its blocks) has no Chimera copies yet
-    schedules = PLAN_SCHEDULES if isinstance(layers, torch.nn.Sequential) else tuple(s for s in PLAN_SCHEDULES if s != "chimera")
+    schedules = PLAN_SCHEDULES if isinstance(layers, torch.nn.Sequential) else tuple(s for s in PLAN_SCHEDULES if traits(s).block_containers)
 
     all_layouts = config.plan_all_layouts
     cache: list[Any] = []

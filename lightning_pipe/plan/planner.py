@@ -32,12 +32,11 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
-from lightning_pipe.schedules import DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate
+from lightning_pipe.schedules import DEFAULT_SCHEDULE, TRAITS, DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate, traits
+from lightning_pipe.schedules.traits import stage_counts, stage_positions
 from lightning_pipe.schedules.interleaved import ROUNDED
-from lightning_pipe.schedules.chimera import chimera_stage_to_rank
-from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
-PLAN_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "chimera")
+PLAN_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.planned)
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")
 PLAN_CHECKPOINTS = ("never", "except_last", "always")
 PLAN_VIRTUAL = (2, 3, 4)  # stages per rank tried for the interleaved schedules
@@ -103,12 +102,8 @@ class Candidate:
 
 def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]:
     """The rank of each of the ``num_ranks x virtual_stages`` stages, as the runtime places them
-    (:func:`lightning_pipe.partition.virtual.stage_positions`)."""
-    if schedule == "zbv":
-        return zbv_stage_to_rank(num_ranks)
-    if schedule == "chimera":  # 2 x num_ranks schedule stages, two copies of num_ranks
-        return chimera_stage_to_rank(num_ranks)
-    return [s % num_ranks for s in range(num_ranks * virtual_stages)]
+    (:func:`lightning_pipe.schedules.stage_positions`)."""
+    return stage_positions(schedule, num_ranks, virtual_stages)
 
 
 def _split(profile: Profile, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str) -> list[int]:
@@ -179,11 +174,11 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
     """(schedule, stages per rank) pairs that exist for ``stages`` ranks and ``layers`` layers."""
     out: list[tuple[str, int]] = []
     for schedule in schedules:
-        if stages == 1 and schedule != "1f1b":
+        if stages == 1 and schedule != DEFAULT_SCHEDULE:
             continue  # one stage: every schedule runs the micro-batches one after another; 1F1B holds the fewest
-        if schedule == "chimera" and stages % 2:
+        if traits(schedule).even_stages and stages % 2:
             continue  # pairs process i with process stages - 1 - i
-        counts = {"interleaved_1f1b": list(virtual), "interleaved_zero_bubble": list(virtual), "zbv": [2]}.get(schedule, [1])
+        counts = stage_counts(schedule, list(virtual))
         out += [(schedule, v) for v in counts if stages * v <= layers]
     return out
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.stage import StageRunner
-from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, update_delay
+from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, traits, update_delay
 from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
 
 
@@ -45,8 +45,8 @@ class AsyncPipeline:
         self._schedules: dict[int, Schedule] = {}
         #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on
         self.pipemare = pipemare
-        self.stashes = name != "pipemare"  # PipeDream's and 2BW's versions keep their weights
-        if pipemare is not None and name == "pipemare":
+        self.stashes = traits(name).stashes_weights  # PipeDream's and 2BW's versions keep their weights
+        if pipemare is not None and traits(name).predicts_weights:
             runner.saving = pipemare.saving
 
     def _steady(self, m: int) -> Schedule:

@@ -45,7 +45,7 @@ from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.schedules import Schedule, is_async, update_delay
+from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
 from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
@@ -112,8 +112,8 @@ class StagePipeline:
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
-        chimera = config.schedule == "chimera"
-        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if chimera else None
+        mirrored = traits(config.schedule).mirrored
+        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
         self.gradients = StageGradients(
             shared,
             ties,
@@ -160,7 +160,7 @@ class StagePipeline:
         needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``)."""
         config = self.config
         warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
-        if config.schedule != "pipemare" and warmup <= 0:
+        if not traits(config.schedule).predicts_weights and warmup <= 0:
             return None
         delay = update_delay(config.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
         return PipeMare(self.host, delay, warmup, correction, config.pipemare_decay)

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.schedules import traits
 
 #: Optimizer updates over which the step size returns from ``alpha / tau_i`` to ``alpha`` (``K``).
 DEFAULT_WARMUP = 1000
@@ -69,9 +70,9 @@ def resolve(schedule: str, warmup: Optional[int], correction: Optional[bool]) ->
     """``(K, discrepancy correction on)`` for ``schedule`` from the strategy's ``pipemare_warmup``
     and ``pipemare_correction``; None is the schedule's default (both on for ``pipemare``, off for
     ``pipedream`` and ``pipedream_2bw``). ``K = 0``: no rescheduling."""
-    is_pipemare = schedule == "pipemare"
-    k = (DEFAULT_WARMUP if is_pipemare else 0) if warmup is None else int(warmup)
-    return k, (is_pipemare if correction is None else bool(correction))
+    predicts = traits(schedule).predicts_weights
+    k = (DEFAULT_WARMUP if predicts else 0) if warmup is None else int(warmup)
+    return k, (predicts if correction is None else bool(correction))
 
 
 def lr_factor(delay: int, update: int, warmup: int) -> float:

@@ -27,33 +27,23 @@ from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
+from lightning_pipe.schedules.traits import DEFAULT_SCHEDULE, TRAITS, ScheduleTraits, stage_positions, traits
 from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 
 ScheduleFn = Callable[[int, int], Schedule]
 
 #: Training schedules by the name users pass as ``PipelineStrategy(schedule=...)``.
-SCHEDULES: dict[str, ScheduleFn] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "zero_bubble": zero_bubble,
-    "zbv": zbv,
-    "interleaved_zero_bubble": interleaved_zero_bubble,
-    "pipedream": pipedream,
-    "pipedream_2bw": pipedream_2bw,
-    "chimera": chimera,
-    "pipemare": pipemare,
-}
+SCHEDULES: dict[str, ScheduleFn] = {name: t.make for name, t in TRAITS.items()}
 
 
 #: Schedules with several stages per rank: the ones ``virtual_stages`` applies to, and its default.
-VIRTUAL_STAGES: dict[str, int] = {"interleaved_1f1b": 2, "zbv": 2, "interleaved_zero_bubble": 2}
+VIRTUAL_STAGES: dict[str, int] = {name: t.virtual_stages for name, t in TRAITS.items() if t.virtual_stages > 1}
 
 
 #: Schedules whose default placement of communication deadlocks where point-to-point calls
 #: rendezvous (NCCL); ``build(..., rendezvous=True)`` regroups theirs with :func:`for_rendezvous`.
-REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset({"interleaved_1f1b", "zbv", "interleaved_zero_bubble", "chimera"})
+REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset(name for name, t in TRAITS.items() if t.regroup_for_rendezvous)
 
 
 def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False) -> Schedule:
@@ -61,12 +51,8 @@ def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int 
     ``rendezvous`` (NCCL) the schedules in :data:`REGROUPED_FOR_RENDEZVOUS` come with their
     communication regrouped so that they finish there (same compute order); raises
     :class:`RendezvousError` where that is impossible (too few micro-batches)."""
-    if name == "interleaved_1f1b":
-        schedule = interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
-    elif name == "interleaved_zero_bubble":
-        schedule = interleaved_zero_bubble(num_ranks, num_microbatches, virtual_stages)
-    else:
-        schedule = get_schedule(name)(num_ranks, num_microbatches)
+    t = traits(name)
+    schedule = t.make(num_ranks, num_microbatches, virtual_stages) if t.interleaved else t.make(num_ranks, num_microbatches)
     if rendezvous and name in REGROUPED_FOR_RENDEZVOUS:
         return for_rendezvous(schedule)
     return schedule
@@ -76,15 +62,17 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
     """Reject a stage count per rank that schedule ``name`` cannot run, saying which it can."""
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r}: give an integer >= 1 (stages per process).")
-    if name in ("interleaved_1f1b", "interleaved_zero_bubble") and virtual_stages < 2:
-        single = "1f1b" if name == "interleaved_1f1b" else "zero_bubble"
+    t = traits(name)
+    if t.interleaved and virtual_stages < 2:
         raise ValueError(
             f"schedule={name!r} with virtual_stages={virtual_stages}: interleaving needs at least 2 stages "
-            f"per process. Use virtual_stages >= 2, or schedule={single!r}."
+            f"per process. Use virtual_stages >= 2, or schedule={t.single!r}."
         )
-    if name == "zbv" and virtual_stages != 2:
-        raise ValueError(f"schedule='zbv' holds exactly 2 stages per process (a V); got virtual_stages={virtual_stages}.")
-    if name not in VIRTUAL_STAGES and virtual_stages != 1:
+    if not t.interleaved and t.virtual_stages > 1 and virtual_stages != t.virtual_stages:
+        raise ValueError(
+            f"schedule={name!r} holds exactly {t.virtual_stages} stages per process (a V); got virtual_stages={virtual_stages}."
+        )
+    if t.virtual_stages == 1 and virtual_stages != 1:
         raise ValueError(
             f"schedule={name!r} runs one stage per process; got virtual_stages={virtual_stages}. Several stages per "
             f"process need schedule='interleaved_1f1b' or 'interleaved_zero_bubble' (virtual_stages >= 2) or 'zbv' (2)."
@@ -93,19 +81,21 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
 
 def is_async(name: str) -> bool:
     """Asynchronous schedules keep work in flight across optimizer steps."""
-    return name in ASYNC_SCHEDULES
+    return traits(name).asynchronous
 
 
 def get_schedule(name: str) -> ScheduleFn:
     """The schedule function called ``name``; the error lists the valid names."""
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"Unknown pipeline schedule {name!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}.") from None
+    return traits(name).make
 
 
 __all__ = [
     "ASYNC_SCHEDULES",
+    "DEFAULT_SCHEDULE",
+    "ScheduleTraits",
+    "TRAITS",
+    "stage_positions",
+    "traits",
     "Action",
     "ActionKind",
     "DeadlockError",

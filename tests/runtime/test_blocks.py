@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition.virtual import split_stages, stage_positions
+from lightning_pipe.partition.virtual import split_stages
+from lightning_pipe.schedules import stage_positions
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
