@@ -8,7 +8,7 @@ The workload is the benchmark MLP (8 blocks of width 1024 and a head, batch 256 
 ``balance="parameters"``, or ``--balance``) on 2 CPU processes with one thread each; ``1stage`` is
 lightning-pipe on one process with the same micro-batches. Every run is a fresh interpreter. Per run:
 
-- on every rank, the parts of each step (:class:`lightning_pipe.plan.StepProfile`: compute,
+- on every rank, the parts of each step (:class:`lightning_pipe.observe.StepProfile`: compute,
   waiting on a peer, posting communication, the executor's own Python, the work before and after
   the executor, the gradients' hand-over, the optimizer, Lightning's loop between steps);
 - the measured bubble per rank (the share of the executor's run that is not F, B or W), and the
@@ -126,7 +126,7 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
 def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Step time, the parts per rank, the measured and the simulated bubble of one run."""
     sys.path.insert(0, ROOT)
-    from lightning_pipe.plan.step_profile import means
+    from lightning_pipe.observe.step_profile import means
     from lightning_pipe.schedules import build, simulate
 
     warm = args.warmup
@@ -176,7 +176,7 @@ def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[
 
 def parts_table(parts: list[dict[str, float]]) -> str:
     sys.path.insert(0, ROOT)
-    from lightning_pipe.plan.step_profile import markdown
+    from lightning_pipe.observe.step_profile import markdown
 
     return markdown(parts)
 

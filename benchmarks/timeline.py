@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from step_time import MLP  # noqa: E402
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe.plan import TimelinePicture, simulated_bars, timeline_svg  # noqa: E402
+from lightning_pipe.observe import TimelinePicture, simulated_bars, timeline_svg  # noqa: E402
 from lightning_pipe.schedules import one_f_one_b, simulate  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -34,10 +34,10 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_pipe.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
-from lightning_pipe.plan.stage_metrics import StageMetrics
-from lightning_pipe.run_report import summary_lines
+from lightning_pipe.observe.stage_metrics import StageMetrics
+from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import traits
 from lightning_pipe.strategy import PipelineStrategy
@@ -94,7 +94,7 @@ class SamplesPerSecond(L.Callback):
 
 class RunSummary(L.Callback):
     """Prints, on global rank 0 once training is over, where the run went and how it went (see
-    :func:`lightning_pipe.run_report.summary_lines`). ``started``: ``time.time()`` when the command
+    :func:`lightning_pipe.observe.run_report.summary_lines`). ``started``: ``time.time()`` when the command
     began, so the wall time includes starting the processes."""
 
     def __init__(self, output: Path, started: float) -> None:
@@ -336,7 +336,7 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
         if cfg.strategy.name == "pipeline":
             callbacks.append(StageMetrics())  # pipeline/stage{s}/bubble, samples_per_sec, peak memory: to the logger
     if cfg.get("timeline", False) and cfg.strategy.name == "pipeline":
-        from lightning_pipe.plan.picture import TimelinePicture
+        from lightning_pipe.observe.picture import TimelinePicture
 
         # the file, and the same picture as an image where the logger takes images (a CSV logger does not)
         callbacks.append(TimelinePicture(output / "timeline.svg", to_loggers=isinstance(logger, TensorBoardLogger)))

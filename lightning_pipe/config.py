@@ -19,7 +19,7 @@ from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
 from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
-from lightning_pipe.weight_names import Rename, check_rename
+from lightning_pipe.weights.names import Rename, check_rename
 from lightning_pipe.weights import check_weights_argument
 
 PLANS = (None, "auto")
@@ -54,7 +54,7 @@ class PipelineConfig:
             see :mod:`lightning_pipe.partition.materialize`).
         rename: for ``weights``: a mapping of file-name prefixes to module-name prefixes, or a
             callable file name -> module name (None leaves a tensor out), where the file's names
-            differ from the module's by more than one common prefix (see :mod:`lightning_pipe.weight_names`).
+            differ from the module's by more than one common prefix (see :mod:`lightning_pipe.weights.names`).
         gradient_accumulation_fusion: in training steps, the backward of each plain ``nn.Linear``
             adds its weight gradient into ``.grad`` within the matrix product instead of computing
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;

@@ -1,11 +1,11 @@
 """``PipelineStrategy``: Lightning's hooks over one :class:`~lightning_pipe.runtime.pipeline.StagePipeline` per rank.
 
 As ``DDPStrategy`` hands a step's work to the ``DistributedDataParallel`` wrapper, this strategy
-hands it to the pipeline: ``setup`` splits the module (:mod:`lightning_pipe.assemble`) and builds
+hands it to the pipeline: ``setup`` splits the module (:mod:`lightning_pipe.trainer.assemble`) and builds
 the pipeline; ``training_step`` runs the whole schedule of a batch through it
-(:mod:`lightning_pipe.steps`), and ``backward`` hands the gradients it kept to the parameters
+(:mod:`lightning_pipe.trainer.steps`), and ``backward`` hands the gradients it kept to the parameters
 (Lightning zeroes ``.grad`` in between). Launching, optimizers, loops and callbacks are
-Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning_pipe.processes`).
+Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning_pipe.trainer.processes`).
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe import failures, signals
-from lightning_pipe.assemble import ModuleSplit, build_pipeline, split_module
-from lightning_pipe.checkpoint import hooks, stage_io
-from lightning_pipe.compatibility import check_automatic_optimization
+from lightning_pipe.trainer import failures, signals
+from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
+from lightning_pipe.checkpoint import stage_io
+from lightning_pipe.trainer import checkpoint_hooks as hooks
+from lightning_pipe.trainer.compatibility import check_automatic_optimization
+from lightning_pipe.trainer.data import split_over_replicas
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
+from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition.split import BalanceSpec
-from lightning_pipe.precision import clip_by_global_norm, sync_gradient_scaler
-from lightning_pipe.processes import ProcessStrategy
+from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
+from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.runtime.pipeline import StagePipeline
-from lightning_pipe.runtime.replica_data import split_over_replicas
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
-from lightning_pipe.steps import PipelineSteps
-from lightning_pipe.weight_names import Rename
+from lightning_pipe.trainer.steps import PipelineSteps
+from lightning_pipe.weights.names import Rename
 
 
 def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
@@ -55,7 +56,7 @@ class PipelineStrategy(ProcessStrategy):
     :class:`~lightning_pipe.config.PipelineConfig` documents each. ``processes`` are Lightning's
     arguments of ``DDPStrategy`` (``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``; see
-    :class:`~lightning_pipe.processes.ProcessStrategy`).
+    :class:`~lightning_pipe.trainer.processes.ProcessStrategy`).
 
     A module that builds its layers in ``configure_model()`` (or under ``init_module(empty_init=True)``)
     is built on the meta device; each rank materialises only its stage (:mod:`lightning_pipe.partition.materialize`).
@@ -251,7 +252,7 @@ class PipelineStrategy(ProcessStrategy):
         self.steps.finish_in_flight()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks why this one fails, or explain why they fail (:mod:`lightning_pipe.failures`)."""
+        """Tell the other ranks why this one fails, or explain why they fail (:mod:`lightning_pipe.trainer.failures`)."""
         self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 

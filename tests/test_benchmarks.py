@@ -155,7 +155,7 @@ def test_overhead_analysis_measures_the_bubble_and_simulates_the_same_schedule()
 
     import overhead
 
-    from lightning_pipe.plan.step_profile import PARTS
+    from lightning_pipe.observe.step_profile import PARTS
 
     args = argparse.Namespace(warmup=1, stages=2, chunks=2)
     row = {part: 0.001 for part in PARTS}
@@ -193,7 +193,7 @@ def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
 
     import overhead
 
-    from lightning_pipe.plan.step_profile import PARTS
+    from lightning_pipe.observe.step_profile import PARTS
 
     args = argparse.Namespace(warmup=0, stages=2, chunks=2)
     rows = [[{**{part: 0.001 for part in PARTS}, "total": 0.020}] * 2 for _ in range(2)]

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
-from lightning_pipe.launcher import child_overrides
+from lightning_pipe.trainer.launcher import child_overrides
 from lightning_pipe.strategy import PipelineStrategy
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lightning_pipe.failures import PeerFailure, explain, is_communication_error
+from lightning_pipe.trainer.failures import PeerFailure, explain, is_communication_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fail_one_rank.py"
@@ -54,7 +54,7 @@ def test_a_peers_note_explains_a_lost_connection() -> None:
 
 
 def test_without_a_note_the_silent_ranks_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_pipe.failures as failures
+    import lightning_pipe.trainer.failures as failures
 
     monkeypatch.setattr(failures, "_WAIT_S", 0.2)
     store = FakeStore({"lightning_pipe/lost/1": "1"})

@@ -340,7 +340,7 @@ def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path)
 
 
 def test_check_data_says_which_steps_compare_values() -> None:
-    from lightning_pipe.steps import checks_values
+    from lightning_pipe.trainer.steps import checks_values
 
     def checked(check_data: object) -> list[int]:
         every = PipelineStrategy(check_data=check_data).config.check_data  # checked as the strategy checks it

@@ -105,7 +105,7 @@ def test_a_sharded_save_pretrained_directory_loads_as_from_pretrained_on_2_and_4
 def test_a_single_file_and_the_tie_stored_once(tmp_path: Path) -> None:
     """model.safetensors without an index; GPT-2's lm_head.weight is not stored (tied) and is
     satisfied by transformer.wte.weight."""
-    from lightning_pipe.hf_weights import safetensors_shapes
+    from lightning_pipe.weights.hf import safetensors_shapes
 
     directory, expected = saved(tmp_path, gpt2, None)
     assert (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").exists()

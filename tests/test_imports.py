@@ -98,10 +98,48 @@ def test_nothing_below_the_strategy_imports_it() -> None:
     importers = sorted(
         str(f.relative_to(ROOT))
         for f in PACKAGE.rglob("*.py")
-        if any(m.startswith(("lightning_pipe.strategy", "lightning_pipe.steps")) for m in _imports(f, module_level_only=False))
-        and f.name not in ("strategy.py", "steps.py")
+        if any(m.startswith("lightning_pipe.strategy") for m in _imports(f, module_level_only=False)) and f.name != "strategy.py"
     )
     assert importers == ["lightning_pipe/__init__.py", "lightning_pipe/cli.py"]  # the package's face and the CLI
+
+
+#: The core: usable from plain PyTorch, below everything that knows the Trainer.
+CORE = ("schedules", "partition", "runtime", "checkpoint", "weights", "plan")
+#: Where Lightning may be imported: the Trainer's side.
+LIGHTNING_SIDE = ("trainer", "observe")
+LIGHTNING_MODULES = ("__init__.py", "__main__.py", "strategy.py", "cli.py")
+
+
+def _package_files() -> dict[str, Path]:
+    return {_module_name(f, ROOT, ""): f for f in PACKAGE.rglob("*.py")}
+
+
+def test_only_the_trainer_side_imports_lightning() -> None:
+    """Every module of the package, its functions' imports included: the core and ``config`` never
+    import Lightning; only ``trainer/``, ``observe/``, the strategy, the CLI and the package's face do."""
+    found = {}
+    for name, path in _package_files().items():
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in LIGHTNING_SIDE or str(relative) in LIGHTNING_MODULES:
+            continue
+        lightning = sorted({m for m in _imports(path, module_level_only=False) if m.split(".")[0] == "lightning"})
+        if lightning:
+            found[name] = lightning
+    assert found == {}
+    core = [n for n in _package_files() if n.split(".")[1:2] and n.split(".")[1] in CORE]
+    assert "lightning_pipe.runtime.pipeline" in core and "lightning_pipe.weights.load" in core
+
+
+def test_the_core_never_imports_the_trainer_side() -> None:
+    """No import climbs from the core up to what knows the Trainer."""
+    above = ("lightning_pipe.trainer", "lightning_pipe.observe", "lightning_pipe.strategy", "lightning_pipe.cli")
+    climbing = {}
+    for name, path in _package_files().items():
+        if name.split(".")[1:2] and name.split(".")[1] in CORE:
+            up = sorted({m for m in _imports(path, module_level_only=False) if m.startswith(above)})
+            if up:
+                climbing[name] = up
+    assert climbing == {}
 
 
 def test_no_import_circle_in_the_package() -> None:

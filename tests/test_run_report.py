@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_pipe.run_report import layout_line, summary_lines
+from lightning_pipe.observe.run_report import layout_line, summary_lines
 
 
 def test_layout_line_names_stages_replicas_and_processes() -> None:

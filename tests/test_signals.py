@@ -1,4 +1,4 @@
-"""SIGTERM and a dying process end every process of a pipeline promptly (lightning_pipe/signals.py)."""
+"""SIGTERM and a dying process end every process of a pipeline promptly (lightning_pipe/trainer/signals.py)."""
 
 from __future__ import annotations
 

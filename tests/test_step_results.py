@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_pipe.runtime.topology import Topology
-from lightning_pipe.step_results import StepRecorder, SummaryBroadcaster, SummarySharing, step_loss
+from lightning_pipe.trainer.step_results import StepRecorder, SummaryBroadcaster, SummarySharing, step_loss
 
 
 class _Logs(L.LightningModule):

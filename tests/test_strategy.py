@@ -270,7 +270,7 @@ def test_schedules_with_several_stages_per_process_are_regrouped_under_nccl(sche
 def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from lightning_pipe.compatibility import as_misconfiguration
+    from lightning_pipe.trainer.compatibility import as_misconfiguration
     from lightning_pipe.schedules.runnable import runnable_schedule
 
     with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"):

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_pipe.weight_names import apply_rename, check_rename, mismatch_hint, name_map
+from lightning_pipe.weights.names import apply_rename, check_rename, mismatch_hint, name_map
 
 # a LightningModule holding a GPT-2 as self.model: the tied head is one tensor with two names
 MODULE = [

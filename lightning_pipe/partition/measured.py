@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ class MeasureInputs:
         is_source: whether this rank's measurement is the one every rank uses (global rank 0).
         broadcast: gives every rank the source rank's object.
         context: the precision's training-step context (autocast under mixed precision).
+        optimizers: makes the module's optimizers as the Trainer would (for their state's size and
+            update time); none by default.
     """
 
     batch: Callable[[], Any]
@@ -39,6 +41,7 @@ class MeasureInputs:
     is_source: bool
     broadcast: Callable[[Any], Any]
     context: Callable[[], ContextManager[Any]] = nullcontext
+    optimizers: Callable[[], Sequence[Any]] = tuple
 
 
 def measured_balance(
@@ -61,7 +64,8 @@ def measured_balance(
 
     def measure() -> Profile:
         return profile_module(
-            module, layers, inputs.batch, num_microbatches, inputs.device, inputs.context, memory=balance == "memory"
+            module, layers, inputs.batch, num_microbatches, inputs.device, inputs.context, memory=balance == "memory",
+            optimizers=inputs.optimizers,
         )
 
     if profile is None or len(profile.layers) != len(layers):

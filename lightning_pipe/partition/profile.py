@@ -40,32 +40,6 @@ class _Captured(BaseException):
         self.value = value
 
 
-def first_batch(trainer: Any) -> Any:
-    """One batch of the data the Trainer is about to run (training data when fitting), drawn from a
-    fresh iterator of the user's DataLoader before Lightning sets it up. The caller restores the
-    random state the draw consumes."""
-    from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities.combined_loader import CombinedLoader
-
-    loops = {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }
-    source = loops[trainer.state.fn]._data_source
-    loaders = source.dataloader()
-    if isinstance(loaders, (Mapping, list, tuple)):
-        loaders = CombinedLoader(loaders, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential")
-        iterator = iter(loaders)
-        batch = next(iterator)[0]
-    else:
-        iterator = iter(loaders)
-        batch = next(iterator)
-    del iterator
-    return batch
-
-
 def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) -> Any:
     """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
     stopped there, before it computes or logs anything else). Run with gradients on, as in
@@ -96,19 +70,16 @@ def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) 
     )
 
 
-def user_optimizers(module: nn.Module) -> dict[int, tuple[type, dict[str, Any]]]:
-    """The optimizer class and settings of each parameter (by ``id``), from the module's own
-    ``configure_optimizers``. Empty when it cannot be called yet (optimizer state and update time
-    are then not counted)."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
+def user_optimizers(optimizers: Callable[[], Sequence[Any]]) -> dict[int, tuple[type, dict[str, Any]]]:
+    """The optimizer class and settings of each parameter (by ``id``), from the optimizers
+    ``optimizers()`` gives (the module's own ``configure_optimizers``, as the Trainer reads it).
+    Empty when they cannot be made yet (optimizer state and update time are then not counted)."""
     try:
-        optimizers = _configure_optimizers(module.configure_optimizers())[0]
+        made = list(optimizers())
     except Exception:
         return {}
     found: dict[int, tuple[type, dict[str, Any]]] = {}
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+    for optimizer in made:
         for group in optimizer.param_groups:
             settings = {k: v for k, v in group.items() if k != "params"}
             for param in group["params"]:
@@ -360,6 +331,7 @@ def profile_module(
     memory: bool = True,
     warmup: int = 1,
     repeats: int = 3,
+    optimizers: Callable[[], Sequence[Any]] = tuple,
 ) -> Profile:
     """The profile of ``layers`` (the Sequential of ``module``, or a block container its forward loops
     over: see :func:`block_calls`) on ``device`` for the first micro-batch of the batch ``batch()``
@@ -368,9 +340,9 @@ def profile_module(
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.random.fork_rng(devices=_rng_devices(device)):
         micro = split(batch(), num_microbatches)[0]
-        optimizers = user_optimizers(module) if memory else {}
+        settings = user_optimizers(optimizers) if memory else {}
         if not isinstance(layers, nn.Sequential):  # a block container the model's forward loops over
-            costs, value = _profile_blocks(module, layers, micro, device, context, optimizers, warmup, repeats)
+            costs, value = _profile_blocks(module, layers, micro, device, context, settings, warmup, repeats)
         else:
             if has_meta_tensors(module):
                 # built on the meta device (configure_model): the step runs there up to the Sequential,
@@ -378,7 +350,7 @@ def profile_module(
                 value = _random_like(sequential_input(module, layers, _to_meta(micro)), device)
             else:
                 value = sequential_input(module, layers, micro)
-            costs = measure_layers(layers, value, device, warmup, repeats, context, optimizers)
+            costs = measure_layers(layers, value, device, warmup, repeats, context, settings)
     with torch.no_grad():
         for name, b in module.named_buffers():
             if name in buffers:
@@ -637,6 +609,6 @@ def agreed_profile(
 
 
 __all__ = [
-    "BlockCall", "agreed_profile", "block_calls", "first_batch", "measure_layers", "profile_module", "sequential_input",
+    "BlockCall", "agreed_profile", "block_calls", "measure_layers", "profile_module", "sequential_input",
     "user_optimizers",
 ]  # fmt: skip

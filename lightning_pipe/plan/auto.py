@@ -126,12 +126,14 @@ def plan_layers(
 
     def profiles() -> dict[int, Profile]:
         found: dict[int, Profile] = {}
-        first = profile_module(module, layers, batch, 1, device, inputs.context)
+        first = profile_module(module, layers, batch, 1, device, inputs.context, optimizers=inputs.optimizers)
         per_replica = batch_size(cache[0])
         found[first.microbatch_size] = first
         for size in sizes(per_replica):
             if size not in found:
-                profile = profile_module(module, layers, batch, -(-per_replica // size), device, inputs.context)
+                profile = profile_module(
+                    module, layers, batch, -(-per_replica // size), device, inputs.context, optimizers=inputs.optimizers
+                )
                 found[profile.microbatch_size] = profile
         return found
 

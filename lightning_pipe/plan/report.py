@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_pipe.plan.planner import Candidate, Link, format_plans
-from lightning_pipe.plan.timeline_svg import simulated_bars, timeline_svg
+from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
 
 #: balance modes that give the same split in any run; a measured split (time, memory) is written

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 
-def _splittable(dataloader: DataLoader, num_replicas: int) -> bool:
+def splittable(dataloader: DataLoader, num_replicas: int) -> bool:
     """Whether the replicas split ``dataloader`` (not: one replica, an iterable dataset, a custom sampler)."""
     if num_replicas == 1 or isinstance(dataloader.dataset, IterableDataset):
         return False
@@ -44,8 +44,8 @@ def _splittable(dataloader: DataLoader, num_replicas: int) -> bool:
 
 def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> Optional[DistributedSampler]:
     """The ``DistributedSampler`` that replaces a training ``dataloader``'s sampler, or None where
-    the DataLoader is left as it is (see :func:`_splittable`)."""
-    if not _splittable(dataloader, num_replicas):
+    the DataLoader is left as it is (see :func:`splittable`)."""
+    if not splittable(dataloader, num_replicas):
         return None
     sampler = dataloader.sampler
     return DistributedSampler(
@@ -85,39 +85,6 @@ class EvaluationShare(BatchSampler):
     def is_padding(self, batch_idx: int) -> bool:
         """Whether batch ``batch_idx`` only keeps this replica in step with the others."""
         return batch_idx >= self.real_batches
-
-
-def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
-    """``dataloader`` rebuilt for this replica (Lightning's own re-instantiation, which keeps the
-    user's DataLoader arguments): with :func:`replica_sampler` for training, with an
-    :class:`EvaluationShare` for evaluation (``mode``: Lightning's ``RunningStage``); or unchanged."""
-    if not isinstance(dataloader, DataLoader):
-        return dataloader
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    if mode is not None and mode.evaluating:
-        if not _splittable(dataloader, num_replicas):
-            return dataloader
-        size, drop_last = dataloader.batch_size, dataloader.drop_last
-        assert size is not None  # a plain BatchSampler has one
-        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
-        share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
-        # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
-        object.__setattr__(rebuilt, "batch_sampler", share)
-        return rebuilt
-    sampler = replica_sampler(dataloader, num_replicas, replica)
-    if sampler is None:
-        return dataloader
-    return _update_dataloader(dataloader, sampler, mode=mode)
-
-
-def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
-    """Whether the running evaluation step is a padding step of this replica's
-    :class:`EvaluationShare`. The loader comes from the running evaluation loop (the Trainer's
-    ``val_dataloaders`` would still give ``fit``'s in a later ``validate``)."""
-    loaders = trainer._evaluation_loop._combined_loader.flattened
-    share = getattr(loaders[dataloader_idx], "batch_sampler", None) if dataloader_idx < len(loaders) else None
-    return isinstance(share, EvaluationShare) and share.is_padding(batch_idx)
 
 
 #: A step summary with nothing in it: a replica's padding step
@@ -178,4 +145,4 @@ def combine_over_replicas(
     return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
 
 
-__all__ = ["EMPTY", "EvaluationShare", "combine_over_replicas", "is_padding", "replica_sampler", "split_over_replicas"]
+__all__ = ["EMPTY", "EvaluationShare", "combine_over_replicas", "replica_sampler"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_pipe.trainer.data import configured_optimizers
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module, sequential_input
 from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, WrappedNet, loader
@@ -171,7 +172,7 @@ def test_profiling_leaves_no_trace() -> None:
     torch.manual_seed(3)
     expected = torch.rand(3)
     torch.manual_seed(3)
-    profile = profile_module(model, model.layers, lambda: batch, 4, torch.device("cpu"))
+    profile = profile_module(model, model.layers, lambda: batch, 4, torch.device("cpu"), optimizers=lambda: configured_optimizers(model))
     assert torch.equal(torch.rand(3), expected)  # the random state is as before
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # batch-norm statistics too
@@ -189,7 +190,7 @@ def test_meta_built_layers_are_measured_on_temporary_copies() -> None:
         meta = TinyNet()
     data = next(iter(loader(16, 8)))
     measured = {
-        name: profile_module(model, model.layers, lambda: data, 2, torch.device("cpu")) for name, model in (("real", real), ("meta", meta))
+        name: profile_module(model, model.layers, lambda: data, 2, torch.device("cpu"), optimizers=lambda m=model: configured_optimizers(m)) for name, model in (("real", real), ("meta", meta))
     }
     assert len(measured["meta"].layers) == len(measured["real"].layers) == len(meta.layers)
     for got, expected in zip(measured["meta"].layers, measured["real"].layers):

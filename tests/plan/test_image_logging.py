@@ -10,9 +10,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from lightning_pipe.plan import TimelinePicture
-from lightning_pipe.plan import image_logging
-from lightning_pipe.plan.image_logging import log_image
+from lightning_pipe.observe import TimelinePicture
+from lightning_pipe.observe import image_logging
+from lightning_pipe.observe.image_logging import log_image
 from tests.models import TinyNet
 from tests.pipeline import fit_pipeline
 
@@ -70,7 +70,7 @@ def test_timeline_picture_reaches_tensorboard(tmp_path: Path) -> None:
     and the measured panel, 960 pixels wide) and the stage metrics' scalars."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lightning_pipe.plan import StageMetrics
+    from lightning_pipe.observe import StageMetrics
 
     logger = TensorBoardLogger(tmp_path, name="tb")
     fit_pipeline(

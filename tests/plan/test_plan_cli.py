@@ -21,7 +21,7 @@ SMALL_VGG = ["recipe=vgg19_cifar100", "recipe.model.width=0.125", "recipe.data.s
 def test_plan_command_writes_the_ranking_and_the_predicted_timelines(tmp_path: Path) -> None:
     """The command as a user runs it: the table printed once (the strategy's log does not repeat it),
     the last line printed names what was written, no model summary; plan.svg's titles fit."""
-    from lightning_pipe.plan.timeline_svg import _LEFT, _TITLE_CHAR
+    from lightning_pipe.schedules.timeline_svg import _LEFT, _TITLE_CHAR
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run(

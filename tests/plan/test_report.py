@@ -12,7 +12,7 @@ from dataclasses import replace
 from lightning_pipe.partition.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import Candidate, Link, needed_sizes, plan_layouts
 from lightning_pipe.plan.report import overrides, plan_text, predicted_timelines
-from lightning_pipe.plan.timeline_svg import _LEFT, _TITLE_CHAR
+from lightning_pipe.schedules.timeline_svg import _LEFT, _TITLE_CHAR
 from tests.plan.test_planner import FREE
 
 SVG = "{http://www.w3.org/2000/svg}"

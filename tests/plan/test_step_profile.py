@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan import StepProfile
-from lightning_pipe.plan.step_profile import CPU, PARTS, markdown, means
+from lightning_pipe.observe import StepProfile
+from lightning_pipe.observe.step_profile import CPU, PARTS, markdown, means
 from tests.models import LifecycleNet, TinyNet, loader
 from tests.pipeline import fit_pipeline
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe.plan import Bar, simulated_bars, timeline_image
-from lightning_pipe.plan.timeline_image import FILLS
+from lightning_pipe.observe import Bar, simulated_bars, timeline_image
+from lightning_pipe.observe.timeline_image import FILLS
 from lightning_pipe.schedules import one_f_one_b, simulate
 
 _ROW, _GAP, _MARGIN, _TOP, _AXIS = 28, 6, 8, 8, 10  # the layout the module draws

@@ -7,7 +7,8 @@ import pytest
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe.runtime.replica_data import EvaluationShare, split_over_replicas
+from lightning_pipe.runtime.replica_data import EvaluationShare
+from lightning_pipe.trainer.data import split_over_replicas
 from lightning_pipe.runtime.sampling import is_deterministic
 from tests.models import dataset
 

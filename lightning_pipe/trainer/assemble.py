@@ -20,18 +20,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pipe.checkpoint import tie_aliases
-from lightning_pipe.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
+from lightning_pipe.trainer.data import configured_optimizers, first_batch
+from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
 from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
-from lightning_pipe.partition.profile import first_batch
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
-from lightning_pipe.run_report import describe_layout
+from lightning_pipe.observe.run_report import describe_layout
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
@@ -190,7 +190,7 @@ def measure_inputs(
         home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
         return to_device(first_batch(module.trainer), home)
 
-    return MeasureInputs(batch, device, is_source, broadcast, context)
+    return MeasureInputs(batch, device, is_source, broadcast, context, lambda: configured_optimizers(module))
 
 
 def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, scaler: Any) -> StagePipeline:

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 import lightning.pytorch as pl
 import torch
 
-from lightning_pipe.plan.stage_metrics import COMPUTE
+from lightning_pipe.observe.stage_metrics import COMPUTE
 
 PARTS = (
     "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",

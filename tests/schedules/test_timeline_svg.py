@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe.plan import TimelinePicture, simulated_bars, timeline_svg
-from lightning_pipe.plan.timeline_svg import Bar, nice_ticks
+from lightning_pipe.observe import TimelinePicture, simulated_bars, timeline_svg
+from lightning_pipe.schedules.timeline_svg import Bar, nice_ticks
 from lightning_pipe.schedules import build, gpipe, one_f_one_b, simulate
 from lightning_pipe.schedules.actions import Schedule
 from tests.models import LifecycleNet, TinyNet, loader

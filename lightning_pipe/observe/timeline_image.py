@@ -1,7 +1,7 @@
 """Timelines of a pipeline step as a raster image, for loggers that take images (TensorBoard).
 
 Pure: bars in, an RGB ``uint8`` tensor of shape (height, width, 3) out, drawn with tensor slicing
-(no plotting library). The same layout and colours as :func:`~lightning_pipe.plan.timeline_svg`'s
+(no plotting library). The same layout and colours as :func:`~lightning_pipe.schedules.timeline_svg`'s
 picture, without its text: panels from top to bottom (the predicted timeline above the measured
 one), one row per rank, forwards blue, backwards green, weight gradients orange, posting
 communication grey, waiting for communication hatched red; a dark line between panels and five
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_pipe.plan.timeline_svg import Bar
+from lightning_pipe.schedules.timeline_svg import Bar
 
 _ROW, _GAP, _MARGIN, _TOP, _AXIS = 28, 6, 8, 8, 10
 _BACKGROUND, _ROW_FILL, _INK = (255, 255, 255), (244, 244, 244), (64, 64, 64)

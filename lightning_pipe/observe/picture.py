@@ -7,7 +7,7 @@ for the schedules that split the backward, weight-gradient times) above the meas
 The rows of the measured timeline share one clock through the step start times each rank read
 from ``perf_counter`` (one host's processes share it; ranks on other hosts are drawn from their
 own step starts). The same picture goes to the Trainer's loggers as an image (without its text;
-see :mod:`lightning_pipe.plan.timeline_image` and :mod:`lightning_pipe.plan.image_logging`).
+see :mod:`lightning_pipe.observe.timeline_image` and :mod:`lightning_pipe.observe.image_logging`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.plan.image_logging import log_image
-from lightning_pipe.plan.timeline_image import timeline_image
-from lightning_pipe.plan.timeline_svg import measured_bars, simulated_bars, timeline_svg
+from lightning_pipe.observe.image_logging import log_image
+from lightning_pipe.observe.timeline_image import timeline_image
+from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.runtime.timeline import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
 

@@ -5,7 +5,7 @@ index. :class:`PipelineSteps` splits the batch into micro-batches, has the stage
 on what they loaded, wraps the user's step method into the per-micro-batch step function the
 :class:`~lightning_pipe.runtime.pipeline.StagePipeline` runs, and turns what the last stage's
 steps returned and logged into one loss and one set of logged means per batch, on every rank
-(:mod:`lightning_pipe.step_results`). Asynchronous schedules share a step's summary a step late,
+(:mod:`lightning_pipe.trainer.step_results`). Asynchronous schedules share a step's summary a step late,
 so that no rank waits for the others between steps.
 """
 
@@ -20,12 +20,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_pipe.compatibility import as_misconfiguration
+from lightning_pipe.trainer.compatibility import as_misconfiguration
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
-from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas, is_padding
+from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
+from lightning_pipe.trainer.data import is_padding
 from lightning_pipe.runtime.topology import Topology
-from lightning_pipe.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
+from lightning_pipe.trainer.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
 
 _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
     "train": ("training", "train_dataloader"),

@@ -8,12 +8,12 @@
 - a ``.safetensors`` file,
 - a directory written by Hugging Face ``save_pretrained`` (or a hub snapshot): ``model.safetensors``,
   or shards with their ``model.safetensors.index.json``, or the ``pytorch_model.bin`` forms (read
-  with :mod:`lightning_pipe.hf_weights`, each process opening only the shards that hold its tensors).
+  with :mod:`lightning_pipe.weights.hf`, each process opening only the shards that hold its tensors).
 
 Tensors are matched by their names in the unsplit module (``layers.7.weight``); a file named from
 the model the module holds (``transformer.h.0...`` for ``self.model``'s ``model.transformer.h.0...``)
 is matched by the one prefix that makes every name fit, and ``rename`` maps other layouts (see
-:mod:`lightning_pipe.weight_names`). Files are read memory-mapped (``torch.load(mmap=True,
+:mod:`lightning_pipe.weights.names`). Files are read memory-mapped (``torch.load(mmap=True,
 weights_only=True)``, ``safetensors.safe_open``), so a process reads from disk only the tensors it
 copies. Before anything is copied, every process checks the file's names and shapes against the
 whole model's (the same check with the same answer on every rank, so a bad file stops every rank
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
-from lightning_pipe.hf_weights import PRETRAINED_FILES, PretrainedFiles, pretrained_file
-from lightning_pipe.weight_names import NameMap, Rename, check_rename, mismatch_hint, name_map
+from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrained_file
+from lightning_pipe.weights.names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _PATH = Union[str, Path]
@@ -166,7 +166,7 @@ def model_spec(module: nn.Module) -> ModelSpec:
 def match_names(source: WeightSource, spec: ModelSpec, rename: Optional[Rename] = None) -> WeightSource:
     """``source`` with its tensors named as the module names them: as they are when they fit,
     else by the one prefix that makes them all fit, or by ``rename`` (see
-    :mod:`lightning_pipe.weight_names`). Raises ``ValueError`` when several prefixes fit."""
+    :mod:`lightning_pipe.weights.names`). Raises ``ValueError`` when several prefixes fit."""
     names: NameMap = name_map(list(source.shapes), spec.aliases, rename, where=str(source.path))
     hint = mismatch_hint(names, list(source.shapes), list(spec.shapes))
     if all(f == m for f, m in names.names.items()) and len(names.names) == len(source.shapes):

@@ -1,0 +1,80 @@
+"""The Trainer's data as the pipeline needs it: the run's first batch before Lightning sets the
+loaders up (for profiling), each replica's part of a DataLoader (Lightning's own re-instantiation),
+whether an evaluation step is a replica's padding, and the optimizers as the Trainer makes them."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, SequentialSampler
+
+from lightning_pipe.runtime.replica_data import EvaluationShare, splittable, replica_sampler
+
+
+def first_batch(trainer: Any) -> Any:
+    """One batch of the data the Trainer is about to run (training data when fitting), drawn from a
+    fresh iterator of the user's DataLoader before Lightning sets it up. The caller restores the
+    random state the draw consumes."""
+    loops = {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }
+    source = loops[trainer.state.fn]._data_source
+    loaders = source.dataloader()
+    if isinstance(loaders, (Mapping, list, tuple)):
+        loaders = CombinedLoader(loaders, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential")
+        iterator = iter(loaders)
+        batch = next(iterator)[0]
+    else:
+        iterator = iter(loaders)
+        batch = next(iterator)
+    del iterator
+    return batch
+
+
+def configured_optimizers(module: Any) -> list[Optimizer]:
+    """The optimizers the module's ``configure_optimizers`` makes, as the Trainer reads its return
+    value (any of its forms), unwrapped from ``LightningOptimizer``."""
+    optimizers = _configure_optimizers(module.configure_optimizers())[0]
+    return [getattr(o, "optimizer", o) for o in optimizers]
+
+
+def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
+    """``dataloader`` rebuilt for this replica (Lightning's own re-instantiation, which keeps the
+    user's DataLoader arguments): with :func:`replica_sampler` for training, with an
+    :class:`EvaluationShare` for evaluation (``mode``: Lightning's ``RunningStage``); or unchanged."""
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    if mode is not None and mode.evaluating:
+        if not splittable(dataloader, num_replicas):
+            return dataloader
+        size, drop_last = dataloader.batch_size, dataloader.drop_last
+        assert size is not None  # a plain BatchSampler has one
+        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
+        share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
+        # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
+        object.__setattr__(rebuilt, "batch_sampler", share)
+        return rebuilt
+    sampler = replica_sampler(dataloader, num_replicas, replica)
+    if sampler is None:
+        return dataloader
+    return _update_dataloader(dataloader, sampler, mode=mode)
+
+
+def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
+    """Whether the running evaluation step is a padding step of this replica's
+    :class:`EvaluationShare`. The loader comes from the running evaluation loop (the Trainer's
+    ``val_dataloaders`` would still give ``fit``'s in a later ``validate``)."""
+    loaders = trainer._evaluation_loop._combined_loader.flattened
+    share = getattr(loaders[dataloader_idx], "batch_sampler", None) if dataloader_idx < len(loaders) else None
+    return isinstance(share, EvaluationShare) and share.is_padding(batch_idx)
+
+
+__all__ = ["configured_optimizers", "first_batch", "is_padding", "split_over_replicas"]
