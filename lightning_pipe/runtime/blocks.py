@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -179,12 +180,12 @@ class BlockDrive:
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
-            return _Skipped(host, index)
+            return _Skipped(host, index, self)
         if index < self.stop:
             return _Local(host, index, self)
         if self.stops and index == self.stop:
             return _Boundary(host, index, self)
-        return _Skipped(host, index)
+        return _Skipped(host, index, self)
 
     def check(self, is_last: bool) -> None:
         """After the step: the loop reached this stage's blocks (and, on a stage that hands on, the
@@ -239,10 +240,17 @@ class _Entry:
 
 
 class _Skipped(_Entry):
-    """A block of an earlier stage: hands its hidden state on (the next held block replaces it)."""
+    """A block of an earlier stage: hands its hidden state on (the next held block replaces it),
+    marked so that a read of it is refused (see :mod:`lightning_pipe.runtime.block_reads`)."""
+
+    def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
+        super().__init__(host, index)
+        self._drive = drive
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._hidden(args, kwargs)[0]
+        bounds = (self._drive.start, self._drive.stop)
+        refuse_recorded_outputs(self._index, bounds)
+        return marked(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
 class _Boundary(_Entry):
