@@ -16,7 +16,9 @@ from tests.pipeline import assert_same_weights, fit_pipeline
 @pytest.mark.parametrize("reads, block", [("pool", "[0-9]"), ("probe", "1")])
 def test_a_loss_on_other_stages_block_outputs_is_refused(reads: str, block: str) -> None:
     torch.manual_seed(0)
-    with pytest.raises(Exception, match=rf"loss depends on the output of block {block}, which another pipeline stage runs"):
+    with pytest.raises(
+        Exception, match=rf"loss depends on the output of block {block}, which another pipeline stage runs"
+    ):
         fit_pipeline(ReadsBlocksNet(reads), 2, loader(), module="blocks")
 
 

@@ -73,7 +73,9 @@ def _drive(host: BlockStage, received: Any, last: bool = True) -> BlockDrive:
 
 
 @pytest.mark.parametrize("reads, block", [("pool", "[01]"), ("probe", "1")])
-def test_a_loss_on_an_earlier_stages_block_output_is_refused_before_the_backward_changes_anything(reads: str, block: str) -> None:
+def test_a_loss_on_an_earlier_stages_block_output_is_refused_before_the_backward_changes_anything(
+    reads: str, block: str
+) -> None:
     model = ReadingNet(reads)
     host = _last_stage(model, "blocks")
     received = torch.randn(5, 6, requires_grad=True)
@@ -155,7 +157,9 @@ def test_hf_outputs_recorded_from_other_stages_blocks_are_refused_at_once(flag: 
     _drive(host, torch.randn(2, 8, 64))
     ids = torch.randint(1, 96, (2, 8))
     key = flag.removeprefix("output_")
-    with pytest.raises(RuntimeError, match=rf"records {key}.* from every block .*block 0 runs on another pipeline stage .*{flag}=False"):
+    with pytest.raises(
+        RuntimeError, match=rf"records {key}.* from every block .*block 0 runs on another pipeline stage .*{flag}=False"
+    ):
         model(input_ids=ids, **{flag: True})
     with torch.no_grad(), pytest.raises(RuntimeError, match=rf"records {key}"):  # evaluation too
         model(input_ids=ids, **{flag: True})
