@@ -24,7 +24,7 @@ def test_a_loss_on_other_stages_block_outputs_is_refused(reads: str, block: str)
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_models import MODELS, BertLastFourCLS, HFModule, data_for  # noqa: E402
+from tests.hf_models import MOE_MODELS, BertLastFourCLS, HFModule, data_for  # noqa: E402
 
 
 def test_hf_output_hidden_states_pooled_over_the_last_layers_is_refused() -> None:
@@ -35,7 +35,7 @@ def test_hf_output_hidden_states_pooled_over_the_last_layers_is_refused() -> Non
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_the_moe_load_balancing_loss_is_refused(name: str) -> None:
-    build, path = MODELS[name]
+    build, path = MOE_MODELS[name]
     torch.manual_seed(0)
     model = HFModule(lambda: build(router_logits=True))
     with pytest.raises(Exception, match=r"records router_logits .*load-balancing loss .*output_router_logits=False"):
@@ -44,7 +44,7 @@ def test_the_moe_load_balancing_loss_is_refused(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_moe_models_without_the_load_balancing_loss_train_as_plain(name: str) -> None:
-    build, path = MODELS[name]
+    build, path = MOE_MODELS[name]
     torch.manual_seed(0)
     piped = HFModule(build)
     reference = copy.deepcopy(piped)
