@@ -19,7 +19,8 @@ blocks under their original indices (so parameter names do not change), and the 
 What crosses a stage boundary is exactly the first argument a block is called with (the hidden
 state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
 the micro-batch on every stage, and a block must not return anything but the next hidden state that
-a later block needs (see the README's "Bring your own model").
+a later block needs (see the README's "Bring your own model"). A model that reads another stage's
+block's output is refused (:mod:`lightning_pipe.runtime.block_reads`).
 """
 
 from __future__ import annotations
