@@ -438,3 +438,30 @@ def merged_stage_states(folder: str, ranks: int, start: bool = False) -> dict[st
     for rank in range(ranks):
         merged.update(torch.load(os.path.join(folder, f"{'start' if start else 'end'}-rank{rank}.pt"), weights_only=True))
     return merged
+
+
+class ReadsBlocksNet(L.LightningModule):
+    """A model whose forward loops over an ``nn.ModuleList`` and whose loss reads blocks' outputs
+    after the loop: ``"pool"`` every block's output averaged, ``"probe"`` a probe loss on block 1's."""
+
+    def __init__(self, reads: str, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(depth)])
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.probe = nn.Linear(HIDDEN, CLASSES)
+        self.reads = reads
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.embed(x)
+        outputs = []
+        for block in self.blocks:
+            hidden = block(hidden)
+            outputs.append(hidden)
+        if self.reads == "pool":
+            return F.cross_entropy(self.head(torch.stack(outputs).mean(0)), y)
+        return F.cross_entropy(self.head(hidden), y) + 0.5 * F.cross_entropy(self.probe(outputs[1]), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -19,7 +19,8 @@ blocks under their original indices (so parameter names do not change), and the 
 What crosses a stage boundary is exactly the first argument a block is called with (the hidden
 state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
 the micro-batch on every stage, and a block must not return anything but the next hidden state that
-a later block needs (see the README's "Bring your own model").
+a later block needs (see the README's "Bring your own model"). A model that reads another stage's
+block's output is refused (:mod:`lightning_pipe.runtime.block_reads`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -179,12 +181,12 @@ class BlockDrive:
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
-            return _Skipped(host, index)
+            return _Skipped(host, index, self)
         if index < self.stop:
             return _Local(host, index, self)
         if self.stops and index == self.stop:
             return _Boundary(host, index, self)
-        return _Skipped(host, index)
+        return _Skipped(host, index, self)
 
     def check(self, is_last: bool) -> None:
         """After the step: the loop reached this stage's blocks (and, on a stage that hands on, the
@@ -239,10 +241,17 @@ class _Entry:
 
 
 class _Skipped(_Entry):
-    """A block of an earlier stage: hands its hidden state on (the next held block replaces it)."""
+    """A block of an earlier stage: hands its hidden state on (the next held block replaces it),
+    marked so that a read of it is refused (see :mod:`lightning_pipe.runtime.block_reads`)."""
+
+    def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
+        super().__init__(host, index)
+        self._drive = drive
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._hidden(args, kwargs)[0]
+        bounds = (self._drive.start, self._drive.stop)
+        refuse_recorded_outputs(self._index, bounds)
+        return marked(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
 class _Boundary(_Entry):

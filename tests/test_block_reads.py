@@ -1,0 +1,53 @@
+"""Models that read the outputs of blocks another stage runs, under ``module=`` a block container:
+refused before training changes a weight, with what was read and what to do instead (without the
+check they trained on wrong values, silently)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.models import ReadsBlocksNet, fit_plain, loader
+from tests.pipeline import assert_same_weights, fit_pipeline
+
+
+@pytest.mark.parametrize("reads, block", [("pool", "[0-9]"), ("probe", "1")])
+def test_a_loss_on_other_stages_block_outputs_is_refused(reads: str, block: str) -> None:
+    torch.manual_seed(0)
+    with pytest.raises(
+        Exception, match=rf"loss depends on the output of block {block}, which another pipeline stage runs"
+    ):
+        fit_pipeline(ReadsBlocksNet(reads), 2, loader(), module="blocks")
+
+
+transformers = pytest.importorskip("transformers")
+
+from tests.hf_models import MOE_MODELS, BertLastFourCLS, HFModule, data_for  # noqa: E402
+
+
+def test_hf_output_hidden_states_pooled_over_the_last_layers_is_refused() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match=r"records hidden_states from every block .*output_hidden_states=False"):
+        fit_pipeline(BertLastFourCLS(), 2, data_for("gpt2"), module="bert.encoder.layer")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_the_moe_load_balancing_loss_is_refused(name: str) -> None:
+    build, path = MOE_MODELS[name]
+    torch.manual_seed(0)
+    model = HFModule(lambda: build(router_logits=True))
+    with pytest.raises(Exception, match=r"records router_logits .*load-balancing loss .*output_router_logits=False"):
+        fit_pipeline(model, 2, data_for(name), module=path)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_models_without_the_load_balancing_loss_train_as_plain(name: str) -> None:
+    build, path = MOE_MODELS[name]
+    torch.manual_seed(0)
+    piped = HFModule(build)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for(name))
+    fit_pipeline(piped, 2, data_for(name), module=path)
+    assert_same_weights(reference, piped)
