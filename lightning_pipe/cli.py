@@ -12,6 +12,7 @@ anything starts (:func:`check_keys`).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -34,6 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.observe.stage_metrics import StageMetrics
@@ -47,13 +49,11 @@ log = logging.getLogger(__name__)
 # what Lightning's script launcher sets in the environment for the processes of a run
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
-STRATEGY_KEYS = (
-    "schedule", "chunks", "balance", "checkpoint", "module", "start_method", "gradient_accumulation_fusion", "weights",
-    "plan",
-    "stages", "data_parallel",
-    "virtual_stages", "check_data",
-    "pipemare_warmup", "pipemare_correction", "pipemare_decay",
-)  # fmt: skip
+#: PipelineConfig's arguments that a command line can give (callables and the planner's internal
+#: switch cannot), and ``checkpoint``, the deprecated former name of ``recompute``
+STRATEGY_KEYS = tuple(
+    f.name for f in dataclasses.fields(PipelineConfig) if f.name not in ("init", "rename", "plan_all_layouts")
+) + ("checkpoint",)
 LOGGERS = ("csv", "tensorboard")
 # Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
 # stage's values, averaged over the replicas, and Lightning drops sync_dist for a strategy that is not

@@ -9,6 +9,7 @@ strategy needs the strategy object to learn or to change them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -42,7 +43,7 @@ class PipelineConfig:
             ``"parameters"`` (equal parameter counts), ``"time"`` / ``"memory"`` (the least slowest /
             largest stage, from a profile measured on the device before the split, identical on every
             rank; kept in ``strategy.profile``) or a list of layer counts per stage.
-        checkpoint: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
+        recompute: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
             the last) or ``"never"``.
         module: what to split: the name or dotted path of an ``nn.Sequential`` that the model calls
             (needed when the module has several top-level ones), or the dotted path of an
@@ -72,7 +73,7 @@ class PipelineConfig:
             directory); each rank reads only its
             stage's tensors (see :mod:`lightning_pipe.weights`).
         plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
-            ``virtual_stages``, ``chunks``, ``balance`` and ``checkpoint`` from a profile of the layers
+            ``virtual_stages``, ``chunks``, ``balance`` and ``recompute`` from a profile of the layers
             and the measured point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`);
             ``stages`` (and so the replicas) stays as given. None: as given.
         stages: pipeline depth p (None: one stage per process). The world (devices x nodes) must be
@@ -90,7 +91,7 @@ class PipelineConfig:
             :mod:`lightning_pipe.runtime.pipemare`).
         pipemare_correction: PipeMare's discrepancy correction: each backward runs on the weights
             predicted for its forward's moment from a velocity of the updates. None or True: on under
-            ``"pipemare"`` (it needs ``checkpoint="never"``); False: backwards on the current weights
+            ``"pipemare"`` (it needs ``recompute="never"``); False: backwards on the current weights
             (under activation checkpointing, the recomputed activations too).
         pipemare_decay: ``D`` in the correction's velocity decay ``gamma_i = D ** (1 / tau_i)``, in
             (0, 1): how much of the velocity is left after one delay of ``tau_i`` updates. None: 0.1
@@ -101,7 +102,7 @@ class PipelineConfig:
     schedule: str = "1f1b"
     chunks: Optional[int] = None
     balance: BalanceSpec = "uniform"
-    checkpoint: str = "never"
+    recompute: str = "never"
     module: Optional[str] = None
     init: Optional[Callable[[nn.Module], None]] = None
     rename: Optional[Rename] = None
@@ -123,6 +124,11 @@ class PipelineConfig:
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", VIRTUAL_STAGES.get(self.schedule, 1))
 
+    @property
+    def checkpoint(self) -> str:
+        """The former name of :attr:`recompute` (activation recomputation), kept for reading."""
+        return self.recompute
+
     def replace(self, **changes: Any) -> "PipelineConfig":
         """A copy with ``changes``, checked like the original."""
         return dataclasses.replace(self, **changes)
@@ -132,9 +138,28 @@ class PipelineConfig:
         return self.chunks if self.chunks is not None else 2 * num_stages
 
 
+def recompute_mode(recompute: Optional[str], checkpoint: Optional[str]) -> str:
+    """``recompute=``, or its former name ``checkpoint=`` with a ``DeprecationWarning`` (the name
+    collided with saved checkpoints); ``"never"`` when neither is given."""
+    if checkpoint is None:
+        return "never" if recompute is None else recompute
+    if recompute is not None and recompute != checkpoint:
+        raise ValueError(
+            f"PipelineStrategy(recompute={recompute!r}, checkpoint={checkpoint!r}): both name activation recomputation; "
+            "give recompute= only (checkpoint= is its deprecated former name)."
+        )
+    warnings.warn(
+        f"PipelineStrategy(checkpoint={checkpoint!r}) is deprecated: write recompute={checkpoint!r} (activation "
+        "recomputation; checkpoint= will be removed in a later release).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return checkpoint
+
+
 def check_arguments(config: PipelineConfig) -> None:
     """Reject bad ``PipelineStrategy`` arguments, naming the valid values."""
-    schedule, chunks, balance, checkpoint = config.schedule, config.chunks, config.balance, config.checkpoint
+    schedule, chunks, balance, recompute = config.schedule, config.chunks, config.balance, config.recompute
     get_schedule(schedule)
     check_weights_argument(config.weights)
     check_rename(config.rename)
@@ -155,8 +180,8 @@ def check_arguments(config: PipelineConfig) -> None:
         raise ValueError(
             f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
         )
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"PipelineStrategy(checkpoint={checkpoint!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
+    if recompute not in CHECKPOINT_MODES:
+        raise ValueError(f"PipelineStrategy(recompute={recompute!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
     if config.plan not in PLANS:
         raise ValueError(f"PipelineStrategy(plan={config.plan!r}): valid values are None (use the arguments as given) and 'auto'.")
     check_data = config.check_data
@@ -207,12 +232,12 @@ def check_pipemare_options(config: PipelineConfig) -> None:
                 f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
                 "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
             )
-    if traits(schedule).predicts_weights and correction is not False and config.checkpoint != "never":
+    if traits(schedule).predicts_weights and correction is not False and config.recompute != "never":
         raise ValueError(
-            f"PipelineStrategy(schedule='pipemare', checkpoint={config.checkpoint!r}): discrepancy correction gives each "
+            f"PipelineStrategy(schedule='pipemare', recompute={config.recompute!r}): discrepancy correction gives each "
             "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "
-            "checkpoint='never', or pipemare_correction=False."
+            "recompute='never', or pipemare_correction=False."
         )
 
 
-__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments", "check_pipemare_options"]
+__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments", "check_pipemare_options", "recompute_mode"]

@@ -28,7 +28,7 @@ from lightning_pipe.checkpoint import stage_io
 from lightning_pipe.trainer import checkpoint_hooks as hooks
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import split_over_replicas
-from lightning_pipe.config import PipelineConfig
+from lightning_pipe.config import PipelineConfig, recompute_mode
 from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition.split import BalanceSpec
 from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
@@ -69,22 +69,21 @@ class PipelineStrategy(ProcessStrategy):
         schedule: str = "1f1b",
         chunks: Optional[int] = None,
         balance: BalanceSpec = "uniform",
-        checkpoint: str = "never",
-        module: Optional[str] = None,
+        recompute: Optional[str] = None,
+        module: Optional[str] = None, checkpoint: Optional[str] = None,  # fmt: skip
         init: Optional[Callable[[nn.Module], None]] = None, rename: Optional[Rename] = None,  # fmt: skip
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
         virtual_stages: Optional[int] = None,
         check_data: Union[bool, int] = True,
-        weights: Optional[Union[str, Path]] = None,
-        plan: Optional[str] = None, stages: Optional[int] = None, data_parallel: str = "replicate",  # fmt: skip
-        pipemare_warmup: Optional[int] = None, pipemare_correction: Optional[bool] = None,  # fmt: skip
-        pipemare_decay: Optional[float] = None,
+        weights: Optional[Union[str, Path]] = None, plan: Optional[str] = None, stages: Optional[int] = None,  # fmt: skip
+        data_parallel: str = "replicate", pipemare_warmup: Optional[int] = None,  # fmt: skip
+        pipemare_correction: Optional[bool] = None, pipemare_decay: Optional[float] = None,  # fmt: skip
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, checkpoint=checkpoint, module=module, init=init, rename=rename,
-            gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
+            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint), module=module,
+            init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
             pipemare_decay=pipemare_decay,
@@ -100,7 +99,7 @@ class PipelineStrategy(ProcessStrategy):
     schedule_name = _argument("schedule")
     chunks = _argument("chunks")
     balance = _argument("balance")
-    checkpoint_mode = _argument("checkpoint")
+    recompute = _argument("recompute")
     virtual_stages = _argument("virtual_stages")
     stages = _argument("stages")
     data_parallel = _argument("data_parallel")

@@ -77,7 +77,7 @@ def test_every_option_composes_and_instantiates(group: str) -> None:
 def test_overrides_reach_the_strategy() -> None:
     cfg = _compose(["strategy=gpipe", "strategy.chunks=8", "strategy.balance=[3,1]", "strategy.checkpoint=always"])
     strategy, _ = build_strategy(cfg.strategy, 2)
-    assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.checkpoint_mode) == ("gpipe", 8, [3, 1], "always")
+    assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.recompute) == ("gpipe", 8, [3, 1], "always")
     assert strategy.gradient_accumulation_fusion is True
     cfg = _compose(["strategy=pipedream_2bw", "strategy.gradient_accumulation_fusion=false"])
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False

@@ -32,7 +32,7 @@ def test_a_config_cannot_change_and_a_replacement_is_checked_again() -> None:
         ({"chunks": 0}, "chunks=0"),
         ({"balance": "speed"}, "unknown balance"),
         ({"balance": [2, True]}, "list of layer counts"),
-        ({"checkpoint": "sometimes"}, "unknown mode"),
+        ({"recompute": "sometimes"}, "unknown mode"),
         ({"plan": "manual"}, "plan='manual'"),
         ({"check_data": 0}, "check_data=0"),
         ({"stages": 0}, "stages=0"),
@@ -44,3 +44,15 @@ def test_a_config_cannot_change_and_a_replacement_is_checked_again() -> None:
 def test_a_bad_argument_is_refused_naming_it(arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PipelineConfig(**arguments)
+
+
+def test_checkpoint_is_the_deprecated_name_of_recompute() -> None:
+    from lightning_pipe import PipelineStrategy
+
+    with pytest.warns(DeprecationWarning, match="write recompute='always'"):
+        strategy = PipelineStrategy(checkpoint="always")
+    assert strategy.recompute == strategy.config.recompute == strategy.config.checkpoint == "always"
+    assert PipelineStrategy(recompute="except_last").recompute == "except_last"
+    assert PipelineStrategy().recompute == "never"
+    with pytest.raises(ValueError, match="give recompute= only"):
+        PipelineStrategy(recompute="never", checkpoint="always")

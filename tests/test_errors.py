@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(120)
     "kwargs, match",
     [
         ({"schedule": "pipedreamz"}, r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"),
-        ({"checkpoint": "sometimes"}, r"checkpoint='sometimes'.*Valid: always, except_last, never"),
+        ({"recompute": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),
+        ({"checkpoint": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),  # the deprecated name
         ({"chunks": 0}, r"chunks=0.*integer >= 1"),
         ({"chunks": 2.5}, r"chunks=2.5.*integer >= 1"),
         ({"balance": "speed"}, r"balance='speed'.*Valid: uniform, parameters, time, memory"),

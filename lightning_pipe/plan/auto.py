@@ -164,7 +164,7 @@ def apply_plan(
     ranked, link, profiles = plan_layers(config, layout, module, layers, inputs)
     best = next(c for c in ranked if (c.depth, c.replicas) == (layout.stages, layout.replicas))
     planned = config.replace(
-        schedule=best.schedule, chunks=best.chunks, checkpoint=best.checkpoint,
+        schedule=best.schedule, chunks=best.chunks, recompute=best.checkpoint,
         virtual_stages=best.virtual_stages, balance=list(best.balance),
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself

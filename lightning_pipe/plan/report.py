@@ -43,7 +43,7 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
     x ``replicas``: the strategy group named after the schedule and its keys, and, where ``c``'s
     layout differs, the pipeline depth and each replica's DataLoader batch (same global batch)."""
     balance = c.balance_mode if c.balance_mode in _REPRODUCIBLE_BALANCES else "[" + ",".join(map(str, c.balance)) + "]"
-    out = [f"strategy={c.schedule}", f"strategy.chunks={c.chunks}", f"strategy.balance={balance}", f"strategy.checkpoint={c.checkpoint}"]
+    out = [f"strategy={c.schedule}", f"strategy.chunks={c.chunks}", f"strategy.balance={balance}", f"strategy.recompute={c.checkpoint}"]
     if c.schedule in VIRTUAL_STAGES:
         out.append(f"strategy.virtual_stages={c.virtual_stages}")
     if (c.depth, c.replicas) != (stages, replicas):

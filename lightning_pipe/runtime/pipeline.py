@@ -148,7 +148,7 @@ class StagePipeline:
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
         self.runners = {
-            s: StageRunner(m, checkpoint=config.checkpoint, versions=versions, host=self.host) for s, m in self.stages.items()
+            s: StageRunner(m, checkpoint=config.recompute, versions=versions, host=self.host) for s, m in self.stages.items()
         }
         self.executor = Executor(self.transport, self.runners, rank=placement.stage)
         self.asynchronous: Optional[AsyncPipeline] = None

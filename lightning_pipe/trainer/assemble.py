@@ -121,7 +121,7 @@ def split_module(
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p = layout.stages
         balance, profile = measured_balance(
-            config.schedule, str(config.balance), config.checkpoint, p, config.num_microbatches(p), virtual,
+            config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
             module, layers, inputs, profile,
         )  # fmt: skip
     elif config.balance in MEASURED_BALANCES:

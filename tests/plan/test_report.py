@@ -70,7 +70,7 @@ def test_the_printed_overrides_run_the_candidate() -> None:
         line = " ".join(shlex.quote(o) for o in overrides(c, 4, 1))  # as printed: configured 4 stages x 1 replica
         cfg = _compose(shlex.split(line))
         strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
-        got = (strategy.schedule_name, strategy.chunks, strategy.checkpoint_mode, strategy.virtual_stages)
+        got = (strategy.schedule_name, strategy.chunks, strategy.recompute, strategy.virtual_stages)
         assert got == (c.schedule, c.chunks, c.checkpoint, c.virtual_stages), line
         if c.balance_mode in ("uniform", "parameters"):
             assert strategy.balance == c.balance_mode, line
