@@ -78,7 +78,7 @@ class PipelineStrategy(ProcessStrategy):
         weights: Optional[Union[str, Path]] = None,
         plan: Optional[str] = None, stages: Optional[int] = None, data_parallel: str = "replicate",  # fmt: skip
         pipemare_warmup: Optional[int] = None, pipemare_correction: Optional[bool] = None,  # fmt: skip
-        pipemare_decay: Optional[float] = None,
+        pipemare_decay: Optional[float] = None, loss_weight: Union[Callable[[Any], Any], str, None] = None,  # fmt: skip
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
@@ -86,7 +86,7 @@ class PipelineStrategy(ProcessStrategy):
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay,
+            pipemare_decay=pipemare_decay, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)
