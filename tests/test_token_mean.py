@@ -26,8 +26,9 @@ from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
 class _BertMLM(BertMLM):
     """The BERT recipe's masked LM, tiny, with plain SGD (AdamW magnifies float noise)."""
 
-    def __init__(self, microbatches: int = 1) -> None:
-        super().__init__(vocab_size=96, max_len=12, dropout=0.0, hidden=32, num_layers=2, build="eager")
+    def __init__(self, microbatches: int = 1, tie_embeddings: bool = True) -> None:
+        super().__init__(vocab_size=96, max_len=12, dropout=0.0, hidden=32, num_layers=2, build="eager",
+                         tie_embeddings=tie_embeddings)  # fmt: skip
         self.microbatches = microbatches  # > 1: the control, each micro-batch's token mean weighted by its size
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -90,3 +91,19 @@ def test_the_default_weights_each_microbatchs_token_mean_by_its_samples(name: st
     difference = _largest_relative_difference(reference, piped, start)
     print(f"{name}: the default is {difference:.1%} off whole-batch training")
     assert difference > 0.05
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_asynchronous_schedules_log_the_first_batchs_token_mean(schedule: str, tmp_path) -> None:
+    """An asynchronous schedule's first batch runs on the initial weights: its logged loss is the
+    batch's token mean, as plain training's first step (later steps use stale weights by design).
+    The BERT recipe's model untied: these schedules keep weight versions of the Sequential only."""
+    torch.manual_seed(0)
+    piped = _BertMLM(tie_embeddings=False)
+    reference = copy.deepcopy(piped)
+    plain = fit_plain(reference, padded_token_data("bert_mlm"), max_steps=1)
+    fit_pipeline(piped, 2, padded_token_data("bert_mlm"), schedule=schedule, chunks=4, max_steps=1,
+                 callbacks=[RecordMetrics(str(tmp_path))], **MODELS["bert_mlm"][1])  # fmt: skip
+    for rank in range(2):
+        logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert logged["train_loss"] == pytest.approx(float(plain.callback_metrics["train_loss"]), rel=1e-5)
