@@ -203,6 +203,8 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: Optional[dict[str, A
         raise ValueError(f"strategy.name={cfg.name!r}: valid names are 'pipeline' and 'none'.")
     args = {k: v for k, v in (defaults or {}).items() if v is not None}
     args.update({k: cfg[k] for k in STRATEGY_KEYS if k in cfg and cfg[k] is not None})
+    if isinstance(args.get("loss_weight"), DictConfig):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
+        args["loss_weight"] = instantiate(args["loss_weight"])
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
     return PipelineStrategy(**args), devices

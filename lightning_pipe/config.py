@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 from torch import nn
 
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
 from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
@@ -97,6 +98,11 @@ class PipelineConfig:
             (0, 1): how much of the velocity is left after one delay of ``tau_i`` updates. None: 0.1
             (:data:`lightning_pipe.runtime.pipemare.DEFAULT_DECAY`). Larger values average the
             updates over more steps.
+        loss_weight: how many items each micro-batch's loss averages over, ``loss_weight(micro_batch)
+            -> number``: each micro-batch's loss (and each mean it logs) is weighted by its share of
+            the batch's count, so the gradient is the batch's mean over those items. None or
+            ``"samples"``: the micro-batch's size. Language models whose loss is a mean over the valid
+            tokens give :func:`lightning_pipe.token_count` (see :mod:`lightning_pipe.runtime.loss_weights`).
     """
 
     schedule: str = "1f1b"
@@ -118,9 +124,12 @@ class PipelineConfig:
     pipemare_warmup: Optional[int] = None
     pipemare_correction: Optional[bool] = None
     pipemare_decay: Optional[float] = None
+    loss_weight: Union[LossWeight, str, None] = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
+        if self.loss_weight == "samples":
+            object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", VIRTUAL_STAGES.get(self.schedule, 1))
 
@@ -191,6 +200,7 @@ def check_arguments(config: PipelineConfig) -> None:
             "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
     check_pipemare_options(config)
+    check_loss_weight(config.loss_weight)
     if config.start_method not in START_METHODS:
         raise ValueError(f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}.")
 

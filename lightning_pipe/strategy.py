@@ -79,14 +79,14 @@ class PipelineStrategy(ProcessStrategy):
         weights: Optional[Union[str, Path]] = None, plan: Optional[str] = None, stages: Optional[int] = None,  # fmt: skip
         data_parallel: str = "replicate", pipemare_warmup: Optional[int] = None,  # fmt: skip
         pipemare_correction: Optional[bool] = None, pipemare_decay: Optional[float] = None,  # fmt: skip
-        **processes: Any,
+        loss_weight: Union[Callable[[Any], Any], str, None] = None, **processes: Any,  # fmt: skip
     ) -> None:
         self.config = PipelineConfig(
             schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint), module=module,
             init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay,
+            pipemare_decay=pipemare_decay, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lightning_pipe.recipes import builds_in_configure_model
+from lightning_pipe.runtime.loss_weights import token_count
 from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
 from lightning_pipe.recipes.warmup import warmup_then_decay
 
@@ -152,6 +153,14 @@ class BertMLM(L.LightningModule):
         if self.hparams.tie_embeddings:
             layers[-1].decoder.weight = layers[0].word.weight
         self.layers = layers
+
+    @property
+    def strategy_defaults(self) -> dict[str, Any]:
+        """``PipelineStrategy`` arguments this model needs unless the run sets them: ``loss_weight``
+        counts the masked tokens (labels other than -100, the third item of a batch) that the loss
+        averages over, so that the pipeline trains on the batch's mean over them, as plain training
+        does: micro-batches hold different numbers of masked tokens."""
+        return {"loss_weight": token_count(labels=2, shift=False)}
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layers((ids, mask))

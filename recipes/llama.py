@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.recipes import builds_in_configure_model, require_transformers
+from lightning_pipe.runtime.loss_weights import token_count
 from lightning_pipe.recipes.text import CLS, PAD, SEP, CorpusData
 from lightning_pipe.recipes.warmup import warmup_then_decay
 
@@ -174,13 +175,21 @@ class CausalLM(L.LightningModule):
     @property
     def strategy_defaults(self) -> dict[str, Any]:
         """Arguments of ``PipelineStrategy`` this model needs unless the run sets them: ``module``,
-        the block container to split, and ``weights``, when the model is not built yet (it will be
-        on the meta device, and each stage loads its part of the checkpoint)."""
+        the block container to split; ``weights``, when the model is not built yet (it will be
+        on the meta device, and each stage loads its part of the checkpoint); ``loss_weight``, the
+        tokens the model's loss averages over (labels other than -100, shifted: the batch is the
+        labels), so that the pipeline trains on the batch's token mean. This recipe's rows have no
+        -100 label, so every micro-batch's count is its size times ``max_len - 1``; a batch whose
+        labels leave tokens out needs the count."""
         if self._blocks is None:  # another model type from `weights`: look for its blocks on the meta device
             with torch.device("meta"):
                 self._blocks = block_path(self._new_model(), self.hf_config.model_type)
         weights = self.hparams.weights if self.model is None else None
-        return {"module": f"model.{self._blocks}", "weights": str(Path(weights).expanduser()) if weights else None}
+        return {
+            "module": f"model.{self._blocks}",
+            "weights": str(Path(weights).expanduser()) if weights else None,
+            "loss_weight": token_count(labels=None, shift=True),
+        }
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.model is not None

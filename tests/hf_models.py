@@ -260,3 +260,24 @@ class PeakMemory(L.Callback):
         peak = _status("VmHWM") - self.base
         with open(f"{self.folder}/memory{trainer.global_rank}.json", "w") as f:
             json.dump({"peak": peak, "held": sum(storages.values())}, f)
+
+
+def padded_token_data(name: str, n: int = 48, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """Token rows whose labels leave out different numbers of positions (-100) per sample: for
+    ``gpt2`` a padded tail of random length (labels = inputs, the model shifts them), for
+    ``bert_mlm`` a random share of positions masked (token 1 in the inputs, the others -100).
+    Samples 2 and 3 have no label at all, so with 4 micro-batches of 8 one micro-batch has none.
+    ``bert_mlm`` batches are ``(ids, mask, labels)``, as the BERT recipe's."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, 96, (n, 12), generator=g)
+    positions = torch.arange(12).expand(n, 12)
+    if name == "gpt2":
+        keep = positions < torch.randint(1, 13, (n, 1), generator=g)
+        inputs = tokens
+    else:
+        keep = torch.rand(n, 12, generator=g) < torch.rand(n, 1, generator=g)
+        inputs = torch.where(keep, torch.ones_like(tokens), tokens)
+    keep[2:4] = False
+    labels = torch.where(keep, tokens, torch.full_like(tokens, -100))
+    columns = (inputs, labels) if name == "gpt2" else (inputs, torch.ones_like(inputs, dtype=torch.bool), labels)
+    return DataLoader(TensorDataset(*columns), batch_size=batch_size)

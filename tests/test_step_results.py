@@ -72,3 +72,39 @@ def test_a_summary_too_large_for_one_tensor_goes_whole(world_of_one: Topology) -
     handle = broadcaster.post(summary)
     assert broadcaster.needs_more(handle)
     assert broadcaster.complete(handle) == summary
+
+
+@pytest.mark.parametrize(
+    "reduce_fx, expected",
+    [("max", 7.0), ("min", -2.0), ("sum", 1.0 + 7.0 - 2.0), (torch.max, 7.0), ("avg", 0.5 * 1.0 + 0.25 * 7.0 + 0.25 * -2.0)],
+)
+def test_logged_values_are_reduced_over_microbatches_by_their_reduce_fx(reduce_fx: object, expected: float) -> None:
+    module, recorder = _Logs(), StepRecorder()
+    for weight, value in ((0.5, 1.0), (0.25, 7.0), (0.25, -2.0)):
+        with recorder.capture(module, weight, keep=True):
+            module.log("x", torch.tensor(value), reduce_fx=reduce_fx)
+    ((name, value, kwargs),) = recorder.summary()["logs"]
+    assert value == pytest.approx(expected)
+    assert kwargs["reduce_fx"] == reduce_fx  # Lightning reduces the batches' values over the epoch the same way
+
+
+def test_chimera_absorbs_another_recorders_extremes_by_their_reduce_fx() -> None:
+    module, here, there = _Logs(), StepRecorder(), StepRecorder()
+    for recorder, value in ((here, 2.0), (there, 5.0)):
+        with recorder.capture(module, 0.5, keep=True):
+            module.log("hi", value, reduce_fx="max")
+            module.log("lo", value, reduce_fx="min")
+            module.log("n", value, reduce_fx="sum")
+    here.absorb(there.portable())
+    assert [(name, value) for name, value, _ in here.summary()["logs"]] == [("hi", 5.0), ("lo", 2.0), ("n", 7.0)]
+
+
+def test_a_microbatch_of_weight_zero_leaves_the_mean_alone() -> None:
+    """A micro-batch holding no item its loss averages over (every label -100) has a NaN token mean."""
+    module, recorder = _Logs(), StepRecorder()
+    for weight, value in ((1.0, 3.0), (0.0, float("nan"))):
+        with recorder.capture(module, weight, keep=True):
+            module.log("loss", torch.tensor(value))
+        recorder.add_loss(torch.tensor(value), weight)
+    summary = recorder.summary()
+    assert summary["loss"] == 3.0 and summary["logs"][0][1] == 3.0

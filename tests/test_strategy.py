@@ -9,6 +9,7 @@ short batch of 4 (micro-batches of uneven size, fewer than ``chunks`` when chunk
 from __future__ import annotations
 
 import json
+from typing import Any
 import os
 
 import lightning as L
@@ -295,3 +296,40 @@ def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -
     fit_plain(reference)
     fit_pipeline(piped, 2, balance=[1, 4], chunks=3, checkpoint="except_last")
     assert_same_weights(reference, piped)
+
+
+class _ReducedLogs(TinyNet):
+    """Logs per-sample loss statistics reduced by max, min and sum, in training and validation."""
+
+    def _log_reduced(self, batch: Any, prefix: str) -> torch.Tensor:
+        x, y = batch
+        losses = torch.nn.functional.cross_entropy(self(x), y, reduction="none")
+        for reduce_fx in ("max", "min", "sum"):
+            value = getattr(losses.detach(), reduce_fx)()
+            self.log(f"{prefix}_{reduce_fx}", value, reduce_fx=reduce_fx, on_step=False, on_epoch=True)
+        return losses.mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._log_reduced(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._log_reduced(batch, "val")
+
+
+@pytest.mark.parametrize("devices, stages", [(2, None), (4, 2)], ids=["2-stages", "2x2-replicas"])
+def test_logged_max_min_and_sum_are_reduced_as_plain_lightning_reduces_them(tmp_path, devices: int, stages: int) -> None:
+    """Over micro-batches and replicas, in training and validation (6 validation samples over 2
+    replicas in batches of 5: one replica's last batch is short)."""
+    from tests.models import loader
+
+    torch.manual_seed(0)
+    reference, piped = twins(_ReducedLogs())
+    replicas, options = devices // (stages or devices), dict(max_steps=-1, max_epochs=1)
+    plain = fit_plain(reference, loader(n=40, batch_size=10 * replicas), loader(n=26, batch_size=5, seed=1), **options)
+    fit_pipeline(piped, devices, loader(n=40, batch_size=10), loader(n=26, batch_size=5, seed=1), schedule="1f1b",
+                 chunks=3, stages=stages, callbacks=[RecordMetrics(str(tmp_path))], **options)  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
+    assert all(rank == ranks[0] for rank in ranks)
+    expected = {k: float(v) for k, v in plain.callback_metrics.items()}
+    assert sorted(expected) == sorted(f"{p}_{r}" for p in ("train", "val") for r in ("max", "min", "sum"))
+    assert ranks[0] == pytest.approx(expected, rel=1e-5)

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lightning_pipe.runtime.reductions import reduction
+
 
 def splittable(dataloader: DataLoader, num_replicas: int) -> bool:
     """Whether the replicas split ``dataloader`` (not: one replica, an iterable dataset, a custom sampler)."""
@@ -95,7 +97,8 @@ def combine_over_replicas(
     summary: dict[str, Any], group: Any, device: torch.device, samples: Optional[int] = None
 ) -> dict[str, Any]:
     """The step summary's loss and logged values over the replicas in ``group`` (every replica's
-    last stage, which computed them).
+    last stage, which computed them): means as below, values logged with ``reduce_fx`` ``"max"``,
+    ``"min"`` or ``"sum"`` by the largest, the smallest or the sum of the replicas' values.
 
     Each value is weighted by the ``batch_size`` it was logged with where the step gave one, else by
     ``samples``, the replica's real sample count (evaluation; 0 on a padding step, whose replica
@@ -121,18 +124,35 @@ def combine_over_replicas(
         box = [(structure, has_loss)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, with_data[0]), group=group)
         structure, has_loss = box[0]  # type: ignore[misc]
+    how = [reduction(kwargs.get("reduce_fx", "mean")) for _, kwargs in structure]
     flat = torch.zeros(2 + 2 * len(structure), dtype=torch.float64, device=device)
+    # max and min go through one MAX all-reduce (a min as the max of the negated values); a
+    # replica without samples adds -inf there and nothing to the sums
+    extremes = torch.full((len(structure),), -math.inf, dtype=torch.float64, device=device)
     if weight > 0:
         flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
         for i, (_, value, kwargs) in enumerate(summary["logs"]):
-            logged = float(kwargs.get("batch_size", weight))
-            flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
+            if how[i] in ("max", "min"):
+                extremes[i] = value if how[i] == "max" else -value
+            elif how[i] == "sum":
+                flat[2 + 2 * i], flat[3 + 2 * i] = value, 1.0
+            else:
+                logged = float(kwargs.get("batch_size", weight))
+                flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
     dist.all_reduce(flat, group=group)
-    sums = flat.tolist()
+    if any(h in ("max", "min") for h in how):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    sums, largest = flat.tolist(), extremes.tolist()
     total = sum(row[2] for row in rows)
 
     def mean(i: int) -> float:
         return sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else float("nan")
+
+    def value(i: int) -> float:  # the i-th logged value over the replicas, reduced as it was logged
+        reduce = how[i - 1]
+        if reduce in ("max", "min"):
+            return largest[i - 1] if reduce == "max" else -largest[i - 1]
+        return sums[2 * i] if reduce == "sum" else mean(i)
 
     logs = []
     for i, (name, kwargs) in enumerate(structure, start=1):
@@ -141,7 +161,7 @@ def combine_over_replicas(
             kwargs["batch_size"] = round(sums[2 * i + 1])
         elif samples is not None:
             kwargs["batch_size"] = int(total)
-        logs.append((name, mean(i), kwargs))
+        logs.append((name, value(i), kwargs))
     return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
 
 

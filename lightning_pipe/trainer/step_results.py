@@ -1,11 +1,13 @@
 """What a step returns and logs, once per batch although it runs once per micro-batch.
 
 On the last stage the user's step runs for each micro-batch. Its ``self.log`` calls are recorded
-instead of reaching Lightning; after the batch, each value's mean over the micro-batches
-(weighted by micro-batch size, so it equals the whole batch's mean for mean-reduced values; by
-the ``batch_size`` given to ``self.log`` where every micro-batch gave one, as Lightning weights
-epoch means by it) is sent to every rank and logged there once, so ``trainer.callback_metrics``
-agree everywhere.
+instead of reaching Lightning; after the batch, each value is reduced over the micro-batches as
+its ``reduce_fx`` says (``"mean"``: weighted by each micro-batch's share of the batch, so it
+equals the whole batch's mean; by the ``batch_size`` given to ``self.log`` where every
+micro-batch gave one, as Lightning weights epoch means by it; ``"max"``/``"min"``: the largest /
+smallest of the micro-batches' values; ``"sum"``: their sum), sent to every rank and logged there
+once with the same ``reduce_fx``, so ``trainer.callback_metrics`` agree everywhere and equal
+plain Lightning's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.reductions import combine, reduction
+
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 
@@ -34,12 +38,27 @@ class _Logged:
     calls: int = 0
     sized_calls: int = 0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    reduce: str = "mean"  # Lightning's reduction of the value (see :func:`reduction`)
+    reduced: Union[float, Tensor, None] = None  # "max", "min", "sum": the micro-batches' values reduced so far
 
-    def mean(self) -> float:
-        """Weighted by the given batch sizes where every call gave one, else by micro-batch size."""
+    def add(self, value: Union[float, Tensor], weight: float) -> None:
+        """One micro-batch's value; a mean ignores a micro-batch of weight 0 (nothing its loss
+        averages over, whose token mean is NaN)."""
+        self.calls += 1
+        if self.reduce != "mean":
+            self.reduced = value if self.reduced is None else combine(self.reduce, self.reduced, value)
+        elif weight > 0:
+            self.weighted_sum += value * weight
+            self.weight += weight
+
+    def result(self) -> float:
+        """The batch's value: ``reduced`` for max/min/sum; for a mean, weighted by the given batch
+        sizes where every call gave one, else by the micro-batches' weights."""
+        if self.reduce != "mean":
+            return float(self.reduced) if self.reduced is not None else float("nan")
         if self.sized_calls == self.calls and self.batch_size:
             return float(self.sized_sum) / self.batch_size
-        return float(self.weighted_sum) / self.weight
+        return float(self.weighted_sum) / self.weight if self.weight else float("nan")
 
 
 class StepRecorder:
@@ -81,10 +100,10 @@ class StepRecorder:
         if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))
             return
-        entry = self.logged.setdefault(name, _Logged())
-        entry.weighted_sum += scalar * weight
-        entry.weight += weight
-        entry.calls += 1
+        entry = self.logged.get(name)
+        if entry is None:
+            entry = self.logged[name] = _Logged(reduce=reduction(arguments.get("reduce_fx", "mean")))
+        entry.add(scalar, weight)
         size = arguments.pop("batch_size", None)
         if size is not None:
             entry.batch_size = (entry.batch_size or 0) + int(size)
@@ -105,29 +124,35 @@ class StepRecorder:
                 module.log(name, value, **kwargs)
 
     def add_loss(self, loss: Tensor, weight: float) -> None:
-        weighted = loss.detach().float() * weight
+        """One micro-batch's loss and its share of the batch; a share of 0 adds nothing (its loss,
+        a mean over no tokens, may be NaN)."""
+        weighted = loss.detach().float() * weight if weight > 0 else torch.zeros((), device=loss.device)
         self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
         self._loss_weight += weight
 
     def summary(self) -> dict[str, Any]:
         """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)]}``. The
         only place that reads the sums back from the device."""
-        loss = float(self._loss_sum) / self._loss_weight if self._loss_sum is not None else None
+        loss = None
+        if self._loss_sum is not None:
+            loss = float(self._loss_sum) / self._loss_weight if self._loss_weight else float("nan")
         logs = []
         for name, entry in self.logged.items():
             kwargs = dict(entry.kwargs)
             if entry.batch_size is not None:
                 kwargs["batch_size"] = entry.batch_size
-            logs.append((name, entry.mean(), kwargs))
+            logs.append((name, entry.result(), kwargs))
         return {"loss": loss, "logs": logs}
-
 
     def portable(self) -> dict[str, Any]:
         """The sums so far as plain numbers, to be absorbed by another rank's recorder (see
         :func:`gather_recorders`); metric objects stay with this rank."""
         loss = float(self._loss_sum) if self._loss_sum is not None else None
         logged = {
-            name: dict(entry.__dict__, weighted_sum=float(entry.weighted_sum), sized_sum=float(entry.sized_sum))
+            name: dict(
+                entry.__dict__, weighted_sum=float(entry.weighted_sum), sized_sum=float(entry.sized_sum),
+                reduced=float(entry.reduced) if entry.reduced is not None else None,
+            )  # fmt: skip
             for name, entry in self.logged.items()
         }
         return {"loss": (loss, self._loss_weight), "logged": logged}
@@ -140,7 +165,9 @@ class StepRecorder:
             self._loss_sum = torch.tensor(loss) if self._loss_sum is None else self._loss_sum + loss
             self._loss_weight += weight
         for name, other in state["logged"].items():
-            entry = self.logged.setdefault(name, _Logged())
+            entry = self.logged.setdefault(name, _Logged(reduce=other["reduce"]))
+            if other["reduced"] is not None:
+                entry.reduced = other["reduced"] if entry.reduced is None else combine(entry.reduce, entry.reduced, other["reduced"])
             entry.weighted_sum += other["weighted_sum"]
             entry.weight += other["weight"]
             entry.calls += other["calls"]

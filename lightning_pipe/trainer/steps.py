@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_pipe.trainer.compatibility import as_misconfiguration
+from lightning_pipe.runtime.loss_weights import microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
@@ -101,7 +102,7 @@ class PipelineSteps:
                     "training_step returned None for a micro-batch. Under the pipeline every micro-batch must "
                     "return its loss; skipping a batch is not supported."
                 )
-            if torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
+            if weight > 0 and torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
                 raise FloatingPointError(
                     f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
                     f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
@@ -228,7 +229,7 @@ class PipelineSteps:
         self, module: "pl.LightningModule", kind: str, args: tuple
     ) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
         """The module, the batch's micro-batches, their shape keys, their weights (share of the
-        batch's samples) and a recorder for what the step logs. Starts checking that every stage
+        batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs. Starts checking that every stage
         loaded the same batch (finished before this rank's first receive)."""
         assert module is not None
         batch = args[0]
@@ -245,9 +246,10 @@ class PipelineSteps:
                 self.pipeline.agree(keys, tensors_of(batch), source)
             else:
                 self.pipeline.agree(keys)
-        sizes = [batch_size(mb) for mb in micro]
-        total = float(sum(sizes))
-        weights = [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
+        # each micro-batch's share of the batch's loss (see runtime.loss_weights); a custom count is taken
+        # only where losses and logs are recorded (it may read the batch back from the device)
+        counted = self.placement.is_last_stage or (kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro)))
+        weights = microbatch_weights(micro, self.config.loss_weight if counted else None)
         return module, micro, keys, weights, StepRecorder()
 
     def _checks_values(self, batch_idx: int) -> bool:

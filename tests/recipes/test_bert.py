@@ -78,3 +78,17 @@ def test_bert_built_in_configure_model_starts_equal_on_two_stages(tmp_path: Path
     for name, value in expected.items():
         torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
     assert torch.equal(start["layers.3.decoder.weight"], start["layers.0.word.weight"])
+
+
+def test_the_recipe_weights_micro_batches_by_their_masked_tokens_and_the_command_line_can_say_otherwise() -> None:
+    from lightning_pipe import token_count
+    from lightning_pipe.cli import build_strategy
+    from tests.test_cli import _compose
+
+    model = BertMLM(vocab_size=64, max_len=16, hidden=32, num_layers=2)
+    strategy, _ = build_strategy(_compose(["recipe=bert_mlm"]).strategy, 2, model.strategy_defaults)
+    assert strategy.config.loss_weight == token_count(labels=2, shift=False)
+    samples = _compose(["recipe=bert_mlm", "strategy.loss_weight=samples"]).strategy
+    assert build_strategy(samples, 2, model.strategy_defaults)[0].config.loss_weight is None
+    given = _compose(["recipe=bert_mlm", "strategy.loss_weight={_target_:lightning_pipe.token_count,labels:1,shift:true}"])
+    assert build_strategy(given.strategy, 2, model.strategy_defaults)[0].config.loss_weight == token_count(labels=1)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_pipe import token_count  # noqa: E402
 from lightning_pipe.cli import build_strategy, run  # noqa: E402
 from lightning_pipe.recipes.llama import CausalLM, CausalTextData, block_path, model_config  # noqa: E402
 from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
@@ -59,6 +60,9 @@ def test_the_recipe_names_its_blocks_for_the_strategy_and_an_override_wins() -> 
     cfg = _compose(["recipe=llama", "strategy.module=model.model"])
     assert build_strategy(cfg.strategy, 2, model.strategy_defaults)[0].config.module == "model.model"
     assert build_strategy(_compose(["strategy=none"]).strategy, 1, model.strategy_defaults) == ("auto", 1)
+    assert strategy.config.loss_weight == token_count(labels=None, shift=True)  # the batch's token mean
+    cfg = _compose(["recipe=llama", "strategy.loss_weight=samples"])
+    assert build_strategy(cfg.strategy, 2, model.strategy_defaults)[0].config.loss_weight is None
 
 
 def test_the_loss_falls_without_the_pipeline(tmp_path: Path) -> None:
@@ -104,7 +108,7 @@ def test_weights_and_tokenizer_from_a_save_pretrained_directory(tmp_path: Path) 
     for name, value in saved.state_dict().items():
         assert torch.equal(model.model.state_dict()[name], value), name
     deferred = CausalLM(weights=str(tmp_path / "hub"), max_len=32, build="configure_model")
-    assert deferred.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path / "hub")}
+    assert deferred.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path / "hub"), "loss_weight": token_count(None)}
     with torch.device("meta"):  # the pipeline's deferred build: the strategy loads each stage's tensors
         deferred.configure_model()
     assert deferred.model.model.embed_tokens.weight.is_meta
@@ -150,7 +154,7 @@ def test_blocks_of_another_model_type_are_found_by_their_count(tmp_path: Path) -
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     model = CausalLM(weights=str(tmp_path), max_len=32, build="configure_model")
-    assert model.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path)}
+    assert model.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path), "loss_weight": token_count(None)}
     with pytest.raises(ValueError, match=r"which nn.ModuleList holds its 3 blocks \(candidates: none\); set strategy.module"):
         block_path(_Depth(3), "mystery")
 
