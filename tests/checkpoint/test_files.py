@@ -137,3 +137,20 @@ def test_a_resume_refuses_a_momentum_changed_in_either_stage_file(tmp_path: Path
         with pytest.raises(Exception, match=message):
             fit_pipeline(TinyNet(), 2, ckpt_path=str(last), chunks=3, max_steps=4)
         shard.write_bytes(whole)
+
+
+def test_a_stage_file_of_another_run_at_the_same_step_is_named_by_its_save_id(tmp_path: Path) -> None:
+    state = TinyNet().state_dict()
+    for run, token in (("a", "1f2e3d4c5b6a"), ("b", "9a8b7c6d5e4f")):
+        tag = {"token": token, "global_step": 4, "epoch": 0}
+        (tmp_path / run).mkdir()
+        write_shard(tmp_path / run, 0, state, None, tag=tag)
+        write_meta(tmp_path / run, {"epoch": 0, "global_step": 4}, 1, tag)
+    (tmp_path / "a" / shard_name(0)).write_bytes((tmp_path / "b" / shard_name(0)).read_bytes())
+    message = (
+        re.escape(str(tmp_path / "a" / shard_name(0))) + r" belongs to another save at the same step 4 \(epoch 0\) than "
+        + re.escape(str(tmp_path / "a" / "meta.pt")) + r": save id 9a8b7c6d against 1f2e3d4c \(another run, or the same "
+        r"step saved twice\)"
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=message):
+        read(tmp_path / "a")
