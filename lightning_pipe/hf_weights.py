@@ -170,7 +170,7 @@ __all__ = [
     "SAFETENSORS",
     "SAFETENSORS_INDEX",
     "PretrainedFiles",
-    "pretrained_file",
     "check_length",
+    "pretrained_file",
     "safetensors_shapes",
 ]

@@ -4,6 +4,7 @@ to positions in the unsplit module's order for the plain file a consolidation wr
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
@@ -97,7 +98,9 @@ def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, 
     return {"state": state, "param_groups": groups}
 
 
-def differing_hyperparameters(per_optimizer: Optional[Sequence[Mapping[str, Any]]], reference: Sequence[Mapping[str, Any]]) -> Optional[str]:
+def differing_hyperparameters(
+    per_optimizer: Optional[Sequence[Mapping[str, Any]]], reference: Sequence[Mapping[str, Any]]
+) -> Optional[str]:
     """The first difference between two stages' saved hyper-parameters (every group key but its
     parameters, per optimizer), as ``"optimizer 0, parameter group 1: momentum 0.8 against 0.9"``;
     None where they agree."""
@@ -120,11 +123,11 @@ def differing_hyperparameters(per_optimizer: Optional[Sequence[Mapping[str, Any]
 
 def _same(a: Any, b: Any) -> bool:
     """Equal, NaN included (a hyper-parameter may be NaN alike on every stage)."""
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     try:
         return bool(a == b)
-    except Exception:  # values whose comparison is no boolean (a tensor in a group): equal if the same text
+    except (RuntimeError, TypeError, ValueError):  # no boolean comparison (a tensor in a group): compare the text
         return repr(a) == repr(b)
 
 

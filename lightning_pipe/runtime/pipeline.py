@@ -39,8 +39,8 @@ from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
 from lightning_pipe.runtime.pipemare import PipeMare, resolve
+from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
 from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
