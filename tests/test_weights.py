@@ -236,3 +236,20 @@ def test_a_resumed_run_takes_the_checkpoint_over_the_weights(tmp_path: Path) -> 
     assert set(start) == set(saved)
     for name, value in saved.items():
         torch.testing.assert_close(start[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_safetensors_file_cut_at_its_tail_is_named(tmp_path: Path) -> None:
+    """A shard whose copy or download stopped early: its header is whole, its data is not."""
+    state = start_weights()
+    names = list(state)
+    save_pretrained_like(state, tmp_path / "sharded", [names[:4], names[4:]])
+    cut = tmp_path / "sharded" / "model-00002-of-00002.safetensors"
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:-12])
+    message = rf"{cut} is cut short: its header describes {len(whole)} bytes, the file holds {len(whole) - 12}.*copy it again"
+    with pytest.raises(ValueError, match=message):
+        load_stage_weights(built(DeferredNet()), tmp_path / "sharded", model_spec(built(DeferredNet())))
+    single = tmp_path / "single.safetensors"
+    single.write_bytes(whole[:-12])
+    with pytest.raises(ValueError, match=rf"{single} is cut short"):
+        open_weights(single)

@@ -6,6 +6,12 @@ the file (``("state_dict", "layers.7.weight")``); a reader compares only the ten
 rank that reads one stage of a memory-mapped checkpoint still reads nothing of the others. Files
 written by ``torch.distributed.checkpoint`` are compared whole (every byte of them is read anyway).
 
+A file also records one CRC-32 per top-level part of its values other than tensors (``VALUES``
+keys: a stage file's optimizer hyper-parameters and non-tensor state, its strategy state such as an
+asynchronous schedule's step counter, its tensor names and save tag; the metadata's learning-rate
+schedulers), computed over a canonical text of them (:func:`canonical`). Every reader compares
+these, whatever names it reads: they are small, and every rank uses them.
+
 CRC-32 (``zlib.crc32``, no dependency): the fastest checksum of the standard library (about twice
 SHA-1's speed, three times MD5's on one core); it catches every burst of up to 32 flipped bits and
 all but one in 2**32 of other damage. It guards against accidents, not against a forged file.
@@ -61,9 +67,43 @@ def _tensors(value: Any, key: Key = ()) -> Iterator[tuple[Key, Tensor]]:
             yield from _tensors(v, (*key, i))
 
 
-def record(value: Any) -> dict[Key, int]:
-    """The checksum of every tensor in ``value`` (nested mappings and lists), by its key."""
-    return {key: tensor_checksum(tensor) for key, tensor in _tensors(value)}
+#: The first part of a key whose checksum covers the values other than tensors of ``value[key[1]]``.
+VALUES = "<values other than tensors>"
+
+
+def canonical(value: Any) -> str:
+    """A text of ``value``'s values other than tensors, the same wherever the same values are loaded:
+    numbers, strings, booleans and None by their exact ``repr`` (a float round-trips), containers in
+    their order (sets sorted), tensors as a mark (their own checksums cover them), any other object
+    by its type's name (never by its address)."""
+    if isinstance(value, Tensor):
+        return "T"
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{canonical(k)}={canonical(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}[" + ",".join(canonical(v) for v in value) + "]"
+    if isinstance(value, (set, frozenset)):
+        return "set[" + ",".join(sorted(canonical(v) for v in value)) + "]"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def values_checksum(value: Any) -> int:
+    return zlib.crc32(canonical(value).encode())
+
+
+def record(value: Any, values: Collection[str] = ()) -> dict[Key, int]:
+    """The checksum of every tensor in ``value`` (nested mappings and lists), by its key, and of the
+    values other than tensors of each top-level part named in ``values`` that ``value`` has (by
+    ``(VALUES, part)``)."""
+    recorded: dict[Key, int] = {key: tensor_checksum(tensor) for key, tensor in _tensors(value)}
+    for part in values:
+        if part in value:
+            recorded[(VALUES, part)] = values_checksum(value[part])
+    return recorded
 
 
 def _find(value: Any, key: Key) -> Any:
@@ -104,6 +144,13 @@ class Verifier:
             self._by_name.setdefault(owner, []).append(key)
         self._done: set[Key] = set()
 
+    def verify_values(self) -> None:
+        """Check the values other than tensors (before anything fills the file's placeholders in)."""
+        for key in self._by_name.get(None, ()):
+            if key[0] == VALUES and key not in self._done:
+                self._check(key)
+                self._done.add(key)
+
     def verify(self, names: Optional[Iterable[str]] = None) -> None:
         """Check the tensors of ``names`` and those of no name (None: every tensor of the file)."""
         groups = list(self._by_name) if names is None else [None, *names]
@@ -114,6 +161,17 @@ class Verifier:
                     self._done.add(key)
 
     def _check(self, key: Key) -> None:
+        if key[0] == VALUES:
+            part = key[1]
+            if not isinstance(self._loaded, Mapping) or part not in self._loaded:
+                raise damaged(self.file, f"its {part}, recorded when it was written, is missing")
+            if values_checksum(self._loaded[part]) != self._recorded[key]:
+                raise damaged(
+                    self.file,
+                    f"its values other than tensors under {part} (hyper-parameters, counters, names) do not match "
+                    "the checksum recorded when it was written",
+                )
+            return
         try:
             value = _find(self._loaded, key)
         except (KeyError, IndexError, TypeError):
@@ -122,4 +180,7 @@ class Verifier:
             raise damaged(self.file, mismatch(f"the tensor {describe(key)}"))
 
 
-__all__ = ["Key", "Verifier", "damaged", "describe", "file_checksum", "mismatch", "record", "tensor_checksum"]
+__all__ = [
+    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record", "tensor_checksum",
+    "values_checksum",
+]  # fmt: skip

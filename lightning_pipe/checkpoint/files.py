@@ -12,11 +12,15 @@ from torch import Tensor
 
 from lightning_pipe.checkpoint import checksums, sharded
 from lightning_pipe.checkpoint.merged import merged_state_dict
+from lightning_pipe.checkpoint.optimizer_state import differing_hyperparameters
 from lightning_pipe.checkpoint.tags import foreign
 
 META = "meta.pt"
 FORMAT = "lightning-pipe/1"
 _PATH = Union[str, Path]
+#: the parts of a stage file and of the metadata whose values other than tensors are checksummed
+SHARD_VALUES = ("state_dict", "optimizer_states", "extra", "save", "dcp", "dcp_files")
+META_VALUES = ("lr_schedulers",)
 
 
 def shard_name(rank: int) -> str:
@@ -73,13 +77,13 @@ def write_sharded_stage(
 
 def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: Optional[dict[str, Any]] = None) -> None:
     meta = dict(checkpoint)
-    recorded = checksums.record(meta)
+    recorded = checksums.record(meta, META_VALUES)
     meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages, "save": tag, "checksums": recorded}
     torch.save(meta, Path(path) / META)
 
 
 def _save(shard: dict[str, Any], file: Path) -> None:
-    shard["checksums"] = checksums.record(shard)
+    shard["checksums"] = checksums.record(shard, SHARD_VALUES)
     torch.save(shard, file)
 
 
@@ -88,6 +92,8 @@ def _to_cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
     return value
 
 
@@ -143,9 +149,28 @@ def _open(path: _PATH, weights_only: Optional[bool]) -> tuple[dict[str, Any], li
         shard = _load(file, weights_only=True, mmap=True)
         if shard.get("save") != tag:
             raise foreign(file, shard.get("save"), path / META, tag)
-        verifiers.append(checksums.Verifier(file, shard, shard.get("checksums"), shard.get("state_dict", {})))
+        verifier = checksums.Verifier(file, shard, shard.get("checksums"), shard.get("state_dict", {}))
+        verifier.verify_values()
+        verifiers.append(verifier)
         shards.append(sharded.fill(path, shard, tag, path / META) if shard.get("dcp") else shard)
+    _same_hyperparameters([path / shard_name(rank) for rank in range(count)], shards)
     return meta, shards, verifiers
+
+
+def _same_hyperparameters(files: list[Path], shards: list[dict[str, Any]]) -> None:
+    """Every stage saves its optimizers' hyper-parameters; a resume uses stage 0's (the others hold
+    the same), so stages that disagree are refused, naming the files."""
+    if not shards or shards[0].get("optimizer_states") is None:
+        return
+    first = shards[0]["optimizer_states"]
+    for file, shard in zip(files[1:], shards[1:]):
+        difference = differing_hyperparameters(shard.get("optimizer_states"), first)
+        if difference is not None:
+            raise RuntimeError(
+                f"{file} saved other optimizer hyperparameters than {files[0]} ({difference}): every stage saves the "
+                "same ones and a resume takes stage 0's, so these files were not written together (or one was "
+                "edited). Put back the stage files written with this checkpoint, or resume from another one."
+            )
 
 
 def _load(file: Path, **kwargs: Any) -> Any:

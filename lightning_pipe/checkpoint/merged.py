@@ -26,7 +26,8 @@ def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> Optional[lis
 
 def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
     """An asynchronous schedule's state over all stages: the step counter and, per batch, the
-    unapplied gradient of every layer (by name)."""
+    unapplied gradient of every layer (by name): the replicas' mean, and with replicas each one's
+    own (``replica_pending``, in replica order)."""
     states = [(shard.get("extra") or {}).get("async") for shard in shards]
     if any(state is None for state in states):
         return None
@@ -35,6 +36,13 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str
         for batch, grads in state["pending"].items():
             pending.setdefault(int(batch), {}).update(grads)
     merged: dict[str, Any] = {"step": states[0]["step"], "pending": pending}
+    if all(state.get("replica_pending") is not None for state in states):  # each replica's own, per stage
+        replicas: list[dict[int, dict[str, Any]]] = [{} for _ in states[0]["replica_pending"]]
+        for state in states:
+            for mine, theirs in zip(replicas, state["replica_pending"]):
+                for batch, grads in theirs.items():
+                    mine.setdefault(int(batch), {}).update(grads)
+        merged["replica_pending"] = replicas
     if all("pipemare" in state for state in states):  # PipeMare: the update count and every stage's velocity
         velocity: dict[str, Any] = {}
         for state in states:

@@ -4,6 +4,7 @@ to positions in the unsplit module's order for the plain file a consolidation wr
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
@@ -80,7 +81,8 @@ def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, 
     unsplit module's order (each stage lists its members in that order). A tied weight's copies on
     later stages are no members (the unsplit optimizer holds the tensor once, under its first name,
     and the copies' states equal its own: their gradients are summed); their states stay, for a
-    pipeline that resumes them."""
+    pipeline that resumes them. The groups' hyper-parameters are stage 0's: every stage saves the
+    same ones (:func:`differing_hyperparameters`; reading a checkpoint refuses stages that differ)."""
     state: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     for part in per_stage:
@@ -94,6 +96,39 @@ def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, 
         members = [name for name in members if name not in copies]
         groups.append({**{k: v for k, v in first.items() if k != "params"}, "params": members})
     return {"state": state, "param_groups": groups}
+
+
+def differing_hyperparameters(
+    per_optimizer: Optional[Sequence[Mapping[str, Any]]], reference: Sequence[Mapping[str, Any]]
+) -> Optional[str]:
+    """The first difference between two stages' saved hyper-parameters (every group key but its
+    parameters, per optimizer), as ``"optimizer 0, parameter group 1: momentum 0.8 against 0.9"``;
+    None where they agree."""
+    if per_optimizer is None or len(per_optimizer) != len(reference):
+        count = "none" if per_optimizer is None else len(per_optimizer)
+        return f"{count} optimizers against {len(reference)}"
+    for i, (mine, theirs) in enumerate(zip(per_optimizer, reference)):
+        groups, others = mine["param_groups"], theirs["param_groups"]
+        if len(groups) != len(others):
+            return f"optimizer {i}: {len(groups)} parameter groups against {len(others)}"
+        for g, (group, other) in enumerate(zip(groups, others)):
+            for key in sorted(set(group) | set(other), key=str):
+                if key == "params":
+                    continue
+                a, b = group.get(key, "<missing>"), other.get(key, "<missing>")
+                if not _same(a, b):
+                    return f"optimizer {i}, parameter group {g}: {key} {a!r} against {b!r}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN included (a hyper-parameter may be NaN alike on every stage)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # no boolean comparison (a tensor in a group): compare the text
+        return repr(a) == repr(b)
 
 
 def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
@@ -136,6 +171,7 @@ def _natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
 
 
 __all__ = [
+    "differing_hyperparameters",
     "merge_optimizer_states",
     "merge_orders",
     "optimizer_state_by_name",

@@ -17,10 +17,23 @@ def describe(tag: Optional[Mapping[str, Any]]) -> str:
     return f"the save of step {tag.get('global_step')} (epoch {tag.get('epoch')})"
 
 
+def _short(tag: Mapping[str, Any]) -> str:
+    """A save's id as a message shows it: the first 8 characters of its random token."""
+    return str(tag.get("token"))[:8]
+
+
 def foreign(file: Path, found: Optional[Mapping[str, Any]], meta: Path, tag: Optional[Mapping[str, Any]]) -> RuntimeError:
-    """The error for ``file``, tagged ``found``, in a checkpoint whose metadata ``meta`` is tagged ``tag``."""
+    """The error for ``file``, tagged ``found``, in a checkpoint whose metadata ``meta`` is tagged ``tag``
+    (saves of the same step and epoch are told apart by their save ids)."""
+    if found and tag and describe(found) == describe(tag):
+        where = (
+            f"{file} belongs to another save at the same step {tag.get('global_step')} (epoch {tag.get('epoch')}) than "
+            f"{meta}: save id {_short(found)} against {_short(tag)} (another run, or the same step saved twice)"
+        )
+    else:
+        where = f"{file} belongs to {describe(found)}, but {meta} to {describe(tag)}"
     return RuntimeError(
-        f"{file} belongs to {describe(found)}, but {meta} to {describe(tag)}: the "
+        f"{where}: the "
         "directory mixes shards of different saves, and loading it would start from inconsistent weights. "
         "Put back the shard written with the rest of this checkpoint, or resume from another one."
     )

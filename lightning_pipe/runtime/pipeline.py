@@ -40,6 +40,7 @@ from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare, resolve
+from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
 from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
@@ -311,16 +312,28 @@ class StagePipeline:
         return self.gradients.clip_grad_norm_(parameters, max_norm, self.placement.device)
 
     def state_dict(self) -> Optional[dict[str, Any]]:
-        """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones."""
-        return self.asynchronous.state_dict() if self.asynchronous is not None else None
+        """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones.
+        With replicas (a collective over them: every rank calls it), ``pending`` is the replicas'
+        mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replica_pending`)."""
+        if self.asynchronous is None:
+            return None
+        state = self.asynchronous.state_dict()
+        count = self.placement.num_replicas
+        if count > 1:
+            replicas = gather_pending(state["pending"], self.topology.dp_group, count)
+            state["pending"] = mean_pending(replicas)
+            state["replica_pending"] = replicas
+        return state
 
     def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
         """Give this stage its share of an asynchronous schedule's saved state (every stage's, by
-        parameter name)."""
+        parameter name): this replica's own unapplied gradients where the checkpoint has as many
+        replicas, else the saved replicas' mean."""
         if self.asynchronous is None or state is None:
             return
         local = {name for name, _ in self.host.named_parameters()}
-        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in state["pending"].items()}
+        saved = pending_for(state, self.placement.replica, self.placement.num_replicas)
+        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in saved.items()}
         mine: dict[str, Any] = {"step": state["step"], "pending": pending}
         if "pipemare" in state:
             saved = state["pipemare"]

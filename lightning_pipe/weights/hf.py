@@ -59,7 +59,30 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             raise ValueError(f"{path} is not a safetensors file (its header is not JSON: {err})") from err
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a safetensors file (its header is not a table of tensors)")
-    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    try:
+        end = max((int(entry["data_offsets"][1]) for entry in tensors.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"{path} is not a safetensors file (an entry of its header has no data_offsets: {err})") from err
+    check_length(path, 8 + size + end)
+    return {name: tuple(entry["shape"]) for name, entry in tensors.items()}
+
+
+def check_length(path: Path, expected: int) -> None:
+    """A safetensors file holds exactly the bytes its header describes; a copy or download that
+    stopped early (or appended to) is refused naming the file, before safetensors' own
+    ``incomplete metadata`` error, which names none."""
+    actual = path.stat().st_size
+    if actual < expected:
+        raise ValueError(
+            f"{path} is cut short: its header describes {expected} bytes, the file holds {actual} (a download or "
+            "copy that did not finish?). Download or copy it again."
+        )
+    if actual > expected:
+        raise ValueError(
+            f"{path} is damaged: its header describes {expected} bytes, the file holds {actual} (bytes appended, or "
+            "two writes mixed). Download or copy it again."
+        )
 
 
 class PretrainedFiles:
@@ -147,6 +170,7 @@ __all__ = [
     "SAFETENSORS",
     "SAFETENSORS_INDEX",
     "PretrainedFiles",
+    "check_length",
     "pretrained_file",
     "safetensors_shapes",
 ]

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
-from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrained_file
+from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrained_file, safetensors_shapes
 from lightning_pipe.weights.names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
@@ -141,6 +141,10 @@ def _open_pretrained(path: Path) -> WeightSource:
 def _open_safetensors(path: Path) -> WeightSource:
     from safetensors import safe_open
 
+    try:
+        safetensors_shapes(path)  # names the file when it is cut short, as safe_open's error does not
+    except ValueError as err:
+        raise ValueError(f"Cannot read the weights {path}: {err}") from err
     handle = safe_open(str(path), framework="pt", device="cpu")
     shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     return WeightSource(path, shapes, handle.get_tensor, [handle])

@@ -5,6 +5,7 @@ compares only the tensors it uses."""
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,86 @@ def test_damaged_bytes_stop_consolidation_resume_and_weights_naming_the_file(tmp
     read(last, names=stage_zero)
     with pytest.raises(RuntimeError, match=r"the tensor optimizer_states/0/state/layers.6.weight/exp_avg_sq does not match"):
         read(last)
+
+
+def _two_stages(path: Path, momentum: tuple[float, float] = (0.9, 0.9)) -> None:
+    """A two-stage checkpoint written without processes, SGD with ``momentum`` saved per stage."""
+    tag = {"token": "t", "global_step": 3, "epoch": 0}
+    state = TinyNet().state_dict()
+    names = list(state)
+    for stage, m in enumerate(momentum):
+        mine = names[: len(names) // 2] if stage == 0 else names[len(names) // 2 :]
+        group = {"lr": 0.1, "momentum": m, "dampening": 0, "weight_decay": 0, "nesterov": False, "params": mine}
+        optim = [{"state": {n: {"momentum_buffer": torch.ones(2)} for n in mine}, "param_groups": [group]}]
+        write_shard(path, stage, {n: state[n] for n in mine}, optim, extra={"async": {"step": 7, "pending": {}}}, tag=tag)
+    sched = {"gamma": 0.5, "base_lrs": [0.1], "last_epoch": 3}
+    write_meta(path, {"epoch": 0, "global_step": 3, "lr_schedulers": [sched]}, 2, tag)
+
+
+def flip_float(file: Path, value: float, new: float) -> None:
+    """Change the one pickled ``value`` in ``file`` to ``new`` by a single byte (0.9 -> 0.775)."""
+    old_bytes, new_bytes = struct.pack(">d", value), struct.pack(">d", new)
+    assert sum(a != b for a, b in zip(old_bytes, new_bytes)) == 1
+    data = file.read_bytes()
+    assert data.count(old_bytes) == 1
+    file.write_bytes(data.replace(old_bytes, new_bytes))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_changed_optimizer_hyperparameter_is_refused_naming_the_file(tmp_path: Path, stage: int) -> None:
+    _two_stages(tmp_path)
+    assert read(tmp_path)[1][stage]["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9
+    flip_float(tmp_path / shard_name(stage), 0.9, 0.775)
+    message = re.escape(str(tmp_path / shard_name(stage))) + r" is damaged: its values other than tensors under optimizer_states \(hyper-parameters"
+    with pytest.raises(RuntimeError, match=message):
+        read(tmp_path)
+    with pytest.raises(RuntimeError, match=message):
+        read(tmp_path, names=["layers.0.weight"])  # every rank checks every stage's hyperparameters
+
+
+def test_a_changed_scheduler_value_in_the_metadata_is_refused(tmp_path: Path) -> None:
+    _two_stages(tmp_path)
+    flip_float(tmp_path / "meta.pt", 0.5, 0.75)
+    with pytest.raises(RuntimeError, match=r"meta.pt is damaged: its values other than tensors under lr_schedulers"):
+        read(tmp_path)
+
+
+def test_stages_that_saved_different_hyperparameters_are_refused_naming_both_files(tmp_path: Path) -> None:
+    _two_stages(tmp_path, momentum=(0.9, 0.8))  # each file whole, but they disagree
+    message = (
+        re.escape(str(tmp_path / shard_name(1))) + r" saved other optimizer hyperparameters than "
+        + re.escape(str(tmp_path / shard_name(0))) + r" \(optimizer 0, parameter group 0: momentum 0.8 against 0.9\)"
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=message):
+        read(tmp_path)
+
+
+def test_a_resume_refuses_a_momentum_changed_in_either_stage_file(tmp_path: Path) -> None:
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(TinyNet(), 2, chunks=3, max_steps=2, enable_checkpointing=True, callbacks=[saves])
+    last = tmp_path / "last.ckpt"
+    for stage in (0, 1):
+        shard = last / shard_name(stage)
+        whole = shard.read_bytes()
+        flip_float(shard, 0.9, 0.775)
+        message = re.escape(str(shard)) + r" is damaged: its values other than tensors under optimizer_states"
+        with pytest.raises(Exception, match=message):
+            fit_pipeline(TinyNet(), 2, ckpt_path=str(last), chunks=3, max_steps=4)
+        shard.write_bytes(whole)
+
+
+def test_a_stage_file_of_another_run_at_the_same_step_is_named_by_its_save_id(tmp_path: Path) -> None:
+    state = TinyNet().state_dict()
+    for run, token in (("a", "1f2e3d4c5b6a"), ("b", "9a8b7c6d5e4f")):
+        tag = {"token": token, "global_step": 4, "epoch": 0}
+        (tmp_path / run).mkdir()
+        write_shard(tmp_path / run, 0, state, None, tag=tag)
+        write_meta(tmp_path / run, {"epoch": 0, "global_step": 4}, 1, tag)
+    (tmp_path / "a" / shard_name(0)).write_bytes((tmp_path / "b" / shard_name(0)).read_bytes())
+    message = (
+        re.escape(str(tmp_path / "a" / shard_name(0))) + r" belongs to another save at the same step 4 \(epoch 0\) than "
+        + re.escape(str(tmp_path / "a" / "meta.pt")) + r": save id 9a8b7c6d against 1f2e3d4c \(another run, or the same "
+        r"step saved twice\)"
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=message):
+        read(tmp_path / "a")
