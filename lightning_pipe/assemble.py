@@ -22,7 +22,14 @@ from torch import nn
 from lightning_pipe.checkpoint import tie_aliases
 from lightning_pipe.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
+from lightning_pipe.partition import (
+    find_sequential,
+    place,
+    release_elsewhere,
+    release_foreign_parameters,
+    resolve_balance,
+    tied_parameters,
+)
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
 from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
@@ -139,6 +146,7 @@ def split_module(
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
     local = [i for s in held_split for i in range(*bounds[s])]
     local += local_end_indices(len(layers), ends, held_split, num_split)
+    release_foreign_parameters(module, with_ends, local)  # before materialising: no copy of another stage's
     if deferred_build:
         materialize(module, with_ends, local, device, init=config.init)
     place(module, name, stage)

@@ -128,6 +128,27 @@ def tied_parameters(layers: Layers, balance: Sequence[int], end_stages: Sequence
     return [where for where in owners.values() if len(where) > 1]
 
 
+def release_foreign_parameters(module: nn.Module, layers: Layers, local: Sequence[int]) -> list[str]:
+    """Remove from the modules outside ``layers`` every parameter they hold directly that belongs to
+    a layer of another stage only (by identity: BERT's head keeps its decoder's bias also as
+    ``cls.predictions.bias``). Such a parameter is that stage's, not one outside the split layers,
+    whatever name reaches it; left in place it would be summed over the stages as an outside
+    parameter by the ranks that do not hold its layer and not by the one that does. Returns the
+    names removed."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    mine = {id(p) for i in local for p in layers[i].parameters()}
+    foreign = {id(p) for i in range(len(layers)) if i not in set(local) for p in layers[i].parameters()} - mine
+    removed: list[str] = []
+    for path, owner in module.named_modules():
+        if id(owner) in inside:
+            continue
+        for key, param in list(owner._parameters.items()):
+            if param is not None and id(param) in foreign:
+                del owner._parameters[key]
+                removed.append(f"{path}.{key}" if path else key)
+    return removed
+
+
 class Elsewhere(nn.Module):
     """Stands, outside the split layers, where the module held a piece of another stage's layers (a
     model kept beside the Sequential built from its parts): no tensors, so this rank keeps none of

@@ -1,0 +1,149 @@
+"""Tiny configurations (4 blocks of width 64) of every model family the docs' table lists
+(``docs/models.md``), for the parity tests of ``tests/test_hf_families.py``. Needs ``transformers``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.hf_models import HFModule
+
+WIDTH = 64
+VOCAB = 96
+CLASSES = 5
+
+
+def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
+    """A causal LM of the Llama shape family (``model.model.layers``)."""
+
+    def build(layers: int = 4) -> nn.Module:
+        config = config_cls(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0, **extra)  # fmt: skip
+        return model_cls(config)
+
+    return build
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    config = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt_neox(layers: int = 4) -> nn.Module:
+    config = transformers.GPTNeoXConfig(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers,
+                                        num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def _bert_config(layers: int, **extra: Any) -> Any:
+    return transformers.BertConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                   intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=32,
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)  # fmt: skip
+
+
+def bert_classifier(layers: int = 4) -> nn.Module:
+    return transformers.BertForSequenceClassification(_bert_config(layers, num_labels=CLASSES, classifier_dropout=0.0))
+
+
+def bert_mlm(layers: int = 4) -> nn.Module:
+    """HF's default: the decoder's weight tied to the word embeddings, and its bias one parameter
+    under two names (``cls.predictions.bias``, ``cls.predictions.decoder.bias``)."""
+    return transformers.BertForMaskedLM(_bert_config(layers))
+
+
+def roberta_mlm(layers: int = 4) -> nn.Module:
+    config = transformers.RobertaConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                        intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=34,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+    return transformers.RobertaForMaskedLM(config)
+
+
+def distilbert_mlm(layers: int = 4) -> nn.Module:
+    config = transformers.DistilBertConfig(dim=WIDTH, n_layers=layers, n_heads=4, hidden_dim=2 * WIDTH, vocab_size=VOCAB,
+                                           max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                           pad_token_id=0)  # fmt: skip
+    return transformers.DistilBertForMaskedLM(config)
+
+
+def vit(layers: int = 4) -> nn.Module:
+    config = transformers.ViTConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                    intermediate_size=2 * WIDTH, image_size=8, patch_size=4, num_channels=3,
+                                    num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def t5(layers: int = 4) -> nn.Module:
+    config = transformers.T5Config(d_model=WIDTH, d_kv=16, d_ff=2 * WIDTH, num_layers=layers, num_decoder_layers=layers,
+                                   num_heads=4, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                                   pad_token_id=0, eos_token_id=1)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the model-family table: how to build a tiny model, where its blocks are, what its
+    data looks like (``tokens``: labels = inputs; ``classes``: a class per sequence; ``images``),
+    and whether the pipeline trains it (``refused``: the reason the table gives)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    module: str
+    data: str = "tokens"
+    refused: str = ""
+
+
+MOE_OFF = dict(output_router_logits=False)
+
+FAMILIES: list[Family] = [
+    Family("GPT-2", gpt2, "model.transformer.h"),
+    Family("Llama (tied embeddings)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True), "model.model.layers"),
+    Family("Llama (untied)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=False), "model.model.layers"),
+    Family("Qwen2", _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM), "model.model.layers"),
+    Family("Qwen3", _decoder(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=16), "model.model.layers"),
+    Family("Mistral", _decoder(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=8), "model.model.layers"),
+    Family("Gemma", _decoder(transformers.GemmaConfig, transformers.GemmaForCausalLM, head_dim=16), "model.model.layers"),
+    Family("Gemma 2", _decoder(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, head_dim=16, sliding_window=8), "model.model.layers"),
+    Family("Gemma 3 (text)", _decoder(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, sliding_window=8), "model.model.layers"),
+    Family("Phi-3", _decoder(transformers.Phi3Config, transformers.Phi3ForCausalLM), "model.model.layers"),
+    Family("GPT-NeoX", gpt_neox, "model.gpt_neox.layers"),
+    Family("Mixtral (auxiliary loss off)", _decoder(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2, **MOE_OFF), "model.model.layers"),
+    Family("Qwen2-MoE (auxiliary loss off)", _decoder(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF), "model.model.layers"),
+    Family("BERT sequence classification", bert_classifier, "model.bert.encoder.layer", data="classes"),
+    Family("BERT masked LM (tied)", bert_mlm, "model.bert.encoder.layer"),
+    Family("RoBERTa masked LM (tied)", roberta_mlm, "model.roberta.encoder.layer"),
+    Family("DistilBERT masked LM (tied)", distilbert_mlm, "model.distilbert.transformer.layer"),
+    Family("ViT image classification", vit, "model.vit.layers", data="images"),
+    Family("T5", t5, "model.encoder.block", refused="its blocks pass position biases to later blocks beside the hidden state"),
+]
+
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """Token sequences with labels = inputs (a causal LM shifts them; a masked LM predicts every
+    token), sequences with a class each, or small images with a class each."""
+    g = torch.Generator().manual_seed(seed)
+    if family.data == "images":
+        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    else:
+        tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
+        labels = torch.randint(0, CLASSES, (n,), generator=g) if family.data == "classes" else tokens
+        data = TensorDataset(tokens, labels)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class FamilyModule(HFModule):
+    """A family's unchanged model; its own loss (``labels=``) is the training loss."""
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        if inputs.is_floating_point():
+            return self.model(pixel_values=inputs, labels=labels)
+        return self.model(input_ids=inputs, labels=labels)
