@@ -38,6 +38,7 @@ from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare, resolve
 from lightning_pipe.runtime.sharding import ShardedStage
@@ -113,6 +114,7 @@ class StagePipeline:
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
         chimera = config.schedule == "chimera"
+        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if chimera else None
         self.gradients = StageGradients(
             shared,
