@@ -61,3 +61,11 @@ def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup
     family = BY_NAME["BERT masked LM (tied)"]
     with pytest.raises(Exception, match=r"disagree on the parameters outside the split layers.*model\.cls\.predictions\.bias"):
         fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)
+
+
+def test_t5_is_refused_in_the_first_forward_naming_the_block_and_its_position_bias() -> None:
+    """Before: ``not enough values to unpack (expected 3, got 2)`` inside modeling_t5.py."""
+    family = BY_NAME["T5"]
+    assert family.refused
+    with pytest.raises(Exception, match=r"Block 2 \(T5Block\), the first of the next pipeline stage, is called with 'position_bias'"):
+        fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)

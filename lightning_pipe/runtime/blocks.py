@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -62,6 +63,7 @@ class BlockShell:
         self.attributes = plain_attributes(block)
         self.hidden = hidden_argument(block)
         self.kind = type(block).__name__
+        self.arguments = argument_names(block)
 
 
 class LoopedContainer(nn.Module, ABC):
@@ -176,15 +178,16 @@ class BlockDrive:
         self.entered = False
         self.captured: Optional[Any] = None
         self.finished = False
+        self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
-            return _Skipped(host, index)
+            return _Skipped(host, index, self)
         if index < self.stop:
             return _Local(host, index, self)
         if self.stops and index == self.stop:
             return _Boundary(host, index, self)
-        return _Skipped(host, index)
+        return _Skipped(host, index, self)
 
     def check(self, is_last: bool) -> None:
         """After the step: the loop reached this stage's blocks (and, on a stage that hands on, the
@@ -241,7 +244,12 @@ class _Entry:
 class _Skipped(_Entry):
     """A block of an earlier stage: hands its hidden state on (the next held block replaces it)."""
 
+    def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
+        super().__init__(host, index)
+        self._drive = drive
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         return self._hidden(args, kwargs)[0]
 
 
@@ -255,6 +263,8 @@ class _Boundary(_Entry):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before the blocks of this stage.")
+        shell = self._host.shell(self._index)
+        self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
         self._drive.captured = self._hidden(args, kwargs)[0]
         self._drive.finished = True
         raise StageExit
@@ -288,10 +298,13 @@ class _Local(_Entry):
             return functional_call(block, own, a, k) if own else block(*a, **k)
 
         if not drive.use_checkpoint:
-            return run(*args, **kwargs)
-        return torch_checkpoint(
-            run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
-        )
+            output = run(*args, **kwargs)
+        else:
+            output = torch_checkpoint(
+                run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
+            )
+        drive.outputs.returned(self._index, output)
+        return output
 
 
 __all__ = ["BlockDrive", "BlockShell", "BlockStage", "LoopedContainer", "StageExit", "hidden_argument", "layer_parameter_names"]
