@@ -211,11 +211,12 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     shared = [p for n, p in sorted(module.named_parameters()) if id(p) not in held]
     tied = bool(split.split.ties)
     beyond_layers = shared + split.held_ends  # neither sharded nor versioned with the stage's layers
+    blocks = split.attribute if isinstance(split.split.host, BlockStage) else None  # the messages name the container
     if config.data_parallel == "shard" and placement.num_replicas > 1:
-        check_shard(config.schedule, beyond_layers, tied)
+        check_shard(config.schedule, beyond_layers, tied, blocks)
     if is_async(config.schedule):
         p = placement.num_stages
-        check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler)
+        check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
         return StagePipeline(config, placement, split.split, topology, module, shared)
 

@@ -69,3 +69,18 @@ def test_t5_is_refused_in_the_first_forward_naming_the_block_and_its_position_bi
     assert family.refused
     with pytest.raises(Exception, match=r"Block 2 \(T5Block\), the first of the next pipeline stage, is called with 'position_bias'"):
         fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"schedule": "pipedream_2bw"}, r"weight versions of the blocks of the block container 'model\.transformer\.h' only"),
+        ({"data_parallel": "shard", "stages": 2}, r"outside the blocks of the block container 'model\.transformer\.h'"),
+    ],
+    ids=["async", "shard"],
+)
+def test_refusals_for_a_block_container_speak_of_its_blocks(options: dict, expected: str) -> None:
+    family = BY_NAME["GPT-2"]
+    devices = 4 if "stages" in options else 2
+    with pytest.raises(Exception, match=expected):
+        fit_pipeline(FamilyModule(family.build), devices, family_data(family), module=family.module, **options)
