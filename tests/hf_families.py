@@ -95,33 +95,44 @@ class Family:
 
     name: str
     build: Callable[..., nn.Module]
+    model: type  # what ``build`` returns (checked by the tests that build it)
     module: str
     data: str = "tokens"
     refused: str = ""
+    weights_refused: str = ""  # why ``weights=`` a save_pretrained directory is refused at setup
+
+
+#: transformers 5 converts some checkpoints' names and layouts when it loads them, and its
+#: ``save_pretrained`` writes the legacy ones, which ``weights=`` reads as they are
+LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}), which weights= does not convert"
 
 
 MOE_OFF = dict(output_router_logits=False)
 
 FAMILIES: list[Family] = [
-    Family("GPT-2", gpt2, "model.transformer.h"),
-    Family("Llama (tied embeddings)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True), "model.model.layers"),
-    Family("Llama (untied)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=False), "model.model.layers"),
-    Family("Qwen2", _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM), "model.model.layers"),
-    Family("Qwen3", _decoder(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=16), "model.model.layers"),
-    Family("Mistral", _decoder(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=8), "model.model.layers"),
-    Family("Gemma", _decoder(transformers.GemmaConfig, transformers.GemmaForCausalLM, head_dim=16), "model.model.layers"),
-    Family("Gemma 2", _decoder(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, head_dim=16, sliding_window=8), "model.model.layers"),
-    Family("Gemma 3 (text)", _decoder(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, sliding_window=8), "model.model.layers"),
-    Family("Phi-3", _decoder(transformers.Phi3Config, transformers.Phi3ForCausalLM), "model.model.layers"),
-    Family("GPT-NeoX", gpt_neox, "model.gpt_neox.layers"),
-    Family("Mixtral (auxiliary loss off)", _decoder(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2, **MOE_OFF), "model.model.layers"),
-    Family("Qwen2-MoE (auxiliary loss off)", _decoder(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF), "model.model.layers"),
-    Family("BERT sequence classification", bert_classifier, "model.bert.encoder.layer", data="classes"),
-    Family("BERT masked LM (tied)", bert_mlm, "model.bert.encoder.layer"),
-    Family("RoBERTa masked LM (tied)", roberta_mlm, "model.roberta.encoder.layer"),
-    Family("DistilBERT masked LM (tied)", distilbert_mlm, "model.distilbert.transformer.layer"),
-    Family("ViT image classification", vit, "model.vit.layers", data="images"),
-    Family("T5", t5, "model.encoder.block", refused="its blocks pass position biases to later blocks beside the hidden state"),
+    Family("GPT-2", gpt2, transformers.GPT2LMHeadModel, "model.transformer.h"),
+    Family("Llama (tied embeddings)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True), transformers.LlamaForCausalLM, "model.model.layers"),
+    Family("Llama (untied)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=False), transformers.LlamaForCausalLM, "model.model.layers"),
+    Family("Qwen2", _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM), transformers.Qwen2ForCausalLM, "model.model.layers"),
+    Family("Qwen3", _decoder(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=16), transformers.Qwen3ForCausalLM, "model.model.layers"),
+    Family("Mistral", _decoder(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=8), transformers.MistralForCausalLM, "model.model.layers"),
+    Family("Gemma", _decoder(transformers.GemmaConfig, transformers.GemmaForCausalLM, head_dim=16), transformers.GemmaForCausalLM, "model.model.layers"),
+    Family("Gemma 2", _decoder(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, head_dim=16, sliding_window=8), transformers.Gemma2ForCausalLM, "model.model.layers"),
+    Family("Gemma 3 (text)", _decoder(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, sliding_window=8), transformers.Gemma3ForCausalLM, "model.model.layers"),
+    Family("Phi-3", _decoder(transformers.Phi3Config, transformers.Phi3ForCausalLM), transformers.Phi3ForCausalLM, "model.model.layers"),
+    Family("GPT-NeoX", gpt_neox, transformers.GPTNeoXForCausalLM, "model.gpt_neox.layers",
+           weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`")),
+    Family("Mixtral (auxiliary loss off)", _decoder(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2, **MOE_OFF), transformers.MixtralForCausalLM, "model.model.layers",
+           weights_refused=LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")),
+    Family("Qwen2-MoE (auxiliary loss off)", _decoder(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF), transformers.Qwen2MoeForCausalLM, "model.model.layers",
+           weights_refused=LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")),
+    Family("BERT sequence classification", bert_classifier, transformers.BertForSequenceClassification, "model.bert.encoder.layer", data="classes"),
+    Family("BERT masked LM (tied)", bert_mlm, transformers.BertForMaskedLM, "model.bert.encoder.layer"),
+    Family("RoBERTa masked LM (tied)", roberta_mlm, transformers.RobertaForMaskedLM, "model.roberta.encoder.layer"),
+    Family("DistilBERT masked LM (tied)", distilbert_mlm, transformers.DistilBertForMaskedLM, "model.distilbert.transformer.layer"),
+    Family("ViT image classification", vit, transformers.ViTForImageClassification, "model.vit.layers", data="images",
+           weights_refused=LEGACY_NAMES.format("`vit.encoder.layer.N.attention.attention.query` for `vit.layers.N.attention.q_proj`")),
+    Family("T5", t5, transformers.T5ForConditionalGeneration, "model.encoder.block", refused="its blocks pass position biases to later blocks beside the hidden state"),
 ]
 
 BY_NAME = {f.name: f for f in FAMILIES}
@@ -147,3 +158,47 @@ class FamilyModule(HFModule):
         if inputs.is_floating_point():
             return self.model(pixel_values=inputs, labels=labels)
         return self.model(input_ids=inputs, labels=labels)
+
+
+#: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains
+STAGES = (2, 4)
+SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b")
+WEIGHTS_STAGES = 2
+TABLE_BEGIN = "<!-- family table: written by `python -m tests.hf_families`, checked by tests/test_hf_families.py -->"
+TABLE_END = "<!-- end of family table -->"
+DOCS = "docs/models.md"
+
+
+def family_table() -> str:
+    """The docs' table of model families, from :data:`FAMILIES` and what the tests run for them."""
+    stages = " and ".join(str(s) for s in STAGES)
+    schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
+    rows = [
+        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a `save_pretrained` directory |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FAMILIES:
+        model = f.model.__name__
+        if f.refused:
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
+            continue
+        weights = (
+            f"refused at setup: {f.weights_refused}"
+            if f.weights_refused
+            else f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
+        )
+        rows.append(f"| {f.name} | `{model}` | `{f.module}` | {stages} stages x {schedules} | {weights} |")
+    return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
+
+
+def write_table(path: str = DOCS) -> None:
+    """Put :func:`family_table` between its markers in ``path``."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    with open(path, "w") as f:
+        f.write(text[:start] + family_table() + text[end:])
+
+
+if __name__ == "__main__":
+    write_table()
