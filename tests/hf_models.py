@@ -39,7 +39,15 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "llama_gqa_tied": (lambda layers=4: llama(True, layers), "model.model.layers"),
     "llama_gqa_untied": (lambda layers=4: llama(False, layers), "model.model.layers"),
     "vit": (vit, "model.vit.layers"),
+    # the head's bias one parameter under two names, the decoder's weight tied to the embeddings
+    "bert_mlm": (lambda layers=4: _bert_mlm(layers), "model.bert.encoder.layer"),
 }
+
+
+def _bert_mlm(layers: int) -> nn.Module:
+    from tests.hf_families import bert_mlm
+
+    return bert_mlm(layers)
 
 
 class HFModule(L.LightningModule):
