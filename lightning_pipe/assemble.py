@@ -24,9 +24,10 @@ from lightning_pipe.compatibility import as_misconfiguration, check_async, check
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import (
     find_sequential,
+    foreign_parameters,
     place,
     release_elsewhere,
-    release_foreign_parameters,
+    release_parameters,
     resolve_balance,
     tied_parameters,
 )
@@ -146,12 +147,13 @@ def split_module(
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
     local = [i for s in held_split for i in range(*bounds[s])]
     local += local_end_indices(len(layers), ends, held_split, num_split)
-    release_foreign_parameters(module, with_ends, local)  # before materialising: no copy of another stage's
+    foreign = foreign_parameters(module, with_ends, local)  # by identity, before materialising makes new tensors
     if deferred_build:
         materialize(module, with_ends, local, device, init=config.init)
     place(module, name, stage)
     stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
+    release_parameters(foreign)
     if spec is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script

@@ -76,7 +76,7 @@ def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup
     setup with the names, not with gloo's abort in the first step's sum."""
     import lightning_pipe.assemble
 
-    monkeypatch.setattr(lightning_pipe.assemble, "release_foreign_parameters", lambda *args: [])  # fork: the children too
+    monkeypatch.setattr(lightning_pipe.assemble, "release_parameters", lambda slots: [])  # fork: the children too
     family = BY_NAME["BERT masked LM (tied)"]
     with pytest.raises(Exception, match=r"disagree on the parameters outside the split layers.*model\.cls\.predictions\.bias"):
         fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)
@@ -140,3 +140,29 @@ def test_the_docs_table_is_the_one_the_families_and_the_grid_give() -> None:
     assert written == family_table(), "docs/models.md is out of date: run python -m tests.hf_families"
     assert {n for n, _, _ in GRID} == {f.name for f in FAMILIES if not f.refused}
     assert {(d, s) for _, d, s in GRID} == {(d, s) for d in STAGES for s in SCHEDULES}
+
+
+class DeferredBertMLM(FamilyModule):
+    """BERT's masked LM built in configure_model(): on the meta device under the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = BY_NAME["BERT masked LM (tied)"].build()
+
+
+def test_a_meta_built_masked_lm_initialises_its_head_and_keeps_the_bias_on_the_last_stage_only(tmp_path: Path) -> None:
+    """HF's own initialisation of the head sets ``cls.predictions.bias`` on every stage that builds
+    the head's module; the stages that do not hold the decoder release it after, found by identity
+    before materialising gave the tensors new ones."""
+    import json
+
+    from tests.hf_models import RecordHeld
+
+    family = BY_NAME["BERT masked LM (tied)"]
+    fit_pipeline(DeferredBertMLM(), 2, family_data(family), module=family.module, callbacks=[RecordHeld(str(tmp_path))])
+    first, last = (set(json.loads((tmp_path / f"held{r}.json").read_text())["names"]) for r in range(2))
+    assert "model.cls.predictions.bias" not in first and "model.cls.predictions.decoder.weight" not in first
+    assert "model.cls.predictions.bias" in last  # the first name of the decoder's bias there

@@ -112,9 +112,9 @@ class StagePipeline:
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
+        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
         chimera = config.schedule == "chimera"
-        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if chimera else None
         self.gradients = StageGradients(
             shared,
