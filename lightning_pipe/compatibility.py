@@ -68,7 +68,9 @@ def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, block
             if blocks is None
             else f"Use data_parallel='replicate', or {_AS_SEQUENTIAL} (with a synchronous schedule and untied weights)."
         )
-        raise MisconfigurationException("PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems) + ". " + fix)
+        raise MisconfigurationException(
+            "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems) + ". " + fix
+        )
 
 
 def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
@@ -137,4 +139,11 @@ def check_async(
         )
 
 
-__all__ = ["as_misconfiguration", "check_async", "check_automatic_optimization", "check_chimera_layout", "check_shard", "split_layers"]
+__all__ = [
+    "as_misconfiguration",
+    "check_async",
+    "check_automatic_optimization",
+    "check_chimera_layout",
+    "check_shard",
+    "split_layers",
+]

@@ -18,7 +18,9 @@ def test_the_async_refusal_names_the_block_container_and_its_ends() -> None:
     assert "weight versions of the blocks of the block container 'model.transformer.h' only" in message
     assert "outside those blocks (wte.weight)" in message and "embeddings, head and final norm" in message
     assert "nn.Sequential" in message and "Move those layers into the Sequential" not in message
-    with pytest.raises(MisconfigurationException, match="of the split nn.Sequential only.*Move those layers into the Sequential"):
+    with pytest.raises(
+        MisconfigurationException, match="of the split nn.Sequential only.*Move those layers into the Sequential"
+    ):
         check_async("pipedream", model, [model.wte.weight], False, 2, 4, None)
 
 

@@ -55,13 +55,17 @@ class BlockOutputs:
         self._extra: dict[int, tuple[int, int, int, Tensor]] = {}
         self.skipped: Optional[tuple[int, str]] = None  # (index, kind) of the last stand-in called
 
-    def returned(self, index: int, output: Any) -> None:
-        """Block ``index`` returned ``output``: remember its tensors other than the first."""
+    def returned(self, index: int, output: Any, args: tuple = (), kwargs: Optional[dict] = None) -> None:
+        """Block ``index``, called with ``args``/``kwargs``, returned ``output``: remember its tensors other
+        than the first that it made (not those it was given and hands back: a value computed before the
+        loop that every block passes on is computed on every stage)."""
         self.skipped = None
-        if isinstance(output, (tuple, list)) and len(output) > 1:
-            for position, value in enumerate(output[1:], start=1):
-                if isinstance(value, Tensor):
-                    self._extra[id(value)] = (index, position, len(output), value)
+        if not isinstance(output, (tuple, list)) or len(output) < 2:
+            return
+        given = {id(v) for v in (*args, *(kwargs or {}).values()) if isinstance(v, Tensor)}
+        for position, value in enumerate(output[1:], start=1):
+            if isinstance(value, Tensor) and id(value) not in given:
+                self._extra[id(value)] = (index, position, len(output), value)
 
     def check_boundary(self, index: int, kind: str, names: list[str], args: tuple, kwargs: dict) -> None:
         """The next stage's first block ``index`` is called with ``args``/``kwargs`` (the first positional

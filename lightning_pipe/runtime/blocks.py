@@ -303,7 +303,7 @@ class _Local(_Entry):
             output = torch_checkpoint(
                 run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
             )
-        drive.outputs.returned(self._index, output)
+        drive.outputs.returned(self._index, output, args, kwargs)
         return output
 
 

@@ -71,7 +71,7 @@ def test_the_stage_that_made_the_value_refuses_at_the_next_stages_first_block() 
         model(torch.randn(4, 3))
     message = str(refused.value)
     assert "Block 2 (BiasBlock), the first of the next pipeline stage, is called with 'bias'" in message
-    assert "block 1 returned beside its hidden state (output 1 of 2)" in message
+    assert "block 0 returned beside its hidden state (output 1 of 2)" in message  # where it was made
     assert "nn.Sequential" in message  # the alternative
 
 
@@ -107,6 +107,19 @@ def test_training_such_a_model_stops_in_the_first_step_with_the_reason() -> None
     """Before: ``too many values to unpack`` from the model's loop on the second stage."""
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, 2, generator=g)), batch_size=8)
-    with pytest.raises(Exception, match=r"(Block 2 \(BiasBlock\).*'bias'|right after block 0 \(BiasBlock\)).*T5's position biases"):
+    with pytest.raises(
+        Exception, match=r"(Block 2 \(BiasBlock\).*'bias'|right after block 0 \(BiasBlock\)).*T5's position biases"
+    ):
         fit_pipeline(BiasNet(), 2, data, module="blocks")
 
+
+def test_a_value_computed_before_the_loop_that_blocks_hand_back_is_not_refused() -> None:
+    """A block may return what it was given (a mask, rotary tables): every stage computes it."""
+    outputs = BlockOutputs()
+    hidden, mask = torch.zeros(2), torch.ones(2)
+    outputs.returned(1, (hidden + 1, mask), (hidden, mask), {})
+    outputs.check_boundary(2, "Block", ["hidden", "mask"], (hidden, mask), {})
+    made = torch.ones(2)
+    outputs.returned(1, (hidden + 1, made), (hidden, mask), {})
+    with pytest.raises(BlockOutputsRefused, match="called with 'mask'"):
+        outputs.check_boundary(2, "Block", ["hidden", "mask"], (hidden, made), {})

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from torch import nn
 
 from lightning_pipe.runtime import outside_agreement
