@@ -107,32 +107,42 @@ class Family:
 LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}), which weights= does not convert"
 
 
-MOE_OFF = dict(output_router_logits=False)
+def _causal(name: str, config_cls: Any, model_cls: type, weights_refused: str = "", **extra: Any) -> Family:
+    """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
+    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused)
+
+
+T = transformers
+MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
+STACKED_EXPERTS = LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")
 
 FAMILIES: list[Family] = [
-    Family("GPT-2", gpt2, transformers.GPT2LMHeadModel, "model.transformer.h"),
-    Family("Llama (tied embeddings)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=True), transformers.LlamaForCausalLM, "model.model.layers"),
-    Family("Llama (untied)", _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, tie_word_embeddings=False), transformers.LlamaForCausalLM, "model.model.layers"),
-    Family("Qwen2", _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM), transformers.Qwen2ForCausalLM, "model.model.layers"),
-    Family("Qwen3", _decoder(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=16), transformers.Qwen3ForCausalLM, "model.model.layers"),
-    Family("Mistral", _decoder(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=8), transformers.MistralForCausalLM, "model.model.layers"),
-    Family("Gemma", _decoder(transformers.GemmaConfig, transformers.GemmaForCausalLM, head_dim=16), transformers.GemmaForCausalLM, "model.model.layers"),
-    Family("Gemma 2", _decoder(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, head_dim=16, sliding_window=8), transformers.Gemma2ForCausalLM, "model.model.layers"),
-    Family("Gemma 3 (text)", _decoder(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, sliding_window=8), transformers.Gemma3ForCausalLM, "model.model.layers"),
-    Family("Phi-3", _decoder(transformers.Phi3Config, transformers.Phi3ForCausalLM), transformers.Phi3ForCausalLM, "model.model.layers"),
-    Family("GPT-NeoX", gpt_neox, transformers.GPTNeoXForCausalLM, "model.gpt_neox.layers",
-           weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`")),
-    Family("Mixtral (auxiliary loss off)", _decoder(transformers.MixtralConfig, transformers.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2, **MOE_OFF), transformers.MixtralForCausalLM, "model.model.layers",
-           weights_refused=LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")),
-    Family("Qwen2-MoE (auxiliary loss off)", _decoder(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF), transformers.Qwen2MoeForCausalLM, "model.model.layers",
-           weights_refused=LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")),
-    Family("BERT sequence classification", bert_classifier, transformers.BertForSequenceClassification, "model.bert.encoder.layer", data="classes"),
-    Family("BERT masked LM (tied)", bert_mlm, transformers.BertForMaskedLM, "model.bert.encoder.layer"),
-    Family("RoBERTa masked LM (tied)", roberta_mlm, transformers.RobertaForMaskedLM, "model.roberta.encoder.layer"),
-    Family("DistilBERT masked LM (tied)", distilbert_mlm, transformers.DistilBertForMaskedLM, "model.distilbert.transformer.layer"),
-    Family("ViT image classification", vit, transformers.ViTForImageClassification, "model.vit.layers", data="images",
-           weights_refused=LEGACY_NAMES.format("`vit.encoder.layer.N.attention.attention.query` for `vit.layers.N.attention.q_proj`")),
-    Family("T5", t5, transformers.T5ForConditionalGeneration, "model.encoder.block", refused="its blocks pass position biases to later blocks beside the hidden state"),
+    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
+    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=True),
+    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=False),
+    _causal("Qwen2", T.Qwen2Config, T.Qwen2ForCausalLM),
+    _causal("Qwen3", T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16),
+    _causal("Mistral", T.MistralConfig, T.MistralForCausalLM, sliding_window=8),
+    _causal("Gemma", T.GemmaConfig, T.GemmaForCausalLM, head_dim=16),
+    _causal("Gemma 2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8),
+    _causal("Gemma 3 (text)", T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=16, sliding_window=8),
+    _causal("Phi-3", T.Phi3Config, T.Phi3ForCausalLM),
+    Family("GPT-NeoX", gpt_neox, T.GPTNeoXForCausalLM, "model.gpt_neox.layers",
+           weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`")),  # fmt: skip
+    _causal("Mixtral (auxiliary loss off)", T.MixtralConfig, T.MixtralForCausalLM, STACKED_EXPERTS, num_local_experts=4,
+            num_experts_per_tok=2, **MOE_OFF),  # fmt: skip
+    _causal("Qwen2-MoE (auxiliary loss off)", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, STACKED_EXPERTS, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF),  # fmt: skip
+    Family("BERT sequence classification", bert_classifier, T.BertForSequenceClassification, "model.bert.encoder.layer",
+           data="classes"),  # fmt: skip
+    Family("BERT masked LM (tied)", bert_mlm, T.BertForMaskedLM, "model.bert.encoder.layer"),
+    Family("RoBERTa masked LM (tied)", roberta_mlm, T.RobertaForMaskedLM, "model.roberta.encoder.layer"),
+    Family("DistilBERT masked LM (tied)", distilbert_mlm, T.DistilBertForMaskedLM, "model.distilbert.transformer.layer"),
+    Family("ViT image classification", vit, T.ViTForImageClassification, "model.vit.layers", data="images",
+           weights_refused=LEGACY_NAMES.format("`vit.encoder.layer.N.attention.attention.query` for "
+                                               "`vit.layers.N.attention.q_proj`")),  # fmt: skip
+    Family("T5", t5, T.T5ForConditionalGeneration, "model.encoder.block",
+           refused="its blocks pass position biases to later blocks beside the hidden state"),  # fmt: skip
 ]
 
 BY_NAME = {f.name: f for f in FAMILIES}
