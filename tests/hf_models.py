@@ -59,6 +59,8 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "llama_gqa_tied": (lambda layers=4: llama(True, layers), "model.model.layers"),
     "llama_gqa_untied": (lambda layers=4: llama(False, layers), "model.model.layers"),
     "vit": (vit, "model.vit.layers"),
+    # the head's bias one parameter under two names, the decoder's weight tied to the embeddings
+    "bert_mlm": (lambda layers=4: _bert_mlm(layers), "model.bert.encoder.layer"),
 }
 
 #: the mixture-of-experts models, as :data:`MODELS`; kept out of its parity grid, where Mixtral under
@@ -91,6 +93,12 @@ class BertLastFourCLS(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _bert_mlm(layers: int) -> nn.Module:
+    from tests.hf_families import bert_mlm
+
+    return bert_mlm(layers)
 
 
 class HFModule(L.LightningModule):

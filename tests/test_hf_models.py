@@ -141,7 +141,7 @@ def test_chimera_on_a_block_container_is_refused_before_training() -> None:
         fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, schedule="chimera")
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "gpt2"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "gpt2", pytest.param("bert_mlm", marks=pytest.mark.slow)])
 def test_checkpoints_resume_under_the_pipeline_and_consolidate_for_plain_lightning(tmp_path: Path, name: str) -> None:
     """2 pipeline steps (AdamW) on 2 stages, saved; resumed on 4 stages for 2 more, saved again;
     consolidated, then 2 plain steps: the weights equal 6 plain steps. The tie between the first

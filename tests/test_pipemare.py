@@ -172,15 +172,15 @@ def test_options_and_their_errors() -> None:
     assert resolve("pipedream", None, None) == (0, False)
     assert resolve("pipedream_2bw", 50, None) == (50, False)
     PipelineConfig(schedule="pipedream", pipemare_warmup=100)
-    PipelineConfig(schedule="pipemare", checkpoint="always", pipemare_correction=False)
+    PipelineConfig(schedule="pipemare", recompute="always", pipemare_correction=False)
     with pytest.raises(ValueError, match="synchronous"):
         PipelineConfig(schedule="1f1b", pipemare_warmup=100)
     with pytest.raises(ValueError, match="K >= 0"):
         PipelineConfig(schedule="pipemare", pipemare_warmup=-1)
     with pytest.raises(ValueError, match="keeps the forward's weights"):
         PipelineConfig(schedule="pipedream", pipemare_correction=True)
-    with pytest.raises(ValueError, match="checkpoint='never', or pipemare_correction=False"):
-        PipelineConfig(schedule="pipemare", checkpoint="except_last")
+    with pytest.raises(ValueError, match="recompute='never', or pipemare_correction=False"):
+        PipelineConfig(schedule="pipemare", recompute="except_last")
     PipelineConfig(schedule="pipemare", pipemare_decay=0.9)
     for bad in (0.0, 1.0, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="strictly between 0 and 1"):

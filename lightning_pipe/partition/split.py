@@ -128,6 +128,43 @@ def tied_parameters(layers: Layers, balance: Sequence[int], end_stages: Sequence
     return [where for where in owners.values() if len(where) > 1]
 
 
+#: a parameter slot: the module that holds the parameter directly, its key there, and its path
+Slot = tuple[nn.Module, str, str]
+
+
+def foreign_parameters(module: nn.Module, layers: Layers, local: Sequence[int]) -> list[Slot]:
+    """Where the modules outside ``layers`` hold directly a parameter that belongs to a layer of
+    another stage only (by identity: BERT's head keeps its decoder's bias also as
+    ``cls.predictions.bias``). Such a parameter is that stage's, not one outside the split layers,
+    whatever name reaches it; left in place it would be summed over the stages as an outside
+    parameter by the ranks that do not hold its layer and not by the one that does. Found before
+    materialising, which gives a meta-built model's copies new identities."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    mine = {id(p) for i in local for p in layers[i].parameters()}
+    foreign = {id(p) for i in range(len(layers)) if i not in set(local) for p in layers[i].parameters()} - mine
+    slots: list[Slot] = []
+    for path, owner in module.named_modules():
+        if id(owner) in inside:
+            continue
+        for key, param in owner._parameters.items():
+            if param is not None and id(param) in foreign:
+                slots.append((owner, key, f"{path}.{key}" if path else key))
+    return slots
+
+
+def release_parameters(slots: Sequence[Slot]) -> list[str]:
+    """Remove the parameters of :func:`foreign_parameters` from the modules holding them (after
+    materialising, whose initialisation may still set them); returns their paths."""
+    for owner, key, _ in slots:
+        owner._parameters.pop(key, None)
+    return [path for _, _, path in slots]
+
+
+def release_foreign_parameters(module: nn.Module, layers: Layers, local: Sequence[int]) -> list[str]:
+    """:func:`foreign_parameters` found and released at once (a module built with its tensors)."""
+    return release_parameters(foreign_parameters(module, layers, local))
+
+
 class Elsewhere(nn.Module):
     """Stands, outside the split layers, where the module held a piece of another stage's layers (a
     model kept beside the Sequential built from its parts): no tensors, so this rank keeps none of

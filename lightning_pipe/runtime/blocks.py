@@ -35,6 +35,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
+from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -64,6 +65,7 @@ class BlockShell:
         self.attributes = plain_attributes(block)
         self.hidden = hidden_argument(block)
         self.kind = type(block).__name__
+        self.arguments = argument_names(block)
 
 
 class LoopedContainer(nn.Module, ABC):
@@ -178,6 +180,7 @@ class BlockDrive:
         self.entered = False
         self.captured: Optional[Any] = None
         self.finished = False
+        self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -249,6 +252,7 @@ class _Skipped(_Entry):
         self._drive = drive
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
         refuse_recorded_outputs(self._index, bounds)
         return marked(self._hidden(args, kwargs)[0], self._index, bounds)
@@ -264,6 +268,8 @@ class _Boundary(_Entry):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before the blocks of this stage.")
+        shell = self._host.shell(self._index)
+        self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
         self._drive.captured = self._hidden(args, kwargs)[0]
         self._drive.finished = True
         raise StageExit
@@ -297,10 +303,13 @@ class _Local(_Entry):
             return functional_call(block, own, a, k) if own else block(*a, **k)
 
         if not drive.use_checkpoint:
-            return run(*args, **kwargs)
-        return torch_checkpoint(
-            run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
-        )
+            output = run(*args, **kwargs)
+        else:
+            output = torch_checkpoint(
+                run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
+            )
+        drive.outputs.returned(self._index, output, args, kwargs)
+        return output
 
 
 __all__ = ["BlockDrive", "BlockShell", "BlockStage", "LoopedContainer", "StageExit", "hidden_argument", "layer_parameter_names"]

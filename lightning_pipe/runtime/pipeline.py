@@ -38,6 +38,7 @@ from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare, resolve
 from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
@@ -112,6 +113,7 @@ class StagePipeline:
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
+        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
         mirrored = traits(config.schedule).mirrored
         copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None

@@ -274,6 +274,11 @@ class StageRunner:
             loss = self._run_step(microbatch % num_microbatches, drive)
         except StageExit:
             pass
+        except Exception as error:  # a loop that expected more than the hidden state from another stage's block
+            explained = None if drive.entered else drive.outputs.explain(error)
+            if explained is None:
+                raise
+            raise explained from error
         drive.check(self.is_last)
         training = torch.is_grad_enabled()
         if self.is_last:

@@ -23,7 +23,15 @@ from lightning_pipe.checkpoint import tie_aliases
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition import find_sequential, place, release_elsewhere, resolve_balance, tied_parameters
+from lightning_pipe.partition import (
+    find_sequential,
+    foreign_parameters,
+    place,
+    release_elsewhere,
+    release_parameters,
+    resolve_balance,
+    tied_parameters,
+)
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
 from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
@@ -139,11 +147,13 @@ def split_module(
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
     local = [i for s in held_split for i in range(*bounds[s])]
     local += local_end_indices(len(layers), ends, held_split, num_split)
+    foreign = foreign_parameters(module, with_ends, local)  # by identity, before materialising makes new tensors
     if deferred_build:
         materialize(module, with_ends, local, device, init=config.init)
     place(module, name, stage)
     stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
+    release_parameters(foreign)
     if spec is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
@@ -203,11 +213,12 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     shared = [p for n, p in sorted(module.named_parameters()) if id(p) not in held]
     tied = bool(split.split.ties)
     beyond_layers = shared + split.held_ends  # neither sharded nor versioned with the stage's layers
+    blocks = split.attribute if isinstance(split.split.host, BlockStage) else None  # the messages name the container
     if config.data_parallel == "shard" and placement.num_replicas > 1:
-        check_shard(config.schedule, beyond_layers, tied)
+        check_shard(config.schedule, beyond_layers, tied, blocks)
     if is_async(config.schedule):
         p = placement.num_stages
-        check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler)
+        check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
         return StagePipeline(config, placement, split.split, topology, module, shared)
 

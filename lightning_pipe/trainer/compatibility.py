@@ -7,7 +7,7 @@ schedule a step executes is checked by :mod:`lightning_pipe.schedules.runnable`,
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -36,19 +36,40 @@ def check_automatic_optimization(module: Any) -> None:
         )
 
 
-def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool) -> None:
-    """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version."""
+def split_layers(blocks: Optional[str]) -> str:
+    """What the split layers are, for a message: ``blocks`` is the ``module=`` path of a block
+    container (an ``nn.ModuleList`` the model's forward loops over), None for an ``nn.Sequential``."""
+    return "the split nn.Sequential" if blocks is None else f"the blocks of the block container {blocks!r}"
+
+
+#: what a block container's model keeps outside its blocks, and the way to put it inside
+_BLOCKS_OUTSIDE = (
+    "a model that loops over its blocks keeps its embeddings, head and final norm outside them (the embeddings on "
+    "the first stage, the head on the last, the rest on every stage)"
+)
+_AS_SEQUENTIAL = "express the model as an nn.Sequential whose layers hold the embeddings and the head too"
+
+
+def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: Optional[str] = None) -> None:
+    """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version.
+    ``blocks``: the ``module=`` path when the split layers are a block container."""
     problems = []
     if is_async(schedule):
         problems.append(f"schedule={schedule!r} keeps weight versions, which sharded weights do not have")
     if any(p.requires_grad for p in shared):
-        problems.append("the module has trainable parameters outside the split nn.Sequential")
+        problems.append(f"the module has trainable parameters outside {split_layers(blocks)}")
+        if blocks is not None:
+            problems[-1] += f" ({_BLOCKS_OUTSIDE})"
     if tied:
         problems.append("weights are tied across stages")
     if problems:
+        fix = (
+            "Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
+            if blocks is None
+            else f"Use data_parallel='replicate', or {_AS_SEQUENTIAL} (with a synchronous schedule and untied weights)."
+        )
         raise MisconfigurationException(
-            "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems)
-            + ". Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
+            "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems) + ". " + fix
         )
 
 
@@ -72,16 +93,31 @@ def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
 
 
 def check_async(
-    schedule: str, module: nn.Module, shared: Sequence[nn.Parameter], tied: bool, stages: int, num_microbatches: int, scaler: Any
+    schedule: str,
+    module: nn.Module,
+    shared: Sequence[nn.Parameter],
+    tied: bool,
+    stages: int,
+    num_microbatches: int,
+    scaler: Any,
+    blocks: Optional[str] = None,
 ) -> None:
-    """The asynchronous schedules stash versions of the Sequential's weights and apply gradients late."""
+    """The asynchronous schedules stash versions of the split layers' weights and apply gradients late.
+    ``blocks``: the ``module=`` path when the split layers are a block container."""
     outside = [p for p in shared if p.requires_grad]
     if outside:
         names = [n for n, p in module.named_parameters() if any(p is q for q in outside)]
+        if blocks is None:
+            raise MisconfigurationException(
+                f"schedule={schedule!r} stashes weight versions of the split nn.Sequential only, but "
+                f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
+                "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
+            )
         raise MisconfigurationException(
-            f"schedule={schedule!r} stashes weight versions of the split nn.Sequential only, but "
-            f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
-            "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
+            f"schedule={schedule!r} stashes weight versions of {split_layers(blocks)} only, but "
+            f"{type(module).__name__} has trainable parameters outside those blocks ({', '.join(names[:4])}): "
+            f"{_BLOCKS_OUTSIDE}. Use a synchronous schedule ('1f1b', 'zero_bubble' or 'interleaved_1f1b'), or "
+            f"{_AS_SEQUENTIAL}."
         )
     if tied and traits(schedule).refuses_ties:
         raise MisconfigurationException(
@@ -103,4 +139,11 @@ def check_async(
         )
 
 
-__all__ = ["as_misconfiguration", "check_async", "check_automatic_optimization", "check_chimera_layout", "check_shard"]
+__all__ = [
+    "as_misconfiguration",
+    "check_async",
+    "check_automatic_optimization",
+    "check_chimera_layout",
+    "check_shard",
+    "split_layers",
+]

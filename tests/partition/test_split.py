@@ -82,3 +82,25 @@ def test_parameters_balance_counts_the_ends_on_the_end_stages() -> None:
     assert resolve_balance("parameters", blocks, 2) == [3, 3]
     assert resolve_balance("parameters", blocks, 2, end_costs=(550.0, 0.0)) == [1, 5]
     assert resolve_balance("parameters", blocks, 2, end_costs=(550.0, 550.0)) == [3, 3]
+
+
+def test_a_parameter_of_another_stages_layer_under_a_second_name_is_released_and_a_local_one_kept() -> None:
+    """BERT's head: ``predictions.bias`` is the decoder's bias. Where the decoder is another stage's,
+    the second name goes too (by identity, not by name); where it is this stage's, both stay."""
+    from lightning_pipe.partition import release_foreign_parameters
+
+    def model() -> tuple[nn.Module, nn.ModuleList]:
+        root = nn.Module()
+        root.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 3)])
+        root.head = nn.Module()
+        root.head.bias = root.layers[1].bias
+        root.scale = nn.Parameter(torch.ones(1))  # outside every layer: stays everywhere
+        return root, root.layers
+
+    first, layers = model()
+    assert release_foreign_parameters(first, layers, [0]) == ["head.bias"]
+    assert "head.bias" not in dict(first.named_parameters()) and "scale" in dict(first.named_parameters())
+    assert "layers.1.bias" in dict(first.named_parameters())  # the layer itself goes with release_elsewhere
+    last, layers = model()
+    assert release_foreign_parameters(last, layers, [1]) == []
+    assert last.head.bias is layers[1].bias

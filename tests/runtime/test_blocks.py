@@ -79,9 +79,9 @@ def _pipeline(world: Topology, model: LoopNet, schedule: str, chunks: int = 3, *
     "schedule, options",
     [
         ("interleaved_1f1b", {}),
-        ("interleaved_1f1b", {"checkpoint": "always"}),
+        ("interleaved_1f1b", {"recompute": "always"}),
         ("interleaved_zero_bubble", {}),
-        ("zbv", {"checkpoint": "except_last"}),
+        ("zbv", {"recompute": "except_last"}),
     ],
 )
 def test_the_models_own_loop_gives_plain_gradients(world_of_one: Topology, schedule: str, options: dict) -> None:

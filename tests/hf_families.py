@@ -1,0 +1,214 @@
+"""Tiny configurations (4 blocks of width 64) of every model family the docs' table lists
+(``docs/models.md``), for the parity tests of ``tests/test_hf_families.py``. Needs ``transformers``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.hf_models import HFModule
+
+WIDTH = 64
+VOCAB = 96
+CLASSES = 5
+
+
+def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
+    """A causal LM of the Llama shape family (``model.model.layers``)."""
+
+    def build(layers: int = 4) -> nn.Module:
+        config = config_cls(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0, **extra)  # fmt: skip
+        return model_cls(config)
+
+    return build
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    config = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt_neox(layers: int = 4) -> nn.Module:
+    config = transformers.GPTNeoXConfig(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers,
+                                        num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def _bert_config(layers: int, **extra: Any) -> Any:
+    return transformers.BertConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                   intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=32,
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)  # fmt: skip
+
+
+def bert_classifier(layers: int = 4) -> nn.Module:
+    return transformers.BertForSequenceClassification(_bert_config(layers, num_labels=CLASSES, classifier_dropout=0.0))
+
+
+def bert_mlm(layers: int = 4) -> nn.Module:
+    """HF's default: the decoder's weight tied to the word embeddings, and its bias one parameter
+    under two names (``cls.predictions.bias``, ``cls.predictions.decoder.bias``)."""
+    return transformers.BertForMaskedLM(_bert_config(layers))
+
+
+def roberta_mlm(layers: int = 4) -> nn.Module:
+    config = transformers.RobertaConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                        intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=34,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+    return transformers.RobertaForMaskedLM(config)
+
+
+def distilbert_mlm(layers: int = 4) -> nn.Module:
+    config = transformers.DistilBertConfig(dim=WIDTH, n_layers=layers, n_heads=4, hidden_dim=2 * WIDTH, vocab_size=VOCAB,
+                                           max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                           pad_token_id=0)  # fmt: skip
+    return transformers.DistilBertForMaskedLM(config)
+
+
+def vit(layers: int = 4) -> nn.Module:
+    config = transformers.ViTConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                    intermediate_size=2 * WIDTH, image_size=8, patch_size=4, num_channels=3,
+                                    num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def t5(layers: int = 4) -> nn.Module:
+    config = transformers.T5Config(d_model=WIDTH, d_kv=16, d_ff=2 * WIDTH, num_layers=layers, num_decoder_layers=layers,
+                                   num_heads=4, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                                   pad_token_id=0, eos_token_id=1)  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the model-family table: how to build a tiny model, where its blocks are, what its
+    data looks like (``tokens``: labels = inputs; ``classes``: a class per sequence; ``images``),
+    and whether the pipeline trains it (``refused``: the reason the table gives)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    model: type  # what ``build`` returns (checked by the tests that build it)
+    module: str
+    data: str = "tokens"
+    refused: str = ""
+    weights_refused: str = ""  # why ``weights=`` a save_pretrained directory is refused at setup
+
+
+#: transformers 5 converts some checkpoints' names and layouts when it loads them, and its
+#: ``save_pretrained`` writes the legacy ones, which ``weights=`` reads as they are
+LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}), which weights= does not convert"
+
+
+def _causal(name: str, config_cls: Any, model_cls: type, weights_refused: str = "", **extra: Any) -> Family:
+    """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
+    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused)
+
+
+T = transformers
+MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
+STACKED_EXPERTS = LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")
+
+FAMILIES: list[Family] = [
+    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
+    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=True),
+    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=False),
+    _causal("Qwen2", T.Qwen2Config, T.Qwen2ForCausalLM),
+    _causal("Qwen3", T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16),
+    _causal("Mistral", T.MistralConfig, T.MistralForCausalLM, sliding_window=8),
+    _causal("Gemma", T.GemmaConfig, T.GemmaForCausalLM, head_dim=16),
+    _causal("Gemma 2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8),
+    _causal("Gemma 3 (text)", T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=16, sliding_window=8),
+    _causal("Phi-3", T.Phi3Config, T.Phi3ForCausalLM),
+    Family("GPT-NeoX", gpt_neox, T.GPTNeoXForCausalLM, "model.gpt_neox.layers",
+           weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`")),  # fmt: skip
+    _causal("Mixtral (auxiliary loss off)", T.MixtralConfig, T.MixtralForCausalLM, STACKED_EXPERTS, num_local_experts=4,
+            num_experts_per_tok=2, **MOE_OFF),  # fmt: skip
+    _causal("Qwen2-MoE (auxiliary loss off)", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, STACKED_EXPERTS, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF),  # fmt: skip
+    Family("BERT sequence classification", bert_classifier, T.BertForSequenceClassification, "model.bert.encoder.layer",
+           data="classes"),  # fmt: skip
+    Family("BERT masked LM (tied)", bert_mlm, T.BertForMaskedLM, "model.bert.encoder.layer"),
+    Family("RoBERTa masked LM (tied)", roberta_mlm, T.RobertaForMaskedLM, "model.roberta.encoder.layer"),
+    Family("DistilBERT masked LM (tied)", distilbert_mlm, T.DistilBertForMaskedLM, "model.distilbert.transformer.layer"),
+    Family("ViT image classification", vit, T.ViTForImageClassification, "model.vit.layers", data="images",
+           weights_refused=LEGACY_NAMES.format("`vit.encoder.layer.N.attention.attention.query` for "
+                                               "`vit.layers.N.attention.q_proj`")),  # fmt: skip
+    Family("T5", t5, T.T5ForConditionalGeneration, "model.encoder.block",
+           refused="its blocks pass position biases to later blocks beside the hidden state"),  # fmt: skip
+]
+
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """Token sequences with labels = inputs (a causal LM shifts them; a masked LM predicts every
+    token), sequences with a class each, or small images with a class each."""
+    g = torch.Generator().manual_seed(seed)
+    if family.data == "images":
+        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    else:
+        tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
+        labels = torch.randint(0, CLASSES, (n,), generator=g) if family.data == "classes" else tokens
+        data = TensorDataset(tokens, labels)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class FamilyModule(HFModule):
+    """A family's unchanged model; its own loss (``labels=``) is the training loss."""
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        if inputs.is_floating_point():
+            return self.model(pixel_values=inputs, labels=labels)
+        return self.model(input_ids=inputs, labels=labels)
+
+
+#: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains
+STAGES = (2, 4)
+SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b")
+WEIGHTS_STAGES = 2
+TABLE_BEGIN = "<!-- family table: written by `python -m tests.hf_families`, checked by tests/test_hf_families.py -->"
+TABLE_END = "<!-- end of family table -->"
+DOCS = "docs/models.md"
+
+
+def family_table() -> str:
+    """The docs' table of model families, from :data:`FAMILIES` and what the tests run for them."""
+    stages = " and ".join(str(s) for s in STAGES)
+    schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
+    rows = [
+        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a `save_pretrained` directory |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FAMILIES:
+        model = f.model.__name__
+        if f.refused:
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
+            continue
+        weights = (
+            f"refused at setup: {f.weights_refused}"
+            if f.weights_refused
+            else f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
+        )
+        rows.append(f"| {f.name} | `{model}` | `{f.module}` | {stages} stages x {schedules} | {weights} |")
+    return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
+
+
+def write_table(path: str = DOCS) -> None:
+    """Put :func:`family_table` between its markers in ``path``."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    with open(path, "w") as f:
+        f.write(text[:start] + family_table() + text[end:])
+
+
+if __name__ == "__main__":
+    write_table()
