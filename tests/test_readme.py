@@ -35,7 +35,7 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     output = result.stderr + result.stdout
     assert "`Trainer.fit` stopped: `max_epochs=5` reached." in output
     # where Lightning prints its setup lines, without any logging set up by the script
-    layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [3, 2], schedule 1f1b, 4 chunks, global batch 64; "
+    layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [4, 3], schedule 1f1b, 4 chunks, global batch 64; "
               "the model summary below counts rank 0's stage 0 only")  # fmt: skip
     assert layout in result.stderr.splitlines()
     assert "train_loss" in result.stdout  # prog_bar=True: in the progress bar
@@ -102,3 +102,29 @@ def test_the_bring_your_own_model_example_runs_as_written(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stderr + result.stdout
     assert "lightning-pipe: 2 stages (2 processes), layers per stage [2, 2]" in result.stderr
+
+
+def four_device_example() -> str:
+    """The "## Use" example with its "On 4 GPUs" Trainer in place of the 2-process one, on CPU."""
+    lines = readme_example().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# On 4 GPUs"))
+    block = [line[2:] for line in lines[start + 1 :] if line.startswith("# ")]
+    stop = start + 1 + len(block)
+    assert lines[stop - 1] == "# )", "the commented Trainer ends with '# )'"
+    text = "\n".join(block).replace('accelerator="gpu"', 'accelerator="cpu"')
+    assert 'accelerator="cpu"' in text and "devices=4" in text
+    return "\n".join(lines[:start] + [text] + lines[stop:]) + "\n"
+
+
+@pytest.mark.timeout(400)
+def test_the_four_device_example_runs_as_written_on_cpu(tmp_path: Path) -> None:
+    """Every stage of the 4-stage split holds a parameter (a lone ReLU would give its optimizer an
+    empty parameter list)."""
+    (tmp_path / "train.py").write_text(four_device_example())
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=390)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_epochs=5` reached." in result.stderr + result.stdout
+    layout = [line for line in result.stderr.splitlines() if line.startswith("lightning-pipe: 4 stages")]
+    assert layout and "layers per stage [2, 2, 2, 1], schedule 1f1b, 8 chunks" in layout[0], result.stderr[-3000:]

@@ -3,8 +3,10 @@
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
 from lightning_pipe.partition.split import (
     BALANCE_MODES,
+    check_stage_parameters,
     find_sequential,
     foreign_parameters,
+    layer_owners,
     parameter_costs,
     place,
     release_elsewhere,
@@ -20,8 +22,10 @@ __all__ = [
     "balance_by_cost",
     "balance_uniform",
     "check_balance",
+    "check_stage_parameters",
     "find_sequential",
     "foreign_parameters",
+    "layer_owners",
     "parameter_costs",
     "place",
     "release_elsewhere",

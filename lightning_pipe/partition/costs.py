@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_pipe.schedules import build, is_async, peak_in_flight, traits
-from lightning_pipe.partition.balance import balance_by_cost, balance_by_stage_cost, balance_uniform, stage_bounds
+from lightning_pipe.partition.balance import Owners, balance_by_cost, balance_by_stage_cost, balance_uniform, stage_bounds
 
 MEASURED_BALANCES = ("time", "memory")
 
@@ -81,19 +81,22 @@ class Profile:
             return static + in_flight[stage] * saved
         return static + in_flight[stage] * layers[0].input_bytes + saved
 
-    def balance(self, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str = "never") -> list[int]:
-        """The contiguous split with the least slowest (``"time"``) or largest (``"memory"``) stage."""
+    def balance(
+        self, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str = "never", owners: Owners = None
+    ) -> list[int]:
+        """The contiguous split with the least slowest (``"time"``) or largest (``"memory"``) stage;
+        ``owners``: which layers hold a parameter, one for every stage where they allow it."""
         n = len(self.layers)
         if mode == "time":
             costs = self.time_costs(checkpoint)
             if sum(costs) <= 0.0:
-                return balance_uniform(n, num_stages)
-            return balance_by_cost(costs, num_stages)
+                return balance_uniform(n, num_stages, owners)
+            return balance_by_cost(costs, num_stages, owners)
         if mode == "memory":
             if len(in_flight) != num_stages:
                 raise ValueError(f"in_flight has {len(in_flight)} entries for {num_stages} stages")
             return balance_by_stage_cost(
-                n, num_stages, lambda s, a, b: float(self._stage_memory(s, a, b, in_flight, checkpoint))
+                n, num_stages, lambda s, a, b: float(self._stage_memory(s, a, b, in_flight, checkpoint)), owners
             )
         raise ValueError(f"Unknown measured balance {mode!r}. Valid: {', '.join(MEASURED_BALANCES)}.")
 

@@ -55,11 +55,13 @@ def measured_balance(
     layers: nn.Sequential,
     inputs: MeasureInputs,
     profile: Optional[Profile] = None,
+    owners: Optional[Sequence[bool]] = None,
 ) -> tuple[list[int], Profile]:
     """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``) and the
     profile they come from (``profile`` when given for these layers, else measured); with
     ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
-    holding the micro-batches its schedule keeps in flight there."""
+    holding the micro-batches its schedule keeps in flight there. ``owners``: which layers hold a
+    parameter (every stage gets one where they allow it)."""
     in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, virtual)
 
     def measure() -> Profile:
@@ -70,7 +72,7 @@ def measured_balance(
 
     if profile is None or len(profile.layers) != len(layers):
         profile = agreed_profile(inputs.is_source, inputs.broadcast, measure)
-    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint)
+    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint, owners)
     if inputs.is_source:
         log.info("lightning-pipe: balance=%s, %s", balance, profile.report(counts, in_flight, checkpoint))
     return counts, profile

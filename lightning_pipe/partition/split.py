@@ -8,7 +8,14 @@ from typing import Sequence, Union
 
 from torch import nn
 
-from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
+from lightning_pipe.partition.balance import (
+    balance_by_cost,
+    balance_uniform,
+    check_balance,
+    owning,
+    stage_bounds,
+    stages_without_parameters,
+)
 
 BalanceSpec = Union[str, Sequence[int]]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
@@ -77,23 +84,36 @@ def parameter_costs(layers: Layers) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
 
+def layer_owners(layers: Layers, end_costs: tuple[float, float] = (0.0, 0.0)) -> list[bool]:
+    """Per layer, whether it holds a parameter; the first and the last layer also own the parameters
+    of the end stages beyond the layers (``end_costs``, a model's embeddings and head)."""
+    owners = [any(True for _ in layer.parameters()) for layer in layers]
+    if owners:
+        owners[0] = owners[0] or end_costs[0] > 0
+        owners[-1] = owners[-1] or end_costs[1] > 0
+    return owners
+
+
 def resolve_balance(
     balance: BalanceSpec, layers: Layers, num_stages: int, end_costs: tuple[float, float] = (0.0, 0.0)
 ) -> list[int]:
     """Turn the user's ``balance`` into layer counts per stage. ``end_costs``: the parameters the
     first and the last stage hold beyond their layers (a model's embeddings and head, see
     :mod:`lightning_pipe.partition.ends`), counted with the first and the last layer, which those
-    stages always hold."""
+    stages always hold. ``uniform`` and ``parameters`` give every stage a layer with parameters
+    where the layers allow it (a parameter-free layer joins a neighbour's stage), since a stage
+    without one would give its optimizer an empty parameter list."""
     num_layers = len(layers)
+    owners = layer_owners(layers, end_costs)
     if isinstance(balance, str):
         if balance == "uniform":
-            return balance_uniform(num_layers, num_stages)
+            return balance_uniform(num_layers, num_stages, owners)
         if balance == "parameters":
             costs = parameter_costs(layers)
             if costs:
                 costs[0] += end_costs[0]
                 costs[-1] += end_costs[1]
-            return balance_by_cost(costs, num_stages)
+            return balance_by_cost(costs, num_stages, owners)
         if balance in ("time", "memory"):
             raise ValueError(
                 f"balance={balance!r} needs a measured profile (lightning_pipe.partition.profile); "
@@ -103,6 +123,36 @@ def resolve_balance(
     if num_layers < num_stages:
         balance_uniform(num_layers, num_stages)  # raises the "more stages than layers" error
     return check_balance(balance, num_layers, num_stages)
+
+
+def check_stage_parameters(
+    balance: Sequence[int], layers: Layers, processes: Sequence[Sequence[int]], owners: Sequence[bool], devices: str = "devices"
+) -> None:
+    """Refuse a split that leaves a process without any parameter (its stages' layers hold none, and
+    the module holds none outside them): its optimizer would fail with ``optimizer got an empty
+    parameter list``. ``processes``: the split stages each process holds; ``devices``: how the
+    run's process count is set, for the advice."""
+    empty = set(stages_without_parameters(balance, owners))
+    lacking = [held for held in processes if held and set(held) <= empty]
+    if not lacking:
+        return
+    bounds = stage_bounds(balance)
+    named = list(layers.named_children())
+    stage = lacking[0][0]
+    a, b = bounds[stage]
+    what = ", ".join(f"{key}: {type(layer).__name__}" for key, layer in named[a:b])
+    holding = sum(bool(o) for o in owners)
+    fix = (
+        f"every stage needs a layer with parameters, and the module has {holding} such layer(s) for {len(balance)} "
+        f"stages: use at most {holding} {'processes' if len(balance) == len(processes) else 'stages'} ({devices}), "
+        "or split the model into more layers that hold parameters"
+    )
+    if owning(owners, len(balance)) is not None:
+        fix = f"give every stage a layer with parameters, for example balance={balance_uniform(len(owners), len(balance), owners)}"
+    raise ValueError(
+        f"balance={list(balance)} leaves stage {stage} with only layers that hold no parameters ({what}), so its "
+        f"process's optimizer would get an empty parameter list: {fix}."
+    )
 
 
 def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> "OrderedDict[str, nn.Module]":

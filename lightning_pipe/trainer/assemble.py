@@ -24,8 +24,10 @@ from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import (
+    check_stage_parameters,
     find_sequential,
     foreign_parameters,
+    layer_owners,
     place,
     release_elsewhere,
     release_parameters,
@@ -126,16 +128,20 @@ def split_module(
     check_chimera_layout(config.schedule, layout.stages, layout.replicas)
     placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
+    owners = layer_owners(layers, end_parameters(ends))
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p = layout.stages
         balance, profile = measured_balance(
             config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
-            module, layers, inputs, profile,
+            module, layers, inputs, profile, owners,
         )  # fmt: skip
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
         balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
+    if not parameters_beyond(module, layers, ends):  # else every process holds those
+        processes = [sorted({split_of(s, num_split) for s, q in enumerate(positions) if q == p}) for p in range(layout.stages)]
+        check_stage_parameters(balance, layers, processes, owners)
     with_ends = extended(layers, ends)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
     tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_split))
@@ -163,6 +169,14 @@ def split_module(
     return ModuleSplit(
         config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates, held_ends
     )
+
+
+def parameters_beyond(module: nn.Module, layers: nn.Module, ends: Any) -> bool:
+    """Whether ``module`` holds a parameter outside the split layers and the end stages' modules:
+    one that every process keeps, so that no process's optimizer is left without parameters."""
+    split = {id(p) for p in layers.parameters()}
+    split |= {id(p) for _, end in ends.pre + ends.post for p in end.parameters()}
+    return any(id(p) not in split for p in module.parameters())
 
 
 def in_module(tie: dict[int, str], paths: list[str]) -> dict[int, str]:
