@@ -71,9 +71,9 @@ def _plain_grads(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[s
     "schedule, options",
     [
         ("interleaved_1f1b", {}),
-        ("interleaved_1f1b", {"checkpoint": "always", "gradient_accumulation_fusion": False}),
+        ("interleaved_1f1b", {"recompute": "always", "gradient_accumulation_fusion": False}),
         ("interleaved_zero_bubble", {}),  # the backward split into B and W
-        ("zbv", {"checkpoint": "except_last"}),
+        ("zbv", {"recompute": "except_last"}),
     ],
 )
 def test_a_training_step_gives_plain_gradients(world_of_one: Topology, schedule: str, options: dict) -> None:
