@@ -21,7 +21,7 @@ import time
 import warnings
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import hydra
 import lightning as L
@@ -307,13 +307,56 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
     )
 
 
+def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> Optional[str]:
+    """The checkpoint ``resume=`` names: None for ``null``; ``last``: ``checkpoints/last.ckpt`` of this
+    run's folder (``hydra.run.dir`` of an earlier run), else the newest one under ``searched`` (the
+    ``outputs`` and ``multirun`` folders); a run's folder: its ``checkpoints/last.ckpt``; else the path.
+    Refused before anything starts when there is none."""
+    if value is None or value is False or str(value) in ("", "null", "none", "false"):
+        return None
+    if str(value) == "last":
+        own = output / "checkpoints" / "last.ckpt"
+        if own.exists():
+            return str(own)
+        found = [c for root in searched if root.is_dir() for c in root.glob("**/checkpoints/last.ckpt")]
+        if not found:
+            where = ", ".join(str(r) for r in [output, *searched])
+            raise SystemExit(
+                f"lightning-pipe: resume=last: no checkpoints/last.ckpt under {where}. Save one with checkpoint=true, "
+                "or give the checkpoint's path: resume=PATH."
+            )
+        return str(max(found, key=lambda c: c.stat().st_mtime).resolve())
+    path = Path(str(value)).expanduser()
+    if not path.is_absolute():
+        path = Path(_original_cwd()) / path
+    if path.is_dir() and not (path / "meta.pt").exists() and (path / "checkpoints" / "last.ckpt").exists():
+        path = path / "checkpoints" / "last.ckpt"  # a run's folder
+    if not path.exists():
+        raise SystemExit(f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last.")
+    return str(path.resolve())
+
+
+def _original_cwd() -> str:
+    """Where the command was started (Hydra may change into the run's folder)."""
+    try:
+        from hydra.utils import get_original_cwd
+
+        return get_original_cwd()
+    except ValueError:  # not under @hydra.main (tests calling run)
+        return os.getcwd()
+
+
 def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
     started = time.time()
     check_keys(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output = Path(output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    cwd = Path(_original_cwd())
+    resume = resume_path(cfg.get("resume"), output, [cwd / "outputs", cwd / "multirun"])
     _say(f"lightning-pipe: output folder {output}")
+    if resume is not None:
+        _say(f"lightning-pipe: resuming from {resume}")
     logger = make_logger(str(cfg.get("logger", "csv")), output)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
@@ -352,7 +395,7 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     )
     environment = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
     try:
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=resume)
     finally:
         _end_job(environment)
     if summary is not None and summary.text is not None:  # this process ran global rank 0

@@ -342,3 +342,47 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
     assert instantiate(cfg.recipe.model).layers is None
     with pytest.raises(Exception, match="recipe.model.build='later': valid values are auto, eager, configure_model"):
         instantiate(_compose(["recipe=bert_mlm", "recipe.model.build=later"]).recipe.model)
+
+
+def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
+    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints. Without batch norm: with
+    it a resumed run differs from an uninterrupted one in plain Lightning too (strategy=none)."""
+    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"], "recipe.model.batch_norm=false",
+                    "recipe.data.synthetic_train=16", "trainer.max_steps=4",
+                    "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
+                    "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
+    with open_dict(cfg):
+        cfg.recipe.data.root = str(folder / "data")
+        del cfg.hydra
+    return run(cfg, output_dir=str(folder))
+
+
+def _consolidated(folder: Path) -> dict:
+    import torch
+
+    from lightning_pipe.checkpoint import consolidate
+
+    consolidate(folder / "checkpoints" / "last.ckpt", folder / "whole.ckpt")
+    return torch.load(folder / "whole.ckpt", weights_only=False)
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resume=`` gives ``fit`` the checkpoint: the optimizer's momentum, the LR schedule and the step go on,
+    and the weights after 4 steps equal those of a run that was never stopped."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _vgg_run(tmp_path / "whole")
+    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_epochs=1")  # stopped after 2 of the 4 steps
+    assert _consolidated(tmp_path / "outputs" / "first")["global_step"] == 2
+    _vgg_run(tmp_path / "second", "resume=last")  # the newest under outputs/
+    whole, resumed = _consolidated(tmp_path / "whole"), _consolidated(tmp_path / "second")
+    assert resumed["global_step"] == whole["global_step"] == 4
+    assert whole["state_dict"].keys() == resumed["state_dict"].keys()
+    for name, value in whole["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    (momentum,) = [s for s in whole["optimizer_states"]]
+    for key, state in momentum["state"].items():
+        torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+    with pytest.raises(SystemExit, match=r"resume=nowhere: .* does not exist"):
+        _vgg_run(tmp_path / "third", "resume=nowhere")
