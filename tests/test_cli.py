@@ -345,9 +345,10 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
 
 
 def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
-    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints. Without batch norm: with
-    it a resumed run differs from an uninterrupted one in plain Lightning too (strategy=none)."""
-    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"], "recipe.model.batch_norm=false",
+    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints. Without augmentation: the
+    dataset draws each crop from the sample's index and how often this process read it, which a resumed
+    process starts counting afresh."""
+    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"], "recipe.data.augment=false",
                     "recipe.data.synthetic_train=16", "trainer.max_steps=4",
                     "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
                     "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
@@ -380,9 +381,9 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkey
     assert resumed["global_step"] == whole["global_step"] == 4
     assert whole["state_dict"].keys() == resumed["state_dict"].keys()
     for name, value in whole["state_dict"].items():
-        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(resumed["state_dict"][name], value, msg=name)
     (momentum,) = [s for s in whole["optimizer_states"]]
     for key, state in momentum["state"].items():
-        torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"])
     with pytest.raises(SystemExit, match=r"resume=nowhere: .* does not exist"):
         _vgg_run(tmp_path / "third", "resume=nowhere")
