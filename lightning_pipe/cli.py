@@ -431,11 +431,41 @@ def _main(cfg: DictConfig) -> Optional[float]:
     return metrics.get("train_loss")
 
 
+def check_overrides(args: Sequence[str]) -> None:
+    """Refuse a misspelt key of the top level, ``strategy`` or ``trainer`` before Hydra sees it, naming the
+    close key (``strategy.chunk=4``: did you mean strategy.chunks?). Hydra's own answer would suggest
+    adding the misspelt key with ``+``."""
+    problems = []
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0]
+        head, _, rest = key.partition(".")
+        if head == "hydra" or "/" in key or "." in rest:
+            continue
+        if not rest:
+            prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
+        elif head == "strategy":
+            in_files = {str(k) for f in (Path(CONFIG_DIR) / "strategy").glob("*.yaml") for k in OmegaConf.load(f)}
+            prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
+        elif head == "trainer":
+            prefix, name, valid = "trainer.", rest, [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self"]
+        else:
+            continue
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"unknown key {prefix}{name}{hint}. Valid keys: {', '.join(sorted(valid))}.")
+    if problems:
+        raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
+
+
 def main() -> None:
     """``lightning-pipe [plan] <overrides>``: ``plan`` ranks the layouts for the configured run
     (``strategy.plan=auto``) and stops before training."""
     if sys.argv[1:2] == ["plan"]:
         sys.argv[1:2] = ["strategy.plan=auto", "+plan_only=true"]
+    check_overrides(sys.argv[1:])
     _main()
 
 

@@ -387,3 +387,17 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkey
         torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"])
     with pytest.raises(SystemExit, match=r"resume=nowhere: .* does not exist"):
         _vgg_run(tmp_path / "third", "resume=nowhere")
+
+
+def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_pipe import cli
+
+    monkeypatch.setattr(cli, "_main", lambda: pytest.fail("Hydra was reached"))
+    for override, message in (("strategy.chunk=4", r"unknown key strategy.chunk \(did you mean strategy.chunks\?\)"),
+                              ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\)"),
+                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)")):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
+        with pytest.raises(SystemExit, match=message):
+            cli.main()
+    cli.check_overrides(["strategy=gpipe", "strategy.chunks=4", "trainer.max_steps=3", "resume=last", "hydra.run.dir=x",
+                         "recipe.model.size=tiny", "+trainer.gradient_clip_val=1", "-m"])  # fmt: skip
