@@ -85,9 +85,10 @@ def describe_layout(
     trainer: Any, processes: int, replicas: int, balance: Sequence[int], positions: Sequence[int], schedule: str, chunks: int
 ) -> str:
     """:func:`layout_line` for a Trainer being set up; ``positions[s]`` is the pipeline position
-    (process) that holds stage ``s``."""
+    (process) that holds stage ``s``; Chimera's copies (stages ``len(balance)`` and up) are named by
+    the split stage they copy, so a 2-process run reads "stages 0 and 1"."""
     size = loader_batch_size(trainer)
-    first = [s for s, position in enumerate(positions) if position == 0]
+    first = sorted({s % len(balance) for s, position in enumerate(positions) if position == 0})
     return layout_line(
         processes, replicas, balance, first, schedule, chunks, size * replicas if size is not None else None,
         shows_model_summary(trainer),

@@ -55,3 +55,13 @@ def test_summary_lists_folder_checkpoint_loss_steps_time_and_speed() -> None:
     empty = summary_lines(Path("/runs/b"), None, None, 0, 1.0, 0, 0.0)
     assert "checkpoint     none; checkpoint=true to save one" in empty
     assert "final loss     n/a" in empty and "samples/s      n/a (no training step)" in empty
+
+
+def test_chimera_names_the_split_stages_process_0_holds(monkeypatch) -> None:
+    """Chimera on 2 processes: process 0 holds stage 0 and a copy of stage 1 (schedule stages 0 and 3)."""
+    from lightning_pipe import run_report
+
+    monkeypatch.setattr(run_report, "shows_model_summary", lambda trainer: True)
+    monkeypatch.setattr(run_report, "loader_batch_size", lambda trainer: None)
+    line = run_report.describe_layout(None, 2, 1, [2, 2], [0, 1, 1, 0], "chimera", 4)
+    assert line.endswith("the model summary below counts rank 0's stages 0 and 1 only"), line
