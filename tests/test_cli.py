@@ -248,7 +248,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
-    assert sorted(own) == ["checkpoint", "logger", "seed", "timeline"]
+    assert sorted(own) == ["checkpoint", "logger", "resume", "seed", "timeline"]
     for key in own:  # every top-level key, with what it does
         assert any(line.startswith(f"  {key}=") and len(line.split()) > 3 for line in lines), key
     assert any(line.strip().startswith("lightning-pipe plan ") for line in lines)
