@@ -137,7 +137,7 @@ class RunSummary(L.Callback):
         self.text = summary_lines(
             self.output, str(Path(saved).resolve()) if saved else None,
             float(logged) if logged is not None else self._last_loss, trainer.global_step,
-            time.time() - self.started, self.samples, self.train_seconds,
+            time.time() - self.started, self.samples, self.train_seconds, written_files(self.output, trainer),
         )  # fmt: skip
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -145,6 +145,19 @@ class RunSummary(L.Callback):
         # print here. Otherwise `run` prints it once `fit` returns, below the progress bar's last line.
         if self.text is not None and isinstance(trainer.strategy.launcher, PipelineMultiProcessingLauncher):
             print(self.text, flush=True)
+
+
+def written_files(output: Path, trainer: L.Trainer) -> list[str]:
+    """What the run wrote besides its checkpoint: the logger's folder (metrics.csv, or TensorBoard's
+    event files), the timeline and the run's log files, as paths in ``output``."""
+    found = []
+    log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    if log_dir is not None and Path(log_dir).is_dir():
+        metrics = Path(log_dir) / "metrics.csv"
+        found.append(str(metrics) if metrics.is_file() else f"{log_dir} (TensorBoard: tensorboard --logdir {log_dir})")
+    found += [str(p) for p in (output / "timeline.svg", output / "plan.txt", output / "plan.svg") if p.is_file()]
+    found += [str(p) for p in sorted(output.glob("*.log"))]
+    return found
 
 
 class PlanOnly(L.Callback):
@@ -346,10 +359,18 @@ def _original_cwd() -> str:
         return os.getcwd()
 
 
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising tips (``💡 Tip: ...``), which no Trainer setting turns off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip")
+
+
 def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
     started = time.time()
     check_keys(cfg)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoTips())
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output = Path(output_dir or HydraConfig.get().runtime.output_dir).resolve()
     cwd = Path(_original_cwd())
