@@ -417,11 +417,37 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     environment = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
     try:
         trainer.fit(model, datamodule=data, ckpt_path=resume)
+    except Exception as error:
+        raise SystemExit(failure_sentence(error, trainer.global_rank)) from error
     finally:
         _end_job(environment)
     if summary is not None and summary.text is not None:  # this process ran global rank 0
         print(summary.text, flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def failure_sentence(error: BaseException, rank: int) -> Any:
+    """What a failed run prints: one sentence, from global rank 0 only (the others exit with status
+    1 and print nothing), the rank that failed first and why where another rank's note explains it
+    (:mod:`lightning_pipe.failures`). The traceback goes to the run's log file (``cli.log``,
+    ``train_ddp_process_N.log``), not to the terminal; ``HYDRA_FULL_ERROR=1`` prints it too."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    record = logging.getLogger("lightning_pipe.failure")
+    record.propagate = False
+    for handler in files:
+        if handler not in record.handlers:
+            record.addHandler(handler)
+    record.error("the run failed on rank %d", rank, exc_info=error)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        import traceback
+
+        traceback.print_exception(error)
+    if rank != 0:
+        return 1
+    notes = [n for n in getattr(error, "__notes__", []) if n.startswith("lightning-pipe: ")]
+    text = notes[0] if notes else f"lightning-pipe: {type(error).__name__}: {error}"
+    where = f" (traceback in {files[0].baseFilename})" if files else ""
+    return text.rstrip() + where
 
 
 @rank_zero_only

@@ -401,3 +401,15 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
             cli.main()
     cli.check_overrides(["strategy=gpipe", "strategy.chunks=4", "trainer.max_steps=3", "resume=last", "hydra.run.dir=x",
                          "recipe.model.size=tiny", "+trainer.gradient_clip_val=1", "-m"])  # fmt: skip
+
+
+def test_a_mistake_found_after_launch_prints_one_sentence_once(tmp_path: Path) -> None:
+    """A balance that does not fit the model is found in every process after the launch: rank 0 prints one
+    sentence, no process prints a traceback, the run exits non-zero and the log file keeps the traceback."""
+    result = _command(["strategy.balance=[1,1]", "trainer.max_steps=1", *SMALL["bert_mlm"], "hydra.run.dir=run"], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("sums to 2 but the module has 4 layers") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "run").glob("*.log"))
+    assert "Traceback" in logs and "sums to 2" in logs
