@@ -123,7 +123,7 @@ UNREAD_KEYS = [
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or logger=tensorboard"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
-                           r"Valid keys: checkpoint, logger, recipe, seed, strategy, timeline, trainer.$")),
+                           r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
 
 
