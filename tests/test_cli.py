@@ -306,9 +306,11 @@ def test_readme_commands(tmp_path: Path) -> None:
     assert out[0] == f"lightning-pipe: output folder {folder}" and out.count(out[0]) == 1  # not the other process
     assert ("lightning-pipe: 2 stages (2 processes), layers per stage [2, 2], schedule 1f1b, 4 chunks; "
             "the model summary below counts rank 0's stage 0 only") in result.stderr.splitlines()  # fmt: skip
-    assert out[-7] == "lightning-pipe: run finished" and out.count("lightning-pipe: run finished") == 1
-    rows = dict(line.strip().split("  ", 1) for line in out[-6:])
+    assert out.count("lightning-pipe: run finished") == 1
+    start = out.index("lightning-pipe: run finished")
+    rows = dict(line.strip().split("  ", 1) for line in out[start + 1 : start + 8])
     rows = {name: value.strip() for name, value in rows.items()}
+    assert rows["written"] == str(folder / "logs" / "version_0" / "metrics.csv")  # then the log files, one a line
     assert rows["output folder"] == str(folder) and rows["steps"] == "3"
     assert rows["checkpoint"] == str(folder / "checkpoints" / "last.ckpt") and (folder / "checkpoints" / "last.ckpt").is_dir()
     assert rows["final loss"] == f"{losses[-1]:.4f}"
