@@ -22,7 +22,7 @@ import time
 import warnings
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import hydra
 import lightning as L
@@ -138,7 +138,7 @@ class RunSummary(L.Callback):
         self.text = summary_lines(
             self.output, str(Path(saved).resolve()) if saved else None,
             float(logged) if logged is not None else self._last_loss, trainer.global_step,
-            time.time() - self.started, self.samples, self.train_seconds,
+            time.time() - self.started, self.samples, self.train_seconds, written_files(self.output, trainer),
         )  # fmt: skip
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -146,6 +146,19 @@ class RunSummary(L.Callback):
         # print here. Otherwise `run` prints it once `fit` returns, below the progress bar's last line.
         if self.text is not None and isinstance(trainer.strategy.launcher, PipelineMultiProcessingLauncher):
             print(self.text, flush=True)
+
+
+def written_files(output: Path, trainer: L.Trainer) -> list[str]:
+    """What the run wrote besides its checkpoint: the logger's folder (metrics.csv, or TensorBoard's
+    event files), the timeline and the run's log files, as paths in ``output``."""
+    found = []
+    log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    if log_dir is not None and Path(log_dir).is_dir():
+        metrics = Path(log_dir) / "metrics.csv"
+        found.append(str(metrics) if metrics.is_file() else f"{log_dir} (TensorBoard: tensorboard --logdir {log_dir})")
+    found += [str(p) for p in (output / "timeline.svg", output / "plan.txt", output / "plan.svg") if p.is_file()]
+    found += [str(p) for p in sorted(output.glob("*.log"))]
+    return found
 
 
 class PlanOnly(L.Callback):
@@ -310,13 +323,64 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
     )
 
 
+def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> Optional[str]:
+    """The checkpoint ``resume=`` names: None for ``null``; ``last``: ``checkpoints/last.ckpt`` of this
+    run's folder (``hydra.run.dir`` of an earlier run), else the newest one under ``searched`` (the
+    ``outputs`` and ``multirun`` folders); a run's folder: its ``checkpoints/last.ckpt``; else the path.
+    Refused before anything starts when there is none."""
+    if value is None or value is False or str(value) in ("", "null", "none", "false"):
+        return None
+    if str(value) == "last":
+        own = output / "checkpoints" / "last.ckpt"
+        if own.exists():
+            return str(own)
+        found = [c for root in searched if root.is_dir() for c in root.glob("**/checkpoints/last.ckpt")]
+        if not found:
+            where = ", ".join(str(r) for r in [output, *searched])
+            raise SystemExit(
+                f"lightning-pipe: resume=last: no checkpoints/last.ckpt under {where}. Save one with checkpoint=true, "
+                "or give the checkpoint's path: resume=PATH."
+            )
+        return str(max(found, key=lambda c: c.stat().st_mtime).resolve())
+    path = Path(str(value)).expanduser()
+    if not path.is_absolute():
+        path = Path(_original_cwd()) / path
+    if path.is_dir() and not (path / "meta.pt").exists() and (path / "checkpoints" / "last.ckpt").exists():
+        path = path / "checkpoints" / "last.ckpt"  # a run's folder
+    if not path.exists():
+        raise SystemExit(f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last.")
+    return str(path.resolve())
+
+
+def _original_cwd() -> str:
+    """Where the command was started (Hydra may change into the run's folder)."""
+    try:
+        from hydra.utils import get_original_cwd
+
+        return get_original_cwd()
+    except ValueError:  # not under @hydra.main (tests calling run)
+        return os.getcwd()
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising tips (``💡 Tip: ...``), which no Trainer setting turns off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip")
+
+
 def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
     started = time.time()
     check_keys(cfg)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoTips())
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output = Path(output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    cwd = Path(_original_cwd())
+    resume = resume_path(cfg.get("resume"), output, [cwd / "outputs", cwd / "multirun"])
     _say(f"lightning-pipe: output folder {output}")
+    if resume is not None:
+        _say(f"lightning-pipe: resuming from {resume}")
     logger = make_logger(str(cfg.get("logger", "csv")), output)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
@@ -355,12 +419,38 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     )
     environment = {k: os.environ.get(k) for k in LAUNCH_VARIABLES}
     try:
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=resume)
+    except Exception as error:
+        raise SystemExit(failure_sentence(error, trainer.global_rank)) from error
     finally:
         _end_job(environment)
     if summary is not None and summary.text is not None:  # this process ran global rank 0
         print(summary.text, flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def failure_sentence(error: BaseException, rank: int) -> Any:
+    """What a failed run prints: one sentence, from global rank 0 only (the others exit with status
+    1 and print nothing), the rank that failed first and why where another rank's note explains it
+    (:mod:`lightning_pipe.failures`). The traceback goes to the run's log file (``cli.log``,
+    ``train_ddp_process_N.log``), not to the terminal; ``HYDRA_FULL_ERROR=1`` prints it too."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    record = logging.getLogger("lightning_pipe.failure")
+    record.propagate = False
+    for handler in files:
+        if handler not in record.handlers:
+            record.addHandler(handler)
+    record.error("the run failed on rank %d", rank, exc_info=error)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        import traceback
+
+        traceback.print_exception(error)
+    if rank != 0:
+        return 1
+    notes = [n for n in getattr(error, "__notes__", []) if n.startswith("lightning-pipe: ")]
+    text = notes[0] if notes else f"lightning-pipe: {type(error).__name__}: {error}"
+    where = f" (traceback in {files[0].baseFilename})" if files else ""
+    return text.rstrip() + where
 
 
 @rank_zero_only
@@ -391,11 +481,41 @@ def _main(cfg: DictConfig) -> Optional[float]:
     return metrics.get("train_loss")
 
 
+def check_overrides(args: Sequence[str]) -> None:
+    """Refuse a misspelt key of the top level, ``strategy`` or ``trainer`` before Hydra sees it, naming the
+    close key (``strategy.chunk=4``: did you mean strategy.chunks?). Hydra's own answer would suggest
+    adding the misspelt key with ``+``."""
+    problems = []
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0]
+        head, _, rest = key.partition(".")
+        if head == "hydra" or "/" in key or "." in rest:
+            continue
+        if not rest:
+            prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
+        elif head == "strategy":
+            in_files = {str(k) for f in (Path(CONFIG_DIR) / "strategy").glob("*.yaml") for k in OmegaConf.load(f)}
+            prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
+        elif head == "trainer":
+            prefix, name, valid = "trainer.", rest, [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self"]
+        else:
+            continue
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"unknown key {prefix}{name}{hint}. Valid keys: {', '.join(sorted(valid))}.")
+    if problems:
+        raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
+
+
 def main() -> None:
     """``lightning-pipe [plan] <overrides>``: ``plan`` ranks the layouts for the configured run
     (``strategy.plan=auto``) and stops before training."""
     if sys.argv[1:2] == ["plan"]:
         sys.argv[1:2] = ["strategy.plan=auto", "+plan_only=true"]
+    check_overrides(sys.argv[1:])
     _main()
 
 

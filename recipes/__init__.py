@@ -10,8 +10,9 @@ from types import ModuleType
 from typing import Any, Callable, Optional
 
 import lightning as L
+import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 BUILDS = ("auto", "eager", "configure_model")
 LARGE = 100_000_000  # parameters above which "auto" builds in configure_model()
@@ -40,6 +41,23 @@ def require_transformers(what: str) -> ModuleType:
     return transformers
 
 
+class EpochShuffle(RandomSampler):
+    """A random order drawn from the run's seed and the epoch alone (Lightning calls ``set_epoch``), so a
+    run resumed from a checkpoint (``resume=``) reads the batches an uninterrupted run reads."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data, generator=torch.Generator())
+        self.seed, self.epoch = torch.initial_seed(), 0  # seed_everything(seed) sets it
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        assert self.generator is not None
+        self.generator.manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
 class TrainValData(L.LightningDataModule):
     """The recipes' data modules: ``setup`` fills ``train`` and ``val`` (datasets); training
     batches are shuffled, and a last short batch dropped so that every step has the full batch."""
@@ -54,7 +72,9 @@ class TrainValData(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train is not None
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
+        return DataLoader(
+            self.train, batch_size=self.batch_size, sampler=EpochShuffle(self.train), num_workers=self.num_workers, drop_last=True
+        )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val is not None

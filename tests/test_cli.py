@@ -123,7 +123,7 @@ UNREAD_KEYS = [
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or logger=tensorboard"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
-                           r"Valid keys: checkpoint, logger, recipe, seed, strategy, timeline, trainer.$")),
+                           r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
 
 
@@ -248,7 +248,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble" in lines
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
-    assert sorted(own) == ["checkpoint", "logger", "seed", "timeline"]
+    assert sorted(own) == ["checkpoint", "logger", "resume", "seed", "timeline"]
     for key in own:  # every top-level key, with what it does
         assert any(line.startswith(f"  {key}=") and len(line.split()) > 3 for line in lines), key
     assert any(line.strip().startswith("lightning-pipe plan ") for line in lines)
@@ -306,9 +306,11 @@ def test_readme_commands(tmp_path: Path) -> None:
     assert out[0] == f"lightning-pipe: output folder {folder}" and out.count(out[0]) == 1  # not the other process
     assert ("lightning-pipe: 2 stages (2 processes), layers per stage [2, 2], schedule 1f1b, 4 chunks; "
             "the model summary below counts rank 0's stage 0 only") in result.stderr.splitlines()  # fmt: skip
-    assert out[-7] == "lightning-pipe: run finished" and out.count("lightning-pipe: run finished") == 1
-    rows = dict(line.strip().split("  ", 1) for line in out[-6:])
+    assert out.count("lightning-pipe: run finished") == 1
+    start = out.index("lightning-pipe: run finished")
+    rows = dict(line.strip().split("  ", 1) for line in out[start + 1 : start + 8])
     rows = {name: value.strip() for name, value in rows.items()}
+    assert rows["written"] == str(folder / "logs" / "version_0" / "metrics.csv")  # then the log files, one a line
     assert rows["output folder"] == str(folder) and rows["steps"] == "3"
     assert rows["checkpoint"] == str(folder / "checkpoints" / "last.ckpt") and (folder / "checkpoints" / "last.ckpt").is_dir()
     assert rows["final loss"] == f"{losses[-1]:.4f}"
@@ -342,3 +344,74 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
     assert instantiate(cfg.recipe.model).layers is None
     with pytest.raises(Exception, match="recipe.model.build='later': valid values are auto, eager, configure_model"):
         instantiate(_compose(["recipe=bert_mlm", "recipe.model.build=later"]).recipe.model)
+
+
+def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
+    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints. Without augmentation: the
+    dataset draws each crop from the sample's index and how often this process read it, which a resumed
+    process starts counting afresh."""
+    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"], "recipe.data.augment=false",
+                    "recipe.data.synthetic_train=16", "trainer.max_steps=4",
+                    "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
+                    "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
+    with open_dict(cfg):
+        cfg.recipe.data.root = str(folder / "data")
+        del cfg.hydra
+    return run(cfg, output_dir=str(folder))
+
+
+def _consolidated(folder: Path) -> dict:
+    import torch
+
+    from lightning_pipe.checkpoint import consolidate
+
+    consolidate(folder / "checkpoints" / "last.ckpt", folder / "whole.ckpt")
+    return torch.load(folder / "whole.ckpt", weights_only=False)
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resume=`` gives ``fit`` the checkpoint: the optimizer's momentum, the LR schedule and the step go on,
+    and the weights after 4 steps equal those of a run that was never stopped."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _vgg_run(tmp_path / "whole")
+    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_epochs=1")  # stopped after 2 of the 4 steps
+    assert _consolidated(tmp_path / "outputs" / "first")["global_step"] == 2
+    _vgg_run(tmp_path / "second", "resume=last")  # the newest under outputs/
+    whole, resumed = _consolidated(tmp_path / "whole"), _consolidated(tmp_path / "second")
+    assert resumed["global_step"] == whole["global_step"] == 4
+    assert whole["state_dict"].keys() == resumed["state_dict"].keys()
+    for name, value in whole["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, msg=name)
+    (momentum,) = [s for s in whole["optimizer_states"]]
+    for key, state in momentum["state"].items():
+        torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+    with pytest.raises(SystemExit, match=r"resume=nowhere: .* does not exist"):
+        _vgg_run(tmp_path / "third", "resume=nowhere")
+
+
+def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_pipe import cli
+
+    monkeypatch.setattr(cli, "_main", lambda: pytest.fail("Hydra was reached"))
+    for override, message in (("strategy.chunk=4", r"unknown key strategy.chunk \(did you mean strategy.chunks\?\)"),
+                              ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\)"),
+                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)")):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
+        with pytest.raises(SystemExit, match=message):
+            cli.main()
+    cli.check_overrides(["strategy=gpipe", "strategy.chunks=4", "trainer.max_steps=3", "resume=last", "hydra.run.dir=x",
+                         "recipe.model.size=tiny", "+trainer.gradient_clip_val=1", "-m"])  # fmt: skip
+
+
+def test_a_mistake_found_after_launch_prints_one_sentence_once(tmp_path: Path) -> None:
+    """A balance that does not fit the model is found in every process after the launch: rank 0 prints one
+    sentence, no process prints a traceback, the run exits non-zero and the log file keeps the traceback."""
+    result = _command(["strategy.balance=[1,1]", "trainer.max_steps=1", *SMALL["bert_mlm"], "hydra.run.dir=run"], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("sums to 2 but the module has 4 layers") == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "run").glob("*.log"))
+    assert "Traceback" in logs and "sums to 2" in logs

@@ -55,3 +55,31 @@ def test_summary_lists_folder_checkpoint_loss_steps_time_and_speed() -> None:
     empty = summary_lines(Path("/runs/b"), None, None, 0, 1.0, 0, 0.0)
     assert "checkpoint     none; checkpoint=true to save one" in empty
     assert "final loss     n/a" in empty and "samples/s      n/a (no training step)" in empty
+
+
+def test_chimera_names_the_split_stages_process_0_holds(monkeypatch) -> None:
+    """Chimera on 2 processes: process 0 holds stage 0 and a copy of stage 1 (schedule stages 0 and 3)."""
+    from lightning_pipe.observe import run_report
+
+    monkeypatch.setattr(run_report, "shows_model_summary", lambda trainer: True)
+    monkeypatch.setattr(run_report, "loader_batch_size", lambda trainer: None)
+    line = run_report.describe_layout(None, 2, 1, [2, 2], [0, 1, 1, 0], "chimera", 4)
+    assert line.endswith("the model summary below counts rank 0's stages 0 and 1 only"), line
+
+
+def test_the_summary_lists_every_file_the_run_wrote(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_pipe.cli import written_files
+
+    logs = tmp_path / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    (logs / "metrics.csv").write_text("step\n")
+    (tmp_path / "timeline.svg").write_text("<svg/>")
+    (tmp_path / "cli.log").write_text("")
+    written = written_files(tmp_path, SimpleNamespace(logger=SimpleNamespace(log_dir=str(logs))))
+    assert written == [str(logs / "metrics.csv"), str(tmp_path / "timeline.svg"), str(tmp_path / "cli.log")]
+    (logs / "metrics.csv").unlink()  # TensorBoard's event files instead
+    assert written_files(tmp_path, SimpleNamespace(logger=SimpleNamespace(log_dir=str(logs))))[0].endswith("--logdir " + str(logs) + ")")
+    text = summary_lines(tmp_path, None, 1.0, 2, 3.0, 4, 1.0, written)
+    assert f"  written        {logs / 'metrics.csv'}" in text and f"\n                 {tmp_path / 'cli.log'}" in text

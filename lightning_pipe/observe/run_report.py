@@ -85,9 +85,10 @@ def describe_layout(
     trainer: Any, processes: int, replicas: int, balance: Sequence[int], positions: Sequence[int], schedule: str, chunks: int
 ) -> str:
     """:func:`layout_line` for a Trainer being set up; ``positions[s]`` is the pipeline position
-    (process) that holds stage ``s``."""
+    (process) that holds stage ``s``; Chimera's copies (stages ``len(balance)`` and up) are named by
+    the split stage they copy, so a 2-process run reads "stages 0 and 1"."""
     size = loader_batch_size(trainer)
-    first = [s for s, position in enumerate(positions) if position == 0]
+    first = sorted({s % len(balance) for s, position in enumerate(positions) if position == 0})
     return layout_line(
         processes, replicas, balance, first, schedule, chunks, size * replicas if size is not None else None,
         shows_model_summary(trainer),
@@ -102,10 +103,12 @@ def summary_lines(
     wall_seconds: float,
     samples: int,
     train_seconds: float,
+    written: Sequence[str] = (),
 ) -> str:
     """The command line's end-of-run summary. ``samples``: training samples over all replicas;
     ``train_seconds``: the training loop's time without validation, so samples/s is the
-    training throughput."""
+    training throughput; ``written``: the other files and folders the run wrote (metrics, the
+    TensorBoard folder, timeline), one row each."""
     speed = f"{samples / train_seconds:.1f}" if samples and train_seconds > 0 else "n/a (no training step)"
     rows = [
         ("output folder", str(output)),
@@ -115,6 +118,7 @@ def summary_lines(
         ("wall time", f"{wall_seconds:.1f} s"),
         ("samples/s", speed + (" (the training loop, validation left out)" if samples and train_seconds > 0 else "")),
     ]
+    rows += [("written" if i == 0 else "", path) for i, path in enumerate(written)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["lightning-pipe: run finished"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 

@@ -53,6 +53,20 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
     return out
 
 
+def distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates without those that differ from a better one only in their balance while every
+    prediction is the same (Chimera on 2 processes holds the whole model on each, so its balance
+    cannot matter): the best of each such group stands for it."""
+    seen, kept = set(), []
+    for c in candidates:
+        key = (c.schedule, c.virtual_stages, c.chunks, c.checkpoint, c.depth, c.replicas, round(c.step_seconds, 7),
+               round(c.bubble, 6), c.stage_bytes)  # fmt: skip
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
+
+
 def plan_text(candidates: Sequence[Candidate], stages: int, replicas: int, top: int = 5) -> str:
     """The report of ``lightning-pipe plan``: the link, the best ``top`` layouts, the first choice and
     the overrides (shell-quoted) that run it in a run configured with ``stages`` x ``replicas``."""
@@ -62,10 +76,11 @@ def plan_text(candidates: Sequence[Candidate], stages: int, replicas: int, top: 
     chosen = f"best: #1, {describe(best)}: {1e3 * best.step_seconds:.2f} ms per step predicted"
     if best.replicas > 1 or (best.depth, best.replicas) != (stages, replicas):
         chosen += f"; each replica's DataLoader batch {best.replica_batch}"
+    shown = distinct(candidates)
     lines = [
         link_line(best.link),
-        f"{len(candidates)} layouts ranked by predicted step time; the best {min(top, len(candidates))}:",
-        format_plans(candidates, top),
+        f"{len(candidates)} layouts ranked by predicted step time; the best {min(top, len(shown))} distinct ones:",
+        format_plans(shown, top),
         chosen,
         "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, stages, replicas)),
     ]

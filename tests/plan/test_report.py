@@ -88,7 +88,7 @@ def test_plan_text_has_the_link_the_table_once_and_the_choice() -> None:
     text = plan_text(ranked, 4, 1)
     lines = text.splitlines()
     assert lines[0] == "measured link between ranks 0 and 1: latency 85.8 us, bandwidth 3377 MB/s"
-    assert lines[1] == f"{len(ranked)} layouts ranked by predicted step time; the best 5:"
+    assert lines[1] == f"{len(ranked)} layouts ranked by predicted step time; the best 5 distinct ones:"
     assert [line.split()[:3] for line in lines].count(["#", "schedule", "chunks"]) == 1 and len(lines) == 3 + 5 + 2
     best = ranked[0]
     assert lines[8].startswith("best: #1, ") and f"{1e3 * best.step_seconds:.2f} ms per step predicted" in lines[8]
@@ -121,3 +121,15 @@ def test_predicted_timeline_titles_fit_the_picture_and_ticks_are_round() -> None
         step = ticks[1] - ticks[0]
         assert ticks[0] == 0 and all(abs(b - a - step) < 1e-9 for a, b in itertools.pairwise(ticks))
         assert any(abs(step - m * 10**e) < 1e-9 for m in (1, 2, 5) for e in range(-3, 4)), ticks
+
+
+def test_rows_that_differ_only_in_a_balance_that_changes_nothing_are_shown_once() -> None:
+    """Chimera on 2 processes: every process holds both stages, so its balances predict the same step."""
+    from lightning_pipe.plan.report import distinct
+
+    best = replace(_ranked()[0], schedule="chimera", balance_mode="uniform", balance=(2, 2))
+    twins = [best, replace(best, balance_mode="parameters", balance=(1, 3)), replace(best, balance=(3, 1), chunks=best.chunks * 2)]
+    assert distinct(twins) == [twins[0], twins[2]]
+    text = plan_text(twins, 2, 1)
+    rows = [line for line in text.splitlines() if line.split()[1:2] == ["chimera"]]
+    assert len(rows) == 2 and "the best 2 distinct ones:" in text
