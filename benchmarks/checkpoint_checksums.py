@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe.checkpoint import read, write_meta, write_shard  # noqa: E402
+from lightning_pipe.checkpoint import read, write_meta, write_shard
 
 WIDTH, LAYERS = 2048, 16  # 16 x 2048 x 2048 x 4 bytes = 256 MiB
 DEFAULT_PATH = Path(tempfile.gettempdir()) / "lightning-pipe-bench-checksums.ckpt"

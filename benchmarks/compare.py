@@ -55,7 +55,8 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -67,15 +68,17 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import deepspeed_runner  # noqa: E402
-from workload import MODELS, STAGES, build_module, data, free_port  # noqa: E402
-from step_time import StepTimer, intervals  # noqa: E402
+import deepspeed_runner
+from step_time import StepTimer, intervals
+from workload import MODELS, STAGES, build_module, data, free_port
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe.partition import resolve_balance, stage_layers  # noqa: E402
-from lightning_pipe.schedules import stage_positions  # noqa: E402
-from lightning_pipe.schedules import VIRTUAL_STAGES  # noqa: E402
-from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.partition import resolve_balance, stage_layers
+from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.schedules import (
+    VIRTUAL_STAGES,
+    stage_positions,
+)
 
 UNFUSED = "_unfused"  # a lightning-pipe contender without gradient-accumulation fusion
 DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
@@ -89,7 +92,9 @@ def _trainer_args(steps: int, callbacks: list) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def lightning_trainer(model: str, contender: str, steps: int, callbacks: list, **options: Any) -> tuple[L.Trainer, DataLoader]:
+def lightning_trainer(
+    model: str, contender: str, steps: int, callbacks: list, **options: Any
+) -> tuple[L.Trainer, DataLoader]:
     """The trainer and data of a Lightning contender: ``plain``, ``plain_micro``, ``pipe_1stage``
     (lightning-pipe on one process: its overhead over ``plain_micro``) or ``pipe_<schedule>``."""
     spec = MODELS[model]
@@ -165,7 +170,11 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
         "zbv": ScheduleZBVZeroBubble,
     }
     loss = nn.functional.cross_entropy
-    pipe = single[schedule](stages[0], spec["chunks"], loss_fn=loss) if schedule in single else multi[schedule](stages, spec["chunks"], loss_fn=loss)
+    pipe = (
+        single[schedule](stages[0], spec["chunks"], loss_fn=loss)
+        if schedule in single
+        else multi[schedule](stages, spec["chunks"], loss_fn=loss)
+    )
     optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.01, momentum=0.9)
     first, last = 0 in mine, len(positions) - 1 in mine
     ends = []
@@ -187,7 +196,10 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
 def run_torch(model: str, contender: str, steps: int, warmup: int, folder: str) -> list[float]:
     path = os.path.join(folder, "times.json")
     mp.start_processes(
-        _torch_worker, args=(model, contender[len("torch_") :], steps, warmup, free_port(), path), nprocs=STAGES, start_method="fork"
+        _torch_worker,
+        args=(model, contender[len("torch_") :], steps, warmup, free_port(), path),
+        nprocs=STAGES,
+        start_method="fork",
     )
     with open(path) as f:
         return json.load(f)
@@ -260,7 +272,9 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
     input_bytes = [4 * (spec["batch"] // m) * int(torch.tensor(w).prod()) for w in widths]
     return {
         "peak_bytes": peaks,
-        "microbatches_held": {k: [round(v[s] / per_microbatch[s], 2) for s in range(p)] for k, v in peaks.items() if "never" in k},
+        "microbatches_held": {
+            k: [round(v[s] / per_microbatch[s], 2) for s in range(p)] for k, v in peaks.items() if "never" in k
+        },
         "closed_form_microbatches": {"gpipe/never": [m] * p, "1f1b/never": [min(p - s, m) for s in range(p)]},
         "ratio_1f1b_to_gpipe_stage0": peaks["1f1b/never"][0] / peaks["gpipe/never"][0],
         "bound_p_over_m": p / m,
@@ -285,7 +299,9 @@ def _output_shape(layers: nn.Sequential, balance: list[int], stage: int, spec: d
 def svg_chart(results: dict[str, Any]) -> str:
     """A bar chart of samples per second per contender, one panel per model, each scaled to its
     fastest contender (no plotting library)."""
-    rows = [(model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()]
+    rows = [
+        (model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()
+    ]
     if not rows:
         return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no results</text></svg>'
     width, bar, gap = 760, 18, 6
@@ -323,12 +339,14 @@ def default_contenders() -> str:
         return CPU_CONTENDERS
     single = "plain,plain_micro,pipe_1stage"
     if torch.cuda.device_count() < STAGES:
-        print(f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only")
+        print(
+            f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only"
+        )
         return single
     return single + ",pipe_gpipe,pipe_1f1b,pipe_1f1b_unfused,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"
 
 
-def runner_for(contender: str) -> Optional[Callable[..., list[float]]]:
+def runner_for(contender: str) -> Callable[..., list[float]] | None:
     """The function that runs ``contender``, or None (with a message) when it cannot run here."""
     if contender.startswith("torch_"):
         return run_torch
@@ -377,7 +395,11 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
         }
     # each schedule both engines ran: torch's step time over lightning-pipe's, per round (paired)
     against = {
-        c[len("pipe_") :]: [statistics.median(r["torch_" + c[len("pipe_") :]]) / statistics.median(r[c]) for r in rounds if c in r and "torch_" + c[len("pipe_") :] in r]
+        c[len("pipe_") :]: [
+            statistics.median(r["torch_" + c[len("pipe_") :]]) / statistics.median(r[c])
+            for r in rounds
+            if c in r and "torch_" + c[len("pipe_") :] in r
+        ]
         for c in names
         if c.startswith("pipe_") and "torch_" + c[len("pipe_") :] in names
     }
@@ -438,7 +460,9 @@ def main() -> None:
         # fusion) and torch's, for tighter paired ratios
         paired_rounds = args.paired_rounds if args.paired_rounds is not None else MODELS[model]["paired_rounds"]
         extra = [c for c in ("pipe_1f1b", "pipe_1f1b_unfused", "torch_1f1b") if c in contenders]
-        plan = [contenders] * args.rounds + ([extra] * paired_rounds if {"pipe_1f1b", "torch_1f1b"} <= set(extra) else [])
+        plan = [contenders] * args.rounds + (
+            [extra] * paired_rounds if {"pipe_1f1b", "torch_1f1b"} <= set(extra) else []
+        )
         for index, chosen in enumerate(plan):
             rounds.append({c: [] for c in chosen})
             for contender in chosen if index % 2 == 0 else chosen[::-1]:

@@ -80,8 +80,8 @@ def _micro_batches(model: str, steps: int) -> Iterator[tuple[torch.Tensor, torch
 
 
 def _worker(rank: int, model: str, steps: int, warmup: int, port: int, folder: str) -> None:
-    from workload import MODELS, STAGES, build_module
     from step_time import intervals
+    from workload import MODELS, STAGES, build_module
 
     from lightning_pipe.partition import resolve_balance, stage_layers
 

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.step_time import StepTimer  # noqa: E402
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from tests.hf_models import GPT2Embed, GPT2Head  # noqa: E402
+from benchmarks.step_time import StepTimer
+from lightning_pipe import PipelineStrategy
+from tests.hf_models import GPT2Embed, GPT2Head
 
 
 def gpt2(args: argparse.Namespace) -> nn.Module:
@@ -101,7 +101,7 @@ def main() -> None:
     tmp = f"/tmp/lightning_pipe_hf_blocks_{os.getpid()}.json"
     medians: dict[str, list[float]] = {"blocks": [], "sequential": []}
     for r in range(args.rounds):  # alternate, and swap the order every round
-        for kind in (("blocks", "sequential") if r % 2 == 0 else ("sequential", "blocks")):
+        for kind in ("blocks", "sequential") if r % 2 == 0 else ("sequential", "blocks"):
             medians[kind].append(statistics.median(run(args, kind, tmp)))
     ratios = [b / s for b, s in zip(medians["blocks"], medians["sequential"])]
     print(json.dumps({

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.step_time import MLP, StepTimer  # noqa: E402
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from benchmarks.step_time import MLP, StepTimer
+from lightning_pipe import PipelineStrategy
 
 
 def run(args: argparse.Namespace, stages: int, replicas: int, mode: str, path: str) -> list[float]:

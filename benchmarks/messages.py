@@ -19,8 +19,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe.schedules import build  # noqa: E402
-from lightning_pipe.schedules.actions import Schedule, comm_groups  # noqa: E402
+from lightning_pipe.schedules import build
+from lightning_pipe.schedules.actions import Schedule, comm_groups
 
 #: name -> virtual stages per rank
 SCHEDULES = {"1f1b": 1, "gpipe": 1, "zero_bubble": 1, "interleaved_1f1b": 2, "zbv": 2, "interleaved_zero_bubble": 2}
@@ -60,7 +60,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2, help="ranks")
     parser.add_argument("--chunks", type=int, default=8)
     args = parser.parse_args()
-    print("| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | computations between consecutive sends to a peer (min, median) |")
+    print(
+        "| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | computations between consecutive sends to a peer (min, median) |"
+    )
     print("|---|---|---|---|---|")
     for name, virtual in SCHEDULES.items():
         c = count(build(name, args.stages, args.chunks, virtual))

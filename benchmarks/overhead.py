@@ -62,7 +62,9 @@ def child(config: dict[str, Any]) -> None:
     from step_time import MLP
 
     # the profiler of this tree, whatever the library's checkout (it only reads the timeline)
-    spec = importlib.util.spec_from_file_location("_step_profile", os.path.join(ROOT, "lightning_pipe", "plan", "step_profile.py"))
+    spec = importlib.util.spec_from_file_location(
+        "_step_profile", os.path.join(ROOT, "lightning_pipe", "plan", "step_profile.py")
+    )
     profile_module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(profile_module)  # type: ignore[union-attr]
     folder = config["folder"]
@@ -93,11 +95,16 @@ def child(config: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = MLP(config["width"], config["blocks"], heavy=config.get("heavy", 1))
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(config["batch"] * 4, config["width"], generator=g), torch.randint(0, 10, (config["batch"] * 4,), generator=g)
+    x, y = (
+        torch.randn(config["batch"] * 4, config["width"], generator=g),
+        torch.randint(0, 10, (config["batch"] * 4,), generator=g),
+    )
     data = DataLoader(TensorDataset(x, y), batch_size=config["batch"])
     stages = 1 if config["schedule"] == "1stage" else config["stages"]
     strategy = PipelineStrategy(
-        schedule="1f1b" if stages == 1 else config["schedule"], chunks=config["chunks"], balance=config.get("balance", "parameters"),
+        schedule="1f1b" if stages == 1 else config["schedule"],
+        chunks=config["chunks"],
+        balance=config.get("balance", "parameters"),
         start_method="fork",
     )
     trainer = L.Trainer(
@@ -114,7 +121,9 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
                   "width": args.width, "blocks": args.blocks, "batch": args.batch, "steps": args.steps,
                   "cprofile": args.cprofile, "balance": args.balance, "heavy": args.heavy}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=root, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{schedule} ({root}) failed:\n{done.stderr[-4000:]}")
         ranks = 1 if schedule == "1stage" else args.stages
@@ -123,7 +132,9 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     return analyse(schedule, rows, spans, args)
 
 
-def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[Any]], args: argparse.Namespace) -> dict[str, Any]:
+def analyse(
+    schedule: str, rows: list[list[dict[str, float]]], spans: list[list[Any]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Step time, the parts per rank, the measured and the simulated bubble of one run."""
     sys.path.insert(0, ROOT)
     from lightning_pipe.observe.step_profile import means
@@ -156,7 +167,10 @@ def analyse(schedule: str, rows: list[list[dict[str, float]]], spans: list[list[
     result["simulated_bubble_per_rank"] = [1.0 - busy / played.makespan for busy in played.busy]
     # the same schedule with each rank's measured posting time spread over its F and B (the rank
     # posts in its own thread, between its computations): how much of the gap posting explains
-    posting = [statistics.median(sum(sec for name, _, sec in step if name == "post") for step in rank_steps[warm:]) for rank_steps in spans]
+    posting = [
+        statistics.median(sum(sec for name, _, sec in step if name == "post") for step in rank_steps[warm:])
+        for rank_steps in spans
+    ]
     with_posting = list(costs)
     for rank, posted in enumerate(posting):
         stages = [s for s in range(len(costs)) if plan.rank_of(s) == rank]
@@ -192,11 +206,17 @@ def main() -> None:
     parser.add_argument("--schedules", default="1f1b,zero_bubble")
     workload_arguments(parser, rounds=7, steps=16)
     parser.add_argument("--balance", default="parameters", help="the strategy's balance (parameters, time, ...)")
-    parser.add_argument("--heavy", type=int, default=1, help="the first half's blocks this many times as costly (MLP(heavy=))")
-    parser.add_argument("--against", default=None, help="another checkout: each run also runs with its library (paired)")
+    parser.add_argument(
+        "--heavy", type=int, default=1, help="the first half's blocks this many times as costly (MLP(heavy=))"
+    )
+    parser.add_argument(
+        "--against", default=None, help="another checkout: each run also runs with its library (paired)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="overhead", help="the results file's name, without .json")
-    parser.add_argument("--cprofile", default=None, help="a folder: each rank's training under cProfile (slower) to cprofile<rank>")
+    parser.add_argument(
+        "--cprofile", default=None, help="a folder: each rank's training under cProfile (slower) to cprofile<rank>"
+    )
     args = parser.parse_args()
     trees = {"after": ROOT} if args.against is None else {"before": os.path.abspath(args.against), "after": ROOT}
     runs = ["1stage", *args.schedules.split(",")]
@@ -206,7 +226,9 @@ def main() -> None:
         rounds.append({})
         for tree, schedule in jobs if index % 2 == 0 else jobs[::-1]:
             rounds[-1][f"{tree}:{schedule}"] = run(trees[tree], schedule, args)
-        print(json.dumps({"round": index, **{k: round(v["step_s"] * 1e3, 2) for k, v in rounds[-1].items()}}), flush=True)
+        print(
+            json.dumps({"round": index, **{k: round(v["step_s"] * 1e3, 2) for k, v in rounds[-1].items()}}), flush=True
+        )
     m, p = args.chunks, args.stages
     summary: dict[str, Any] = {"config": vars(args), "runs": {}}
     for tree in trees:
@@ -216,7 +238,10 @@ def main() -> None:
             entry: dict[str, Any] = {
                 "median_step_ms": round(1e3 * statistics.median(e["step_s"] for e in entries), 3),
                 "parts_ms_per_rank": [
-                    {k: round(1e3 * statistics.median(e["parts"][r][k] for e in entries), 3) for k in entries[0]["parts"][r]}
+                    {
+                        k: round(1e3 * statistics.median(e["parts"][r][k] for e in entries), 3)
+                        for k in entries[0]["parts"][r]
+                    }
                     for r in range(len(entries[0]["parts"]))
                 ],
             }
@@ -224,23 +249,41 @@ def main() -> None:
                 ideal = [r[f"{tree}:1stage"]["step_s"] * (m + p - 1) / (p * m) / r[key]["step_s"] for r in rounds]
                 entry["ideal_over_step_per_round"] = [round(v, 3) for v in ideal]
                 entry["ideal_over_step_median"] = round(statistics.median(ideal), 3)
-                entry["measured_bubble_per_rank"] = [round(statistics.median(e["measured_bubble"][r] for e in entries), 4) for r in range(p)]
+                entry["measured_bubble_per_rank"] = [
+                    round(statistics.median(e["measured_bubble"][r] for e in entries), 4) for r in range(p)
+                ]
                 entry["simulated_bubble"] = round(statistics.median(e["simulated_bubble"] for e in entries), 4)
-                entry["simulated_bubble_per_rank"] = [round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)]
+                entry["simulated_bubble_per_rank"] = [
+                    round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)
+                ]
                 # like for like: each rank against its own simulated idle share, and the mean over ranks against the mean
                 entry["measured_over_simulated_per_rank"] = [
                     round(measured / simulated, 3) if simulated > 0 else None
-                    for measured, simulated in zip(entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"])
+                    for measured, simulated in zip(
+                        entry["measured_bubble_per_rank"], entry["simulated_bubble_per_rank"]
+                    )
                 ]
-                entry["measured_over_simulated_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / entry["simulated_bubble"], 3)
-                posted = [round(statistics.median(e["simulated_bubble_with_posting_per_rank"][r] for e in entries), 4) for r in range(p)]
+                entry["measured_over_simulated_mean"] = round(
+                    statistics.mean(entry["measured_bubble_per_rank"]) / entry["simulated_bubble"], 3
+                )
+                posted = [
+                    round(statistics.median(e["simulated_bubble_with_posting_per_rank"][r] for e in entries), 4)
+                    for r in range(p)
+                ]
                 entry["simulated_bubble_with_posting_per_rank"] = posted
-                entry["measured_over_simulated_with_posting_mean"] = round(statistics.mean(entry["measured_bubble_per_rank"]) / statistics.mean(posted), 3)
+                entry["measured_over_simulated_with_posting_mean"] = round(
+                    statistics.mean(entry["measured_bubble_per_rank"]) / statistics.mean(posted), 3
+                )
                 # what the uneven split costs: the simulated run at the measured costs against the
                 # same total evened over the stages, and the ideal against the step less that time
-                entry["uneven_split_over_even_median"] = round(statistics.median(e["simulated_makespan_s"] / e["even_split_makespan_s"] for e in entries), 4)
+                entry["uneven_split_over_even_median"] = round(
+                    statistics.median(e["simulated_makespan_s"] / e["even_split_makespan_s"] for e in entries), 4
+                )
                 even_ideal = [
-                    r[f"{tree}:1stage"]["step_s"] * (m + p - 1) / (p * m) / (r[key]["step_s"] - r[key]["simulated_makespan_s"] + r[key]["even_split_makespan_s"])
+                    r[f"{tree}:1stage"]["step_s"]
+                    * (m + p - 1)
+                    / (p * m)
+                    / (r[key]["step_s"] - r[key]["simulated_makespan_s"] + r[key]["even_split_makespan_s"])
                     for r in rounds
                 ]
                 entry["ideal_over_step_even_split_median"] = round(statistics.median(even_ideal), 3)

@@ -16,7 +16,7 @@ import time
 import torch
 
 
-def work(queue: "mp.Queue[float]") -> None:
+def work(queue: mp.Queue[float]) -> None:
     torch.set_num_threads(1)
     a = torch.randn(512, 512)
     start = time.perf_counter()
@@ -41,7 +41,9 @@ def main() -> None:
             p.join()
         both = time.perf_counter() - start
         queue.get(), queue.get()
-        print(f"one process alone {single:.2f} s, two at once {both:.2f} s: parallel speed-up {2 * single / both:.2f}x (2.0 = a core each)")
+        print(
+            f"one process alone {single:.2f} s, two at once {both:.2f} s: parallel speed-up {2 * single / both:.2f}x (2.0 = a core each)"
+        )
 
 
 if __name__ == "__main__":

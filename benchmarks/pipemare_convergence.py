@@ -30,14 +30,14 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 #: name -> (schedule, extra strategy arguments)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -76,7 +76,9 @@ class Record(L.Callback):
             json.dump({"losses": self.losses, "memory": memory}, f)
 
 
-def build(recipe: str, lr: float, steps: int, args: argparse.Namespace, seed: int = 0) -> tuple[L.LightningModule, L.LightningDataModule]:
+def build(
+    recipe: str, lr: float, steps: int, args: argparse.Namespace, seed: int = 0
+) -> tuple[L.LightningModule, L.LightningDataModule]:
     torch.manual_seed(seed)  # the initial weights and the data order (the workers fork after this)
     if recipe == "bert":
         from lightning_pipe.recipes.bert import BertMLM, TextData
@@ -115,11 +117,20 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
                 ranks.append(json.load(f))
     losses = ranks[0]["losses"]
     copies = [
-        round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3) if m["param_bytes"] else 0.0
+        round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3)
+        if m["param_bytes"]
+        else 0.0
         for m in (r["memory"] for r in ranks)
     ]
-    return {"variant": variant, "schedule": schedule, "chunks": chunks, "lr": lr, "seed": seed, "losses": losses,
-            "weight_copies": copies}
+    return {
+        "variant": variant,
+        "schedule": schedule,
+        "chunks": chunks,
+        "lr": lr,
+        "seed": seed,
+        "losses": losses,
+        "weight_copies": copies,
+    }
 
 
 def final_loss(losses: list[float]) -> float:
@@ -127,7 +138,7 @@ def final_loss(losses: list[float]) -> float:
     return sum(losses[-tail:]) / tail
 
 
-def steps_to_reach(losses: list[float], target: float) -> Optional[int]:
+def steps_to_reach(losses: list[float], target: float) -> int | None:
     window = max(1, len(losses) // 10)
     for end in range(window, len(losses) + 1):
         if sum(losses[end - window : end]) / window <= target:
@@ -171,7 +182,9 @@ def markdown(table: list[dict[str, Any]]) -> str:
         rows = [by.get((variant, lr)) for lr in lrs]
         first = next(r for r in rows if r is not None)
         losses = " / ".join(_loss_cell(r) if r else "-" for r in rows)
-        reach = " / ".join(_reach_cell(r["steps_to_1f1b_final"]) if r and r["vs_1f1b"] is not None else "-" for r in rows)
+        reach = " / ".join(
+            _reach_cell(r["steps_to_1f1b_final"]) if r and r["vs_1f1b"] is not None else "-" for r in rows
+        )
         copies = ", ".join(f"{c:g}" for c in first["weight_copies"])
         lines.append(f"| {variant} | {first['chunks']} | {losses} | {reach} | {copies} |")
     return "\n".join(lines)
@@ -182,7 +195,9 @@ def mean_over_seeds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     grouped: dict[tuple[float, str], list[dict[str, Any]]] = {}
     for r in results:
         grouped.setdefault((r["lr"], r["variant"]), []).append(r)
-    return [{**runs[0], "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs))]} for runs in grouped.values()]
+    return [
+        {**runs[0], "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs))]} for runs in grouped.values()
+    ]
 
 
 def _loss_cell(row: dict[str, Any]) -> str:
@@ -225,11 +240,17 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
                 if not (value == value) or abs(value) > 1e6:
                     break
                 clipped = min(max(value, bottom), top)
-                points.append(f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}")
-            parts.append(f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" points="{" ".join(points)}"/>')
+                points.append(
+                    f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}"
+                )
+            parts.append(
+                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" points="{" ".join(points)}"/>'
+            )
     legend_x = width * len(lrs) + 10
     for i, name in enumerate(VARIANTS):
-        parts.append(f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" stroke="{COLOURS[name]}" stroke-width="2"/>')
+        parts.append(
+            f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" stroke="{COLOURS[name]}" stroke-width="2"/>'
+        )
         parts.append(f'<text x="{legend_x + 25}" y="{44 + 16 * i}">{name}</text>')
     parts.append("</svg>")
     with open(path, "w") as f:
@@ -241,11 +262,15 @@ def main() -> None:
     parser.add_argument("--recipe", choices=("bert", "vgg"), default="bert")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--chunks", type=int, default=1, help="micro-batches per batch (1: delays 3, 2, 1, 0 on 4 stages)")
+    parser.add_argument(
+        "--chunks", type=int, default=1, help="micro-batches per batch (1: delays 3, 2, 1, 0 on 4 stages)"
+    )
     parser.add_argument("--chunks-2bw", type=int, default=3, help="pipedream_2bw needs chunks >= stages - 1")
     parser.add_argument("--warmup", type=int, default=None, help="pipemare_warmup K (default: a third of the steps)")
     parser.add_argument("--lr", type=float, default=None, help="1F1B's best learning rate, if known")
-    parser.add_argument("--decay", type=float, default=None, help="pipemare_decay D for the corrected pipemare runs (default 0.1)")
+    parser.add_argument(
+        "--decay", type=float, default=None, help="pipemare_decay D for the corrected pipemare runs (default 0.1)"
+    )
     parser.add_argument("--find-lr", default=None, help="comma-separated learning rates for 1F1B, to pick the best")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--factors", default="0.5,1,2", help="learning rates to run, as multiples of 1F1B's best")
@@ -255,7 +280,9 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=400_000)
     parser.add_argument("--width", type=float, default=0.125)
     parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (initial weights and data order), each run per seed")
+    parser.add_argument(
+        "--seeds", default="0", help="comma-separated seeds (initial weights and data order), each run per seed"
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--svg", default=None)
     parser.add_argument("--report", default=None, help="print the Markdown table of a results file and stop")
@@ -290,12 +317,21 @@ def main() -> None:
     table = summary(results, lrs)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "svg", "find_lr")}
     with open(out, "w") as f:
-        json.dump({"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results}, f, indent=1)
+        json.dump(
+            {"settings": settings, "lr_search": search, "best_1f1b_lr": lr, "table": table, "runs": results},
+            f,
+            indent=1,
+        )
     print(markdown(table))
     title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
     if len(seeds) > 1:
         title += f", mean of seeds {args.seeds}"
-    svg(mean_over_seeds(results), lrs, title, args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"))
+    svg(
+        mean_over_seeds(results),
+        lrs,
+        title,
+        args.svg or os.path.join(os.path.dirname(__file__), "..", "docs", f"pipemare-{args.recipe}.svg"),
+    )
 
 
 if __name__ == "__main__":

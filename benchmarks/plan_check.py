@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import compare  # noqa: E402
-from step_time import StepTimer  # noqa: E402
+import compare
+from step_time import StepTimer
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class KeepPlan(L.Callback):

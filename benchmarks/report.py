@@ -1,6 +1,6 @@
 """Render ``benchmarks/results/results.json`` (from ``compare.py``) as the tables of ``docs/benchmarks.md``.
 
-    python benchmarks/report.py benchmarks/results/results.json > docs/benchmarks-tables.md
+python benchmarks/report.py benchmarks/results/results.json > docs/benchmarks-tables.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def tables(results: dict) -> str:
         if model.startswith("_"):
             continue
         out.append(f"### {model}: batch {entry['batch']}, {entry['chunks']} micro-batches, {entry['stages']} stages\n")
-        out.append("| contender | median s/step | samples/s | steps | lightning-pipe 1F1B speed-up | paired (median of rounds) |")
+        out.append(
+            "| contender | median s/step | samples/s | steps | lightning-pipe 1F1B speed-up | paired (median of rounds) |"
+        )
         out.append("|---|---:|---:|---:|---:|---:|")
         speedups = entry.get("pipe_1f1b_speedup_over", {})
         paired = entry.get("pipe_1f1b_speedup_paired_median", {})
@@ -41,7 +43,8 @@ def tables(results: dict) -> str:
         if unfused:
             out.append(
                 "Without gradient-accumulation fusion (pipe_1f1b_unfused), lightning-pipe 1F1B's speed-up over torch's "
-                f"Schedule1F1B in each of {len(unfused)} rounds: " + ", ".join(f"{r:.2f}" for r in unfused)
+                f"Schedule1F1B in each of {len(unfused)} rounds: "
+                + ", ".join(f"{r:.2f}" for r in unfused)
                 + f" (median {entry['unfused_speedup_over_torch_1f1b_paired_median']:.2f}).\n"
             )
         if "pipe_1stage_over_plain" in entry:
@@ -60,7 +63,11 @@ def tables(results: dict) -> str:
         for contender, ranks in entry.get("breakdown", {}).items():
             out.append(f"Where {contender}'s step goes, mean ms per step on each rank:\n")
             columns = ["F", "B", "post", "wait", "step", "outside_executor", "step_interval"]
-            out.append("| rank | " + " | ".join(columns) + (" | peak allocated |" if "peak_allocated_bytes" in ranks[0] else " |"))
+            out.append(
+                "| rank | "
+                + " | ".join(columns)
+                + (" | peak allocated |" if "peak_allocated_bytes" in ranks[0] else " |")
+            )
             out.append("|---:|" + "---:|" * (len(columns) + ("peak_allocated_bytes" in ranks[0])))
             for rank, row in enumerate(ranks):
                 cells = " | ".join(f"{1000 * row.get(c, 0.0):.1f}" for c in columns)

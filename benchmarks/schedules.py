@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import StepTimer, build  # noqa: E402
+from step_time import StepTimer, build
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class VersionMemory(L.Callback):
@@ -93,7 +93,9 @@ def main() -> None:
         }
     base = result["schedules"][schedules[0]]["median_step_s"]
     for schedule in schedules:
-        result["schedules"][schedule][f"speedup_vs_{schedules[0]}"] = base / result["schedules"][schedule]["median_step_s"]
+        result["schedules"][schedule][f"speedup_vs_{schedules[0]}"] = (
+            base / result["schedules"][schedule]["median_step_s"]
+        )
     print(json.dumps(result, indent=2))
 
 

@@ -50,14 +50,19 @@ def main() -> None:
         for balance in balances if index % 2 == 0 else balances[::-1]:
             args.balance = balance
             rounds[-1][balance] = run(ROOT, args.schedule, args)
-        print(json.dumps({"round": index, **{b: round(1e3 * r["step_s"], 1) for b, r in rounds[-1].items()}}), flush=True)
+        print(
+            json.dumps({"round": index, **{b: round(1e3 * r["step_s"], 1) for b, r in rounds[-1].items()}}), flush=True
+        )
     reference = balances[0]
     summary: dict = {"config": {k: v for k, v in vars(args).items() if k != "balance"}, "balances": {}}
     for balance in balances:
         entry = {
             "median_step_ms": round(1e3 * statistics.median(r[balance]["step_s"] for r in rounds), 2),
             "stage_costs_ms": rounds[-1][balance]["stage_costs_ms"],
-            "measured_bubble_per_rank": [round(statistics.median(r[balance]["measured_bubble"][k] for r in rounds), 4) for k in range(args.stages)],
+            "measured_bubble_per_rank": [
+                round(statistics.median(r[balance]["measured_bubble"][k] for r in rounds), 4)
+                for k in range(args.stages)
+            ],
         }
         if balance != reference:
             step = [r[balance]["step_s"] / r[reference]["step_s"] for r in rounds]

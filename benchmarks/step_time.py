@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 def workload_arguments(parser: argparse.ArgumentParser, rounds: int, steps: int) -> None:
@@ -119,7 +119,9 @@ def run(args: argparse.Namespace, pipeline: bool, path: str) -> list[float]:
         enable_model_summary=False, callbacks=[StepTimer(path, args.warmup)],
     )  # fmt: skip
     if pipeline:
-        strategy = PipelineStrategy(schedule=args.schedule, chunks=args.chunks, balance=args.balance, start_method="fork")
+        strategy = PipelineStrategy(
+            schedule=args.schedule, chunks=args.chunks, balance=args.balance, start_method="fork"
+        )
         trainer = L.Trainer(accelerator="cpu", devices=args.stages, strategy=strategy, **common)
     else:
         trainer = L.Trainer(accelerator="cpu", devices=1, **common)

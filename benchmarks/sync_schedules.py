@@ -29,7 +29,8 @@ import statistics
 import sys
 import tempfile
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -39,12 +40,12 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import MLP, StepTimer, workload_arguments  # noqa: E402
+from step_time import MLP, StepTimer, workload_arguments
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe.runtime.memory import SavedActivationMeter  # noqa: E402
-from lightning_pipe.runtime.stage import StageRunner  # noqa: E402
-from lightning_pipe.schedules import build, simulate  # noqa: E402
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.schedules import build, simulate
 
 COMPUTE = ("F", "B", "W")
 
@@ -78,7 +79,9 @@ class Record(L.Callback):
             for name in ("forward", "backward", "backward_input", "backward_weight"):
                 setattr(runner, name, self._watched(getattr(runner, name), meter, runners))
 
-    def _watched(self, method: Callable[..., Any], meter: SavedActivationMeter, runners: list[StageRunner]) -> Callable[..., Any]:
+    def _watched(
+        self, method: Callable[..., Any], meter: SavedActivationMeter, runners: list[StageRunner]
+    ) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             out = method(*args)
             self.peak = max(self.peak, meter.peak, meter.current + _work_bytes(runners))
@@ -127,7 +130,8 @@ def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> 
         executor.append(statistics.median(steps))
     # median action time per stage, scaled to one step's worth of micro-batches
     costs = [
-        tuple(statistics.median(per_stage[s][k]) if per_stage[s][k] else 0.0 for k in COMPUTE) for s in sorted(per_stage)
+        tuple(statistics.median(per_stage[s][k]) if per_stage[s][k] else 0.0 for k in COMPUTE)
+        for s in sorted(per_stage)
     ]
     schedule_obj = build(schedule, stages, chunks, len(costs) // stages)
     simulated = simulate(schedule_obj, stage_costs=costs, rendezvous=False)
@@ -168,11 +172,17 @@ def main() -> None:
             f"speedup_over_{base}_per_round": [round(v, 3) for v in ratios],
             f"speedup_over_{base}_median": statistics.median(ratios),
             f"faster_than_{base}_in_rounds": sum(v > 1 for v in ratios),
-            "measured_bubble_per_rank": [statistics.median(e["measured_bubble_per_rank"][r] for e in entries) for r in range(args.stages)],
-            "executor_step_ms_per_rank": [statistics.median(e["executor_step_ms_per_rank"][r] for e in entries) for r in range(args.stages)],
+            "measured_bubble_per_rank": [
+                statistics.median(e["measured_bubble_per_rank"][r] for e in entries) for r in range(args.stages)
+            ],
+            "executor_step_ms_per_rank": [
+                statistics.median(e["executor_step_ms_per_rank"][r] for e in entries) for r in range(args.stages)
+            ],
             "simulated_bubble": statistics.median(e["simulated_bubble"] for e in entries),
             "stage_costs_ms": entries[len(entries) // 2]["stage_costs_ms"],
-            "peak_activation_mib_per_rank": [max(e["peak_activation_mib_per_rank"][r] for e in entries) for r in range(args.stages)],
+            "peak_activation_mib_per_rank": [
+                max(e["peak_activation_mib_per_rank"][r] for e in entries) for r in range(args.stages)
+            ],
         }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sync_schedules.json"), "w") as f:

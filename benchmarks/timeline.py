@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import MLP  # noqa: E402
+from step_time import MLP
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe.observe import TimelinePicture, simulated_bars, timeline_svg  # noqa: E402
-from lightning_pipe.schedules import one_f_one_b, simulate  # noqa: E402
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.observe import TimelinePicture, simulated_bars, timeline_svg
+from lightning_pipe.schedules import one_f_one_b, simulate
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -32,7 +32,10 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def main() -> None:
     torch.set_num_threads(1)
     schedule = one_f_one_b(4, 8)
-    svg = timeline_svg([("1f1b, 4 stages, 8 micro-batches (backward = 2 forwards)", simulated_bars(simulate(schedule)))], unit="forward times")
+    svg = timeline_svg(
+        [("1f1b, 4 stages, 8 micro-batches (backward = 2 forwards)", simulated_bars(simulate(schedule)))],
+        unit="forward times",
+    )
     (DOCS / "timeline-1f1b.svg").write_text(svg)
     torch.manual_seed(0)
     model = MLP(1024, 8)

@@ -33,10 +33,10 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from step_time import StepTimer  # noqa: E402
+from lightning_pipe.recipes.vgg import VGGClassifier
+from step_time import StepTimer
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from lightning_pipe.recipes.vgg import VGGClassifier  # noqa: E402
+from lightning_pipe import PipelineStrategy
 
 
 class KeepSplit(L.Callback):
@@ -98,14 +98,18 @@ def svg_chart(results: list[dict[str, Any]], batch: int) -> str:
     out: list[str] = []
     y = 30
     for stages, balance in groups:
-        rows = sorted((r for r in results if (r["stages"], r["balance"]) == (stages, balance)), key=lambda r: r["chunks"])
+        rows = sorted(
+            (r for r in results if (r["stages"], r["balance"]) == (stages, balance)), key=lambda r: r["chunks"]
+        )
         out.append(f'<text x="10" y="{y + len(rows) * bar / 2 + 4:.0f}">{stages} stages, {balance}</text>')
         for r in rows:
             value = batch / r["median_step_s"]
             length = width * value / top
             color = colors.get(r["chunks"], "#444444")
             out.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar - 2}" fill="{color}"/>')
-            out.append(f'<text x="{left + length + 4:.1f}" y="{y + bar - 3}" font-size="11">{value:.1f} (chunks {r["chunks"]})</text>')
+            out.append(
+                f'<text x="{left + length + 4:.1f}" y="{y + bar - 3}" font-size="11">{value:.1f} (chunks {r["chunks"]})</text>'
+            )
             y += bar
         y += gap
     head = (
@@ -135,7 +139,10 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     layouts = [
-        (int(s), b, int(c)) for s in args.stages.split(",") for b in args.balances.split(",") for c in args.chunks.split(",")
+        (int(s), b, int(c))
+        for s in args.stages.split(",")
+        for b in args.balances.split(",")
+        for c in args.chunks.split(",")
     ]
     times: dict[tuple[int, str, int], list[float]] = {layout: [] for layout in layouts}
     splits: dict[tuple[int, str, int], list[int]] = {}
@@ -144,9 +151,24 @@ def main() -> None:
             out = run(*layout, args)
             times[layout] += out["step_s"]
             splits[layout] = out["split"]
-            print(json.dumps({"layout": layout, "median_step_s": statistics.median(out["step_s"]), "run_s": round(out["run_s"], 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "layout": layout,
+                        "median_step_s": statistics.median(out["step_s"]),
+                        "run_s": round(out["run_s"], 1),
+                    }
+                ),
+                flush=True,
+            )
     results = [
-        {"stages": s, "balance": b, "chunks": c, "split": splits[(s, b, c)], "median_step_s": statistics.median(times[(s, b, c)])}
+        {
+            "stages": s,
+            "balance": b,
+            "chunks": c,
+            "split": splits[(s, b, c)],
+            "median_step_s": statistics.median(times[(s, b, c)]),
+        }
         for s, b, c in layouts
     ]
     os.makedirs(args.out, exist_ok=True)

@@ -14,11 +14,27 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from step_time import MLP  # noqa: E402
+from step_time import MLP
 
 MODELS = {
-    "mlp": {"batch": 256, "chunks": 8, "features": (1024,), "classes": 10, "steps": 14, "warmup": 4, "paired_rounds": 8},
-    "vgg19": {"batch": 32, "chunks": 4, "features": (3, 32, 32), "classes": 100, "steps": 7, "warmup": 2, "paired_rounds": 0},
+    "mlp": {
+        "batch": 256,
+        "chunks": 8,
+        "features": (1024,),
+        "classes": 10,
+        "steps": 14,
+        "warmup": 4,
+        "paired_rounds": 8,
+    },
+    "vgg19": {
+        "batch": 32,
+        "chunks": 4,
+        "features": (3, 32, 32),
+        "classes": 100,
+        "steps": 7,
+        "warmup": 2,
+        "paired_rounds": 0,
+    },
 }
 STAGES = 2
 

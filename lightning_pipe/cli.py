@@ -20,9 +20,10 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import hydra
 import lightning as L
@@ -36,13 +37,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
-from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
-from lightning_pipe.observe.stage_metrics import StageMetrics
 from lightning_pipe.observe.run_report import summary_lines
+from lightning_pipe.observe.stage_metrics import StageMetrics
+from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import traits
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,14 @@ class SamplesPerSecond(L.Callback):
     def __init__(self) -> None:
         self._start = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         seconds = time.perf_counter() - self._start
         samples = batch_size(batch) * _replicas(trainer)
         pl_module.log("samples_per_sec", samples / seconds, prog_bar=True, on_step=True, on_epoch=False)
@@ -101,10 +106,10 @@ class RunSummary(L.Callback):
         self.output, self.started = output, started
         self.samples = 0
         self.train_seconds = 0.0
-        self.text: Optional[str] = None
-        self._last_loss: Optional[float] = None
-        self._train_start: Optional[float] = None
-        self._validation_start: Optional[float] = None
+        self.text: str | None = None
+        self._last_loss: float | None = None
+        self._train_start: float | None = None
+        self._validation_start: float | None = None
         self._validation_seconds = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -119,7 +124,9 @@ class RunSummary(L.Callback):
             self._validation_seconds += time.perf_counter() - self._validation_start
             self._validation_start = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.samples += batch_size(batch) * _replicas(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
@@ -134,7 +141,11 @@ class RunSummary(L.Callback):
             return
         logged = trainer.callback_metrics.get("train_loss")  # what the progress bar showed last
         checkpoint = trainer.checkpoint_callback
-        saved = (checkpoint.last_model_path or checkpoint.best_model_path) if isinstance(checkpoint, ModelCheckpoint) else ""
+        saved = (
+            (checkpoint.last_model_path or checkpoint.best_model_path)
+            if isinstance(checkpoint, ModelCheckpoint)
+            else ""
+        )
         self.text = summary_lines(
             self.output, str(Path(saved).resolve()) if saved else None,
             float(logged) if logged is not None else self._last_loss, trainer.global_step,
@@ -200,7 +211,7 @@ class PlanOnly(L.Callback):
         print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}", flush=True)
 
 
-def build_strategy(cfg: DictConfig, devices: Any, defaults: Optional[dict[str, Any]] = None) -> tuple[Any, Any]:
+def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The Trainer's ``strategy`` and ``devices`` for the ``strategy`` config group. ``defaults``:
     strategy arguments the recipe's model asks for (its ``strategy_defaults``, say the ``module``
     that holds its blocks), used where the group leaves them unset."""
@@ -216,7 +227,9 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: Optional[dict[str, A
         raise ValueError(f"strategy.name={cfg.name!r}: valid names are 'pipeline' and 'none'.")
     args = {k: v for k, v in (defaults or {}).items() if v is not None}
     args.update({k: cfg[k] for k in STRATEGY_KEYS if k in cfg and cfg[k] is not None})
-    if isinstance(args.get("loss_weight"), DictConfig):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
+    if isinstance(
+        args.get("loss_weight"), DictConfig
+    ):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
         args["loss_weight"] = instantiate(args["loss_weight"])
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
@@ -232,8 +245,12 @@ def check_keys(cfg: DictConfig) -> None:
     problems += _unknown_keys("recipe.", cfg.recipe, ("name", "model", "data"))  # their keys: instantiate_recipe
     name = cfg.strategy.get("name")
     if name in ("pipeline", "none"):
-        problems += _unknown_keys("strategy.", cfg.strategy, ("name", *STRATEGY_KEYS) if name == "pipeline" else ("name",))
-    trainer = [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self" and p not in SET_BY_THE_COMMAND]
+        problems += _unknown_keys(
+            "strategy.", cfg.strategy, ("name", *STRATEGY_KEYS) if name == "pipeline" else ("name",)
+        )
+    trainer = [
+        p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self" and p not in SET_BY_THE_COMMAND
+    ]
     for key in cfg.trainer:
         if key in SET_BY_THE_COMMAND:
             problems.append(f"trainer.{key} is set by lightning-pipe: {SET_BY_THE_COMMAND[key]}.")
@@ -293,14 +310,21 @@ def make_logger(name: str, output: Path) -> Logger:
         try:
             return TensorBoardLogger(str(output), name="logs")
         except ModuleNotFoundError as error:
-            raise SystemExit(f"lightning-pipe: logger=tensorboard needs TensorBoard: pip install tensorboard ({error})") from error
+            raise SystemExit(
+                f"lightning-pipe: logger=tensorboard needs TensorBoard: pip install tensorboard ({error})"
+            ) from error
     raise SystemExit(f"lightning-pipe: logger={name!r} is unknown. Valid: {', '.join(LOGGERS)}.")
 
 
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
     """``schedule=pipedream`` and ``pipemare`` refuse weights tied across stages; say so before any process starts,
     naming the override that unties them (the strategy itself would fail in every process)."""
-    if cfg.strategy.name != "pipeline" or not traits(cfg.strategy.schedule).refuses_ties or not isinstance(devices, int) or devices < 2:
+    if (
+        cfg.strategy.name != "pipeline"
+        or not traits(cfg.strategy.schedule).refuses_ties
+        or not isinstance(devices, int)
+        or devices < 2
+    ):
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))
@@ -312,18 +336,14 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
     if not ties:
         return
     names = ", ".join(sorted({f"{attribute}.{name}" for tie in ties for name in tie.values()}))
-    fix = (
-        "add recipe.model.tie_embeddings=false"
-        if "tie_embeddings" in cfg.recipe.model
-        else "untie them in the model"
-    )
+    fix = "add recipe.model.tie_embeddings=false" if "tie_embeddings" in cfg.recipe.model else "untie them in the model"
     raise SystemExit(
         f"lightning-pipe: strategy=pipedream cannot train weights shared by layers of different stages ({names}): "
         f"{fix}, or use strategy=pipedream_2bw."
     )
 
 
-def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> Optional[str]:
+def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> str | None:
     """The checkpoint ``resume=`` names: None for ``null``; ``last``: ``checkpoints/last.ckpt`` of this
     run's folder (``hydra.run.dir`` of an earlier run), else the newest one under ``searched`` (the
     ``outputs`` and ``multirun`` folders); a run's folder: its ``checkpoints/last.ckpt``; else the path.
@@ -348,7 +368,9 @@ def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> Optional[
     if path.is_dir() and not (path / "meta.pt").exists() and (path / "checkpoints" / "last.ckpt").exists():
         path = path / "checkpoints" / "last.ckpt"  # a run's folder
     if not path.exists():
-        raise SystemExit(f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last.")
+        raise SystemExit(
+            f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last."
+        )
     return str(path.resolve())
 
 
@@ -369,7 +391,7 @@ class _NoTips(logging.Filter):
         return not str(record.getMessage()).startswith("💡 Tip")
 
 
-def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
+def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
     started = time.time()
     check_keys(cfg)
@@ -385,13 +407,15 @@ def run(cfg: DictConfig, output_dir: Optional[str] = None) -> dict[str, float]:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
     model = instantiate_recipe(cfg, "model")
-    strategy, devices = build_strategy(cfg.strategy, trainer_cfg.pop("devices"), getattr(model, "strategy_defaults", None))
+    strategy, devices = build_strategy(
+        cfg.strategy, trainer_cfg.pop("devices"), getattr(model, "strategy_defaults", None)
+    )
     check_tied_weights(cfg, model, devices)
     data = instantiate_recipe(cfg, "data")
     if cfg.strategy.name == "pipeline":
         warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
     callbacks: list[L.Callback] = [SamplesPerSecond()]
-    summary: Optional[RunSummary] = None
+    summary: RunSummary | None = None
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
         if isinstance(strategy, PipelineStrategy):
@@ -460,7 +484,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _end_job(environment: dict[str, Optional[str]]) -> None:
+def _end_job(environment: dict[str, str | None]) -> None:
     """Leave nothing of this job's processes behind for the next job of a sweep, which runs in this
     process and starts its own extra processes: the process group, and the variables Lightning's
     launcher set (with ``LOCAL_RANK`` set, Lightning would take the processes as started already).
@@ -476,7 +500,7 @@ def _end_job(environment: dict[str, Optional[str]]) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def _main(cfg: DictConfig) -> Optional[float]:
+def _main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     return metrics.get("train_loss")
 
@@ -499,7 +523,11 @@ def check_overrides(args: Sequence[str]) -> None:
             in_files = {str(k) for f in (Path(CONFIG_DIR) / "strategy").glob("*.yaml") for k in OmegaConf.load(f)}
             prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
         elif head == "trainer":
-            prefix, name, valid = "trainer.", rest, [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self"]
+            prefix, name, valid = (
+                "trainer.",
+                rest,
+                [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self"],
+            )
         else:
             continue
         if name not in valid:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from torch import nn
 
@@ -21,8 +22,8 @@ from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
 from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
-from lightning_pipe.weights.names import Rename, check_rename
 from lightning_pipe.weights import check_weights_argument
+from lightning_pipe.weights.names import Rename, check_rename
 
 PLANS = (None, "auto")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -106,25 +107,25 @@ class PipelineConfig:
     """
 
     schedule: str = "1f1b"
-    chunks: Optional[int] = None
+    chunks: int | None = None
     balance: BalanceSpec = "uniform"
     recompute: str = "never"
-    module: Optional[str] = None
-    init: Optional[Callable[[nn.Module], None]] = None
-    rename: Optional[Rename] = None
+    module: str | None = None
+    init: Callable[[nn.Module], None] | None = None
+    rename: Rename | None = None
     gradient_accumulation_fusion: bool = True
-    virtual_stages: Optional[int] = None
-    check_data: Union[bool, int] = True
-    weights: Optional[Union[str, Path]] = None
-    plan: Optional[str] = None
-    stages: Optional[int] = None
+    virtual_stages: int | None = None
+    check_data: bool | int = True
+    weights: str | Path | None = None
+    plan: str | None = None
+    stages: int | None = None
     data_parallel: str = "replicate"
     start_method: str = "popen"
     plan_all_layouts: bool = False
-    pipemare_warmup: Optional[int] = None
-    pipemare_correction: Optional[bool] = None
-    pipemare_decay: Optional[float] = None
-    loss_weight: Union[LossWeight, str, None] = None
+    pipemare_warmup: int | None = None
+    pipemare_correction: bool | None = None
+    pipemare_decay: float | None = None
+    loss_weight: LossWeight | str | None = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -138,7 +139,7 @@ class PipelineConfig:
         """The former name of :attr:`recompute` (activation recomputation), kept for reading."""
         return self.recompute
 
-    def replace(self, **changes: Any) -> "PipelineConfig":
+    def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with ``changes``, checked like the original."""
         return dataclasses.replace(self, **changes)
 
@@ -147,7 +148,7 @@ class PipelineConfig:
         return self.chunks if self.chunks is not None else 2 * num_stages
 
 
-def recompute_mode(recompute: Optional[str], checkpoint: Optional[str]) -> str:
+def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
     """``recompute=``, or its former name ``checkpoint=`` with a ``DeprecationWarning`` (the name
     collided with saved checkpoints); ``"never"`` when neither is given."""
     if checkpoint is None:
@@ -173,26 +174,36 @@ def check_arguments(config: PipelineConfig) -> None:
     check_weights_argument(config.weights)
     check_rename(config.rename)
     if config.init is not None and not callable(config.init):
-        raise TypeError(f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own tensors.")
+        raise TypeError(
+            f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own tensors."
+        )
     check_layout_arguments(config.stages, config.data_parallel)
     if config.virtual_stages is not None:
         check_virtual_stages(schedule, config.virtual_stages)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise ValueError(f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1.")
+        raise ValueError(
+            f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1."
+        )
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
             raise ValueError(
                 f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
                 "or a list of layer counts per stage."
             )
-    elif not isinstance(balance, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance):
+    elif not isinstance(balance, (list, tuple)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in balance
+    ):
         raise ValueError(
             f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
         )
     if recompute not in CHECKPOINT_MODES:
-        raise ValueError(f"PipelineStrategy(recompute={recompute!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}.")
+        raise ValueError(
+            f"PipelineStrategy(recompute={recompute!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}."
+        )
     if config.plan not in PLANS:
-        raise ValueError(f"PipelineStrategy(plan={config.plan!r}): valid values are None (use the arguments as given) and 'auto'.")
+        raise ValueError(
+            f"PipelineStrategy(plan={config.plan!r}): valid values are None (use the arguments as given) and 'auto'."
+        )
     check_data = config.check_data
     if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
         raise ValueError(
@@ -202,7 +213,9 @@ def check_arguments(config: PipelineConfig) -> None:
     check_pipemare_options(config)
     check_loss_weight(config.loss_weight)
     if config.start_method not in START_METHODS:
-        raise ValueError(f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}.")
+        raise ValueError(
+            f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."
+        )
 
 
 def check_pipemare_options(config: PipelineConfig) -> None:
@@ -226,7 +239,11 @@ def check_pipemare_options(config: PipelineConfig) -> None:
         raise ValueError(
             f"PipelineStrategy(pipemare_correction=True) predicts the forward's weights for backwards that run on "
             f"newer ones; schedule={schedule!r} "
-            + ("keeps the forward's weights for its backwards already" if traits(schedule).stashes_weights else "has no such backwards")
+            + (
+                "keeps the forward's weights for its backwards already"
+                if traits(schedule).stashes_weights
+                else "has no such backwards"
+            )
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
         )
     decay = config.pipemare_decay
@@ -250,4 +267,4 @@ def check_pipemare_options(config: PipelineConfig) -> None:
         )
 
 
-__all__ = ["PLANS", "PipelineConfig", "START_METHODS", "check_arguments", "check_pipemare_options", "recompute_mode"]
+__all__ = ["PLANS", "START_METHODS", "PipelineConfig", "check_arguments", "check_pipemare_options", "recompute_mode"]

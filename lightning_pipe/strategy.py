@@ -10,9 +10,10 @@ Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -22,21 +23,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.trainer import failures, signals
-from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.checkpoint import stage_io
-from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer.compatibility import check_automatic_optimization
-from lightning_pipe.trainer.data import split_over_replicas
 from lightning_pipe.config import PipelineConfig, recompute_mode
-from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.partition.split import BalanceSpec
-from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
-from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
+from lightning_pipe.trainer import checkpoint_hooks as hooks
+from lightning_pipe.trainer import failures, signals
+from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
+from lightning_pipe.trainer.compatibility import check_automatic_optimization
+from lightning_pipe.trainer.data import split_over_replicas
+from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
+from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
+from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
 from lightning_pipe.weights.names import Rename
 
@@ -67,19 +68,26 @@ class PipelineStrategy(ProcessStrategy):
     def __init__(
         self,
         schedule: str = "1f1b",
-        chunks: Optional[int] = None,
+        chunks: int | None = None,
         balance: BalanceSpec = "uniform",
-        recompute: Optional[str] = None,
-        module: Optional[str] = None, checkpoint: Optional[str] = None,  # fmt: skip
-        init: Optional[Callable[[nn.Module], None]] = None, rename: Optional[Rename] = None,  # fmt: skip
+        recompute: str | None = None,
+        module: str | None = None,
+        checkpoint: str | None = None,
+        init: Callable[[nn.Module], None] | None = None,
+        rename: Rename | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         gradient_accumulation_fusion: bool = True,
-        virtual_stages: Optional[int] = None,
-        check_data: Union[bool, int] = True,
-        weights: Optional[Union[str, Path]] = None, plan: Optional[str] = None, stages: Optional[int] = None,  # fmt: skip
-        data_parallel: str = "replicate", pipemare_warmup: Optional[int] = None,  # fmt: skip
-        pipemare_correction: Optional[bool] = None, pipemare_decay: Optional[float] = None,  # fmt: skip
-        loss_weight: Union[Callable[[Any], Any], str, None] = None, **processes: Any,  # fmt: skip
+        virtual_stages: int | None = None,
+        check_data: bool | int = True,
+        weights: str | Path | None = None,
+        plan: str | None = None,
+        stages: int | None = None,
+        data_parallel: str = "replicate",
+        pipemare_warmup: int | None = None,
+        pipemare_correction: bool | None = None,
+        pipemare_decay: float | None = None,
+        loss_weight: Callable[[Any], Any] | str | None = None,
+        **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
             schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint), module=module,
@@ -89,12 +97,12 @@ class PipelineStrategy(ProcessStrategy):
             pipemare_decay=pipemare_decay, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
-        self._topology: Optional[Topology] = None  # process groups, built once (creating a group is collective)
-        self._split: Optional[ModuleSplit] = None  # what splitting the module decided, kept for the run
-        self._pipeline: Optional[StagePipeline] = None
-        self._steps: Optional[PipelineSteps] = None
-        self._signals: Optional[signals.PipelineSignalConnector] = None
-        self._failure: Optional[BaseException] = None  # what failed the run, not to be hidden by teardown
+        self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
+        self._split: ModuleSplit | None = None  # what splitting the module decided, kept for the run
+        self._pipeline: StagePipeline | None = None
+        self._steps: PipelineSteps | None = None
+        self._signals: signals.PipelineSignalConnector | None = None
+        self._failure: BaseException | None = None  # what failed the run, not to be hidden by teardown
 
     schedule_name = _argument("schedule")
     chunks = _argument("chunks")
@@ -126,7 +134,7 @@ class PipelineStrategy(ProcessStrategy):
 
     # ------------------------------------------------------------------ processes
     @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` materialises the stage."""
         with torch.device("meta") if empty_init else super().tensor_init_context(empty_init):
             yield
@@ -175,12 +183,12 @@ class PipelineStrategy(ProcessStrategy):
         """``rank r (stage s of p)``: how errors name a process."""
         return describe_rank(self.layout, rank)
 
-    def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
+    def enable_timeline(self, keep: int | None = None) -> Timeline:
         """Record each action's time from the next step on (see :meth:`StagePipeline.enable_timeline`)."""
         return self.pipeline.enable_timeline(keep)
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self._signals = signals.install(trainer)
@@ -225,7 +233,7 @@ class PipelineStrategy(ProcessStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.steps.training_step(args, kwargs)
 
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Hand the step's gradients to the parameters, scaled as Lightning scales the loss under accumulation."""
         module = self.lightning_module
         assert module is not None
@@ -265,9 +273,11 @@ class PipelineStrategy(ProcessStrategy):
         return True  # restore into the split module: each rank loads only the names its stage holds
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return hooks.optimizer_state(self.lightning_module, optimizer, self._split.optimizer_aliases() if self._split else None)
+        return hooks.optimizer_state(
+            self.lightning_module, optimizer, self._split.optimizer_aliases() if self._split else None
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.steps.finish_in_flight()
         writer = stage_io.Writer(
             self.stage, self.num_stages, self.replica, self.is_global_zero, self.broadcast, self.barrier,
@@ -276,13 +286,17 @@ class PipelineStrategy(ProcessStrategy):
         )  # fmt: skip
         hooks.save_checkpoint(checkpoint, filepath, storage_options, writer, self.pipeline.state_dict())
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint, async_state = hooks.load_checkpoint(self.lightning_module, checkpoint_path, weights_only, super().load_checkpoint)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint, async_state = hooks.load_checkpoint(
+            self.lightning_module, checkpoint_path, weights_only, super().load_checkpoint
+        )
         self.pipeline.load_state_dict(async_state)
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        hooks.load_optimizer_state_dict(self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device)
+        hooks.load_optimizer_state_dict(
+            self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device
+        )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         hooks.load_model_state_dict(self.lightning_module, checkpoint, strict, self.sharded)

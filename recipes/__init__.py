@@ -6,8 +6,9 @@ BERT: layers in one ``nn.Sequential``; the causal LM: the model's own list of bl
 LightningDataModule that works offline by default.
 """
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -37,7 +38,9 @@ def require_transformers(what: str) -> ModuleType:
     try:
         import transformers
     except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(f"{what} needs Hugging Face transformers: pip install 'lightning-pipe[hf]' ({error})") from error
+        raise ModuleNotFoundError(
+            f"{what} needs Hugging Face transformers: pip install 'lightning-pipe[hf]' ({error})"
+        ) from error
     return transformers
 
 
@@ -67,13 +70,17 @@ class TrainValData(L.LightningDataModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.train: Optional[Any] = None
-        self.val: Optional[Any] = None
+        self.train: Any | None = None
+        self.val: Any | None = None
 
     def train_dataloader(self) -> DataLoader:
         assert self.train is not None
         return DataLoader(
-            self.train, batch_size=self.batch_size, sampler=EpochShuffle(self.train), num_workers=self.num_workers, drop_last=True
+            self.train,
+            batch_size=self.batch_size,
+            sampler=EpochShuffle(self.train),
+            num_workers=self.num_workers,
+            drop_last=True,
         )
 
     def val_dataloader(self) -> DataLoader:

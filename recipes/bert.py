@@ -13,18 +13,18 @@ locally from them (:mod:`lightning_pipe.recipes.text`).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning_pipe.recipes import builds_in_configure_model
+from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
+from lightning_pipe.recipes.warmup import warmup_then_decay
 from torch import nn
 from torch.utils.data import Dataset
 
-from lightning_pipe.recipes import builds_in_configure_model
 from lightning_pipe.runtime.loss_weights import token_count
-from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
-from lightning_pipe.recipes.warmup import warmup_then_decay
 
 SIZES = {
     "tiny": dict(hidden=128, num_layers=2, heads=2, intermediate=512),
@@ -107,7 +107,9 @@ def bert_layers(
         raise ValueError(f"BERT size {size!r} is unknown; valid sizes: {', '.join(SIZES)}")
     dims = {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     layers: list[nn.Module] = [Embeddings(vocab_size, dims["hidden"], max_len, dropout)]
-    layers += [EncoderLayer(dims["hidden"], dims["heads"], dims["intermediate"], dropout) for _ in range(dims["num_layers"])]
+    layers += [
+        EncoderLayer(dims["hidden"], dims["heads"], dims["intermediate"], dropout) for _ in range(dims["num_layers"])
+    ]
     layers.append(MLMHead(dims["hidden"], vocab_size))
     return nn.Sequential(*layers)
 
@@ -128,14 +130,14 @@ class BertMLM(L.LightningModule):
         weight_decay: float = 0.01,
         warmup_steps: int = 50,
         max_steps: int = 1000,
-        hidden: Optional[int] = None,
-        num_layers: Optional[int] = None,
+        hidden: int | None = None,
+        num_layers: int | None = None,
         tie_embeddings: bool = True,
         build: str = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers: Optional[nn.Sequential] = None
+        self.layers: nn.Sequential | None = None
         if not builds_in_configure_model(build, self._bert_layers):
             self.configure_model()
 

@@ -27,16 +27,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
-
 from lightning_pipe.recipes import builds_in_configure_model, require_transformers
-from lightning_pipe.runtime.loss_weights import token_count
 from lightning_pipe.recipes.text import CLS, PAD, SEP, CorpusData
 from lightning_pipe.recipes.warmup import warmup_then_decay
+from torch import nn
+
+from lightning_pipe.runtime.loss_weights import token_count
 
 _FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 # each size's LlamaConfig fields
@@ -62,9 +62,9 @@ def model_config(
     vocab_size: int = 8000,
     max_len: int = 128,
     dropout: float = 0.0,
-    hidden: Optional[int] = None,
-    num_layers: Optional[int] = None,
-    tie_embeddings: Optional[bool] = None,
+    hidden: int | None = None,
+    num_layers: int | None = None,
+    tie_embeddings: bool | None = None,
 ) -> Any:
     """The ``transformers`` configuration of a size: a ``LlamaConfig``, or for ``gpt2`` a
     ``GPT2Config`` of the same width, depth, heads and feed-forward width (GPT-2 has no grouped
@@ -83,7 +83,9 @@ def model_config(
     tokens = dict(vocab_size=vocab_size, bos_token_id=CLS, eos_token_id=SEP, pad_token_id=PAD)
     tie = {} if tie_embeddings is None else {"tie_word_embeddings": tie_embeddings}
     if model_type == "llama":
-        return transformers.LlamaConfig(**dims, **tokens, **tie, max_position_embeddings=max_len, attention_dropout=dropout)
+        return transformers.LlamaConfig(
+            **dims, **tokens, **tie, max_position_embeddings=max_len, attention_dropout=dropout
+        )
     return transformers.GPT2Config(
         n_embd=dims["hidden_size"], n_inner=dims["intermediate_size"], n_layer=dims["num_hidden_layers"],
         n_head=dims["num_attention_heads"], n_positions=max_len, resid_pdrop=dropout, embd_pdrop=dropout,
@@ -130,15 +132,15 @@ class CausalLM(L.LightningModule):
         vocab_size: int = 8000,
         max_len: int = 128,
         dropout: float = 0.0,
-        weights: Optional[str] = None,
+        weights: str | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 50,
         max_steps: int = 1000,
         min_lr_ratio: float = 0.1,
-        hidden: Optional[int] = None,
-        num_layers: Optional[int] = None,
-        tie_embeddings: Optional[bool] = None,
+        hidden: int | None = None,
+        num_layers: int | None = None,
+        tie_embeddings: bool | None = None,
         build: str = "auto",
     ) -> None:
         super().__init__()
@@ -147,12 +149,16 @@ class CausalLM(L.LightningModule):
             self.hf_config = pretrained_config(weights)
             longest = getattr(self.hf_config, "max_position_embeddings", None)
             if longest is not None and max_len > longest:
-                raise ValueError(f"recipe.data.max_len={max_len}: the model at {weights} takes at most {longest} positions.")
+                raise ValueError(
+                    f"recipe.data.max_len={max_len}: the model at {weights} takes at most {longest} positions."
+                )
         else:
-            self.hf_config = model_config(model_type, size, vocab_size, max_len, dropout, hidden, num_layers, tie_embeddings)
+            self.hf_config = model_config(
+                model_type, size, vocab_size, max_len, dropout, hidden, num_layers, tie_embeddings
+            )
         self.hf_config.loss_type = "ForCausalLM"  # what it is already; unset, transformers warns at the first loss
-        self.model: Optional[nn.Module] = None
-        self._blocks: Optional[str] = BLOCKS.get(self.hf_config.model_type)
+        self.model: nn.Module | None = None
+        self._blocks: str | None = BLOCKS.get(self.hf_config.model_type)
         if not builds_in_configure_model(build, self._new_model):
             self.configure_model()
 
@@ -168,7 +174,9 @@ class CausalLM(L.LightningModule):
         weights = self.hparams.weights
         if weights and torch.empty(0).device.type != "meta":
             auto = _transformers().AutoModelForCausalLM
-            self.model = auto.from_pretrained(str(Path(weights).expanduser()), local_files_only=True, dtype=torch.float32)
+            self.model = auto.from_pretrained(
+                str(Path(weights).expanduser()), local_files_only=True, dtype=torch.float32
+            )
         else:
             self.model = self._new_model()
 

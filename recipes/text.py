@@ -21,12 +21,11 @@ import math
 import re
 import sysconfig
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
-import lightning as L
 import torch
-
 from lightning_pipe.recipes import TrainValData, require_transformers
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -35,7 +34,7 @@ SOURCES = ("stdlib", "files")
 _WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
-def stdlib_documents(limit_chars: Optional[int] = None) -> list[str]:
+def stdlib_documents(limit_chars: int | None = None) -> list[str]:
     """Docstrings of the installed Python standard library, one document each (module, class or
     function docstrings of at least 200 characters), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -89,7 +88,7 @@ class WordTokenizer:
         self.index = {w: i for i, w in enumerate(self.vocab)}
 
     @classmethod
-    def build(cls, documents: Iterable[str], vocab_size: int) -> "WordTokenizer":
+    def build(cls, documents: Iterable[str], vocab_size: int) -> WordTokenizer:
         counts: Counter[str] = Counter()
         for doc in documents:
             counts.update(words(doc))
@@ -141,15 +140,15 @@ class CorpusData(TrainValData):
     def __init__(
         self,
         source: str = "stdlib",
-        files: Optional[Sequence[str]] = None,
+        files: Sequence[str] | None = None,
         vocab_size: int = 8000,
         max_len: int = 128,
         batch_size: int = 32,
         val_fraction: float = 0.02,
-        limit_chars: Optional[int] = 3_000_000,
+        limit_chars: int | None = 3_000_000,
         seed: int = 0,
         num_workers: int = 0,
-        tokenizer: Optional[str] = None,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -160,7 +159,7 @@ class CorpusData(TrainValData):
         self.vocab_size, self.max_len, self.batch_size = vocab_size, max_len, batch_size
         self.val_fraction, self.limit_chars, self.seed, self.num_workers = val_fraction, limit_chars, seed, num_workers
         self.tokenizer_dir = tokenizer
-        self.tokenizer: Optional[Any] = None
+        self.tokenizer: Any | None = None
 
     def documents(self) -> list[str]:
         return stdlib_documents(self.limit_chars) if self.source == "stdlib" else file_documents(self.files)
@@ -178,7 +177,7 @@ class CorpusData(TrainValData):
         """The map-style dataset of ``rows`` (``seed``: the training set's, or the validation set's)."""
         raise NotImplementedError(f"{type(self).__name__} must say what its rows become: define dataset(rows, seed)")
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train is not None:
             return
         rows = self.rows(self.documents())

@@ -16,16 +16,16 @@ import pickle
 import tarfile
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning_pipe.recipes import TrainValData, builds_in_configure_model
 from torch import nn
 from torch.utils.data import Dataset
-
-from lightning_pipe.recipes import TrainValData, builds_in_configure_model
 
 CFG = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
@@ -87,7 +87,7 @@ class VGGClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers: Optional[nn.Sequential] = None
+        self.layers: nn.Sequential | None = None
         if not builds_in_configure_model(build, self._vgg_layers):
             self.configure_model()
 
@@ -136,7 +136,7 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def prepare_cifar100(root: Union[str, Path], download: bool = False, md5: Optional[str] = "official") -> Path:
+def prepare_cifar100(root: str | Path, download: bool = False, md5: str | None = "official") -> Path:
     """The extracted ``cifar-100-python`` folder under ``root``, extracting (and downloading) the
     archive when needed; the archive must have ``md5`` ("official": the published archive's, None:
     unchecked). Raises a message that says where to put the archive when it is missing."""
@@ -164,13 +164,15 @@ def prepare_cifar100(root: Union[str, Path], download: bool = False, md5: Option
             ) from err
         partial.rename(archive)
     if md5 is not None and _md5(archive) != md5:
-        raise RuntimeError(f"{archive} is damaged or not the CIFAR-100 python archive (MD5 mismatch); delete it and retry.")
+        raise RuntimeError(
+            f"{archive} is damaged or not the CIFAR-100 python archive (MD5 mismatch); delete it and retry."
+        )
     with tarfile.open(archive, "r:gz") as tar:
         tar.extractall(root, filter="data")
     return folder
 
 
-def load_cifar100_split(folder: Union[str, Path], train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cifar100_split(folder: str | Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Images as uint8 ``(N, 3, 32, 32)`` and fine labels ``(N,)`` from the extracted folder."""
     with open(Path(folder) / ("train" if train else "test"), "rb") as f:
         entry = pickle.load(f, encoding="bytes")
@@ -187,7 +189,13 @@ class AugmentedImages(Dataset):
     images (as the BERT recipe's masking)."""
 
     def __init__(
-        self, images: torch.Tensor, labels: torch.Tensor, augment: bool, mean: Sequence[float], std: Sequence[float], seed: int = 0
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        augment: bool,
+        mean: Sequence[float],
+        std: Sequence[float],
+        seed: int = 0,
     ) -> None:
         self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
         self.mean = torch.tensor(mean).view(3, 1, 1)
@@ -214,7 +222,9 @@ class AugmentedImages(Dataset):
 def synthetic_images(n: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Class patterns with random shifts, contrast and noise, as uint8 images (see the module doc)."""
     g = torch.Generator().manual_seed(1234)  # the same class patterns for every split
-    patterns = F.interpolate(torch.rand(num_classes, 3, 8, 8, generator=g), size=32, mode="bilinear", align_corners=False)
+    patterns = F.interpolate(
+        torch.rand(num_classes, 3, 8, 8, generator=g), size=32, mode="bilinear", align_corners=False
+    )
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, num_classes, (n,), generator=g)
     images = patterns[labels]
@@ -249,7 +259,7 @@ class CIFAR100Data(TrainValData):
         if self.source == "cifar100":
             prepare_cifar100(self.root, self.download)
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.source == "cifar100":
             folder = prepare_cifar100(self.root, download=False)
             train, val = load_cifar100_split(folder, True), load_cifar100_split(folder, False)

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
@@ -109,7 +110,9 @@ LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}),
 
 def _causal(name: str, config_cls: Any, model_cls: type, weights_refused: str = "", **extra: Any) -> Family:
     """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
-    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused)
+    return Family(
+        name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused
+    )
 
 
 T = transformers
@@ -127,22 +130,62 @@ FAMILIES: list[Family] = [
     _causal("Gemma 2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Gemma 3 (text)", T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Phi-3", T.Phi3Config, T.Phi3ForCausalLM),
-    Family("GPT-NeoX", gpt_neox, T.GPTNeoXForCausalLM, "model.gpt_neox.layers",
-           weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`")),  # fmt: skip
-    _causal("Mixtral (auxiliary loss off)", T.MixtralConfig, T.MixtralForCausalLM, STACKED_EXPERTS, num_local_experts=4,
-            num_experts_per_tok=2, **MOE_OFF),  # fmt: skip
-    _causal("Qwen2-MoE (auxiliary loss off)", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, STACKED_EXPERTS, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH, **MOE_OFF),  # fmt: skip
-    Family("BERT sequence classification", bert_classifier, T.BertForSequenceClassification, "model.bert.encoder.layer",
-           data="classes"),  # fmt: skip
+    Family(
+        "GPT-NeoX",
+        gpt_neox,
+        T.GPTNeoXForCausalLM,
+        "model.gpt_neox.layers",
+        weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`"),
+    ),
+    _causal(
+        "Mixtral (auxiliary loss off)",
+        T.MixtralConfig,
+        T.MixtralForCausalLM,
+        STACKED_EXPERTS,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **MOE_OFF,
+    ),
+    _causal(
+        "Qwen2-MoE (auxiliary loss off)",
+        T.Qwen2MoeConfig,
+        T.Qwen2MoeForCausalLM,
+        STACKED_EXPERTS,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=WIDTH,
+        shared_expert_intermediate_size=WIDTH,
+        **MOE_OFF,
+    ),
+    Family(
+        "BERT sequence classification",
+        bert_classifier,
+        T.BertForSequenceClassification,
+        "model.bert.encoder.layer",
+        data="classes",
+    ),
     Family("BERT masked LM (tied)", bert_mlm, T.BertForMaskedLM, "model.bert.encoder.layer"),
     Family("RoBERTa masked LM (tied)", roberta_mlm, T.RobertaForMaskedLM, "model.roberta.encoder.layer"),
-    Family("DistilBERT masked LM (tied)", distilbert_mlm, T.DistilBertForMaskedLM, "model.distilbert.transformer.layer"),
-    Family("ViT image classification", vit, T.ViTForImageClassification, "model.vit.layers", data="images",
-           weights_refused=LEGACY_NAMES.format("`vit.encoder.layer.N.attention.attention.query` for "
-                                               "`vit.layers.N.attention.q_proj`")),  # fmt: skip
-    Family("T5", t5, T.T5ForConditionalGeneration, "model.encoder.block",
-           refused="its blocks pass position biases to later blocks beside the hidden state"),  # fmt: skip
+    Family(
+        "DistilBERT masked LM (tied)", distilbert_mlm, T.DistilBertForMaskedLM, "model.distilbert.transformer.layer"
+    ),
+    Family(
+        "ViT image classification",
+        vit,
+        T.ViTForImageClassification,
+        "model.vit.layers",
+        data="images",
+        weights_refused=LEGACY_NAMES.format(
+            "`vit.encoder.layer.N.attention.attention.query` for `vit.layers.N.attention.q_proj`"
+        ),
+    ),
+    Family(
+        "T5",
+        t5,
+        T.T5ForConditionalGeneration,
+        "model.encoder.block",
+        refused="its blocks pass position biases to later blocks beside the hidden state",
+    ),
 ]
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -3,7 +3,8 @@ spawned processes). Needs ``transformers``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -104,7 +105,9 @@ def _bert_mlm(layers: int) -> nn.Module:
 class HFModule(L.LightningModule):
     """An unchanged Hugging Face model; its own loss (``labels=``) is the training loss."""
 
-    def __init__(self, build: Callable[[], nn.Module], optimizer: str = "sgd", lr: float = 0.1, microbatches: int = 1) -> None:
+    def __init__(
+        self, build: Callable[[], nn.Module], optimizer: str = "sgd", lr: float = 0.1, microbatches: int = 1
+    ) -> None:
         super().__init__()
         self.model = build()
         self.optimizer = optimizer
@@ -226,7 +229,9 @@ class DeferredLlama(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**self.config, bos_token_id=0, eos_token_id=0))
+            self.model = transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(**self.config, bos_token_id=0, eos_token_id=0)
+            )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, labels = batch
@@ -264,7 +269,9 @@ class PeakMemory(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import json
 
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pl_module.state_dict().values()}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pl_module.state_dict().values()
+        }
         peak = _status("VmHWM") - self.base
         with open(f"{self.folder}/memory{trainer.global_rank}.json", "w") as f:
             json.dump({"peak": peak, "held": sum(storages.values())}, f)

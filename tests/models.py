@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -81,9 +81,9 @@ def plain_trainer(**extra: Any) -> L.Trainer:
 
 def fit_plain(
     model: L.LightningModule,
-    data: Optional[DataLoader] = None,
-    val_data: Optional[DataLoader] = None,
-    ckpt_path: Optional[str] = None,
+    data: DataLoader | None = None,
+    val_data: DataLoader | None = None,
+    ckpt_path: str | None = None,
     **extra: Any,
 ) -> L.Trainer:
     trainer = plain_trainer(**extra)
@@ -146,7 +146,9 @@ class MaskedNet(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(IN, HIDDEN)
-        self.layers = nn.Sequential(*[MaskedBlock() for _ in range(3)], MaskedBlock(last=True), nn.Linear(HIDDEN, CLASSES))
+        self.layers = nn.Sequential(
+            *[MaskedBlock() for _ in range(3)], MaskedBlock(last=True), nn.Linear(HIDDEN, CLASSES)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layers((self.proj(x), mask))
@@ -240,7 +242,7 @@ class TraceVersions(L.Callback):
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.trace: Optional[list] = None
+        self.trace: list | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trace = trainer.strategy.pipeline.runner.enable_trace()
@@ -358,7 +360,9 @@ class SkewedNet(TinyNet):
     def __init__(self, heavy: float = 4.0, lr: float = 0.05) -> None:
         super().__init__(lr=lr)
         units = [heavy] * 6 + [1.0] * 6
-        self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), *[WaitingLayer(u) for u in units], nn.Linear(HIDDEN, CLASSES))
+        self.layers = nn.Sequential(
+            nn.Linear(IN, HIDDEN), *[WaitingLayer(u) for u in units], nn.Linear(HIDDEN, CLASSES)
+        )
 
 
 class RecordSplit(L.Callback):
@@ -370,12 +374,16 @@ class RecordSplit(L.Callback):
         self.times: list[float] = []
         self._start = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         import time
 
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         import time
 
         self.times.append(time.perf_counter() - self._start)
@@ -397,7 +405,7 @@ class DeferredNet(TinyNet):
     def __init__(self, depth: int = 8, lr: float = 0.1, width: int = HIDDEN) -> None:
         L.LightningModule.__init__(self)
         self.depth, self.lr, self.optimizer, self.width = depth, lr, "sgd", width
-        self.layers: Optional[nn.Sequential] = None
+        self.layers: nn.Sequential | None = None
 
     def configure_model(self) -> None:
         if self.layers is not None:  # Lightning calls it again for each trainer.fit/validate/test
@@ -436,7 +444,9 @@ def merged_stage_states(folder: str, ranks: int, start: bool = False) -> dict[st
 
     merged: dict[str, torch.Tensor] = {}
     for rank in range(ranks):
-        merged.update(torch.load(os.path.join(folder, f"{'start' if start else 'end'}-rank{rank}.pt"), weights_only=True))
+        merged.update(
+            torch.load(os.path.join(folder, f"{'start' if start else 'end'}-rank{rank}.pt"), weights_only=True)
+        )
     return merged
 
 

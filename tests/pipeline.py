@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -14,7 +14,7 @@ from tests.models import loader, trainer_kwargs
 
 
 def pipeline_trainer(
-    devices: int, start_method: str = "fork", callbacks: Optional[list] = None, **strategy_and_trainer: Any
+    devices: int, start_method: str = "fork", callbacks: list | None = None, **strategy_and_trainer: Any
 ) -> L.Trainer:
     """A Trainer with ``PipelineStrategy`` on ``devices`` CPU processes; keyword arguments go to the
     strategy when they are its own and to the Trainer otherwise."""
@@ -27,16 +27,20 @@ def pipeline_trainer(
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
     strategy = PipelineStrategy(start_method=start_method, **strategy_args)
     return L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks or [], **trainer_kwargs(**trainer_args)
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=callbacks or [],
+        **trainer_kwargs(**trainer_args),
     )
 
 
 def fit_pipeline(
     model: L.LightningModule,
     devices: int,
-    data: Optional[DataLoader] = None,
-    val_data: Optional[DataLoader] = None,
-    ckpt_path: Optional[str] = None,
+    data: DataLoader | None = None,
+    val_data: DataLoader | None = None,
+    ckpt_path: str | None = None,
     **options: Any,
 ) -> L.Trainer:
     """Fit ``model`` in place with ``devices`` CPU processes; the trained weights of every stage come

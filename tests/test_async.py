@@ -111,7 +111,8 @@ def _stage_delays(schedule: str, stages: int, chunks: int, model: TinyNet) -> di
 
 
 @pytest.mark.parametrize(
-    "schedule, stages, chunks", [("pipedream_2bw", 2, 4), ("pipedream_2bw", 4, 3), ("pipedream", 2, 3), ("pipedream", 4, 2)]
+    "schedule, stages, chunks",
+    [("pipedream_2bw", 2, 4), ("pipedream_2bw", 4, 3), ("pipedream", 2, 3), ("pipedream", 4, 2)],
 )
 def test_weights_follow_the_delayed_update_rule(schedule: str, stages: int, chunks: int) -> None:
     torch.manual_seed(0)
@@ -160,9 +161,26 @@ def test_checkpoint_under_2bw_resumes_exactly(tmp_path: Path) -> None:
     first = TinyNet()
     first.load_state_dict(initial)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
-    fit_pipeline(first, 2, schedule="pipedream_2bw", chunks=3, max_steps=-1, max_epochs=2, enable_checkpointing=True, callbacks=[ckpt])
+    fit_pipeline(
+        first,
+        2,
+        schedule="pipedream_2bw",
+        chunks=3,
+        max_steps=-1,
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[ckpt],
+    )
     resumed = TinyNet()
-    fit_pipeline(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"), schedule="pipedream_2bw", chunks=3, max_steps=-1, max_epochs=3)
+    fit_pipeline(
+        resumed,
+        2,
+        ckpt_path=str(tmp_path / "last.ckpt"),
+        schedule="pipedream_2bw",
+        chunks=3,
+        max_steps=-1,
+        max_epochs=3,
+    )
     assert_same_weights(straight, resumed)
 
 

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-import compare  # noqa: E402
-from step_time import intervals  # noqa: E402
+import compare
+from step_time import intervals
 
 
 def test_step_times_are_intervals_between_step_ends_after_the_warmup() -> None:
@@ -39,8 +39,18 @@ def test_summary_pairs_rounds_and_takes_the_ideal_from_the_faster_single_process
 
 def test_each_schedule_is_paired_with_torch_per_round_without_1f1b() -> None:
     rounds = [
-        {"pipe_zbv": [1.0, 1.2], "torch_zbv": [1.5], "pipe_interleaved_zero_bubble": [2.0], "torch_interleaved_zero_bubble": [3.0]},
-        {"pipe_zbv": [2.0], "torch_zbv": [1.8], "pipe_interleaved_zero_bubble": [1.0], "torch_interleaved_zero_bubble": [1.1]},
+        {
+            "pipe_zbv": [1.0, 1.2],
+            "torch_zbv": [1.5],
+            "pipe_interleaved_zero_bubble": [2.0],
+            "torch_interleaved_zero_bubble": [3.0],
+        },
+        {
+            "pipe_zbv": [2.0],
+            "torch_zbv": [1.8],
+            "pipe_interleaved_zero_bubble": [1.0],
+            "torch_interleaved_zero_bubble": [1.1],
+        },
     ]
     entry = compare.summarize("mlp", rounds)
     assert entry["torch_over_pipe_per_round"]["zbv"] == pytest.approx([1.5 / 1.1, 0.9])
@@ -95,7 +105,10 @@ def test_sync_schedules_measures_the_bubble_from_the_spans_and_simulates_the_mea
     # 2 ranks, 1F1B over 2 stages, 2 micro-batches: F 1 s, B 2 s on each stage; rank 0 idles 3 s
     spans0 = [["F", 0, 1.0], ["F", 0, 1.0], ["wait", 0, 3.0], ["B", 0, 2.0], ["B", 0, 2.0], ["step", -1, 12.0]]
     spans1 = [["wait", 1, 1.0], ["F", 1, 1.0], ["B", 1, 2.0], ["F", 1, 1.0], ["B", 1, 2.0], ["step", -1, 12.0]]
-    result = {"step_s": [12.5], "ranks": [{"steps": [spans0], "peak_bytes": 2**20}, {"steps": [spans1], "peak_bytes": 2**21}]}
+    result = {
+        "step_s": [12.5],
+        "ranks": [{"steps": [spans0], "peak_bytes": 2**20}, {"steps": [spans1], "peak_bytes": 2**21}],
+    }
     summary = sync_schedules.analyse("1f1b", result, 2, 2)
     assert summary["measured_bubble_per_rank"] == pytest.approx([0.5, 0.5])
     assert summary["stage_costs_ms"] == [[1000.0, 2000.0, 0.0], [1000.0, 2000.0, 0.0]]
@@ -108,7 +121,13 @@ def test_vgg_balance_table_marks_the_fastest_per_stage_count_and_the_chart_has_a
     import vgg_balance
 
     results = [
-        {"stages": s, "balance": b, "chunks": c, "split": [3, 2], "median_step_s": 1.0 + 0.1 * c + (0.5 if b == "parameters" else 0)}
+        {
+            "stages": s,
+            "balance": b,
+            "chunks": c,
+            "split": [3, 2],
+            "median_step_s": 1.0 + 0.1 * c + (0.5 if b == "parameters" else 0),
+        }
         for s in (2, 4)
         for b in ("parameters", "time")
         for c in (1, 8)
@@ -128,7 +147,10 @@ def test_convergence_summary_takes_the_last_tenth_and_the_first_window_that_reac
     assert final_loss(losses) == 1.0
     assert steps_to_reach(losses, 1.0) == 11  # the window ending at step 10 averages 1.5, at step 11 1.0
     assert steps_to_reach(losses, 0.5) is None
-    runs = [{"variant": "1f1b", "lr": 0.1, "losses": losses}, {"variant": "pipemare", "lr": 0.1, "losses": [float("nan")] * 20}]
+    runs = [
+        {"variant": "1f1b", "lr": 0.1, "losses": losses},
+        {"variant": "pipemare", "lr": 0.1, "losses": [float("nan")] * 20},
+    ]
     svg(runs, [0.1], "title", str(tmp_path / "c.svg"))
     text = (tmp_path / "c.svg").read_text()
     assert text.count("<polyline") == 2 and "pipemare_no_correction" in text  # a diverged run draws no points
@@ -138,7 +160,14 @@ def test_pipemare_convergence_summary_pairs_each_seed_with_its_own_1f1b() -> Non
     from pipemare_convergence import markdown, mean_over_seeds, summary
 
     def run(variant: str, seed: int, level: float) -> dict:
-        return {"variant": variant, "lr": 0.1, "seed": seed, "chunks": 1, "losses": [level] * 10, "weight_copies": [1, 1]}
+        return {
+            "variant": variant,
+            "lr": 0.1,
+            "seed": seed,
+            "chunks": 1,
+            "losses": [level] * 10,
+            "weight_copies": [1, 1],
+        }
 
     runs = [run("1f1b", 0, 2.0), run("pipemare", 0, 2.2), run("1f1b", 1, 4.0), run("pipemare", 1, 4.0)]
     table = summary(runs, [0.1])
@@ -204,15 +233,22 @@ def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
     assert rank0 > rank1  # the fast first stage waits for the slow last one
     assert (rank0 + rank1) / 2 == pytest.approx(result["simulated_bubble"])  # the mean is the old figure
     # posting (1 ms a step on each rank here) only lengthens the step: a larger idle share, the same compute
-    assert all(p > s for p, s in zip(result["simulated_bubble_with_posting_per_rank"], result["simulated_bubble_per_rank"]))
+    assert all(
+        p > s for p, s in zip(result["simulated_bubble_with_posting_per_rank"], result["simulated_bubble_per_rank"])
+    )
     # 1F1B on 2 stages of 2 micro-batches: 2 + 4 + 4 + 4 + 4 + 2 = 20 ms as split, (m + p - 1)(F + B) = 3 x 6 ms evened out
-    assert result["simulated_makespan_s"] == pytest.approx(0.020) and result["even_split_makespan_s"] == pytest.approx(0.018)
+    assert result["simulated_makespan_s"] == pytest.approx(0.020) and result["even_split_makespan_s"] == pytest.approx(
+        0.018
+    )
 
 
 def test_pipemare_convergence_summary_without_a_1f1b_run_gives_no_ratio() -> None:
     from pipemare_convergence import markdown, summary
 
-    runs = [{"variant": "pipemare", "lr": 0.1, "seed": s, "chunks": 1, "losses": [2.0 + s] * 10, "weight_copies": [2, 1]} for s in (0, 1)]
+    runs = [
+        {"variant": "pipemare", "lr": 0.1, "seed": s, "chunks": 1, "losses": [2.0 + s] * 10, "weight_copies": [2, 1]}
+        for s in (0, 1)
+    ]
     (row,) = summary(runs, [0.1])
     assert row["final_loss"] == 2.5 and row["vs_1f1b"] is None and row["steps_to_1f1b_final"] == [None, None]
     assert "| pipemare | 1 | 2.5000 | - | 2, 1 |" in markdown(summary(runs, [0.1]))
@@ -237,4 +273,6 @@ def test_messages_counts_sends_due_together_and_the_computations_between_sends()
     second = next(i for i, a in enumerate(rank0) if a.kind is ActionKind.SEND_ACTIVATION)
     rank0.insert(second, held)
     merged = count(dataclasses.replace(plain, actions=(tuple(rank0), plain.actions[1])))
-    assert merged["sends_in_a_group_with_another_to_the_same_peer"] == 1 and merged["computations_between_sends_min"] == 0
+    assert (
+        merged["sends_in_a_group_with_another_to_the_same_peer"] == 1 and merged["computations_between_sends_min"] == 0
+    )

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import lightning as L
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -17,7 +16,16 @@ from lightning_pipe.checkpoint import is_pipeline_checkpoint
 from lightning_pipe.checkpoint import main as consolidate_main
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
 from tests.models import (
-    DeferredNet, LifecycleNet, SaveStageState, TiedNet, TinyNet, WrappedNet, fit_plain, loader, merged_stage_states, plain_trainer,
+    DeferredNet,
+    LifecycleNet,
+    SaveStageState,
+    TiedNet,
+    TinyNet,
+    WrappedNet,
+    fit_plain,
+    loader,
+    merged_stage_states,
+    plain_trainer,
     token_loader,
 )
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer, twins
@@ -97,7 +105,14 @@ def test_a_model_built_on_the_meta_device_starts_both_copies_as_any_layout_does(
         folder = tmp_path / schedule
         folder.mkdir()
         torch.manual_seed(0)
-        fit_pipeline(DeferredNet(), 4, schedule=schedule, chunks=4, max_steps=1, callbacks=[SaveStageState(str(folder), start=True)])
+        fit_pipeline(
+            DeferredNet(),
+            4,
+            schedule=schedule,
+            chunks=4,
+            max_steps=1,
+            callbacks=[SaveStageState(str(folder), start=True)],
+        )
     single = merged_stage_states(str(tmp_path / "1f1b"), 4, start=True)
     copies = [torch.load(tmp_path / "chimera" / f"start-rank{r}.pt") for r in range(4)]
     one = [torch.load(tmp_path / "1f1b" / f"start-rank{r}.pt") for r in range(4)]
@@ -118,7 +133,9 @@ def test_parameters_outside_the_sequential_and_tied_weights(stages: int) -> None
     reference, piped = twins(TiedNet())
     fit_plain(reference, token_loader(), gradient_clip_val=0.5)
     balance = [2, 3] if stages == 2 else [1, 1, 2, 1]
-    fit_pipeline(piped, stages, token_loader(), schedule="chimera", chunks=2 * stages, gradient_clip_val=0.5, balance=balance)
+    fit_pipeline(
+        piped, stages, token_loader(), schedule="chimera", chunks=2 * stages, gradient_clip_val=0.5, balance=balance
+    )
     assert_same_weights(reference, piped)
 
 
@@ -183,12 +200,23 @@ def test_tied_weights_resume_across_layouts(tmp_path: Path, writer: str) -> None
     )  # fmt: skip
     for options in ({"schedule": "1f1b", "chunks": 3}, {"schedule": "chimera", "chunks": 2}):
         resumed = TiedNet()
-        fit_pipeline(resumed, 2, token_loader(), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=2, balance=[2, 3], **options, **EPOCH)
+        fit_pipeline(
+            resumed,
+            2,
+            token_loader(),
+            ckpt_path=str(tmp_path / "last.ckpt"),
+            max_epochs=2,
+            balance=[2, 3],
+            **options,
+            **EPOCH,
+        )
         assert_same_weights(two, resumed)
     # consolidated, the optimizer holds the tied tensor once, as plain training's does
     consolidate_main([str(tmp_path / "last.ckpt"), str(tmp_path / "plain.ckpt")])
     saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)
-    assert [len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"]] == [len(list(TiedNet().parameters()))]
+    assert [len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"]] == [
+        len(list(TiedNet().parameters()))
+    ]
 
 
 def test_balance_in_every_mode() -> None:

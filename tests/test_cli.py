@@ -16,11 +16,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
-from lightning_pipe.trainer.launcher import child_overrides
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.trainer.launcher import child_overrides
 
 pytestmark = pytest.mark.timeout(300)
-GROUPS = {group: sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml")) for group in ("recipe", "strategy", "trainer")}
+GROUPS = {
+    group: sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+    for group in ("recipe", "strategy", "trainer")
+}
 # small enough for a 2-core machine: a narrow VGG on little synthetic data, a tiny BERT on little text
 SMALL = {
     "vgg19_cifar100": ["recipe.model.width=0.125", "recipe.data.synthetic_train=96", "recipe.data.synthetic_val=32",
@@ -31,7 +34,12 @@ SMALL = {
               "recipe.data.batch_size=8"],
 }  # fmt: skip
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # recipe=llama needs it (the hf extra)
-QUICK = ["trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+QUICK = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+]
 
 
 def _compose(overrides: list[str]):
@@ -47,7 +55,19 @@ def _check_keys(cfg: DictConfig) -> None:
 
 def test_config_groups_are_complete() -> None:
     assert GROUPS["recipe"] == ["bert_mlm", "llama", "vgg19_cifar100"]
-    assert GROUPS["strategy"] == ["1f1b", "chimera", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "none", "pipedream", "pipedream_2bw", "pipemare", "zbv", "zero_bubble"]
+    assert GROUPS["strategy"] == [
+        "1f1b",
+        "chimera",
+        "gpipe",
+        "interleaved_1f1b",
+        "interleaved_zero_bubble",
+        "none",
+        "pipedream",
+        "pipedream_2bw",
+        "pipemare",
+        "zbv",
+        "zero_bubble",
+    ]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
 
 
@@ -77,7 +97,12 @@ def test_every_option_composes_and_instantiates(group: str) -> None:
 def test_overrides_reach_the_strategy() -> None:
     cfg = _compose(["strategy=gpipe", "strategy.chunks=8", "strategy.balance=[3,1]", "strategy.checkpoint=always"])
     strategy, _ = build_strategy(cfg.strategy, 2)
-    assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.recompute) == ("gpipe", 8, [3, 1], "always")
+    assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.recompute) == (
+        "gpipe",
+        8,
+        [3, 1],
+        "always",
+    )
     assert strategy.gradient_accumulation_fusion is True
     cfg = _compose(["strategy=pipedream_2bw", "strategy.gradient_accumulation_fusion=false"])
     assert build_strategy(cfg.strategy, 2)[0].gradient_accumulation_fusion is False
@@ -86,7 +111,15 @@ def test_overrides_reach_the_strategy() -> None:
     assert (config.schedule, config.pipemare_warmup, config.pipemare_correction) == ("pipemare", 50, False)
     config = build_strategy(_compose(["strategy=pipemare", "strategy.pipemare_decay=0.9"]).strategy, 2)[0].config
     assert (config.pipemare_decay, config.pipemare_correction) == (0.9, None)
-    cfg = _compose(["strategy=1f1b", "strategy.stages=2", "strategy.data_parallel=shard", "trainer.devices=4", "strategy.check_data=5"])
+    cfg = _compose(
+        [
+            "strategy=1f1b",
+            "strategy.stages=2",
+            "strategy.data_parallel=shard",
+            "trainer.devices=4",
+            "strategy.check_data=5",
+        ]
+    )
     strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
     assert (strategy.stages, strategy.data_parallel, devices, strategy.check_data) == (2, "shard", 4, 5)
     assert build_strategy(_compose(["strategy=gpipe"]).strategy, 2)[0].stages is None  # one stage per process
@@ -137,7 +170,10 @@ def test_a_key_that_nothing_reads_fails_naming_the_valid_ones(override: str, mes
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("+recipe.model.hiden=64", r"unknown key recipe.model.hiden \(did you mean recipe.model.hidden\?\).*Valid keys: .*build"),
+        (
+            "+recipe.model.hiden=64",
+            r"unknown key recipe.model.hiden \(did you mean recipe.model.hidden\?\).*Valid keys: .*build",
+        ),
         ("+recipe.data.batchsize=4", r"unknown key recipe.data.batchsize \(did you mean recipe.data.batch_size\?\)"),
     ],
 )
@@ -212,7 +248,9 @@ def test_each_recipe_runs(tmp_path: Path, recipe: str, strategy: str) -> None:
 
 def _command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-    return subprocess.run([sys.executable, "-m", "lightning_pipe", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=280
+    )
 
 
 def test_sweep_makes_one_folder_with_a_folder_per_job(tmp_path: Path) -> None:
@@ -245,7 +283,10 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
-    assert "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble" in lines
+    assert (
+        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"
+        in lines
+    )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
     assert sorted(own) == ["checkpoint", "logger", "resume", "seed", "timeline"]
@@ -312,7 +353,10 @@ def test_readme_commands(tmp_path: Path) -> None:
     rows = {name: value.strip() for name, value in rows.items()}
     assert rows["written"] == str(folder / "logs" / "version_0" / "metrics.csv")  # then the log files, one a line
     assert rows["output folder"] == str(folder) and rows["steps"] == "3"
-    assert rows["checkpoint"] == str(folder / "checkpoints" / "last.ckpt") and (folder / "checkpoints" / "last.ckpt").is_dir()
+    assert (
+        rows["checkpoint"] == str(folder / "checkpoints" / "last.ckpt")
+        and (folder / "checkpoints" / "last.ckpt").is_dir()
+    )
     assert rows["final loss"] == f"{losses[-1]:.4f}"
     assert float(rows["wall time"].removesuffix(" s")) > 0 and float(rows["samples/s"].split()[0]) > 0
     assert all(log.stat().st_size > 0 for log in folder.glob("*.log"))  # no empty train_ddp_process_1.log
@@ -386,7 +430,9 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkey
         torch.testing.assert_close(resumed["state_dict"][name], value, msg=name)
     (momentum,) = [s for s in whole["optimizer_states"]]
     for key, state in momentum["state"].items():
-        torch.testing.assert_close(resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"])
+        torch.testing.assert_close(
+            resumed["optimizer_states"][0]["state"][key]["momentum_buffer"], state["momentum_buffer"]
+        )
     with pytest.raises(SystemExit, match=r"resume=nowhere: .* does not exist"):
         _vgg_run(tmp_path / "third", "resume=nowhere")
 
@@ -408,7 +454,9 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
 def test_a_mistake_found_after_launch_prints_one_sentence_once(tmp_path: Path) -> None:
     """A balance that does not fit the model is found in every process after the launch: rank 0 prints one
     sentence, no process prints a traceback, the run exits non-zero and the log file keeps the traceback."""
-    result = _command(["strategy.balance=[1,1]", "trainer.max_steps=1", *SMALL["bert_mlm"], "hydra.run.dir=run"], tmp_path)
+    result = _command(
+        ["strategy.balance=[1,1]", "trainer.max_steps=1", *SMALL["bert_mlm"], "hydra.run.dir=run"], tmp_path
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("sums to 2 but the module has 4 layers") == 1, output[-3000:]

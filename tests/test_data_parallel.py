@@ -22,16 +22,31 @@ from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 @pytest.mark.parametrize(
     "schedule, stages, devices",
-    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 1, 4), ("zero_bubble", 2, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4), ("interleaved_zero_bubble", 2, 4)],
+    [
+        ("gpipe", 2, 4),
+        ("1f1b", 2, 4),
+        ("1f1b", 1, 4),
+        ("zero_bubble", 2, 4),
+        ("interleaved_1f1b", 2, 4),
+        ("zbv", 2, 4),
+        ("interleaved_zero_bubble", 2, 4),
+    ],
     ids=["gpipe-2x2", "1f1b-2x2", "1f1b-1x4", "zero_bubble-2x2", "interleaved-2x2", "zbv-2x2", "interleaved_zb-2x2"],
 )
-def test_replicas_train_as_plain_training_on_the_global_batch(tmp_path, schedule: str, stages: int, devices: int) -> None:
+def test_replicas_train_as_plain_training_on_the_global_batch(
+    tmp_path, schedule: str, stages: int, devices: int
+) -> None:
     replicas = devices // stages
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference, loader(batch_size=12 * replicas))
     fit_pipeline(
-        piped, devices, data=loader(batch_size=12), schedule=schedule, chunks=3, stages=stages,
+        piped,
+        devices,
+        data=loader(batch_size=12),
+        schedule=schedule,
+        chunks=3,
+        stages=stages,
         callbacks=[RecordMetrics(str(tmp_path))],
     )
     assert_same_weights(reference, piped)
@@ -75,7 +90,9 @@ class _CountAllReduce(L.Callback):
 def test_each_rank_all_reduces_its_stage_once_per_step(tmp_path, schedule: str) -> None:
     """chunks=4 micro-batches per step, yet each step all-reduces the stage's gradients once."""
     torch.manual_seed(0)
-    fit_pipeline(TinyNet(), 4, stages=2, schedule=schedule, chunks=4, max_steps=3, callbacks=[_CountAllReduce(str(tmp_path))])
+    fit_pipeline(
+        TinyNet(), 4, stages=2, schedule=schedule, chunks=4, max_steps=3, callbacks=[_CountAllReduce(str(tmp_path))]
+    )
     for rank in range(4):
         record = json.load(open(tmp_path / f"bytes{rank}.json"))
         assert record["params"] > 0
@@ -101,7 +118,9 @@ def test_bad_data_parallel_names_the_valid_ones() -> None:
 def _twins_fit(model_cls, data_fn, batch: int, replicas: int, devices: int, **options: object):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     reference, piped = twins(model_cls())
-    plain_options = {k: v for k, v in options.items() if k in ("gradient_clip_val", "accumulate_grad_batches", "max_steps")}
+    plain_options = {
+        k: v for k, v in options.items() if k in ("gradient_clip_val", "accumulate_grad_batches", "max_steps")
+    }
     fit_plain(reference, data_fn(batch_size=batch * replicas), **plain_options)
     fit_pipeline(piped, devices, data=data_fn(batch_size=batch), **options)
     return reference, piped
@@ -221,10 +240,20 @@ def test_replicas_train_with_changing_micro_batch_counts(tmp_path, schedule: str
 
 
 @pytest.mark.parametrize(
-    "schedule, stages", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zero_bubble", 2), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2)]
+    "schedule, stages",
+    [
+        ("gpipe", 2),
+        ("1f1b", 2),
+        ("1f1b", 1),
+        ("zero_bubble", 2),
+        ("interleaved_1f1b", 2),
+        ("interleaved_zero_bubble", 2),
+    ],
 )
 def test_sharded_replicas_train_as_plain_training_on_the_global_batch(schedule: str, stages: int) -> None:
-    reference, piped = _twins_fit(TinyNet, loader, 12, 4 // stages, 4, stages=stages, schedule=schedule, chunks=3, data_parallel="shard")
+    reference, piped = _twins_fit(
+        TinyNet, loader, 12, 4 // stages, 4, stages=stages, schedule=schedule, chunks=3, data_parallel="shard"
+    )
     assert_same_weights(reference, piped)
 
 
@@ -264,7 +293,9 @@ class _ShardRecord(L.Callback):
         from lightning_pipe.runtime.sharding import local
 
         optimizer = trainer.optimizers[0]
-        state = sum(local(v).numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        state = sum(
+            local(v).numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
         params = sum(p.numel() for p in pl_module.parameters())  # a DTensor's numel is the whole tensor's
         record = {"steps": self.steps, "state": state, "params": params, "bytes": params * 4}
         (Path(self.folder) / f"shard{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -273,7 +304,9 @@ class _ShardRecord(L.Callback):
 def test_sharded_stage_reduces_once_per_step_and_holds_a_share_of_the_optimizer_state(tmp_path) -> None:
     torch.manual_seed(0)
     model = TinyNet(depth=8)
-    fit_pipeline(model, 4, stages=2, chunks=4, max_steps=3, data_parallel="shard", callbacks=[_ShardRecord(str(tmp_path))])
+    fit_pipeline(
+        model, 4, stages=2, chunks=4, max_steps=3, data_parallel="shard", callbacks=[_ShardRecord(str(tmp_path))]
+    )
     records = [json.loads((tmp_path / f"shard{rank}.json").read_text()) for rank in range(4)]
     for stage in range(2):
         pair = records[2 * stage : 2 * stage + 2]  # the stage's two replicas

@@ -61,7 +61,16 @@ def test_replicas_validate_checkpoint_resume_under_other_layouts_and_predict(tmp
     three = _trained(initial, 3)
     for devices, stages, batch in ((4, 2, 12), (4, 4, 24), (4, 1, 6)):  # 2 x 2, 4 x 1, 1 x 4
         resumed = LifecycleNet()
-        fit_pipeline(resumed, devices, data=loader(batch_size=batch), ckpt_path=str(last), stages=stages, chunks=2, max_epochs=3, **EPOCH)
+        fit_pipeline(
+            resumed,
+            devices,
+            data=loader(batch_size=batch),
+            ckpt_path=str(last),
+            stages=stages,
+            chunks=2,
+            max_epochs=3,
+            **EPOCH,
+        )
         assert_same_weights(three, resumed, rtol=1e-4, atol=1e-6)
 
     # predict: every sample once, in order, on global rank 0
@@ -120,7 +129,9 @@ class _EvaluationMetrics(L.Callback):
     [(2, False, "replicate"), (1, False, "replicate"), (2, True, "replicate"), (2, False, "shard")],
     ids=["2x2", "1x4", "2x2-drop_last", "2x2-shard"],
 )
-def test_evaluation_with_replicas_counts_every_sample_once(tmp_path: Path, stages: int, drop_last: bool, mode: str) -> None:
+def test_evaluation_with_replicas_counts_every_sample_once(
+    tmp_path: Path, stages: int, drop_last: bool, mode: str
+) -> None:
     """21 samples in batches of 5: the replicas split them without repeating any (the last step has
     one sample, on one replica; the others skip it, or under ``shard`` run its forward on a padding
     sample and count nothing), and every rank's epoch means equal plain Lightning's."""
@@ -130,15 +141,23 @@ def test_evaluation_with_replicas_counts_every_sample_once(tmp_path: Path, stage
     def data() -> DataLoader:
         return DataLoader(dataset(21, seed=5), batch_size=5, drop_last=drop_last)
 
-    expected = {**plain_trainer().validate(model, data(), verbose=False)[0], **plain_trainer().test(model, data(), verbose=False)[0]}
+    expected = {
+        **plain_trainer().validate(model, data(), verbose=False)[0],
+        **plain_trainer().test(model, data(), verbose=False)[0],
+    }
     assert len(expected) == 4
     model.validated = []
-    trainer = pipeline_trainer(4, stages=stages, chunks=2, data_parallel=mode, callbacks=[_EvaluationMetrics(str(tmp_path))])
+    trainer = pipeline_trainer(
+        4, stages=stages, chunks=2, data_parallel=mode, callbacks=[_EvaluationMetrics(str(tmp_path))]
+    )
     trainer.validate(model, data(), verbose=False)
     trainer.test(model, data(), verbose=False)
     validated = []
     for rank in range(4):
-        seen = {**json.loads((tmp_path / f"validation{rank}.json").read_text()), **json.loads((tmp_path / f"test{rank}.json").read_text())}
+        seen = {
+            **json.loads((tmp_path / f"validation{rank}.json").read_text()),
+            **json.loads((tmp_path / f"test{rank}.json").read_text()),
+        }
         for name, value in expected.items():
             assert seen[name] == pytest.approx(value, rel=1e-6), (rank, name, seen[name], value)
         validated += seen["validated"]  # only a last stage's steps get past the model's forward
@@ -172,7 +191,13 @@ def test_sharded_checkpoint_resumes_under_2x2_shard_and_loads_under_4x1_and_1x4(
     assert_same_weights(two_epochs, piped)
     last = tmp_path / "last.ckpt"
     # per stage: the index (replica 0) and a torch.distributed.checkpoint directory with every replica's part
-    assert sorted(p.name for p in last.iterdir()) == ["meta.pt", "stage-00000.dcp", "stage-00000.pt", "stage-00001.dcp", "stage-00001.pt"]
+    assert sorted(p.name for p in last.iterdir()) == [
+        "meta.pt",
+        "stage-00000.dcp",
+        "stage-00000.pt",
+        "stage-00001.dcp",
+        "stage-00001.pt",
+    ]
     assert len(list((last / "stage-00000.dcp").glob("*.distcp"))) == 2
     consolidate(last, tmp_path / "plain.ckpt")
     assert_same_weights(two_epochs, LifecycleNet.load_from_checkpoint(tmp_path / "plain.ckpt", weights_only=True))
@@ -217,14 +242,21 @@ def test_async_checkpoint_with_replicas_resumes_exactly(tmp_path: Path, schedule
     first = TinyNet()
     first.load_state_dict(initial)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
-    fit_pipeline(first, 4, data=loader(batch_size=6), max_epochs=2, enable_checkpointing=True, callbacks=[ckpt], **options)
+    fit_pipeline(
+        first, 4, data=loader(batch_size=6), max_epochs=2, enable_checkpointing=True, callbacks=[ckpt], **options
+    )
     resumed = TinyNet()
     fit_pipeline(resumed, 4, data=loader(batch_size=6), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=3, **options)
-    differences = {n: (a - b).abs().max().item() for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items())}
+    differences = {
+        n: (a - b).abs().max().item()
+        for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items())
+    }
     assert max(differences.values()) == 0.0, differences
     saved = torch.load(tmp_path / "last.ckpt" / "stage-00000.pt", weights_only=True)["extra"]["async"]
     assert len(saved["replica_pending"]) == 2 and saved["pending"]  # each replica's own, and their mean
     if schedule == "pipedream_2bw":  # one pipeline on the global batch continues from the replicas' mean
         alone = TinyNet()
-        fit_pipeline(alone, 2, data=loader(batch_size=12), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=3, **options)
+        fit_pipeline(
+            alone, 2, data=loader(batch_size=12), ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=3, **options
+        )
         assert_same_weights(straight, alone)

@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_pipe
 from lightning_pipe import PipelineStrategy
-from tests.models import TinyNet, trainer_kwargs
+from tests.models import TinyNet
 from tests.pipeline import fit_pipeline
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,9 +22,15 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"schedule": "pipedreamz"}, r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"),
+        (
+            {"schedule": "pipedreamz"},
+            r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble",
+        ),
         ({"recompute": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),
-        ({"checkpoint": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),  # the deprecated name
+        (
+            {"checkpoint": "sometimes"},
+            r"recompute='sometimes'.*Valid: always, except_last, never",
+        ),  # the deprecated name
         ({"chunks": 0}, r"chunks=0.*integer >= 1"),
         ({"chunks": 2.5}, r"chunks=2.5.*integer >= 1"),
         ({"balance": "speed"}, r"balance='speed'.*Valid: uniform, parameters, time, memory"),

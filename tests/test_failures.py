@@ -71,7 +71,12 @@ def test_without_a_note_the_silent_ranks_are_named(monkeypatch: pytest.MonkeyPat
 def _run(*args: Any, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run(  # the folder in the command line tells this run's processes apart
-        [sys.executable, str(SCRIPT), *map(str, args), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), *map(str, args), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     ended = time.monotonic()
     while _survivors(tmp_path) and time.monotonic() - ended < 60:
@@ -103,5 +108,7 @@ def test_a_killed_stage_ends_every_process_and_is_named(tmp_path: Path, devices:
     if rank == 0:  # the process holding the rendezvous store is gone; the others say so
         assert f"lightning-pipe: {name} is gone" in result.stderr, result.stderr[-3000:]
     else:  # the script launcher names a dead child itself, or the survivors do
-        launcher = f"[rank: {rank}] Child process with PID" in result.stderr and "terminated with code -9" in result.stderr
+        launcher = (
+            f"[rank: {rank}] Child process with PID" in result.stderr and "terminated with code -9" in result.stderr
+        )
         assert launcher or f"{name} stopped without reporting an error" in result.stderr, result.stderr[-3000:]

@@ -111,16 +111,22 @@ class RecordLosses(L.Callback):
     def __init__(self, folder: str) -> None:
         self.folder, self.losses = folder, []
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         final = float(trainer.callback_metrics["train_loss"])
-        Path(self.folder, f"losses{trainer.global_rank}.json").write_text(json.dumps({"steps": self.losses, "final": final}))
+        Path(self.folder, f"losses{trainer.global_rank}.json").write_text(
+            json.dumps({"steps": self.losses, "final": final})
+        )
 
 
 def _same(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-4) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-4) for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream_2bw"])
@@ -216,7 +222,10 @@ class MaskedSequence(MaskedNet):
 @pytest.mark.parametrize("schedule, stages", [("1f1b", 2), ("gpipe", 4), ("pipedream_2bw", 2)])
 def test_batch_shapes_that_differ_between_ranks_stop_with_an_error_naming_them(schedule: str, stages: int) -> None:
     start = time.monotonic()
-    with pytest.raises(Exception, match=r"stages loaded batches of different shapes for the same step \(stage 0: .*shapes \[\(3, 4, 6\)"):
+    with pytest.raises(
+        Exception,
+        match=r"stages loaded batches of different shapes for the same step \(stage 0: .*shapes \[\(3, 4, 6\)",
+    ):
         fit_pipeline(MaskedSequence(), stages, _rank_dependent_loader(), schedule=schedule, chunks=3, max_steps=4)
     assert time.monotonic() - start < 30
 
@@ -262,7 +271,9 @@ def _fail_on_rank1_at_step(step: int):
     return write_shard
 
 
-def test_a_crash_while_saving_leaves_the_previous_last_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_while_saving_leaves_the_previous_last_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from lightning_pipe.checkpoint import stage_io
 
     monkeypatch.setattr(stage_io, "write_shard", _fail_on_rank1_at_step(4))  # the forked ranks inherit it
@@ -289,7 +300,10 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path: Path) -> None
     read(late)  # whole
     shard = ckpt_files.shard_name(1)
     (late / shard).write_bytes((early / shard).read_bytes())  # a shard of another save
-    with pytest.raises(RuntimeError, match=r"stage-00001.pt belongs to the save of step 2 \(epoch 0\), but .*meta.pt to the save of step 4"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"stage-00001.pt belongs to the save of step 2 \(epoch 0\), but .*meta.pt to the save of step 4",
+    ):
         read(late)
     (late / shard).write_bytes((early / shard).read_bytes()[:100])  # truncated
     with pytest.raises(RuntimeError, match=r"stage-00001.pt cannot be read .*damaged or truncated"):
@@ -318,8 +332,13 @@ class NoisyDataset(Dataset):
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream_2bw"])
 def test_per_process_random_samples_stop_at_the_first_step_naming_the_loader(schedule: str) -> None:
     start = time.monotonic()
-    with pytest.raises(Exception, match=r"loaded different data for the same step from the training DataLoader \(dataset NoisyDataset\).*manual_seed\(index\)"):
-        fit_pipeline(TinyNet(dropout=0.5), 2, DataLoader(NoisyDataset(), batch_size=8), schedule=schedule, chunks=2, max_steps=4)
+    with pytest.raises(
+        Exception,
+        match=r"loaded different data for the same step from the training DataLoader \(dataset NoisyDataset\).*manual_seed\(index\)",
+    ):
+        fit_pipeline(
+            TinyNet(dropout=0.5), 2, DataLoader(NoisyDataset(), batch_size=8), schedule=schedule, chunks=2, max_steps=4
+        )
     assert time.monotonic() - start < 30
 
 
@@ -332,7 +351,10 @@ def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path)
             x, y = dataset()[index]
             return (x + os.getpid() if index >= 40 else x), y  # the 6th batch on differs per process
 
-    with pytest.raises(Exception, match=r"different data for the same step from the training DataLoader \(dataset LateDrift\) at batch 6 of epoch 0 \(global step 6\), compared every 2 batches, so they may differ from batch 5 on"):
+    with pytest.raises(
+        Exception,
+        match=r"different data for the same step from the training DataLoader \(dataset LateDrift\) at batch 6 of epoch 0 \(global step 6\), compared every 2 batches, so they may differ from batch 5 on",
+    ):
         fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=2, max_steps=8)
     with pytest.raises(Exception, match=r"\(dataset LateDrift\) at batch 5 of epoch 0 \(global step 5\):"):
         fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=True, max_steps=8)
@@ -392,7 +414,10 @@ def test_data_that_parts_after_the_first_batch_is_caught_at_the_first_step_it_di
     model = TinyNet()
     model.layers.insert(1, nn.Dropout(0.5))  # on stage 0 only
     data = DataLoader(GlobalRandomDataset(str(tmp_path)), batch_size=8, shuffle=False)
-    with pytest.raises(Exception, match=r"different data for the same step from the training DataLoader \(dataset GlobalRandomDataset\) at batch (\d+) of epoch 0 \(global step \1\):") as caught:
+    with pytest.raises(
+        Exception,
+        match=r"different data for the same step from the training DataLoader \(dataset GlobalRandomDataset\) at batch (\d+) of epoch 0 \(global step \1\):",
+    ) as caught:
         fit_pipeline(model, 2, data, chunks=2, max_steps=6, callbacks=[RecordSteps(str(tmp_path))])
     named = int(re.search(r"at batch (\d+) of epoch 0", str(caught.value)).group(1))
 

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_families import (  # noqa: E402
+from tests.hf_families import (
     BY_NAME,
     DOCS,
     FAMILIES,
@@ -28,8 +28,8 @@ from tests.hf_families import (  # noqa: E402
     family_data,
     family_table,
 )
-from tests.models import fit_plain  # noqa: E402
-from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
+from tests.models import fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline
 
 #: what the slow grid verifies for every family that trains (the docs' table says the same)
 GRID = [(f.name, devices, schedule) for f in FAMILIES if not f.refused for devices in STAGES for schedule in SCHEDULES]
@@ -48,8 +48,11 @@ def parity(family: Family, devices: int, schedule: str, **options: Any) -> None:
 
 @pytest.mark.parametrize(
     "name, devices, schedule",
-    [("BERT masked LM (tied)", 2, "1f1b"), ("DistilBERT masked LM (tied)", 4, "zero_bubble"),
-     ("RoBERTa masked LM (tied)", 2, "interleaved_1f1b")],  # fmt: skip
+    [
+        ("BERT masked LM (tied)", 2, "1f1b"),
+        ("DistilBERT masked LM (tied)", 4, "zero_bubble"),
+        ("RoBERTa masked LM (tied)", 2, "interleaved_1f1b"),
+    ],
 )
 def test_a_masked_lm_whose_head_bias_has_two_names_trains_as_plain(name: str, devices: int, schedule: str) -> None:
     """The head's bias is one parameter under two names (``cls.predictions.bias`` and
@@ -70,15 +73,21 @@ def test_every_family_trains_as_plain(name: str, devices: int, schedule: str) ->
     parity(BY_NAME[name], devices, schedule)
 
 
-def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Whatever makes the stages list different parameters outside the blocks (here: the head's bias
     left on the first stage under its second name, as before it was released there), the run stops at
     setup with the names, not with gloo's abort in the first step's sum."""
     import lightning_pipe.trainer.assemble
 
-    monkeypatch.setattr(lightning_pipe.trainer.assemble, "release_parameters", lambda slots: [])  # fork: the children too
+    monkeypatch.setattr(
+        lightning_pipe.trainer.assemble, "release_parameters", lambda slots: []
+    )  # fork: the children too
     family = BY_NAME["BERT masked LM (tied)"]
-    with pytest.raises(Exception, match=r"disagree on the parameters outside the split layers.*model\.cls\.predictions\.bias"):
+    with pytest.raises(
+        Exception, match=r"disagree on the parameters outside the split layers.*model\.cls\.predictions\.bias"
+    ):
         fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)
 
 
@@ -86,14 +95,19 @@ def test_t5_is_refused_in_the_first_forward_naming_the_block_and_its_position_bi
     """Before: ``not enough values to unpack (expected 3, got 2)`` inside modeling_t5.py."""
     family = BY_NAME["T5"]
     assert family.refused
-    with pytest.raises(Exception, match=r"Block 2 \(T5Block\), the first of the next pipeline stage, is called with 'position_bias'"):
+    with pytest.raises(
+        Exception, match=r"Block 2 \(T5Block\), the first of the next pipeline stage, is called with 'position_bias'"
+    ):
         fit_pipeline(FamilyModule(family.build), 2, family_data(family), module=family.module)
 
 
 @pytest.mark.parametrize(
     "options, expected",
     [
-        ({"schedule": "pipedream_2bw"}, r"weight versions of the blocks of the block container 'model\.transformer\.h' only"),
+        (
+            {"schedule": "pipedream_2bw"},
+            r"weight versions of the blocks of the block container 'model\.transformer\.h' only",
+        ),
         ({"data_parallel": "shard", "stages": 2}, r"outside the blocks of the block container 'model\.transformer\.h'"),
     ],
     ids=["async", "shard"],

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_models import LLAMA_1GB, LLAMA_TINY, DeferredLlama, PeakMemory, token_data  # noqa: E402
-from tests.models import SaveStageState, merged_stage_states  # noqa: E402
-from tests.pipeline import fit_pipeline  # noqa: E402
+from tests.hf_models import LLAMA_1GB, LLAMA_TINY, DeferredLlama, PeakMemory, token_data
+from tests.models import SaveStageState, merged_stage_states
+from tests.pipeline import fit_pipeline
 
 
 def test_a_1gb_llama_built_in_configure_model_peaks_below_035x_per_rank_at_4_stages(tmp_path: Path) -> None:
@@ -26,7 +26,11 @@ def test_a_1gb_llama_built_in_configure_model_peaks_below_035x_per_rank_at_4_sta
         whole = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1GB))
     model_bytes = sum(p.numel() * 4 for p in whole.parameters())
     fit_pipeline(
-        DeferredLlama(LLAMA_1GB), 4, token_data(LLAMA_1GB["vocab_size"]), module="model.model.layers", max_steps=1,
+        DeferredLlama(LLAMA_1GB),
+        4,
+        token_data(LLAMA_1GB["vocab_size"]),
+        module="model.model.layers",
+        max_steps=1,
         callbacks=[PeakMemory(str(tmp_path))],
     )
     ranks = [json.loads((tmp_path / f"memory{r}.json").read_text()) for r in range(4)]
@@ -43,8 +47,12 @@ def test_the_start_is_the_same_for_2_and_4_stages(tmp_path: Path) -> None:
         folder.mkdir()
         torch.manual_seed(0)
         fit_pipeline(
-            DeferredLlama(LLAMA_TINY), devices, token_data(LLAMA_TINY["vocab_size"]), module="model.model.layers",
-            max_steps=1, callbacks=[SaveStageState(str(folder), start=True)],
+            DeferredLlama(LLAMA_TINY),
+            devices,
+            token_data(LLAMA_TINY["vocab_size"]),
+            module="model.model.layers",
+            max_steps=1,
+            callbacks=[SaveStageState(str(folder), start=True)],
         )
         starts[devices] = merged_stage_states(str(folder), devices, start=True)
     assert sorted(starts[2]) == sorted(starts[4])
@@ -65,8 +73,13 @@ def test_a_measured_balance_profiles_a_configure_model_llama_and_starts_as_it_wo
         folder.mkdir()
         torch.manual_seed(0)
         fit_pipeline(
-            DeferredLlama(LLAMA_TINY), 2, token_data(LLAMA_TINY["vocab_size"]), module="model.model.layers",
-            balance=balance, max_steps=1, callbacks=[SaveStageState(str(folder), start=True)],
+            DeferredLlama(LLAMA_TINY),
+            2,
+            token_data(LLAMA_TINY["vocab_size"]),
+            module="model.model.layers",
+            balance=balance,
+            max_steps=1,
+            callbacks=[SaveStageState(str(folder), start=True)],
         )
         starts[balance] = merged_stage_states(str(folder), 2, start=True)
     assert sorted(starts["memory"]) == sorted(starts["uniform"])
@@ -75,7 +88,9 @@ def test_a_measured_balance_profiles_a_configure_model_llama_and_starts_as_it_wo
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-def test_weights_from_a_sharded_save_pretrained_directory_start_a_configure_model_llama(tmp_path: Path, devices: int) -> None:
+def test_weights_from_a_sharded_save_pretrained_directory_start_a_configure_model_llama(
+    tmp_path: Path, devices: int
+) -> None:
     """``weights=`` a directory ``save_pretrained(max_shard_size=...)`` wrote in 3 or more shards: the
     stages of a model built in configure_model() start from exactly ``from_pretrained``'s values."""
     import transformers
@@ -88,8 +103,12 @@ def test_weights_from_a_sharded_save_pretrained_directory_start_a_configure_mode
     expected = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     (tmp_path / "states").mkdir()
     fit_pipeline(
-        DeferredLlama({**LLAMA_TINY, "tie_word_embeddings": False}), devices, token_data(LLAMA_TINY["vocab_size"]),
-        module="model.model.layers", weights=str(tmp_path / "saved"), max_steps=1,
+        DeferredLlama({**LLAMA_TINY, "tie_word_embeddings": False}),
+        devices,
+        token_data(LLAMA_TINY["vocab_size"]),
+        module="model.model.layers",
+        weights=str(tmp_path / "saved"),
+        max_steps=1,
         callbacks=[SaveStageState(str(tmp_path / "states"), start=True)],
     )
     started = merged_stage_states(str(tmp_path / "states"), devices, start=True)

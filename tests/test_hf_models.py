@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_models import MODELS, BesideModule, HFModule, RecordHeld, data_for  # noqa: E402
-from tests.models import fit_plain  # noqa: E402
-from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
+from tests.hf_models import MODELS, BesideModule, HFModule, RecordHeld, data_for
+from tests.models import fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline
 
 #: AdamW divides by the root of tiny second moments, which magnifies the float noise of summing a
 #: gradient in another order to about its learning rate where gradients are near zero. Under AdamW
@@ -31,7 +31,9 @@ def _largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
 
 
-def _parity(name: str, devices: int, optimizer: str = "sgd", stages: int | None = None, layers: int = 4, **options: Any) -> None:
+def _parity(
+    name: str, devices: int, optimizer: str = "sgd", stages: int | None = None, layers: int = 4, **options: Any
+) -> None:
     build, path = MODELS[name]
     torch.manual_seed(0)
     piped = HFModule(lambda: build(layers), optimizer=optimizer)
@@ -82,7 +84,9 @@ def test_the_parity_grid_recomputation_and_replicas(name: str, options: dict) ->
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-def test_a_model_kept_beside_its_sequential_trains_its_tie_once_and_keeps_only_its_stage(tmp_path: Path, devices: int) -> None:
+def test_a_model_kept_beside_its_sequential_trains_its_tie_once_and_keeps_only_its_stage(
+    tmp_path: Path, devices: int
+) -> None:
     """``self.hf`` beside ``self.layers`` (a Sequential of the same modules): every parameter has two
     names; the tie (embedding = head) spans the first and last stage. The gradient is plain
     training's, not twice it, and no rank keeps another stage's blocks through ``self.hf``."""
@@ -98,7 +102,9 @@ def test_a_model_kept_beside_its_sequential_trains_its_tie_once_and_keeps_only_i
     block = sum(p.numel() * 4 for p in reference.hf.transformer.h[0].parameters())
     for r, rank in enumerate(held):
         blocks = {n.split(".")[3] for n in rank["names"] if n.startswith("hf.transformer.h.")}
-        blocks |= {n.split(".")[1] for n in rank["names"] if n.startswith("layers.") and n.split(".")[1] not in ("0", "5")}
+        blocks |= {
+            n.split(".")[1] for n in rank["names"] if n.startswith("layers.") and n.split(".")[1] not in ("0", "5")
+        }
         assert len(blocks) <= 4 // devices + 1, (r, rank["names"])
         assert rank["bytes"] < whole - (4 - 4 // devices) * block * 0.99, (r, rank["bytes"], whole)
 
@@ -164,7 +170,14 @@ def test_checkpoints_resume_under_the_pipeline_and_consolidate_for_plain_lightni
     fit_plain(plain, data, max_steps=-1, max_epochs=3)
     first, second = tmp_path / "first", tmp_path / "second"
     common = dict(module=path, max_steps=-1, enable_checkpointing=True)
-    fit_pipeline(fresh(), 2, data, max_epochs=1, callbacks=[ModelCheckpoint(dirpath=first, save_last=True, save_top_k=0)], **common)
+    fit_pipeline(
+        fresh(),
+        2,
+        data,
+        max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=first, save_last=True, save_top_k=0)],
+        **common,
+    )
     fit_pipeline(fresh(), 4, data, max_epochs=2, ckpt_path=str(first / "last.ckpt"),
                  callbacks=[ModelCheckpoint(dirpath=second, save_last=True, save_top_k=0)], **common)  # fmt: skip
     merged = consolidate(second / "last.ckpt", tmp_path / "plain.ckpt")

@@ -1,8 +1,9 @@
 """weights= reads what Hugging Face save_pretrained writes, each rank opening only its shards."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -87,14 +88,18 @@ def test_a_sharded_save_pretrained_directory_loads_as_from_pretrained_on_2_and_4
                 part = Holder(build)
             container = part.get_submodule(path)
             ends = [4] * (stage == 0) + [5] * (stage == stages - 1)  # the embeddings, the head: end stages only
-            materialize(part, extended(container, find_ends(part, container)), [*range(start, end), *ends], "cpu", seed=0)
+            materialize(
+                part, extended(container, find_ends(part, container)), [*range(start, end), *ends], "cpu", seed=0
+            )
             opened.clear()
             load_stage_weights(part, directory, spec)
             held = {k: v for k, v in part.state_dict().items() if not v.is_meta}
-            assert any(k.startswith(f"{path}.{start}.") for k in held) and not any(k.startswith(f"{path}.{end}.") for k in held)
+            assert any(k.startswith(f"{path}.{start}.") for k in held) and not any(
+                k.startswith(f"{path}.{end}.") for k in held
+            )
             for name, value in held.items():
                 torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=f"{stages} stages, {name}")
-            files = {index[stored.get(n[len("model."):], n[len("model."):])] for n in held}
+            files = {index[stored.get(n[len("model.") :], n[len("model.") :])] for n in held}
             assert sorted(opened) == sorted(files), (stages, stage)
             seen |= set(held)
             if stages == 4 and stage == 0:
@@ -124,7 +129,9 @@ def test_pytorch_model_bin_single_and_sharded(tmp_path: Path, shard: int | None)
     hub = pytest.importorskip("huggingface_hub")
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    hub.save_torch_state_dict(layers.state_dict(), tmp_path, safe_serialization=False, **({"max_shard_size": shard} if shard else {}))
+    hub.save_torch_state_dict(
+        layers.state_dict(), tmp_path, safe_serialization=False, **({"max_shard_size": shard} if shard else {})
+    )
     assert (tmp_path / ("pytorch_model.bin.index.json" if shard else "pytorch_model.bin")).is_file()
 
     class Net(nn.Module):
@@ -158,17 +165,21 @@ def test_rename_maps_a_custom_layout_and_names_that_do_not_fit_say_so(tmp_path: 
 
     target = Renamed()
     spec = model_spec(target)
-    expected_error = r"4 names in the file not in the model: transformer.ln_f.bias.*mapped by rename.*rename \(a mapping"
+    expected_error = (
+        r"4 names in the file not in the model: transformer.ln_f.bias.*mapped by rename.*rename \(a mapping"
+    )
     with pytest.raises(ValueError, match=expected_error) as info:
         load_stage_weights(target, directory, spec, rename={"transformer.h.": "backbone.h."})
     assert "4 names of the model not in the file: backbone.ln_f.bias" in str(info.value)
-    for rename in ({"transformer.": "backbone."}, lambda n: "backbone." + n[len("transformer."):]):
+    for rename in ({"transformer.": "backbone."}, lambda n: "backbone." + n[len("transformer.") :]):
         with torch.no_grad():
             for t in target.parameters():
                 t.zero_()
         load_stage_weights(target, directory, spec, rename=rename)
         for name, value in target.state_dict().items():
-            torch.testing.assert_close(value, expected["model." + name.replace("backbone.", "transformer.")], rtol=0, atol=0)
+            torch.testing.assert_close(
+                value, expected["model." + name.replace("backbone.", "transformer.")], rtol=0, atol=0
+            )
 
 
 def test_the_argument_accepts_a_save_pretrained_directory_and_damage_is_named(tmp_path: Path) -> None:
@@ -178,7 +189,9 @@ def test_the_argument_accepts_a_save_pretrained_directory_and_damage_is_named(tm
     table = json.loads(index.read_text())
     shard = sorted(set(table["weight_map"].values()))[1]
     (directory / shard).rename(directory / "moved.safetensors")
-    with pytest.raises(ValueError, match=rf"Cannot read the weights .*saved: .*index.json names shards that are not in .*: {shard}"):
+    with pytest.raises(
+        ValueError, match=rf"Cannot read the weights .*saved: .*index.json names shards that are not in .*: {shard}"
+    ):
         open_weights(directory)
     (directory / "moved.safetensors").rename(directory / shard)
     good = (directory / shard).read_bytes()

@@ -5,8 +5,8 @@ import Lightning, nothing below the strategy imports it, and no two modules impo
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_pipe"
@@ -43,7 +43,10 @@ def _imports(path: Path, module_level_only: bool, modules: frozenset[str] = froz
 def _graph(base: Path, prefix: str, files: list[Path], module_level_only: bool = True) -> dict[str, set[str]]:
     names = {_module_name(f, base, prefix): f for f in files}
     known = frozenset(names)
-    return {name: {m for m in _imports(f, module_level_only, known) if m in names and m != name} for name, f in names.items()}
+    return {
+        name: {m for m in _imports(f, module_level_only, known) if m in names and m != name}
+        for name, f in names.items()
+    }
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -83,7 +86,9 @@ def test_the_pipeline_and_what_it_is_built_from_never_import_lightning() -> None
     schedules: drivable without a Trainer."""
     files = list(PACKAGE.rglob("*.py"))
     graph = _graph(ROOT, "", files, module_level_only=False)
-    below = _reachable(graph, "lightning_pipe.runtime.pipeline") | {m for m in graph if m.startswith("lightning_pipe.schedules")}
+    below = _reachable(graph, "lightning_pipe.runtime.pipeline") | {
+        m for m in graph if m.startswith("lightning_pipe.schedules")
+    }
     assert {"lightning_pipe.runtime.executor", "lightning_pipe.runtime.gradients", "lightning_pipe.config"} <= below
     paths = {_module_name(f, ROOT, ""): f for f in files}
     found = {
@@ -98,7 +103,8 @@ def test_nothing_below_the_strategy_imports_it() -> None:
     importers = sorted(
         str(f.relative_to(ROOT))
         for f in PACKAGE.rglob("*.py")
-        if any(m.startswith("lightning_pipe.strategy") for m in _imports(f, module_level_only=False)) and f.name != "strategy.py"
+        if any(m.startswith("lightning_pipe.strategy") for m in _imports(f, module_level_only=False))
+        and f.name != "strategy.py"
     )
     assert importers == ["lightning_pipe/__init__.py", "lightning_pipe/cli.py"]  # the package's face and the CLI
 

@@ -41,10 +41,14 @@ def test_a_setup_error_is_not_hidden_by_the_teardown(tmp_path: Path) -> None:
     the teardown's own failure on the half-built (meta) module only a note below it."""
     script = ROOT / "tests" / "scripts" / "fail_in_setup.py"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200
+    )
     assert result.returncode != 0
     last_errors = [line for line in result.stderr.splitlines() if "Error:" in line and "NoReset" in line]
-    assert last_errors and "TypeError: layers.1 (NoReset) holds tensors of its own" in last_errors[-1], result.stderr[-3000:]
+    assert last_errors and "TypeError: layers.1 (NoReset) holds tensors of its own" in last_errors[-1], result.stderr[
+        -3000:
+    ]
     final = [line for line in result.stderr.splitlines() if line.strip()][-1]
     assert "NotImplementedError: Cannot copy out of meta tensor" not in final.split("lightning-pipe:")[0], final
     assert "tearing down after this error then failed too" in result.stderr
@@ -70,10 +74,29 @@ def test_two_torchrun_nodes_train_two_stages_by_two_replicas(tmp_path: Path) -> 
     script = ROOT / "tests" / "scripts" / "train_two_nodes.py"
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(k),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(script),
+                str(tmp_path),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for k in range(2)
     ]
     outputs = [node.communicate(timeout=200)[0] for node in nodes]

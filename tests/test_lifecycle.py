@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_pipe.checkpoint import consolidate, is_pipeline_checkpoint, main as consolidate_main
+from lightning_pipe.checkpoint import consolidate, is_pipeline_checkpoint
+from lightning_pipe.checkpoint import main as consolidate_main
 from tests.models import LifecycleNet, RecordEpochs, RecordMetrics, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
@@ -107,7 +108,9 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path: Path) -> No
     torch.manual_seed(0)
     model = LifecycleNet()
     stopper = EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1)
-    fit_pipeline(model, 2, val_data=_val(), chunks=3, max_epochs=10, callbacks=[stopper, RecordEpochs(str(tmp_path))], **EPOCH)
+    fit_pipeline(
+        model, 2, val_data=_val(), chunks=3, max_epochs=10, callbacks=[stopper, RecordEpochs(str(tmp_path))], **EPOCH
+    )
     ends = [json.loads((tmp_path / f"end{rank}.json").read_text()) for rank in range(2)]
     assert ends[0] == ends[1]
     assert ends[0]["should_stop"] and ends[0]["epoch"] == 2 < 10
@@ -121,7 +124,14 @@ def test_learning_rate_schedule_and_monitor(tmp_path: Path) -> None:
     fit_plain(reference, max_epochs=2, **EPOCH)
     logger = CSVLogger(tmp_path, name="run")
     fit_pipeline(
-        piped, 2, chunks=2, max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[LearningRateMonitor("step")], **EPOCH
+        piped,
+        2,
+        chunks=2,
+        max_epochs=2,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[LearningRateMonitor("step")],
+        **EPOCH,
     )
     assert_same_weights(reference, piped)
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:

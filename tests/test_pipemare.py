@@ -4,7 +4,6 @@ discrepancy correction (see :mod:`lightning_pipe.runtime.pipemare`)."""
 from __future__ import annotations
 
 import json
-from typing import Optional
 from pathlib import Path
 
 import lightning as L
@@ -15,8 +14,24 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import balance_uniform, stage_bounds
-from lightning_pipe.runtime.pipemare import DEFAULT_DECAY, PipeMare, lr_factor, predicted_weight, resolve, velocity_decay
-from lightning_pipe.schedules import pipedream, pipemare, render, simulate, steady_state_bubble, unroll, update_delay, validate, versions_held
+from lightning_pipe.runtime.pipemare import (
+    DEFAULT_DECAY,
+    PipeMare,
+    lr_factor,
+    predicted_weight,
+    resolve,
+    velocity_decay,
+)
+from lightning_pipe.schedules import (
+    pipedream,
+    pipemare,
+    render,
+    steady_state_bubble,
+    unroll,
+    update_delay,
+    validate,
+    versions_held,
+)
 from lightning_pipe.schedules.asynchronous import backward_gap, step_actions
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
@@ -198,7 +213,13 @@ def _stage_of(model: TinyNet, stages: int) -> dict[int, int]:
 
 
 def _reference_pipemare(
-    model: TinyNet, batches: list, lr: float, stages: int, chunks: int, warmup: int, correction: bool,
+    model: TinyNet,
+    batches: list,
+    lr: float,
+    stages: int,
+    chunks: int,
+    warmup: int,
+    correction: bool,
     decay: float = DEFAULT_DECAY,
 ) -> None:
     """Single process, by hand: PipeMare's update rule with the delays of the schedule.
@@ -265,7 +286,9 @@ def _reference_pipemare(
     [(2, 1, True, None), (4, 2, True, 0.5), (4, 2, False, None)],
     ids=["2-stages", "4-stages-decay-0.5", "4-stages-uncorrected"],
 )
-def test_weights_follow_the_pipemare_update_rule(stages: int, chunks: int, correction: bool, decay: Optional[float]) -> None:
+def test_weights_follow_the_pipemare_update_rule(
+    stages: int, chunks: int, correction: bool, decay: float | None
+) -> None:
     torch.manual_seed(0)
     piped = TinyNet(lr=0.1)
     piped.optimizer = "plain-sgd"

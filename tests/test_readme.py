@@ -30,7 +30,9 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     script.write_text(readme_example())
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
-    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stderr + result.stdout
     assert "`Trainer.fit` stopped: `max_epochs=5` reached." in output
@@ -55,7 +57,9 @@ def readme_block(containing: str) -> str:
     return block
 
 
-def test_a_tied_model_saved_as_the_readme_shows_loads_through_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tied_model_saved_as_the_readme_shows_loads_through_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``safetensors.torch.save_model`` (``save_file`` refuses tied weights) as the README writes it; the
     file starts a 2-stage pipeline, each stage with the saved values, and rank 0 says what it loaded."""
     import lightning as L
@@ -98,7 +102,9 @@ def test_the_bring_your_own_model_example_runs_as_written(tmp_path: Path) -> Non
     script.write_text(readme_block('module="model.transformer.h"'))
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run([sys.executable, "causal_lm.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    result = subprocess.run(
+        [sys.executable, "causal_lm.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stderr + result.stdout
     assert "lightning-pipe: 2 stages (2 processes), layers per stage [2, 2]" in result.stderr
@@ -123,7 +129,9 @@ def test_the_four_device_example_runs_as_written_on_cpu(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(four_device_example())
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=390)
+    result = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=390
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=5` reached." in result.stderr + result.stdout
     layout = [line for line in result.stderr.splitlines() if line.startswith("lightning-pipe: 4 stages")]

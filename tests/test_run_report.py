@@ -80,6 +80,8 @@ def test_the_summary_lists_every_file_the_run_wrote(tmp_path: Path) -> None:
     written = written_files(tmp_path, SimpleNamespace(logger=SimpleNamespace(log_dir=str(logs))))
     assert written == [str(logs / "metrics.csv"), str(tmp_path / "timeline.svg"), str(tmp_path / "cli.log")]
     (logs / "metrics.csv").unlink()  # TensorBoard's event files instead
-    assert written_files(tmp_path, SimpleNamespace(logger=SimpleNamespace(log_dir=str(logs))))[0].endswith("--logdir " + str(logs) + ")")
+    assert written_files(tmp_path, SimpleNamespace(logger=SimpleNamespace(log_dir=str(logs))))[0].endswith(
+        "--logdir " + str(logs) + ")"
+    )
     text = summary_lines(tmp_path, None, 1.0, 2, 3.0, 4, 1.0, written)
     assert f"  written        {logs / 'metrics.csv'}" in text and f"\n                 {tmp_path / 'cli.log'}" in text

@@ -81,7 +81,9 @@ def _sigterm_rounds(tmp_path: Path, rounds: int, concurrent: int) -> None:
             if left:
                 failures.append(f"job {i}: {left} still running 30 s after SIGTERM; {out / 'stderr'}")
                 continue
-            stopped = [(out / f"stopped-{r}").read_text() if (out / f"stopped-{r}").is_file() else None for r in range(2)]
+            stopped = [
+                (out / f"stopped-{r}").read_text() if (out / f"stopped-{r}").is_file() else None for r in range(2)
+            ]
             if job.wait(5) != 0 or stopped != ["SIGTERMException"] * 2:
                 failures.append(f"job {i}: exit status {job.returncode}, stopped with {stopped}; {out / 'stderr'}")
     assert not failures, "\n".join(failures)
@@ -105,7 +107,9 @@ class DieAt(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         Path(self.out, f"pid-{trainer.global_rank}").write_text(str(os.getpid()))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.batch:
             Path(self.out, "died").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)

@@ -76,7 +76,13 @@ def test_a_summary_too_large_for_one_tensor_goes_whole(world_of_one: Topology) -
 
 @pytest.mark.parametrize(
     "reduce_fx, expected",
-    [("max", 7.0), ("min", -2.0), ("sum", 1.0 + 7.0 - 2.0), (torch.max, 7.0), ("avg", 0.5 * 1.0 + 0.25 * 7.0 + 0.25 * -2.0)],
+    [
+        ("max", 7.0),
+        ("min", -2.0),
+        ("sum", 1.0 + 7.0 - 2.0),
+        (torch.max, 7.0),
+        ("avg", 0.5 * 1.0 + 0.25 * 7.0 + 0.25 * -2.0),
+    ],
 )
 def test_logged_values_are_reduced_over_microbatches_by_their_reduce_fx(reduce_fx: object, expected: float) -> None:
     module, recorder = _Logs(), StepRecorder()

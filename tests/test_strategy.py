@@ -9,8 +9,8 @@ short batch of 4 (micro-batches of uneven size, fewer than ``chunks`` when chunk
 from __future__ import annotations
 
 import json
-from typing import Any
 import os
+from typing import Any
 
 import lightning as L
 import pytest
@@ -72,14 +72,18 @@ class _RecordFusion(L.Callback):
             json.dump({"linears": len(linears), "fused": sum(fused)}, f)
 
 
-@pytest.mark.parametrize("schedule, fusion, fused", [("1f1b", False, False), ("gpipe", True, True), ("pipedream_2bw", True, True)])
+@pytest.mark.parametrize(
+    "schedule, fusion, fused", [("1f1b", False, False), ("gpipe", True, True), ("pipedream_2bw", True, True)]
+)
 def test_gradient_accumulation_fusion_where_it_applies(tmp_path, schedule: str, fusion: bool, fused: bool) -> None:
     """Fused unless switched off (the grid above and the asynchronous tests run it: default on);
     the unfused path gives plain training's weights too."""
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference)
-    options = dict(schedule=schedule, chunks=4, gradient_accumulation_fusion=fusion, callbacks=[_RecordFusion(str(tmp_path))])
+    options = dict(
+        schedule=schedule, chunks=4, gradient_accumulation_fusion=fusion, callbacks=[_RecordFusion(str(tmp_path))]
+    )
     fit_pipeline(piped, 2, **options)
     for rank in range(2):
         record = json.loads((tmp_path / f"fusion{rank}.json").read_text())
@@ -188,7 +192,15 @@ def test_metric_objects_are_logged_on_the_last_stage(tmp_path, schedule: str) ->
     from tests.models import MetricNet
 
     torch.manual_seed(0)
-    fit_pipeline(MetricNet(), 2, schedule=schedule, chunks=3, max_steps=-1, max_epochs=1, callbacks=[RecordMetrics(str(tmp_path))])
+    fit_pipeline(
+        MetricNet(),
+        2,
+        schedule=schedule,
+        chunks=3,
+        max_steps=-1,
+        max_epochs=1,
+        callbacks=[RecordMetrics(str(tmp_path))],
+    )
     last = json.loads((tmp_path / "rank1.json").read_text())
     assert last["seen"] == 64.0  # every sample of the epoch, counted once
 
@@ -271,8 +283,8 @@ def test_schedules_with_several_stages_per_process_are_regrouped_under_nccl(sche
 def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from lightning_pipe.trainer.compatibility import as_misconfiguration
     from lightning_pipe.schedules.runnable import runnable_schedule
+    from lightning_pipe.trainer.compatibility import as_misconfiguration
 
     with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"):
         with as_misconfiguration():  # how the strategy's steps and setup report the pipeline's refusal
@@ -290,7 +302,11 @@ def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -
     torch.manual_seed(0)
     model = TinyNet()
     model.layers = nn.Sequential(
-        nn.Linear(IN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, CLASSES)
+        nn.Linear(IN, HIDDEN),
+        nn.ReLU(inplace=True),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(inplace=True),
+        nn.Linear(HIDDEN, CLASSES),
     )
     reference, piped = twins(model)
     fit_plain(reference)
@@ -317,7 +333,9 @@ class _ReducedLogs(TinyNet):
 
 
 @pytest.mark.parametrize("devices, stages", [(2, None), (4, 2)], ids=["2-stages", "2x2-replicas"])
-def test_logged_max_min_and_sum_are_reduced_as_plain_lightning_reduces_them(tmp_path, devices: int, stages: int) -> None:
+def test_logged_max_min_and_sum_are_reduced_as_plain_lightning_reduces_them(
+    tmp_path, devices: int, stages: int
+) -> None:
     """Over micro-batches and replicas, in training and validation (6 validation samples over 2
     replicas in batches of 5: one replica's last batch is short)."""
     from tests.models import loader

@@ -16,11 +16,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_pipe import token_count  # noqa: E402
-from lightning_pipe.recipes.bert import BertMLM  # noqa: E402
-from tests.hf_models import HFModule, gpt2, padded_token_data  # noqa: E402
-from tests.models import RecordMetrics, fit_plain  # noqa: E402
-from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
+from lightning_pipe.recipes.bert import BertMLM
+
+from lightning_pipe import token_count
+from tests.hf_models import HFModule, gpt2, padded_token_data
+from tests.models import RecordMetrics, fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline
 
 
 class _BertMLM(BertMLM):
@@ -43,7 +44,10 @@ class _BertMLM(BertMLM):
 
 #: name -> (the module, its strategy options with the token count)
 MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "gpt2": (lambda **kw: HFModule(gpt2, **kw), {"module": "model.transformer.h", "loss_weight": token_count(labels=1)}),
+    "gpt2": (
+        lambda **kw: HFModule(gpt2, **kw),
+        {"module": "model.transformer.h", "loss_weight": token_count(labels=1)},
+    ),
     "bert_mlm": (_BertMLM, {"loss_weight": token_count(labels=2, shift=False)}),
 }
 

@@ -81,7 +81,9 @@ def test_evaluate_predict_checkpoint_resume_under_another_layout_and_consolidate
         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)], **EPOCH,
     )  # fmt: skip
     assert_same_weights(plain_model, piped)
-    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(float(plain.callback_metrics["val_loss"]), rel=1e-5)
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(
+        float(plain.callback_metrics["val_loss"]), rel=1e-5
+    )
     last = tmp_path / "last.ckpt"
     assert is_pipeline_checkpoint(last)
 

@@ -8,8 +8,16 @@ MODULE = [
     "model.transformer.ln_f.weight", "model.lm_head.weight",
 ]  # fmt: skip
 ALIASES = {n: [n] for n in MODULE}
-ALIASES["model.transformer.wte.weight"] = ALIASES["model.lm_head.weight"] = ["model.transformer.wte.weight", "model.lm_head.weight"]
-SAVED = ["transformer.wte.weight", "transformer.h.0.attn.weight", "transformer.h.1.attn.weight", "transformer.ln_f.weight"]
+ALIASES["model.transformer.wte.weight"] = ALIASES["model.lm_head.weight"] = [
+    "model.transformer.wte.weight",
+    "model.lm_head.weight",
+]
+SAVED = [
+    "transformer.wte.weight",
+    "transformer.h.0.attn.weight",
+    "transformer.h.1.attn.weight",
+    "transformer.ln_f.weight",
+]
 
 
 def test_names_that_fit_are_kept() -> None:
@@ -40,7 +48,10 @@ def test_several_copies_of_the_model_are_ambiguous() -> None:
     twice = [p + n for p in ("student.", "teacher.") for n in ("w", "b")]
     with pytest.raises(ValueError, match=r"several prefixes \('student.', 'teacher.'\).*rename=\{'': 'student.'\}"):
         name_map(["w", "b"], {n: [n] for n in twice})
-    assert name_map(["w", "b"], {n: [n] for n in twice}, rename={"": "teacher."}).names == {"w": "teacher.w", "b": "teacher.b"}
+    assert name_map(["w", "b"], {n: [n] for n in twice}, rename={"": "teacher."}).names == {
+        "w": "teacher.w",
+        "b": "teacher.b",
+    }
 
 
 def test_names_mostly_fitting_as_they_are_stay_for_the_check_to_list() -> None:
@@ -52,7 +63,11 @@ def test_names_mostly_fitting_as_they_are_stay_for_the_check_to_list() -> None:
 def test_rename_by_prefix_whole_name_and_callable() -> None:
     files = ["h.0.w", "h.1.w", "emb.w", "old.bias"]
     mapping = {"h.": "model.blocks.", "h.1.w": "model.last.w", "emb.": "model.embed.", "old.": None}
-    assert apply_rename(files, mapping) == {"h.0.w": "model.blocks.0.w", "h.1.w": "model.last.w", "emb.w": "model.embed.w"}
+    assert apply_rename(files, mapping) == {
+        "h.0.w": "model.blocks.0.w",
+        "h.1.w": "model.last.w",
+        "emb.w": "model.embed.w",
+    }
     assert apply_rename(files, lambda n: None if n.startswith("old") else "x." + n) == {
         "h.0.w": "x.h.0.w", "h.1.w": "x.h.1.w", "emb.w": "x.emb.w",
     }  # fmt: skip
@@ -72,6 +87,10 @@ def test_bad_renames_are_refused_naming_the_problem() -> None:
 
 def test_the_hint_says_how_names_were_matched_and_shows_both_sides() -> None:
     hint = mismatch_hint(name_map(SAVED, ALIASES), SAVED, MODULE)
-    assert "prefix 'model.' added" in hint and "'transformer.h.0.attn.weight'" in hint and "'model.lm_head.weight'" in hint
+    assert (
+        "prefix 'model.' added" in hint and "'transformer.h.0.attn.weight'" in hint and "'model.lm_head.weight'" in hint
+    )
     assert "rename" in hint
-    assert mismatch_hint(name_map(SAVED, ALIASES, rename={}), SAVED, MODULE).startswith("The file's names were mapped by rename.")
+    assert mismatch_hint(name_map(SAVED, ALIASES, rename={}), SAVED, MODULE).startswith(
+        "The file's names were mapped by rename."
+    )

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import write_meta, write_shard
 from lightning_pipe.weights import check_weights_argument, load_local, load_stage_weights, model_spec, open_weights
-from tests.models import DeferredNet, SaveStageState, TiedNet, TinyNet, fit_plain, loader, merged_stage_states
+from tests.models import DeferredNet, SaveStageState, TiedNet, TinyNet, fit_plain, merged_stage_states
 from tests.pipeline import fit_pipeline
 
 
@@ -42,7 +42,9 @@ def test_stages_from_a_weights_file_train_as_plain_training(tmp_path: Path, suff
         trained = merged_stage_states(str(folder), stages)
         assert set(trained) == set(expected)
         for name, value in expected.items():
-            torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}")
+            torch.testing.assert_close(
+                trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}"
+            )
             assert not torch.equal(value, state[name])  # training moved it
 
 
@@ -87,8 +89,12 @@ def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_tr
 
     monkeypatch.setattr(safetensors, "safe_open", recording)
     state = start_weights()
-    saved = {k[len("layers."):]: v for k, v in state.items()}
-    groups = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"], ["6.weight", "6.bias", "7.weight", "7.bias"]]
+    saved = {k[len("layers.") :]: v for k, v in state.items()}
+    groups = [
+        ["0.weight", "0.bias"],
+        ["2.weight", "2.bias", "4.weight", "4.bias"],
+        ["6.weight", "6.bias", "7.weight", "7.bias"],
+    ]
     weight_map = save_pretrained_like(saved, tmp_path / "pretrained", groups)
     plain = built(DeferredNet())
     plain.load_state_dict(state)
@@ -103,13 +109,15 @@ def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_tr
         for rank in range(stages):
             held = torch.load(folder / f"start-rank{rank}.pt", weights_only=True)
             opened = json.loads((folder / f"opened-rank{rank}.json").read_text())
-            assert sorted(opened) == sorted({weight_map[n[len("layers."):]] for n in held}), (stages, rank)
+            assert sorted(opened) == sorted({weight_map[n[len("layers.") :]] for n in held}), (stages, rank)
         if stages == 4:  # layers 0-1: the first shard only
             assert json.loads((folder / "opened-rank0.json").read_text()) == ["model-00001-of-00003.safetensors"]
         trained = merged_stage_states(str(folder), stages)
         assert set(trained) == set(expected)
         for name, value in expected.items():
-            torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}")
+            torch.testing.assert_close(
+                trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}"
+            )
 
 
 def test_every_format_loads_the_same_tensors(tmp_path: Path) -> None:
@@ -163,9 +171,15 @@ def test_names_and_shapes_that_do_not_fit_are_listed(tmp_path: Path) -> None:
     spec = model_spec(TinyNet())
     state = TinyNet().state_dict()
     cases = {
-        "missing": ({k: v for k, v in state.items() if k != "layers.2.bias"}, r"1 name of the model not in the file: layers.2.bias"),
+        "missing": (
+            {k: v for k, v in state.items() if k != "layers.2.bias"},
+            r"1 name of the model not in the file: layers.2.bias",
+        ),
         "extra": ({**state, "head.weight": torch.zeros(2)}, r"1 name in the file not in the model: head.weight"),
-        "shape": ({**state, "layers.0.weight": torch.zeros(8, 7)}, r"1 shape differing: layers.0.weight: file \[8, 7\], model \[8, 6\]"),
+        "shape": (
+            {**state, "layers.0.weight": torch.zeros(8, 7)},
+            r"1 shape differing: layers.0.weight: file \[8, 7\], model \[8, 6\]",
+        ),
     }
     for name, (bad, match) in cases.items():
         path = tmp_path / f"{name}.safetensors"
@@ -196,7 +210,9 @@ def test_the_argument_is_checked_when_the_strategy_is_built(tmp_path: Path) -> N
     (tmp_path / "w.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"unknown kind of file '.bin'. Valid: .pt, .pth, .ckpt, .safetensors"):
         PipelineStrategy(weights=str(tmp_path / "w.bin"))
-    with pytest.raises(ValueError, match="neither a lightning-pipe checkpoint .* nor a Hugging Face save_pretrained directory"):
+    with pytest.raises(
+        ValueError, match="neither a lightning-pipe checkpoint .* nor a Hugging Face save_pretrained directory"
+    ):
         PipelineStrategy(weights=str(tmp_path))
     with pytest.raises(TypeError, match="give the path"):
         PipelineStrategy(weights=3)  # type: ignore[arg-type]
@@ -246,7 +262,9 @@ def test_a_safetensors_file_cut_at_its_tail_is_named(tmp_path: Path) -> None:
     cut = tmp_path / "sharded" / "model-00002-of-00002.safetensors"
     whole = cut.read_bytes()
     cut.write_bytes(whole[:-12])
-    message = rf"{cut} is cut short: its header describes {len(whole)} bytes, the file holds {len(whole) - 12}.*copy it again"
+    message = (
+        rf"{cut} is cut short: its header describes {len(whole)} bytes, the file holds {len(whole) - 12}.*copy it again"
+    )
     with pytest.raises(ValueError, match=message):
         load_stage_weights(built(DeferredNet()), tmp_path / "sharded", model_spec(built(DeferredNet())))
     single = tmp_path / "single.safetensors"

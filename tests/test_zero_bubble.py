@@ -10,7 +10,9 @@ from tests.models import TiedNet, TinyNet, WrappedNet, fit_plain, token_loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 
-@pytest.mark.parametrize("stages, chunks, checkpoint", [(2, 4, "never"), (2, 3, "always"), (4, 4, "always"), (4, 3, "never")])
+@pytest.mark.parametrize(
+    "stages, chunks, checkpoint", [(2, 4, "never"), (2, 3, "always"), (4, 4, "always"), (4, 3, "never")]
+)
 def test_zero_bubble_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str) -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())

@@ -20,13 +20,14 @@ all but one in 2**32 of other damage. It guards against accidents, not against a
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Collection, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 
-Key = tuple[Union[str, int], ...]  # a tensor's place in a nested checkpoint: mapping keys and list indices
+Key = tuple[str | int, ...]  # a tensor's place in a nested checkpoint: mapping keys and list indices
 _CHUNK = 1 << 24
 
 
@@ -134,11 +135,11 @@ class Verifier:
     few names at a time: a key mentioning one of ``names`` (a state-dict name: the tensor itself,
     its optimizer state, its pending gradients) belongs to that name, other keys to every reader."""
 
-    def __init__(self, file: Path, loaded: Any, recorded: Optional[Mapping[Key, int]], names: Collection[str]) -> None:
+    def __init__(self, file: Path, loaded: Any, recorded: Mapping[Key, int] | None, names: Collection[str]) -> None:
         self.file = file
         self._loaded = loaded
         self._recorded = dict(recorded or {})
-        self._by_name: dict[Optional[str], list[Key]] = {}
+        self._by_name: dict[str | None, list[Key]] = {}
         for key in self._recorded:
             owner = next((part for part in key if isinstance(part, str) and part in names), None)
             self._by_name.setdefault(owner, []).append(key)
@@ -151,7 +152,7 @@ class Verifier:
                 self._check(key)
                 self._done.add(key)
 
-    def verify(self, names: Optional[Iterable[str]] = None) -> None:
+    def verify(self, names: Iterable[str] | None = None) -> None:
         """Check the tensors of ``names`` and those of no name (None: every tensor of the file)."""
         groups = list(self._by_name) if names is None else [None, *names]
         for group in groups:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from lightning_pipe.checkpoint.consolidate import consolidate
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_pipe.checkpoint",
         description="Turn a lightning-pipe checkpoint directory into a plain Lightning checkpoint file.",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
@@ -14,7 +14,7 @@ from lightning_pipe.checkpoint.optimizer_state import optimizer_state_by_positio
 _PATH = Union[str, Path]
 
 
-def consolidate(path: _PATH, output: Optional[_PATH] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def consolidate(path: _PATH, output: _PATH | None = None, weights_only: bool | None = None) -> dict[str, Any]:
     """The full ``state_dict``, and optimizer states by position in the unsplit module's order as
     ``torch.optim`` saves them, every tensor compared with its checksum. Written to ``output`` when
     given; ``LightningModule.load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)`` without the

@@ -4,8 +4,9 @@ foreign file with an error that names it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -37,9 +38,9 @@ def write_shard(
     path: _PATH,
     rank: int,
     state_dict: Mapping[str, Tensor],
-    optimizer_states: Optional[list],
-    extra: Optional[dict[str, Any]] = None,
-    tag: Optional[dict[str, Any]] = None,
+    optimizer_states: list | None,
+    extra: dict[str, Any] | None = None,
+    tag: dict[str, Any] | None = None,
 ) -> None:
     """Stage ``rank``'s shard; ``extra`` holds strategy state such as an asynchronous schedule's
     gradients not yet applied (keyed by layer name as well); ``tag`` names the save it belongs to."""
@@ -56,11 +57,11 @@ def write_sharded_stage(
     path: _PATH,
     stage: int,
     state_dict: Mapping[str, Tensor],
-    optimizer_states: Optional[list],
+    optimizer_states: list | None,
     group: Any,
     write_index: bool,
-    extra: Optional[dict[str, Any]] = None,
-    tag: Optional[dict[str, Any]] = None,
+    extra: dict[str, Any] | None = None,
+    tag: dict[str, Any] | None = None,
 ) -> None:
     """A stage sharded over the replicas in ``group`` (FSDP2): every replica writes its parts of the
     sharded tensors into ``stage-NNNNN.dcp`` (see :mod:`lightning_pipe.checkpoint.sharded`); one
@@ -75,7 +76,7 @@ def write_sharded_stage(
         _save(shard, Path(path) / shard_name(stage))
 
 
-def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: Optional[dict[str, Any]] = None) -> None:
+def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: dict[str, Any] | None = None) -> None:
     meta = dict(checkpoint)
     recorded = checksums.record(meta, META_VALUES)
     meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages, "save": tag, "checksums": recorded}
@@ -99,7 +100,7 @@ def _to_cpu(value: Any) -> Any:
 
 # ---------------------------------------------------------------------------- reading
 def read(
-    path: _PATH, weights_only: Optional[bool] = None, names: Optional[Collection[str]] = None
+    path: _PATH, weights_only: bool | None = None, names: Collection[str] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The metadata and every stage's shard (tensors memory-mapped). Refuses a checkpoint with a
     missing, unreadable, damaged or foreign shard (one written by another save), naming the file.
@@ -131,7 +132,9 @@ def read_state_dict(path: _PATH) -> tuple[dict[str, Tensor], Callable[[str], Ten
     return merged, checked
 
 
-def _open(path: _PATH, weights_only: Optional[bool]) -> tuple[dict[str, Any], list[dict[str, Any]], list[checksums.Verifier]]:
+def _open(
+    path: _PATH, weights_only: bool | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[checksums.Verifier]]:
     """The metadata (checked), every stage's shard (tensors memory-mapped and not yet compared with
     their checksums) and, per shard, what compares them."""
     path = Path(path)
@@ -145,7 +148,9 @@ def _open(path: _PATH, weights_only: Optional[bool]) -> tuple[dict[str, Any], li
     for rank in range(count):
         file = path / shard_name(rank)
         if not file.is_file():
-            raise FileNotFoundError(f"{path} is incomplete: {file.name} is missing (the checkpoint has {count} stages).")
+            raise FileNotFoundError(
+                f"{path} is incomplete: {file.name} is missing (the checkpoint has {count} stages)."
+            )
         shard = _load(file, weights_only=True, mmap=True)
         if shard.get("save") != tag:
             raise foreign(file, shard.get("save"), path / META, tag)

@@ -3,7 +3,8 @@ asynchronous schedule's pending gradients."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -17,14 +18,14 @@ def merged_state_dict(shards: Iterable[Mapping[str, Any]]) -> dict[str, Tensor]:
     return merged
 
 
-def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> Optional[list[dict[str, Any]]]:
+def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
     if any(shard.get("optimizer_states") is None for shard in shards):
         return None
     count = len(shards[0]["optimizer_states"])
     return [merge_optimizer_states([shard["optimizer_states"][i] for shard in shards]) for i in range(count)]
 
 
-def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """An asynchronous schedule's state over all stages: the step counter and, per batch, the
     unapplied gradient of every layer (by name): the replicas' mean, and with replicas each one's
     own (``replica_pending``, in replica order)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
@@ -17,7 +18,7 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
 
 
 def optimizer_state_by_name(
-    optimizer: Optimizer, names: Mapping[int, str], aliases: Optional[Mapping[str, str]] = None
+    optimizer: Optimizer, names: Mapping[int, str], aliases: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameter names instead of positions.
 
@@ -99,8 +100,8 @@ def merge_optimizer_states(per_stage: Sequence[Mapping[str, Any]]) -> dict[str, 
 
 
 def differing_hyperparameters(
-    per_optimizer: Optional[Sequence[Mapping[str, Any]]], reference: Sequence[Mapping[str, Any]]
-) -> Optional[str]:
+    per_optimizer: Sequence[Mapping[str, Any]] | None, reference: Sequence[Mapping[str, Any]]
+) -> str | None:
     """The first difference between two stages' saved hyper-parameters (every group key but its
     parameters, per optimizer), as ``"optimizer 0, parameter group 1: momentum 0.8 against 0.9"``;
     None where they agree."""

@@ -6,8 +6,9 @@ directory the save tag recorded with it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from torch import Tensor
 
@@ -23,8 +24,12 @@ def dcp_name(stage: int) -> str:
 
 
 def write_parts(
-    directory: Path, state_dict: Mapping[str, Tensor], optimizer_states: Optional[list], group: Any, tag: Optional[dict[str, Any]]
-) -> tuple[dict[str, Any], Optional[list]]:
+    directory: Path,
+    state_dict: Mapping[str, Tensor],
+    optimizer_states: list | None,
+    group: Any,
+    tag: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list | None]:
     """Write this replica's parts of the sharded tensors (DTensors) into ``directory``, with the
     save ``tag``; returns the state dict and optimizer states for the index, each such tensor
     replaced by a placeholder and every other one on the CPU. Every replica's part is complete when
@@ -45,7 +50,13 @@ def write_parts(
     index_optim = None
     if optimizer_states is not None:
         index_optim = [
-            {**named, "state": {n: {k: place(f"optimizer/{i}/{n}/{k}", v) for k, v in st.items()} for n, st in named["state"].items()}}
+            {
+                **named,
+                "state": {
+                    n: {k: place(f"optimizer/{i}/{n}/{k}", v) for k, v in st.items()}
+                    for n, st in named["state"].items()
+                },
+            }
             for i, named in enumerate(optimizer_states)
         ]
     if tag is not None:  # the parts carry the save tag too, so that a directory of another save is recognised
@@ -59,7 +70,7 @@ def part_checksums(directory: Path) -> dict[str, tuple[int, int]]:
     return {f.name: (f.stat().st_size, checksums.file_checksum(f)) for f in sorted(directory.iterdir()) if f.is_file()}
 
 
-def fill(path: Path, shard: dict[str, Any], tag: Optional[Mapping[str, Any]], meta: Path) -> dict[str, Any]:
+def fill(path: Path, shard: dict[str, Any], tag: Mapping[str, Any] | None, meta: Path) -> dict[str, Any]:
     """The index ``shard`` of the checkpoint ``path`` with its placeholders replaced by the whole
     tensors (read without a process group), once the DCP directory's files are checked against the
     index and the save ``tag`` of the checkpoint's metadata ``meta``."""
@@ -71,15 +82,22 @@ def fill(path: Path, shard: dict[str, Any], tag: Optional[Mapping[str, Any]], me
     _check(path, directory, shard.get("dcp_files"), tag, meta)
     tensors: dict[str, Any] = {}
     try:
-        _load_state_dict(tensors, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            tensors, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
         shard = dict(shard)
-        shard["state_dict"] = {k: tensors[f"state_dict/{k}"] if v == IN_DCP else v for k, v in shard["state_dict"].items()}
+        shard["state_dict"] = {
+            k: tensors[f"state_dict/{k}"] if v == IN_DCP else v for k, v in shard["state_dict"].items()
+        }
         if shard.get("optimizer_states") is not None:
             shard["optimizer_states"] = [
                 {
                     **named,
                     "state": {
-                        n: {k: tensors[f"optimizer/{i}/{n}/{k}"] if isinstance(v, str) and v == IN_DCP else v for k, v in st.items()}
+                        n: {
+                            k: tensors[f"optimizer/{i}/{n}/{k}"] if isinstance(v, str) and v == IN_DCP else v
+                            for k, v in st.items()
+                        }
                         for n, st in named["state"].items()
                     },
                 }
@@ -94,12 +112,14 @@ def fill(path: Path, shard: dict[str, Any], tag: Optional[Mapping[str, Any]], me
 
 
 def _check(
-    path: Path, directory: Path, files: Optional[Mapping[str, tuple[int, int]]], tag: Optional[Mapping[str, Any]], meta: Path
+    path: Path, directory: Path, files: Mapping[str, tuple[int, int]] | None, tag: Mapping[str, Any] | None, meta: Path
 ) -> None:
     """Refuse a DCP directory with a missing, truncated, changed or foreign file, naming it (a
     directory written before files were recorded is read unchecked)."""
     if not directory.is_dir():
-        raise FileNotFoundError(f"{path} is incomplete: {directory.name} is missing (the stage is sharded over its replicas).")
+        raise FileNotFoundError(
+            f"{path} is incomplete: {directory.name} is missing (the stage is sharded over its replicas)."
+        )
     for name, (size, crc) in (files or {}).items():
         file = directory / name
         present = file.is_file()
@@ -110,7 +130,9 @@ def _check(
         if written is not None and written != tag:  # another save's: the whole directory where its index is
             raise foreign(directory if name == ".metadata" else file, written, meta, tag)
         if not present:
-            raise FileNotFoundError(f"{path} is incomplete: {directory.name}/{name} is missing (written with this checkpoint).")
+            raise FileNotFoundError(
+                f"{path} is incomplete: {directory.name}/{name} is missing (written with this checkpoint)."
+            )
         if found_size != size:
             raise RuntimeError(
                 f"The checkpoint file {file} cannot be read: it has {found_size} bytes but was written with {size}; it is "
@@ -119,7 +141,7 @@ def _check(
         raise checksums.damaged(file, checksums.mismatch("its content"))
 
 
-def _tag(directory: Path) -> Optional[Any]:
+def _tag(directory: Path) -> Any | None:
     """The save tag stored in a DCP directory, or None where it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -127,7 +149,9 @@ def _tag(directory: Path) -> Optional[Any]:
 
     try:
         found: dict[str, Any] = {_TAG: ""}
-        _load_state_dict(found, storage_reader=FileSystemReader(str(directory)), planner=DefaultLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            found, storage_reader=FileSystemReader(str(directory)), planner=DefaultLoadPlanner(), no_dist=True
+        )
         return json.loads(found[_TAG])
     except Exception:
         return None

@@ -9,9 +9,10 @@ Lightning checkpoint), so a run resumes under another layout.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from lightning_pipe.checkpoint.files import is_pipeline_checkpoint, write_meta, write_shard, write_sharded_stage
 from lightning_pipe.checkpoint.files import read as read_checkpoint
@@ -38,7 +39,7 @@ class Writer:
     rename: Mapping[str, str] = field(default_factory=dict)
 
 
-def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional[dict[str, Any]] = None) -> None:
+def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: dict[str, Any] | None = None) -> None:
     """Write ``checkpoint`` (this rank's view: its stage's state) to the directory ``path``: every
     stage's shard (from replica 0, or every replica's shards under ``shard``), and, from global
     rank 0, the metadata every stage shares; then publish it at once for all."""
@@ -52,7 +53,9 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: Optional
         if optimizer_states is not None:
             optimizer_states = [_without(named, writer.skip, writer.rename) for named in optimizer_states]
     if writer.dp_group is not None:  # every replica writes its shards (torch.distributed.checkpoint)
-        write_sharded_stage(staged, writer.stage, state_dict, optimizer_states, writer.dp_group, writer.replica == 0, extra, tag)
+        write_sharded_stage(
+            staged, writer.stage, state_dict, optimizer_states, writer.dp_group, writer.replica == 0, extra, tag
+        )
     elif writer.replica == 0:  # the replicas hold equal copies: one writes them
         write_shard(staged, writer.stage, state_dict, optimizer_states, extra, tag)
     if writer.is_global_zero:
@@ -81,9 +84,9 @@ def _without(named: dict[str, Any], skip: frozenset[str], rename: Mapping[str, s
 def load(
     path: Any,
     local: Sequence[str],
-    weights_only: Optional[bool],
-    plain: Callable[[Any, Optional[bool]], dict[str, Any]],
-) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    weights_only: bool | None,
+    plain: Callable[[Any, bool | None], dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """This rank's view of the checkpoint at ``path`` (the values of the state-dict names
     ``local``) and the asynchronous schedules' saved state, if any. ``plain`` reads a checkpoint
     that is not a pipeline's (Lightning's own loader); its optimizer states, by position in the

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 
 def save_tag(checkpoint: Mapping[str, Any], token: str) -> dict[str, Any]:
@@ -11,7 +12,7 @@ def save_tag(checkpoint: Mapping[str, Any], token: str) -> dict[str, Any]:
     return {"token": token, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
 
 
-def describe(tag: Optional[Mapping[str, Any]]) -> str:
+def describe(tag: Mapping[str, Any] | None) -> str:
     if not tag:
         return "an unknown save"
     return f"the save of step {tag.get('global_step')} (epoch {tag.get('epoch')})"
@@ -22,7 +23,7 @@ def _short(tag: Mapping[str, Any]) -> str:
     return str(tag.get("token"))[:8]
 
 
-def foreign(file: Path, found: Optional[Mapping[str, Any]], meta: Path, tag: Optional[Mapping[str, Any]]) -> RuntimeError:
+def foreign(file: Path, found: Mapping[str, Any] | None, meta: Path, tag: Mapping[str, Any] | None) -> RuntimeError:
     """The error for ``file``, tagged ``found``, in a checkpoint whose metadata ``meta`` is tagged ``tag``
     (saves of the same step and epoch are told apart by their save ids)."""
     if found and tag and describe(found) == describe(tag):

@@ -7,4 +7,13 @@ from lightning_pipe.observe.step_profile import StepProfile
 from lightning_pipe.observe.timeline_image import timeline_image
 from lightning_pipe.schedules.timeline_svg import Bar, measured_bars, simulated_bars, timeline_svg
 
-__all__ = ["Bar", "StageMetrics", "StepProfile", "TimelinePicture", "measured_bars", "simulated_bars", "timeline_image", "timeline_svg"]
+__all__ = [
+    "Bar",
+    "StageMetrics",
+    "StepProfile",
+    "TimelinePicture",
+    "measured_bars",
+    "simulated_bars",
+    "timeline_image",
+    "timeline_svg",
+]

@@ -9,7 +9,8 @@ logger type and process.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from lightning_pipe.observe.image_logging import log_image
 from lightning_pipe.observe.timeline_image import timeline_image
-from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.runtime.timeline import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
+from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
 
 
 def stage_costs(spans_by_rank: dict[int, list[Span]]) -> dict[int, tuple[float, float, float]]:
@@ -66,12 +66,12 @@ class TimelinePicture(pl.Callback):
 
     def __init__(
         self,
-        path: Union[str, Path, None],
+        path: str | Path | None,
         step: int = -1,
         to_loggers: bool = True,
         tag: str = "pipeline/timeline",
         *,
-        log: Optional[bool] = None,
+        log: bool | None = None,
     ) -> None:
         if log is not None:
             warnings.warn(
@@ -82,23 +82,25 @@ class TimelinePicture(pl.Callback):
             )
             to_loggers = log
         if path is None and not to_loggers:
-            raise ValueError("TimelinePicture(path=None, to_loggers=False) would draw nothing: give a path, or to_loggers=True.")
+            raise ValueError(
+                "TimelinePicture(path=None, to_loggers=False) would draw nothing: give a path, or to_loggers=True."
+            )
         self.path = Path(path) if path is not None else None
         self.step = step
         self.to_loggers = bool(to_loggers)
         self.tag = tag
-        self.svg: Optional[str] = None
-        self.image: Optional[torch.Tensor] = None
+        self.svg: str | None = None
+        self.image: torch.Tensor | None = None
         self.spans: dict[int, list[Span]] = {}
-        self._timeline: Optional[Timeline] = None
+        self._timeline: Timeline | None = None
 
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timeline = trainer.strategy.enable_timeline()
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         timeline = self._timeline
-        mine: Optional[tuple[float, list[Span]]] = None
+        mine: tuple[float, list[Span]] | None = None
         training = _training_steps(timeline) if timeline is not None else []
         if training:
             index = training[self.step if self.step < 0 else min(self.step, len(training) - 1)]
@@ -133,19 +135,23 @@ class TimelinePicture(pl.Callback):
             step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
             log_image(trainer.loggers, self.tag, self.image, step)
 
-    def _predicted(self, strategy: Any, name: str) -> Optional[tuple[str, list]]:
+    def _predicted(self, strategy: Any, name: str) -> tuple[str, list] | None:
         """The schedule the run used, simulated with each stage's measured median F, B and W times (a
         schedule that splits the backward plays B and W apart, the others their sum); None for the
         asynchronous schedules, whose step runs across batches."""
         if name not in SCHEDULES or is_async(name):
             return None
         costs = stage_costs(self.spans)
-        microbatches = len({s.microbatch for spans in self.spans.values() for s in spans if s.name == "F" and s.stage == 0})
+        microbatches = len(
+            {s.microbatch for spans in self.spans.values() for s in spans if s.name == "F" and s.stage == 0}
+        )
         ranks = int(getattr(strategy, "num_stages", len(self.spans)))
         virtual = int(getattr(strategy, "virtual_stages", 1)) if name in VIRTUAL_STAGES else 1
         if not microbatches or sorted(costs) != list(range(ranks * virtual)):
             return None
-        rendezvous = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"  # as the strategy ran it
+        rendezvous = (
+            dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        )  # as the strategy ran it
         schedule = build(name, ranks, microbatches, virtual, rendezvous=rendezvous)
         simulation = simulate(schedule, stage_costs=[costs[s] for s in range(ranks * virtual)], rendezvous=rendezvous)
         times = "forward, backward (B) and weight-gradient (W)" if schedule.split_backward else "forward and backward"

@@ -8,8 +8,9 @@ setup lines do (``GPU available: ...``), in a plain script as under Hydra, witho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 
 def _plural(count: int, noun: str) -> str:
@@ -28,7 +29,7 @@ def layout_line(
     first_stages: Sequence[int],
     schedule: str,
     chunks: int,
-    global_batch: Optional[int] = None,
+    global_batch: int | None = None,
     summary: bool = False,
 ) -> str:
     """One line: how the model was split and run. ``processes``: pipeline depth (processes per
@@ -57,7 +58,7 @@ def layout_line(
     return line
 
 
-def loader_batch_size(trainer: Any) -> Optional[int]:
+def loader_batch_size(trainer: Any) -> int | None:
     """The training DataLoader's batch size when ``fit`` was given the DataLoader itself (a
     DataModule's loader does not exist yet when the model is split, and calling the user's
     ``train_dataloader()`` just for a log line could have side effects)."""
@@ -82,7 +83,13 @@ def shows_model_summary(trainer: Any) -> bool:
 
 
 def describe_layout(
-    trainer: Any, processes: int, replicas: int, balance: Sequence[int], positions: Sequence[int], schedule: str, chunks: int
+    trainer: Any,
+    processes: int,
+    replicas: int,
+    balance: Sequence[int],
+    positions: Sequence[int],
+    schedule: str,
+    chunks: int,
 ) -> str:
     """:func:`layout_line` for a Trainer being set up; ``positions[s]`` is the pipeline position
     (process) that holds stage ``s``; Chimera's copies (stages ``len(balance)`` and up) are named by
@@ -97,8 +104,8 @@ def describe_layout(
 
 def summary_lines(
     output: Path,
-    checkpoint: Optional[str],
-    loss: Optional[float],
+    checkpoint: str | None,
+    loss: float | None,
     steps: int,
     wall_seconds: float,
     samples: int,

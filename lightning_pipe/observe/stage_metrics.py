@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -117,22 +118,26 @@ class StageMetrics(pl.Callback):
     logged values on global rank 0.
     """
 
-    def __init__(self, every_n_steps: Optional[int] = None, prefix: str = "pipeline") -> None:
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1):
-            raise ValueError(f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for Trainer(log_every_n_steps).")
+    def __init__(self, every_n_steps: int | None = None, prefix: str = "pipeline") -> None:
+        if every_n_steps is not None and (
+            not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for Trainer(log_every_n_steps)."
+            )
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.metrics: dict[str, float] = {}
         self._window = Window()
         self._in_batch = False
-        self._last: Optional[float] = None
+        self._last: float | None = None
         self._batches = 0
         self._group: Any = None
-        self._pending: Optional[tuple[Any, list[torch.Tensor], int, str]] = None
+        self._pending: tuple[Any, list[torch.Tensor], int, str] | None = None
         self._timeline: Any = None
 
     # ------------------------------------------------------------------ recording
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         if not hasattr(strategy, "enable_timeline"):
             raise MisconfigurationException(
@@ -152,20 +157,22 @@ class StageMetrics(pl.Callback):
             self._window.busy += busy
             self._window.total += total
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = None  # the epoch's first batch is timed from its start
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._in_batch = True
         if self._last is None:
             self._last = time.perf_counter()
 
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._last is not None:
             self._last = time.perf_counter()  # validation is not training time
 
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._in_batch = False
         now = time.perf_counter()
@@ -181,13 +188,13 @@ class StageMetrics(pl.Callback):
         if self._batches % self.every_n_steps == 0:
             self._post(trainer)
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._complete(trainer)
         if self._window.batches:
             self._post(trainer)
             self._complete(trainer)
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._timeline is not None and self._on_step in self._timeline.listeners:
             self._timeline.listeners.remove(self._on_step)
         self._timeline = None
@@ -196,7 +203,7 @@ class StageMetrics(pl.Callback):
         self._window, self._last, self._in_batch = Window(), None, False
 
     # ------------------------------------------------------------------ sending and logging
-    def _post(self, trainer: "pl.Trainer") -> None:
+    def _post(self, trainer: pl.Trainer) -> None:
         """Send this rank's window to global rank 0 without waiting, and start a new window."""
         strategy = trainer.strategy
         memory_name, peak = peak_memory(strategy.root_device)
@@ -210,7 +217,7 @@ class StageMetrics(pl.Callback):
         work = dist.gather(row, rows, dst=0, group=self._group, async_op=True)
         self._pending = (work, rows or [], step, memory_name)
 
-    def _complete(self, trainer: "pl.Trainer") -> None:
+    def _complete(self, trainer: pl.Trainer) -> None:
         """Finish the gather posted last (long arrived, as a whole batch ran since) and log its values."""
         if self._pending is None:
             return

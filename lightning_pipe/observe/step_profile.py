@@ -38,7 +38,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -60,13 +61,13 @@ class StepProfile(pl.Callback):
             ends; None: nowhere (read ``rows`` in the process).
     """
 
-    def __init__(self, folder: Optional[str] = None) -> None:
+    def __init__(self, folder: str | None = None) -> None:
         self.folder = folder
         self.rows: list[dict[str, float]] = []
         self._cuda = False
         self._marks: dict[str, float] = {}
-        self._last_end: Optional[float] = None
-        self._last_cpu: Optional[tuple[float, float]] = None  # (process, this thread) CPU seconds at the last batch end
+        self._last_end: float | None = None
+        self._last_cpu: tuple[float, float] | None = None  # (process, this thread) CPU seconds at the last batch end
         self._timeline: Any = None
         self._runs: list[tuple[float, list[Any]]] = []  # the executor's runs since the batch began: (start, spans)
 
@@ -75,7 +76,7 @@ class StepProfile(pl.Callback):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pipeline = trainer.strategy.pipeline  # type: ignore[attr-defined]
         if self._timeline is None:
             # each run reaches the listener as it ends; the timeline keeps only the last (bounded memory)
@@ -88,17 +89,17 @@ class StepProfile(pl.Callback):
     def _ran(self, spans: list[Any]) -> None:
         self._runs.append((self._timeline.origins[-1], spans))
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._marks = {"start": self._now()}
         self._runs = []  # a validation in between ran the executor too, before this batch began
 
-    def on_before_backward(self, trainer: "pl.Trainer", *args: Any) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
         self._marks["backward"] = self._now()
 
-    def on_after_backward(self, trainer: "pl.Trainer", *args: Any) -> None:
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
         self._marks["handed"] = self._now()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         end = self._now()
         cpu, last_cpu = (time.process_time(), time.thread_time()), self._last_cpu
         self._last_cpu = cpu
@@ -132,7 +133,7 @@ class StepProfile(pl.Callback):
         self.rows.append(row)
         self._last_end = end
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.folder is not None:
             os.makedirs(self.folder, exist_ok=True)
             with open(os.path.join(self.folder, f"step_profile_rank{trainer.global_rank}.json"), "w") as f:
@@ -149,7 +150,7 @@ def means(rows: Sequence[dict[str, float]], skip: int = 0) -> dict[str, float]:
     return {part: statistics.fmean(row[part] for row in chosen) for part in keys}
 
 
-def markdown(per_rank: Sequence[dict[str, float]], ranks: Optional[Sequence[int]] = None) -> str:
+def markdown(per_rank: Sequence[dict[str, float]], ranks: Sequence[int] | None = None) -> str:
     """A table of the parts (milliseconds and share of the step) with one column per rank
     (``ranks``: the columns' ranks, by default 0, 1, ...)."""
     names = ranks if ranks is not None else range(len(per_rank))

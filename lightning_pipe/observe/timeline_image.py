@@ -10,7 +10,7 @@ ticks under each, at fifths of the longest panel's time.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -59,7 +59,9 @@ def timeline_image(panels: Sequence[tuple[str, Sequence[Bar]]], width: int = 960
                 rows = torch.arange(y, y + region.shape[0]).unsqueeze(1)
                 cols = torch.arange(left, left + region.shape[1]).unsqueeze(0)
                 stripe = ((rows + cols) % 6 < 2).unsqueeze(-1)
-                region[:] = torch.where(stripe, torch.tensor(_WAIT_LINE, dtype=torch.uint8), torch.tensor(_WAIT_FILL, dtype=torch.uint8))
+                region[:] = torch.where(
+                    stripe, torch.tensor(_WAIT_LINE, dtype=torch.uint8), torch.tensor(_WAIT_FILL, dtype=torch.uint8)
+                )
             else:
                 region[:] = torch.tensor(FILLS[bar.kind], dtype=torch.uint8)
         axis = y0 + ranks * (_ROW + _GAP)

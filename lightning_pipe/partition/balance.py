@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 #: ``stage_cost(stage, start, stop)``: the cost of stage ``stage`` holding layers ``start..stop-1``.
 StageCost = Callable[[int, int, int], float]

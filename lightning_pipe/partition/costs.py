@@ -12,11 +12,17 @@ only each in-flight micro-batch's stage input is kept, and one micro-batch's act
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
+from lightning_pipe.partition.balance import (
+    Owners,
+    balance_by_cost,
+    balance_by_stage_cost,
+    balance_uniform,
+    stage_bounds,
+)
 from lightning_pipe.schedules import build, is_async, peak_in_flight, traits
-from lightning_pipe.partition.balance import Owners, balance_by_cost, balance_by_stage_cost, balance_uniform, stage_bounds
 
 MEASURED_BALANCES = ("time", "memory")
 
@@ -36,7 +42,7 @@ class LayerCost:
     update: float = 0.0  # seconds of the optimizer step on the layer's parameters (once per batch)
     # a split backward (zero-bubble schedules), measured apart: B (input gradient, with the work the
     # layer does not defer) and W (the deferred weight-gradient work); None: not measured
-    input_backward: Optional[float] = None
+    input_backward: float | None = None
     weight_backward: float = 0.0
 
     @property
@@ -108,7 +114,10 @@ class Profile:
             f"stage {s}: {n} layers, {1e3 * t:.2f} ms, {m / 2**20:.1f} MiB"
             for s, (n, t, m) in enumerate(zip(balance, seconds, memory))
         ]
-        return f"profile of {len(self.layers)} layers on {self.device} (micro-batch of {self.microbatch_size}): " + "; ".join(parts)
+        return (
+            f"profile of {len(self.layers)} layers on {self.device} (micro-batch of {self.microbatch_size}): "
+            + "; ".join(parts)
+        )
 
 
 def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[int]:
@@ -126,4 +135,4 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
     return held
 
 
-__all__ = ["LayerCost", "MEASURED_BALANCES", "Profile", "in_flight_microbatches"]
+__all__ = ["MEASURED_BALANCES", "LayerCost", "Profile", "in_flight_microbatches"]

@@ -22,8 +22,9 @@ For materialising and initialising, the ends are extra layers after the blocks
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -109,7 +110,7 @@ class StandIn(nn.Module):
         self._twin = [meta_twin(original)]  # a list: not a submodule, so no parameters here
         self._path = path
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), torch.device("cpu"))
         meta_args = [a.to("meta") if isinstance(a, Tensor) else a for a in args]
         meta_kwargs = {k: v.to("meta") if isinstance(v, Tensor) else v for k, v in kwargs.items()}

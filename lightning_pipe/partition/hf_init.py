@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager
 
 from torch import nn
 
 
-def _pretrained_class() -> Optional[type]:
+def _pretrained_class() -> type | None:
     """``transformers.PreTrainedModel`` when ``transformers`` is loaded (a model of it can only
     exist then), else None."""
     loaded = sys.modules.get("transformers.modeling_utils")
@@ -48,7 +48,7 @@ def pretrained_owners(root: nn.Module) -> dict[int, nn.Module]:
         return {}
     owners: dict[int, nn.Module] = {}
 
-    def walk(module: nn.Module, owner: Optional[nn.Module], seen: set[int]) -> None:
+    def walk(module: nn.Module, owner: nn.Module | None, seen: set[int]) -> None:
         if id(module) in seen:
             return
         seen.add(id(module))

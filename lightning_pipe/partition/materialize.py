@@ -43,7 +43,8 @@ import copy
 import functools
 import hashlib
 import os
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ContextManager, Union
 
 import torch
 from torch import Tensor, nn
@@ -76,7 +77,7 @@ def _tensors(module: nn.Module) -> Iterator[Tensor]:
     yield from module.buffers()
 
 
-def _direct(module: nn.Module) -> Iterator[tuple[str, Optional[Tensor], bool]]:
+def _direct(module: nn.Module) -> Iterator[tuple[str, Tensor | None, bool]]:
     for name, t in module._parameters.items():
         yield name, t, True
     for name, t in module._buffers.items():
@@ -99,7 +100,7 @@ def first_holders(layers: Blocks) -> dict[int, tuple[int, str]]:
     return owners
 
 
-def allocate(modules: Iterable[nn.Module], device: Union[str, torch.device]) -> dict[int, Tensor]:
+def allocate(modules: Iterable[nn.Module], device: str | torch.device) -> dict[int, Tensor]:
     """Replace every meta parameter and buffer of ``modules`` (their own, not recursively) by a
     tensor on ``device`` (NaN where floating point, so that what initialisation misses shows;
     uninitialised otherwise); a tensor held in several places stays one tensor. Returns
@@ -111,7 +112,9 @@ def allocate(modules: Iterable[nn.Module], device: Union[str, torch.device]) -> 
                 continue
             if id(t) not in made:
                 floating = t.is_floating_point()
-                real = torch.full_like(t, float("nan"), device=device) if floating else torch.empty_like(t, device=device)
+                real = (
+                    torch.full_like(t, float("nan"), device=device) if floating else torch.empty_like(t, device=device)
+                )
                 made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if is_param else real
             if is_param:
                 m._parameters[name] = made[id(t)]  # type: ignore[assignment]
@@ -120,7 +123,7 @@ def allocate(modules: Iterable[nn.Module], device: Union[str, torch.device]) -> 
     return made
 
 
-def _reset_fn(m: nn.Module) -> Optional[Callable[[], None]]:
+def _reset_fn(m: nn.Module) -> Callable[[], None] | None:
     fn = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
     return fn if callable(fn) else None
 
@@ -131,13 +134,13 @@ class Initializer:
     ``_init_weights(module)``; otherwise ``reset_parameters()``. Built once from the whole model
     (``root``), since a block alone does not know the ``PreTrainedModel`` around it."""
 
-    def __init__(self, root: Optional[nn.Module] = None, init: Optional[ModuleInit] = None) -> None:
+    def __init__(self, root: nn.Module | None = None, init: ModuleInit | None = None) -> None:
         if init is not None and not callable(init):
             raise TypeError(f"init={init!r}: give a callable init(module) -> None that sets the module's own tensors.")
         self.init = init
         self.owners: dict[int, nn.Module] = pretrained_owners(root) if root is not None and init is None else {}
 
-    def how(self, module: nn.Module) -> Optional[Callable[[], None]]:
+    def how(self, module: nn.Module) -> Callable[[], None] | None:
         """The call that initialises ``module``'s own tensors, or None when there is none."""
         if self.init is not None:
             return functools.partial(self.init, module)
@@ -150,7 +153,7 @@ class Initializer:
         """What the walk runs under (HF's guard of ``torch.nn.init`` when HF models take part)."""
         return hf_init_context() if self.owners and self.init is None else contextlib.nullcontext()
 
-    def for_copy(self, original: nn.Module, twin: nn.Module) -> "Initializer":
+    def for_copy(self, original: nn.Module, twin: nn.Module) -> Initializer:
         """The same rule for ``twin``, a ``copy.deepcopy`` of ``original`` (a module of the root)."""
         copied = copy.copy(self)
         copied.owners = dict(self.owners)
@@ -160,7 +163,7 @@ class Initializer:
         return copied
 
 
-def check_initializable(module: nn.Module, initializer: Optional[Initializer] = None) -> None:
+def check_initializable(module: nn.Module, initializer: Initializer | None = None) -> None:
     """Every module holding meta tensors of its own must have a way to initialise them. Checked on
     the whole model, so every rank gives the same answer before any rank materialises anything.
     With an ``init`` hook the hook answers for every module."""
@@ -179,9 +182,9 @@ def check_initializable(module: nn.Module, initializer: Optional[Initializer] = 
 
 def reset(
     unit: nn.Module,
-    skip: Optional[nn.Module] = None,
-    only: Optional[set[int]] = None,
-    initializer: Optional[Initializer] = None,
+    skip: nn.Module | None = None,
+    only: set[int] | None = None,
+    initializer: Initializer | None = None,
     exempt: frozenset[int] = frozenset(),
     where: str = "",
 ) -> None:
@@ -210,7 +213,7 @@ def reset(
     _check_set([(paths.get(id(m), ""), m) for m in walked], only, exempt)
 
 
-def _unset(m: nn.Module, only: Optional[set[int]], exempt: frozenset[int]) -> list[str]:
+def _unset(m: nn.Module, only: set[int] | None, exempt: frozenset[int]) -> list[str]:
     return [
         name for name, t, _ in _direct(m)
         if t is not None and t.is_floating_point() and (only is None or id(t) in only) and id(t) not in exempt
@@ -224,7 +227,7 @@ def _has_nan(t: Tensor) -> bool:
     return t.numel() > 0 and bool(t.detach().max().isnan())
 
 
-def _check_set(modules: list[tuple[str, nn.Module]], only: Optional[set[int]], exempt: frozenset[int]) -> None:
+def _check_set(modules: list[tuple[str, nn.Module]], only: set[int] | None, exempt: frozenset[int]) -> None:
     for path, m in modules:
         unset = _unset(m, only, exempt)
         if not unset:
@@ -243,7 +246,7 @@ def _check_set(modules: list[tuple[str, nn.Module]], only: Optional[set[int]], e
             )
 
 
-def _skipped(skip: Optional[nn.Module]) -> set[int]:
+def _skipped(skip: nn.Module | None) -> set[int]:
     """What a walk leaves out: ``skip`` and, for a list of layers (which may gather modules from
     anywhere in the model, as the layers and ends of :mod:`lightning_pipe.partition.ends` do), each
     of its layers."""
@@ -254,7 +257,7 @@ def _skipped(skip: Optional[nn.Module]) -> set[int]:
     return {id(skip)}
 
 
-def _subtree_tensors(module: nn.Module, skip: Optional[nn.Module]) -> Iterator[Tensor]:
+def _subtree_tensors(module: nn.Module, skip: nn.Module | None) -> Iterator[Tensor]:
     for m in _post_order(module, _skipped(skip)):
         yield from (t for _, t, _ in _direct(m) if t is not None)
 
@@ -296,9 +299,9 @@ def _reset_seeded(
     unit: nn.Module,
     seed: int,
     device: torch.device,
-    skip: Optional[nn.Module] = None,
-    only: Optional[set[int]] = None,
-    initializer: Optional[Initializer] = None,
+    skip: nn.Module | None = None,
+    only: set[int] | None = None,
+    initializer: Initializer | None = None,
     exempt: frozenset[int] = frozenset(),
     where: str = "",
 ) -> None:
@@ -315,10 +318,10 @@ def initialize(
     local: Sequence[int],
     owners: dict[int, tuple[int, str]],
     seed: int,
-    device: Union[str, torch.device],
+    device: str | torch.device,
     outside: bool = True,
-    outside_only: Optional[set[int]] = None,
-    init: Optional[ModuleInit] = None,
+    outside_only: set[int] | None = None,
+    init: ModuleInit | None = None,
 ) -> None:
     """Initialise the layers ``fresh`` of ``layers`` (and, with ``outside``, the modules outside
     it: with ``outside_only``, those holding one of these tensors) by the rule in the module
@@ -360,9 +363,9 @@ def materialize(
     module: nn.Module,
     layers: Blocks,
     local: Sequence[int],
-    device: Union[str, torch.device],
-    seed: Optional[int] = None,
-    init: Optional[ModuleInit] = None,
+    device: str | torch.device,
+    seed: int | None = None,
+    init: ModuleInit | None = None,
 ) -> None:
     """Give storage on ``device`` to the meta tensors of the layers ``local`` of ``layers`` (an
     ``nn.Sequential`` or ``nn.ModuleList`` inside ``module``) and of the modules outside it, and
@@ -383,10 +386,10 @@ def materialize(
 
 def init_like_pipeline(
     module: nn.Module,
-    seed: Optional[int] = None,
-    sequential: Optional[str] = None,
-    device: Union[str, torch.device, None] = None,
-    init: Optional[ModuleInit] = None,
+    seed: int | None = None,
+    sequential: str | None = None,
+    device: str | torch.device | None = None,
+    init: ModuleInit | None = None,
 ) -> nn.Module:
     """Initialise ``module`` exactly as ``PipelineStrategy`` initialises a module built in
     ``configure_model()``, so that a plain run starts from the weights a pipeline of any depth
@@ -410,7 +413,7 @@ def init_like_pipeline(
     return module
 
 
-def _layers(module: nn.Module, path: Optional[str]) -> Blocks:
+def _layers(module: nn.Module, path: str | None) -> Blocks:
     """The layers ``init_like_pipeline`` initialises one by one: as the pipeline does, a block
     container's blocks followed by the model's ends (see :mod:`lightning_pipe.partition.ends`)."""
     from lightning_pipe.partition.split import find_sequential

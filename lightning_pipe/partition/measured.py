@@ -9,9 +9,10 @@ profile for the run (a later setup, such as test after fit, passes it back and r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -54,8 +55,8 @@ def measured_balance(
     module: Any,
     layers: nn.Sequential,
     inputs: MeasureInputs,
-    profile: Optional[Profile] = None,
-    owners: Optional[Sequence[bool]] = None,
+    profile: Profile | None = None,
+    owners: Sequence[bool] | None = None,
 ) -> tuple[list[int], Profile]:
     """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``) and the
     profile they come from (``profile`` when given for these layers, else measured); with
@@ -66,7 +67,13 @@ def measured_balance(
 
     def measure() -> Profile:
         return profile_module(
-            module, layers, inputs.batch, num_microbatches, inputs.device, inputs.context, memory=balance == "memory",
+            module,
+            layers,
+            inputs.batch,
+            num_microbatches,
+            inputs.device,
+            inputs.context,
+            memory=balance == "memory",
             optimizers=inputs.optimizers,
         )
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -87,7 +87,9 @@ def user_optimizers(optimizers: Callable[[], Sequence[Any]]) -> dict[int, tuple[
     return found
 
 
-def _update_cost(params: list[nn.Parameter], optimizers: dict[int, tuple[type, dict[str, Any]]], device: torch.device, repeats: int) -> tuple[int, float]:
+def _update_cost(
+    params: list[nn.Parameter], optimizers: dict[int, tuple[type, dict[str, Any]]], device: torch.device, repeats: int
+) -> tuple[int, float]:
     """Optimizer-state bytes and the median seconds of one optimizer step for ``params``, measured
     on copies of them (with zero gradients) under their own optimizer kind and settings."""
     state_bytes, seconds = 0, 0.0
@@ -110,7 +112,10 @@ def _update_cost(params: list[nn.Parameter], optimizers: dict[int, tuple[type, d
             continue
         seconds += statistics.median(times[1:])
         state_bytes += sum(
-            t.numel() * t.element_size() for s in trial.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0
+            t.numel() * t.element_size()
+            for s in trial.state.values()
+            for t in s.values()
+            if isinstance(t, Tensor) and t.dim() > 0
         )
     return state_bytes, seconds
 
@@ -131,9 +136,9 @@ def measure_layers(
     warmup: int = 1,
     repeats: int = 3,
     context: Callable[[], ContextManager[Any]] = nullcontext,
-    optimizers: Optional[dict[int, tuple[type, dict[str, Any]]]] = None,
-    calls: Optional[Sequence["BlockCall"]] = None,
-    initializer: Optional[Initializer] = None,
+    optimizers: dict[int, tuple[type, dict[str, Any]]] | None = None,
+    calls: Sequence[BlockCall] | None = None,
+    initializer: Initializer | None = None,
 ) -> list[LayerCost]:
     """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
     for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
@@ -179,7 +184,9 @@ def measure_layers(
             if rep >= warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
-        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, device, warmup, repeats, context, call)
+        input_backward, weight_backward = _split_backward(
+            layer, tensors, flags, was_tuple, device, warmup, repeats, context, call
+        )
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -217,7 +224,7 @@ def _on_device(
     layer: nn.Module,
     device: torch.device,
     optimizers: dict[int, tuple[type, dict[str, Any]]],
-    initializer: Optional[Initializer] = None,
+    initializer: Initializer | None = None,
 ) -> tuple[nn.Module, dict[int, tuple[type, dict[str, Any]]]]:
     """``layer`` on ``device`` for measuring, and the optimizer settings of its parameters. A layer
     built on the meta device is measured as a temporary copy given storage and initialised as
@@ -250,7 +257,7 @@ def _split_backward(
     warmup: int,
     repeats: int,
     context: Callable[[], ContextManager[Any]],
-    call: Optional[Callable[[Any], Any]] = None,
+    call: Callable[[Any], Any] | None = None,
 ) -> tuple[float, float]:
     """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
     it: its plain ``Linear``/``ConvNd`` layers given the runtime's deferring forward, B the backward
@@ -359,8 +366,6 @@ def profile_module(
     return Profile(tuple(costs), size, str(device), repeats)
 
 
-
-
 @dataclass
 class BlockCall:
     """How the model's forward called one block of a block container for the profiled micro-batch:
@@ -369,7 +374,7 @@ class BlockCall:
     hidden: Any
     rest: tuple
     keywords: dict
-    hidden_name: Optional[str] = None  # the hidden state came as this keyword
+    hidden_name: str | None = None  # the hidden state came as this keyword
 
     def bind(self, block: nn.Module, device: torch.device) -> Callable[[Any], Any]:
         """``block`` as a function of its hidden state, the other arguments as recorded (on ``device``)."""
@@ -392,14 +397,16 @@ class _Recorder(LoopedContainer):
     called, runs it (a block built on the meta device as a temporary copy with storage), and ends
     the step after the last block, whose output it keeps. Also times what ran before the first block."""
 
-    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, start: float, initializer: Initializer) -> None:
+    def __init__(
+        self, blocks: Sequence[nn.Module], device: torch.device, start: float, initializer: Initializer
+    ) -> None:
         super().__init__()
         self._blocks = list(blocks)  # not submodules: the model keeps its own
         self._device = device
         self._initializer = initializer
         self._start = start
         self.calls: list[BlockCall] = []
-        self.first_input: Optional[Any] = None
+        self.first_input: Any | None = None
         self.pre_forward = 0.0
         self.output: Any = None
 
@@ -421,7 +428,9 @@ class _Recorder(LoopedContainer):
             self.calls.append(BlockCall(_detached(args[0]), _detached(args[1:]), _detached(kwargs)))
         else:
             name = hidden_argument(block)
-            self.calls.append(BlockCall(_detached(kwargs[name]), (), _detached({k: v for k, v in kwargs.items() if k != name}), name))
+            self.calls.append(
+                BlockCall(_detached(kwargs[name]), (), _detached({k: v for k, v in kwargs.items() if k != name}), name)
+            )
         real = _on_device(block, self._device, {}, self._initializer)[0]
         with torch.no_grad():
             out = real(*args, **kwargs)
@@ -559,7 +568,9 @@ def _ends_cost(
     return (recorder.pre_forward, pre_backward, pre_bytes), (post_forward, post_backward, post_bytes)
 
 
-def _with_ends(costs: list[LayerCost], pre: tuple[float, float, int], post: tuple[float, float, int]) -> list[LayerCost]:
+def _with_ends(
+    costs: list[LayerCost], pre: tuple[float, float, int], post: tuple[float, float, int]
+) -> list[LayerCost]:
     """The ends' costs counted on the first and the last block, which the end stages always hold."""
 
     def add(cost: LayerCost, extra: tuple[float, float, int]) -> LayerCost:
@@ -586,8 +597,8 @@ def agreed_profile(
     switch), as the pipeline will. A failure while measuring on the source is raised on every rank
     (with the source's message) instead of leaving the others waiting; another rank's failure is
     not its concern (its profile is not used)."""
-    answer: tuple[Optional[Profile], Optional[str]] = (None, None)
-    failure: Optional[BaseException] = None
+    answer: tuple[Profile | None, str | None] = (None, None)
+    failure: BaseException | None = None
     if is_source:
         try:
             answer = (measure(), None)

@@ -4,7 +4,8 @@ them under the original names."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 from torch import nn
 
@@ -68,8 +69,7 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, La
         )
     names = ", ".join(repr(n) for n, _ in candidates)
     raise ValueError(
-        f"{cls} has several top-level nn.Sequential attributes ({names}); choose one with "
-        f"PipelineStrategy(module=...)."
+        f"{cls} has several top-level nn.Sequential attributes ({names}); choose one with PipelineStrategy(module=...)."
     )
 
 
@@ -119,14 +119,20 @@ def resolve_balance(
                 f"balance={balance!r} needs a measured profile (lightning_pipe.partition.profile); "
                 "PipelineStrategy measures one itself."
             )
-        raise ValueError(f"Unknown balance {balance!r}. Valid: {', '.join(BALANCE_MODES)}, or a list of layer counts per stage.")
+        raise ValueError(
+            f"Unknown balance {balance!r}. Valid: {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
+        )
     if num_layers < num_stages:
         balance_uniform(num_layers, num_stages)  # raises the "more stages than layers" error
     return check_balance(balance, num_layers, num_stages)
 
 
 def check_stage_parameters(
-    balance: Sequence[int], layers: Layers, processes: Sequence[Sequence[int]], owners: Sequence[bool], devices: str = "devices"
+    balance: Sequence[int],
+    layers: Layers,
+    processes: Sequence[Sequence[int]],
+    owners: Sequence[bool],
+    devices: str = "devices",
 ) -> None:
     """Refuse a split that leaves a process without any parameter (its stages' layers hold none, and
     the module holds none outside them): its optimizer would fail with ``optimizer got an empty
@@ -155,7 +161,7 @@ def check_stage_parameters(
     )
 
 
-def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> "OrderedDict[str, nn.Module]":
+def stage_layers(layers: Layers, balance: Sequence[int], stage: int) -> OrderedDict[str, nn.Module]:
     """The layers of ``stage`` keyed by their names in the unsplit Sequential (``"7"``, ...), so
     parameter names (``layers.7.weight``) survive the split."""
     start, stop = stage_bounds(balance)[stage]
@@ -224,7 +230,7 @@ class Elsewhere(nn.Module):
         super().__init__()
         self.kind = kind
 
-    def forward(self, *args: object, **kwargs: object) -> None:  # noqa: D102
+    def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
             f"This {self.kind} belongs to another pipeline stage's layers, so this rank does not hold it. Under the "
             "pipeline only the split layers run there; to use the whole model, load a consolidated checkpoint."

@@ -11,14 +11,14 @@ names, checkpoints and optimizers see one module), and each stage runs as its ow
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 from torch import nn
 
 from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
 from lightning_pipe.runtime.stage import StageModule
-
 
 Stage = Union[StageModule, BlockStage]
 
@@ -39,7 +39,7 @@ def split_stages(
     split has (Chimera's two copies), stage ``s`` runs split stage ``s mod len(balance)``, as the
     first or last stage where that one is."""
     num_stages, num_split = len(positions), len(balance)
-    make: Callable[["OrderedDict[str, nn.Module]", int, int], Stage]
+    make: Callable[[OrderedDict[str, nn.Module], int, int], Stage]
     if isinstance(layers, nn.Sequential):
         make = lambda held, s, n: StageModule(held, s, n)  # noqa: E731
     else:
@@ -49,10 +49,13 @@ def split_stages(
     if num_stages == num_split:
         stages = {s: make(stage_layers(layers, balance, s), s, num_stages) for s in mine}
     else:
-        stages = {s: make(stage_layers(layers, balance, split_of(s, num_split)), split_of(s, num_split), num_split) for s in mine}
+        stages = {
+            s: make(stage_layers(layers, balance, split_of(s, num_split)), split_of(s, num_split), num_split)
+            for s in mine
+        }
     if len(stages) == 1:
         return stages[mine[0]], stages
-    held: "OrderedDict[str, nn.Module]" = OrderedDict()
+    held: OrderedDict[str, nn.Module] = OrderedDict()
     for s in sorted(mine):
         held.update(stage_layers(layers, balance, split_of(s, num_split)))
     host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine), num_stages)
@@ -60,7 +63,7 @@ def split_stages(
 
 
 def ties_by_position(
-    ties: Sequence[dict[int, str]], positions: Sequence[int], num_split: Optional[int] = None
+    ties: Sequence[dict[int, str]], positions: Sequence[int], num_split: int | None = None
 ) -> list[dict[int, str]]:
     """Weights shared across stages, keyed by the positions that hold a copy (two stages on one
     position share the very tensor and need no reduction); only ties over several positions. Ties

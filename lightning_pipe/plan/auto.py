@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from lightning_pipe.schedules import traits
 log = logging.getLogger(__name__)
 
 
-def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Optional[Link]:
+def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Link | None:
     """Latency and bandwidth between global ranks 0 and 1 from round trips of a 4-byte and an
     ``nbytes`` message (half a round trip each); every rank calls it, ranks 0 and 1 take part,
     the others return None. A world of one process has no link (None). The bandwidth is infinite
@@ -68,7 +69,7 @@ def agreed_plan(
     is_source: bool,
     broadcast: Callable[[Any], Any],
     profiles: Callable[[], dict[int, Profile]],
-    link: Callable[[int], Optional[Link]],
+    link: Callable[[int], Link | None],
     rank: Callable[[dict[int, Profile], Link], list[Candidate]],
 ) -> tuple[list[Candidate], Link, dict[int, Profile]]:
     """Profiles (by micro-batch size) measured on the source rank, the link measured by ranks 0
@@ -81,7 +82,9 @@ def agreed_plan(
         return next(iter(measured.values()))
 
     agreed_profile(is_source, broadcast, measure)  # profiles (or the failure) reach every rank
-    largest = broadcast(max((c.output_bytes for p in measured.values() for c in p.layers), default=0) if is_source else None)
+    largest = broadcast(
+        max((c.output_bytes for p in measured.values() for c in p.layers), default=0) if is_source else None
+    )
     found = link(max(int(largest), 1 << 16))
     found = broadcast(found if is_source else None)
     if found is None:
@@ -103,11 +106,15 @@ def plan_layers(
     replica reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches
     larger than the DataLoader's batch cannot be measured from it and are left out)."""
     from lightning_pipe.partition.profile import profile_module
-    from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan, plan_layouts
+    from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
     # a block container (the model's forward loops over its blocks) has no Chimera copies yet
-    schedules = PLAN_SCHEDULES if isinstance(layers, torch.nn.Sequential) else tuple(s for s in PLAN_SCHEDULES if traits(s).block_containers)
+    schedules = (
+        PLAN_SCHEDULES
+        if isinstance(layers, torch.nn.Sequential)
+        else tuple(s for s in PLAN_SCHEDULES if traits(s).block_containers)
+    )
 
     all_layouts = config.plan_all_layouts
     cache: list[Any] = []
@@ -146,7 +153,14 @@ def plan_layers(
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
         return plan(
-            by_chunks, stages, link, budget, schedules, replicas=replicas, replica_batch=per_replica, rendezvous=rendezvous
+            by_chunks,
+            stages,
+            link,
+            budget,
+            schedules,
+            replicas=replicas,
+            replica_batch=per_replica,
+            rendezvous=rendezvous,
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules

@@ -27,14 +27,23 @@ Trainer's loop, logging, sharing the loss) is not in the prediction.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
-from lightning_pipe.schedules import DEFAULT_SCHEDULE, TRAITS, DeadlockError, VIRTUAL_STAGES, build, peak_in_flight, simulate, traits
-from lightning_pipe.schedules.traits import stage_counts, stage_positions
+from lightning_pipe.schedules import (
+    DEFAULT_SCHEDULE,
+    TRAITS,
+    VIRTUAL_STAGES,
+    DeadlockError,
+    build,
+    peak_in_flight,
+    simulate,
+    traits,
+)
 from lightning_pipe.schedules.interleaved import ROUNDED
+from lightning_pipe.schedules.traits import stage_counts, stage_positions
 
 PLAN_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.planned)
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")
@@ -81,7 +90,7 @@ class Candidate:
     all_reduce_seconds: float = 0.0  # the slowest rank's gradient all-reduce over the replicas
     replica_batch: int = 0  # samples per replica and step (each replica's DataLoader batch); 0: not known
     rendezvous: bool = False  # planned under NCCL's point-to-point model (its schedule regrouped where needed)
-    link: Optional[Link] = None  # the measured link the prediction used
+    link: Link | None = None  # the measured link the prediction used
 
     @property
     def depth(self) -> int:
@@ -120,7 +129,7 @@ def stage_seconds(
     checkpoint: str,
     chunks: int,
     link: Link,
-    ranks: Optional[Sequence[int]] = None,
+    ranks: Sequence[int] | None = None,
 ) -> list[tuple[float, float, float]]:
     """Each stage's (forward, B, W) seconds per micro-batch, its transfers included: the forward
     sends the stage's output on, B sends the gradient of its input back (latency + bytes /
@@ -186,7 +195,7 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
 def _rank(
     entries: Iterable[tuple[int, int, int, Profile, int]],
     link: Link,
-    memory_budget: Optional[int],
+    memory_budget: int | None,
     schedules: Sequence[str],
     balances: Sequence[str],
     checkpoints: Sequence[str],
@@ -246,7 +255,7 @@ def plan(
     profiles: Mapping[int, Profile],
     num_stages: int,
     link: Link,
-    memory_budget: Optional[int] = None,
+    memory_budget: int | None = None,
     schedules: Sequence[str] = PLAN_SCHEDULES,
     balances: Sequence[str] = PLAN_BALANCES,
     checkpoints: Sequence[str] = PLAN_CHECKPOINTS,
@@ -291,7 +300,7 @@ def plan_layouts(
     world_size: int,
     batch_size: int,
     link: Link,
-    memory_budget: Optional[int] = None,
+    memory_budget: int | None = None,
     schedules: Sequence[str] = PLAN_SCHEDULES,
     balances: Sequence[str] = PLAN_BALANCES,
     checkpoints: Sequence[str] = PLAN_CHECKPOINTS,
@@ -319,21 +328,40 @@ def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
     """The best ``top`` candidates as a table: layout, predicted step time, all-reduce, bubble, peak
     memory per rank (each rank's stages together). Columns are as wide as their longest entry, so
     they stay aligned whatever the schedule's name or the balance."""
-    header = ("#", "schedule", "chunks", "balance", "checkpoint", "SxR", "step ms", "reduce ms", "bubble", "peak MiB per rank")
+    header = (
+        "#",
+        "schedule",
+        "chunks",
+        "balance",
+        "checkpoint",
+        "SxR",
+        "step ms",
+        "reduce ms",
+        "bubble",
+        "peak MiB per rank",
+    )
     right = {0, 2, 5, 6, 7, 8}  # numbers are right-aligned
     rows = [
         (
-            str(i + 1), _schedule_label(c), str(c.chunks), f"{c.balance_mode} {list(c.balance)}", c.checkpoint,
-            f"{c.depth}x{c.replicas}", f"{1e3 * c.step_seconds:.2f}", f"{1e3 * c.all_reduce_seconds:.2f}",
+            str(i + 1),
+            _schedule_label(c),
+            str(c.chunks),
+            f"{c.balance_mode} {list(c.balance)}",
+            c.checkpoint,
+            f"{c.depth}x{c.replicas}",
+            f"{1e3 * c.step_seconds:.2f}",
+            f"{1e3 * c.all_reduce_seconds:.2f}",
             f"{100 * c.bubble:.1f}%",
             ", ".join(f"{b / 2**20:.1f}" for b in c.stage_bytes) + ("" if c.fits else "  (over budget)"),
-        )  # fmt: skip
+        )
         for i, c in enumerate(candidates[:top])
     ]
     widths = [max(len(row[j]) for row in (header, *rows)) for j in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if j in right else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if j in right else c.ljust(w) for j, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return "\n".join(line(row) for row in (header, *rows))
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from lightning_pipe.plan.planner import Candidate, Link, format_plans
-from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
+from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
 
 #: balance modes that give the same split in any run; a measured split (time, memory) is written
 #: out as its layer counts, since a new run would measure again and might split otherwise
@@ -28,7 +28,7 @@ def describe(c: Candidate) -> str:
     )
 
 
-def link_line(link: Optional[Link]) -> str:
+def link_line(link: Link | None) -> str:
     """The point-to-point link the predictions used, as measured between ranks 0 and 1."""
     if link is None or (link.latency == 0 and math.isinf(link.bandwidth)):
         return "link between ranks 0 and 1: none measured (one process); transfers predicted free"
@@ -43,7 +43,12 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
     x ``replicas``: the strategy group named after the schedule and its keys, and, where ``c``'s
     layout differs, the pipeline depth and each replica's DataLoader batch (same global batch)."""
     balance = c.balance_mode if c.balance_mode in _REPRODUCIBLE_BALANCES else "[" + ",".join(map(str, c.balance)) + "]"
-    out = [f"strategy={c.schedule}", f"strategy.chunks={c.chunks}", f"strategy.balance={balance}", f"strategy.recompute={c.checkpoint}"]
+    out = [
+        f"strategy={c.schedule}",
+        f"strategy.chunks={c.chunks}",
+        f"strategy.balance={balance}",
+        f"strategy.recompute={c.checkpoint}",
+    ]
     if c.schedule in VIRTUAL_STAGES:
         out.append(f"strategy.virtual_stages={c.virtual_stages}")
     if (c.depth, c.replicas) != (stages, replicas):

@@ -21,7 +21,8 @@ tensor keeps it cheap whatever the batch's size.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Hashable, Optional, Sequence, Union
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def checksum(tensors: Sequence[Tensor]) -> int:
     return zlib.crc32(torch.cat(samples).cpu().numpy().tobytes())
 
 
-def fingerprint(keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None) -> Tensor:
+def fingerprint(keys: Sequence[Hashable], content: Sequence[Tensor] | None = None) -> Tensor:
     """A fixed-size int64 summary of a step's micro-batch keys (and, given the batch's tensors, of
     a sample of their values), equal on two ranks exactly when their keys and sampled values are
     (up to CRC collisions). Stable across processes: Python's ``hash`` of strings is salted per process."""
@@ -88,7 +89,7 @@ def describe(row: Sequence[int]) -> str:
     return f"{count} micro-batches, the first with tensor shapes {shapes}"
 
 
-def mismatch_message(rows: Sequence[Sequence[int]], source: str = "the DataLoader") -> Optional[str]:
+def mismatch_message(rows: Sequence[Sequence[int]], source: str = "the DataLoader") -> str | None:
     """None when every stage's fingerprint is the same; otherwise what each stage loaded, why it
     matters and how to fix it. ``source`` names the DataLoader the batch came from."""
     if all(list(row) == list(rows[0]) for row in rows):
@@ -122,10 +123,10 @@ class BatchAgreement:
     def __init__(self, group: Any, num_stages: int) -> None:
         self.group = group
         self.num_stages = num_stages
-        self._pending: Optional[tuple[Any, list[Tensor], Source]] = None
+        self._pending: tuple[Any, list[Tensor], Source] | None = None
 
     def post(
-        self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None, source: Source = "the DataLoader"
+        self, keys: Sequence[Hashable], content: Sequence[Tensor] | None = None, source: Source = "the DataLoader"
     ) -> None:
         """Start comparing this step's keys, and the sampled values of ``content`` when given (checks
         the previous step's comparison first if still open). ``source`` names where the batch came

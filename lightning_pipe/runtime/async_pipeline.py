@@ -14,7 +14,7 @@ of the weights (the backward through PipeMare's saved-tensor hooks).
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Optional
+from collections.abc import Hashable, Mapping
 
 from torch import Tensor
 
@@ -29,7 +29,7 @@ class AsyncPipeline:
     """One rank's share of an asynchronous pipeline (stage ``runner.stage``)."""
 
     def __init__(
-        self, name: str, executor: Executor, runner: StageRunner, num_stages: int, pipemare: Optional[PipeMare] = None
+        self, name: str, executor: Executor, runner: StageRunner, num_stages: int, pipemare: PipeMare | None = None
     ) -> None:
         if runner.versions is None:
             raise ValueError("an asynchronous pipeline needs a StageRunner with weight versions")
@@ -40,8 +40,8 @@ class AsyncPipeline:
         self.num_stages = num_stages
         self.step = 0  # index of the next batch
         self._start = 0  # first batch since the pipeline was last empty
-        self._in_flight: Optional[int] = None  # micro-batches per batch while work is in flight
-        self.pending: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> gradient not yet applied
+        self._in_flight: int | None = None  # micro-batches per batch while work is in flight
+        self.pending: dict[int, dict[str, Tensor | None]] = {}  # batch -> gradient not yet applied
         self._schedules: dict[int, Schedule] = {}
         #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on
         self.pipemare = pipemare

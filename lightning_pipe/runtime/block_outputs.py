@@ -22,7 +22,7 @@ hidden state, and the stand-ins returning the same structure as the block: not b
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -53,9 +53,9 @@ class BlockOutputs:
 
     def __init__(self) -> None:
         self._extra: dict[int, tuple[int, int, int, Tensor]] = {}
-        self.skipped: Optional[tuple[int, str]] = None  # (index, kind) of the last stand-in called
+        self.skipped: tuple[int, str] | None = None  # (index, kind) of the last stand-in called
 
-    def returned(self, index: int, output: Any, args: tuple = (), kwargs: Optional[dict] = None) -> None:
+    def returned(self, index: int, output: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         """Block ``index``, called with ``args``/``kwargs``, returned ``output``: remember its tensors other
         than the first that it made (not those it was given and hands back: a value computed before the
         loop that every block passes on is computed on every stage)."""
@@ -84,7 +84,7 @@ class BlockOutputs:
                     f"of {count}). {ALTERNATIVE}"
                 )
 
-    def explain(self, error: BaseException) -> Optional[BlockOutputsRefused]:
+    def explain(self, error: BaseException) -> BlockOutputsRefused | None:
         """Where the model failed after a stand-in of another stage's block returned only the hidden
         state, and before this stage's blocks ran: the error that says why it probably failed."""
         if self.skipped is None or isinstance(error, BlockOutputsRefused):

@@ -28,14 +28,15 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any, Iterator, Mapping, Optional, Union
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
+from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -84,7 +85,7 @@ class LoopedContainer(nn.Module, ABC):
     def __iter__(self) -> Iterator[Any]:
         return (self.entry(i) for i in range(len(self)))
 
-    def __getitem__(self, index: Union[int, slice]) -> Any:
+    def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return [self.entry(i) for i in range(len(self))[index]]
         return self.entry(range(len(self))[index])
@@ -106,7 +107,9 @@ class BlockStage(LoopedContainer):
     runs_whole_step = True  # every stage runs the user's step (see the module docstring)
     modifies_input = False
 
-    def __init__(self, blocks: "OrderedDict[str, nn.Module]", stage: int, num_stages: int, shells: list[BlockShell]) -> None:
+    def __init__(
+        self, blocks: OrderedDict[str, nn.Module], stage: int, num_stages: int, shells: list[BlockShell]
+    ) -> None:
         super().__init__()
         for key, block in blocks.items():
             self.add_module(key, block)
@@ -115,7 +118,7 @@ class BlockStage(LoopedContainer):
         self._shells = shells
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
-        self._hook: Optional[BlockDrive] = None
+        self._hook: BlockDrive | None = None
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
@@ -133,14 +136,14 @@ class BlockStage(LoopedContainer):
             "outside the Trainer, load a consolidated checkpoint."
         )
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
             "The pipelined block container was called as a module; a block container is iterated by the model's "
             "forward (for block in self.layers: ...). To split an nn.Sequential that forward calls, give its path "
             "to PipelineStrategy(module=...) as an nn.Sequential."
         )
 
-    def block(self, index: int) -> Optional[nn.Module]:
+    def block(self, index: int) -> nn.Module | None:
         """The block at ``index`` of the unsplit container, if this rank holds it."""
         return self._modules.get(str(index))
 
@@ -170,7 +173,7 @@ class BlockDrive:
         received: Any,
         stops: bool,
         use_checkpoint: bool,
-        params: Optional[dict[str, Tensor]],
+        params: dict[str, Tensor] | None,
     ) -> None:
         self.start, self.stop = bounds
         self.received = received
@@ -178,7 +181,7 @@ class BlockDrive:
         self.use_checkpoint = use_checkpoint
         self.params = params
         self.entered = False
-        self.captured: Optional[Any] = None
+        self.captured: Any | None = None
         self.finished = False
         self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
 
@@ -306,10 +309,23 @@ class _Local(_Entry):
             output = run(*args, **kwargs)
         else:
             output = torch_checkpoint(
-                run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(block), **kwargs
+                run,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: keep_buffers(block),
+                **kwargs,
             )
         drive.outputs.returned(self._index, output, args, kwargs)
         return output
 
 
-__all__ = ["BlockDrive", "BlockShell", "BlockStage", "LoopedContainer", "StageExit", "hidden_argument", "layer_parameter_names"]
+__all__ = [
+    "BlockDrive",
+    "BlockShell",
+    "BlockStage",
+    "LoopedContainer",
+    "StageExit",
+    "hidden_argument",
+    "layer_parameter_names",
+]

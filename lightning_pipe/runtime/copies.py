@@ -11,7 +11,8 @@ pipeline, as under the other schedules.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 

@@ -13,7 +13,7 @@ forward.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ class _ConvDeferred(torch.autograd.Function):
     """A convolution whose backward computes the input gradient now and the rest in W."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], layer: _Conv) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layer: _Conv) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.parameters = (weight, bias)
         ctx.layer = layer
@@ -39,7 +39,7 @@ class _ConvDeferred(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
         weight_param, bias = ctx.parameters
         layer = ctx.layer
@@ -55,8 +55,8 @@ class _ConvDeferred(torch.autograd.Function):
 
 
 def _conv_backward(
-    layer: _Conv, grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], mask: tuple[bool, bool, bool]
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    layer: _Conv, grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mask: tuple[bool, bool, bool]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     return torch.ops.aten.convolution_backward(
         grad,
         x,
@@ -78,7 +78,7 @@ def _weight_grad(
     x: Tensor,
     weight: Tensor,
     weight_param: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     mask: tuple[bool, bool, bool],
 ) -> None:
     _, grad_weight, grad_bias = _conv_backward(layer, grad, x, weight, bias, mask)

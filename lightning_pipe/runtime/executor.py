@@ -8,9 +8,10 @@ and relies on the schedule's own placement of sends and receives, which
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Hashable, Mapping, Optional, Sequence, Union
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor
@@ -44,7 +45,7 @@ _UNTIMED = nullcontext()
 class _Run:
     """What one call of :meth:`Executor.run_actions` keeps between actions."""
 
-    keys: Union[Sequence[Hashable], Mapping[int, Hashable]]
+    keys: Sequence[Hashable] | Mapping[int, Hashable]
     num_stages: int
     microbatches_per_batch: int
     split_backward: bool = False
@@ -76,7 +77,7 @@ class Executor:
         self.transport = transport
         self.runners = runners
         self.rank = rank
-        self.timeline: Optional[Timeline] = None  # attach one to record per-action timings
+        self.timeline: Timeline | None = None  # attach one to record per-action timings
         self._carried: list[tuple[Any, Op]] = []
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable]) -> None:
@@ -84,7 +85,10 @@ class Executor:
         micro-batch ``i``'s input shapes (the same on every rank), under which activation shapes
         are cached."""
         self.run_actions(
-            schedule.actions[self.rank], schedule.chain_length, schedule.num_microbatches, keys,
+            schedule.actions[self.rank],
+            schedule.chain_length,
+            schedule.num_microbatches,
+            keys,
             split_backward=schedule.split_backward,
         )
 
@@ -93,7 +97,7 @@ class Executor:
         actions: Sequence[Action],
         num_stages: int,
         microbatches_per_batch: int,
-        keys: Union[Sequence[Hashable], Mapping[int, Hashable]],
+        keys: Sequence[Hashable] | Mapping[int, Hashable],
         finish: bool = True,
         split_backward: bool = False,
     ) -> None:
@@ -141,7 +145,9 @@ class Executor:
                 runner.reset()
             if hasattr(error, "add_note") and index < len(actions):
                 action = actions[index]
-                error.add_note(f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})")
+                error.add_note(
+                    f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})"
+                )
             raise
         if finish:
             for runner in self.runners.values():
@@ -190,11 +196,15 @@ class Executor:
             elif action.kind is ActionKind.SEND_GRADIENT:
                 grads, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads)
-        if ops and not self.transport.batched and any(
-            a.kind is ActionKind.RECV_ACTIVATION
-            and a not in run.inbox
-            and not self.transport.knows(self._activation_key(a, run, a.stage))
-            for a in group
+        if (
+            ops
+            and not self.transport.batched
+            and any(
+                a.kind is ActionKind.RECV_ACTIVATION
+                and a not in run.inbox
+                and not self.transport.knows(self._activation_key(a, run, a.stage))
+                for a in group
+            )
         ):  # gloo, a header to wait for: the sends go out first, the peer may need them to send it
             with self._span("post", group[0].stage, group[0].microbatch):
                 early = self.transport.post(ops)

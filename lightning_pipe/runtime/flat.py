@@ -8,7 +8,8 @@ stage (biases, norms). The tensors are flattened into one buffer, reduced, and c
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -23,9 +23,10 @@ Everything else (evaluation, mixed precision, a weight computed from other tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,25 +59,29 @@ class _LinearAccumulate(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight and bias gradients into ``.grad`` itself."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.parameters = (weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         weight_param, bias = ctx.parameters
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         want_weight = ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         if want_weight or want_bias:
-            defer_or_run(partial(_weight_grad, x, grad, weight_param if want_weight else None, bias if want_bias else None, _fuse))
+            defer_or_run(
+                partial(
+                    _weight_grad, x, grad, weight_param if want_weight else None, bias if want_bias else None, _fuse
+                )
+            )
         return grad_x, None, None
 
 
-def _weight_grad(x: Tensor, grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], fuse: bool) -> None:
+def _weight_grad(x: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, fuse: bool) -> None:
     """``dW = g^T x`` and ``db = sum(g)`` into ``.grad``: added by the product itself with ``fuse``."""
     g = grad.reshape(-1, grad.shape[-1])
     if weight is not None:
@@ -89,7 +94,7 @@ def _weight_grad(x: Tensor, grad: Tensor, weight: Optional[Tensor], bias: Option
         add_grad(bias, g.sum(0))
 
 
-def _plain_leaf(param: Optional[Tensor]) -> bool:
+def _plain_leaf(param: Tensor | None) -> bool:
     """A leaf whose gradient autograd would put in ``.grad``, with nothing observing it on the way."""
     if param is None:
         return True
@@ -101,7 +106,7 @@ def _plain_leaf(param: Optional[Tensor]) -> bool:
     return not param._backward_hooks and not observing
 
 
-def fusable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+def fusable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether a layer may take its own backward here: its result must equal autograd's."""
     return (
         _active

@@ -11,7 +11,8 @@ replicas, the average over the replicas of the stage. Clipping by the global nor
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from lightning_pipe.runtime.sharding import local
 from lightning_pipe.runtime.topology import Layout
 
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
-Pending = dict[nn.Parameter, Optional[Tensor]]
+Pending = dict[nn.Parameter, Tensor | None]
 
 #: A weight tied across stages on this rank: the group of the stages holding a copy, the local
 #: copy, and whether this rank counts it in the global norm (the lowest stage of the tie does).
@@ -92,7 +93,7 @@ class StageGradients:
         norm_group: Any = None,
         dp_group: Any = None,
         bucket_bytes: int = 25 * 2**20,
-        copies: Optional[Copies] = None,
+        copies: Copies | None = None,
     ) -> None:
         self.shared = list(shared)
         self.ties = list(ties)
@@ -104,7 +105,7 @@ class StageGradients:
         self.bucket_bytes = bucket_bytes
         self.pending: Pending = {}
         self._buckets: list[FlatAllReduce] = []
-        self.reducer: Optional[ReplicaReducer] = None  # set by :meth:`overlap`
+        self.reducer: ReplicaReducer | None = None  # set by :meth:`overlap`
         self._reducing = False
         self.copies = copies
         if copies is not None:
@@ -122,7 +123,7 @@ class StageGradients:
             self.reducer.remove()
             self.reducer = None
 
-    def begin(self, microbatches: int, per_param: Optional[dict[int, int]] = None) -> None:
+    def begin(self, microbatches: int, per_param: dict[int, int] | None = None) -> None:
         """A step's backwards of ``microbatches`` micro-batches start (all ``.grad`` are None now);
         ``per_param``: how many of them reach a parameter, by ``id``, where not all do."""
         if self.reducer is not None:

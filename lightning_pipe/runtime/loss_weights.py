@@ -15,9 +15,9 @@ on the ranks that compute a loss. Pure: no Lightning, no torch.distributed.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_pipe.runtime.microbatch import batch_size
 
 #: ``loss_weight(micro_batch) -> number of items its loss averages over`` (an int, float or a 0-d tensor)
-LossWeight = Callable[[Any], Union[int, float, Tensor]]
+LossWeight = Callable[[Any], int | float | Tensor]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class TokenCount:
     """The number of labels other than ``ignore_index`` in a micro-batch (see :func:`token_count`).
     A frozen value rather than a closure: the strategy is pickled for ``start_method="spawn"``."""
 
-    labels: Union[str, int, None] = "labels"
+    labels: str | int | None = "labels"
     ignore_index: int = -100
     shift: bool = True
 
@@ -47,14 +47,16 @@ class TokenCount:
         where = self.labels
         if where is None:
             found: Any = batch
-        elif isinstance(batch, Mapping) and isinstance(where, str) and where in batch:
-            found = batch[where]
-        elif isinstance(batch, Sequence) and isinstance(where, int) and -len(batch) <= where < len(batch):
+        elif (isinstance(batch, Mapping) and isinstance(where, str) and where in batch) or (
+            isinstance(batch, Sequence) and isinstance(where, int) and -len(batch) <= where < len(batch)
+        ):
             found = batch[where]
         else:
             found = getattr(batch, where, None) if isinstance(where, str) else None
         if not isinstance(found, Tensor):
-            kind = f"a mapping with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else type(batch).__name__
+            kind = (
+                f"a mapping with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else type(batch).__name__
+            )
             raise ValueError(
                 f"token_count(labels={where!r}): found no label tensor there in the batch ({kind}). Give the key of "
                 "the labels in a dict batch, their index in a tuple batch, or labels=None where the batch is the "
@@ -63,7 +65,7 @@ class TokenCount:
         return found
 
 
-def token_count(labels: Union[str, int, None] = "labels", ignore_index: int = -100, shift: bool = True) -> TokenCount:
+def token_count(labels: str | int | None = "labels", ignore_index: int = -100, shift: bool = True) -> TokenCount:
     """A ``loss_weight`` for language models whose loss is the mean over the valid tokens (Hugging
     Face's causal and masked LM losses, ``F.cross_entropy(..., ignore_index=-100)``).
 
@@ -77,11 +79,13 @@ def token_count(labels: Union[str, int, None] = "labels", ignore_index: int = -1
             (masked LM, token classification, or labels shifted by the data already).
     """
     if labels is not None and (isinstance(labels, bool) or not isinstance(labels, (str, int))):
-        raise TypeError(f"token_count(labels={labels!r}): give a key (str), an index (int) or None (the batch is the labels).")
+        raise TypeError(
+            f"token_count(labels={labels!r}): give a key (str), an index (int) or None (the batch is the labels)."
+        )
     return TokenCount(labels, ignore_index, shift)
 
 
-def microbatch_weights(micro: list[Any], loss_weight: Optional[LossWeight]) -> list[float]:
+def microbatch_weights(micro: list[Any], loss_weight: LossWeight | None) -> list[float]:
     """Each micro-batch's share ``n_i / N`` of the batch's items: samples (``loss_weight`` None), or
     what ``loss_weight`` counts. A batch without items gives shares of 0 (its mean is NaN, as in
     plain training)."""

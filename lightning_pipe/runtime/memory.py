@@ -9,17 +9,17 @@ compare schedules and checkpoint modes; it is off unless a stage runner is given
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 
 class _Saved:
-    __slots__ = ("meter", "key", "tensor", "__weakref__")
+    __slots__ = ("__weakref__", "key", "meter", "tensor")
 
-    def __init__(self, meter: "SavedActivationMeter", key: tuple[int, int], tensor: Tensor) -> None:
+    def __init__(self, meter: SavedActivationMeter, key: tuple[int, int], tensor: Tensor) -> None:
         self.meter, self.key, self.tensor = meter, key, tensor
 
     def __del__(self) -> None:

@@ -7,8 +7,8 @@ numbers, None) are given to every micro-batch unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -8,7 +8,8 @@ those parameters once, in one small all-gather, and refuse with the difference."
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +26,7 @@ def signature(model: nn.Module, shared: Sequence[nn.Parameter]) -> Signature:
     return [(names.get(id(p), "<unnamed>"), tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in shared]
 
 
-def disagreement(signatures: Sequence[Signature]) -> Optional[str]:
+def disagreement(signatures: Sequence[Signature]) -> str | None:
     """None when every stage lists the same parameters; otherwise what each stage lists that the
     first does not, and the reverse, as the message of the refusal."""
     first = signatures[0]

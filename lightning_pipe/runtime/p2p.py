@@ -11,8 +11,9 @@ of the outputs it sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ class TensorMeta:
     was_tuple: bool
 
     @classmethod
-    def of(cls, tensors: Sequence[Tensor], was_tuple: bool) -> "TensorMeta":
+    def of(cls, tensors: Sequence[Tensor], was_tuple: bool) -> TensorMeta:
         return cls(
             tuple(tuple(t.shape) for t in tensors),
             tuple(t.dtype for t in tensors),
@@ -57,7 +58,7 @@ class TensorMeta:
         return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
     @classmethod
-    def decode(cls, header: Tensor) -> "TensorMeta":
+    def decode(cls, header: Tensor) -> TensorMeta:
         values = header.tolist()
         was_tuple, count, pos = bool(values[0]), values[1], 2
         shapes, dtypes, grads = [], [], []
@@ -109,7 +110,7 @@ class Transport:
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
         #: called once before the next receive is set up (a check that the peers agree on shapes)
-        self.before_receive: Optional[Callable[[], None]] = None
+        self.before_receive: Callable[[], None] | None = None
 
     def pass_gate(self) -> None:
         """Run and clear :attr:`before_receive`."""
@@ -149,7 +150,9 @@ class Transport:
             dist.recv(header, peer, group=self.meta_group)
             meta = self._received[key] = TensorMeta.decode(header)
         device = "cpu" if self.through_host else self.device
-        buffers = [torch.empty(s, dtype=d, device=device, pin_memory=self._pin) for s, d in zip(meta.shapes, meta.dtypes)]
+        buffers = [
+            torch.empty(s, dtype=d, device=device, pin_memory=self._pin) for s, d in zip(meta.shapes, meta.dtypes)
+        ]
         return buffers, meta, [Op(False, b, peer, 2 * (from_stage + 1)) for b in buffers]
 
     def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor]) -> list[Op]:
@@ -180,7 +183,10 @@ class Transport:
         if not ops:
             return []
         if self.batched:
-            p2p = [dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, op.peer, self.group, op.tag) for op in ops]
+            p2p = [
+                dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, op.peer, self.group, op.tag)
+                for op in ops
+            ]
             return list(dist.batch_isend_irecv(p2p))
         works = []
         for op in ops:

@@ -26,9 +26,10 @@ pipeline can be built and driven without a Trainer (``tests/runtime/test_pipelin
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ContextManager
 
 from torch import Tensor, nn
 
@@ -151,14 +152,17 @@ class StagePipeline:
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
         self.runners = {
-            s: StageRunner(m, checkpoint=config.recompute, versions=versions, host=self.host) for s, m in self.stages.items()
+            s: StageRunner(m, checkpoint=config.recompute, versions=versions, host=self.host)
+            for s, m in self.stages.items()
         }
         self.executor = Executor(self.transport, self.runners, rank=placement.stage)
-        self.asynchronous: Optional[AsyncPipeline] = None
+        self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
-            self.asynchronous = AsyncPipeline(config.schedule, self.executor, self.runner, self.num_stages, self._pipemare())
+            self.asynchronous = AsyncPipeline(
+                config.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
+            )
 
-    def _pipemare(self) -> Optional[PipeMare]:
+    def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
         needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``)."""
         config = self.config
@@ -211,14 +215,21 @@ class StagePipeline:
             config = self.config
             assert config.virtual_stages is not None
             self._schedules[key] = runnable_schedule(
-                config.schedule, name, self.num_stages, num_microbatches, config.virtual_stages, self.placement.rendezvous
+                config.schedule,
+                name,
+                self.num_stages,
+                num_microbatches,
+                config.virtual_stages,
+                self.placement.rendezvous,
             )
         return self._schedules[key]
 
     # ------------------------------------------------------------------ verbs
     def agree(
-        self, keys: Sequence[Hashable], content: Optional[Sequence[Tensor]] = None,
-        source: Union[str, Callable[[], str]] = "the DataLoader",
+        self,
+        keys: Sequence[Hashable],
+        content: Sequence[Tensor] | None = None,
+        source: str | Callable[[], str] = "the DataLoader",
     ) -> None:
         """Start comparing this step's micro-batch ``keys`` (and a checksum of ``content``, the
         batch's tensors, when given) with the other stages'; the next verb waits for the answer
@@ -229,7 +240,9 @@ class StagePipeline:
         self.agreement.post(keys, content, source)
         self.transport.before_receive = self.agreement.check
 
-    def train_step(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext, pause_after: bool = False) -> bool:
+    def train_step(
+        self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext, pause_after: bool = False
+    ) -> bool:
         """Run one batch of ``len(keys)`` micro-batches (``keys[i]``: micro-batch ``i``'s input
         shapes, alike on every stage) through the training schedule; ``step(i)`` runs the user's
         step for micro-batch ``i``. The gradients are kept for :meth:`hand_over_gradients`.
@@ -313,7 +326,7 @@ class StagePipeline:
         (see :meth:`lightning_pipe.runtime.gradients.StageGradients.clip_grad_norm_`)."""
         return self.gradients.clip_grad_norm_(parameters, max_norm, self.placement.device)
 
-    def state_dict(self) -> Optional[dict[str, Any]]:
+    def state_dict(self) -> dict[str, Any] | None:
         """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones.
         With replicas (a collective over them: every rank calls it), ``pending`` is the replicas'
         mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replica_pending`)."""
@@ -327,7 +340,7 @@ class StagePipeline:
             state["replica_pending"] = replicas
         return state
 
-    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Give this stage its share of an asynchronous schedule's saved state (every stage's, by
         parameter name): this replica's own unapplied gradients where the checkpoint has as many
         replicas, else the saved replicas' mean."""
@@ -342,7 +355,7 @@ class StagePipeline:
             mine["pipemare"] = {**saved, "velocity": {n: v for n, v in saved["velocity"].items() if n in local}}
         self.asynchronous.load_state_dict(mine)
 
-    def enable_timeline(self, keep: Optional[int] = None) -> Timeline:
+    def enable_timeline(self, keep: int | None = None) -> Timeline:
         """Record, from the next step on, when each action ran on this rank; callers share one
         timeline, keeping the most steps any of them asked for (None: all)."""
         timeline = self.executor.timeline

@@ -50,8 +50,9 @@ other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +67,7 @@ DEFAULT_WARMUP = 1000
 DEFAULT_DECAY = 0.1
 
 
-def resolve(schedule: str, warmup: Optional[int], correction: Optional[bool]) -> tuple[int, bool]:
+def resolve(schedule: str, warmup: int | None, correction: bool | None) -> tuple[int, bool]:
     """``(K, discrepancy correction on)`` for ``schedule`` from the strategy's ``pipemare_warmup``
     and ``pipemare_correction``; None is the schedule's default (both on for ``pipemare``, off for
     ``pipedream`` and ``pipedream_2bw``). ``K = 0``: no rescheduling."""
@@ -120,7 +121,7 @@ class PipeMare:
     """
 
     def __init__(
-        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: Optional[float] = None
+        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float | None = None
     ) -> None:
         self.module = module
         self.delay = delay
@@ -141,7 +142,7 @@ class PipeMare:
         self._velocity_open = False
 
     # ------------------------------------------------------------------ the backward's weights
-    def saving(self, meter: Optional[SavedActivationMeter] = None) -> ContextManager[Any]:
+    def saving(self, meter: SavedActivationMeter | None = None) -> ContextManager[Any]:
         """Around a forward: autograd saves each stage weight as a reference, and the backward gets
         the weights of its own moment (corrected when correction is on) instead of the forward's.
         Other saved tensors go through ``meter``'s hooks when one is counting them."""

@@ -18,7 +18,6 @@ output does not depend on them.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Optional
 
 from torch import Tensor, nn
 
@@ -40,7 +39,7 @@ class _Forward:
         self.versions = [b._version for b in self.buffers]
 
     def __exit__(
-        self, kind: Optional[type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         kept = {id(b) for b in self.statistics}
         moved = [b for b, v in zip(self.buffers, self.versions) if b._version != v and id(b) not in kept]
@@ -59,7 +58,7 @@ class _Recomputation:
         self.saved = [b.clone() for b in self.changed]
 
     def __exit__(
-        self, kind: Optional[type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         # through ``.data``: the version counter stays, as the batch-norm kernels leave it, since the
         # graph of a micro-batch that was not recomputed (``except_last``) saved the running

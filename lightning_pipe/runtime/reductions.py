@@ -8,7 +8,7 @@ plain Lightning would have logged for the whole batch. Pure: no Lightning, no to
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ def reduction(reduce_fx: Any) -> str:
     return next((name for name, fns in _REDUCE_FUNCTIONS.items() if any(reduce_fx is fn for fn in fns)), "mean")
 
 
-def combine(how: str, a: Union[float, Tensor], b: Union[float, Tensor]) -> Union[float, Tensor]:
+def combine(how: str, a: float | Tensor, b: float | Tensor) -> float | Tensor:
     """Two values combined by ``how`` (``"sum"``, ``"max"``, ``"min"``); a tensor stays on its device,
     and a NaN is kept, as Lightning's ``torch.max`` keeps it."""
     if how == "sum":

@@ -25,11 +25,18 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from lightning_pipe.runtime.reductions import reduction
 
@@ -44,7 +51,7 @@ def splittable(dataloader: DataLoader, num_replicas: int) -> bool:
     return type(dataloader.sampler) in (SequentialSampler, RandomSampler)
 
 
-def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> Optional[DistributedSampler]:
+def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> DistributedSampler | None:
     """The ``DistributedSampler`` that replaces a training ``dataloader``'s sampler, or None where
     the DataLoader is left as it is (see :func:`splittable`)."""
     if not splittable(dataloader, num_replicas):
@@ -94,7 +101,7 @@ EMPTY: dict[str, Any] = {"loss": None, "logs": []}
 
 
 def combine_over_replicas(
-    summary: dict[str, Any], group: Any, device: torch.device, samples: Optional[int] = None
+    summary: dict[str, Any], group: Any, device: torch.device, samples: int | None = None
 ) -> dict[str, Any]:
     """The step summary's loss and logged values over the replicas in ``group`` (every replica's
     last stage, which computed them): means as below, values logged with ``reduce_fx`` ``"max"``,

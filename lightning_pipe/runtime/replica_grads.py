@@ -20,7 +20,8 @@ times; a step that accumulates a parameter again after its bucket was sent is an
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -39,12 +40,12 @@ class Accumulations:
     backward. Pure bookkeeping, no communication."""
 
     def __init__(self) -> None:
-        self.uses: Optional[dict[int, Optional[int]]] = None
+        self.uses: dict[int, int | None] | None = None
         self.microbatches = 1
         self.per_param: dict[int, int] = {}
-        self.expected: Optional[dict[int, int]] = None  # this step's final counts; None in the first step
+        self.expected: dict[int, int] | None = None  # this step's final counts; None in the first step
 
-    def start(self, microbatches: int, per_param: Optional[Mapping[int, int]] = None) -> None:
+    def start(self, microbatches: int, per_param: Mapping[int, int] | None = None) -> None:
         """A step of ``microbatches`` micro-batches begins; ``per_param``: the micro-batches that reach
         the parameters it names, where not all of them do (Chimera: each copy of a stage sees its own
         pipeline's)."""
@@ -90,7 +91,9 @@ class ReplicaReducer:
     """Bucketed, overlapped all-reduce (mean) of one stage's gradients over ``group``; with ``mean``
     false, the sum (the two copies of a Chimera stage, each with its own micro-batches' gradient)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20, mean: bool = True) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20, mean: bool = True
+    ) -> None:
         self.group = group
         self.replicas = dist.get_world_size(group) if mean else 1
         self.params = [p for p in params if p.requires_grad]
@@ -124,7 +127,7 @@ class ReplicaReducer:
             handle.remove()
         self._handles = []
 
-    def start(self, microbatches: int, per_param: Optional[Mapping[int, int]] = None) -> None:
+    def start(self, microbatches: int, per_param: Mapping[int, int] | None = None) -> None:
         """A step's backward of ``microbatches`` micro-batches begins: count accumulations from zero
         (``per_param``: see :meth:`Accumulations.start`)."""
         self.accumulations.start(microbatches, per_param)

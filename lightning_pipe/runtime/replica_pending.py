@@ -9,16 +9,17 @@ mean, which is what a resume under another number of replicas continues from.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Pending = dict[int, dict[str, Optional[Tensor]]]  # batch -> layer name -> gradient (None: no gradient)
+Pending = dict[int, dict[str, Tensor | None]]  # batch -> layer name -> gradient (None: no gradient)
 
 
-def gather_pending(pending: Mapping[int, Mapping[str, Optional[Tensor]]], group: Any, count: int) -> list[Pending]:
+def gather_pending(pending: Mapping[int, Mapping[str, Tensor | None]], group: Any, count: int) -> list[Pending]:
     """Every replica's ``pending`` (this one's included), in replica order, on every replica of the
     ``group``. The replicas run the same schedule on the same stage, so they hold the same batches
     and names; a difference is a bug, reported rather than silently mixed."""
@@ -42,7 +43,7 @@ def gather_pending(pending: Mapping[int, Mapping[str, Optional[Tensor]]], group:
     return gathered
 
 
-def mean_pending(replicas: Sequence[Mapping[int, Mapping[str, Optional[Tensor]]]]) -> Pending:
+def mean_pending(replicas: Sequence[Mapping[int, Mapping[str, Tensor | None]]]) -> Pending:
     """The replicas' mean gradient per batch and name (what their update would apply)."""
     first = replicas[0]
     out: Pending = {}

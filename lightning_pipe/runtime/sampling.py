@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,7 @@ class SharedOrder:
         return iteration, number, kind, payload.tolist()
 
 
-def _index_list(item: Any) -> Optional[list[int]]:
+def _index_list(item: Any) -> list[int] | None:
     """A batch sampler's usual item, a list of ints, as such; anything else is sent pickled."""
     if isinstance(item, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in item):
         return item
@@ -153,4 +154,4 @@ def share_order(dataloader: object, group: Any, src: int, peers: Sequence[int]) 
     return dataloader
 
 
-__all__ = ["SharedOrder", "TAG", "is_deterministic", "share_order"]
+__all__ = ["TAG", "SharedOrder", "is_deterministic", "share_order"]

@@ -10,8 +10,9 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -32,18 +33,18 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 class StageModule(nn.Sequential):
     """The layers of one stage, keyed by their index in the unsplit Sequential."""
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", stage: int, num_stages: int) -> None:
+    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int) -> None:
         super().__init__(layers)
         self.stage = stage
         self.num_stages = num_stages
-        self._hook: Optional[Callable[[Any], Any]] = None
+        self._hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
 
-    def forward(self, value: Any) -> Any:  # noqa: D102 - the user's forward calls this
+    def forward(self, value: Any) -> Any:
         if self._hook is not None:
             return self._hook(value)
         if self.num_stages > 1:
@@ -57,7 +58,7 @@ class StageModule(nn.Sequential):
         self,
         value: Any,
         use_checkpoint: bool,
-        params: Optional[dict[str, Tensor]] = None,
+        params: dict[str, Tensor] | None = None,
     ) -> Any:
         """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
         in the backward, with the RNG state of the forward, so dropout draws the same mask, and
@@ -86,7 +87,7 @@ class StageModule(nn.Sequential):
         tensors, was_tuple = as_tuple(value)
         return from_tuple(tuple(t.clone() if t.requires_grad else t for t in tensors), was_tuple)
 
-    def _chain(self, value: Any, params: Optional[dict[str, Tensor]]) -> Any:
+    def _chain(self, value: Any, params: dict[str, Tensor] | None) -> Any:
         if params is None:
             return nn.Sequential.forward(self, value)
         for key, layer in self._modules.items():
@@ -99,7 +100,7 @@ def _as_list(value: Any) -> list[Any]:
     return [value] if isinstance(value, Tensor) else list(value)
 
 
-def _modifies_input(layer: Optional[nn.Module]) -> bool:
+def _modifies_input(layer: nn.Module | None) -> bool:
     """Whether ``layer`` starts by changing its input in place (``nn.ReLU(inplace=True)``, or a
     Sequential that begins with one)."""
     while isinstance(layer, nn.Sequential) and len(layer) > 0:
@@ -121,7 +122,7 @@ def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
 #: Runs the user's step for a micro-batch. On the first stage its return value is ignored (the
 #: step is cut short); on the last stage it returns the tensor to backpropagate (already weighted),
 #: or None when nothing is backpropagated (evaluation).
-StepFn = Callable[[int], Optional[Tensor]]
+StepFn = Callable[[int], Tensor | None]
 
 #: An activation as received: its tensors, which of them carry a gradient, whether it was a tuple.
 Received = tuple[list[Tensor], tuple[bool, ...], bool]
@@ -134,9 +135,9 @@ class StageRunner:
         self,
         module: StageModule,
         checkpoint: str = "never",
-        step: Optional[StepFn] = None,
-        versions: Optional[WeightVersions] = None,
-        host: Optional[StageModule] = None,
+        step: StepFn | None = None,
+        versions: WeightVersions | None = None,
+        host: StageModule | None = None,
     ) -> None:
         self.module = module
         # the module in the user's LightningModule whose calls the step makes: the stage itself, or,
@@ -147,16 +148,16 @@ class StageRunner:
         self.checkpoint = checkpoint
         self.step = step
         self.versions = versions  # asynchronous schedules: micro-batch g of batch b runs on version b
-        self.completed: dict[int, dict[str, Optional[Tensor]]] = {}  # batch -> its gradient on this stage
-        self.trace: Optional[list[tuple[str, int, int]]] = None  # (kind, micro-batch, version) when tracing
+        self.completed: dict[int, dict[str, Tensor | None]] = {}  # batch -> its gradient on this stage
+        self.trace: list[tuple[str, int, int]] | None = None  # (kind, micro-batch, version) when tracing
         self._saved: dict[int, tuple[list[Tensor], Any]] = {}
         # split backward: per micro-batch, the weight-gradient work B left for W
         self._weights_due: dict[int, list[WeightWork]] = {}
         self._microbatches = 1
-        self.meter: Optional[SavedActivationMeter] = None  # benchmarks: peak bytes saved for backward
+        self.meter: SavedActivationMeter | None = None  # benchmarks: peak bytes saved for backward
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
-        self.saving: Optional[Callable[[Optional[SavedActivationMeter]], ContextManager[Any]]] = None
+        self.saving: Callable[[SavedActivationMeter | None], ContextManager[Any]] | None = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -182,8 +183,8 @@ class StageRunner:
         return self.stage == self.num_stages - 1
 
     def forward(
-        self, microbatch: int, num_microbatches: int, received: Optional[Received]
-    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+        self, microbatch: int, num_microbatches: int, received: Received | None
+    ) -> tuple[tuple[Tensor, ...], bool] | None:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage."""
         saving = self.saving if self.saving is not None and torch.is_grad_enabled() else None
@@ -196,8 +197,8 @@ class StageRunner:
             return self._forward(microbatch, num_microbatches, received)
 
     def _forward(
-        self, microbatch: int, num_microbatches: int, received: Optional[Received]
-    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+        self, microbatch: int, num_microbatches: int, received: Received | None
+    ) -> tuple[tuple[Tensor, ...], bool] | None:
         training = torch.is_grad_enabled()
         use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
         self._microbatches = num_microbatches
@@ -258,11 +259,11 @@ class StageRunner:
         self,
         microbatch: int,
         num_microbatches: int,
-        received: Optional[Received],
+        received: Received | None,
         leaves: list[Tensor],
         use_ckpt: bool,
-        params: Optional[dict[str, Tensor]],
-    ) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+        params: dict[str, Tensor] | None,
+    ) -> tuple[tuple[Tensor, ...], bool] | None:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
         the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`)."""
@@ -299,7 +300,7 @@ class StageRunner:
         _, outputs = self._saved[microbatch]
         return [t for t in outputs if t.requires_grad]
 
-    def backward(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
+    def backward(self, microbatch: int, grads: list[Tensor] | None) -> list[Tensor] | None:
         """Backward of ``microbatch``; returns the gradients to send to the previous stage."""
         leaves, outputs = self._saved.pop(microbatch)
         if self.trace is not None:
@@ -317,7 +318,7 @@ class StageRunner:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]
 
-    def backward_input(self, microbatch: int, grads: Optional[list[Tensor]]) -> Optional[list[Tensor]]:
+    def backward_input(self, microbatch: int, grads: list[Tensor] | None) -> list[Tensor] | None:
         """B of a split backward: the whole backward except the weight-gradient products that the
         stage's layers defer (see :mod:`lightning_pipe.runtime.weight_store`), kept for W."""
         with weight_store.deferring() as works:
@@ -329,7 +330,7 @@ class StageRunner:
         """W of a split backward: the weight gradients B deferred, accumulated into ``.grad``."""
         weight_store.run(self._weights_due.pop(microbatch))
 
-    def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Optional[Tensor]:
+    def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Tensor | None:
         if self.step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
         self.host._hook = hook

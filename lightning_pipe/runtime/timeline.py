@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -40,12 +41,14 @@ class Timeline:
     (0: none), so a consumer that reads each step as it ends (a ``listeners`` entry, called with
     the step's spans) does not make a long run's memory grow."""
 
-    def __init__(self, device: torch.device, keep: Optional[int] = None) -> None:
+    def __init__(self, device: torch.device, keep: int | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.keep = keep
         self.listeners: list[Callable[[list[Span]], None]] = []
         self.steps: list[list[Span]] = []
-        self.origins: list[float] = []  # per step: ``perf_counter`` at its start, a clock shared by the host's processes
+        self.origins: list[
+            float
+        ] = []  # per step: ``perf_counter`` at its start, a clock shared by the host's processes
         self._origin: Any = None
         self._wall = 0.0
         self._marks: list[tuple[str, int, int, Any, Any]] = []
@@ -93,7 +96,7 @@ class Timeline:
         for listener in self.listeners:
             listener(spans)
 
-    def totals(self, steps: Optional[slice] = None) -> dict[str, float]:
+    def totals(self, steps: slice | None = None) -> dict[str, float]:
         """Mean seconds per step spent in each kind of span (``step`` is the executor's whole run),
         plus ``other``: the step's time outside forward and backward (posting and waiting for
         communication, bookkeeping; on a GPU, the time the GPU had no stage work)."""

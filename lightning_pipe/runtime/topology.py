@@ -11,15 +11,16 @@ the process groups of this rank, built once from the mesh.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
 DATA_PARALLEL_MODES = ("replicate", "shard")
 
 
-def check_layout_arguments(stages: Optional[int], data_parallel: str) -> None:
+def check_layout_arguments(stages: int | None, data_parallel: str) -> None:
     """Reject bad ``stages``/``data_parallel`` before any process starts."""
     if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
         raise ValueError(
@@ -40,7 +41,7 @@ class Layout:
     replicas: int
 
     @classmethod
-    def of(cls, world_size: int, stages: Optional[int]) -> "Layout":
+    def of(cls, world_size: int, stages: int | None) -> Layout:
         """The layout of ``world_size`` processes in pipelines of ``stages`` (None: one pipeline)."""
         if stages is None:
             return cls(world_size, 1)

@@ -13,7 +13,7 @@ this stage is done.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 class WeightVersions:
     """Snapshots of a module's parameters, keyed by version (the batch index)."""
 
-    def __init__(self, module: nn.Module, on_gradient: Optional[Callable[[int, str], None]] = None) -> None:
+    def __init__(self, module: nn.Module, on_gradient: Callable[[int, str], None] | None = None) -> None:
         self.module = module
         self._versions: dict[int, dict[str, Tensor]] = {}
         self.on_gradient = on_gradient  # instrumentation: called with (version, name) as gradients arrive
@@ -66,7 +66,7 @@ class WeightVersions:
     def params(self, version: int) -> dict[str, Tensor]:
         return self._versions[version]
 
-    def gradient(self, version: int) -> dict[str, Optional[Tensor]]:
+    def gradient(self, version: int) -> dict[str, Tensor | None]:
         """The gradient accumulated on ``version``; drops the version."""
         self._note_peak()
         snapshot = self._versions.pop(version)

@@ -15,13 +15,13 @@ Outside :func:`deferring` the layers run their weight-gradient work at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
 
 #: One layer's weight-gradient work for one micro-batch: accumulates into ``.grad``.
 WeightWork = Callable[[], None]
 
-_store: Optional[list[WeightWork]] = None
+_store: list[WeightWork] | None = None
 
 
 @contextmanager

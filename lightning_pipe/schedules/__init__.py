@@ -6,7 +6,7 @@ the very lists these functions return.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 from lightning_pipe.schedules.asynchronous import (
@@ -15,21 +15,21 @@ from lightning_pipe.schedules.asynchronous import (
     pipedream,
     pipedream_2bw,
     pipemare,
-    step_actions,
     steady_state_bubble,
+    step_actions,
     unroll,
     update_delay,
     versions_held,
 )
 from lightning_pipe.schedules.chimera import chimera
+from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
-from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.traits import DEFAULT_SCHEDULE, TRAITS, ScheduleTraits, stage_positions, traits
-from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
+from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 
 ScheduleFn = Callable[[int, int], Schedule]
 
@@ -46,13 +46,17 @@ VIRTUAL_STAGES: dict[str, int] = {name: t.virtual_stages for name, t in TRAITS.i
 REGROUPED_FOR_RENDEZVOUS: frozenset[str] = frozenset(name for name, t in TRAITS.items() if t.regroup_for_rendezvous)
 
 
-def build(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False) -> Schedule:
+def build(
+    name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1, rendezvous: bool = False
+) -> Schedule:
     """Schedule ``name`` for ``num_ranks`` ranks with ``virtual_stages`` stages each. With
     ``rendezvous`` (NCCL) the schedules in :data:`REGROUPED_FOR_RENDEZVOUS` come with their
     communication regrouped so that they finish there (same compute order); raises
     :class:`RendezvousError` where that is impossible (too few micro-batches)."""
     t = traits(name)
-    schedule = t.make(num_ranks, num_microbatches, virtual_stages) if t.interleaved else t.make(num_ranks, num_microbatches)
+    schedule = (
+        t.make(num_ranks, num_microbatches, virtual_stages) if t.interleaved else t.make(num_ranks, num_microbatches)
+    )
     if rendezvous and name in REGROUPED_FOR_RENDEZVOUS:
         return for_rendezvous(schedule)
     return schedule
@@ -92,46 +96,46 @@ def get_schedule(name: str) -> ScheduleFn:
 __all__ = [
     "ASYNC_SCHEDULES",
     "DEFAULT_SCHEDULE",
-    "ScheduleTraits",
+    "REGROUPED_FOR_RENDEZVOUS",
+    "SCHEDULES",
     "TRAITS",
-    "stage_positions",
-    "traits",
+    "VIRTUAL_STAGES",
     "Action",
     "ActionKind",
     "DeadlockError",
     "InvalidScheduleError",
-    "REGROUPED_FOR_RENDEZVOUS",
     "RendezvousError",
-    "SCHEDULES",
     "Schedule",
+    "ScheduleTraits",
     "Simulation",
-    "closed_form_bubble",
-    "drain_actions",
-    "is_async",
-    "pipedream",
-    "pipedream_2bw",
-    "pipemare",
-    "steady_state_bubble",
-    "step_actions",
-    "unroll",
-    "update_delay",
-    "versions_held",
-    "forward_only",
-    "for_rendezvous",
-    "forward_only_like",
     "build",
     "check_virtual_stages",
     "chimera",
-    "VIRTUAL_STAGES",
+    "closed_form_bubble",
+    "drain_actions",
+    "for_rendezvous",
+    "forward_only",
+    "forward_only_like",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_zero_bubble",
+    "is_async",
     "one_f_one_b",
     "peak_in_flight",
+    "pipedream",
+    "pipedream_2bw",
+    "pipemare",
     "render",
     "simulate",
+    "stage_positions",
+    "steady_state_bubble",
+    "step_actions",
+    "traits",
+    "unroll",
+    "update_delay",
     "validate",
+    "versions_held",
     "zbv",
     "zero_bubble",
 ]

@@ -7,8 +7,8 @@ executed, so what the tests prove about a list is what the executor runs.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 class ActionKind(enum.Enum):
@@ -55,7 +55,7 @@ class Action:
             return self.stage - 1
         raise ValueError(f"{self} is not a communication action")
 
-    def matching(self) -> "Action":
+    def matching(self) -> Action:
         """The action on the peer that pairs with this send or receive."""
         pairs = {
             ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,

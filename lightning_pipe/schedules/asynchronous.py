@@ -148,7 +148,9 @@ def unroll(steady: Schedule, steps: int) -> Schedule:
     )
 
 
-def steady_state_bubble(steady: Schedule, steps: int = 4, forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
+def steady_state_bubble(
+    steady: Schedule, steps: int = 4, forward_cost: float = 1.0, backward_cost: float = 2.0
+) -> float:
     """Idle share of a step once the pipeline is full: one more step costs ``makespan(n + 1) -
     makespan(n)``, against ``m`` forwards and backwards of work per stage."""
     from lightning_pipe.schedules.simulate import simulate

@@ -8,7 +8,7 @@ deadlocking in 1F1B's steady state, where both neighbours send to each other at 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
@@ -13,8 +11,8 @@ def render(
     schedule: Schedule,
     forward_cost: int = 1,
     backward_cost: int = 2,
-    weight_cost: Optional[int] = None,
-    rendezvous: Optional[bool] = None,
+    weight_cost: int | None = None,
+    rendezvous: bool | None = None,
 ) -> str:
     """Timetable of ``schedule`` with integer costs; ``..`` marks idle time (the bubble). A split
     backward shows B and W (each ``backward_cost // 2`` unless ``weight_cost`` is given); with
@@ -36,7 +34,7 @@ def render(
     cell = max(2, len(str(schedule.num_microbatches - 1)) + 1 + (len(f"s{schedule.num_stages - 1}") if virtual else 0))
     rows = []
     for rank in range(schedule.num_ranks):
-        slots = [".." .ljust(cell) for _ in range(width)]
+        slots = ["..".ljust(cell) for _ in range(width)]
         for action in schedule.compute(rank):
             start = int(round(sim.start_times[(rank, action)]))
             cost = int(round(sim.cost(action)))

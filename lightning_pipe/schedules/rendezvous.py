@@ -69,7 +69,9 @@ def for_rendezvous(schedule: Schedule) -> Schedule:
             errors.append(str(err))
             continue
         except DeadlockError as err:  # not expected: the regrouping plays the same model
-            errors.append(f"schedule {schedule.name!r} regrouped for rendezvous point-to-point (NCCL) still deadlocks: {err}")
+            errors.append(
+                f"schedule {schedule.name!r} regrouped for rendezvous point-to-point (NCCL) still deadlocks: {err}"
+            )
             continue
         if best is None or makespan < best[0]:
             best = (makespan, regrouped)
@@ -183,11 +185,15 @@ def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
             state = ranks[rank]
             if finished(state):
                 continue
-            if state.at_gap and post_gap(rank) or not state.at_gap and state.pointer < len(state.order) and run_compute(rank):
+            if (state.at_gap and post_gap(rank)) or (
+                not state.at_gap and state.pointer < len(state.order) and run_compute(rank)
+            ):
                 resolve()
                 break
         else:
-            stuck = [f"rank {r} at {s.order[s.pointer] if s.pointer < len(s.order) else 'end'}" for r, s in enumerate(ranks)]
+            stuck = [
+                f"rank {r} at {s.order[s.pointer] if s.pointer < len(s.order) else 'end'}" for r, s in enumerate(ranks)
+            ]
             raise RendezvousError(
                 f"schedule {schedule.name!r} cannot be regrouped to run where point-to-point calls rendezvous "
                 f"(NCCL): {'; '.join(stuck)}"

@@ -17,8 +17,8 @@ not split its backward, B is the whole backward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs
@@ -82,7 +82,7 @@ def _stage_cost(costs: tuple[float, ...], action: Action, split: bool) -> float:
     return costs[1] / 2 if split else costs[1]
 
 
-def split_costs(schedule: Schedule, backward_cost: float, weight_cost: Optional[float]) -> tuple[float, float]:
+def split_costs(schedule: Schedule, backward_cost: float, weight_cost: float | None) -> tuple[float, float]:
     """(B, W) costs: as given, or, where the schedule splits its backward and no W cost is given,
     half of ``backward_cost`` each (so a whole backward costs the same under every schedule)."""
     if weight_cost is not None:
@@ -96,7 +96,7 @@ def simulate(
     schedule: Schedule,
     forward_cost: float = 1.0,
     backward_cost: float = 2.0,
-    weight_cost: Optional[float] = None,
+    weight_cost: float | None = None,
     rendezvous: bool = True,
     stage_costs: Sequence[tuple[float, ...]] | None = None,
 ) -> Simulation:
@@ -120,6 +120,7 @@ def simulate(
     completed: dict[tuple[int, Action], float] = {}
     starts: dict[tuple[int, Action], float] = {}
     early: list[set[Action]] = [set() for _ in ranks]  # sends of the group at the pointer, posted ahead
+
     def parts(group: list[Action]) -> tuple[list[Action], list[Action]]:
         local = [op for op in group if schedule.is_local(op)]
         return ([op for op in group if op not in local] if local else group), local

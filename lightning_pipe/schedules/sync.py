@@ -24,9 +24,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards in reverse micro-batch order."""
     _check(num_stages, num_microbatches)
     m = num_microbatches
-    compute = [
-        [F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))] for s in range(num_stages)
-    ]
+    compute = [[F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))] for s in range(num_stages)]
     return with_communication("gpipe", compute, num_stages, m, range(num_stages))
 
 
@@ -57,6 +55,12 @@ def forward_only_like(schedule: Schedule) -> Schedule:
     the training order, with their communication, and no backward work."""
     compute = [[a for a in schedule.compute(r) if a.kind is ActionKind.FORWARD] for r in range(schedule.num_ranks)]
     return with_communication(
-        "forward", compute, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, forward_only=True,
-        chains=schedule.chains, chain_of=schedule.chain_of,
+        "forward",
+        compute,
+        schedule.num_stages,
+        schedule.num_microbatches,
+        schedule.stage_to_rank,
+        forward_only=True,
+        chains=schedule.chains,
+        chain_of=schedule.chain_of,
     )

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Iterable, Mapping, Sequence
 
 from lightning_pipe.schedules.simulate import Simulation
 
 COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b", "post": "#bab0ac", "wait": "url(#waiting)"}
-KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "post": "posting communication", "wait": "waiting for communication"}
+KIND_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight gradient",
+    "post": "posting communication",
+    "wait": "waiting for communication",
+}
 
 
 @dataclass(frozen=True)
@@ -50,12 +56,16 @@ def simulated_bars(simulation: Simulation, scale: float = 1.0) -> list[Bar]:
             cost = simulation.cost(action)
             if start > clock + 1e-12:
                 bars.append(Bar(rank, "wait", action.stage, action.microbatch, clock * scale, start * scale))
-            bars.append(Bar(rank, action.kind.value, action.stage, action.microbatch, start * scale, (start + cost) * scale))
+            bars.append(
+                Bar(rank, action.kind.value, action.stage, action.microbatch, start * scale, (start + cost) * scale)
+            )
             clock = start + cost
     return bars
 
 
-def measured_bars(spans_by_rank: Mapping[int, Iterable[object]], offsets: Mapping[int, float] | None = None) -> list[Bar]:
+def measured_bars(
+    spans_by_rank: Mapping[int, Iterable[object]], offsets: Mapping[int, float] | None = None
+) -> list[Bar]:
     """Bars from each rank's recorded spans of one step (objects with ``name``, ``stage``,
     ``microbatch``, ``start``, ``end``), shifted by that rank's ``offsets`` (seconds between the
     rank's step start and the earliest rank's), so the rows share one clock."""
@@ -64,12 +74,10 @@ def measured_bars(spans_by_rank: Mapping[int, Iterable[object]], offsets: Mappin
     for rank, spans in spans_by_rank.items():
         shift = offsets.get(rank, 0.0)
         for span in spans:
-            name = getattr(span, "name")
+            name = span.name
             if name not in COLOURS:
                 continue  # the whole step's span
-            bars.append(
-                Bar(rank, name, getattr(span, "stage"), getattr(span, "microbatch"), getattr(span, "start") + shift, getattr(span, "end") + shift)
-            )
+            bars.append(Bar(rank, name, span.stage, span.microbatch, span.start + shift, span.end + shift))
     return bars
 
 
@@ -115,7 +123,9 @@ def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float,
     scale, shown = _display_unit(span, unit)
     lines = title_lines(title, width)
     out = [f'<g class="panel" data-title="{escape(title)}">', f'<text x="{_LEFT}" y="{top + 17}" class="title">']
-    out += [f'<tspan x="{_LEFT}" dy="{0 if i == 0 else _TITLE_LINE}">{escape(line)}</tspan>' for i, line in enumerate(lines)]
+    out += [
+        f'<tspan x="{_LEFT}" dy="{0 if i == 0 else _TITLE_LINE}">{escape(line)}</tspan>' for i, line in enumerate(lines)
+    ]
     out.append("</text>")
     y0 = top + _TITLE + _TITLE_LINE * (len(lines) - 1)
     for rank in range(ranks):
@@ -136,7 +146,9 @@ def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float,
             f'data-stage="{bar.stage}" data-microbatch="{bar.microbatch}"><title>{escape(tip)}</title></rect>'
         )
         if label and right - left >= 14:
-            out.append(f'<text x="{(left + right) / 2:.2f}" y="{y + _ROW / 2 + 4}" class="label" text-anchor="middle">{label}{bar.microbatch}</text>')
+            out.append(
+                f'<text x="{(left + right) / 2:.2f}" y="{y + _ROW / 2 + 4}" class="label" text-anchor="middle">{label}{bar.microbatch}</text>'
+            )
     axis_y = y0 + ranks * (_ROW + _GAP)
     for tick in nice_ticks(span * scale):
         at = x(tick / scale)
@@ -181,9 +193,7 @@ def timeline_svg(panels: Sequence[tuple[str, Sequence[Bar]]], unit: str = "s", w
     )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{total:.0f}" '
-        f'viewBox="0 0 {width:.0f} {total:.0f}"><style>{style}</style>{defs}'
-        + "".join(body + legend)
-        + "</svg>\n"
+        f'viewBox="0 0 {width:.0f} {total:.0f}"><style>{style}</style>{defs}' + "".join(body + legend) + "</svg>\n"
     )
 
 

@@ -8,8 +8,8 @@ one row here (and its action lists in its family's module).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
@@ -43,7 +43,7 @@ class ScheduleTraits:
     #: takes ``virtual_stages`` >= 2 as an argument of ``make``
     interleaved: bool = False
     #: for an interleaved schedule, the one-stage-per-process schedule it interleaves
-    single: Optional[str] = None
+    single: str | None = None
     #: where a process's stages lie (one of :data:`PLACEMENTS`)
     placement: str = "loop"
     #: each split stage runs twice, in two pipelines of opposite directions (Chimera): the schedule
@@ -73,18 +73,34 @@ TRAITS: dict[str, ScheduleTraits] = {
         ScheduleTraits("gpipe", gpipe),
         ScheduleTraits("1f1b", one_f_one_b),
         ScheduleTraits(
-            "interleaved_1f1b", interleaved_1f1b, virtual_stages=2, interleaved=True, single="1f1b", regroup_for_rendezvous=True
+            "interleaved_1f1b",
+            interleaved_1f1b,
+            virtual_stages=2,
+            interleaved=True,
+            single="1f1b",
+            regroup_for_rendezvous=True,
         ),
         ScheduleTraits("zero_bubble", zero_bubble, split_backward=True),
         ScheduleTraits(
-            "interleaved_zero_bubble", interleaved_zero_bubble, split_backward=True, virtual_stages=2, interleaved=True,
-            single="zero_bubble", regroup_for_rendezvous=True,
-        ),  # fmt: skip
+            "interleaved_zero_bubble",
+            interleaved_zero_bubble,
+            split_backward=True,
+            virtual_stages=2,
+            interleaved=True,
+            single="zero_bubble",
+            regroup_for_rendezvous=True,
+        ),
         ScheduleTraits("zbv", zbv, split_backward=True, virtual_stages=2, placement="v", regroup_for_rendezvous=True),
         ScheduleTraits(
-            "chimera", chimera, placement="mirror", mirrored=True, regroup_for_rendezvous=True, block_containers=False,
-            replicas=False, even_stages=True,
-        ),  # fmt: skip
+            "chimera",
+            chimera,
+            placement="mirror",
+            mirrored=True,
+            regroup_for_rendezvous=True,
+            block_containers=False,
+            replicas=False,
+            even_stages=True,
+        ),
         ScheduleTraits(
             "pipedream", pipedream, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False
         ),
@@ -95,7 +111,9 @@ TRAITS: dict[str, ScheduleTraits] = {
     )
 }
 
-assert {n for n, t in TRAITS.items() if t.asynchronous} == set(ASYNC_SCHEDULES), "the async family and the table disagree"
+assert {n for n, t in TRAITS.items() if t.asynchronous} == set(ASYNC_SCHEDULES), (
+    "the async family and the table disagree"
+)
 
 
 def traits(name: str) -> ScheduleTraits:
@@ -123,4 +141,4 @@ def stage_counts(name: str, candidates: list[int]) -> list[int]:
     return list(candidates) if t.interleaved else [t.virtual_stages]
 
 
-__all__ = ["DEFAULT_SCHEDULE", "PLACEMENTS", "ScheduleTraits", "TRAITS", "stage_counts", "stage_positions", "traits"]
+__all__ = ["DEFAULT_SCHEDULE", "PLACEMENTS", "TRAITS", "ScheduleTraits", "stage_counts", "stage_positions", "traits"]

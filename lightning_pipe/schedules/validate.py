@@ -26,9 +26,13 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     if len(schedule.stage_to_rank) != p:
         raise InvalidScheduleError(f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {p} stages")
     if any(not 0 <= r < schedule.num_ranks for r in schedule.stage_to_rank):
-        raise InvalidScheduleError(f"stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{schedule.num_ranks - 1}")
-    if p % schedule.chains or (schedule.chain_of and len(schedule.chain_of) != m) or any(
-        not 0 <= c < schedule.chains for c in schedule.chain_of
+        raise InvalidScheduleError(
+            f"stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{schedule.num_ranks - 1}"
+        )
+    if (
+        p % schedule.chains
+        or (schedule.chain_of and len(schedule.chain_of) != m)
+        or any(not 0 <= c < schedule.chains for c in schedule.chain_of)
     ):
         raise InvalidScheduleError(f"{p} stages in {schedule.chains} chains, micro-batch chains {schedule.chain_of}")
     expected: Counter[Action] = Counter()
@@ -50,12 +54,20 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
             if not 0 <= action.stage < p or not 0 <= action.microbatch < m:
                 raise InvalidScheduleError(f"{where}: stage or micro-batch out of range")
             if schedule.rank_of(action.stage) != rank:
-                raise InvalidScheduleError(f"{where}: stage {action.stage} lives on rank {schedule.rank_of(action.stage)}")
+                raise InvalidScheduleError(
+                    f"{where}: stage {action.stage} lives on rank {schedule.rank_of(action.stage)}"
+                )
             if action.kind.is_compute:
                 seen[action] += 1
-                if action.kind is ActionKind.BACKWARD and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done:
+                if (
+                    action.kind is ActionKind.BACKWARD
+                    and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done
+                ):
                     raise InvalidScheduleError(f"{where}: backward before its forward")
-                if action.kind is ActionKind.WEIGHT and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done:
+                if (
+                    action.kind is ActionKind.WEIGHT
+                    and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done
+                ):
                     raise InvalidScheduleError(f"{where}: weight gradient before its input gradient (B)")
                 for need in needs(action, schedule.chain_length):
                     if need not in posted:
@@ -73,7 +85,9 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
                 if action in recvs:
                     raise InvalidScheduleError(f"{where}: received twice")
                 if schedule.is_local(action) and action.matching() not in sends:
-                    raise InvalidScheduleError(f"{where}: receives from stage {action.peer_stage()} on the same rank before it sent")
+                    raise InvalidScheduleError(
+                        f"{where}: receives from stage {action.peer_stage()} on the same rank before it sent"
+                    )
                 recvs.add(action)
             posted.add(action)
     if seen != expected:

@@ -12,17 +12,17 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pipe.checkpoint import tie_aliases
-from lightning_pipe.trainer.data import configured_optimizers, first_batch
-from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.observe.run_report import describe_layout
 from lightning_pipe.partition import (
     check_stage_parameters,
     find_sequential,
@@ -35,19 +35,28 @@ from lightning_pipe.partition import (
     tied_parameters,
 )
 from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
-from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends, held_end_parameters, local_end_indices, stand_in_ends
+from lightning_pipe.partition.ends import (
+    end_parameters,
+    end_stages,
+    extended,
+    find_ends,
+    held_end_parameters,
+    local_end_indices,
+    stand_in_ends,
+)
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
 from lightning_pipe.partition.measured import MeasureInputs, measured_balance
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
-from lightning_pipe.observe.run_report import describe_layout
-from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.blocks import BlockStage
+from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
+from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
+from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 
@@ -72,10 +81,10 @@ class ModuleSplit:
     placement: Placement
     attribute: str
     split: StageSplit
-    balance: Optional[list[int]] = None
+    balance: list[int] | None = None
     deferred_build: bool = False
-    profile: Optional[Profile] = None
-    candidates: Optional[list[Any]] = None
+    profile: Profile | None = None
+    candidates: list[Any] | None = None
     held_ends: list[nn.Parameter] = field(default_factory=list)
 
     def optimizer_aliases(self) -> dict[str, str]:
@@ -100,7 +109,7 @@ def split_module(
     to_device: Callable[[Any, torch.device], Any],
     broadcast: Callable[[Any], Any],
     context: Callable[[], ContextManager[Any]],
-    previous: Optional[ModuleSplit] = None,
+    previous: ModuleSplit | None = None,
 ) -> ModuleSplit:
     """Replace the Sequential by this rank's stage, under the same attribute and layer names.
 
@@ -140,7 +149,9 @@ def split_module(
     else:
         balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
     if not parameters_beyond(module, layers, ends):  # else every process holds those
-        processes = [sorted({split_of(s, num_split) for s, q in enumerate(positions) if q == p}) for p in range(layout.stages)]
+        processes = [
+            sorted({split_of(s, num_split) for s, q in enumerate(positions) if q == p}) for p in range(layout.stages)
+        ]
         check_stage_parameters(balance, layers, processes, owners)
     with_ends = extended(layers, ends)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
@@ -164,10 +175,20 @@ def split_module(
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
         chunks = config.num_microbatches(layout.stages)
-        rank_zero_info(describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks))
+        rank_zero_info(
+            describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks)
+        )
     held_ends = held_end_parameters(ends, held_split, num_split)
     return ModuleSplit(
-        config, placement, name, StageSplit(stage, stages, ties), balance, deferred_build, profile, candidates, held_ends
+        config,
+        placement,
+        name,
+        StageSplit(stage, stages, ties),
+        balance,
+        deferred_build,
+        profile,
+        candidates,
+        held_ends,
     )
 
 

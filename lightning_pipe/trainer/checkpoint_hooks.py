@@ -5,8 +5,9 @@ under ``data_parallel="shard"``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -18,7 +19,9 @@ from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_b
 from lightning_pipe.runtime.sharding import is_dtensor, shard_like
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer, aliases: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module, optimizer: Optimizer, aliases: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter name (so it loads under another layout); ``aliases``:
     this rank's copies of tied weights under the unsplit module's name (see :func:`tie_aliases`)."""
     if isinstance(optimizer, LightningOptimizer):
@@ -27,7 +30,11 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, aliases: Optional[M
 
 
 def save_checkpoint(
-    checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], writer: stage_io.Writer, async_state: Optional[dict[str, Any]]
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any | None,
+    writer: stage_io.Writer,
+    async_state: dict[str, Any] | None,
 ) -> None:
     """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata,
     published only once every rank wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
@@ -38,8 +45,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    module: nn.Module, checkpoint_path: Any, weights_only: Optional[bool], load_file: Callable[..., Any]
-) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    module: nn.Module, checkpoint_path: Any, weights_only: bool | None, load_file: Callable[..., Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline
     checkpoint written under any number of stages (or a plain Lightning checkpoint read with
     ``load_file``), and the asynchronous schedule's saved state (None without one)."""
@@ -47,7 +54,11 @@ def load_checkpoint(
 
 
 def load_optimizer_state_dict(
-    module: nn.Module, optimizers: Sequence[Optimizer], checkpoint: Mapping[str, Any], sharded: bool, device: torch.device
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    checkpoint: Mapping[str, Any],
+    sharded: bool,
+    device: torch.device,
 ) -> None:
     """Each optimizer's state from the checkpoint's by-name states, in the optimizer's own order."""
     names = parameter_names(module)
@@ -82,4 +93,10 @@ def _shard_state(value: Any, param: Tensor) -> Any:
     return value
 
 
-__all__ = ["load_checkpoint", "load_model_state_dict", "load_optimizer_state_dict", "optimizer_state", "save_checkpoint"]
+__all__ = [
+    "load_checkpoint",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "optimizer_state",
+    "save_checkpoint",
+]

@@ -6,8 +6,9 @@ schedule a step executes is checked by :mod:`lightning_pipe.schedules.runnable`,
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -36,7 +37,7 @@ def check_automatic_optimization(module: Any) -> None:
         )
 
 
-def split_layers(blocks: Optional[str]) -> str:
+def split_layers(blocks: str | None) -> str:
     """What the split layers are, for a message: ``blocks`` is the ``module=`` path of a block
     container (an ``nn.ModuleList`` the model's forward loops over), None for an ``nn.Sequential``."""
     return "the split nn.Sequential" if blocks is None else f"the blocks of the block container {blocks!r}"
@@ -50,7 +51,7 @@ _BLOCKS_OUTSIDE = (
 _AS_SEQUENTIAL = "express the model as an nn.Sequential whose layers hold the embeddings and the head too"
 
 
-def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: Optional[str] = None) -> None:
+def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: str | None = None) -> None:
     """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version.
     ``blocks``: the ``module=`` path when the split layers are a block container."""
     problems = []
@@ -100,7 +101,7 @@ def check_async(
     stages: int,
     num_microbatches: int,
     scaler: Any,
-    blocks: Optional[str] = None,
+    blocks: str | None = None,
 ) -> None:
     """The asynchronous schedules stash versions of the split layers' weights and apply gradients late.
     ``blocks``: the ``module=`` path when the split layers are a block container."""

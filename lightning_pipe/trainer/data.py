@@ -4,7 +4,8 @@ whether an evaluation step is a replica's padding, and the optimizers as the Tra
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.trainer.states import TrainerFn
@@ -13,7 +14,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 
-from lightning_pipe.runtime.replica_data import EvaluationShare, splittable, replica_sampler
+from lightning_pipe.runtime.replica_data import EvaluationShare, replica_sampler, splittable
 
 
 def first_batch(trainer: Any) -> Any:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,7 +24,14 @@ log = logging.getLogger(__name__)
 _NOTE = "lightning_pipe/failed/"
 _LOST = "lightning_pipe/lost/"
 _WAIT_S = 3.0
-_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused", "GLHF", "NCCL")
+_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "GLHF",
+    "NCCL",
+)
 
 
 class PeerFailure(RuntimeError):
@@ -47,7 +55,7 @@ def _store() -> Any:
         return None
 
 
-def report(error: BaseException, rank: int, describe_rank: Callable[[int], str]) -> Optional[PeerFailure]:
+def report(error: BaseException, rank: int, describe_rank: Callable[[int], str]) -> PeerFailure | None:
     """Record this rank's failure for the others, or, for a communication error, explain it with
     theirs. Returns the error to raise instead of ``error`` (None: keep ``error``)."""
     store = _store()
@@ -105,7 +113,7 @@ def note(exception: BaseException, rank: int, describe_rank: Callable[[int], str
 __all__ = ["PeerFailure", "explain", "is_communication_error", "note", "report"]
 
 
-def after_failure(failure: Optional[BaseException], teardown: Callable[[], None]) -> None:
+def after_failure(failure: BaseException | None, teardown: Callable[[], None]) -> None:
     """Run ``teardown``. When the run already failed with ``failure``, a failure of the teardown
     itself (Lightning moving a half-built module to the CPU: ``Cannot copy out of meta tensor``) is
     added to ``failure`` as a note instead of replacing it, so the user sees the first error."""
@@ -114,4 +122,6 @@ def after_failure(failure: Optional[BaseException], teardown: Callable[[], None]
     except Exception as error:
         if failure is None:
             raise
-        failure.add_note(f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}")
+        failure.add_note(
+            f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}"
+        )

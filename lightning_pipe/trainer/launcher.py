@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 from unittest import mock
 
 import lightning.pytorch as pl
@@ -28,8 +29,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning_pipe.runtime.sharding import full_tensor
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+
+from lightning_pipe.runtime.sharding import full_tensor
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Gathering:
 
 
 class _GatheringLauncher(_MultiProcessingLauncher):
-    def __init__(self, strategy: "pl.strategies.Strategy", start_method: str, gathering: Callable[[], Gathering]) -> None:
+    def __init__(self, strategy: pl.strategies.Strategy, start_method: str, gathering: Callable[[], Gathering]) -> None:
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
         self._gathering = gathering
 
@@ -65,7 +67,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
                 dist.barrier()
             dist.destroy_process_group()
 
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional["_WorkerOutput"]:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         module = trainer.lightning_module
         original = module.state_dict
         gathering = self._gathering()
@@ -80,7 +82,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
             # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
             group, ranks = gathering.group, list(gathering.ranks)
             first = dist.get_rank() == ranks[0]
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
+            gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
             dist.gather_object(local, gathered, dst=ranks[0], group=group)
             merged: dict[str, Any] = {}
             for part in gathered or [local]:
@@ -106,14 +108,14 @@ class _Serialized(bytes):
 
 
 class PipelineMultiProcessingLauncher(_Launcher):
-    def __init__(self, strategy: "pl.strategies.Strategy", start_method: str, gathering: Callable[[], Gathering]) -> None:
+    def __init__(self, strategy: pl.strategies.Strategy, start_method: str, gathering: Callable[[], Gathering]) -> None:
         self._inner = _GatheringLauncher(strategy, start_method, gathering)
 
     @property
     def is_interactive_compatible(self) -> bool:
         return self._inner.is_interactive_compatible
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         results = self._inner.launch(function, *args, trainer=trainer, **kwargs)
         if isinstance(results, _Serialized):
             # our own worker's output (predictions may be any picklable object), not a file from elsewhere
@@ -132,9 +134,10 @@ _SWEEP_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hyd
 def hydra_child_command(local_rank: int) -> tuple[list[str], str]:
     """The command and working directory for extra process ``local_rank`` of the current Hydra job:
     the job's own overrides (one job of a sweep, never the sweep) writing into the job's folder."""
-    import __main__
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
 
     config = HydraConfig.get()
     if __main__.__spec__ is None:

@@ -11,14 +11,15 @@ gradients: :func:`clip_by_global_norm` gives the precision plugin that clipping.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
 
-def sync_gradient_scaler(scaler: "torch.amp.GradScaler", group: Optional[Any] = None) -> None:
+def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None) -> None:
     """After ``scaler.unscale_(optimizer)`` finds infs on this stage, agree over all stages (max of
     the flags) before ``scaler.step`` and ``scaler.update`` read them. Idempotent."""
     if getattr(scaler, "_lightning_pipe_synced", False):
@@ -49,16 +50,16 @@ class _GlobalNormClipping:
     """Lightning's clip-by-norm hook (``Precision.clip_grad_by_norm``, the method Lightning's own
     ``FSDPPrecision`` overrides) with the norm taken over every stage's gradients."""
 
-    _lightning_pipe_clip: Callable[[list[Any], Union[int, float]], Any]
+    _lightning_pipe_clip: Callable[[list[Any], int | float], Any]
 
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._lightning_pipe_clip(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
 
 
 _CLIPPING: dict[type, type] = {}
 
 
-def clip_by_global_norm(plugin: Any, clip: Callable[[list[Any], Union[int, float]], Any]) -> None:
+def clip_by_global_norm(plugin: Any, clip: Callable[[list[Any], int | float], Any]) -> None:
     """Make ``gradient_clip_val`` (norm) clip ``plugin``'s parameters with ``clip(parameters,
     max_norm)``. The Trainer chose the plugin's class from ``precision=``, so the override comes as
     a subclass of that class (isinstance checks still hold). Idempotent."""

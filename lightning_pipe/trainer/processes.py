@@ -9,7 +9,7 @@ very batches the user's DataLoader yields, in the same order.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -35,13 +35,13 @@ class ProcessStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_timeout,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -77,7 +77,7 @@ class ProcessStrategy(ParallelStrategy):
         return False
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     def setup_environment(self) -> None:
@@ -111,7 +111,7 @@ class ProcessStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,19 +42,19 @@ class PipelineSignalConnector(_SignalConnector):
     """Lightning's signal handling with the SIGTERM path above; ``received_sigterm`` becomes true on
     every rank at once, when the stages stop together."""
 
-    def __init__(self, trainer: "pl.Trainer", grace: float = GRACE_SECONDS) -> None:
+    def __init__(self, trainer: pl.Trainer, grace: float = GRACE_SECONDS) -> None:
         super().__init__(trainer)
         self.grace = grace
         self.requested = False
-        self._deadline: Optional[threading.Timer] = None
-        self._posted: Optional[tuple[Any, torch.Tensor]] = None  # the last step's broadcast of rank 0's flag
+        self._deadline: threading.Timer | None = None
+        self._posted: tuple[Any, torch.Tensor] | None = None  # the last step's broadcast of rank 0's flag
         self._group: Any = None
 
     def register_signal_handlers(self) -> None:
         self.requested = False
         super().register_signal_handlers()
 
-    def _sigterm_notifier_fn(self, signum: Any, _: Optional[FrameType]) -> None:
+    def _sigterm_notifier_fn(self, signum: Any, _: FrameType | None) -> None:
         rank = self.trainer.global_rank
         if self.requested:
             _exit_now(f"[rank: {rank}] A second SIGTERM: exiting now.", 128 + int(signum))
@@ -128,7 +128,7 @@ def _exit_now(message: str, status: int) -> None:
     os._exit(status)
 
 
-def install(trainer: "pl.Trainer") -> PipelineSignalConnector:
+def install(trainer: pl.Trainer) -> PipelineSignalConnector:
     """Replace the Trainer's signal handling (before the Trainer registers its handlers, which it does
     after setting the strategy up)."""
     connector = trainer._signal_connector

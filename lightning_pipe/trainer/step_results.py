@@ -13,11 +13,11 @@ plain Lightning's.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -31,17 +31,17 @@ _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
 
 @dataclass
 class _Logged:
-    weighted_sum: Union[float, Tensor] = 0.0  # a tensor stays on its device until the step's end
+    weighted_sum: float | Tensor = 0.0  # a tensor stays on its device until the step's end
     weight: float = 0.0
-    batch_size: Optional[int] = None  # the sum of the batch sizes given to self.log
-    sized_sum: Union[float, Tensor] = 0.0  # values times the batch sizes given to self.log
+    batch_size: int | None = None  # the sum of the batch sizes given to self.log
+    sized_sum: float | Tensor = 0.0  # values times the batch sizes given to self.log
     calls: int = 0
     sized_calls: int = 0
     kwargs: dict[str, Any] = field(default_factory=dict)
     reduce: str = "mean"  # Lightning's reduction of the value (see :func:`reduction`)
-    reduced: Union[float, Tensor, None] = None  # "max", "min", "sum": the micro-batches' values reduced so far
+    reduced: float | Tensor | None = None  # "max", "min", "sum": the micro-batches' values reduced so far
 
-    def add(self, value: Union[float, Tensor], weight: float) -> None:
+    def add(self, value: float | Tensor, weight: float) -> None:
         """One micro-batch's value; a mean ignores a micro-batch of weight 0 (nothing its loss
         averages over, whose token mean is NaN)."""
         self.calls += 1
@@ -65,13 +65,13 @@ class StepRecorder:
     """Collects the loss and logged values of one batch's micro-batches on the last stage."""
 
     def __init__(self) -> None:
-        self._loss_sum: Optional[Tensor] = None  # on the loss's device: no GPU sync per micro-batch
+        self._loss_sum: Tensor | None = None  # on the loss's device: no GPU sync per micro-batch
         self._loss_weight = 0.0
         self.logged: dict[str, _Logged] = {}
         self.passthrough: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     @contextmanager
-    def capture(self, module: "pl.LightningModule", weight: float, keep: bool) -> Iterator[None]:
+    def capture(self, module: pl.LightningModule, weight: float, keep: bool) -> Iterator[None]:
         """Route ``module.log`` to this recorder while a micro-batch's step runs. With ``keep`` false
         (stages before the last, whose step is cut short) the calls are dropped."""
 
@@ -86,7 +86,7 @@ class StepRecorder:
         finally:
             del module.log
 
-    def _record(self, module: "pl.LightningModule", weight: float, args: tuple, kwargs: dict) -> None:
+    def _record(self, module: pl.LightningModule, weight: float, args: tuple, kwargs: dict) -> None:
         # runs for every micro-batch: the usual self.log(name, value, **options) skips binding the
         # signature, which costs more than the rest of the call
         if len(args) == 2 and _LOG_OPTIONS.issuperset(kwargs):
@@ -111,7 +111,7 @@ class StepRecorder:
             entry.sized_calls += 1
         entry.kwargs = arguments
 
-    def log_local(self, module: "pl.LightningModule") -> None:
+    def log_local(self, module: pl.LightningModule) -> None:
         """Log, once for the batch, the values that cannot be averaged (metric objects, updated by
         every micro-batch's step); they exist on the last stage only."""
         seen: set[str] = set()
@@ -150,9 +150,11 @@ class StepRecorder:
         loss = float(self._loss_sum) if self._loss_sum is not None else None
         logged = {
             name: dict(
-                entry.__dict__, weighted_sum=float(entry.weighted_sum), sized_sum=float(entry.sized_sum),
+                entry.__dict__,
+                weighted_sum=float(entry.weighted_sum),
+                sized_sum=float(entry.sized_sum),
                 reduced=float(entry.reduced) if entry.reduced is not None else None,
-            )  # fmt: skip
+            )
             for name, entry in self.logged.items()
         }
         return {"loss": (loss, self._loss_weight), "logged": logged}
@@ -167,7 +169,11 @@ class StepRecorder:
         for name, other in state["logged"].items():
             entry = self.logged.setdefault(name, _Logged(reduce=other["reduce"]))
             if other["reduced"] is not None:
-                entry.reduced = other["reduced"] if entry.reduced is None else combine(entry.reduce, entry.reduced, other["reduced"])
+                entry.reduced = (
+                    other["reduced"]
+                    if entry.reduced is None
+                    else combine(entry.reduce, entry.reduced, other["reduced"])
+                )
             entry.weighted_sum += other["weighted_sum"]
             entry.weight += other["weight"]
             entry.calls += other["calls"]
@@ -193,7 +199,7 @@ def gather_recorders(recorder: StepRecorder, ranks: Sequence[int], rank: int, gr
             recorder.absorb(box[0])
 
 
-def _as_scalar(value: Any) -> Union[float, Tensor, None]:
+def _as_scalar(value: Any) -> float | Tensor | None:
     """A loggable single number (a one-element tensor stays a tensor, detached), or None."""
     if isinstance(value, Tensor) and value.numel() == 1:
         return value.detach().float().reshape(())
@@ -202,7 +208,7 @@ def _as_scalar(value: Any) -> Union[float, Tensor, None]:
     return None
 
 
-def step_loss(output: Any) -> Optional[Tensor]:
+def step_loss(output: Any) -> Tensor | None:
     """The loss in what ``training_step`` returned: a tensor, or a mapping with ``"loss"``."""
     if output is None:
         return None
@@ -216,7 +222,7 @@ def step_loss(output: Any) -> Optional[Tensor]:
     )
 
 
-def replay(module: "pl.LightningModule", summary: dict[str, Any], device: torch.device) -> None:
+def replay(module: pl.LightningModule, summary: dict[str, Any], device: torch.device) -> None:
     """Log the batch's means through Lightning on this rank."""
     for name, value, kwargs in summary["logs"]:
         module.log(name, torch.tensor(value, device=device), **kwargs)
@@ -237,13 +243,13 @@ class SummaryBroadcaster:
 
     def __init__(self, src: int, group: Any, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
-        self._structure: Optional[list[tuple[str, dict[str, Any]]]] = None
-        self._sent_structure: Optional[list[tuple[str, dict[str, Any]]]] = None
+        self._structure: list[tuple[str, dict[str, Any]]] | None = None
+        self._sent_structure: list[tuple[str, dict[str, Any]]] | None = None
 
-    def share(self, summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+    def share(self, summary: dict[str, Any] | None) -> dict[str, Any]:
         return self.complete(self.post(summary))
 
-    def post(self, summary: Optional[dict[str, Any]]) -> tuple[Any, Tensor, Optional[dict[str, Any]]]:
+    def post(self, summary: dict[str, Any] | None) -> tuple[Any, Tensor, dict[str, Any] | None]:
         import torch.distributed as dist
 
         buffer = torch.zeros(self.SLOTS, dtype=torch.float64)
@@ -264,12 +270,12 @@ class SummaryBroadcaster:
         return work, buffer, summary
 
     @staticmethod
-    def needs_more(handle: tuple[Any, Tensor, Optional[dict[str, Any]]]) -> bool:
+    def needs_more(handle: tuple[Any, Tensor, dict[str, Any] | None]) -> bool:
         """On the sending rank: whether completing ``handle`` takes another (blocking) broadcast,
         which the receivers are already waiting for."""
         return int(handle[1][0]) != 0
 
-    def complete(self, handle: tuple[Any, Tensor, Optional[dict[str, Any]]]) -> dict[str, Any]:
+    def complete(self, handle: tuple[Any, Tensor, dict[str, Any] | None]) -> dict[str, Any]:
         import torch.distributed as dist
 
         work, buffer, summary = handle
@@ -308,15 +314,15 @@ class SummarySharing:
     def __init__(self, src: int, group: Any, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
-        self._unfinished: Optional[tuple[SummaryBroadcaster, Any]] = None
-        self._lagged: Optional[Any] = None
+        self._unfinished: tuple[SummaryBroadcaster, Any] | None = None
+        self._lagged: Any | None = None
 
     def _broadcaster(self, kind: str) -> SummaryBroadcaster:
         if kind not in self._broadcasters:
             self._broadcasters[kind] = SummaryBroadcaster(self.src, self.group, self.is_src)
         return self._broadcasters[kind]
 
-    def share(self, kind: str, summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+    def share(self, kind: str, summary: dict[str, Any] | None) -> dict[str, Any]:
         """``summary`` (given on the last stage only) on every rank."""
         self.finish_pending()
         broadcaster = self._broadcaster(kind)
@@ -337,7 +343,7 @@ class SummarySharing:
             self._unfinished = None
             broadcaster.complete(handle)
 
-    def take_lagged(self) -> Optional[dict[str, Any]]:
+    def take_lagged(self) -> dict[str, Any] | None:
         """The training summary posted by :meth:`post_lagged` a step ago, if any, on every rank."""
         self.finish_pending()
         if self._lagged is None:
@@ -345,7 +351,6 @@ class SummarySharing:
         handle, self._lagged = self._lagged, None
         return self._broadcaster("train").complete(handle)
 
-    def post_lagged(self, summary: Optional[dict[str, Any]]) -> None:
+    def post_lagged(self, summary: dict[str, Any] | None) -> None:
         """Start sharing this training step's summary, to be read by the next step."""
         self._lagged = self._broadcaster("train").post(summary)
-

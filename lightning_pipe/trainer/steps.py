@@ -11,7 +11,8 @@ so that no rank waits for the others between steps.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,13 +21,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_pipe.trainer.compatibility import as_misconfiguration
 from lightning_pipe.runtime.loss_weights import microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
-from lightning_pipe.trainer.data import is_padding
 from lightning_pipe.runtime.topology import Topology
+from lightning_pipe.trainer.compatibility import as_misconfiguration
+from lightning_pipe.trainer.data import is_padding
 from lightning_pipe.trainer.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
 
 _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
@@ -55,9 +56,9 @@ class PipelineSteps:
         self,
         pipeline: StagePipeline,
         topology: Topology,
-        module: "pl.LightningModule",
+        module: pl.LightningModule,
         precision: Precision,
-        stop_if_requested: Optional[Callable[[], None]] = None,
+        stop_if_requested: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.placement = pipeline.placement
@@ -73,7 +74,7 @@ class PipelineSteps:
         }
         self._scaler = getattr(precision, "scaler", None)
         self._stop_if_requested = stop_if_requested or (lambda: None)
-        self._sharing: Optional[SummarySharing] = None  # the last stage's summaries, on every rank
+        self._sharing: SummarySharing | None = None  # the last stage's summaries, on every rank
         self._last_loss = float("nan")
 
     @property
@@ -90,7 +91,7 @@ class PipelineSteps:
         with as_misconfiguration():
             ends = self.pipeline.ends_here(len(micro))  # where each micro-batch's loss is computed
 
-        def step(i: int) -> Optional[Tensor]:
+        def step(i: int) -> Tensor | None:
             weight, keep = weights[i], ends[i]
             with recorder.capture(module, weight, keep):
                 output = module.training_step(micro[i], *rest, **kwargs)
@@ -126,7 +127,13 @@ class PipelineSteps:
         return torch.tensor(summary["loss"], device=self.device)
 
     def _async_training_step(
-        self, module: "pl.LightningModule", keys: list, recorder: StepRecorder, step: Callable, context: Context, batch_idx: int
+        self,
+        module: pl.LightningModule,
+        keys: list,
+        recorder: StepRecorder,
+        step: Callable,
+        context: Context,
+        batch_idx: int,
     ) -> Tensor:
         """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
         the gradient applied by this step's optimizer update is that of an earlier batch."""
@@ -155,13 +162,13 @@ class PipelineSteps:
         recorder.log_local(module)
         return torch.tensor(self._last_loss, device=self.device)
 
-    def _replay_summary(self, module: "pl.LightningModule", summary: dict[str, Any]) -> None:
+    def _replay_summary(self, module: pl.LightningModule, summary: dict[str, Any]) -> None:
         replay(module, summary, self.device)
         if summary["loss"] is not None:
             self._last_loss = summary["loss"]
 
     @staticmethod
-    def _async_sync_point(trainer: "pl.Trainer", batch_idx: int) -> bool:
+    def _async_sync_point(trainer: pl.Trainer, batch_idx: int) -> bool:
         """Whether training pauses after this step (epoch end, ``max_steps``): drain now."""
         loop = trainer.fit_loop.epoch_loop
         if loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
@@ -198,7 +205,7 @@ class PipelineSteps:
         recorder.log_local(module)
         return merge(outputs) if keep else None
 
-    def _padding_step(self, module: "pl.LightningModule", hook: str, args: tuple) -> bool:
+    def _padding_step(self, module: pl.LightningModule, hook: str, args: tuple) -> bool:
         """Whether this evaluation step only keeps this replica in step with replicas that have more
         samples (see :class:`lightning_pipe.runtime.replica_data.EvaluationShare`)."""
         if self.placement.num_replicas == 1 or hook == "predict_step" or module is None:
@@ -226,8 +233,8 @@ class PipelineSteps:
 
     # ------------------------------------------------------------------ a step's batch
     def begin_step(
-        self, module: "pl.LightningModule", kind: str, args: tuple
-    ) -> tuple["pl.LightningModule", list[Any], list[tuple], list[float], StepRecorder]:
+        self, module: pl.LightningModule, kind: str, args: tuple
+    ) -> tuple[pl.LightningModule, list[Any], list[tuple], list[float], StepRecorder]:
         """The module, the batch's micro-batches, their shape keys, their weights (share of the
         batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs. Starts checking that every stage
         loaded the same batch (finished before this rank's first receive)."""
@@ -248,7 +255,9 @@ class PipelineSteps:
                 self.pipeline.agree(keys)
         # each micro-batch's share of the batch's loss (see runtime.loss_weights); a custom count is taken
         # only where losses and logs are recorded (it may read the batch back from the device)
-        counted = self.placement.is_last_stage or (kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro)))
+        counted = self.placement.is_last_stage or (
+            kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro))
+        )
         weights = microbatch_weights(micro, self.config.loss_weight if counted else None)
         return module, micro, keys, weights, StepRecorder()
 
@@ -256,7 +265,7 @@ class PipelineSteps:
         return checks_values(self.config.check_data, batch_idx)
 
     # ------------------------------------------------------------------ summaries
-    def summary(self, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
+    def summary(self, recorder: StepRecorder | None, samples: int | None = None) -> dict[str, Any]:
         """The last stage's step summary (None: a padding step's, empty); with replicas, combined
         over them (the global batch's): in evaluation weighted by each replica's ``samples``."""
         summary = recorder.summary() if recorder is not None else EMPTY
@@ -264,7 +273,7 @@ class PipelineSteps:
             summary = combine_over_replicas(summary, self._dp_group, self.device, samples)
         return summary
 
-    def share(self, kind: str, recorder: Optional[StepRecorder], samples: Optional[int] = None) -> dict[str, Any]:
+    def share(self, kind: str, recorder: StepRecorder | None, samples: int | None = None) -> dict[str, Any]:
         """The last stage's loss and logged means, on every rank (see :class:`SummarySharing`)."""
         summary = self.summary(recorder, samples) if self.placement.is_last_stage else None
         if self.placement.num_stages == 1:
@@ -291,8 +300,7 @@ class PipelineSteps:
         self.pipeline.drain(self._precision.train_step_context)
 
 
-
-def checks_values(check_data: Union[bool, int], batch_idx: int) -> bool:
+def checks_values(check_data: bool | int, batch_idx: int) -> bool:
     """Whether the step of ``batch_idx`` compares a checksum of the batch's values across the
     stages: every step with ``check_data=True`` (the default), every N steps and the first of each
     epoch and loop with ``check_data=N``, never with ``False`` (shapes are compared every step)."""
@@ -300,8 +308,12 @@ def checks_values(check_data: Union[bool, int], batch_idx: int) -> bool:
 
 
 def _data_source(
-    module: "pl.LightningModule", kind: str, batch_idx: int, loader_idx: int, at: Optional[tuple[int, int]],
-    every: Union[bool, int],
+    module: pl.LightningModule,
+    kind: str,
+    batch_idx: int,
+    loader_idx: int,
+    at: tuple[int, int] | None,
+    every: bool | int,
 ) -> str:
     """The DataLoader a step's batch came from and where in it (``at``: the training step's epoch
     and global step), named for an error message (formatted only when the stages disagree)."""
@@ -318,4 +330,5 @@ def _data_source(
         where += f", compared every {every} batches, so they may differ from batch {batch_idx - every + 1} on"
     return where
 
-__all__ = ["checks_values", "PipelineSteps"]
+
+__all__ = ["PipelineSteps", "checks_values"]

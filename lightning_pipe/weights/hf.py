@@ -37,7 +37,7 @@ _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header's size
 Shape = Optional[tuple[int, ...]]  # None: not known until the file is opened
 
 
-def pretrained_file(directory: Path) -> Optional[Path]:
+def pretrained_file(directory: Path) -> Path | None:
     """The file of ``directory`` that says where its weights are, or None when it is not a
     ``save_pretrained`` directory."""
     return next((directory / name for name in PRETRAINED_FILES if (directory / name).is_file()), None)
@@ -63,7 +63,9 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         end = max((int(entry["data_offsets"][1]) for entry in tensors.values()), default=0)
     except (TypeError, KeyError, IndexError, ValueError) as err:
-        raise ValueError(f"{path} is not a safetensors file (an entry of its header has no data_offsets: {err})") from err
+        raise ValueError(
+            f"{path} is not a safetensors file (an entry of its header has no data_offsets: {err})"
+        ) from err
     check_length(path, 8 + size + end)
     return {name: tuple(entry["shape"]) for name, entry in tensors.items()}
 

@@ -24,9 +24,10 @@ store it once) is satisfied by any one of its names.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -40,14 +41,16 @@ _PATH = Union[str, Path]
 _SHOWN = 8
 
 
-def check_weights_argument(weights: Optional[_PATH]) -> Optional[Path]:
+def check_weights_argument(weights: _PATH | None) -> Path | None:
     """``PipelineStrategy(weights=...)`` checked where the strategy is built: a path to an
     existing file of a known kind, a lightning-pipe checkpoint directory or a ``save_pretrained``
     directory."""
     if weights is None:
         return None
     if not isinstance(weights, (str, Path)):
-        raise TypeError(f"PipelineStrategy(weights={weights!r}): give the path of a weights file or checkpoint directory.")
+        raise TypeError(
+            f"PipelineStrategy(weights={weights!r}): give the path of a weights file or checkpoint directory."
+        )
     path = Path(weights).expanduser()
     if path.is_dir():
         if not is_pipeline_checkpoint(path) and pretrained_file(path) is None:
@@ -74,10 +77,10 @@ class WeightSource:
     read one tensor."""
 
     path: Path
-    shapes: dict[str, Optional[tuple[int, ...]]]
+    shapes: dict[str, tuple[int, ...] | None]
     read: Callable[[str], Tensor]
     keep: list[Any] = field(default_factory=list)  # open handles the reads need
-    files: Optional[PretrainedFiles] = None  # a save_pretrained directory's files (which were opened)
+    files: PretrainedFiles | None = None  # a save_pretrained directory's files (which were opened)
     hint: str = ""  # how the names were matched, for errors
 
 
@@ -167,7 +170,7 @@ def model_spec(module: nn.Module) -> ModelSpec:
     return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, {n: groups[id(t)] for n, t in state.items()})
 
 
-def match_names(source: WeightSource, spec: ModelSpec, rename: Optional[Rename] = None) -> WeightSource:
+def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = None) -> WeightSource:
     """``source`` with its tensors named as the module names them: as they are when they fit,
     else by the one prefix that makes them all fit, or by ``rename`` (see
     :mod:`lightning_pipe.weights.names`). Raises ``ValueError`` when several prefixes fit."""
@@ -236,8 +239,11 @@ def load_local(module: nn.Module, source: WeightSource, spec: ModelSpec) -> int:
 
 
 def load_stage_weights(
-    module: nn.Module, path: _PATH, spec: ModelSpec, rename: Optional[Rename] = None,
-    report: Optional[Callable[[str], None]] = None,
+    module: nn.Module,
+    path: _PATH,
+    spec: ModelSpec,
+    rename: Rename | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> int:
     """Check ``path`` against the whole model (``spec``), its names matched to the module's (see
     :func:`match_names`; ``rename``: a mapping of file-name prefixes to module-name prefixes, or a

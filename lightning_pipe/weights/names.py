@@ -20,10 +20,11 @@ load (e.g. buffers an old checkpoint stored that the model no longer has).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Optional, Union
+from typing import Union
 
-Rename = Union[Mapping[str, Optional[str]], Callable[[str], Optional[str]]]
+Rename = Union[Mapping[str, str | None], Callable[[str], str | None]]
 _SHOWN = 4
 
 
@@ -32,11 +33,11 @@ class NameMap:
     """File name -> module name for every tensor of the file that is loaded, and how it was found."""
 
     names: dict[str, str]
-    prefix: Optional[str] = None  # the prefix found and added, when the names were matched that way
+    prefix: str | None = None  # the prefix found and added, when the names were matched that way
     renamed: bool = False  # given by ``rename``
 
 
-def check_rename(rename: Optional[Rename]) -> None:
+def check_rename(rename: Rename | None) -> None:
     """``rename`` is None, a mapping of strings to strings (or None), or a callable."""
     if rename is None or callable(rename):
         return
@@ -69,7 +70,7 @@ def apply_rename(file_names: Collection[str], rename: Rename) -> dict[str, str]:
                 mapped[f] = f
             else:
                 new = rename[key]
-                mapped[f] = None if new is None else new + f[len(key):]
+                mapped[f] = None if new is None else new + f[len(key) :]
     bad = [f"{f!r} -> {m!r}" for f, m in mapped.items() if m is not None and not isinstance(m, str)]
     if bad:
         raise TypeError(f"rename gave names that are not strings: {', '.join(bad[:_SHOWN])}.")
@@ -85,7 +86,7 @@ def apply_rename(file_names: Collection[str], rename: Rename) -> dict[str, str]:
 def name_map(
     file_names: Collection[str],
     aliases: Mapping[str, list[str]],
-    rename: Optional[Rename] = None,
+    rename: Rename | None = None,
     where: str = "the file",
 ) -> NameMap:
     """How the names of a file map to the module's. ``aliases`` is every module name -> all names

@@ -27,7 +27,9 @@ def test_a_checksum_covers_bytes_dtype_and_shape() -> None:
 def test_the_verifier_checks_the_tensors_of_the_names_asked_for(tmp_path: Path) -> None:
     shard = {
         "state_dict": {"a.weight": torch.ones(3), "b.weight": torch.zeros(3)},
-        "optimizer_states": [{"state": {"a.weight": {"exp_avg": torch.ones(3)}, "b.weight": {"exp_avg": torch.ones(3)}}}],
+        "optimizer_states": [
+            {"state": {"a.weight": {"exp_avg": torch.ones(3)}, "b.weight": {"exp_avg": torch.ones(3)}}}
+        ],
         "extra": {"scale": torch.tensor(2.0)},
     }
     recorded = checksums.record(shard)
@@ -38,7 +40,9 @@ def test_the_verifier_checks_the_tensors_of_the_names_asked_for(tmp_path: Path) 
     shard["optimizer_states"][0]["state"]["b.weight"]["exp_avg"][1] = 5.0  # damage b's optimizer state
     verifier = checksums.Verifier(tmp_path / "f.pt", shard, recorded, shard["state_dict"])
     verifier.verify(["a.weight"])  # a's tensors and the unnamed ones are whole
-    with pytest.raises(RuntimeError, match=r"f.pt is damaged: the tensor optimizer_states/0/state/b.weight/exp_avg does not match"):
+    with pytest.raises(
+        RuntimeError, match=r"f.pt is damaged: the tensor optimizer_states/0/state/b.weight/exp_avg does not match"
+    ):
         verifier.verify(["b.weight"])
     with pytest.raises(RuntimeError, match=r"optimizer_states/0/state/b.weight/exp_avg"):
         checksums.Verifier(tmp_path / "f.pt", shard, recorded, shard["state_dict"]).verify()

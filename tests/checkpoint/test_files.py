@@ -37,12 +37,16 @@ def test_damaged_metadata_and_shards_written_without_processes_are_refused(tmp_p
     write_meta(tmp_path, {"epoch": 0, "callbacks": {"ModelCheckpoint": {"best_model_score": best}}}, 1, tag)
     read(tmp_path)
     flip(tmp_path / "meta.pt", best)
-    with pytest.raises(RuntimeError, match=r"meta.pt is damaged: the tensor callbacks/ModelCheckpoint/best_model_score"):
+    with pytest.raises(
+        RuntimeError, match=r"meta.pt is damaged: the tensor callbacks/ModelCheckpoint/best_model_score"
+    ):
         read(tmp_path)
     write_meta(tmp_path, {"epoch": 0}, 1, tag)
     flip(tmp_path / shard_name(0), state["layers.2.bias"])
     read(tmp_path, names=["layers.0.weight"])  # another stage's tensor: not read, not compared
-    with pytest.raises(RuntimeError, match=r"stage-00000.pt is damaged: the tensor state_dict/layers.2.bias does not match"):
+    with pytest.raises(
+        RuntimeError, match=r"stage-00000.pt is damaged: the tensor state_dict/layers.2.bias does not match"
+    ):
         read(tmp_path, names=["layers.2.bias"])
 
 
@@ -69,7 +73,9 @@ def test_damaged_bytes_stop_consolidation_resume_and_weights_naming_the_file(tmp
     flip(shard, stored["optimizer_states"][0]["state"]["layers.6.weight"]["exp_avg_sq"])
     stage_zero = [n for n in TinyNet().state_dict() if int(n.split(".")[1]) < 4]
     read(last, names=stage_zero)
-    with pytest.raises(RuntimeError, match=r"the tensor optimizer_states/0/state/layers.6.weight/exp_avg_sq does not match"):
+    with pytest.raises(
+        RuntimeError, match=r"the tensor optimizer_states/0/state/layers.6.weight/exp_avg_sq does not match"
+    ):
         read(last)
 
 
@@ -82,7 +88,9 @@ def _two_stages(path: Path, momentum: tuple[float, float] = (0.9, 0.9)) -> None:
         mine = names[: len(names) // 2] if stage == 0 else names[len(names) // 2 :]
         group = {"lr": 0.1, "momentum": m, "dampening": 0, "weight_decay": 0, "nesterov": False, "params": mine}
         optim = [{"state": {n: {"momentum_buffer": torch.ones(2)} for n in mine}, "param_groups": [group]}]
-        write_shard(path, stage, {n: state[n] for n in mine}, optim, extra={"async": {"step": 7, "pending": {}}}, tag=tag)
+        write_shard(
+            path, stage, {n: state[n] for n in mine}, optim, extra={"async": {"step": 7, "pending": {}}}, tag=tag
+        )
     sched = {"gamma": 0.5, "base_lrs": [0.1], "last_epoch": 3}
     write_meta(path, {"epoch": 0, "global_step": 3, "lr_schedulers": [sched]}, 2, tag)
 
@@ -101,7 +109,10 @@ def test_a_changed_optimizer_hyperparameter_is_refused_naming_the_file(tmp_path:
     _two_stages(tmp_path)
     assert read(tmp_path)[1][stage]["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9
     flip_float(tmp_path / shard_name(stage), 0.9, 0.775)
-    message = re.escape(str(tmp_path / shard_name(stage))) + r" is damaged: its values other than tensors under optimizer_states \(hyper-parameters"
+    message = (
+        re.escape(str(tmp_path / shard_name(stage)))
+        + r" is damaged: its values other than tensors under optimizer_states \(hyper-parameters"
+    )
     with pytest.raises(RuntimeError, match=message):
         read(tmp_path)
     with pytest.raises(RuntimeError, match=message):

@@ -30,7 +30,9 @@ def _names(*layers: int) -> list[str]:
     ],
 )
 def test_merged_order_is_the_unsplit_modules(lists: list[list[str]]) -> None:
-    assert merge_orders(lists) == sorted((n for part in lists for n in part), key=lambda n: (int(n.split(".")[1]), n[-4:] == "bias"))
+    assert merge_orders(lists) == sorted(
+        (n for part in lists for n in part), key=lambda n: (int(n.split(".")[1]), n[-4:] == "bias")
+    )
 
 
 def test_parameters_outside_the_sequential_stay_around_it() -> None:
@@ -53,7 +55,15 @@ def test_plain_lightning_resumes_a_consolidated_checkpoint_exactly(tmp_path: Pat
     piped.load_state_dict(initial)
     saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     fit_pipeline(
-        piped, 2, data, schedule=schedule, chunks=4, max_steps=-1, max_epochs=1, enable_checkpointing=True, callbacks=[saves]
+        piped,
+        2,
+        data,
+        schedule=schedule,
+        chunks=4,
+        max_steps=-1,
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[saves],
     )
     plain_file = tmp_path / "plain.ckpt"
     consolidate(tmp_path / "last.ckpt", plain_file)
@@ -82,7 +92,9 @@ def test_a_weight_tied_across_processes_is_one_entry_of_the_consolidated_optimiz
     fit_pipeline(piped, 2, data, chunks=4, max_steps=-1, max_epochs=1, enable_checkpointing=True, callbacks=[saves])
     plain_file = tmp_path / "plain.ckpt"
     consolidated = consolidate(tmp_path / "last.ckpt", plain_file)
-    assert consolidated["optimizer_states"][0]["param_groups"][0]["params"] == list(range(len(list(TiedNet().parameters()))))
+    assert consolidated["optimizer_states"][0]["param_groups"][0]["params"] == list(
+        range(len(list(TiedNet().parameters())))
+    )
     resumed = TiedNet()
     fit_plain(resumed, data, ckpt_path=str(plain_file), max_steps=-1, max_epochs=2)
     assert_same_weights(four, resumed)

@@ -35,7 +35,10 @@ def test_sharded_parts_of_another_save_or_damaged_are_refused_naming_them(tmp_pa
 
     shutil.rmtree(parts)
     shutil.copytree(other, parts)  # the whole directory of the step-2 save
-    with pytest.raises(RuntimeError, match=r"stage-00000.dcp belongs to the save of step 2 \(epoch 0\), but .*meta.pt to the save of step 4"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"stage-00000.dcp belongs to the save of step 2 \(epoch 0\), but .*meta.pt to the save of step 4",
+    ):
         consolidate(late)
     put_back()
     (parts / "__1_0.distcp").write_bytes((other / "__1_0.distcp").read_bytes())  # one part of it
@@ -43,13 +46,18 @@ def test_sharded_parts_of_another_save_or_damaged_are_refused_naming_them(tmp_pa
         consolidate(late)
     put_back()
     (parts / "__0_0.distcp").write_bytes(whole["__0_0.distcp"][:100])
-    with pytest.raises(RuntimeError, match=r"__0_0.distcp cannot be read: it has 100 bytes but was written with \d+; it is damaged or truncated"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"__0_0.distcp cannot be read: it has 100 bytes but was written with \d+; it is damaged or truncated",
+    ):
         read(late)
     put_back()
     data = bytearray(whole["__1_0.distcp"])
     data[len(data) // 2] ^= 0xFF
     (parts / "__1_0.distcp").write_bytes(bytes(data))
-    with pytest.raises(RuntimeError, match=r"stage-00000.dcp/__1_0.distcp is damaged: its content does not match the checksum"):
+    with pytest.raises(
+        RuntimeError, match=r"stage-00000.dcp/__1_0.distcp is damaged: its content does not match the checksum"
+    ):
         read(late)
     with pytest.raises(Exception, match=r"stage-00000.dcp/__1_0.distcp is damaged"):
         fit_pipeline(TinyNet(optimizer="adam"), 2, ckpt_path=str(late), max_steps=6, **SHARDED)

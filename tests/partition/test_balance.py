@@ -97,7 +97,10 @@ def test_a_split_leaving_a_process_without_parameters_is_refused_naming_the_fix(
     assert owners == README_OWNERS
     for mode in ("uniform", "parameters"):
         balance = resolve_balance(mode, layers, 4)
-        with pytest.raises(ValueError, match=r"stage 2 .*\(3: ReLU\).*empty parameter list.*3 such layer\(s\) for 4 stages: use at most 3"):
+        with pytest.raises(
+            ValueError,
+            match=r"stage 2 .*\(3: ReLU\).*empty parameter list.*3 such layer\(s\) for 4 stages: use at most 3",
+        ):
             check_stage_parameters(balance, layers, [[0], [1], [2], [3]], owners)
     assert resolve_balance("uniform", layers, 3) == [2, 2, 1]
     check_stage_parameters([2, 2, 1], layers, [[0], [1], [2]], owners)  # every stage holds a Linear

@@ -2,7 +2,8 @@
 layer from the run's seed, so that any split starts from the same weights and they follow HF's rules."""
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -73,13 +74,21 @@ def test_gpt2_follows_hfs_rules_including_the_scaled_residual_projections() -> N
         if float(expected.std()) == 0.0:  # LayerNorm weights (ones), biases (zeros)
             assert torch.equal(value, expected), name
         else:
-            assert abs(float(value.std()) / float(expected.std()) - 1) < 0.05, (name, float(value.std()), float(expected.std()))
+            assert abs(float(value.std()) / float(expected.std()) - 1) < 0.05, (
+                name,
+                float(value.std()),
+                float(expected.std()),
+            )
             assert abs(float(value.mean())) < 0.1 * float(expected.std()), name
     for i in range(4):
         for proj in (f"model.transformer.h.{i}.attn.c_proj.weight", f"model.transformer.h.{i}.mlp.c_proj.weight"):
             assert abs(float(got[proj].std()) / (0.02 / math.sqrt(2 * 4)) - 1) < 0.05, proj
         assert abs(float(got[f"model.transformer.h.{i}.attn.c_attn.weight"].std()) / 0.02 - 1) < 0.05
-    assert float(got["model.transformer.h.0.ln_1.weight"].min()) == 1.0 == float(got["model.transformer.h.0.ln_1.weight"].max())
+    assert (
+        float(got["model.transformer.h.0.ln_1.weight"].min())
+        == 1.0
+        == float(got["model.transformer.h.0.ln_1.weight"].max())
+    )
     assert meta.model.lm_head.weight is meta.model.transformer.wte.weight
 
 
@@ -92,7 +101,9 @@ def test_llama_follows_hfs_rules(tied: bool) -> None:
     materialize(meta, blocks(meta, "llama"), EVERYTHING, "cpu", seed=0)
     torch.manual_seed(0)
     eager_model = Holder(build)
-    eager = {k: v.detach() for k, v in [*eager_model.named_parameters(remove_duplicate=False), *eager_model.named_buffers()]}
+    eager = {
+        k: v.detach() for k, v in [*eager_model.named_parameters(remove_duplicate=False), *eager_model.named_buffers()]
+    }
     got = {k: v.detach() for k, v in [*meta.named_parameters(remove_duplicate=False), *meta.named_buffers()]}
     assert set(got) == set(eager) and "model.model.rotary_emb.inv_freq" in got
     for name, value in got.items():
@@ -100,7 +111,11 @@ def test_llama_follows_hfs_rules(tied: bool) -> None:
         if "norm" in name or "rotary_emb" in name:
             assert torch.equal(value, expected), name
         else:
-            assert abs(float(value.std()) / float(expected.std()) - 1) < 0.05, (name, float(value.std()), float(expected.std()))
+            assert abs(float(value.std()) / float(expected.std()) - 1) < 0.05, (
+                name,
+                float(value.std()),
+                float(expected.std()),
+            )
             assert abs(float(value.std()) / 0.02 - 1) < 0.05, name
     assert (meta.model.lm_head.weight is meta.model.model.embed_tokens.weight) == tied
 
@@ -189,7 +204,9 @@ def test_other_hf_models_initialise_every_tensor(model: str) -> None:
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=8, patch_size=4, num_labels=3)  # fmt: skip
         build = lambda: transformers.ViTForImageClassification(config)
-        path = "model.vit.layers" if hasattr(Holder(build).model.vit, "layers") else "model.vit.encoder.layer"  # older releases
+        path = (
+            "model.vit.layers" if hasattr(Holder(build).model.vit, "layers") else "model.vit.encoder.layer"
+        )  # older releases
     else:
         config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                          vocab_size=50, max_position_embeddings=16)  # fmt: skip

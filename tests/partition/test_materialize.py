@@ -6,11 +6,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning_pipe.recipes.bert import BertMLM
 from torch import nn
 
 from lightning_pipe import init_like_pipeline
 from lightning_pipe.partition.materialize import check_initializable, layer_seed, materialize
-from lightning_pipe.recipes.bert import BertMLM
 from tests.models import DeferredNet, SaveStageState, merged_stage_states
 from tests.pipeline import fit_pipeline
 
@@ -89,7 +89,9 @@ def test_a_module_without_reset_parameters_is_named() -> None:
             super().__init__()
             self.layers = nn.Sequential(nn.Linear(4, 4), Scale())
 
-    with pytest.raises(TypeError, match=r"layers.1 \(Scale\) holds tensors of its own \(gain\).*reset_parameters.*init="):
+    with pytest.raises(
+        TypeError, match=r"layers.1 \(Scale\) holds tensors of its own \(gain\).*reset_parameters.*init="
+    ):
         check_initializable(meta(Net))
     from lightning_pipe.partition.materialize import Initializer
 
@@ -109,7 +111,9 @@ def test_an_init_hook_is_called_on_every_module_seeded_per_layer() -> None:
             nn.init.zeros_(module.bias)
 
     whole = init_like_pipeline(meta(), seed=1, init=init)
-    assert calls.index("Linear") < calls.index("MultiheadAttention") < calls.index("Tied")  # children first, outside last
+    assert (
+        calls.index("Linear") < calls.index("MultiheadAttention") < calls.index("Tied")
+    )  # children first, outside last
     assert 2.5 < float(whole.layers[1].weight.detach().std()) < 3.5
     assert torch.equal(whole.layers[3].weight.detach(), torch.ones(4))  # untouched by the hook: reset_parameters
     part = meta()
@@ -137,7 +141,9 @@ def test_a_tensor_left_unset_is_named_instead_of_training_from_garbage() -> None
             super().__init__()
             self.layers = nn.Sequential(nn.Linear(4, 4), Half())
 
-    with pytest.raises(ValueError, match=r"layers.1 \(Half\): its tensors scale are not set by its initialisation.*init="):
+    with pytest.raises(
+        ValueError, match=r"layers.1 \(Half\): its tensors scale are not set by its initialisation.*init="
+    ):
         init_like_pipeline(meta(Net), seed=0)
     net = meta(Net)
     materialize(net, net.layers, [0], "cpu", seed=0)  # the layer that is not held is not checked
@@ -177,7 +183,13 @@ def test_no_rank_holds_more_than_half_of_a_model_built_in_configure_model(tmp_pa
     run with a tiny model. Built in configure_model, each rank holds a quarter; built eagerly, each
     rank holds all of it (the measurement sees the whole model when it is there)."""
     script = ROOT / "tests" / "scripts" / "peak_memory.py"
-    run = subprocess.run([sys.executable, str(script), str(tmp_path), "--devices", "4"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--devices", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
     def peaks(name: str) -> list[int]:

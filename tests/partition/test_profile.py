@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_pipe.trainer.data import configured_optimizers
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module, sequential_input
+from lightning_pipe.trainer.data import configured_optimizers
 from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, WrappedNet, loader
 from tests.pipeline import fit_pipeline
 
@@ -86,7 +86,9 @@ def test_time_balance_splits_a_virtual_layout_into_every_stage(tmp_path: Path) -
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference)
-    fit_pipeline(piped, 2, schedule="interleaved_1f1b", balance="time", chunks=4, callbacks=[RecordSplit(str(tmp_path))])
+    fit_pipeline(
+        piped, 2, schedule="interleaved_1f1b", balance="time", chunks=4, callbacks=[RecordSplit(str(tmp_path))]
+    )
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert records[0]["balance"] == records[1]["balance"] and len(records[0]["balance"]) == 4
     assert_same_weights(reference, piped)
@@ -116,7 +118,9 @@ def test_split_backward_is_measured_as_b_and_w() -> None:
         assert b > 0 and w > 0  # the deferred weight work is timed apart
     b, w = relu.split_backward
     assert w == 0.0 and b > 0
-    assert "forward" not in layers[0].__dict__ and "forward" not in layers[2].__dict__  # the runtime's forwards removed again
+    assert (
+        "forward" not in layers[0].__dict__ and "forward" not in layers[2].__dict__
+    )  # the runtime's forwards removed again
     assert all(p.grad is None for p in layers.parameters())
     assert LayerCost(1.0, 2.0, 0, 0, 0, 0, 0, 0).split_backward == (2.0, 0.0)  # not measured: all of it is B
 
@@ -153,7 +157,10 @@ def test_the_first_layer_on_data_computes_no_input_gradient() -> None:
     assert ran["after outside"].count(("aten.mm", (8, 48))) == 2  # in the whole backward and in B
     for products in ran.values():
         assert ("aten.mm", (8, 32)) in products  # the second layer's input gradient, as before
-        assert ("aten.mm", (32, 48)) in products and ("aten.addmm_", (32, 48)) in products  # the weight gradient, whole and as W
+        assert ("aten.mm", (32, 48)) in products and (
+            "aten.addmm_",
+            (32, 48),
+        ) in products  # the weight gradient, whole and as W
     tiny = TinyNet()
     assert sequential_input(tiny, tiny.layers, next(iter(loader(8, 4)))).requires_grad is False
     wrapped = WrappedNet()
@@ -164,7 +171,9 @@ def test_profiling_leaves_no_trace() -> None:
     class Normed(TinyNet):
         def __init__(self) -> None:
             super().__init__(optimizer="adam")
-            self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, 3))
+            self.layers = nn.Sequential(
+                nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, 3)
+            )
 
     model = Normed()
     batch = next(iter(loader(24, 12)))
@@ -172,7 +181,9 @@ def test_profiling_leaves_no_trace() -> None:
     torch.manual_seed(3)
     expected = torch.rand(3)
     torch.manual_seed(3)
-    profile = profile_module(model, model.layers, lambda: batch, 4, torch.device("cpu"), optimizers=lambda: configured_optimizers(model))
+    profile = profile_module(
+        model, model.layers, lambda: batch, 4, torch.device("cpu"), optimizers=lambda: configured_optimizers(model)
+    )
     assert torch.equal(torch.rand(3), expected)  # the random state is as before
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # batch-norm statistics too
@@ -190,11 +201,26 @@ def test_meta_built_layers_are_measured_on_temporary_copies() -> None:
         meta = TinyNet()
     data = next(iter(loader(16, 8)))
     measured = {
-        name: profile_module(model, model.layers, lambda: data, 2, torch.device("cpu"), optimizers=lambda m=model: configured_optimizers(m)) for name, model in (("real", real), ("meta", meta))
+        name: profile_module(
+            model,
+            model.layers,
+            lambda: data,
+            2,
+            torch.device("cpu"),
+            optimizers=lambda m=model: configured_optimizers(m),
+        )
+        for name, model in (("real", real), ("meta", meta))
     }
     assert len(measured["meta"].layers) == len(measured["real"].layers) == len(meta.layers)
     for got, expected in zip(measured["meta"].layers, measured["real"].layers):
-        for field in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes", "output_bytes"):
+        for field in (
+            "parameter_bytes",
+            "gradient_bytes",
+            "optimizer_bytes",
+            "activation_bytes",
+            "input_bytes",
+            "output_bytes",
+        ):
             assert getattr(got, field) == getattr(expected, field), field
         assert got.forward > 0 and got.backward > 0
     assert measured["meta"].layers[0].optimizer_bytes > 0  # SGD with momentum, found for the copies too
@@ -247,7 +273,15 @@ def test_every_rank_measures_at_once_and_the_source_profile_is_used() -> None:
 
 def _run(balance: str, folder: Path) -> tuple[list[int], float, list[Any]]:
     folder.mkdir()
-    fit_pipeline(SkewedNet(), 2, data=loader(128, 32), balance=balance, chunks=16, max_steps=6, callbacks=[RecordSplit(str(folder))])
+    fit_pipeline(
+        SkewedNet(),
+        2,
+        data=loader(128, 32),
+        balance=balance,
+        chunks=16,
+        max_steps=6,
+        callbacks=[RecordSplit(str(folder))],
+    )
     records = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert records[0]["balance"] == records[1]["balance"]  # every rank split alike
     # the fastest step after the first: the machine's other load only ever adds time
@@ -259,11 +293,23 @@ def test_time_balance_follows_the_measured_profile(tmp_path: Path) -> None:
     faster that split trains is measured in test_time_balance_beats_uniform_on_skewed_layers, slow)."""
     folder = tmp_path / "time"
     folder.mkdir()
-    fit_pipeline(SkewedNet(), 2, data=loader(64, 32), balance="time", chunks=16, max_steps=1, callbacks=[RecordSplit(str(folder))])
+    fit_pipeline(
+        SkewedNet(),
+        2,
+        data=loader(64, 32),
+        balance="time",
+        chunks=16,
+        max_steps=1,
+        callbacks=[RecordSplit(str(folder))],
+    )
     records = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
     profile = records[0]["profile"]
     assert profile is not None and profile == records[1]["profile"] and len(profile.layers) == 14
-    assert records[0]["balance"] == records[1]["balance"] == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 16))
+    assert (
+        records[0]["balance"]
+        == records[1]["balance"]
+        == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 16))
+    )
 
 
 @pytest.mark.slow  # compares wall-clock times, which a loaded machine can reorder
@@ -272,9 +318,21 @@ def test_measured_times_follow_the_work() -> None:
     measures longer, B + W is the backward's work timed in two parts, and the first layer on data
     (no input-gradient product) measures a shorter B than the next layer."""
     torch.set_num_threads(1)
-    heavy, light = measure_layers(nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0)), torch.randn(4, HIDDEN), torch.device("cpu"), warmup=1, repeats=3)
+    heavy, light = measure_layers(
+        nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0)),
+        torch.randn(4, HIDDEN),
+        torch.device("cpu"),
+        warmup=1,
+        repeats=3,
+    )
     assert heavy.forward > light.forward and heavy.backward > light.backward
-    (linear,) = measure_layers(nn.Sequential(nn.Linear(256, 256)), torch.randn(64, 256).requires_grad_(), torch.device("cpu"), warmup=1, repeats=5)
+    (linear,) = measure_layers(
+        nn.Sequential(nn.Linear(256, 256)),
+        torch.randn(64, 256).requires_grad_(),
+        torch.device("cpu"),
+        warmup=1,
+        repeats=5,
+    )
     b, w = linear.split_backward
     assert 0.1 < (b + w) / linear.backward < 10
     layers = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from lightning_pipe.partition.costs import LayerCost
+from lightning_pipe.partition.profile import _with_ends, block_calls, profile_module
 from lightning_pipe.trainer.data import configured_optimizers
-from lightning_pipe.partition.costs import LayerCost  # noqa: E402
-from lightning_pipe.partition.profile import _with_ends, block_calls, profile_module  # noqa: E402
-from tests.hf_models import LLAMA_TINY, DeferredLlama, HFModule, llama  # noqa: E402
+from tests.hf_models import LLAMA_TINY, DeferredLlama, HFModule, llama
 
 
 def _tokens() -> torch.Tensor:
@@ -55,7 +55,13 @@ def test_the_ends_are_counted_on_the_end_blocks() -> None:
     module = HFModule(lambda: llama(False))
     ids = _tokens()
     profile = profile_module(
-        module, module.model.model.layers, lambda: (ids, ids), 1, torch.device("cpu"), repeats=1, optimizers=lambda: configured_optimizers(module)
+        module,
+        module.model.model.layers,
+        lambda: (ids, ids),
+        1,
+        torch.device("cpu"),
+        repeats=1,
+        optimizers=lambda: configured_optimizers(module),
     )
     assert len(profile.layers) == 4
     block = sum(p.numel() * 4 for p in module.model.model.layers[0].parameters())

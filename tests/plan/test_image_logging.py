@@ -10,8 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from lightning_pipe.observe import TimelinePicture
-from lightning_pipe.observe import image_logging
+from lightning_pipe.observe import TimelinePicture, image_logging
 from lightning_pipe.observe.image_logging import log_image
 from tests.models import TinyNet
 from tests.pipeline import fit_pipeline
@@ -97,7 +96,9 @@ def test_picture_needs_somewhere_to_go() -> None:
 
 
 def test_the_old_log_keyword_still_works_with_a_deprecation_warning() -> None:
-    with pytest.warns(DeprecationWarning, match=r"TimelinePicture\(log=False\) is deprecated: write .*to_loggers=False"):
+    with pytest.warns(
+        DeprecationWarning, match=r"TimelinePicture\(log=False\) is deprecated: write .*to_loggers=False"
+    ):
         picture = TimelinePicture("t.svg", log=False)
     picture.log = print  # what Lightning does to every callback when fitting starts
     assert picture.to_loggers is False
@@ -112,10 +113,14 @@ def test_not_logging_survives_lightning_and_warns_nothing(tmp_path: Path, monkey
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setattr(image_logging, "_warned", set())
-    warnings.filterwarnings("error", message=".*takes no images")  # inherited by the forked ranks; pytest restores the filters
+    warnings.filterwarnings(
+        "error", message=".*takes no images"
+    )  # inherited by the forked ranks; pytest restores the filters
     path = tmp_path / "timeline.svg"
     loggers = [CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")]
-    fit_pipeline(TinyNet(), 2, chunks=3, max_steps=2, logger=loggers, callbacks=[TimelinePicture(path, to_loggers=False)])
+    fit_pipeline(
+        TinyNet(), 2, chunks=3, max_steps=2, logger=loggers, callbacks=[TimelinePicture(path, to_loggers=False)]
+    )
     assert "measured, the last training step" in path.read_text()
     (events,) = (tmp_path / "tb").rglob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events.parent), size_guidance={"images": 0})

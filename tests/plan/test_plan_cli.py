@@ -43,12 +43,15 @@ def test_plan_command_writes_the_ranking_and_the_predicted_timelines(tmp_path: P
     for panel in panels:
         titles = [t.text or "" for t in panel.iter("{http://www.w3.org/2000/svg}tspan")]
         assert all(_LEFT + len(t) * _TITLE_CHAR <= width for t in titles), titles
-    assert not (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").exists() or "train_loss" not in (
-        tmp_path / "run" / "logs" / "version_0" / "metrics.csv"
-    ).read_text()  # stopped before the first training step
+    assert (
+        not (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").exists()
+        or "train_loss" not in (tmp_path / "run" / "logs" / "version_0" / "metrics.csv").read_text()
+    )  # stopped before the first training step
 
 
-def test_plan_only_and_timeline_options_of_a_run(tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+def test_plan_only_and_timeline_options_of_a_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     """What ``lightning-pipe plan`` and ``lightning-pipe timeline=true strategy=zero_bubble`` do, in
     this process (fork): the plan printed once with the overrides that run its first choice (which
     the command line accepts), nothing after it that looks like training; the timeline predicted and
@@ -74,9 +77,13 @@ def test_plan_only_and_timeline_options_of_a_run(tmp_path: Path, capfd: pytest.C
     text = (tmp_path / "plan" / "plan.txt").read_text()
     header = text.splitlines()[2]
     assert (out + err).count(header) == 1 and text in out  # the table printed once, all of plan.txt with it
-    assert out.rstrip().splitlines()[-1].startswith("written: ") and "Trainable params" not in out + err + caplog.text  # no model summary
+    assert (
+        out.rstrip().splitlines()[-1].startswith("written: ") and "Trainable params" not in out + err + caplog.text
+    )  # no model summary
     lines = text.splitlines()
-    assert re.fullmatch(r"measured link between ranks 0 and 1: latency [0-9.]+ us, bandwidth ([0-9]+ MB/s|not resolved .*)", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"measured link between ranks 0 and 1: latency [0-9.]+ us, bandwidth ([0-9]+ MB/s|not resolved .*)", lines[0]
+    ), lines[0]
     best = lines[3].split()
     assert header.split()[:4] == ["#", "schedule", "chunks", "balance"] and best[0] == "1"
     assert lines[-2].startswith("best: #1, " + best[1])
@@ -93,8 +100,12 @@ def test_plan_only_and_timeline_options_of_a_run(tmp_path: Path, capfd: pytest.C
     assert "zero_bubble: predicted from each stage" in svg and "zero_bubble: measured, the last training step" in svg
 
 
-@pytest.mark.parametrize("overrides", [["trainer.devices=1"], ["trainer.devices=2", "strategy.stages=1"]], ids=["one process", "one stage"])
-def test_plan_with_nothing_to_rank_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str], overrides: list[str]) -> None:
+@pytest.mark.parametrize(
+    "overrides", [["trainer.devices=1"], ["trainer.devices=2", "strategy.stages=1"]], ids=["one process", "one stage"]
+)
+def test_plan_with_nothing_to_rank_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], overrides: list[str]
+) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -103,11 +114,18 @@ def test_plan_with_nothing_to_rank_says_so(tmp_path: Path, capfd: pytest.Capture
     small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500", "recipe.data.batch_size=8",
              "trainer.max_steps=2", "strategy.start_method=fork"]  # fmt: skip
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=small + overrides + ["strategy.plan=auto", "+plan_only=true"], return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=small + overrides + ["strategy.plan=auto", "+plan_only=true"],
+            return_hydra_config=True,
+        )
     with open_dict(cfg):
         del cfg.hydra
     metrics = run(cfg, output_dir=str(tmp_path))
     assert "train_loss" not in metrics and not (tmp_path / "plan.txt").exists()
     out = capfd.readouterr().out
     processes = 1 if "trainer.devices=1" in overrides else 2
-    assert f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has 1 on {processes} " in out
+    assert (
+        f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has 1 on {processes} "
+        in out
+    )

@@ -11,7 +11,16 @@ import torch
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import (
-    Link, chunk_candidates, format_plans, layouts, microbatch_size, needed_sizes, plan, plan_layouts, stage_ranks, stage_seconds,
+    Link,
+    chunk_candidates,
+    format_plans,
+    layouts,
+    microbatch_size,
+    needed_sizes,
+    plan,
+    plan_layouts,
+    stage_ranks,
+    stage_seconds,
 )  # fmt: skip
 from lightning_pipe.schedules import build, closed_form_bubble, simulate
 from tests.models import DeferredNet, RecordSplit, SkewedNet, loader
@@ -25,9 +34,14 @@ def _profile(chunks: int, batch: int = 16, skew: float = 1.0, overhead: float = 
         LayerCost(
             forward=overhead + size * (skew if i < 4 else 1.0),
             backward=2 * (overhead + size * (skew if i < 4 else 1.0)),
-            parameter_bytes=100, gradient_bytes=100, optimizer_bytes=100,
-            activation_bytes=10 * size, input_bytes=size, output_bytes=size, update=0.5,
-        )  # fmt: skip
+            parameter_bytes=100,
+            gradient_bytes=100,
+            optimizer_bytes=100,
+            activation_bytes=10 * size,
+            input_bytes=size,
+            output_bytes=size,
+            update=0.5,
+        )
         for i in range(8)
     )
     return Profile(layers, size, "cpu", 3)
@@ -50,13 +64,27 @@ def test_overheads_and_skew_change_the_choice() -> None:
     best = plan({m: _profile(m, overhead=40.0) for m in (1, 2, 4, 8)}, 2, FREE)[0]
     assert best.chunks < 8  # a fixed cost per micro-batch makes many small ones lose
     one_pipeline = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-    skewed = plan({m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, schedules=one_pipeline, checkpoints=("never",))
+    skewed = plan(
+        {m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, schedules=one_pipeline, checkpoints=("never",)
+    )
     assert skewed[0].balance_mode == "time" and skewed[0].balance[0] < 4
     # Chimera on 2 processes runs both halves on each of them: the skew evens out whatever the split
     both = plan({m: _profile(m, skew=4.0) for m in (1, 2, 4, 8)}, 2, FREE, checkpoints=("never",))
     assert both[0].schedule == "chimera" and both[0].step_seconds < skewed[0].step_seconds
-    slow_link = plan({4: _profile(4)}, 2, Link(latency=1.0, bandwidth=1.0), schedules=("1f1b",), balances=("uniform",), checkpoints=("never",))
-    assert slow_link[0].step_seconds > plan({4: _profile(4)}, 2, FREE, schedules=("1f1b",), balances=("uniform",), checkpoints=("never",))[0].step_seconds
+    slow_link = plan(
+        {4: _profile(4)},
+        2,
+        Link(latency=1.0, bandwidth=1.0),
+        schedules=("1f1b",),
+        balances=("uniform",),
+        checkpoints=("never",),
+    )
+    assert (
+        slow_link[0].step_seconds
+        > plan({4: _profile(4)}, 2, FREE, schedules=("1f1b",), balances=("uniform",), checkpoints=("never",))[
+            0
+        ].step_seconds
+    )
     assert stage_seconds(_profile(4), [4, 4], "never", 4, Link(1.0, 2.0))[0][0] == pytest.approx(4 * 4 + 1.0 + 4 / 2.0)
 
 
@@ -76,16 +104,31 @@ def test_the_memory_budget_ranks_layouts_that_fit_first() -> None:
 def test_the_table_stays_aligned_for_long_names() -> None:
     """Every row's entries start (text) or end (numbers) where the header's do, whatever the
     schedule's name (``interleaved_zero_bubble v3``) or the balance's length."""
-    ranked = plan({4: _split_profile(4, layers=12)}, 2, FREE, schedules=("1f1b", "interleaved_zero_bubble"), virtual=(2, 3), **GLOO)
+    ranked = plan(
+        {4: _split_profile(4, layers=12)},
+        2,
+        FREE,
+        schedules=("1f1b", "interleaved_zero_bubble"),
+        virtual=(2, 3),
+        **GLOO,
+    )
     assert {c.virtual_stages for c in ranked} == {1, 2, 3}
     table = format_plans(ranked, top=len(ranked)).splitlines()
     header, rows = table[0], table[1:]
     for row, c in zip(rows, ranked):
         label = f"{c.schedule} v{c.virtual_stages}" if c.virtual_stages > 1 else c.schedule
-        for text, entry in (("schedule", label), ("balance", f"{c.balance_mode} {list(c.balance)}"), ("checkpoint", c.checkpoint)):
+        for text, entry in (
+            ("schedule", label),
+            ("balance", f"{c.balance_mode} {list(c.balance)}"),
+            ("checkpoint", c.checkpoint),
+        ):
             start = header.index(text)
             assert row[start : start + len(entry)] == entry and row[start - 1] == " ", (text, row)
-        for text, entry in (("chunks", str(c.chunks)), ("step ms", f"{1e3 * c.step_seconds:.2f}"), ("bubble", f"{100 * c.bubble:.1f}%")):
+        for text, entry in (
+            ("chunks", str(c.chunks)),
+            ("step ms", f"{1e3 * c.step_seconds:.2f}"),
+            ("bubble", f"{100 * c.bubble:.1f}%"),
+        ):
             end = header.index(text) + len(text)
             assert row[end - len(entry) : end] == entry and row[end : end + 1] in ("", " "), (text, row)
 
@@ -101,7 +144,9 @@ def test_bad_plan_value_is_refused() -> None:
 
 
 def test_auto_plan_runs_the_same_first_choice_on_every_rank(tmp_path: Path) -> None:
-    fit_pipeline(SkewedNet(heavy=4.0), 2, data=loader(32, 8), max_steps=2, plan="auto", callbacks=[RecordSplit(str(tmp_path))])
+    fit_pipeline(
+        SkewedNet(heavy=4.0), 2, data=loader(32, 8), max_steps=2, plan="auto", callbacks=[RecordSplit(str(tmp_path))]
+    )
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert records[0]["balance"] == records[1]["balance"]
     assert records[0]["profile"] == records[1]["profile"] is not None
@@ -109,17 +154,31 @@ def test_auto_plan_runs_the_same_first_choice_on_every_rank(tmp_path: Path) -> N
     assert ranked == records[1]["plan"] and len(ranked) > 10  # one ranking, on every rank
     best = ranked[0]
     for record in records:  # every rank runs the first choice
-        assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
+        assert (record["schedule"], record["chunks"], record["balance"]) == (
+            best.schedule,
+            best.chunks,
+            list(best.balance),
+        )
 
 
-def _split_profile(size: int, layers: int = 8, gradient_bytes: int = 100, param_bytes: int = 100, overhead: float = 0.0) -> Profile:
+def _split_profile(
+    size: int, layers: int = 8, gradient_bytes: int = 100, param_bytes: int = 100, overhead: float = 0.0
+) -> Profile:
     """Layers whose F, B and W each take ``overhead + size`` seconds (B + W the whole backward)."""
     t = overhead + size
     costs = tuple(
         LayerCost(
-            forward=t, backward=2 * t, parameter_bytes=param_bytes, gradient_bytes=gradient_bytes, optimizer_bytes=0,
-            activation_bytes=10 * size, input_bytes=size, output_bytes=size, input_backward=t, weight_backward=t,
-        )  # fmt: skip
+            forward=t,
+            backward=2 * t,
+            parameter_bytes=param_bytes,
+            gradient_bytes=gradient_bytes,
+            optimizer_bytes=0,
+            activation_bytes=10 * size,
+            input_bytes=size,
+            output_bytes=size,
+            input_backward=t,
+            weight_backward=t,
+        )
         for _ in range(layers)
     )
     return Profile(costs, size, "cpu", 3)
@@ -148,7 +207,13 @@ def test_interleaved_zero_bubble_predicts_less_bubble_than_interleaving_at_each_
         assert by["interleaved_zero_bubble", v].step_seconds < by["interleaved_1f1b", v].step_seconds
     assert by["interleaved_zero_bubble", 3].strategy_arguments()["virtual_stages"] == 3
     # under NCCL's rendezvous only what the regrouped schedule runs is proposed: multiples of p here
-    nccl = plan({m: _split_profile(16 // m, layers=8) for m in (1, 2, 4)}, 2, FREE, schedules=("interleaved_zero_bubble",), **ONE)
+    nccl = plan(
+        {m: _split_profile(16 // m, layers=8) for m in (1, 2, 4)},
+        2,
+        FREE,
+        schedules=("interleaved_zero_bubble",),
+        **ONE,
+    )
     assert {c.chunks for c in nccl} == {2, 4}
 
 
@@ -164,7 +229,12 @@ def test_interleaving_bubble_falls_with_more_stages_per_rank() -> None:
     assert by_v[3].strategy_arguments()["virtual_stages"] == 3
     # under NCCL's rendezvous the planner plays the regrouped schedules the runtime builds there
     nccl = plan({m: _split_profile(16 // m) for m in (1, 2, 4)}, 2, FREE, schedules=("interleaved_1f1b", "zbv"), **ONE)
-    assert {(c.schedule, c.chunks) for c in nccl} == {("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zbv", 2), ("zbv", 4)}
+    assert {(c.schedule, c.chunks) for c in nccl} == {
+        ("interleaved_1f1b", 2),
+        ("interleaved_1f1b", 4),
+        ("zbv", 2),
+        ("zbv", 4),
+    }
     zbv4 = next(c for c in nccl if (c.schedule, c.chunks) == ("zbv", 4))
     regrouped = build("zbv", 2, 4, 2, rendezvous=True)
     assert zbv4.bubble == pytest.approx(simulate(regrouped, stage_costs=zbv4.stage_costs).bubble_fraction)
@@ -198,7 +268,9 @@ def test_replicas_win_on_a_free_link_and_lose_to_a_slow_all_reduce() -> None:
     slow = plan_layouts(profiles, 4, 16, Link(latency=0.0, bandwidth=1.0), **ONE)  # 1 byte/s: the all-reduce dominates
     assert slow[0].replicas == 1 and slow[0].all_reduce_seconds == 0.0
     two = next(c for c in slow if c.replicas == 2)
-    assert two.all_reduce_seconds == pytest.approx(2 * (2 - 1) / 2 * 4 * 10**6)  # a ring over 2 replicas of a rank's 4 layers' gradients
+    assert two.all_reduce_seconds == pytest.approx(
+        2 * (2 - 1) / 2 * 4 * 10**6
+    )  # a ring over 2 replicas of a rank's 4 layers' gradients
     assert two.step_seconds > two.all_reduce_seconds
 
 
@@ -219,11 +291,15 @@ class _AllLayouts(RecordSplit):
 
 
 def test_auto_plan_ranking_all_layouts_still_runs_the_configured_one(tmp_path: Path) -> None:
-    fit_pipeline(SkewedNet(heavy=2.0), 2, data=loader(32, 8), max_steps=1, plan="auto", callbacks=[_AllLayouts(str(tmp_path))])
+    fit_pipeline(
+        SkewedNet(heavy=2.0), 2, data=loader(32, 8), max_steps=1, plan="auto", callbacks=[_AllLayouts(str(tmp_path))]
+    )
     record = torch.load(tmp_path / "rank0.pt", weights_only=False)
     ranked = record["plan"]
     assert {(c.depth, c.replicas) for c in ranked} == {(2, 1), (1, 2)}
-    assert {c.replica_batch for c in ranked if c.replicas == 2} == {4} and all(c.all_reduce_seconds > 0 for c in ranked if c.replicas == 2)
+    assert {c.replica_batch for c in ranked if c.replicas == 2} == {4} and all(
+        c.all_reduce_seconds > 0 for c in ranked if c.replicas == 2
+    )
     best = next(c for c in ranked if c.replicas == 1)  # the configured 2 stages x 1 replica runs
     assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
     assert any(c.schedule in ("zero_bubble", "interleaved_1f1b", "zbv") for c in ranked)
@@ -236,7 +312,11 @@ def test_auto_plan_profiles_a_model_built_on_the_meta_device(tmp_path: Path) -> 
     assert records[0]["profile"] == records[1]["profile"] is not None and len(records[0]["profile"].layers) == 8
     best = records[0]["plan"][0]
     for record in records:
-        assert (record["schedule"], record["chunks"], record["balance"]) == (best.schedule, best.chunks, list(best.balance))
+        assert (record["schedule"], record["chunks"], record["balance"]) == (
+            best.schedule,
+            best.chunks,
+            list(best.balance),
+        )
 
 
 def test_predicted_timelines_replay_each_candidate_as_it_was_planned() -> None:
@@ -262,7 +342,9 @@ def test_chimera_in_the_grid_counts_both_copies() -> None:
     one = {c.chunks: c for c in ranked if c.schedule == "1f1b"}
     assert sorted(chimera) == [4, 8] and all(c.balance == (2, 2, 2, 2) for c in chimera.values())
     for m, c in chimera.items():
-        assert c.bubble == pytest.approx(simulate(build("chimera", 4, m, rendezvous=True), 1.0, 2.0, rendezvous=True).bubble_fraction)
+        assert c.bubble == pytest.approx(
+            simulate(build("chimera", 4, m, rendezvous=True), 1.0, 2.0, rendezvous=True).bubble_fraction
+        )
         assert c.bubble < one[m].bubble
         static = 2 * 300  # two layers of parameters, gradients and optimizer state per stage
         assert min(c.stage_bytes) >= 2 * static

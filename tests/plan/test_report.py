@@ -26,10 +26,17 @@ def _profile(size: int) -> Profile:
     them its own way."""
     layers = tuple(
         LayerCost(
-            forward=1e-3 * size * (1 + i % 4), backward=2e-3 * size * (1 + i % 4), parameter_bytes=1000 * (12 - i), gradient_bytes=1000 * (12 - i),
-            optimizer_bytes=0, activation_bytes=10**5 * size * (1 + i % 3), input_bytes=size, output_bytes=size,
-            input_backward=1e-3 * size * (1 + i % 4), weight_backward=1e-3 * size * (1 + i % 4),
-        )  # fmt: skip
+            forward=1e-3 * size * (1 + i % 4),
+            backward=2e-3 * size * (1 + i % 4),
+            parameter_bytes=1000 * (12 - i),
+            gradient_bytes=1000 * (12 - i),
+            optimizer_bytes=0,
+            activation_bytes=10**5 * size * (1 + i % 3),
+            input_bytes=size,
+            output_bytes=size,
+            input_backward=1e-3 * size * (1 + i % 4),
+            weight_backward=1e-3 * size * (1 + i % 4),
+        )
         for i in range(12)
     )
     return Profile(layers, size, "cpu", 3)
@@ -38,7 +45,9 @@ def _profile(size: int) -> Profile:
 @functools.lru_cache(maxsize=1)
 def _ranked() -> list[Candidate]:
     profiles = {size: _profile(size) for size in needed_sizes(4, 8)}
-    return plan_layouts(profiles, 4, 8, LINK, schedules=SCHEDULES, virtual=(2, 3), checkpoints=("never", "always"), rendezvous=False)
+    return plan_layouts(
+        profiles, 4, 8, LINK, schedules=SCHEDULES, virtual=(2, 3), checkpoints=("never", "always"), rendezvous=False
+    )
 
 
 def _compose(extra: list[str]) -> object:
@@ -65,7 +74,9 @@ def test_the_printed_overrides_run_the_candidate() -> None:
             seen |= features
     assert {v for k, v in seen if k == "schedule"} == set(SCHEDULES)
     assert {v for k, v in seen if k == "balance"} == {"uniform", "parameters", "time", "memory"}
-    assert {v for k, v in seen if k == "layout"} == {(4, 1), (2, 2), (1, 4)} and {v for k, v in seen if k == "virtual"} == {1, 2, 3}
+    assert {v for k, v in seen if k == "layout"} == {(4, 1), (2, 2), (1, 4)} and {
+        v for k, v in seen if k == "virtual"
+    } == {1, 2, 3}
     for c in chosen:
         line = " ".join(shlex.quote(o) for o in overrides(c, 4, 1))  # as printed: configured 4 stages x 1 replica
         cfg = _compose(shlex.split(line))
@@ -128,7 +139,11 @@ def test_rows_that_differ_only_in_a_balance_that_changes_nothing_are_shown_once(
     from lightning_pipe.plan.report import distinct
 
     best = replace(_ranked()[0], schedule="chimera", balance_mode="uniform", balance=(2, 2))
-    twins = [best, replace(best, balance_mode="parameters", balance=(1, 3)), replace(best, balance=(3, 1), chunks=best.chunks * 2)]
+    twins = [
+        best,
+        replace(best, balance_mode="parameters", balance=(1, 3)),
+        replace(best, balance=(3, 1), chunks=best.chunks * 2),
+    ]
     assert distinct(twins) == [twins[0], twins[2]]
     text = plan_text(twins, 2, 1)
     rows = [line for line in text.splitlines() if line.split()[1:2] == ["chimera"]]

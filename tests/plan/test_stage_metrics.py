@@ -50,7 +50,11 @@ def test_stage_metrics_combine_replicas() -> None:
     assert metrics["pipeline/stage0/peak_rss_mib"] == pytest.approx(30.0)  # the larger replica
     assert metrics["pipeline/stage1/bubble"] == pytest.approx(0.5)
     assert "pipeline/stage1/peak_rss_mib" not in metrics  # unreadable peaks are left out, not logged as NaN
-    assert set(stage_metrics(rows[:1], "x", prefix="p")) == {"p/stage0/bubble", "p/stage0/samples_per_sec", "p/stage0/x"}
+    assert set(stage_metrics(rows[:1], "x", prefix="p")) == {
+        "p/stage0/bubble",
+        "p/stage0/samples_per_sec",
+        "p/stage0/x",
+    }
 
 
 def test_peak_memory_on_cpu_is_the_process_peak_rss() -> None:
@@ -92,7 +96,9 @@ def test_every_stage_reaches_the_logger(tmp_path: Path) -> None:
     window (step 4) at the end of training; the values are each window's, not cumulative."""
     torch.manual_seed(0)
     logger = CSVLogger(tmp_path, name="run")
-    fit_pipeline(TinyNet(), 2, schedule="1f1b", chunks=3, max_steps=5, logger=logger, callbacks=[StageMetrics(every_n_steps=2)])
+    fit_pipeline(
+        TinyNet(), 2, schedule="1f1b", chunks=3, max_steps=5, logger=logger, callbacks=[StageMetrics(every_n_steps=2)]
+    )
     rows = _logged(tmp_path)
     _assert_plausible(rows, stages=2, windows=3)
     assert [row["step"] for row in rows] == [1.0, 3.0, 4.0]
@@ -116,7 +122,15 @@ def test_every_schedule(tmp_path: Path, options: dict) -> None:
     options = dict(options)
     torch.manual_seed(0)
     model = TinyNet(depth=options.pop("depth", 8))
-    fit_pipeline(model, 2, chunks=4, max_steps=4, logger=CSVLogger(tmp_path, name="run"), callbacks=[StageMetrics(every_n_steps=2)], **options)
+    fit_pipeline(
+        model,
+        2,
+        chunks=4,
+        max_steps=4,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[StageMetrics(every_n_steps=2)],
+        **options,
+    )
     _assert_plausible(_logged(tmp_path), stages=2, windows=2)
 
 
@@ -124,7 +138,9 @@ def test_replicas_are_combined_per_stage(tmp_path: Path) -> None:
     """2 stages x 2 replicas: one set of values per stage; samples per second adds the replicas'."""
     torch.manual_seed(0)
     logger = CSVLogger(tmp_path, name="run")
-    fit_pipeline(TinyNet(), 4, stages=2, chunks=3, max_steps=3, logger=logger, log_every_n_steps=3, callbacks=[StageMetrics()])
+    fit_pipeline(
+        TinyNet(), 4, stages=2, chunks=3, max_steps=3, logger=logger, log_every_n_steps=3, callbacks=[StageMetrics()]
+    )
     (row,) = _logged(tmp_path)
     _assert_plausible([row], stages=2, windows=1)
     assert not any(math.isnan(v) for v in row.values())

@@ -25,9 +25,11 @@ def test_means_skip_the_warm_up_and_the_first_step_and_add_up() -> None:
     assert markdown([means(rows)], ranks=[3]).splitlines()[0] == "| part | rank 3 |"
 
 
-
 def test_cpu_times_are_averaged_beside_the_parts_where_every_step_has_them() -> None:
-    rows = [{**{part: 1.0 for part in PARTS}, "total": 9.0, "main_thread_cpu": 0.5 * k, "other_threads_cpu": 0.1 * k} for k in (1, 3)]
+    rows = [
+        {**{part: 1.0 for part in PARTS}, "total": 9.0, "main_thread_cpu": 0.5 * k, "other_threads_cpu": 0.1 * k}
+        for k in (1, 3)
+    ]
     m = means(rows)
     assert m["main_thread_cpu"] == 1.0 and m["other_threads_cpu"] == pytest.approx(0.2) and m["total"] == 9.0
     assert "| other_threads_cpu | 200.0 ms |" in markdown([m])

@@ -17,7 +17,12 @@ def _pixel(image: torch.Tensor, y: int, x: int) -> tuple[int, ...]:
 
 
 def test_bars_land_in_their_rank_row_and_time() -> None:
-    bars = [Bar(0, "F", 0, 0, 0.0, 1.0), Bar(1, "wait", 1, 0, 0.0, 1.0), Bar(1, "F", 1, 0, 1.0, 2.0), Bar(0, "B", 0, 0, 2.0, 4.0)]
+    bars = [
+        Bar(0, "F", 0, 0, 0.0, 1.0),
+        Bar(1, "wait", 1, 0, 0.0, 1.0),
+        Bar(1, "F", 1, 0, 1.0, 2.0),
+        Bar(0, "B", 0, 0, 2.0, 4.0),
+    ]
     image = timeline_image([("one", bars)], width=416)  # 400 px of plot: 100 px per time unit
     assert image.dtype == torch.uint8 and image.shape == (_TOP + 2 * (_ROW + _GAP) + _AXIS + 1, 416, 3)
     row0, row1 = _TOP + _ROW // 2, _TOP + _ROW + _GAP + _ROW // 2

@@ -2,16 +2,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lightning_pipe.recipes.bert import BertMLM, MaskedSequences, TextData, bert_layers
 from lightning_pipe.recipes.text import MASK, pack
+
 from tests.recipes.test_text import TEXT
+
 
 def test_masking_is_a_function_of_the_row_and_its_reads() -> None:
     rows = pack([list(range(5, 60))] * 4, max_len=16)
     a, b = MaskedSequences(rows, vocab_size=60, seed=3), MaskedSequences(rows, vocab_size=60, seed=3)
     first = [a[i] for i in range(len(rows))]
-    assert all(torch.equal(x[0], y[0]) and torch.equal(x[2], y[2]) for x, y in zip(first, [b[i] for i in range(len(rows))]))
+    assert all(
+        torch.equal(x[0], y[0]) and torch.equal(x[2], y[2]) for x, y in zip(first, [b[i] for i in range(len(rows))])
+    )
     second = a[0]
     assert not torch.equal(second[2], first[0][2])  # a new epoch masks differently
     masked = torch.stack([a[i % len(rows)][2] for i in range(40)]) != -100
@@ -90,5 +93,7 @@ def test_the_recipe_weights_micro_batches_by_their_masked_tokens_and_the_command
     assert strategy.config.loss_weight == token_count(labels=2, shift=False)
     samples = _compose(["recipe=bert_mlm", "strategy.loss_weight=samples"]).strategy
     assert build_strategy(samples, 2, model.strategy_defaults)[0].config.loss_weight is None
-    given = _compose(["recipe=bert_mlm", "strategy.loss_weight={_target_:lightning_pipe.token_count,labels:1,shift:true}"])
+    given = _compose(
+        ["recipe=bert_mlm", "strategy.loss_weight={_target_:lightning_pipe.token_count,labels:1,shift:true}"]
+    )
     assert build_strategy(given.strategy, 2, model.strategy_defaults)[0].config.loss_weight == token_count(labels=1)

@@ -16,10 +16,11 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_pipe import token_count  # noqa: E402
-from lightning_pipe.cli import build_strategy, run  # noqa: E402
 from lightning_pipe.recipes.llama import CausalLM, CausalTextData, block_path, model_config  # noqa: E402
 from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
+
+from lightning_pipe import token_count  # noqa: E402
+from lightning_pipe.cli import build_strategy, run  # noqa: E402
 from tests.models import fit_plain  # noqa: E402
 from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
 from tests.test_cli import SMALL, _compose  # noqa: E402
@@ -108,7 +109,11 @@ def test_weights_and_tokenizer_from_a_save_pretrained_directory(tmp_path: Path) 
     for name, value in saved.state_dict().items():
         assert torch.equal(model.model.state_dict()[name], value), name
     deferred = CausalLM(weights=str(tmp_path / "hub"), max_len=32, build="configure_model")
-    assert deferred.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path / "hub"), "loss_weight": token_count(None)}
+    assert deferred.strategy_defaults == {
+        "module": "model.model.layers",
+        "weights": str(tmp_path / "hub"),
+        "loss_weight": token_count(None),
+    }
     with torch.device("meta"):  # the pipeline's deferred build: the strategy loads each stage's tensors
         deferred.configure_model()
     assert deferred.model.model.embed_tokens.weight.is_meta
@@ -154,8 +159,14 @@ def test_blocks_of_another_model_type_are_found_by_their_count(tmp_path: Path) -
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     model = CausalLM(weights=str(tmp_path), max_len=32, build="configure_model")
-    assert model.strategy_defaults == {"module": "model.model.layers", "weights": str(tmp_path), "loss_weight": token_count(None)}
-    with pytest.raises(ValueError, match=r"which nn.ModuleList holds its 3 blocks \(candidates: none\); set strategy.module"):
+    assert model.strategy_defaults == {
+        "module": "model.model.layers",
+        "weights": str(tmp_path),
+        "loss_weight": token_count(None),
+    }
+    with pytest.raises(
+        ValueError, match=r"which nn.ModuleList holds its 3 blocks \(candidates: none\); set strategy.module"
+    ):
         block_path(_Depth(3), "mystery")
 
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lightning_pipe.recipes.text import CLS, SEP, SPECIALS, WordTokenizer, file_documents, pack, stdlib_documents
 
 TEXT = """The quick brown fox jumps over the lazy dog. It was the best of times.
@@ -33,7 +32,6 @@ def test_stdlib_corpus_is_real_english() -> None:
     assert len(text) >= 50_000
     for word in (" the ", " of ", " return", " function"):
         assert word in text
-
 
 
 def test_pack_cuts_the_stream_into_rows_with_their_ends() -> None:

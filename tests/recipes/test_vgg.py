@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from lightning_pipe.recipes.vgg import CIFAR100Data, load_cifar100_split, prepare_cifar100, synthetic_images, vgg_layers
+from torch import nn
 
 
 def test_vgg19_shapes_and_layers() -> None:
@@ -35,7 +34,11 @@ def _write_archive(root: Path, n_train: int = 20, n_test: int = 10) -> Path:
 
     archive = root / "cifar-100-python.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
-        for name, payload in (("train", entry(n_train)), ("test", entry(n_test)), ("meta", pickle.dumps({b"fine_label_names": []}))):
+        for name, payload in (
+            ("train", entry(n_train)),
+            ("test", entry(n_test)),
+            ("meta", pickle.dumps({b"fine_label_names": []})),
+        ):
             info = tarfile.TarInfo(f"cifar-100-python/{name}")
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
@@ -48,7 +51,7 @@ def test_cifar100_archive_is_extracted_and_read(tmp_path: Path) -> None:
     folder = prepare_cifar100(tmp_path, md5=md5)
     images, labels = load_cifar100_split(folder, train=True)
     assert images.shape == (20, 3, 32, 32) and images.dtype == torch.uint8
-    assert labels.shape == (20,) and 0 <= int(labels.min()) and int(labels.max()) < 100
+    assert labels.shape == (20,) and int(labels.min()) >= 0 and int(labels.max()) < 100
     with open(folder / "train", "rb") as f:
         raw = pickle.load(f, encoding="bytes")
     assert torch.equal(images.reshape(20, -1), torch.as_tensor(raw[b"data"]))  # channel-first rows, as documented

@@ -54,7 +54,10 @@ def test_equal_shapes_with_other_values_are_told_apart_and_explained() -> None:
     assert same == fingerprint(keys, [x]).tolist()
     other = fingerprint(keys, [x + 1]).tolist()
     message = mismatch_message([same, other], "the training DataLoader (dataset Noisy)")
-    assert message is not None and "different data for the same step from the training DataLoader (dataset Noisy)" in message
+    assert (
+        message is not None
+        and "different data for the same step from the training DataLoader (dataset Noisy)" in message
+    )
     assert "same shapes (1 micro-batches, the first with tensor shapes [(4, 6)])" in message
     assert fingerprint(keys).tolist()[2] == -1  # no values compared
 
@@ -98,6 +101,9 @@ def test_the_source_is_named_only_when_the_stages_disagree(monkeypatch: pytest.M
     assert named == []
     theirs[0] = fingerprint([signature(x)], [x + 1])
     board.post([signature(x)], [x], source)
-    with pytest.raises(RuntimeError, match=r"from the training DataLoader \(dataset Noisy\) at batch 3 of epoch 1 \(global step 7\): the batches have the same shapes"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"from the training DataLoader \(dataset Noisy\) at batch 3 of epoch 1 \(global step 7\): the batches have the same shapes",
+    ):
         board.check()
     assert named == [1]

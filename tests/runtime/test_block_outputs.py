@@ -3,7 +3,7 @@ the first micro-batch's forward, naming the block and what it was passed."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import pytest
@@ -27,7 +27,7 @@ class BiasBlock(nn.Module):
         self.linear = nn.Linear(6, 6)
         self.bias_table = nn.Parameter(torch.randn(6)) if first else None
 
-    def forward(self, hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if bias is None:
             assert self.bias_table is not None
             bias = torch.tanh(self.bias_table)

@@ -5,7 +5,7 @@ its backward; a model that reads only the hidden state it passes on runs as befo
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ class ReadingNet(nn.Module):
     every block's output averaged after the loop, ``"probe"`` block 1's output, ``"skip"`` block 0's
     output added into block 3's input, ``None`` nothing else."""
 
-    def __init__(self, reads: Optional[str]) -> None:
+    def __init__(self, reads: str | None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(3, 6)

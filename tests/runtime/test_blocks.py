@@ -5,7 +5,7 @@ state the previous stage sent, with keyword arguments computed on the way."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -14,11 +14,11 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.virtual import split_stages
-from lightning_pipe.schedules import stage_positions
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
+from lightning_pipe.schedules import stage_positions
 
 
 class Block(nn.Module):
@@ -30,7 +30,7 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(6)
         self.attention_type = "full" if index % 2 == 0 else "sliding"
 
-    def forward(self, hidden: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
         out = hidden + torch.tanh(self.linear(self.norm(hidden))) * scale
         return out if shift is None else out + shift
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pipe.partition.virtual import split_stages, ties_by_position
-from lightning_pipe.schedules import stage_positions
 from lightning_pipe.runtime.copies import loss_ranks, reaching, renamed_ties, written_elsewhere
-from lightning_pipe.schedules import chimera, one_f_one_b
+from lightning_pipe.schedules import chimera, one_f_one_b, stage_positions
 
 
 def _layers() -> nn.Sequential:

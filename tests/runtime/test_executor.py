@@ -14,5 +14,10 @@ def test_gradient_receives_chain_apart_from_activation_receives() -> None:
     act = lambda mb: Action(ActionKind.RECV_ACTIVATION, 1, mb)  # noqa: E731
     grad = lambda mb: Action(ActionKind.RECV_GRADIENT, 1, mb)  # noqa: E731
     actions = [act(0), act(1), grad(0), act(2), Action(ActionKind.BACKWARD, 1, 0), grad(1), grad(2)]
-    assert next_receives(actions, gradients=True) == {act(0): act(1), act(1): act(2), grad(0): grad(1), grad(1): grad(2)}
+    assert next_receives(actions, gradients=True) == {
+        act(0): act(1),
+        act(1): act(2),
+        grad(0): grad(1),
+        grad(1): grad(2),
+    }
     assert next_receives(actions) == {act(0): act(1), act(1): act(2)}  # gradients are not posted early by default

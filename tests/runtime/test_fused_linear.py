@@ -15,10 +15,14 @@ from lightning_pipe.runtime.fused_linear import _Forward, accumulating, install,
 
 def _net(bias: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5, bias=bias), nn.ReLU(), nn.Sequential(nn.Linear(5, 5, bias=bias), nn.Tanh()), nn.Linear(5, 3))
+    return nn.Sequential(
+        nn.Linear(6, 5, bias=bias), nn.ReLU(), nn.Sequential(nn.Linear(5, 5, bias=bias), nn.Tanh()), nn.Linear(5, 3)
+    )
 
 
-def _accumulate_microbatches(net: nn.Module, xs: list[torch.Tensor], use_checkpoint: bool = False) -> list[torch.Tensor]:
+def _accumulate_microbatches(
+    net: nn.Module, xs: list[torch.Tensor], use_checkpoint: bool = False
+) -> list[torch.Tensor]:
     grads_in = []
     for x in xs:
         x = x.clone().requires_grad_(True)
@@ -40,7 +44,7 @@ def test_fused_gradients_equal_autograd(bias: bool, shape: tuple[int, ...], use_
     calls = []
     original = fused_linear._LinearAccumulate.backward
 
-    def counting(ctx, grad):  # noqa: ANN001, ANN202
+    def counting(ctx, grad):
         calls.append(1)
         return original(ctx, grad)
 

@@ -43,7 +43,9 @@ def test_replica_buckets_split_by_size_and_dtype(world_of_one: Topology) -> None
     grads = [torch.arange(8.0), torch.arange(8.0) + 1, torch.arange(4.0, dtype=torch.float64)]
     for bucket_bytes, sizes in ((1000, [1, 2]), (32, [1, 1, 1])):  # backward order: the float64 one apart, then by size
         dp = world_of_one.dp_group
-        gradients = StageGradients([], [], world_of_one.pp_group, 1, counts_shared=True, dp_group=dp, bucket_bytes=bucket_bytes)
+        gradients = StageGradients(
+            [], [], world_of_one.pp_group, 1, counts_shared=True, dp_group=dp, bucket_bytes=bucket_bytes
+        )
         gradients.keep(dict(zip(params, [g.clone() for g in grads])))
         assert [len(b.tensors) for b in gradients._buckets] == sizes
         for p in params:
@@ -69,7 +71,9 @@ def test_the_global_norm_counts_a_gradient_held_on_several_ranks_once(world_of_o
         p.grad = torch.full_like(p, 2.0)
     expected = torch.sqrt(torch.tensor(9 * 4.0))  # the weight's alone: shared and tied counted by another stage
     ties = [(world_of_one.pp_group, tied, False)]
-    gradients = StageGradients([shared], ties, world_of_one.pp_group, 2, counts_shared=False, norm_group=world_of_one.pp_group)
+    gradients = StageGradients(
+        [shared], ties, world_of_one.pp_group, 2, counts_shared=False, norm_group=world_of_one.pp_group
+    )
     norm = gradients.clip_grad_norm_([weight, shared, tied], 1.0, torch.device("cpu"))
     torch.testing.assert_close(norm, expected)
     coef = 1.0 / (expected + 1e-6)

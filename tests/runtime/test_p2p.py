@@ -26,7 +26,9 @@ def test_host_staging_sends_and_receives_copies_in_host_memory() -> None:
     transport = Transport([0, 1], torch.device("cpu"), through_host=True)
     x = torch.randn(3, 4, requires_grad=True)
     (op,) = transport.gradient_send_ops(0, [x])
-    assert op.tensor.device.type == "cpu" and op.tensor.data_ptr() != x.data_ptr() and torch.equal(op.tensor, x.detach())
+    assert (
+        op.tensor.device.type == "cpu" and op.tensor.data_ptr() != x.data_ptr() and torch.equal(op.tensor, x.detach())
+    )
     buffers, ops = transport.gradient_recv_ops(1, [x])
     assert buffers[0].device.type == "cpu" and ops[0].tensor is buffers[0]
     (arrived,) = transport.arrived(buffers)

@@ -4,7 +4,7 @@ stages of a split, which hand activations and gradients over in memory."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -13,10 +13,10 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.virtual import split_stages
-from lightning_pipe.schedules import stage_positions
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
+from lightning_pipe.schedules import stage_positions
 
 
 class Net(nn.Module):
@@ -44,7 +44,9 @@ def _batch(n: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g), torch.randn(n, 6, generator=g)
 
 
-def _train(pipeline: StagePipeline, model: Net, batch: tuple[torch.Tensor, torch.Tensor], losses: Optional[list] = None) -> bool:
+def _train(
+    pipeline: StagePipeline, model: Net, batch: tuple[torch.Tensor, torch.Tensor], losses: list | None = None
+) -> bool:
     """One batch through ``pipeline`` as a training step would run it: the micro-batch losses
     weighted by their share of the batch."""
     micro = split(batch, pipeline.microbatches_for(batch_size(batch)))

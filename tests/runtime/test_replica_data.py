@@ -8,8 +8,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe.runtime.replica_data import EvaluationShare
-from lightning_pipe.trainer.data import split_over_replicas
 from lightning_pipe.runtime.sampling import is_deterministic
+from lightning_pipe.trainer.data import split_over_replicas
 from tests.models import dataset
 
 
@@ -25,7 +25,9 @@ def test_evaluation_share_of_21_samples_in_batches_of_5_over_2_replicas() -> Non
 @pytest.mark.parametrize("samples", [0, 1, 3, 20, 21, 23, 40])
 @pytest.mark.parametrize("batch_size, replicas", [(5, 2), (5, 4), (1, 3), (8, 3)])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_every_sample_once_and_the_replicas_in_step(samples: int, batch_size: int, replicas: int, drop_last: bool) -> None:
+def test_every_sample_once_and_the_replicas_in_step(
+    samples: int, batch_size: int, replicas: int, drop_last: bool
+) -> None:
     shares = [EvaluationShare(samples, batch_size, drop_last, replicas, r) for r in range(replicas)]
     steps = {len(share) for share in shares}
     assert len(steps) == 1 and all(len(list(share)) == len(share) for share in shares)  # the replicas step together

@@ -7,7 +7,12 @@ import pytest
 
 from lightning_pipe.runtime.replica_grads import Accumulations
 
-ONCE, TWICE, UNUSED, SOME = 1, 2, 3, 4  # parameter keys: used once / twice per micro-batch, never, in some micro-batches
+ONCE, TWICE, UNUSED, SOME = (
+    1,
+    2,
+    3,
+    4,
+)  # parameter keys: used once / twice per micro-batch, never, in some micro-batches
 
 
 def _first_step(microbatches: int) -> Accumulations:
@@ -23,8 +28,12 @@ def test_each_step_expects_its_own_micro_batch_count_times_the_uses() -> None:
     for microbatches in (3, 1, 4):
         counts.start(microbatches)
         assert counts.expected == {ONCE: microbatches, TWICE: 2 * microbatches, UNUSED: 0}
-        assert [counts.final(ONCE, c, (3, 8)) for c in range(1, microbatches + 1)] == [False] * (microbatches - 1) + [True]
-        assert counts.ready(UNUSED, 0) and counts.ready(TWICE, 2 * microbatches) and not counts.ready(TWICE, microbatches)
+        assert [counts.final(ONCE, c, (3, 8)) for c in range(1, microbatches + 1)] == [False] * (microbatches - 1) + [
+            True
+        ]
+        assert (
+            counts.ready(UNUSED, 0) and counts.ready(TWICE, 2 * microbatches) and not counts.ready(TWICE, microbatches)
+        )
 
 
 def test_a_parameter_used_by_some_micro_batches_only_is_never_ready_early() -> None:
@@ -36,7 +45,10 @@ def test_a_parameter_used_by_some_micro_batches_only_is_never_ready_early() -> N
 def test_more_uses_than_the_first_step_had_is_explained() -> None:
     counts = _first_step(2)
     counts.start(3)
-    with pytest.raises(RuntimeError, match=r"shape \(3, 8\) received 4 gradient accumulations in a step of 3 micro-batches, where the first step gave it 1 per micro-batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"shape \(3, 8\) received 4 gradient accumulations in a step of 3 micro-batches, where the first step gave it 1 per micro-batch",
+    ):
         counts.final(ONCE, 4, (3, 8))
     with pytest.raises(RuntimeError, match="multiply its result by zero"):
         counts.final(UNUSED, 1, (3, 8))

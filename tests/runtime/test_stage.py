@@ -21,7 +21,9 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in module.parameters()]
 
 
-def _run_pipeline(seq: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, checkpoint: str, schedule=gpipe) -> StageModule:
+def _run_pipeline(
+    seq: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, checkpoint: str, schedule=gpipe
+) -> StageModule:
     stage = StageModule(stage_layers(seq, [len(seq)], 0), 0, 1)
     xs, ys = x.chunk(chunks), y.chunk(chunks)
 
@@ -110,7 +112,14 @@ def test_meter_counts_what_the_schedules_hold() -> None:
 
 def _batch_norm_net() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 2))
+    return nn.Sequential(
+        nn.Linear(4, 8),
+        nn.BatchNorm1d(8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.BatchNorm1d(8, momentum=None),
+        nn.Linear(8, 2),
+    )
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:

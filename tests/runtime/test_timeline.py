@@ -47,7 +47,6 @@ def test_spans_follow_the_schedule_and_add_up() -> None:
     assert totals["other"] >= 0
 
 
-
 def test_bounded_history_and_listeners() -> None:
     executor, m = _executor(0.0)
     timeline = executor.timeline = Timeline(torch.device("cpu"), keep=1)

@@ -57,7 +57,9 @@ def _check_chimera(p: int, m: int) -> None:
     schedule = SCHEDULES["chimera"](p, m)
     validate(schedule, rendezvous=False)
     if m % p == 0:
-        assert simulate(schedule, 1.0, 1.0, rendezvous=False).bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2))
+        assert simulate(schedule, 1.0, 1.0, rendezvous=False).bubble_fraction == pytest.approx(
+            (p - 2) / (2 * m + p - 2)
+        )
 
 
 def _check(name: str, p: int, m: int) -> None:

@@ -1,7 +1,6 @@
 import pytest
 
 from lightning_pipe.schedules import (
-    SCHEDULES,
     ActionKind,
     InvalidScheduleError,
     Schedule,
@@ -72,7 +71,10 @@ def test_render_shows_the_timetable() -> None:
 
 
 def test_unknown_schedule_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"):
+    with pytest.raises(
+        ValueError,
+        match="Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble",
+    ):
         get_schedule("zero_bubbles")
 
 
@@ -87,7 +89,9 @@ def test_schedule_sizes_must_be_positive(bad: int) -> None:
 def _replace(schedule: Schedule, rank: int, actions: list) -> Schedule:
     per_rank = list(schedule.actions)
     per_rank[rank] = tuple(actions)
-    return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, tuple(per_rank))
+    return Schedule(
+        schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, tuple(per_rank)
+    )
 
 
 def test_validator_rejects_a_missing_backward() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lightning_pipe.observe import TimelinePicture, simulated_bars, timeline_svg
-from lightning_pipe.schedules.timeline_svg import Bar, nice_ticks
 from lightning_pipe.schedules import build, gpipe, one_f_one_b, simulate
 from lightning_pipe.schedules.actions import Schedule
+from lightning_pipe.schedules.timeline_svg import Bar, nice_ticks
 from tests.models import LifecycleNet, TinyNet, loader
 from tests.pipeline import fit_pipeline
 
@@ -19,19 +19,30 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 def _panels(svg: str) -> dict[str, list[dict[str, str]]]:
     root = ET.fromstring(svg)
-    return {g.get("data-title", ""): [r.attrib for r in g.iter(f"{SVG}rect") if "data-kind" in r.attrib] for g in root.iter(f"{SVG}g")}
+    return {
+        g.get("data-title", ""): [r.attrib for r in g.iter(f"{SVG}rect") if "data-kind" in r.attrib]
+        for g in root.iter(f"{SVG}g")
+    }
 
 
 def _rows(svg: str, panel: dict[str, str]) -> set[str]:
     root = ET.fromstring(svg)
-    return {t.text or "" for g in root.iter(f"{SVG}g") if g.get("data-title") == panel for t in g.iter(f"{SVG}text") if t.get("class") == "rank"}
+    return {
+        t.text or ""
+        for g in root.iter(f"{SVG}g")
+        if g.get("data-title") == panel
+        for t in g.iter(f"{SVG}text")
+        if t.get("class") == "rank"
+    }
 
 
 def _assert_every_action(bars: list[dict[str, str]], schedule: Schedule) -> None:
     assert {int(b["data-rank"]) for b in bars} == set(range(schedule.num_ranks))
     for rank in range(schedule.num_ranks):
         drawn = sorted(
-            (b["data-kind"], int(b["data-stage"]), int(b["data-microbatch"])) for b in bars if b["data-rank"] == str(rank) and b["data-kind"] in "FBW"
+            (b["data-kind"], int(b["data-stage"]), int(b["data-microbatch"]))
+            for b in bars
+            if b["data-rank"] == str(rank) and b["data-kind"] in "FBW"
         )
         expected = sorted((a.kind.value, a.stage, a.microbatch) for a in schedule.compute(rank))
         assert drawn == expected, rank

@@ -46,8 +46,8 @@ def test_every_row_builds_a_valid_schedule_on_its_own_placement(name: str, ranks
 def test_the_name_tables_are_derived_from_the_traits() -> None:
     assert set(SCHEDULES) == set(TRAITS)
     assert set(ASYNC_SCHEDULES) == {n for n, t in TRAITS.items() if t.asynchronous}
-    assert VIRTUAL_STAGES == {n: t.virtual_stages for n, t in TRAITS.items() if t.virtual_stages > 1}
-    assert REGROUPED_FOR_RENDEZVOUS == {n for n, t in TRAITS.items() if t.regroup_for_rendezvous}
+    assert {n: t.virtual_stages for n, t in TRAITS.items() if t.virtual_stages > 1} == VIRTUAL_STAGES
+    assert {n for n, t in TRAITS.items() if t.regroup_for_rendezvous} == REGROUPED_FOR_RENDEZVOUS
     for name, t in TRAITS.items():
         assert not (t.stashes_weights and t.predicts_weights), name
         assert (t.stashes_weights or t.predicts_weights) == t.asynchronous, name
@@ -60,7 +60,9 @@ def test_an_unknown_name_is_refused_with_the_valid_ones() -> None:
 
 
 NAMES = "|".join(sorted(map(re.escape, TRAITS), key=len, reverse=True))
-COMPARISON = re.compile(rf"""(==|!=)\s*["']({NAMES})["']|["']({NAMES})["']\s*(==|!=)|\bin\s*[\(\[{{][^\]\)}}]*["']({NAMES})["']""")
+COMPARISON = re.compile(
+    rf"""(==|!=)\s*["']({NAMES})["']|["']({NAMES})["']\s*(==|!=)|\bin\s*[\(\[{{][^\]\)}}]*["']({NAMES})["']"""
+)
 
 
 def test_no_schedule_name_is_compared_outside_schedules() -> None:
@@ -72,4 +74,6 @@ def test_no_schedule_name_is_compared_outside_schedules() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if COMPARISON.search(line):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
-    assert not found, "schedule names compared outside schedules/ (ask lightning_pipe.schedules.traits):\n" + "\n".join(found)
+    assert not found, "schedule names compared outside schedules/ (ask lightning_pipe.schedules.traits):\n" + "\n".join(
+        found
+    )

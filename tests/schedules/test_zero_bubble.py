@@ -18,7 +18,8 @@ Published figures compared against (bubble relative to the ideal, busy, time; eq
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,23 @@ from lightning_pipe.schedules.interleaved import round_size
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
 FULL = [(p, m) for p in range(1, 9) for m in range(1, 33)]
-SAMPLE = [(1, 1), (1, 5), (2, 1), (2, 2), (2, 3), (2, 4), (2, 6), (3, 3), (3, 7), (4, 4), (4, 6), (4, 8), (5, 10), (8, 16), (8, 32)]
+SAMPLE = [
+    (1, 1),
+    (1, 5),
+    (2, 1),
+    (2, 2),
+    (2, 3),
+    (2, 4),
+    (2, 6),
+    (3, 3),
+    (3, 7),
+    (4, 4),
+    (4, 6),
+    (4, 8),
+    (5, 10),
+    (8, 16),
+    (8, 32),
+]
 
 
 def _grid(slow: bool) -> list[tuple[int, int]]:

@@ -6,12 +6,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import lightning as L
+import torch
+from torch import nn
 
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from tests.models import CLASSES, IN, loader  # noqa: E402
+from lightning_pipe import PipelineStrategy
+from tests.models import CLASSES, IN, loader
 
 
 class NoReset(nn.Module):

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_pipe import PipelineStrategy  # noqa: E402
-from tests.models import trainer_kwargs  # noqa: E402
+from lightning_pipe import PipelineStrategy
+from tests.models import trainer_kwargs
 
 LAYERS = 16
 
@@ -85,7 +85,11 @@ def measure(out: str, devices: int, width: int, build: str, start_method: str) -
     data = DataLoader(TensorDataset(torch.randn(4, width), torch.randn(4, width)), batch_size=4)
     strategy = PipelineStrategy(start_method=start_method, chunks=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, callbacks=[PeakAtFitStart(out)], **trainer_kwargs(max_steps=1)
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=[PeakAtFitStart(out)],
+        **trainer_kwargs(max_steps=1),
     )
     trainer.fit(model, data)
 
@@ -95,7 +99,8 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument(
-        "--runs", default="8:configure_model,2048:configure_model,2048:eager",
+        "--runs",
+        default="8:configure_model,2048:configure_model,2048:eager",
         help="comma-separated WIDTH:BUILD runs, one after the other (one run only with --start-method popen); "
         "each writes OUT/WIDTH-BUILD/rank<k>.json",
     )

@@ -15,7 +15,7 @@ import torch
 from lightning_pipe import PipelineStrategy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.models import TinyNet, loader, trainer_kwargs  # noqa: E402
+from tests.models import TinyNet, loader, trainer_kwargs
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
@@ -25,5 +25,10 @@ if __name__ == "__main__":
     strategy = PipelineStrategy(stages=2, chunks=3)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, **trainer_kwargs())
     trainer.fit(model, loader(batch_size=12))
-    layout = {"rank": trainer.global_rank, "stage": strategy.stage, "replica": strategy.replica, "node": trainer.node_rank}
+    layout = {
+        "rank": trainer.global_rank,
+        "stage": strategy.stage,
+        "replica": strategy.replica,
+        "node": trainer.node_rank,
+    }
     torch.save({"state_dict": model.state_dict(), "layout": layout}, os.path.join(out, f"rank{trainer.global_rank}.pt"))

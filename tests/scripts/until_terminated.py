@@ -12,7 +12,7 @@ import torch
 import lightning_pipe  # noqa: F401  (registers strategy="pipeline")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.models import TinyNet, loader, trainer_kwargs  # noqa: E402
+from tests.models import TinyNet, loader, trainer_kwargs
 
 
 class Record(L.Callback):
