@@ -395,7 +395,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     """Train the configured recipe; returns the final metrics (on every rank)."""
     started = time.time()
     check_keys(cfg)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoTips())
+    quiet_libraries()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     output = Path(output_dir or HydraConfig.get().runtime.output_dir).resolve()
     cwd = Path(_original_cwd())
@@ -407,11 +407,19 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_cfg, dict)
     model = instantiate_recipe(cfg, "model")
-    strategy, devices = build_strategy(
-        cfg.strategy, trainer_cfg.pop("devices"), getattr(model, "strategy_defaults", None)
-    )
+    try:
+        strategy, devices = build_strategy(
+            cfg.strategy, trainer_cfg.pop("devices"), getattr(model, "strategy_defaults", None)
+        )
+    except (ValueError, TypeError) as error:  # a bad strategy value: one sentence, no traceback
+        raise SystemExit(f"lightning-pipe: {error}") from error
     check_tied_weights(cfg, model, devices)
     data = instantiate_recipe(cfg, "data")
+    if "LOCAL_RANK" not in os.environ:  # the launching process: missing data fails here, before the others start
+        try:
+            data.prepare_data()
+        except (OSError, RuntimeError, ValueError) as error:
+            raise SystemExit(f"lightning-pipe: {error}") from error
     if cfg.strategy.name == "pipeline":
         warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
     callbacks: list[L.Callback] = [SamplesPerSecond()]
@@ -538,12 +546,50 @@ def check_overrides(args: Sequence[str]) -> None:
         raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
 
 
+def preflight(args: Sequence[str]) -> None:
+    """Refuse, before Hydra creates the run's folder, what the composed configuration alone shows to be
+    wrong: keys that nothing reads, a bad strategy value (``strategy.schedule=zigzag``), an unknown
+    logger, a ``resume=`` path that does not exist. A sweep or a Hydra flag (``-m``, ``--cfg``) is
+    left to Hydra, as is a configuration Hydra itself refuses (its message names the problem)."""
+    if any(arg.startswith("-") for arg in args):
+        return
+    from hydra import compose, initialize_config_dir
+
+    overrides = [arg for arg in args if not arg.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+    except Exception:
+        return  # Hydra's own answer, when it runs the job, names the problem
+    check_keys(cfg)
+    if str(cfg.get("logger", "csv")) not in LOGGERS:
+        raise SystemExit(f"lightning-pipe: logger={cfg.logger} is unknown. Valid: {', '.join(LOGGERS)}.")
+    if cfg.get("resume") is not None and str(cfg.resume) != "last":
+        resume_path(cfg.resume, Path.cwd(), [])
+    if cfg.strategy.get("name") == "pipeline":
+        try:
+            with warnings.catch_warnings():  # said once, when the run builds it
+                warnings.simplefilter("ignore")
+                build_strategy(cfg.strategy, cfg.trainer.get("devices"))
+        except (ValueError, TypeError) as error:
+            raise SystemExit(f"lightning-pipe: {error}") from None
+
+
+def quiet_libraries() -> None:
+    """Leave out of a command-line run what its user cannot act on: Lightning's advertising tips and
+    the deprecation warnings that Lightning and torch raise about each other's internals."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoTips())
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(lightning|torch|lightning_fabric)(\.|$)")
+
+
 def main() -> None:
     """``lightning-pipe [plan] <overrides>``: ``plan`` ranks the layouts for the configured run
     (``strategy.plan=auto``) and stops before training."""
     if sys.argv[1:2] == ["plan"]:
         sys.argv[1:2] = ["strategy.plan=auto", "+plan_only=true"]
     check_overrides(sys.argv[1:])
+    preflight(sys.argv[1:])
     _main()
 
 

@@ -37,6 +37,7 @@ from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import split_over_replicas
 from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
 from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
+from lightning_pipe.trainer.preflight import check_before_launch
 from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
 from lightning_pipe.weights.names import Rename
@@ -157,10 +158,16 @@ class PipelineStrategy(ProcessStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.layout  # a world size that `stages` does not divide fails here, before any process starts
+        before = self._check_before_launch  # what the module and the arguments show wrong, before any process starts
         if self.config.start_method == "popen":
-            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, before
+            )
         else:
-            self._launcher = PipelineMultiProcessingLauncher(self, self.config.start_method, self._gathering)
+            self._launcher = PipelineMultiProcessingLauncher(self, self.config.start_method, self._gathering, before)
+
+    def _check_before_launch(self, trainer: pl.Trainer) -> None:
+        check_before_launch(trainer.lightning_module, self.config, self.layout)
 
     def _gathering(self) -> Gathering:
         group = self._topology.meta_group if self._topology is not None else None

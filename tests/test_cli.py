@@ -452,14 +452,43 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
 
 
 def test_a_mistake_found_after_launch_prints_one_sentence_once(tmp_path: Path) -> None:
-    """A balance that does not fit the model is found in every process after the launch: rank 0 prints one
-    sentence, no process prints a traceback, the run exits non-zero and the log file keeps the traceback."""
+    """A balance that does not fit a model built in configure_model() is found in every process after the
+    launch: rank 0 prints one sentence, no process prints a traceback, the run exits non-zero and the log
+    file keeps the traceback."""
     result = _command(
-        ["strategy.balance=[1,1]", "trainer.max_steps=1", *SMALL["bert_mlm"], "hydra.run.dir=run"], tmp_path
-    )
+        ["strategy.balance=[1,1]", "trainer.max_steps=1", "recipe.model.build=configure_model", *SMALL["bert_mlm"],
+         "hydra.run.dir=run"], tmp_path,
+    )  # fmt: skip
+    assert "Initializing distributed" in result.stdout + result.stderr  # the processes had started
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("sums to 2 but the module has 4 layers") == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     logs = "".join(p.read_text() for p in (tmp_path / "run").glob("*.log"))
     assert "Traceback" in logs and "sums to 2" in logs
+
+
+@pytest.mark.parametrize(
+    "overrides, message, folder",
+    [
+        (["strategy.schedule=zigzag"], "Unknown pipeline schedule 'zigzag'. Valid schedules: 1f1b", False),
+        (["logger=csvv"], "logger=csvv is unknown. Valid: csv, tensorboard.", False),
+        (["strategy.balance=[1,1]", *SMALL["bert_mlm"]], "sums to 2 but the module has 4 layers", True),
+        (["trainer.devices=6", *SMALL["bert_mlm"]], "cannot split 4 layers into 6 stages", True),
+        (["recipe=vgg19_cifar100", "recipe.data.source=cifar100", "recipe.data.root=nowhere"],
+         "CIFAR-100 is not in", True),
+    ],
+    ids=["bad-schedule", "bad-logger", "bad-balance", "too-many-devices", "missing-data"],
+)  # fmt: skip
+def test_a_mistake_found_before_launch_starts_no_process(
+    tmp_path: Path, overrides: list[str], message: str, folder: bool
+) -> None:
+    """What the configuration, the model or the data shows to be wrong fails on the launching process:
+    one sentence, no traceback, no other process started; a bad configuration value fails before Hydra
+    creates the run's folder."""
+    result = _command([*overrides, "trainer.max_steps=1"], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count(message) == 1, output[-3000:]
+    assert "Traceback" not in output and "Initializing distributed" not in output, output[-3000:]
+    assert (tmp_path / "outputs").exists() == folder

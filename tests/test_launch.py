@@ -50,7 +50,7 @@ def test_a_setup_error_is_not_hidden_by_the_teardown(tmp_path: Path) -> None:
         -3000:
     ]
     final = [line for line in result.stderr.splitlines() if line.strip()][-1]
-    assert "NotImplementedError: Cannot copy out of meta tensor" not in final.split("lightning-pipe:")[0], final
+    assert final.split(": ", 1)[-1].startswith("(tearing down after this error"), final  # a note, not the error
     assert "tearing down after this error then failed too" in result.stderr
 
 

@@ -148,11 +148,7 @@ def split_module(
         balance = [len(layers)]
     else:
         balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
-    if not parameters_beyond(module, layers, ends):  # else every process holds those
-        processes = [
-            sorted({split_of(s, num_split) for s, q in enumerate(positions) if q == p}) for p in range(layout.stages)
-        ]
-        check_stage_parameters(balance, layers, processes, owners)
+    check_held_parameters(module, layers, ends, balance, positions, num_split, owners)
     with_ends = extended(layers, ends)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
     tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_split))
@@ -173,7 +169,7 @@ def split_module(
     release_parameters(foreign)
     if spec is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
-    if rank == 0:  # where Lightning prints its own setup lines, in any script
+    if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         chunks = config.num_microbatches(layout.stages)
         rank_zero_info(
             describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks)
@@ -190,6 +186,25 @@ def split_module(
         candidates,
         held_ends,
     )
+
+
+def check_held_parameters(
+    module: nn.Module,
+    layers: nn.Module,
+    ends: Any,
+    balance: list[int],
+    positions: list[int],
+    num_split: int,
+    owners: list[bool],
+) -> None:
+    """Refuse a split that leaves a process without any parameter (its optimizer would get an empty
+    parameter list), unless the module holds parameters outside the split, which every process keeps."""
+    if parameters_beyond(module, layers, ends):
+        return
+    processes = [
+        sorted({split_of(s, num_split) for s, q in enumerate(positions) if q == p}) for p in range(max(positions) + 1)
+    ]
+    check_stage_parameters(balance, layers, processes, owners)
 
 
 def parameters_beyond(module: nn.Module, layers: nn.Module, ends: Any) -> bool:

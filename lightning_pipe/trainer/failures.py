@@ -122,6 +122,4 @@ def after_failure(failure: BaseException | None, teardown: Callable[[], None]) -
     except Exception as error:
         if failure is None:
             raise
-        failure.add_note(
-            f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}"
-        )
+        failure.add_note(f"(tearing down after this error then failed too: {type(error).__name__}: {error})")

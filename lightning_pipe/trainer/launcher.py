@@ -108,14 +108,26 @@ class _Serialized(bytes):
 
 
 class PipelineMultiProcessingLauncher(_Launcher):
-    def __init__(self, strategy: pl.strategies.Strategy, start_method: str, gathering: Callable[[], Gathering]) -> None:
+    """Lightning's multiprocessing launcher, gathering rank 0's results; ``before(trainer)`` runs on the
+    launching process before any worker starts (what can be refused there, is)."""
+
+    def __init__(
+        self,
+        strategy: pl.strategies.Strategy,
+        start_method: str,
+        gathering: Callable[[], Gathering],
+        before: Callable[[pl.Trainer], None] | None = None,
+    ) -> None:
         self._inner = _GatheringLauncher(strategy, start_method, gathering)
+        self._before = before
 
     @property
     def is_interactive_compatible(self) -> bool:
         return self._inner.is_interactive_compatible
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if self._before is not None and trainer is not None:
+            self._before(trainer)
         results = self._inner.launch(function, *args, trainer=trainer, **kwargs)
         if isinstance(results, _Serialized):
             # our own worker's output (predictions may be any picklable object), not a file from elsewhere
@@ -160,7 +172,27 @@ def child_overrides(task: Sequence[str], hydra: Sequence[str]) -> list[str]:
 
 
 class PipelineScriptLauncher(subprocess_script._SubprocessScriptLauncher):
-    """Lightning's script launcher (``start_method="popen"``) with :func:`hydra_child_command`."""
+    """Lightning's script launcher (``start_method="popen"``) with :func:`hydra_child_command`;
+    ``before(trainer)`` runs on the launching process before it starts the others."""
+
+    def __init__(
+        self,
+        cluster_environment: Any,
+        num_processes: int,
+        num_nodes: int,
+        before: Callable[[pl.Trainer], None] | None = None,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._before = before
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if (
+            self._before is not None
+            and trainer is not None
+            and not self.cluster_environment.creates_processes_externally
+        ):
+            self._before(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _call_children_scripts(self) -> None:
         with _hydra_command(hydra_child_command):

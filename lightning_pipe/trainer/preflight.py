@@ -1,0 +1,54 @@
+"""What can be refused on the launching process, before any other process starts.
+
+Every rank checks its split in the strategy's setup, after the processes have started and joined
+the process group: a mistake found there costs the start of every process and is raised once per
+rank. What the module and the arguments alone decide (the schedule's layout, more stages than
+layers, a process left without parameters, a schedule that a block container cannot run) is
+checked here first, on the process that launches the others, so that it fails in a second with
+one error. What needs measuring (``plan="auto"``, ``balance="time"``/``"memory"``) or a module
+whose layers ``configure_model()`` builds is left to the setup.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.partition import find_sequential, layer_owners, resolve_balance
+from lightning_pipe.partition.costs import MEASURED_BALANCES
+from lightning_pipe.partition.ends import end_parameters, find_ends
+from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.schedules import stage_positions
+from lightning_pipe.trainer.assemble import check_held_parameters, refuse_for_blocks
+from lightning_pipe.trainer.compatibility import check_chimera_layout
+
+
+def builds_layers_later(module: nn.Module) -> bool:
+    """Whether ``module`` defines ``configure_model()``, where it may build the layers after the launch."""
+    hook = getattr(type(module), "configure_model", None)
+    return hook is not None and getattr(hook, "__qualname__", "").split(".")[0] not in ("LightningModule", "ModelHooks")
+
+
+def check_before_launch(module: nn.Module | None, config: PipelineConfig, layout: Layout) -> None:
+    """Raise what the split of ``module`` into ``layout`` would raise on every rank, where the module and
+    the arguments decide it. Nothing is split, built or measured here."""
+    if module is None or config.plan == "auto":
+        return
+    try:
+        _, layers = find_sequential(module, config.module)
+    except (ValueError, TypeError):
+        if builds_layers_later(module):
+            return  # the layers may not exist before configure_model(): the setup checks them
+        raise
+    if not isinstance(layers, nn.Sequential):
+        refuse_for_blocks(config)
+    virtual = config.virtual_stages or 1
+    positions = stage_positions(config.schedule, layout.stages, virtual)
+    num_split = layout.stages * virtual
+    check_chimera_layout(config.schedule, layout.stages, layout.replicas)
+    if len(layers) < num_split or config.balance not in MEASURED_BALANCES:
+        ends = find_ends(module, layers)
+        balance = config.balance if config.balance not in MEASURED_BALANCES else "uniform"
+        resolved = resolve_balance(balance, layers, num_split, end_parameters(ends))
+        owners = layer_owners(layers, end_parameters(ends))
+        check_held_parameters(module, layers, ends, resolved, positions, num_split, owners)

@@ -1,0 +1,85 @@
+"""What the launching process refuses before any other process starts (lightning_pipe.trainer.preflight)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.trainer import launcher
+from lightning_pipe.trainer.preflight import check_before_launch
+from tests.models import TinyNet, loader
+
+
+class ReluMiddle(TinyNet):
+    """Linear, ReLU, ReLU, Linear: a split [1, 2, 1] leaves the middle stage without parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.ReLU(), nn.Linear(8, 3))
+
+
+class BuiltLater(TinyNet):
+    """Its layers exist only once configure_model() ran, after the launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layers
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "layers"):
+            self.layers = nn.Sequential(nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize(
+    "model, config, layout, match",
+    [
+        (lambda: TinyNet(depth=3), PipelineConfig(), Layout(4, 1), r"cannot split 3 layers into 4 stages"),
+        (ReluMiddle, PipelineConfig(balance=[1, 2, 1]), Layout(3, 1), r"leaves stage 1 with only layers that hold no"),
+        (TinyNet, PipelineConfig(balance=[4, 3]), Layout(2, 1), r"sums to 7 but the module has 8 layers"),
+        (TinyNet, PipelineConfig(schedule="chimera"), Layout(2, 2), r"chimera"),
+        (TinyNet, PipelineConfig(module="body"), Layout(2, 1), r"TinyNet has no attribute 'body'"),
+        (lambda: TinyNet(depth=3), PipelineConfig(balance="time"), Layout(4, 1), r"cannot split 3 layers into 4"),
+    ],
+    ids=["too-many-stages", "stage-without-parameters", "balance-sum", "chimera-replicas", "bad-module", "measured"],
+)
+def test_what_the_module_and_arguments_decide_is_refused(
+    model: Any, config: PipelineConfig, layout: Layout, match: str
+) -> None:
+    with pytest.raises(Exception, match=match):  # ValueError, TypeError or MisconfigurationException
+        check_before_launch(model(), config, layout)
+
+
+def test_a_valid_split_and_what_needs_the_launch_pass() -> None:
+    check_before_launch(TinyNet(), PipelineConfig(), Layout(4, 1))
+    check_before_launch(TinyNet(depth=8), PipelineConfig(balance="time"), Layout(4, 1))  # measured after the launch
+    check_before_launch(BuiltLater(), PipelineConfig(), Layout(2, 1))  # layers from configure_model(), later
+    check_before_launch(None, PipelineConfig(), Layout(2, 1))
+
+
+def test_the_trainer_refuses_before_starting_any_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``trainer.fit``, with each start method: the launcher never starts a process."""
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launcher.PipelineScriptLauncher, "_call_children_scripts", started)
+    monkeypatch.setattr(launcher._GatheringLauncher, "launch", started)
+    for start_method in ("popen", "spawn"):
+        trainer = L.Trainer(
+            strategy=PipelineStrategy(start_method=start_method),
+            accelerator="cpu",
+            devices=4,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with pytest.raises(ValueError, match=r"cannot split 3 layers into 4 stages"):
+            trainer.fit(TinyNet(depth=3), loader())
+    assert torch.distributed.is_initialized() is False
