@@ -209,7 +209,7 @@ class PipelineStrategy(ProcessStrategy):
             self._pipeline.close()
         self._pipeline = build_pipeline(module, self._split, self._topology, scaler)
         stop = self._signals.stop_if_requested
-        self._steps = PipelineSteps(self._pipeline, self._topology, module, self.precision_plugin, stop)
+        self._steps = PipelineSteps(self._pipeline, self.config, self._topology, module, self.precision_plugin, stop)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
