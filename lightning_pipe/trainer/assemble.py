@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.checkpoint import tie_aliases
+from lightning_pipe.checkpoint import stage_io, tie_aliases
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.observe.run_report import describe_layout
 from lightning_pipe.partition import (
@@ -95,13 +95,22 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, "")
 
-    def written_elsewhere(self) -> dict[str, Any]:
-        """What this rank leaves to another rank when writing a checkpoint (Chimera's second copies:
-        each stage is written once, by its down pipeline's process), as ``stage_io.Writer``'s ``skip``
-        (state-dict names) and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
+    def writer(
+        self, topology: Topology, is_global_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[], None]
+    ) -> stage_io.Writer:
+        """Where this rank stands when it writes a checkpoint: its stage and replica, the replicas'
+        group where they hold shards, and what it leaves to another rank (Chimera's second copies:
+        each stage is written once, by its down pipeline's process) as ``skip`` (state-dict names)
+        and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
+        placement, prefix = self.placement, f"{self.attribute}."
+        sharded = self.config.data_parallel == "shard" and placement.num_replicas > 1
         num_split = len(self.balance) if self.balance else len(self.split.stages)
-        skip = written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
-        return {"skip": skip, "rename": renamed_ties(self.split.host, skip, f"{self.attribute}.") if skip else {}}
+        skip = written_elsewhere(self.split.stages, num_split, prefix)
+        rename = renamed_ties(self.split.host, skip, prefix) if skip else {}
+        return stage_io.Writer(
+            placement.stage, placement.num_stages, placement.replica, is_global_zero, broadcast, barrier,
+            topology.dp_group if sharded else None, skip, rename,
+        )  # fmt: skip
 
 
 def split_module(
