@@ -23,20 +23,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.checkpoint import stage_io
 from lightning_pipe.config import PipelineConfig, recompute_mode
 from lightning_pipe.partition.split import BalanceSpec
 from lightning_pipe.runtime.pipeline import StagePipeline
-from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
 from lightning_pipe.trainer import failures, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
-from lightning_pipe.trainer.data import split_over_replicas
-from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
-from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
+from lightning_pipe.trainer.data import stage_dataloader
+from lightning_pipe.trainer.launcher import Gathering, launcher_for, register_variants
+from lightning_pipe.trainer.precision import across_stages
 from lightning_pipe.trainer.preflight import check_before_launch
 from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
@@ -145,28 +143,17 @@ class PipelineStrategy(ProcessStrategy):
         return torch.device("meta")
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Make every stage of the pipeline draw the first stage's indices: each stage loads the
-        batch itself, and a sampler drawing from a process's random state would differ between them
-        (see :mod:`lightning_pipe.runtime.sampling`)."""
+        """Every stage draws the first stage's order, each replica its part (see ``stage_dataloader``)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.num_replicas > 1 and trainer is not None and not trainer.predicting:
-            # each replica its own part of every step; predict runs every sample on every replica
-            dataloader = split_over_replicas(dataloader, self.num_replicas, self.replica, trainer.state.stage)
         meta_group = self._topology.meta_group if self._topology is not None else None
-        return share_order(dataloader, meta_group, self.pipeline_ranks[0], self.pipeline_ranks)
+        return stage_dataloader(dataloader, trainer, self.layout, self.global_rank, meta_group)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.layout  # a world size that `stages` does not divide fails here, before any process starts
-        before = self._check_before_launch  # what the module and the arguments show wrong, before any process starts
-        if self.config.start_method == "popen":
-            self._launcher = PipelineScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, before
-            )
-        else:
-            self._launcher = PipelineMultiProcessingLauncher(self, self.config.start_method, self._gathering, before)
+        self._launcher = launcher_for(self, self.config.start_method, self._gathering, self._check_before_launch)
 
-    def _check_before_launch(self, trainer: pl.Trainer) -> None:
+    def _check_before_launch(self, trainer: pl.Trainer) -> None:  # what the module and arguments show wrong
         check_before_launch(trainer.lightning_module, self.config, self.layout)
 
     def _gathering(self) -> Gathering:
@@ -216,16 +203,14 @@ class PipelineStrategy(ProcessStrategy):
             self._pipeline.close()
         self._pipeline = build_pipeline(module, self._split, self._topology, scaler)
         stop = self._signals.stop_if_requested
-        self._steps = PipelineSteps(self._pipeline, self._topology, module, self.precision_plugin, stop)
+        self._steps = PipelineSteps(self._pipeline, self.config, self._topology, module, self.precision_plugin, stop)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
-        clip_by_global_norm(self.precision_plugin, self.clip_grad_norm_)  # Lightning's clip hook, by the global norm
-        if scaler is not None:
-            sync_gradient_scaler(scaler)
+        across_stages(self.precision_plugin, self.clip_grad_norm_)  # clipping by the global norm, one scaler verdict
 
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized() and self._steps is not None:
@@ -286,11 +271,8 @@ class PipelineStrategy(ProcessStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.steps.finish_in_flight()
-        writer = stage_io.Writer(
-            self.stage, self.num_stages, self.replica, self.is_global_zero, self.broadcast, self.barrier,
-            self._topology.dp_group if self.sharded and self._topology is not None else None,
-            **(self._split.written_elsewhere() if self._split is not None else {}),
-        )  # fmt: skip
+        assert self._split is not None and self._topology is not None  # set up with the steps
+        writer = self._split.writer(self._topology, self.is_global_zero, self.broadcast, self.barrier)
         hooks.save_checkpoint(checkpoint, filepath, storage_options, writer, self.pipeline.state_dict())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -311,11 +293,8 @@ class PipelineStrategy(ProcessStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """``"pipeline"`` for scripts, ``"pipeline_notebook"`` (fork) and ``"pipeline_spawn"``, as
-        Lightning names its DDP variants. Registering again is a no-op."""
-        for name, start_method in (("pipeline", "popen"), ("pipeline_notebook", "fork"), ("pipeline_spawn", "spawn")):
-            if name not in strategy_registry:
-                description = f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}"
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        Lightning names its DDP variants (:data:`~lightning_pipe.trainer.launcher.VARIANTS`)."""
+        register_variants(cls, strategy_registry)
 
 
 __all__ = ["PipelineStrategy"]

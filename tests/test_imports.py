@@ -89,7 +89,11 @@ def test_the_pipeline_and_what_it_is_built_from_never_import_lightning() -> None
     below = _reachable(graph, "lightning_pipe.runtime.pipeline") | {
         m for m in graph if m.startswith("lightning_pipe.schedules")
     }
-    assert {"lightning_pipe.runtime.executor", "lightning_pipe.runtime.gradients", "lightning_pipe.config"} <= below
+    assert {
+        "lightning_pipe.runtime.executor",
+        "lightning_pipe.runtime.gradients",
+        "lightning_pipe.runtime.options",
+    } <= below
     paths = {_module_name(f, ROOT, ""): f for f in files}
     found = {
         name: sorted(m for m in _imports(paths[name], module_level_only=False) if m.split(".")[0] == "lightning")
@@ -107,6 +111,24 @@ def test_nothing_below_the_strategy_imports_it() -> None:
         and f.name != "strategy.py"
     )
     assert importers == ["lightning_pipe/__init__.py", "lightning_pipe/cli.py"]  # the package's face and the CLI
+
+
+def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None:
+    """No module of ``runtime/`` imports ``config`` or anything above the runtime, not even for
+    type hints: the pipeline runs by :class:`PipelineOptions`, which ``trainer/assemble.py`` builds."""
+    allowed = ("lightning_pipe.runtime", "lightning_pipe.schedules")
+    climbing = {}
+    for name, path in _package_files().items():
+        if name.startswith("lightning_pipe.runtime"):
+            up = sorted(
+                m
+                for m in _imports(path, module_level_only=False)
+                if m.startswith("lightning_pipe") and not m.startswith(allowed)
+            )
+            if up:
+                climbing[name] = up
+    assert climbing == {}
+    assert "lightning_pipe.runtime.options" in _package_files()
 
 
 #: The core: usable from plain PyTorch, below everything that knows the Trainer.

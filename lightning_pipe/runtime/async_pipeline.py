@@ -18,7 +18,7 @@ from collections.abc import Hashable, Mapping
 
 from torch import Tensor
 
-from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, traits, update_delay
@@ -65,29 +65,31 @@ class AsyncPipeline:
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def train_step(self, m: int, keys: Mapping[int, Hashable]) -> int:
-        """Run batch ``self.step`` split into ``m`` micro-batches (``keys`` by global id); returns its index."""
+    def train_step(self, m: int, keys: Mapping[int, Hashable], calls: Callbacks) -> int:
+        """Run batch ``self.step`` split into ``m`` micro-batches (``keys`` by global id; ``calls``:
+        the user's step and what else the executor calls out to); returns its index."""
         if self._in_flight is not None and (self._in_flight != m or self.isolated(m)):
-            self.drain()
+            self.drain(calls)
         steady = self._steady(m)
         t = self.step
         if self._in_flight is None:
             self._start = t
         self.versions.create(t)
         actions = step_actions(steady, self.executor.rank, t, self._start)
-        self.executor.run_actions(actions, self.num_stages, m, keys, finish=False)
+        self.executor.run_actions(actions, self.num_stages, m, keys, calls, finish=False)
         self._in_flight = m
         self.step += 1
         self._collect()
         return t
 
-    def drain(self) -> None:
-        """Finish every backward in flight; the pipeline is empty afterwards."""
+    def drain(self, calls: Callbacks) -> None:
+        """Finish every backward in flight (``calls``: what the executor calls out to); the pipeline
+        is empty afterwards."""
         if self._in_flight is None:
             return
         m = self._in_flight
         actions = drain_actions(self._steady(m), self.executor.rank, self.step - 1, self._start)
-        self.executor.run_actions(actions, self.num_stages, m, {}, finish=True)
+        self.executor.run_actions(actions, self.num_stages, m, {}, calls, finish=True)
         self._in_flight = None
         self._collect()
         stale = [v for v in self.versions.held() if v < self.step]

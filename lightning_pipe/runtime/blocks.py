@@ -29,6 +29,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -123,6 +124,16 @@ class BlockStage(LoopedContainer):
 
     def __len__(self) -> int:
         return len(self._shells)
+
+    @contextmanager
+    def routed(self, drive: BlockDrive) -> Iterator[None]:
+        """While the user's step runs: its loop over the container goes through ``drive`` (the
+        stage's part of the micro-batch), the model's code unchanged."""
+        self._hook = drive
+        try:
+            yield
+        finally:
+            self._hook = None
 
     def entry(self, i: int) -> Any:
         if self._hook is not None:

@@ -3,12 +3,14 @@
 The executor knows nothing about Lightning or about any particular schedule. It dispatches on
 action kinds, holds the stages of its rank in a dict (so several virtual stages per rank fit),
 and relies on the schedule's own placement of sends and receives, which
-:func:`lightning_pipe.schedules.validate` proved deadlock-free.
+:func:`lightning_pipe.schedules.validate` proved deadlock-free. What a run calls out to (the
+user's step, a check before the first receive, a timeline) is given with each run
+(:class:`Callbacks`), so the executor keeps nothing of a caller's between runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.runtime.p2p import Op, Transport
-from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.runtime.stage import StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
 from lightning_pipe.schedules.actions import comm_groups
@@ -41,6 +43,23 @@ class _Inbox:
 _UNTIMED = nullcontext()
 
 
+@dataclass(frozen=True)
+class Callbacks:
+    """What one run of the executor calls out to.
+
+    Attributes:
+        step: the user's step for a micro-batch (``step(i)``), which the first and last stages' forwards
+            run (None: a run with no such forward, as a drain of backwards).
+        before_receive: called before the run's first receive is set up (a check that the stages
+            loaded the same batch, whose shapes the receives trust); it must allow being called again.
+        timeline: records when each action ran (None: no clock is read).
+    """
+
+    step: StepFn | None = None
+    before_receive: Callable[[], None] | None = None
+    timeline: Timeline | None = None
+
+
 @dataclass
 class _Run:
     """What one call of :meth:`Executor.run_actions` keeps between actions."""
@@ -48,7 +67,9 @@ class _Run:
     keys: Sequence[Hashable] | Mapping[int, Hashable]
     num_stages: int
     microbatches_per_batch: int
+    calls: Callbacks
     split_backward: bool = False
+    checked: bool = False  # whether ``calls.before_receive`` ran
     inbox: dict[Action, _Inbox] = field(default_factory=dict)
     outbox: dict[Action, tuple[Sequence[Tensor], bool]] = field(default_factory=dict)
     sends: list[tuple[Any, Op]] = field(default_factory=list)
@@ -77,10 +98,9 @@ class Executor:
         self.transport = transport
         self.runners = runners
         self.rank = rank
-        self.timeline: Timeline | None = None  # attach one to record per-action timings
         self._carried: list[tuple[Any, Op]] = []
 
-    def run(self, schedule: Schedule, keys: Sequence[Hashable]) -> None:
+    def run(self, schedule: Schedule, keys: Sequence[Hashable], calls: Callbacks = Callbacks()) -> None:
         """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
         micro-batch ``i``'s input shapes (the same on every rank), under which activation shapes
         are cached."""
@@ -89,6 +109,7 @@ class Executor:
             schedule.chain_length,
             schedule.num_microbatches,
             keys,
+            calls,
             split_backward=schedule.split_backward,
         )
 
@@ -98,6 +119,7 @@ class Executor:
         num_stages: int,
         microbatches_per_batch: int,
         keys: Sequence[Hashable] | Mapping[int, Hashable],
+        calls: Callbacks = Callbacks(),
         finish: bool = True,
         split_backward: bool = False,
     ) -> None:
@@ -112,13 +134,14 @@ class Executor:
         delays the next gradient receive, each gradient receive is posted one early too (once the
         forward it belongs to has run): on the benchmark MLP this cut ZB-H1's rank-0 posting from
         9.2 to 1.4 ms a step (``docs/benchmarks.md``); under 1F1B it did not pay."""
-        run = _Run(keys, num_stages, microbatches_per_batch, split_backward)
+        run = _Run(keys, num_stages, microbatches_per_batch, calls, split_backward)
         if self.transport.prefetches_receives:
             # gradient receives too under a split backward only (measured: no gain under 1F1B)
             run.following = next_receives(actions, gradients=split_backward)
         groups = dict(comm_groups(actions))
-        if self.timeline is not None:
-            self.timeline.begin_step()
+        timeline = calls.timeline
+        if timeline is not None:
+            timeline.begin_step()
         index = 0
         try:
             while index < len(actions):
@@ -130,7 +153,7 @@ class Executor:
                 group = groups[index]
                 self._post(group, run)
                 index += len(group)
-            with self._span("wait", -1, -1):
+            with self._span(run, "wait", -1, -1):
                 for work, _ in self._carried:
                     work.wait()
                 self._carried = []
@@ -152,11 +175,13 @@ class Executor:
         if finish:
             for runner in self.runners.values():
                 runner.reset()
-        if self.timeline is not None:
-            self.timeline.end_step()
+        if timeline is not None:
+            timeline.end_step()
 
-    def _span(self, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
-        return _UNTIMED if self.timeline is None else self.timeline.span(name, stage, microbatch)
+    @staticmethod
+    def _span(run: _Run, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
+        timeline = run.calls.timeline
+        return _UNTIMED if timeline is None else timeline.span(name, stage, microbatch)
 
     def _activation_key(self, action: Action, run: _Run, stage: int) -> Hashable:
         return (stage, run.keys[action.microbatch], torch.is_grad_enabled())
@@ -206,7 +231,7 @@ class Executor:
                 for a in group
             )
         ):  # gloo, a header to wait for: the sends go out first, the peer may need them to send it
-            with self._span("post", group[0].stage, group[0].microbatch):
+            with self._span(run, "post", group[0].stage, group[0].microbatch):
                 early = self.transport.post(ops)
             run.sends.extend(zip(early, ops))
             ops = []
@@ -222,7 +247,7 @@ class Executor:
             box, recv_ops = self._receive(action, run)
             pending.append((action, box, len(recv_ops)))
             ops += recv_ops
-        with self._span("post", group[0].stage, group[0].microbatch):
+        with self._span(run, "post", group[0].stage, group[0].microbatch):
             works = self.transport.post(ops)
         if self.transport.batched:  # one work may stand for the whole batch
             for _, box, _ in pending:
@@ -245,14 +270,23 @@ class Executor:
         ``action``: an activation's shapes from its header, a gradient's from its forward's outputs."""
         if action.kind is ActionKind.RECV_GRADIENT:
             like = self.runners[action.stage].output_grad_like(action.microbatch)
+            self._before_receive(run)
             buffers, ops = self.transport.gradient_recv_ops(action.stage + 1, like)
             return _Inbox([], buffers), ops
         key = self._activation_key(action, run, action.stage)
         # only a new shape's header is waited for (until the sender gets there)
-        header = _UNTIMED if self.transport.knows(key) else self._span("wait", action.stage, action.microbatch)
+        header = _UNTIMED if self.transport.knows(key) else self._span(run, "wait", action.stage, action.microbatch)
         with header:
+            self._before_receive(run)
             buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key)
         return _Inbox([], buffers, meta.requires_grad, meta.was_tuple), ops
+
+    @staticmethod
+    def _before_receive(run: _Run) -> None:
+        """The run's check before its first receive (the peers' shapes are trusted from then on)."""
+        if run.calls.before_receive is not None and not run.checked:
+            run.checked = True
+            run.calls.before_receive()
 
     def _prefetch(self, action: Action, run: _Run) -> None:
         """Post the receive after ``action``'s now, if its shapes are known (a new shape's header
@@ -267,7 +301,7 @@ class Executor:
         elif not self.transport.knows(self._activation_key(following, run, following.stage)):
             return
         box, recv_ops = self._receive(following, run)
-        with self._span("post", following.stage, following.microbatch):
+        with self._span(run, "post", following.stage, following.microbatch):
             box.works = self.transport.post(recv_ops)
         run.inbox[following] = box
 
@@ -279,26 +313,26 @@ class Executor:
             depth = action.stage % run.num_stages  # the stage's place along its chain
             if depth > 0:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
-                with self._span("wait", action.stage, i):
+                with self._span(run, "wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
                 received = (tensors, box.flags, box.was_tuple)
-            with self._span("F", action.stage, i):
-                result = runner.forward(i, run.microbatches_per_batch, received)
+            with self._span(run, "F", action.stage, i):
+                result = runner.forward(i, run.microbatches_per_batch, received, run.calls.step)
             if depth < run.num_stages - 1:
                 assert result is not None
                 run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = result
             return
         if action.kind is ActionKind.WEIGHT:
-            with self._span("W", action.stage, i):
+            with self._span(run, "W", action.stage, i):
                 runner.backward_weight(i)
             return
         grads = None
         depth = action.stage % run.num_stages
         if depth < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
-            with self._span("wait", action.stage, i):
+            with self._span(run, "wait", action.stage, i):
                 grads = self.transport.arrived(box.wait())
-        with self._span("B", action.stage, i):
+        with self._span(run, "B", action.stage, i):
             input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
         if depth > 0:
             assert input_grads is not None

@@ -11,7 +11,7 @@ of the outputs it sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,14 +109,6 @@ class Transport:
         self._sent: dict[Hashable, TensorMeta] = {}
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
-        #: called once before the next receive is set up (a check that the peers agree on shapes)
-        self.before_receive: Callable[[], None] | None = None
-
-    def pass_gate(self) -> None:
-        """Run and clear :attr:`before_receive`."""
-        gate, self.before_receive = self.before_receive, None
-        if gate is not None:
-            gate()
 
     def activation_send_ops(self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool) -> list[Op]:
         """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now."""
@@ -141,8 +133,6 @@ class Transport:
 
     def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
         """Buffers and ops that receive an activation; reads the header first if this key is new."""
-        if self.before_receive is not None:
-            self.pass_gate()
         peer = self.stage_ranks[from_stage]
         meta = self._received.get(key)
         if meta is None:
@@ -160,8 +150,6 @@ class Transport:
         return [Op(True, self._outgoing(g), peer, 2 * to_stage + 1) for g in grads]
 
     def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
-        if self.before_receive is not None:
-            self.pass_gate()
         peer = self.stage_ranks[from_stage]
         device = "cpu" if self.through_host else self.device
         buffers = [torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=self._pin) for t in like]

@@ -1,6 +1,6 @@
 """``StagePipeline``: one rank's share of the pipeline, driven one batch at a time.
 
-Built once (per setup) from the run's values (:class:`~lightning_pipe.config.PipelineConfig`,
+Built once (per setup) from the run's values (:class:`~lightning_pipe.runtime.options.PipelineOptions`,
 :class:`~lightning_pipe.runtime.topology.Placement`), the split (the stage modules this rank
 holds) and the process groups, it owns everything a step touches below Lightning: the executor
 that walks the schedule, the transport to the neighbouring stages, the per-step agreement on what
@@ -19,17 +19,19 @@ drives it with a few verbs and never reaches inside:
   the pipeline installed on the layers.
 
 The user's code enters as a step function per micro-batch (``step(i)`` runs micro-batch ``i``'s
-step and returns, on the last stage, the weighted loss to backpropagate): the pipeline gives it
-to its stage runners for the duration of one verb. Nothing here imports Lightning, so the
-pipeline can be built and driven without a Trainer (``tests/runtime/test_pipeline.py``).
+step and returns, on the last stage, the weighted loss to backpropagate): a verb hands it to the
+executor's run with the agreement's check and the timeline (:class:`~lightning_pipe.runtime.executor.Callbacks`),
+and the executor to the stage runner's forward; nothing keeps it after the verb. Nothing here
+imports Lightning or the strategy's arguments, so the pipeline can be built and driven without a
+Trainer (``tests/runtime/test_pipeline.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager
 
 from torch import Tensor, nn
 
@@ -37,11 +39,12 @@ from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
-from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.pipemare import PipeMare, resolve
+from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
 from lightning_pipe.runtime.sharding import ShardedStage
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
@@ -51,9 +54,6 @@ from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
 from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
-
-if TYPE_CHECKING:  # the values only: the runtime imports nothing above it
-    from lightning_pipe.config import PipelineConfig
 
 #: A context to run a verb's compute in (the precision's autocast, for example).
 Context = Callable[[], ContextManager[Any]]
@@ -81,7 +81,7 @@ class StagePipeline:
     """One rank's share of the pipeline (see the module docstring).
 
     Args:
-        config: the run's arguments (the schedule, chunks, checkpoint mode, fusion, replicas' mode).
+        options: how the pipeline runs (the schedule, micro-batches, recomputation, fusion, sharding, PipeMare).
         placement: where this rank's stages sit in the layout, and its device and backend.
         split: the stage modules this rank holds.
         topology: the process groups of this rank (pipeline, replicas, the gloo group for headers).
@@ -93,30 +93,31 @@ class StagePipeline:
 
     def __init__(
         self,
-        config: PipelineConfig,
+        options: PipelineOptions,
         placement: Placement,
         split: StageSplit,
         topology: Topology,
         model: nn.Module,
         shared: Sequence[nn.Parameter] = (),
     ) -> None:
-        self.config = config
+        self.options = options
         self.placement = placement
         self.host = split.host
         self.stages = split.stages
         self.topology = topology
         self.num_stages = placement.num_stages
-        self.num_microbatches = config.num_microbatches(self.num_stages)
+        self.num_microbatches = options.num_microbatches
         self._schedules: dict[tuple[str, int], Schedule] = {}
+        self.timeline: Timeline | None = None  # see enable_timeline
         replicas = placement.num_replicas
-        self.sharded = config.data_parallel == "shard" and replicas > 1
+        self.sharded = options.sharded and replicas > 1
         self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
         check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
-        mirrored = traits(config.schedule).mirrored
+        mirrored = traits(options.schedule).mirrored
         copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
         self.gradients = StageGradients(
             shared,
@@ -136,41 +137,40 @@ class StagePipeline:
             batched=placement.backend == "nccl",
             through_host=placement.through_host,
         )
-        asynchronous = is_async(config.schedule)
+        asynchronous = is_async(options.schedule)
         versions = WeightVersions(self.host) if asynchronous else None
         self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
-        split_backward = not asynchronous and self.schedule(config.schedule, self.num_microbatches).split_backward
+        split_backward = not asynchronous and self.schedule(options.schedule, self.num_microbatches).split_backward
         self._fused: list[nn.Module] = []
         if self.shards is not None:
             pass  # FSDP2 accumulates the micro-batches' gradients itself
         elif split_backward:  # W is these layers' deferred work
             self._fused = deferred_conv.install_split(self.host)
-        elif config.gradient_accumulation_fusion:
+        elif options.gradient_accumulation_fusion:
             self._fused = fused_linear.install(self.host)
         if versions is None and self.shards is None and not split_backward:
             # the readiness hooks fire in B, while deferred weight gradients are complete only after
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
         self.runners = {
-            s: StageRunner(m, checkpoint=config.recompute, versions=versions, host=self.host)
+            s: StageRunner(m, checkpoint=options.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
         }
         self.executor = Executor(self.transport, self.runners, rank=placement.stage)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(
-                config.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
+                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
             )
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
         needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``)."""
-        config = self.config
-        warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
-        if not traits(config.schedule).predicts_weights and warmup <= 0:
+        options = self.options
+        if not traits(options.schedule).predicts_weights and options.pipemare_warmup <= 0:
             return None
-        delay = update_delay(config.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
-        return PipeMare(self.host, delay, warmup, correction, config.pipemare_decay)
+        delay = update_delay(options.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
+        return PipeMare(self.host, delay, options.pipemare_warmup, options.pipemare_correction, options.pipemare_decay)
 
     # ------------------------------------------------------------------ what callers may read
     @property
@@ -189,7 +189,7 @@ class StagePipeline:
         process, the up pipeline's on the first)."""
         if self.asynchronous is not None:
             return [self.placement.is_last_stage] * num_microbatches
-        schedule = self.schedule(self.config.schedule, num_microbatches)
+        schedule = self.schedule(self.options.schedule, num_microbatches)
         positions = self.placement.positions
         return [positions[schedule.chain_stages(i)[-1]] == self.placement.stage for i in range(num_microbatches)]
 
@@ -198,12 +198,12 @@ class StagePipeline:
         split's last stage and shares the step's results (the others send theirs to it first)."""
         if self.asynchronous is not None:
             return [self.placement.pipeline_ranks[self.placement.last_position]]
-        return loss_ranks(self.schedule(self.config.schedule, num_microbatches), self.placement.pipeline_ranks)
+        return loss_ranks(self.schedule(self.options.schedule, num_microbatches), self.placement.pipeline_ranks)
 
     def microbatches_for(self, samples: int) -> int:
         """Micro-batches for a batch of ``samples``: ``chunks``, or for interleaving the most it can
         round (a short last batch)."""
-        if self.config.schedule not in ROUNDED:
+        if self.options.schedule not in ROUNDED:
             return self.num_microbatches
         return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, samples)))
 
@@ -212,14 +212,13 @@ class StagePipeline:
         finish on this process group (raises :class:`~lightning_pipe.schedules.runnable.ScheduleRefused`)."""
         key = (name, num_microbatches)
         if key not in self._schedules:
-            config = self.config
-            assert config.virtual_stages is not None
+            options = self.options
             self._schedules[key] = runnable_schedule(
-                config.schedule,
+                options.schedule,
                 name,
                 self.num_stages,
                 num_microbatches,
-                config.virtual_stages,
+                options.virtual_stages,
                 self.placement.rendezvous,
             )
         return self._schedules[key]
@@ -238,7 +237,6 @@ class StagePipeline:
         if self.agreement is None:
             return
         self.agreement.post(keys, content, source)
-        self.transport.before_receive = self.agreement.check
 
     def train_step(
         self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext, pause_after: bool = False
@@ -252,57 +250,57 @@ class StagePipeline:
         an epoch's end or the last step). Returns whether the pipeline started or drained in this
         step, so a rank reading the step's results at once waits for no work still in flight
         (always, for synchronous schedules)."""
-        with self._running(step):
-            if self.asynchronous is not None:
-                return self._async_step(self.asynchronous, keys, context, pause_after)
-            schedule = self.schedule(self.config.schedule, len(keys))
-            saved = swap_grads(self.params, {})
-            per_param = reaching(schedule, self.stages) if schedule.chains > 1 else None
-            self.gradients.begin(len(keys), per_param)  # this step's count of micro-batches: each expects its gradients
+        if self.asynchronous is not None:
+            return self._async_step(self.asynchronous, keys, step, context, pause_after)
+        schedule = self.schedule(self.options.schedule, len(keys))
+        saved = swap_grads(self.params, {})
+        per_param = reaching(schedule, self.stages) if schedule.chains > 1 else None
+        self.gradients.begin(len(keys), per_param)  # this step's count of micro-batches: each expects its gradients
+        if self.shards is not None:
+            self.shards.begin()
+        try:
+            with context(), self._accumulation():
+                self.executor.run(schedule, keys, self._calls(step))
+            self._check_agreement()  # a rank with nothing to receive checks the shapes here
             if self.shards is not None:
-                self.shards.begin()
-            try:
-                with context(), self._accumulation():
-                    self.executor.run(schedule, keys)
-                self.transport.pass_gate()  # a rank with nothing to receive checks the shapes here
-                if self.shards is not None:
-                    self.shards.finish()  # one reduce-scatter of the step's gradients
-            finally:
-                self.gradients.take(self.params, saved)
-            return True
+                self.shards.finish()  # one reduce-scatter of the step's gradients
+        finally:
+            self.gradients.take(self.params, saved)
+        return True
 
-    def _async_step(self, run: AsyncPipeline, keys: Sequence[Hashable], context: Context, pause_after: bool) -> bool:
+    def _async_step(
+        self, run: AsyncPipeline, keys: Sequence[Hashable], step: StepFn, context: Context, pause_after: bool
+    ) -> bool:
         """This batch's forwards and the backwards due now; the gradient kept for this step's
         update is that of an earlier batch."""
         m = len(keys)
         fresh = not run.in_flight
         first = run.step * m
         with context(), self._accumulation():
-            t = run.train_step(m, {first + i: key for i, key in enumerate(keys)})
-            self.transport.pass_gate()
+            t = run.train_step(m, {first + i: key for i, key in enumerate(keys)}, self._calls(step))
+            self._check_agreement()
             isolated = run.isolated(m)
             settled = fresh or isolated or pause_after
             if isolated or (settled and not fresh):
-                run.drain()
+                run.drain(Callbacks(timeline=self.timeline))
         params = dict(self.host.named_parameters())
         self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
         return settled
 
     def evaluate(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext) -> None:
         """Run one batch forward only (``step(i)`` on the last stage once per micro-batch)."""
-        with self._running(step):
-            with context():
-                self.executor.run(self.schedule("forward", len(keys)), keys)
-            if self.shards is not None:
-                self.shards.reshard()
-            self.transport.pass_gate()
+        with context():
+            self.executor.run(self.schedule("forward", len(keys)), keys, self._calls(step))
+        if self.shards is not None:
+            self.shards.reshard()
+        self._check_agreement()
 
     def drain(self, context: Context = nullcontext) -> None:
         """Finish an asynchronous schedule's backwards in flight (before evaluation, a checkpoint,
         the end of training); a no-op otherwise."""
         if self.asynchronous is not None and self.asynchronous.in_flight:
             with context(), self._accumulation():
-                self.asynchronous.drain()
+                self.asynchronous.drain(Callbacks(timeline=self.timeline))
 
     def hand_over_gradients(self, scale: float = 1.0) -> None:
         """Give the kept gradients, summed across ranks where needed and times ``scale``, to the
@@ -358,9 +356,9 @@ class StagePipeline:
     def enable_timeline(self, keep: int | None = None) -> Timeline:
         """Record, from the next step on, when each action ran on this rank; callers share one
         timeline, keeping the most steps any of them asked for (None: all)."""
-        timeline = self.executor.timeline
+        timeline = self.timeline
         if timeline is None:
-            timeline = self.executor.timeline = Timeline(self.placement.device, keep)
+            timeline = self.timeline = Timeline(self.placement.device, keep)
         elif timeline.keep is not None:
             timeline.keep = None if keep is None else max(keep, timeline.keep)
         return timeline
@@ -374,19 +372,19 @@ class StagePipeline:
         self.gradients.close()
 
     # ------------------------------------------------------------------ internals
-    @contextmanager
-    def _running(self, step: StepFn) -> Iterator[None]:
-        """The user's step on every runner of this rank for one verb."""
-        for runner in self.runners.values():
-            runner.step = step
-        try:
-            yield
-        finally:
-            for runner in self.runners.values():
-                runner.step = None
+    def _calls(self, step: StepFn) -> Callbacks:
+        """What a verb's run of the executor calls out to: the user's step, the agreement's check
+        before the first receive (a no-op once done), the timeline."""
+        check = self.agreement.check if self.agreement is not None else None
+        return Callbacks(step, check, self.timeline)
+
+    def _check_agreement(self) -> None:
+        """The agreement's answer, where the verb had no receive to wait for it before."""
+        if self.agreement is not None:
+            self.agreement.check()
 
     def _accumulation(self) -> ContextManager[Any]:
-        return fused_linear.accumulating(self.config.gradient_accumulation_fusion) if self._fused else nullcontext()
+        return fused_linear.accumulating(self.options.gradient_accumulation_fusion) if self._fused else nullcontext()
 
 
 __all__ = ["Context", "StagePipeline", "StageSplit"]

@@ -10,8 +10,8 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
 import torch
@@ -53,6 +53,16 @@ class StageModule(nn.Sequential):
                 "Trainer's steps. To use the whole model outside the Trainer, load a consolidated checkpoint."
             )
         return self.run_layers(value, use_checkpoint=False)
+
+    @contextmanager
+    def routed(self, hook: Callable[[Any], Any]) -> Iterator[None]:
+        """While the user's step runs: its call of the Sequential goes to ``hook`` (the stage's part of
+        the micro-batch), the model's code unchanged."""
+        self._hook = hook
+        try:
+            yield
+        finally:
+            self._hook = None
 
     def run_layers(
         self,
@@ -135,7 +145,6 @@ class StageRunner:
         self,
         module: StageModule,
         checkpoint: str = "never",
-        step: StepFn | None = None,
         versions: WeightVersions | None = None,
         host: StageModule | None = None,
     ) -> None:
@@ -146,7 +155,6 @@ class StageRunner:
         self.stage = module.stage
         self.num_stages = module.num_stages
         self.checkpoint = checkpoint
-        self.step = step
         self.versions = versions  # asynchronous schedules: micro-batch g of batch b runs on version b
         self.completed: dict[int, dict[str, Tensor | None]] = {}  # batch -> its gradient on this stage
         self.trace: list[tuple[str, int, int]] | None = None  # (kind, micro-batch, version) when tracing
@@ -183,21 +191,23 @@ class StageRunner:
         return self.stage == self.num_stages - 1
 
     def forward(
-        self, microbatch: int, num_microbatches: int, received: Received | None
+        self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None = None
     ) -> tuple[tuple[Tensor, ...], bool] | None:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
-        last stage. ``received`` is what the previous stage sent, None on the first stage."""
+        last stage. ``received`` is what the previous stage sent, None on the first stage; ``step``
+        runs the user's step for a micro-batch (needed on the first and last stages, and for block
+        containers on every stage)."""
         saving = self.saving if self.saving is not None and torch.is_grad_enabled() else None
         if self.meter is None:
             with saving(None) if saving is not None else nullcontext():
-                return self._forward(microbatch, num_microbatches, received)
+                return self._forward(microbatch, num_microbatches, received, step)
         if self.versions is not None:
             self.meter.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
         with self.meter.hooks(), saving(self.meter) if saving is not None else nullcontext():
-            return self._forward(microbatch, num_microbatches, received)
+            return self._forward(microbatch, num_microbatches, received, step)
 
     def _forward(
-        self, microbatch: int, num_microbatches: int, received: Received | None
+        self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None
     ) -> tuple[tuple[Tensor, ...], bool] | None:
         training = torch.is_grad_enabled()
         use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
@@ -214,7 +224,7 @@ class StageRunner:
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
             value = from_tuple(tuple(leaves), was_tuple)
         if isinstance(self.module, BlockStage):
-            return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params)
+            return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params, step)
         if self.is_last:
             calls = 0
 
@@ -228,7 +238,7 @@ class StageRunner:
                     )
                 return self.module.run_layers(argument if received is None else value, use_ckpt, params)
 
-            loss = self._run_step(microbatch % num_microbatches, inject)
+            loss = self._run_step(step, microbatch % num_microbatches, inject)
             if calls == 0:
                 raise RuntimeError(self._not_called())
             if loss is not None and training:
@@ -242,7 +252,7 @@ class StageRunner:
                 raise StageExit
 
             try:
-                self._run_step(microbatch % num_microbatches, capture)
+                self._run_step(step, microbatch % num_microbatches, capture)
             except StageExit:
                 pass
             if not captured:
@@ -263,6 +273,7 @@ class StageRunner:
         leaves: list[Tensor],
         use_ckpt: bool,
         params: dict[str, Tensor] | None,
+        step: StepFn | None,
     ) -> tuple[tuple[Tensor, ...], bool] | None:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
@@ -272,7 +283,7 @@ class StageRunner:
         drive = BlockDrive(self.module.bounds, value, not self.is_last, use_ckpt, params)
         loss = None
         try:
-            loss = self._run_step(microbatch % num_microbatches, drive)
+            loss = self._run_step(step, microbatch % num_microbatches, drive)
         except StageExit:
             pass
         except Exception as error:  # a loop that expected more than the hidden state from another stage's block
@@ -330,14 +341,12 @@ class StageRunner:
         """W of a split backward: the weight gradients B deferred, accumulated into ``.grad``."""
         weight_store.run(self._weights_due.pop(microbatch))
 
-    def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Tensor | None:
-        if self.step is None:
+    def _run_step(self, step: StepFn | None, microbatch: int, hook: Any) -> Tensor | None:
+        """The user's step for ``microbatch``, its call of the host going to ``hook``."""
+        if step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
-        self.host._hook = hook
-        try:
-            return self.step(microbatch)
-        finally:
-            self.host._hook = None
+        with self.host.routed(hook):
+            return step(microbatch)
 
     def _not_called(self) -> str:
         return (

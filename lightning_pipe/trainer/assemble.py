@@ -1,6 +1,7 @@
 """How a LightningModule becomes this rank's pipeline: its ``nn.Sequential`` split into stages
 (:func:`split_module`), then a :class:`~lightning_pipe.runtime.pipeline.StagePipeline` over them
-(:func:`build_pipeline`).
+(:func:`build_pipeline`), which runs by the options resolved from the run's arguments
+(:func:`pipeline_options`).
 
 The split runs in the strategy's setup, before the optimizers exist: ``plan="auto"`` and the
 measured balances profile the layers first (every rank at once; rank 0's numbers decide), then
@@ -20,7 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pipe.checkpoint import tie_aliases
+from lightning_pipe.checkpoint import stage_io, tie_aliases
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.observe.run_report import describe_layout
 from lightning_pipe.partition import (
@@ -51,7 +52,9 @@ from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_pos
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
+from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
+from lightning_pipe.runtime.pipemare import resolve
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
@@ -92,13 +95,22 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, "")
 
-    def written_elsewhere(self) -> dict[str, Any]:
-        """What this rank leaves to another rank when writing a checkpoint (Chimera's second copies:
-        each stage is written once, by its down pipeline's process), as ``stage_io.Writer``'s ``skip``
-        (state-dict names) and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
+    def writer(
+        self, topology: Topology, is_global_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[], None]
+    ) -> stage_io.Writer:
+        """Where this rank stands when it writes a checkpoint: its stage and replica, the replicas'
+        group where they hold shards, and what it leaves to another rank (Chimera's second copies:
+        each stage is written once, by its down pipeline's process) as ``skip`` (state-dict names)
+        and ``rename`` (a tied weight's optimizer state kept under this rank's name)."""
+        placement, prefix = self.placement, f"{self.attribute}."
+        sharded = self.config.data_parallel == "shard" and placement.num_replicas > 1
         num_split = len(self.balance) if self.balance else len(self.split.stages)
-        skip = written_elsewhere(self.split.stages, num_split, f"{self.attribute}.")
-        return {"skip": skip, "rename": renamed_ties(self.split.host, skip, f"{self.attribute}.") if skip else {}}
+        skip = written_elsewhere(self.split.stages, num_split, prefix)
+        rename = renamed_ties(self.split.host, skip, prefix) if skip else {}
+        return stage_io.Writer(
+            placement.stage, placement.num_stages, placement.replica, is_global_zero, broadcast, barrier,
+            topology.dp_group if sharded else None, skip, rename,
+        )  # fmt: skip
 
 
 def split_module(
@@ -253,6 +265,24 @@ def measure_inputs(
     return MeasureInputs(batch, device, is_source, broadcast, context, lambda: configured_optimizers(module))
 
 
+def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOptions:
+    """What the pipeline runs by, from the run's arguments: the defaults that depend on the schedule
+    or the layout (micro-batches, virtual stages, PipeMare's switches) resolved here, once."""
+    assert config.virtual_stages is not None  # PipelineConfig resolves it
+    warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
+    return PipelineOptions(
+        schedule=config.schedule,
+        num_microbatches=config.num_microbatches(placement.num_stages),
+        virtual_stages=config.virtual_stages,
+        recompute=config.recompute,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        sharded=config.data_parallel == "shard" and placement.num_replicas > 1,
+        pipemare_warmup=warmup,
+        pipemare_correction=correction,
+        pipemare_decay=config.pipemare_decay,
+    )
+
+
 def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, scaler: Any) -> StagePipeline:
     """This rank's pipeline over the split stages, after refusing the combinations of schedule,
     sharding, ties, parameters outside the Sequential and precision that cannot train."""
@@ -270,7 +300,7 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
-        return StagePipeline(config, placement, split.split, topology, module, shared)
+        return StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
 
 
-__all__ = ["ModuleSplit", "build_pipeline", "measure_inputs", "split_module"]
+__all__ = ["ModuleSplit", "build_pipeline", "measure_inputs", "pipeline_options", "split_module"]

@@ -1,6 +1,7 @@
 """The Trainer's data as the pipeline needs it: the run's first batch before Lightning sets the
-loaders up (for profiling), each replica's part of a DataLoader (Lightning's own re-instantiation),
-whether an evaluation step is a replica's padding, and the optimizers as the Trainer makes them."""
+loaders up (for profiling), each stage's DataLoader (the first stage's order, each replica's part,
+by Lightning's own re-instantiation), whether an evaluation step is a replica's padding, and the
+optimizers as the Trainer makes them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_pipe.runtime.replica_data import EvaluationShare, replica_sampler, splittable
+from lightning_pipe.runtime.sampling import share_order
+from lightning_pipe.runtime.topology import Layout
 
 
 def first_batch(trainer: Any) -> Any:
@@ -69,6 +72,19 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
     return _update_dataloader(dataloader, sampler, mode=mode)
 
 
+def stage_dataloader(dataloader: Any, trainer: Any, layout: Layout, rank: int, meta_group: Any) -> Any:
+    """``dataloader`` as global ``rank`` of ``layout`` draws from it: every stage of a pipeline loads
+    the batch itself, in the first stage's order (a sampler drawing from a process's random state
+    would differ between them; see :mod:`lightning_pipe.runtime.sampling`, over ``meta_group``), and
+    with replicas each replica loads its own part of every step (predict runs every sample on every
+    replica)."""
+    replica = layout.replica_of(rank)
+    if layout.replicas > 1 and trainer is not None and not trainer.predicting:
+        dataloader = split_over_replicas(dataloader, layout.replicas, replica, trainer.state.stage)
+    ranks = layout.pipeline_ranks(replica)
+    return share_order(dataloader, meta_group, ranks[0], ranks)
+
+
 def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
     """Whether the running evaluation step is a padding step of this replica's
     :class:`EvaluationShare`. The loader comes from the running evaluation loop (the Trainer's
@@ -78,4 +94,4 @@ def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
     return isinstance(share, EvaluationShare) and share.is_padding(batch_idx)
 
 
-__all__ = ["configured_optimizers", "first_batch", "is_padding", "split_over_replicas"]
+__all__ = ["configured_optimizers", "first_batch", "is_padding", "split_over_replicas", "stage_dataloader"]

@@ -138,6 +138,32 @@ class PipelineMultiProcessingLauncher(_Launcher):
         self._inner.kill(signum)
 
 
+#: The strategy's registered names and their start methods, as Lightning names its DDP variants.
+VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
+
+
+def register_variants(strategy: type, registry: Any) -> None:
+    """Register ``strategy`` under each name of :data:`VARIANTS` with its start method (again: a no-op)."""
+    for name, start_method in VARIANTS.items():
+        if name not in registry:
+            description = f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}"
+            registry.register(name, strategy, description=description, start_method=start_method)
+
+
+def launcher_for(
+    strategy: Any,
+    start_method: str,
+    gathering: Callable[[], Gathering],
+    before: Callable[[pl.Trainer], None] | None = None,
+) -> _Launcher:
+    """Lightning's script launcher, Hydra-aware, for ``"popen"``; else its multiprocessing launcher,
+    which gathers the whole model back (``gathering``: where from, once the processes are set up).
+    ``before(trainer)``: run on the launching process before it starts any other."""
+    if start_method == "popen":
+        return PipelineScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes, before)
+    return PipelineMultiProcessingLauncher(strategy, start_method, gathering, before)
+
+
 # Hydra overrides that make sense for the sweep only, or that the child's command sets itself.
 _SWEEP_ONLY = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hydra/sweeper", "hydra.launcher",
                "hydra/launcher", "hydra.job.name", "hydra.output_subdir")  # fmt: skip

@@ -7,6 +7,7 @@ scaler act on the verdict over all stages.
 
 Clipping by norm (``Trainer(gradient_clip_val=...)``) must take the norm over every stage's
 gradients: :func:`clip_by_global_norm` gives the precision plugin that clipping.
+:func:`across_stages` does both to the Trainer's plugin.
 """
 
 from __future__ import annotations
@@ -69,3 +70,12 @@ def clip_by_global_norm(plugin: Any, clip: Callable[[list[Any], int | float], An
             _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), {"__module__": __name__})
         plugin.__class__ = _CLIPPING[cls]
     plugin._lightning_pipe_clip = clip
+
+
+def across_stages(plugin: Any, clip: Callable[[list[Any], int | float], Any]) -> None:
+    """The Trainer's precision ``plugin`` over a pipeline: Lightning's clip-by-norm hook clips with
+    ``clip`` (the norm over every stage), and its gradient scaler, if any, acts on every stage's verdict."""
+    clip_by_global_norm(plugin, clip)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        sync_gradient_scaler(scaler)

@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.runtime.loss_weights import microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
@@ -43,6 +44,7 @@ class PipelineSteps:
 
     Args:
         pipeline: this rank's pipeline.
+        config: the run's arguments (``check_data``, ``loss_weight``, the schedule named in messages).
         topology: its process groups (the replicas' group for combined summaries, the pipeline's
             gloo group for summaries and predictions).
         module: the user's LightningModule, whose step methods run.
@@ -55,6 +57,7 @@ class PipelineSteps:
     def __init__(
         self,
         pipeline: StagePipeline,
+        config: PipelineConfig,
         topology: Topology,
         module: pl.LightningModule,
         precision: Precision,
@@ -62,7 +65,7 @@ class PipelineSteps:
     ) -> None:
         self.pipeline = pipeline
         self.placement = pipeline.placement
-        self.config = pipeline.config
+        self.config = config
         self.module = module
         self._dp_group = topology.dp_group
         self._meta_group = topology.meta_group

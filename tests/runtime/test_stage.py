@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition import stage_layers
-from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import StageModule, StageRunner, uses_checkpoint
 from lightning_pipe.schedules import gpipe, one_f_one_b
@@ -31,9 +31,9 @@ def _run_pipeline(
         out = stage(xs[i])  # what the user's forward does
         return nn.functional.mse_loss(out, ys[i]) * (len(xs[i]) / len(x))
 
-    runner = StageRunner(stage, checkpoint=checkpoint, step=step)
+    runner = StageRunner(stage, checkpoint=checkpoint)
     executor = Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0)
-    executor.run(schedule(1, len(xs)), [None] * len(xs))
+    executor.run(schedule(1, len(xs)), [None] * len(xs), Callbacks(step))
     return stage
 
 
@@ -102,9 +102,10 @@ def test_meter_counts_what_the_schedules_hold() -> None:
         seq = _net()
         stage = StageModule(stage_layers(seq, [len(seq)], 0), 0, 1)
         xs, ys = x.chunk(4), y.chunk(4)
-        runner = StageRunner(stage, step=lambda i: nn.functional.mse_loss(stage(xs[i]), ys[i]))
+        runner = StageRunner(stage)
+        calls = Callbacks(lambda i: nn.functional.mse_loss(stage(xs[i]), ys[i]))
         runner.meter = SavedActivationMeter(stage.parameters())
-        Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0).run(schedule(1, 4), [None] * 4)
+        Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0).run(schedule(1, 4), [None] * 4, calls)
         peaks[schedule.__name__] = runner.meter.peak
         assert runner.meter.current == 0  # everything saved was freed by the backward
     assert peaks["gpipe"] == 4 * peaks["one_f_one_b"] > 0

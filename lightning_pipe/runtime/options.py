@@ -1,0 +1,42 @@
+"""``PipelineOptions``: the values a :class:`~lightning_pipe.runtime.pipeline.StagePipeline` runs by.
+
+The strategy's arguments are checked once, above the runtime, and keep the user's spelling (None
+for "the schedule's default", ``chunks`` unset, ``data_parallel`` by name). The pipeline takes
+only what it uses, already resolved for this run's layout, so nothing below reads the strategy's
+arguments or decides their defaults again; ``trainer/assemble.py`` builds this value from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How one rank's pipeline runs.
+
+    Attributes:
+        schedule: the training schedule's name (see :mod:`lightning_pipe.schedules`).
+        num_microbatches: micro-batches per training batch (a short batch takes fewer).
+        virtual_stages: stages per process (1 but for the interleaved schedules and ZB-V).
+        recompute: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
+        gradient_accumulation_fusion: each plain ``nn.Linear`` adds its weight gradient into
+            ``.grad`` within its backward's matrix product (:mod:`lightning_pipe.runtime.fused_linear`).
+        sharded: the stage is sharded over its replicas with FSDP2 (only where there are replicas).
+        pipemare_warmup: PipeMare's learning-rate rescheduling over this many updates (0: off).
+        pipemare_correction: PipeMare's discrepancy correction on.
+        pipemare_decay: the correction's velocity decay over one delay (None: PipeMare's default).
+    """
+
+    schedule: str
+    num_microbatches: int
+    virtual_stages: int = 1
+    recompute: str = "never"
+    gradient_accumulation_fusion: bool = True
+    sharded: bool = False
+    pipemare_warmup: int = 0
+    pipemare_correction: bool = False
+    pipemare_decay: float | None = None
+
+
+__all__ = ["PipelineOptions"]
