@@ -46,7 +46,8 @@ def require_transformers(what: str) -> ModuleType:
 
 class EpochShuffle(RandomSampler):
     """A random order drawn from the run's seed and the epoch alone (Lightning calls ``set_epoch``), so a
-    run resumed from a checkpoint (``resume=``) reads the batches an uninterrupted run reads."""
+    run resumed from a checkpoint (``resume=``) reads the batches an uninterrupted run reads. The epoch
+    is passed on to a dataset that takes it (``set_epoch``), for augmentations drawn per sample and epoch."""
 
     def __init__(self, data: Any) -> None:
         super().__init__(data, generator=torch.Generator())
@@ -54,6 +55,8 @@ class EpochShuffle(RandomSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        if hasattr(self.data_source, "set_epoch"):
+            self.data_source.set_epoch(epoch)
 
     def __iter__(self) -> Any:
         assert self.generator is not None

@@ -15,7 +15,6 @@ import hashlib
 import pickle
 import tarfile
 import urllib.request
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -184,9 +183,10 @@ def load_cifar100_split(folder: str | Path, train: bool) -> tuple[torch.Tensor, 
 class AugmentedImages(Dataset):
     """uint8 images, normalised, with random crop (4-pixel padding) and horizontal flip when ``augment``.
 
-    The crop and flip of an image depend only on the image and on how often it was read, never on
-    the process's random state: every pipeline stage loads the batch itself and must see the same
-    images (as the BERT recipe's masking)."""
+    The crop and flip of an image depend only on the image and the epoch (``set_epoch``, called by
+    the recipes' sampler), never on the process's random state: every pipeline stage loads the batch
+    itself and must see the same images, and a run resumed from a checkpoint sees the crops an
+    uninterrupted run sees."""
 
     def __init__(
         self,
@@ -200,7 +200,10 @@ class AugmentedImages(Dataset):
         self.images, self.labels, self.augment, self.seed = images, labels, augment, seed
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
-        self._reads: Counter[int] = Counter()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -208,9 +211,7 @@ class AugmentedImages(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.images[index].float().div_(255)
         if self.augment:
-            reads = self._reads[index]
-            self._reads[index] += 1
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7_919 + reads)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7_919 + self.epoch)
             padded = F.pad(x, (4, 4, 4, 4), mode="reflect")
             i, j = torch.randint(0, 9, (2,), generator=g).tolist()
             x = padded[:, i : i + 32, j : j + 32]

@@ -391,10 +391,9 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
 
 
 def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
-    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints. Without augmentation: the
-    dataset draws each crop from the sample's index and how often this process read it, which a resumed
-    process starts counting afresh."""
-    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"], "recipe.data.augment=false",
+    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints; with augmentation (crops
+    and flips drawn from the sample and the epoch)."""
+    cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"],
                     "recipe.data.synthetic_train=16", "trainer.max_steps=4",
                     "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
                     "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip

@@ -85,3 +85,22 @@ def test_synthetic_source_is_learnable_and_fixed() -> None:
     same = [(x[i] - x[j]).norm() for i in range(20) for j in range(20) if i < j and la[i] == la[j]]
     other = [(x[i] - x[j]).norm() for i in range(20) for j in range(20) if i < j and la[i] != la[j]]
     assert same and sum(same) / len(same) < sum(other) / len(other)
+
+
+def test_augmentation_is_a_function_of_the_sample_and_the_epoch() -> None:
+    """Two datasets (two stages, or a resumed process) give the same crops for an epoch whatever they read
+    before; the next epoch crops differently."""
+    from lightning_pipe.recipes import EpochShuffle
+    from lightning_pipe.recipes.vgg import CIFAR100_MEAN, CIFAR100_STD, AugmentedImages, synthetic_images
+
+    images, labels = synthetic_images(8, 10, seed=0)
+    a = AugmentedImages(images, labels, augment=True, mean=CIFAR100_MEAN, std=CIFAR100_STD)
+    b = AugmentedImages(images, labels, augment=True, mean=CIFAR100_MEAN, std=CIFAR100_STD)
+    for i in range(8):
+        a[i]  # epoch 0, read by a only
+    EpochShuffle(a).set_epoch(1)  # what Lightning calls at each epoch's start
+    EpochShuffle(b).set_epoch(1)
+    assert all(torch.equal(a[i][0], b[i][0]) for i in range(8))
+    first = [a[i][0] for i in range(8)]
+    a.set_epoch(2)
+    assert any(not torch.equal(a[i][0], first[i]) for i in range(8))
