@@ -18,7 +18,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -31,11 +30,11 @@ from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import failures, signals
+from lightning_pipe.trainer import failures, internals, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import split_over_replicas
-from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, PipelineScriptLauncher
+from lightning_pipe.trainer.launcher import Gathering, PipelineMultiProcessingLauncher, script_launcher
 from lightning_pipe.trainer.precision import clip_by_global_norm, sync_gradient_scaler
 from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
@@ -158,7 +157,7 @@ class PipelineStrategy(ProcessStrategy):
         assert self.cluster_environment is not None
         self.layout  # a world size that `stages` does not divide fails here, before any process starts
         if self.config.start_method == "popen":
-            self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineMultiProcessingLauncher(self, self.config.start_method, self._gathering)
 
@@ -214,7 +213,7 @@ class PipelineStrategy(ProcessStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            internals.optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
         clip_by_global_norm(self.precision_plugin, self.clip_grad_norm_)  # Lightning's clip hook, by the global norm
         if scaler is not None:

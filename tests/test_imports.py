@@ -250,9 +250,7 @@ def test_only_the_internals_modules_reach_into_private_names() -> None:
     trees = {str(path.relative_to(ROOT)): ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
     own = _own_names(list(trees.values()))
     found = {
-        path: hits
-        for path, tree in trees.items()
-        if path not in INTERNALS and (hits := _foreign_private(tree, own))
+        path: hits for path, tree in trees.items() if path not in INTERNALS and (hits := _foreign_private(tree, own))
     }
     assert found == {}
 

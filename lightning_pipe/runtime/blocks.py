@@ -118,15 +118,15 @@ class BlockStage(LoopedContainer):
         self._shells = shells
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
-        self._hook: BlockDrive | None = None
+        self.hook: BlockDrive | None = None
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return len(self._shells)
 
     def entry(self, i: int) -> Any:
-        if self._hook is not None:
-            return self._hook.entry(self, i)
+        if self.hook is not None:
+            return self.hook.entry(self, i)
         held = self._modules.get(str(i))
         if held is not None and self.num_stages == 1:
             return held

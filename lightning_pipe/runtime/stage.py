@@ -37,7 +37,7 @@ class StageModule(nn.Sequential):
         super().__init__(layers)
         self.stage = stage
         self.num_stages = num_stages
-        self._hook: Callable[[Any], Any] | None = None
+        self.hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
@@ -45,8 +45,8 @@ class StageModule(nn.Sequential):
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
 
     def forward(self, value: Any) -> Any:
-        if self._hook is not None:
-            return self._hook(value)
+        if self.hook is not None:
+            return self.hook(value)
         if self.num_stages > 1:
             raise RuntimeError(
                 f"This module holds only pipeline stage {self.stage} of {self.num_stages}; it runs inside the "
@@ -333,11 +333,11 @@ class StageRunner:
     def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Tensor | None:
         if self.step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
-        self.host._hook = hook
+        self.host.hook = hook
         try:
             return self.step(microbatch)
         finally:
-            self.host._hook = None
+            self.host.hook = None
 
     def _not_called(self) -> str:
         return (
