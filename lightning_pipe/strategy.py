@@ -18,7 +18,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -29,7 +28,7 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import failures, signals
+from lightning_pipe.trainer import failures, internals, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import stage_dataloader
@@ -208,7 +207,7 @@ class PipelineStrategy(ProcessStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            internals.optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
         across_stages(self.precision_plugin, self.clip_grad_norm_)  # clipping by the global norm, one scaler verdict
 

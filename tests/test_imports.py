@@ -114,9 +114,14 @@ def test_nothing_below_the_strategy_imports_it() -> None:
 
 
 def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None:
-    """No module of ``runtime/`` imports ``config`` or anything above the runtime, not even for
+    """No module of ``runtime/`` imports ``config`` or anything above the runtime (the schedules and the torch
+    internals leaf are below it), not even for
     type hints: the pipeline runs by :class:`PipelineOptions`, which ``trainer/assemble.py`` builds."""
-    allowed = ("lightning_pipe.runtime", "lightning_pipe.schedules")
+    allowed = (
+        "lightning_pipe.runtime",
+        "lightning_pipe.schedules",
+        "lightning_pipe.torch_internals",
+    )  # leaves below it
     climbing = {}
     for name, path in _package_files().items():
         if name.startswith("lightning_pipe.runtime"):
@@ -188,3 +193,113 @@ def test_no_import_circle_in_the_benchmarks() -> None:
 def test_the_cycle_finder_finds_a_circle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+#: The only modules that reach into other packages' private names: Lightning's, Hydra's and torch's
+#: for the Trainer's side, torch's and Hugging Face's for the core (which never imports the Trainer's side).
+INTERNALS = ("lightning_pipe/trainer/internals.py", "lightning_pipe/torch_internals.py")
+#: Underscored names that are public API: a namedtuple's methods and fields, ``os._exit``.
+_PUBLIC_UNDERSCORED = frozenset({"_replace", "_fields", "_asdict", "_make", "_field_defaults"})
+_PUBLIC_ON = {"os": frozenset({"_exit"})}
+_BY_NAME = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(trees: list[ast.Module]) -> set[str]:
+    """The underscored attributes the package defines: its classes' members and what its methods
+    set on ``self`` or ``cls`` (a module's own names are not attributes of other objects)."""
+    own: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for member in node.body:
+                    if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        own.add(member.name)
+                    elif isinstance(member, (ast.Assign, ast.AnnAssign)):
+                        targets = member.targets if isinstance(member, ast.Assign) else [member.target]
+                        own |= {t.id for t in targets if isinstance(t, ast.Name)}
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                own.add(node.attr)
+    return {name for name in own if _private(name)}
+
+
+def _foreign_private(tree: ast.Module, own: set[str]) -> list[str]:
+    """Each reach into another package's private names in ``tree``: an import of an underscored
+    name or module, an underscored attribute (``x._name``, or by name with ``getattr``,
+    ``hasattr``, ``setattr``, ``delattr`` or ``mock.patch.object``) of anything but ``self``, ``cls``
+    and what the package defines itself."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if any(_private(p) for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "lightning_pipe":
+                continue
+            if any(_private(p) for p in node.module.split(".")):
+                found.append(f"from {node.module} import ...")
+            found += [f"from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or node.attr in _PUBLIC_ON.get(base.id, ())):
+                continue
+            if node.attr not in own and node.attr not in _PUBLIC_UNDERSCORED:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            func, (target, name) = node.func, node.args[:2]
+            by_name = (isinstance(func, ast.Name) and func.id in _BY_NAME) or (
+                isinstance(func, ast.Attribute) and func.attr == "object"  # mock.patch.object
+            )
+            if (
+                by_name
+                and isinstance(name, ast.Constant)
+                and isinstance(name.value, str)
+                and _private(name.value)
+                and not (isinstance(target, ast.Name) and target.id in ("self", "cls"))
+                and name.value not in own
+                and name.value not in _PUBLIC_UNDERSCORED
+            ):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_internals_modules_reach_into_private_names() -> None:
+    """Every module of the package: another package's private names (Lightning's, torch's, Hydra's,
+    Hugging Face's ...) are reached only through ``trainer/internals.py`` (the Trainer's side) and
+    ``torch_internals.py`` (the core), one documented function per internal."""
+    trees = {str(path.relative_to(ROOT)): ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    own = _own_names(list(trees.values()))
+    found = {
+        path: hits for path, tree in trees.items() if path not in INTERNALS and (hits := _foreign_private(tree, own))
+    }
+    assert found == {}
+
+
+def test_the_private_name_check_sees_what_it_must() -> None:
+    source = """
+import torch._C
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from lightning.pytorch.trainer.connectors import signal_connector
+import os
+trainer._signal_connector
+getattr(trainer.fit_loop, "_data_source", None)
+self._mine
+other._defined_here
+output._replace(a=1)
+os._exit(1)
+x.__class__
+"""
+    hits = _foreign_private(ast.parse(source), {"_defined_here"})
+    assert [h.split(": ", 1)[-1] for h in hits] == [
+        "import torch._C",
+        "from torch.distributed.checkpoint.state_dict_loader import _load_state_dict",
+        "trainer._signal_connector",
+        "getattr(trainer.fit_loop, '_data_source', None)",
+    ]

@@ -7,12 +7,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies.launchers import multiprocessing, subprocess_script
 from torch import nn
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.trainer import launcher
 from lightning_pipe.trainer.preflight import check_before_launch
 from tests.models import TinyNet, loader
 
@@ -69,8 +69,8 @@ def test_the_trainer_refuses_before_starting_any_process(monkeypatch: pytest.Mon
     def started(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(launcher.PipelineScriptLauncher, "_call_children_scripts", started)
-    monkeypatch.setattr(launcher._GatheringLauncher, "launch", started)
+    monkeypatch.setattr(subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", started)
+    monkeypatch.setattr(multiprocessing._MultiProcessingLauncher, "launch", started)
     for start_method in ("popen", "spawn"):
         trainer = L.Trainer(
             strategy=PipelineStrategy(start_method=start_method),

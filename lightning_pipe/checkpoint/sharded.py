@@ -6,6 +6,7 @@ directory the save tag recorded with it."""
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -74,17 +75,10 @@ def fill(path: Path, shard: dict[str, Any], tag: Mapping[str, Any] | None, meta:
     """The index ``shard`` of the checkpoint ``path`` with its placeholders replaced by the whole
     tensors (read without a process group), once the DCP directory's files are checked against the
     index and the save ``tag`` of the checkpoint's metadata ``meta``."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     directory = path / shard["dcp"]
     _check(path, directory, shard.get("dcp_files"), tag, meta)
-    tensors: dict[str, Any] = {}
     try:
-        _load_state_dict(
-            tensors, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-        )
+        tensors = _read_all(directory)
         shard = dict(shard)
         shard["state_dict"] = {
             k: tensors[f"state_dict/{k}"] if v == IN_DCP else v for k, v in shard["state_dict"].items()
@@ -109,6 +103,32 @@ def fill(path: Path, shard: dict[str, Any], tag: Mapping[str, Any] | None, meta:
             "incomplete or not the one written with this checkpoint. Resume from another checkpoint."
         ) from error
     return shard
+
+
+def _read_all(directory: Path) -> dict[str, Any]:
+    """Every entry of a DCP directory, each tensor whole and on the CPU, read in this process alone:
+    the directory's metadata gives each key's shape and dtype (or a non-tensor value)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    entries = reader.read_metadata().state_dict_metadata
+    found: dict[str, Any] = {
+        key: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+        for key, m in entries.items()
+    }
+    _load_here(found, reader)
+    return found
+
+
+def _load_here(found: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` into ``found`` in this process alone, without its warning that it does so."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(found, storage_reader=reader, no_dist=True)
 
 
 def _check(
@@ -144,14 +164,10 @@ def _check(
 def _tag(directory: Path) -> Any | None:
     """The save tag stored in a DCP directory, or None where it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     try:
         found: dict[str, Any] = {_TAG: ""}
-        _load_state_dict(
-            found, storage_reader=FileSystemReader(str(directory)), planner=DefaultLoadPlanner(), no_dist=True
-        )
+        _load_here(found, FileSystemReader(str(directory)))
         return json.loads(found[_TAG])
     except Exception:
         return None

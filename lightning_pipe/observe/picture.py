@@ -26,6 +26,7 @@ from lightning_pipe.observe.timeline_image import timeline_image
 from lightning_pipe.runtime.timeline import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
 from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
+from lightning_pipe.trainer import internals
 
 
 def stage_costs(spans_by_rank: dict[int, list[Span]]) -> dict[int, tuple[float, float, float]]:
@@ -132,7 +133,7 @@ class TimelinePicture(pl.Callback):
             self.path.write_text(self.svg)
         if self.to_loggers and trainer.loggers:
             self.image = timeline_image(panels)
-            step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+            step = internals.batches_that_stepped(trainer)
             log_image(trainer.loggers, self.tag, self.image, step)
 
     def _predicted(self, strategy: Any, name: str) -> tuple[str, list] | None:

@@ -65,9 +65,11 @@ def loader_batch_size(trainer: Any) -> int | None:
     from lightning.pytorch.trainer.states import TrainerFn
     from torch.utils.data import DataLoader
 
+    from lightning_pipe.trainer import internals
+
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return None
-    loader = getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+    loader = getattr(internals.data_source(trainer.fit_loop), "instance", None)
     size = loader.batch_size if isinstance(loader, DataLoader) else None
     return size if isinstance(size, int) else None
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.runtime.microbatch import batch_size
+from lightning_pipe.trainer import internals
 
 COMPUTE = ("F", "B", "W")
 _MIB = 1024.0 * 1024.0
@@ -180,7 +181,7 @@ class StageMetrics(pl.Callback):
         window.seconds += now - (self._last if self._last is not None else now)
         window.samples += batch_size(batch)
         window.batches += 1
-        window.step = int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+        window.step = internals.batches_that_stepped(trainer)
         self._last = now
         self._batches += 1
         self._complete(trainer)

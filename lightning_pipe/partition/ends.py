@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe.partition.hf_init import is_pretrained_model
+from lightning_pipe.torch_internals import module_slots
 
 
 @dataclass
@@ -150,9 +151,9 @@ def stand_in_ends(module: nn.Module, ends: Ends, first: bool) -> None:
     for path, end in ends.pre:
         stand_in = StandIn(end, path)
         for parent in list(module.modules()):
-            for key, child in list(parent._modules.items()):
+            for key, child in module_slots(parent):
                 if child is end:
-                    parent._modules[key] = stand_in
+                    setattr(parent, key, stand_in)
 
 
 def held_end_parameters(ends: Ends, stages: Sequence[int], num_stages: int) -> list[nn.Parameter]:

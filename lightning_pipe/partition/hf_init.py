@@ -27,6 +27,8 @@ from typing import Any, ContextManager
 
 from torch import nn
 
+from lightning_pipe.torch_internals import hf_init_weights
+
 
 def _pretrained_class() -> type | None:
     """``transformers.PreTrainedModel`` when ``transformers`` is loaded (a model of it can only
@@ -87,7 +89,7 @@ def hf_init_context() -> ContextManager[Any]:
 def init_with_owner(owner: nn.Module, module: nn.Module) -> None:
     """Initialise ``module``'s tensors by ``owner._init_weights`` (``owner`` its enclosing
     ``PreTrainedModel``); call under :func:`hf_init_context` and ``torch.no_grad()``."""
-    owner._init_weights(module)  # type: ignore[operator]
+    hf_init_weights(owner, module)
 
 
 __all__ = ["hf_init_context", "init_with_owner", "is_pretrained_model", "pretrained_owners"]

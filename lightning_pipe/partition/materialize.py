@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.partition.ends import extended, find_ends
 from lightning_pipe.partition.hf_init import hf_init_context, init_with_owner, pretrained_owners
+from lightning_pipe.torch_internals import private_reset_parameters
 
 OUTSIDE = -1  # the key of the modules outside the Sequential in layer_seed
 ModuleInit = Callable[[nn.Module], None]  # initialise one module's own tensors (the ``init`` hook)
@@ -78,9 +79,9 @@ def _tensors(module: nn.Module) -> Iterator[Tensor]:
 
 
 def _direct(module: nn.Module) -> Iterator[tuple[str, Tensor | None, bool]]:
-    for name, t in module._parameters.items():
+    for name, t in module.named_parameters(recurse=False, remove_duplicate=False):
         yield name, t, True
-    for name, t in module._buffers.items():
+    for name, t in module.named_buffers(recurse=False, remove_duplicate=False):
         yield name, t, False
 
 
@@ -116,16 +117,13 @@ def allocate(modules: Iterable[nn.Module], device: str | torch.device) -> dict[i
                     torch.full_like(t, float("nan"), device=device) if floating else torch.empty_like(t, device=device)
                 )
                 made[id(t)] = nn.Parameter(real, requires_grad=t.requires_grad) if is_param else real
-            if is_param:
-                m._parameters[name] = made[id(t)]  # type: ignore[assignment]
-            else:
-                m._buffers[name] = made[id(t)]
+            setattr(m, name, made[id(t)])  # a parameter stays one, a buffer keeps its persistence
     return made
 
 
 def _reset_fn(m: nn.Module) -> Callable[[], None] | None:
-    fn = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-    return fn if callable(fn) else None
+    fn = getattr(m, "reset_parameters", None)
+    return fn if callable(fn) else private_reset_parameters(m)
 
 
 class Initializer:
@@ -287,10 +285,7 @@ def _fill_from_first_holder(
     for m in twin.modules():  # every place the copy holds it
         for key, t, is_param in list(_direct(m)):
             if t is placeholder:
-                if is_param:
-                    m._parameters[key] = target if isinstance(target, nn.Parameter) else nn.Parameter(target)
-                else:
-                    m._buffers[key] = target
+                setattr(m, key, nn.Parameter(target) if is_param and not isinstance(target, nn.Parameter) else target)
     allocate(twin.modules(), device)
     _reset_seeded(twin, layer_seed(seed, index), device, initializer=initializer.for_copy(layers[index], twin))
 

@@ -445,13 +445,15 @@ def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch
     """The modules outside ``container`` that were built on the meta device, given storage (small
     random values) while the block inputs are recorded, and put back on the meta device after."""
     inside = {id(m) for m in container.modules()}
-    kept: list[tuple[nn.Module, str, Tensor, bool]] = []
+    kept: list[tuple[nn.Module, str, Tensor]] = []
     for m in module.modules():
         if id(m) in inside:
             continue
-        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is not None and t.is_meta:
-                kept.append((m, name, t, name in m._parameters))
+        for name, t in list(m.named_parameters(recurse=False, remove_duplicate=False)) + list(
+            m.named_buffers(recurse=False, remove_duplicate=False)
+        ):
+            if t.is_meta:
+                kept.append((m, name, t))
     made = allocate([m for m in module.modules() if id(m) not in inside], device)
     with torch.no_grad():
         for t in made.values():
@@ -460,8 +462,8 @@ def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch
     try:
         yield
     finally:
-        for m, name, t, is_param in kept:
-            (m._parameters if is_param else m._buffers)[name] = t
+        for m, name, t in kept:
+            setattr(m, name, t)  # a parameter stays one, a buffer keeps its persistence
 
 
 def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: Any, device: torch.device) -> _Recorder:

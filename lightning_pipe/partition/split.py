@@ -17,6 +17,7 @@ from lightning_pipe.partition.balance import (
     stage_bounds,
     stages_without_parameters,
 )
+from lightning_pipe.torch_internals import module_slots
 
 BalanceSpec = Union[str, Sequence[int]]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
@@ -202,8 +203,8 @@ def foreign_parameters(module: nn.Module, layers: Layers, local: Sequence[int]) 
     for path, owner in module.named_modules():
         if id(owner) in inside:
             continue
-        for key, param in owner._parameters.items():
-            if param is not None and id(param) in foreign:
+        for key, param in owner.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in foreign:
                 slots.append((owner, key, f"{path}.{key}" if path else key))
     return slots
 
@@ -212,7 +213,8 @@ def release_parameters(slots: Sequence[Slot]) -> list[str]:
     """Remove the parameters of :func:`foreign_parameters` from the modules holding them (after
     materialising, whose initialisation may still set them); returns their paths."""
     for owner, key, _ in slots:
-        owner._parameters.pop(key, None)
+        if key in dict(owner.named_parameters(recurse=False, remove_duplicate=False)):
+            delattr(owner, key)
     return [path for _, _, path in slots]
 
 
@@ -246,11 +248,11 @@ def release_elsewhere(module: nn.Module, layers: Layers, local: Sequence[int], h
     replaced: list[str] = []
 
     def visit(parent: nn.Module, prefix: str, seen: set[int]) -> None:
-        for key, child in list(parent._modules.items()):
+        for key, child in module_slots(parent):
             if child is None or child is host or id(child) in seen:
                 continue
             if id(child) in foreign:
-                parent._modules[key] = Elsewhere(type(child).__name__)
+                setattr(parent, key, Elsewhere(type(child).__name__))
                 replaced.append(prefix + key)
                 continue
             seen.add(id(child))

@@ -20,11 +20,12 @@ word. Two checks stop that before any weight changes:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_pipe.torch_internals import hf_active_output_collector
 
 #: what each Hugging Face recording key is turned on by, and what it is used for
 _HF_FLAGS = {
@@ -46,13 +47,7 @@ def _span(bounds: tuple[int, int]) -> str:
 def hf_recording() -> list[str]:
     """The outputs a Hugging Face model is recording with hooks on its submodules right now
     (``hidden_states``, ``attentions``, ``router_logits``), empty when none or without transformers."""
-    if "transformers" not in sys.modules:
-        return []
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # an older transformers collects in the loop; the marker check covers it
-        return []
-    collected = _active_collector.get()
+    collected = hf_active_output_collector()  # an older transformers collects in the loop; the marker check covers it
     return sorted(k for k in collected or {} if not k.startswith("_"))
 
 

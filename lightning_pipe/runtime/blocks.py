@@ -119,7 +119,7 @@ class BlockStage(LoopedContainer):
         self._shells = shells
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
-        self._hook: BlockDrive | None = None
+        self.hook: BlockDrive | None = None
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
@@ -129,15 +129,15 @@ class BlockStage(LoopedContainer):
     def routed(self, drive: BlockDrive) -> Iterator[None]:
         """While the user's step runs: its loop over the container goes through ``drive`` (the
         stage's part of the micro-batch), the model's code unchanged."""
-        self._hook = drive
+        self.hook = drive
         try:
             yield
         finally:
-            self._hook = None
+            self.hook = None
 
     def entry(self, i: int) -> Any:
-        if self._hook is not None:
-            return self._hook.entry(self, i)
+        if self.hook is not None:
+            return self.hook.entry(self, i)
         held = self._modules.get(str(i))
         if held is not None and self.num_stages == 1:
             return held

@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
@@ -25,6 +26,12 @@ from lightning_pipe.runtime.weight_store import defer_or_run
 
 _Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 _TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def _convolve(layer: _Conv, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The layer's convolution with zero padding (the only padding mode installed), as its forward runs it."""
+    return _FUNCTIONS[type(layer)](x, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 
 
 class _ConvDeferred(torch.autograd.Function):
@@ -35,7 +42,7 @@ class _ConvDeferred(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.parameters = (weight, bias)
         ctx.layer = layer
-        return layer._conv_forward(x, weight, bias)
+        return _convolve(layer, x, weight, bias)
 
     @staticmethod
     @once_differentiable
@@ -100,7 +107,7 @@ class _Forward:
         layer = self.layer
         if fused_linear.fusable(x, layer.weight, layer.bias):
             return _ConvDeferred.apply(x, layer.weight, layer.bias, layer)
-        return layer._conv_forward(x, layer.weight, layer.bias)
+        return _convolve(layer, x, layer.weight, layer.bias)
 
 
 def _eligible(layer: nn.Module) -> bool:

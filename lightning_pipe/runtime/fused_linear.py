@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
 from lightning_pipe.runtime.weight_store import defer_or_run
+from lightning_pipe.torch_internals import backward_hooks, post_accumulate_grad_hooks
 
 _active = False
 _fuse = True
@@ -100,10 +101,9 @@ def _plain_leaf(param: Tensor | None) -> bool:
         return True
     if not param.is_leaf:
         return False
-    accumulate_hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
     # the data-parallel readiness hooks only count accumulations; they run after the fused product too
-    observing = [h for h in accumulate_hooks.values() if not getattr(h, HOOK_TAG, False)]
-    return not param._backward_hooks and not observing
+    observing = [h for h in post_accumulate_grad_hooks(param).values() if not getattr(h, HOOK_TAG, False)]
+    return not backward_hooks(param) and not observing
 
 
 def fusable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

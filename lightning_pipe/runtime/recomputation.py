@@ -21,6 +21,8 @@ from types import TracebackType
 
 from torch import Tensor, nn
 
+from lightning_pipe.torch_internals import version
+
 #: buffers that ``torch.batch_norm`` updates in place without moving their version counter
 _STATISTICS = ("running_mean", "running_var")
 
@@ -36,13 +38,13 @@ class _Forward:
         self.versions: list[int] = []
 
     def __enter__(self) -> None:
-        self.versions = [b._version for b in self.buffers]
+        self.versions = [version(b) for b in self.buffers]
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         kept = {id(b) for b in self.statistics}
-        moved = [b for b, v in zip(self.buffers, self.versions) if b._version != v and id(b) not in kept]
+        moved = [b for b, v in zip(self.buffers, self.versions) if version(b) != v and id(b) not in kept]
         self.changed[:] = self.statistics + moved
 
 

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
+from lightning_pipe.torch_internals import lightning_wrapped_batch_sampler
+
 #: Tag of the index messages, apart from the activation headers on the same group.
 TAG = 0x5A3D
 _INTS, _PICKLED, _END = 0, 1, 2
@@ -39,7 +41,7 @@ def is_deterministic(sampler: Any) -> bool:
         return True
     if isinstance(sampler, BatchSampler):
         return is_deterministic(sampler.sampler)
-    inner = getattr(sampler, "_batch_sampler", None)  # Lightning's prediction wrapper
+    inner = lightning_wrapped_batch_sampler(sampler)
     if inner is not None:
         return is_deterministic(inner)
     return isinstance(sampler, (range, list, tuple))

@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_pipe.torch_internals import fsdp_post_backward
+
 
 def is_dtensor(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
@@ -75,17 +77,11 @@ class ShardedStage:
     def finish(self) -> None:
         """The stage's last backward is over: reduce-scatter the step's gradients once and free the
         gathered parameters."""
-        from torch.distributed.fsdp import fully_shard
-
         for module in self.modules:
             module.set_is_last_backward(True)
             module.set_reshard_after_backward(True)
             module.set_requires_gradient_sync(True)
-            state = fully_shard.state(module)
-            for inner in state._state_ctx.all_states:
-                for group in inner._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            fsdp_post_backward(module)
 
     def reshard(self) -> None:
         """Free parameters gathered by forward-only steps (evaluation)."""

@@ -37,7 +37,7 @@ class StageModule(nn.Sequential):
         super().__init__(layers)
         self.stage = stage
         self.num_stages = num_stages
-        self._hook: Callable[[Any], Any] | None = None
+        self.hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
         self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
@@ -45,8 +45,8 @@ class StageModule(nn.Sequential):
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
 
     def forward(self, value: Any) -> Any:
-        if self._hook is not None:
-            return self._hook(value)
+        if self.hook is not None:
+            return self.hook(value)
         if self.num_stages > 1:
             raise RuntimeError(
                 f"This module holds only pipeline stage {self.stage} of {self.num_stages}; it runs inside the "
@@ -58,11 +58,11 @@ class StageModule(nn.Sequential):
     def routed(self, hook: Callable[[Any], Any]) -> Iterator[None]:
         """While the user's step runs: its call of the Sequential goes to ``hook`` (the stage's part of
         the micro-batch), the model's code unchanged."""
-        self._hook = hook
+        self.hook = hook
         try:
             yield
         finally:
-            self._hook = None
+            self.hook = None
 
     def run_layers(
         self,

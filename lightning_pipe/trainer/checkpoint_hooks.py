@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
 from lightning_pipe.runtime.sharding import is_dtensor, shard_like
+from lightning_pipe.trainer import internals
 
 
 def optimizer_state(
@@ -25,7 +25,7 @@ def optimizer_state(
     """``optimizer``'s state keyed by parameter name (so it loads under another layout); ``aliases``:
     this rank's copies of tied weights under the unsplit module's name (see :func:`tie_aliases`)."""
     if isinstance(optimizer, LightningOptimizer):
-        optimizer = optimizer._optimizer
+        optimizer = optimizer.optimizer
     return optimizer_state_by_name(optimizer, parameter_names(module), aliases)
 
 
@@ -74,7 +74,7 @@ def load_optimizer_state_dict(
             }
         order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         optimizer.load_state_dict(optimizer_state_by_position(named, order))
-        _optimizer_to_device(optimizer, device)
+        internals.optimizer_to_device(optimizer, device)
 
 
 def load_model_state_dict(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, sharded: bool) -> None:

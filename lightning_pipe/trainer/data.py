@@ -8,16 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 
 from lightning_pipe.runtime.replica_data import EvaluationShare, replica_sampler, splittable
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.trainer import internals
 
 
 def first_batch(trainer: Any) -> Any:
@@ -30,7 +29,7 @@ def first_batch(trainer: Any) -> Any:
         TrainerFn.TESTING: trainer.test_loop,
         TrainerFn.PREDICTING: trainer.predict_loop,
     }
-    source = loops[trainer.state.fn]._data_source
+    source = internals.data_source(loops[trainer.state.fn])
     loaders = source.dataloader()
     if isinstance(loaders, (Mapping, list, tuple)):
         loaders = CombinedLoader(loaders, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential")
@@ -46,7 +45,7 @@ def first_batch(trainer: Any) -> Any:
 def configured_optimizers(module: Any) -> list[Optimizer]:
     """The optimizers the module's ``configure_optimizers`` makes, as the Trainer reads its return
     value (any of its forms), unwrapped from ``LightningOptimizer``."""
-    optimizers = _configure_optimizers(module.configure_optimizers())[0]
+    optimizers = internals.configure_optimizers(module.configure_optimizers())
     return [getattr(o, "optimizer", o) for o in optimizers]
 
 
@@ -61,7 +60,7 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
             return dataloader
         size, drop_last = dataloader.batch_size, dataloader.drop_last
         assert size is not None  # a plain BatchSampler has one
-        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
+        rebuilt = internals.update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
         share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
         # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
         object.__setattr__(rebuilt, "batch_sampler", share)
@@ -69,7 +68,7 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
     sampler = replica_sampler(dataloader, num_replicas, replica)
     if sampler is None:
         return dataloader
-    return _update_dataloader(dataloader, sampler, mode=mode)
+    return internals.update_dataloader(dataloader, sampler, mode=mode)
 
 
 def stage_dataloader(dataloader: Any, trainer: Any, layout: Layout, rank: int, meta_group: Any) -> Any:
@@ -89,7 +88,7 @@ def is_padding(trainer: Any, batch_idx: int, dataloader_idx: int) -> bool:
     """Whether the running evaluation step is a padding step of this replica's
     :class:`EvaluationShare`. The loader comes from the running evaluation loop (the Trainer's
     ``val_dataloaders`` would still give ``fit``'s in a later ``validate``)."""
-    loaders = trainer._evaluation_loop._combined_loader.flattened
+    loaders = internals.evaluation_loaders(trainer)
     share = getattr(loaders[dataloader_idx], "batch_sampler", None) if dataloader_idx < len(loaders) else None
     return isinstance(share, EvaluationShare) and share.is_padding(batch_idx)
 

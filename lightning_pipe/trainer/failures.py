@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_pipe.trainer import internals
+
 log = logging.getLogger(__name__)
 
 _NOTE = "lightning_pipe/failed/"
@@ -50,7 +52,7 @@ def _store() -> Any:
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return internals.default_store()
     except Exception:
         return None
 

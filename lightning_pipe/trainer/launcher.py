@@ -2,8 +2,8 @@
 
 ``popen`` (scripts and the command line) is Lightning's script launcher, which re-runs the command
 line once per extra process. Under a Hydra sweep (``lightning-pipe -m ...``) Lightning's command
-would re-run the whole sweep in every extra process; :class:`PipelineScriptLauncher` gives each
-one the job's own overrides and output folder instead.
+would re-run the whole sweep in every extra process; :func:`hydra_child_command` gives each
+one the job's own overrides and output folder instead (:func:`script_launcher`).
 
 For ``spawn`` / ``fork``, Lightning's own multiprocessing launcher does the work, with two
 differences that matter for a pipeline: the weights sent back to the main process are the whole model, gathered from every
@@ -16,22 +16,19 @@ the ``_MultiProcessingLauncher`` class.
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers import subprocess_script
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
 from lightning_pipe.runtime.sharding import full_tensor
+from lightning_pipe.trainer import internals
 
 
 @dataclass(frozen=True)
@@ -50,64 +47,63 @@ class Gathering:
     whole: bool = True
 
 
-class _GatheringLauncher(_MultiProcessingLauncher):
-    def __init__(self, strategy: pl.strategies.Strategy, start_method: str, gathering: Callable[[], Gathering]) -> None:
-        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
-        self._gathering = gathering
+def _end_process_group() -> None:
+    """After Lightning's worker: a clean end of the process group. A spawned worker exits through
+    the interpreter's full shutdown, and with gloo's connections and threads still open it was
+    aborted there now and then (``terminate called without an active exception``, SIGABRT) after
+    training had succeeded. Every rank first waits for the others to be done with the group, so
+    that none closes its connections while a peer still uses them."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's worker, then a clean end of the process group. A spawned worker exits through
-        the interpreter's full shutdown, and with gloo's connections and threads still open it was
-        aborted there now and then (``terminate called without an active exception``, SIGABRT)
-        after training had succeeded. Every rank first waits for the others to be done with the
-        group, so that none closes its connections while a peer still uses them."""
-        super()._wrapping_function(*args, **kwargs)
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            dist.destroy_process_group()
 
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
-        module = trainer.lightning_module
-        original = module.state_dict
-        gathering = self._gathering()
+def _collect_whole_weights(
+    gathering: Callable[[], Gathering], trainer: pl.Trainer, lightning: Callable[[], Any]
+) -> Any:
+    """Lightning's rank-zero results (``lightning()``) with the whole model's weights, gathered
+    from every stage, and the trainer's results as bytes."""
+    module = trainer.lightning_module
+    original = module.state_dict
+    gathered_how = gathering()
 
-        def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
-            if not gathering.whole:  # built on the meta device because it may not fit one process: sent nowhere
-                return {}
-            # sharded stages: every replica takes part in gathering each whole tensor
-            local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
-            if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-                return local
-            # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
-            group, ranks = gathering.group, list(gathering.ranks)
-            first = dist.get_rank() == ranks[0]
-            gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
-            dist.gather_object(local, gathered, dst=ranks[0], group=group)
-            merged: dict[str, Any] = {}
-            for part in gathered or [local]:
-                merged.update(part)
-            return merged
+    def full_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not gathered_how.whole:  # built on the meta device because it may not fit one process: sent nowhere
+            return {}
+        # sharded stages: every replica takes part in gathering each whole tensor
+        local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
+        group, ranks = gathered_how.group, list(gathered_how.ranks)
+        first = dist.get_rank() == ranks[0]
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+        dist.gather_object(local, gathered, dst=ranks[0], group=group)
+        merged: dict[str, Any] = {}
+        for part in gathered or [local]:
+            merged.update(part)
+        return merged
 
-        # Lightning sends back what the module's state_dict gives: for this call, the whole model
-        module.state_dict = full_state_dict  # type: ignore[method-assign]
-        try:
-            output = super()._collect_rank_zero_results(trainer, results)
-        finally:
-            del module.state_dict
-        if output is not None and output.trainer_results is not None:
-            # Tensors put on the queue are shared through file descriptors that vanish with the worker.
-            buffer = io.BytesIO()
-            torch.save(output.trainer_results, buffer)
-            output = output._replace(trainer_results=_Serialized(buffer.getvalue()))
-        return output
+    # Lightning sends back what the module's state_dict gives: for this call, the whole model
+    module.state_dict = full_state_dict  # type: ignore[method-assign]
+    try:
+        output = lightning()
+    finally:
+        del module.state_dict
+    if output is not None and output.trainer_results is not None:
+        # Tensors put on the queue are shared through file descriptors that vanish with the worker.
+        buffer = io.BytesIO()
+        torch.save(output.trainer_results, buffer)
+        output = output._replace(trainer_results=_Serialized(buffer.getvalue()))
+    return output
 
 
 class _Serialized(bytes):
     """The worker's results as bytes, to be loaded in the main process."""
 
 
-class PipelineMultiProcessingLauncher(_Launcher):
+class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: ignore[misc]
     """Lightning's multiprocessing launcher, gathering rank 0's results; ``before(trainer)`` runs on the
     launching process before any worker starts (what can be refused there, is)."""
 
@@ -118,7 +114,9 @@ class PipelineMultiProcessingLauncher(_Launcher):
         gathering: Callable[[], Gathering],
         before: Callable[[pl.Trainer], None] | None = None,
     ) -> None:
-        self._inner = _GatheringLauncher(strategy, start_method, gathering)
+        self._inner = internals.multiprocessing_launcher(
+            strategy, start_method, _end_process_group, functools.partial(_collect_whole_weights, gathering)
+        )
         self._before = before
 
     @property
@@ -155,7 +153,7 @@ def launcher_for(
     start_method: str,
     gathering: Callable[[], Gathering],
     before: Callable[[pl.Trainer], None] | None = None,
-) -> _Launcher:
+) -> Any:
     """Lightning's script launcher, Hydra-aware, for ``"popen"``; else its multiprocessing launcher,
     which gathers the whole model back (``gathering``: where from, once the processes are set up).
     ``before(trainer)``: run on the launching process before it starts any other."""
@@ -197,7 +195,7 @@ def child_overrides(task: Sequence[str], hydra: Sequence[str]) -> list[str]:
     return [*task, *(o for o in hydra if not o.lstrip("+~").startswith(_SWEEP_ONLY))]
 
 
-class PipelineScriptLauncher(subprocess_script._SubprocessScriptLauncher):
+class PipelineScriptLauncher(internals.launcher_class()):  # type: ignore[misc]
     """Lightning's script launcher (``start_method="popen"``) with :func:`hydra_child_command`;
     ``before(trainer)`` runs on the launching process before it starts the others."""
 
@@ -208,24 +206,21 @@ class PipelineScriptLauncher(subprocess_script._SubprocessScriptLauncher):
         num_nodes: int,
         before: Callable[[pl.Trainer], None] | None = None,
     ) -> None:
-        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._inner = internals.script_launcher(cluster_environment, num_processes, num_nodes, hydra_child_command)
         self._before = before
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return self._inner.is_interactive_compatible
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if (
             self._before is not None
             and trainer is not None
-            and not self.cluster_environment.creates_processes_externally
+            and not self._inner.cluster_environment.creates_processes_externally
         ):
             self._before(trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        return self._inner.launch(function, *args, trainer=trainer, **kwargs)
 
-    def _call_children_scripts(self) -> None:
-        with _hydra_command(hydra_child_command):
-            super()._call_children_scripts()
-
-
-@contextmanager
-def _hydra_command(builder: Callable[[int], tuple[list[str], str]]) -> Iterator[None]:
-    with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", builder):
-        yield
+    def kill(self, signum: Any) -> None:
+        self._inner.kill(signum)

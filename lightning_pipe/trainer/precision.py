@@ -12,6 +12,7 @@ gradients: :func:`clip_by_global_norm` gives the precision plugin that clipping.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_pipe.trainer import internals
+
+_SYNCED: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # the scalers already patched
+
 
 def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None) -> None:
     """After ``scaler.unscale_(optimizer)`` finds infs on this stage, agree over all stages (max of
     the flags) before ``scaler.step`` and ``scaler.update`` read them. Idempotent."""
-    if getattr(scaler, "_lightning_pipe_synced", False):
+    if scaler in _SYNCED:
         return
     unscale = scaler.unscale_
 
@@ -31,9 +36,8 @@ def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None)
         unscale(optimizer)
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        state = scaler._per_optimizer_states[id(optimizer)]
-        found = state["found_inf_per_device"]
-        device = next(iter(found.values())).device if found else scaler._scale.device  # type: ignore[union-attr]
+        found = internals.scaler_found_infs(scaler, optimizer)
+        device = next(iter(found.values())).device if found else internals.scaler_device(scaler)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for flag in found.values():
             local += flag.to(local.device)
@@ -44,7 +48,7 @@ def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None)
 
     # a patch: neither GradScaler nor Lightning's MixedPrecision has a hook between unscale_ and step
     scaler.unscale_ = unscale_across_stages  # type: ignore[method-assign]
-    scaler._lightning_pipe_synced = True  # type: ignore[attr-defined]
+    _SYNCED.add(scaler)
 
 
 class _GlobalNormClipping:

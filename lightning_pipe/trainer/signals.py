@@ -31,14 +31,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_pipe.trainer import internals
 
 GRACE_SECONDS = 10.0
 
 
-class PipelineSignalConnector(_SignalConnector):
+class PipelineSignalConnector(internals.signal_connector_class()):  # type: ignore[misc]
     """Lightning's signal handling with the SIGTERM path above; ``received_sigterm`` becomes true on
     every rank at once, when the stages stop together."""
 
@@ -131,8 +132,8 @@ def _exit_now(message: str, status: int) -> None:
 def install(trainer: pl.Trainer) -> PipelineSignalConnector:
     """Replace the Trainer's signal handling (before the Trainer registers its handlers, which it does
     after setting the strategy up)."""
-    connector = trainer._signal_connector
+    connector = internals.signal_connector(trainer)
     if not isinstance(connector, PipelineSignalConnector):
         connector = PipelineSignalConnector(trainer)
-        trainer._signal_connector = connector
+        internals.set_signal_connector(trainer, connector)
     return connector

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.runtime.reductions import combine, reduction
+from lightning_pipe.trainer import internals
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
@@ -119,8 +120,7 @@ class StepRecorder:
             if name not in seen:
                 seen.add(name)
                 if hasattr(value, "sync_on_compute"):  # a torchmetrics Metric: no other rank has its state
-                    value.sync_on_compute = False
-                    value._to_sync = False
+                    internals.metric_sync_off(value)
                 module.log(name, value, **kwargs)
 
     def add_loss(self, loss: Tensor, weight: float) -> None:

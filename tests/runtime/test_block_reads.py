@@ -68,8 +68,8 @@ def _last_stage(model: nn.Module, path: str, stage: int = 1, num_stages: int = 2
 
 
 def _drive(host: BlockStage, received: Any, last: bool = True) -> BlockDrive:
-    host._hook = BlockDrive(host.bounds, received, stops=not last, use_checkpoint=False, params=None)
-    return host._hook
+    host.hook = BlockDrive(host.bounds, received, stops=not last, use_checkpoint=False, params=None)
+    return host.hook
 
 
 @pytest.mark.parametrize("reads, block", [("pool", "[01]"), ("probe", "1")])
@@ -174,7 +174,7 @@ def test_the_moe_load_balancing_loss_over_other_stages_routers_is_refused(build:
     _drive(host, torch.randn(2, 8, 64))
     with pytest.raises(RuntimeError, match=r"records router_logits .*load-balancing loss.*output_router_logits=False"):
         model(input_ids=ids, labels=ids, use_cache=False)
-    host._hook = None
+    host.hook = None
     _drive(host, torch.randn(2, 8, 64))
     model(input_ids=ids, labels=ids, use_cache=False, output_router_logits=False).loss.backward()  # off: runs
 

@@ -125,11 +125,11 @@ def test_a_middle_stage_starts_on_the_received_state_and_stops_at_the_next_stage
     assert len(host) == 6 and [n for n, _ in host.named_children()] == ["2", "3"]
     x = torch.randn(4, 3)
     received = torch.randn(4, 6)
-    host._hook = BlockDrive(host.bounds, received, stops=True, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, received, stops=True, use_checkpoint=False, params=None)
     with pytest.raises(StageExit):
         model(x)
-    drive = host._hook
-    host._hook = None
+    drive = host.hook
+    host.hook = None
     drive.check(is_last=False)
     scale = torch.sigmoid(x.sum(-1, keepdim=True))
     shifts = {"full": None, "sliding": 0.1 * x.mean(-1, keepdim=True)}
@@ -143,14 +143,14 @@ def test_a_middle_stage_starts_on_the_received_state_and_stops_at_the_next_stage
 def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> None:
     model, host = _host(0)
     x = torch.randn(4, 3)
-    host._hook = BlockDrive(host.bounds, None, stops=True, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, None, stops=True, use_checkpoint=False, params=None)
     with pytest.raises(RuntimeError, match=r"never reached the pipelined blocks 0..1"):
-        host._hook.check(is_last=False)
+        host.hook.check(is_last=False)
     with pytest.raises(StageExit):
         model(x)
     with pytest.raises(RuntimeError, match="ran the pipelined blocks twice for one micro-batch"):
         model(x)
-    host._hook = None
+    host.hook = None
     with pytest.raises(RuntimeError, match=r"holds only pipeline stage 0 of 2 \(blocks 0..1\)"):
         model(x)
     with pytest.raises(TypeError, match="block container is iterated"):
@@ -159,7 +159,7 @@ def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> 
 
 def test_other_stages_blocks_show_their_plain_attributes_only() -> None:
     _, host = _host(1)
-    host._hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, use_checkpoint=False, params=None)
     assert host[0].attention_type == "full" and host[1].attention_type == "sliding"
     assert isinstance(host[2].linear, nn.Linear)  # a held block: its modules
     with pytest.raises(AttributeError, match=r"Block 0 is held by another pipeline stage; only its plain attributes"):
@@ -182,7 +182,7 @@ def test_a_block_called_with_its_hidden_state_as_a_keyword_receives_it() -> None
     host, _ = split_stages(model.blocks, [2, 2], positions, 1)
     model.blocks = host  # type: ignore[assignment]
     received = torch.randn(2, 6)
-    host._hook = BlockDrive(host.bounds, received, stops=False, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, received, stops=False, use_checkpoint=False, params=None)
     out = model(torch.randn(2, 3))
     expected = received
     for i in (2, 3):

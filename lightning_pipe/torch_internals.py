@@ -1,0 +1,113 @@
+"""Every private name of torch and Hugging Face ``transformers`` the core reaches, one function each.
+
+The core (``schedules/``, ``partition/``, ``runtime/``, ``checkpoint/``, ``weights/``, ``plan/``)
+calls these instead of touching another package's ``_name``; ``tests/test_imports.py`` refuses such
+a name anywhere else but here and in :mod:`lightning_pipe.trainer.internals` (the Trainer's side).
+A leaf: it imports torch only (``transformers`` inside a function, when it is there), so every layer
+may use it. Each function says what it touches, why no public API serves, and the versions it was
+checked with (torch 2.13, transformers 5.24, Lightning 2.6); a new release that moves one of these
+fails here, in one place.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+
+def module_slots(parent: nn.Module) -> list[tuple[str, nn.Module | None]]:
+    """Every direct child slot of ``parent`` (``nn.Module._modules``), a child held under two names
+    listed under each and empty slots included. ``named_children()`` yields a module once, under
+    its first name, so replacing a module there would leave its second name holding it (and its
+    tensors). Writes go through ``setattr``. Checked with torch 2.13."""
+    return list(parent._modules.items())
+
+
+def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
+    """Initialise ``module``'s tensors with ``owner._init_weights`` (``owner``: its enclosing
+    ``PreTrainedModel``). The public ``init_weights()`` / ``initialize_weights()`` walk the whole
+    model; a stage built on the meta device initialises only its own modules, one at a time.
+    Checked with transformers 5.24."""
+    owner._init_weights(module)  # type: ignore[operator]
+
+
+def private_reset_parameters(module: nn.Module) -> Callable[[], None] | None:
+    """``module._reset_parameters`` where a torch module has no public ``reset_parameters``
+    (``nn.MultiheadAttention``, ``nn.Transformer``): their only way to initialise their own
+    tensors again. Checked with torch 2.13."""
+    reset = getattr(module, "_reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+def hf_active_output_collector() -> Mapping[str, Any] | None:
+    """What a Hugging Face model is recording with hooks on its submodules right now
+    (``transformers.utils.output_capturing._active_collector``: ``hidden_states``, ``attentions``
+    ...); None when nothing records, without transformers or with an older one (which collects in
+    its loop). ``transformers`` has no public way to ask. Checked with transformers 5.24."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector.get()
+
+
+def backward_hooks(tensor: Tensor) -> Mapping[Any, Any]:
+    """The hooks ``tensor.register_hook`` put on ``tensor`` (``Tensor._backward_hooks``; empty when
+    none). torch offers registering and removing a hook, not asking whether one is there, and a
+    fused backward must not bypass an observer. Checked with torch 2.13."""
+    return tensor._backward_hooks or {}
+
+
+def post_accumulate_grad_hooks(tensor: Tensor) -> Mapping[Any, Any]:
+    """The hooks ``register_post_accumulate_grad_hook`` put on ``tensor``
+    (``Tensor._post_accumulate_grad_hooks``; empty when none), for the same reason as
+    :func:`backward_hooks`. Checked with torch 2.13."""
+    return getattr(tensor, "_post_accumulate_grad_hooks", None) or {}
+
+
+def version(tensor: Tensor) -> int:
+    """``tensor._version``: autograd's counter of in-place changes, the only record of whether a
+    forward wrote into a buffer (comparing values would copy every buffer). Checked with torch 2.13."""
+    return tensor._version
+
+
+def fsdp_post_backward(module: Any) -> None:
+    """Run FSDP2's post-backward on the ``fully_shard`` module ``module`` and its inner states now:
+    reduce-scatter the accumulated gradients and free the gathered parameters
+    (``FSDPState._state_ctx.all_states``, each state's ``_fsdp_param_groups``' ``post_backward``,
+    ``_root_post_backward_final_callback``). FSDP2 runs these from autograd hooks of a backward it
+    sees whole; a pipeline runs many micro-batch backwards, as
+    ``torch.distributed.pipelining.stage`` does, which calls the same internals. Checked with
+    torch 2.13."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    for inner in state._state_ctx.all_states:
+        for group in inner._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def lightning_wrapped_batch_sampler(sampler: Any) -> Any | None:
+    """The batch sampler Lightning's ``_IndexBatchSamplerWrapper`` (prediction) wraps
+    (``_batch_sampler``), read by name so that the core imports no Lightning; None for any other
+    sampler. The wrapper has no public accessor. Checked with Lightning 2.6."""
+    return getattr(sampler, "_batch_sampler", None)
+
+
+__all__ = [
+    "backward_hooks",
+    "fsdp_post_backward",
+    "hf_active_output_collector",
+    "hf_init_weights",
+    "lightning_wrapped_batch_sampler",
+    "module_slots",
+    "post_accumulate_grad_hooks",
+    "private_reset_parameters",
+    "version",
+]

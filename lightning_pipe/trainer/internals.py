@@ -1,0 +1,254 @@
+"""Every private name of Lightning, Hydra and torch the Trainer's side reaches, one function each.
+
+``trainer/``, ``observe/``, the strategy and the CLI call these instead of touching another
+package's ``_name``; ``tests/test_imports.py`` refuses such a name anywhere else but here and in
+:mod:`lightning_pipe.torch_internals` (the core's). A leaf: it imports Lightning and torch, nothing
+of this package (Hydra's one internal is Lightning's call of it). Each function says what it touches, why no public API
+serves, and the versions it was checked with (Lightning 2.6, torch 2.13, Hydra 1.3); a new release
+that moves one of these fails here, in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch.optim import Optimizer
+
+# ---------------------------------------------------------------------------------------- the loops
+
+
+def data_source(loop: Any) -> Any | None:
+    """The loop's ``_DataConnector`` source (``loop._data_source``: ``dataloader()`` gives the
+    user's loaders, ``instance`` the module or datamodule giving them); None when the loop has none.
+    The Trainer's public ``train_dataloader`` and the like exist only once the loop set them up,
+    and the pipeline needs a batch before that. Checked with Lightning 2.6."""
+    return getattr(loop, "_data_source", None)
+
+
+def evaluation_loaders(trainer: Any) -> list[Any]:
+    """The loaders of the evaluation running now (``trainer._evaluation_loop._combined_loader.flattened``).
+    The public ``trainer.val_dataloaders`` gives ``fit``'s validation loaders even in a later
+    ``validate``. Checked with Lightning 2.6."""
+    return trainer._evaluation_loop._combined_loader.flattened
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    """The step loggers see (``fit_loop.epoch_loop._batches_that_stepped``), which differs from
+    ``trainer.global_step`` with several optimizers or ``accumulate_grad_batches``; the latter where
+    the loop has none. Lightning's logger connector reads the same attribute; nothing public gives
+    it. Checked with Lightning 2.6."""
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+
+
+def configure_optimizers(returned: Any) -> list[Any]:
+    """The optimizers in what ``configure_optimizers`` returned, read as the Trainer reads any of its
+    forms (``lightning.pytorch.core.optimizer._configure_optimizers``); the Trainer offers no public
+    parser. Checked with Lightning 2.6."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return _configure_optimizers(returned)[0]
+
+
+def update_dataloader(dataloader: Any, sampler: Any, mode: Any = None) -> Any:
+    """``dataloader`` rebuilt with ``sampler``, keeping the user's other arguments, as Lightning
+    re-instantiates loaders for distributed samplers (``lightning.pytorch.utilities.data._update_dataloader``).
+    Checked with Lightning 2.6."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=mode)
+
+
+def metric_sync_off(metric: Any) -> None:
+    """Stop a torchmetrics ``Metric`` logged with ``self.log`` from syncing over processes when it
+    computes: ``sync_on_compute = False`` and its ``_to_sync``, which Lightning's logging sets from
+    ``sync_on_compute`` only when it creates the result and reads at compute; no public setter.
+    Checked with Lightning 2.6 and torchmetrics 1."""
+    metric.sync_on_compute = False
+    metric._to_sync = False
+
+
+# --------------------------------------------------------------------------------- the optimizers
+
+
+def optimizer_to_device(optimizer: Optimizer, device: torch.device) -> None:
+    """Move ``optimizer``'s state to ``device`` as Lightning's strategies do
+    (``lightning.fabric.utilities.optimizer._optimizer_to_device``: every tensor but ``step``).
+    Checked with Lightning 2.6."""
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    _optimizer_to_device(optimizer, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """:func:`optimizer_to_device` for each of ``optimizers`` (``_optimizers_to_device``), as
+    ``Strategy.setup`` does. Checked with Lightning 2.6."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def scaler_found_infs(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> dict[Any, torch.Tensor]:
+    """The inf/NaN flags ``scaler.unscale_(optimizer)`` found, per device, which ``scaler.step``
+    reads (``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``, mutable):
+    the stages agree on one verdict by writing it there. GradScaler has no public hook between
+    ``unscale_`` and ``step``. Checked with torch 2.13."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def scaler_device(scaler: torch.amp.GradScaler) -> torch.device:
+    """The device of the scaler's scale tensor (``GradScaler._scale``), where its flags live when it
+    found none; ``get_scale()`` gives a number only. Checked with torch 2.13."""
+    return scaler._scale.device  # type: ignore[union-attr]
+
+
+# -------------------------------------------------------------------------- processes and signals
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """The backend Lightning's ``DDPStrategy`` picks for ``device``
+    (``lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device``).
+    Checked with Lightning 2.6."""
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+    return _get_default_process_group_backend_for_device(device)
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """The default process group, set up as ``DDPStrategy.setup_environment`` does
+    (``lightning.fabric.utilities.distributed._init_dist_connection``: the environment's address,
+    port, rank and world size). Checked with Lightning 2.6."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """``DDPStrategy.reduce``'s reduction (``lightning.fabric.utilities.distributed._sync_ddp_if_available``:
+    sum or mean over ``group``, the tensor itself without a process group). Checked with Lightning 2.6."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (``torch.distributed.distributed_c10d._get_default_store``),
+    through which a failing rank tells the others why. torch keeps the store of ``init_process_group``
+    to itself. Checked with torch 2.13."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def signal_connector_class() -> type:
+    """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be (its
+    ``_sigterm_notifier_fn`` is what :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
+    overrides); the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    return _SignalConnector
+
+
+def signal_connector(trainer: Any) -> Any:
+    """``trainer._signal_connector``: the Trainer's signal handling. Checked with Lightning 2.6."""
+    return trainer._signal_connector
+
+
+def set_signal_connector(trainer: Any, connector: Any) -> None:
+    """Replace ``trainer._signal_connector`` (before the Trainer registers its handlers, which it
+    does after setting the strategy up). Checked with Lightning 2.6."""
+    trainer._signal_connector = connector
+
+
+# ----------------------------------------------------------------------------------- the launchers
+
+
+def launcher_class() -> type:
+    """Lightning's ``_Launcher``, the base of every strategy launcher
+    (``lightning.pytorch.strategies.launchers.launcher``); a strategy's ``_launcher`` is one.
+    Checked with Lightning 2.6."""
+    return _Launcher
+
+
+class _ExtendedMultiProcessingLauncher(_MultiProcessingLauncher):
+    def __init__(
+        self, strategy: Any, start_method: str, after_worker: Callable[[], None], collect: Callable[..., Any]
+    ) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._after_worker = after_worker
+        self._collect = collect
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        self._after_worker()
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        lightning = super()._collect_rank_zero_results
+        return self._collect(trainer, lambda: lightning(trainer, results))
+
+
+def multiprocessing_launcher(
+    strategy: Any, start_method: str, after_worker: Callable[[], None], collect: Callable[[Any, Callable[[], Any]], Any]
+) -> Any:
+    """Lightning's ``_MultiProcessingLauncher`` (``spawn`` / ``fork``) with two of its private
+    steps extended: its worker function (``_wrapping_function``) followed by ``after_worker()``, and
+    its rank-zero results (``_collect_rank_zero_results``) made by ``collect(trainer, lightning)``,
+    where ``lightning()`` gives Lightning's (a ``_WorkerOutput`` namedtuple, or None). Lightning
+    has no public hook for either. Both callables travel to the workers: module-level functions or
+    partials of them. Checked with Lightning 2.6."""
+    return _ExtendedMultiProcessingLauncher(strategy, start_method, after_worker, collect)
+
+
+class _HydraChildrenLauncher(subprocess_script._SubprocessScriptLauncher):
+    def __init__(
+        self,
+        cluster_environment: Any,
+        num_processes: int,
+        num_nodes: int,
+        child: Callable[[int], tuple[list[str], str]],
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._child = child
+
+    def _call_children_scripts(self) -> None:
+        with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", self._child):
+            super()._call_children_scripts()
+
+
+def script_launcher(
+    cluster_environment: Any, num_processes: int, num_nodes: int, child_command: Callable[[int], tuple[list[str], str]]
+) -> Any:
+    """Lightning's ``_SubprocessScriptLauncher`` (``start_method="popen"``) whose extra processes
+    under Hydra run ``child_command(local_rank)`` (command and working directory): its
+    ``_call_children_scripts`` with ``subprocess_script._hydra_subprocess_cmd`` patched, the only
+    place Lightning builds that command. Checked with Lightning 2.6 and Hydra 1.3."""
+    return _HydraChildrenLauncher(cluster_environment, num_processes, num_nodes, child_command)
+
+
+__all__ = [
+    "batches_that_stepped",
+    "configure_optimizers",
+    "data_source",
+    "default_process_group_backend",
+    "default_store",
+    "evaluation_loaders",
+    "init_dist_connection",
+    "launcher_class",
+    "metric_sync_off",
+    "multiprocessing_launcher",
+    "optimizer_to_device",
+    "optimizers_to_device",
+    "scaler_device",
+    "scaler_found_infs",
+    "script_launcher",
+    "set_signal_connector",
+    "signal_connector",
+    "signal_connector_class",
+    "sync_ddp_if_available",
+    "update_dataloader",
+]
