@@ -491,3 +491,23 @@ def test_a_mistake_found_before_launch_starts_no_process(
     assert output.count(message) == 1, output[-3000:]
     assert "Traceback" not in output and "Initializing distributed" not in output, output[-3000:]
     assert (tmp_path / "outputs").exists() == folder
+
+
+def test_library_deprecations_and_tips_are_silenced_in_command_line_runs() -> None:
+    """A command-line user cannot act on Lightning's and torch's warnings about each other's internals,
+    nor on Lightning's advertising tips; warnings from other code still show."""
+    import logging
+    import warnings
+
+    from lightning_pipe.cli import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_libraries()
+        message = "`isinstance(treespec, LeafSpec)` is deprecated"
+        warnings.warn_explicit(message, FutureWarning, "_pytree.py", 21, module="lightning.pytorch.utilities._pytree")
+        warnings.warn_explicit("old", DeprecationWarning, "x.py", 1, module="torch.distributed.x")
+        warnings.warn_explicit("yours", DeprecationWarning, "y.py", 1, module="my_project.model")
+    assert [str(w.message) for w in caught] == ["yours"]
+    tip = logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, "", 0, "💡 Tip: ...", None, None)
+    assert not logging.getLogger("lightning.pytorch.utilities.rank_zero").filter(tip)

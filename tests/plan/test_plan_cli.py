@@ -80,6 +80,7 @@ def test_plan_only_and_timeline_options_of_a_run(
     assert (
         out.rstrip().splitlines()[-1].startswith("written: ") and "Trainable params" not in out + err + caplog.text
     )  # no model summary
+    assert "layers per stage" not in out + err + caplog.text  # no layout line that reads as a run of the schedule
     lines = text.splitlines()
     assert re.fullmatch(
         r"measured link between ranks 0 and 1: latency [0-9.]+ us, bandwidth ([0-9]+ MB/s|not resolved .*)", lines[0]
