@@ -56,6 +56,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -264,7 +265,7 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
         for mode in ("never", "except_last", "always"):
             with tempfile.TemporaryDirectory() as folder:
                 fit_isolated(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
-                peaks[f"{schedule}/{mode}"] = [json.load(open(os.path.join(folder, f"peak{r}.json"))) for r in range(p)]
+                peaks[f"{schedule}/{mode}"] = [json.loads(Path(folder, f"peak{r}.json").read_text()) for r in range(p)]
     per_microbatch = [peaks["gpipe/never"][s] / m for s in range(p)]
     layers = build_module(model).layers
     balance = resolve_balance("parameters", layers, p)

@@ -30,7 +30,7 @@ def count(schedule: Schedule) -> dict[str, Any]:
     """The message counts of one schedule (see the module's docstring)."""
     sends = receives = together = 0
     gaps: list[int] = []
-    for rank, actions in enumerate(schedule.actions):
+    for _rank, actions in enumerate(schedule.actions):
         computed = 0
         last: dict[int, int] = {}  # peer rank -> computations done at its last send
         for action in actions:

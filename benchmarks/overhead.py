@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,8 +128,8 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
         if done.returncode != 0:
             raise RuntimeError(f"{schedule} ({root}) failed:\n{done.stderr[-4000:]}")
         ranks = 1 if schedule == "1stage" else args.stages
-        rows = [json.load(open(os.path.join(folder, f"step_profile_rank{r}.json"))) for r in range(ranks)]
-        spans = [json.load(open(os.path.join(folder, f"spans{r}.json"))) for r in range(ranks)]
+        rows = [json.loads(Path(folder, f"step_profile_rank{r}.json").read_text()) for r in range(ranks)]
+        spans = [json.loads(Path(folder, f"spans{r}.json").read_text()) for r in range(ranks)]
     return analyse(schedule, rows, spans, args)
 
 

@@ -237,7 +237,7 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
             for i in range(len(losses)):
                 window = losses[max(0, i - smooth + 1) : i + 1]
                 value = sum(window) / len(window)
-                if not (value == value) or abs(value) > 1e6:
+                if value != value or abs(value) > 1e6:
                     break
                 clipped = min(max(value, bottom), top)
                 points.append(

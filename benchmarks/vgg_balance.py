@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--chart", help="only redraw: the table and vgg_balance.svg from this vgg_balance.json")
     args = parser.parse_args()
     if args.chart:
-        saved = json.load(open(args.chart))
+        saved = json.loads(Path(args.chart).read_text())
         with open(os.path.join(os.path.dirname(args.chart), "vgg_balance.svg"), "w") as f:
             f.write(svg_chart(saved["results"], saved["config"]["batch"]))
         print(table(saved["results"], saved["config"]["batch"]))

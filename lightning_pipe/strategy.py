@@ -156,7 +156,7 @@ class PipelineStrategy(ProcessStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.layout  # a world size that `stages` does not divide fails here, before any process starts
+        _ = self.layout  # a world size that `stages` does not divide fails here, before any process starts
         if self.config.start_method == "popen":
             self._launcher = PipelineScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:

@@ -54,7 +54,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for name in sa:
-        torch.testing.assert_close(sa[name], sb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(sa[name], sb[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def twins(model: L.LightningModule) -> tuple[L.LightningModule, L.LightningModule]:

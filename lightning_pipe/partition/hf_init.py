@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 
@@ -72,7 +73,7 @@ def _depth(root: nn.Module, target: nn.Module) -> int:
     return 0
 
 
-def hf_init_context() -> ContextManager[Any]:
+def hf_init_context() -> AbstractContextManager[Any]:
     """What ``PreTrainedModel.initialize_weights`` runs its walk under (older ``transformers``
     without ``transformers.initialization``: nothing)."""
     guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)

@@ -44,7 +44,8 @@ import functools
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ContextManager, Union
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +55,7 @@ from lightning_pipe.partition.hf_init import hf_init_context, init_with_owner, p
 
 OUTSIDE = -1  # the key of the modules outside the Sequential in layer_seed
 ModuleInit = Callable[[nn.Module], None]  # initialise one module's own tensors (the ``init`` hook)
-Blocks = Union[nn.Sequential, nn.ModuleList]  # the layers split into stages
+Blocks = nn.Sequential | nn.ModuleList  # the layers split into stages
 
 
 def run_seed() -> int:
@@ -149,7 +150,7 @@ class Initializer:
             return functools.partial(init_with_owner, owner, module)
         return _reset_fn(module)
 
-    def context(self) -> ContextManager[Any]:
+    def context(self) -> AbstractContextManager[Any]:
         """What the walk runs under (HF's guard of ``torch.nn.init`` when HF models take part)."""
         return hf_init_context() if self.owners and self.init is None else contextlib.nullcontext()
 
@@ -271,7 +272,7 @@ def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
     yield module
 
 
-def _seeded(device: torch.device) -> ContextManager[None]:
+def _seeded(device: torch.device) -> AbstractContextManager[None]:
     """The CPU's and ``device``'s random state, restored on exit."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 

@@ -18,9 +18,9 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -102,7 +102,7 @@ def _update_cost(
         try:
             trial = cls([copy], **settings)
             times = []
-            for rep in range(1 + repeats):
+            for _rep in range(1 + repeats):
                 _synchronize(device)
                 start = time.perf_counter()
                 trial.step()
@@ -135,7 +135,7 @@ def measure_layers(
     device: torch.device,
     warmup: int = 1,
     repeats: int = 3,
-    context: Callable[[], ContextManager[Any]] = nullcontext,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     optimizers: dict[int, tuple[type, dict[str, Any]]] | None = None,
     calls: Sequence[BlockCall] | None = None,
     initializer: Initializer | None = None,
@@ -256,7 +256,7 @@ def _split_backward(
     device: torch.device,
     warmup: int,
     repeats: int,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     call: Callable[[Any], Any] | None = None,
 ) -> tuple[float, float]:
     """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
@@ -334,7 +334,7 @@ def profile_module(
     batch: Callable[[], Any],
     num_microbatches: int,
     device: torch.device,
-    context: Callable[[], ContextManager[Any]] = nullcontext,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     memory: bool = True,
     warmup: int = 1,
     repeats: int = 3,
@@ -500,7 +500,7 @@ def _profile_blocks(
     container: nn.Module,
     microbatch: Any,
     device: torch.device,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     optimizers: dict[int, tuple[type, dict[str, Any]]],
     warmup: int,
     repeats: int,
@@ -526,7 +526,7 @@ def _ends_cost(
     device: torch.device,
     warmup: int,
     repeats: int,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     initializer: Initializer,
 ) -> tuple[tuple[float, float, int], tuple[float, float, int]]:
     """(forward s, backward s, parameter bytes) of what the first stage runs before its first block
@@ -606,10 +606,8 @@ def agreed_profile(
             failure = error
             answer = (None, f"{type(error).__name__}: {error}")
     elif everywhere:
-        try:
+        with suppress(Exception):  # only the source's profile counts; training meets this rank's problem
             measure()
-        except Exception:
-            pass  # only the source's profile counts; training will meet this rank's problem itself
     profile, message = broadcast(answer)
     if failure is not None:
         raise failure

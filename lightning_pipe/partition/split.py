@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Union
 
 from torch import nn
 
@@ -18,11 +17,11 @@ from lightning_pipe.partition.balance import (
     stages_without_parameters,
 )
 
-BalanceSpec = Union[str, Sequence[int]]
+BalanceSpec = str | Sequence[int]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
 
 
-Layers = Union[nn.Sequential, nn.ModuleList]
+Layers = nn.Sequential | nn.ModuleList
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, Layers]:

@@ -13,7 +13,7 @@ forward.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.weight_store import defer_or_run
 
-_Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
+_Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 _TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 

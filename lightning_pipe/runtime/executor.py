@@ -9,9 +9,9 @@ and relies on the schedule's own placement of sends and receives, which
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -155,7 +155,7 @@ class Executor:
         if self.timeline is not None:
             self.timeline.end_step()
 
-    def _span(self, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
+    def _span(self, name: str, stage: int, microbatch: int) -> AbstractContextManager[Any]:
         return _UNTIMED if self.timeline is None else self.timeline.span(name, stage, microbatch)
 
     def _activation_key(self, action: Action, run: _Run, stage: int) -> Hashable:

@@ -149,7 +149,7 @@ class StageGradients:
         ready = [(p, g) for p, g in reversed(list(pending.items())) if g is not None]  # backward order
         bucket: list[Tensor] = []
         size = 0
-        for i, (param, grad) in enumerate(ready):
+        for i, (_param, grad) in enumerate(ready):
             bucket.append(grad)
             size += grad.numel() * grad.element_size()
             last = i == len(ready) - 1

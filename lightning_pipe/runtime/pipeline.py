@@ -27,9 +27,9 @@ pipeline can be built and driven without a Trainer (``tests/runtime/test_pipelin
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # the values only: the runtime imports nothing above it
     from lightning_pipe.config import PipelineConfig
 
 #: A context to run a verb's compute in (the precision's autocast, for example).
-Context = Callable[[], ContextManager[Any]]
+Context = Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -385,7 +385,7 @@ class StagePipeline:
             for runner in self.runners.values():
                 runner.step = None
 
-    def _accumulation(self) -> ContextManager[Any]:
+    def _accumulation(self) -> AbstractContextManager[Any]:
         return fused_linear.accumulating(self.config.gradient_accumulation_fusion) if self._fused else nullcontext()
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager, nullcontext, suppress
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -157,7 +157,7 @@ class StageRunner:
         self.meter: SavedActivationMeter | None = None  # benchmarks: peak bytes saved for backward
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
-        self.saving: Callable[[SavedActivationMeter | None], ContextManager[Any]] | None = None
+        self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -241,10 +241,8 @@ class StageRunner:
                 captured.append(self.module.run_layers(argument, use_ckpt, params))
                 raise StageExit
 
-            try:
+            with suppress(StageExit):
                 self._run_step(microbatch % num_microbatches, capture)
-            except StageExit:
-                pass
             if not captured:
                 raise RuntimeError(self._not_called())
             output = captured[0]

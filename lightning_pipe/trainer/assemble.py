@@ -13,8 +13,9 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -108,7 +109,7 @@ def split_module(
     device: torch.device,
     to_device: Callable[[Any, torch.device], Any],
     broadcast: Callable[[Any], Any],
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     previous: ModuleSplit | None = None,
 ) -> ModuleSplit:
     """Replace the Sequential by this rank's stage, under the same attribute and layer names.
@@ -225,7 +226,7 @@ def measure_inputs(
     device: torch.device,
     is_source: bool,
     broadcast: Callable[[Any], Any],
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
 ) -> MeasureInputs:
     """What profiling before the split needs: the run's first batch (drawn when first asked for,
     moved by ``to_device`` to the device the module's tensors are on), this rank's device, whether

@@ -12,6 +12,7 @@ that reported nothing are named as the likely dead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -63,10 +64,8 @@ def report(error: BaseException, rank: int, describe_rank: Callable[[int], str])
         return None
     if not is_communication_error(error):
         text = f"{describe_rank(rank)} failed: {type(error).__name__}: {error}"
-        try:
+        with contextlib.suppress(Exception):
             store.set(f"{_NOTE}{rank}", text[:4000])
-        except Exception:
-            pass
         return None
     return PeerFailure(explain(store, rank, dist.get_world_size(), describe_rank, error))
 

@@ -116,7 +116,7 @@ def test_validator_rejects_a_deadlock() -> None:
     reordered = [x for x in a0 if str(x) not in ("F1@s0", "SEND_F1@s0")]
     position = reordered.index(B(0, 0)) + 1
     reordered[position:position] = [F(0, 1)]
-    send = [x for x in a0 if str(x) == "SEND_F1@s0"][0]
+    send = next(x for x in a0 if str(x) == "SEND_F1@s0")
     reordered.append(send)
     with pytest.raises(InvalidScheduleError):
         validate(_replace(good, 0, reordered))
