@@ -304,11 +304,15 @@ def svg_chart(results: dict[str, Any]) -> str:
         (model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()
     ]
     if not rows:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no results</text></svg>'
+        return (
+            '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no '
+            "results</text></svg>"
+        )
     width, bar, gap = 760, 18, 6
     height = 40 + len(rows) * (bar + gap) + 20 * len(results)
     top = {model: max(v for m, _, v in rows if m == model) for model in results}  # each panel its own scale
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="12">',
            '<text x="10" y="20" font-size="14">samples per second (higher is better), 2 CPU stages</text>']  # fmt: skip
     y = 36
     current = None
@@ -341,7 +345,8 @@ def default_contenders() -> str:
     single = "plain,plain_micro,pipe_1stage"
     if torch.cuda.device_count() < STAGES:
         print(
-            f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only"
+            f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead "
+            "only"
         )
         return single
     return single + ",pipe_gpipe,pipe_1f1b,pipe_1f1b_unfused,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"

@@ -61,12 +61,14 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     args = parser.parse_args()
     print(
-        "| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | computations between consecutive sends to a peer (min, median) |"
+        "| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | "
+        "computations between consecutive sends to a peer (min, median) |"
     )
     print("|---|---|---|---|---|")
     for name, virtual in SCHEDULES.items():
         c = count(build(name, args.stages, args.chunks, virtual))
-        print(f"| `{name}` | {c['sends_per_rank']:g} | {c['receives_per_rank']:g} | {c['sends_in_a_group_with_another_to_the_same_peer']} | "
+        print(f"| `{name}` | {c['sends_per_rank']:g} | {c['receives_per_rank']:g} | "
+              f"{c['sends_in_a_group_with_another_to_the_same_peer']} | "
               f"{c['computations_between_sends_min']}, {c['computations_between_sends_median']:g} |")  # fmt: skip
 
 

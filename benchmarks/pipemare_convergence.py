@@ -176,7 +176,8 @@ def markdown(table: list[dict[str, Any]]) -> str:
     variants = list(dict.fromkeys(row["variant"] for row in table))
     by = {(row["variant"], row["lr"]): row for row in table}
     rates = " / ".join(f"{lr:g}" for lr in lrs)
-    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight copies per stage |",
+    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight "
+             "copies per stage |",
              "|---|---|---|---|---|"]  # fmt: skip
     for variant in variants:
         rows = [by.get((variant, lr)) for lr in lrs]
@@ -220,7 +221,8 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
     finite = [v for r in results for v in r["losses"] if v == v and abs(v) < 1e6]
     top = min(max(finite), 3 * sorted(finite)[len(finite) // 2]) if finite else 1.0
     bottom = min(finite) if finite else 0.0
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" font-family="sans-serif" font-size="11">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" '
+             'font-family="sans-serif" font-size="11">',
              f'<text x="10" y="16" font-size="13">{title}</text>']  # fmt: skip
     for panel, lr in enumerate(lrs):
         x0, y0 = panel * width + pad, 30
@@ -244,12 +246,14 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
                     f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}"
                 )
             parts.append(
-                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" points="{" ".join(points)}"/>'
+                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" '
+                f'points="{" ".join(points)}"/>'
             )
     legend_x = width * len(lrs) + 10
     for i, name in enumerate(VARIANTS):
         parts.append(
-            f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" stroke="{COLOURS[name]}" stroke-width="2"/>'
+            f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" '
+            f'stroke="{COLOURS[name]}" stroke-width="2"/>'
         )
         parts.append(f'<text x="{legend_x + 25}" y="{44 + 16 * i}">{name}</text>')
     parts.append("</svg>")
@@ -323,7 +327,10 @@ def main() -> None:
             indent=1,
         )
     print(markdown(table))
-    title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
+    title = (
+        f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x "
+        f"{args.factors})"
+    )
     if len(seeds) > 1:
         title += f", mean of seeds {args.seeds}"
     svg(

@@ -86,8 +86,10 @@ def main() -> None:
     for i, c in enumerate(chosen):
         m = statistics.median(measured[i])
         rows.append(
-            f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} {list(c.balance)} | {c.checkpoint} | "
-            f"{1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | {m / c.step_seconds:.2f} |"
+            f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} "
+            f"{list(c.balance)} | {c.checkpoint} | "
+            f"{1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | "
+            f"{m / c.step_seconds:.2f} |"
         )
     print("\n".join(rows))
     first = statistics.median(measured[0])

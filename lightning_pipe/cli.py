@@ -201,8 +201,10 @@ class PlanOnly(L.Callback):
         if not ranked:
             stages = getattr(strategy, "num_stages", 1)
             print(
-                f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has "
-                f"{stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and strategy.stages to 2 "
+                "lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this "
+                "run has "
+                f"{stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and strategy.stages "
+                "to 2 "
                 "or more (or leave it unset: one stage per process).",
                 flush=True,
             )
@@ -369,7 +371,8 @@ def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> str | Non
         path = path / "checkpoints" / "last.ckpt"  # a run's folder
     if not path.exists():
         raise SystemExit(
-            f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last."
+            f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) "
+            "or resume=last."
         )
     return str(path.resolve())
 

@@ -227,7 +227,8 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a `save_pretrained` directory |",
+        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a "
+        "`save_pretrained` directory |",
         "|---|---|---|---|---|",
     ]
     for f in FAMILIES:

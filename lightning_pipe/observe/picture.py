@@ -75,7 +75,8 @@ class TimelinePicture(pl.Callback):
     ) -> None:
         if log is not None:
             warnings.warn(
-                f"TimelinePicture(log={log!r}) is deprecated: write TimelinePicture(..., to_loggers={log!r}) (Lightning "
+                f"TimelinePicture(log={log!r}) is deprecated: write TimelinePicture(..., to_loggers={log!r}) "
+                "(Lightning "
                 "replaces every callback's `log` attribute with the module's `log` method when fitting starts).",
                 DeprecationWarning,
                 stacklevel=2,

@@ -123,7 +123,8 @@ class StageMetrics(pl.Callback):
             not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
         ):
             raise ValueError(
-                f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for Trainer(log_every_n_steps)."
+                f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for "
+                "Trainer(log_every_n_steps)."
             )
         self.every_n_steps = every_n_steps
         self.prefix = prefix
@@ -141,7 +142,8 @@ class StageMetrics(pl.Callback):
         strategy = trainer.strategy
         if not hasattr(strategy, "enable_timeline"):
             raise MisconfigurationException(
-                f"StageMetrics measures the stages of a pipeline, but the Trainer's strategy is {type(strategy).__name__}. "
+                "StageMetrics measures the stages of a pipeline, but the Trainer's strategy is "
+                f"{type(strategy).__name__}. "
                 "Use Trainer(strategy='pipeline') or PipelineStrategy(...), or drop the callback."
             )
         self._timeline = strategy.enable_timeline(keep=0)  # read step by step below; keeps no history of its own

@@ -153,7 +153,10 @@ def check_stage_parameters(
         "or split the model into more layers that hold parameters"
     )
     if owning(owners, len(balance)) is not None:
-        fix = f"give every stage a layer with parameters, for example balance={balance_uniform(len(owners), len(balance), owners)}"
+        fix = (
+            "give every stage a layer with parameters, for example "
+            f"balance={balance_uniform(len(owners), len(balance), owners)}"
+        )
     raise ValueError(
         f"balance={list(balance)} leaves stage {stage} with only layers that hold no parameters ({what}), so its "
         f"process's optimizer would get an empty parameter list: {fix}."

@@ -129,7 +129,8 @@ class AsyncPipeline:
             if saved is None:
                 raise ValueError(
                     "the checkpoint has no PipeMare state (update count, velocity): it was saved under another "
-                    "schedule or without learning-rate rescheduling; resume it with the schedule and options it was saved with"
+                    "schedule or without learning-rate rescheduling; resume it with the schedule and options it was "
+                    "saved with"
                 )
             self.pipemare.load_state_dict(saved)  # type: ignore[arg-type]
         self._in_flight = None

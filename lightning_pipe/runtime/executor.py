@@ -146,7 +146,8 @@ class Executor:
             if hasattr(error, "add_note") and index < len(actions):
                 action = actions[index]
                 error.add_note(
-                    f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})"
+                    f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage "
+                    f"{action.stage} (rank {self.rank})"
                 )
             raise
         if finish:

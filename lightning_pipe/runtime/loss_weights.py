@@ -116,7 +116,8 @@ def check_loss_weight(loss_weight: Any) -> None:
     if loss_weight is not None and loss_weight != "samples" and not callable(loss_weight):
         raise ValueError(
             f"PipelineStrategy(loss_weight={loss_weight!r}): give a callable micro_batch -> number of items its loss "
-            "averages over (lightning_pipe.token_count(...) for language models), or None / 'samples' (the micro-batch's size)."
+            "averages over (lightning_pipe.token_count(...) for language models), or None / 'samples' (the "
+            "micro-batch's size)."
         )
 
 
