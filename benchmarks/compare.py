@@ -483,9 +483,10 @@ def main() -> None:
         results["mlp"]["activation_memory"] = memory = measure_memory("mlp")
         print(json.dumps({"mlp activation memory": memory}, indent=2), flush=True)
     results["_machine"] = {
-        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "torch": torch.__version__, "lightning": L.__version__, "wall_s": round(time.time() - began, 1),
+        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+        "lightning": L.__version__, "wall_s": round(time.time() - began, 1),
     }  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

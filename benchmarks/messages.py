@@ -50,8 +50,10 @@ def count(schedule: Schedule) -> dict[str, Any]:
             together += len(peers) - len(set(peers))
     ranks = schedule.num_ranks
     return {
-        "sends_per_rank": sends / ranks, "receives_per_rank": receives / ranks, "sends_in_a_group_with_another_to_the_same_peer": together,
-        "computations_between_sends_min": min(gaps) if gaps else None, "computations_between_sends_median": statistics.median(gaps) if gaps else None,
+        "sends_per_rank": sends / ranks, "receives_per_rank": receives / ranks,
+        "sends_in_a_group_with_another_to_the_same_peer": together,
+        "computations_between_sends_min": min(gaps) if gaps else None,
+        "computations_between_sends_median": statistics.median(gaps) if gaps else None,
     }  # fmt: skip
 
 

@@ -109,8 +109,8 @@ def child(config: dict[str, Any]) -> None:
         start_method="fork",
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+        accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
         callbacks=[profile_module.StepProfile(folder), Spans(), *([Profiled()] if config.get("cprofile") else [])],
     )  # fmt: skip
     trainer.fit(model, data)

@@ -84,8 +84,9 @@ def build(
         from lightning_pipe.recipes.bert import BertMLM, TextData
 
         data = TextData(vocab_size=args.vocab, max_len=args.max_len, batch_size=args.batch, limit_chars=args.chars)
-        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr, warmup_steps=max(1, steps // 10),
-                        max_steps=steps, tie_embeddings=False, build="eager")  # fmt: skip
+        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr,
+                        warmup_steps=max(1, steps // 10), max_steps=steps, tie_embeddings=False,
+                        build="eager")  # fmt: skip
         return model, data
     from lightning_pipe.recipes.vgg import CIFAR100Data, VGGClassifier
 
@@ -106,9 +107,9 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
     with tempfile.TemporaryDirectory() as folder:
         strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            limit_val_batches=0, callbacks=[Record(folder)],
+            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
         )  # fmt: skip
         trainer.fit(model, data)
         ranks = []
@@ -161,11 +162,13 @@ def summary(results: list[dict[str, Any]], lrs: list[float]) -> list[dict[str, A
             refs = [reference.get(r.get("seed", 0)) for r in mine]
             ratios = [None if ref is None else f / ref - 1 for f, ref in zip(finals, refs)]
             known = [x for x in ratios if x is not None]
-            table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"], "seeds": [r.get("seed", 0) for r in mine],
-                          "final_loss": round(sum(finals) / len(finals), 4), "final_losses": [round(f, 4) for f in finals],
+            table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"],
+                          "seeds": [r.get("seed", 0) for r in mine], "final_loss": round(sum(finals) / len(finals), 4),
+                          "final_losses": [round(f, 4) for f in finals],
                           "vs_1f1b": round(sum(known) / len(known), 4) if known else None,
                           "vs_1f1b_per_seed": [None if x is None else round(x, 4) for x in ratios],
-                          "steps_to_1f1b_final": [None if ref is None else steps_to_reach(r["losses"], ref) for r, ref in zip(mine, refs)],
+                          "steps_to_1f1b_final": [None if ref is None else steps_to_reach(r["losses"], ref)
+                                                  for r, ref in zip(mine, refs)],
                           "weight_copies": mine[0]["weight_copies"]})  # fmt: skip
     return table
 

@@ -90,11 +90,11 @@ class PipelineStrategy(ProcessStrategy):
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint), module=module,
-            init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
-            check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
-            start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay, loss_weight=loss_weight,
+            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint),
+            module=module, init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion,
+            virtual_stages=virtual_stages, check_data=check_data, weights=weights, plan=plan, stages=stages,
+            data_parallel=data_parallel, start_method=start_method, pipemare_warmup=pipemare_warmup,
+            pipemare_correction=pipemare_correction, pipemare_decay=pipemare_decay, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)

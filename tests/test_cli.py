@@ -297,8 +297,9 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
 
 
 def test_pipemare_runs_the_bert_recipe_with_its_options(tmp_path: Path) -> None:
-    overrides = ["recipe=bert_mlm", "strategy=pipemare", "recipe.model.tie_embeddings=false", "strategy.pipemare_warmup=2",
-                 "strategy.start_method=fork", "strategy.chunks=1", *SMALL["bert_mlm"], *QUICK]  # fmt: skip
+    overrides = ["recipe=bert_mlm", "strategy=pipemare", "recipe.model.tie_embeddings=false",
+                 "strategy.pipemare_warmup=2", "strategy.start_method=fork", "strategy.chunks=1", *SMALL["bert_mlm"],
+                 *QUICK]  # fmt: skip
     cfg = _compose(overrides)
     with open_dict(cfg):
         del cfg.hydra

@@ -109,7 +109,8 @@ def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_tr
         folder.mkdir()
         OPENED.clear()
         fit_pipeline(DeferredNet(), stages, weights=str(tmp_path / "pretrained"),
-                     callbacks=[SaveStageState(str(folder)), SaveStageState(str(folder), start=True), RecordOpened(folder)])  # fmt: skip
+                     callbacks=[SaveStageState(str(folder)), SaveStageState(str(folder), start=True),
+                                RecordOpened(folder)])  # fmt: skip
         for rank in range(stages):
             held = torch.load(folder / f"start-rank{rank}.pt", weights_only=True)
             opened = json.loads((folder / f"opened-rank{rank}.json").read_text())

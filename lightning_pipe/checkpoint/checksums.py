@@ -182,6 +182,6 @@ class Verifier:
 
 
 __all__ = [
-    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record", "tensor_checksum",
-    "values_checksum",
+    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record",
+    "tensor_checksum", "values_checksum",
 ]  # fmt: skip

@@ -47,7 +47,8 @@ import torch
 from lightning_pipe.observe.stage_metrics import COMPUTE
 
 PARTS = (
-    "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",
+    "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer",
+    "between",
 )  # fmt: skip
 #: CPU time over each step's interval, beside the parts (they do not add up to ``total``)
 CPU = ("main_thread_cpu", "other_threads_cpu")

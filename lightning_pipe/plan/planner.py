@@ -100,7 +100,8 @@ class Candidate:
         """The ``PipelineStrategy`` arguments that run this candidate (with replicas, each replica's
         DataLoader batch must be ``batch / replicas`` for the global batch planned for)."""
         args: dict[str, object] = {
-            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint,
+            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance),
+            "checkpoint": self.checkpoint,
         }  # fmt: skip
         if self.schedule in VIRTUAL_STAGES:
             args["virtual_stages"] = self.virtual_stages
@@ -244,9 +245,9 @@ def _rank(
                     memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
                     fits = memory_budget is None or max(memory) <= memory_budget
                     found[key] = Candidate(
-                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
-                        memory, fits, tuple(costs), stages, replicas, v, profile.microbatch_size, max(reduce), replica_batch,
-                        rendezvous, link,
+                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
+                        simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
+                        profile.microbatch_size, max(reduce), replica_batch, rendezvous, link,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
