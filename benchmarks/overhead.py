@@ -257,7 +257,8 @@ def main() -> None:
                 entry["simulated_bubble_per_rank"] = [
                     round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)
                 ]
-                # like for like: each rank against its own simulated idle share, and the mean over ranks against the mean
+                # like for like: each rank against its own simulated idle share, and the mean over
+                # ranks against the mean
                 entry["measured_over_simulated_per_rank"] = [
                     round(measured / simulated, 3) if simulated > 0 else None
                     for measured, simulated in zip(

@@ -245,9 +245,9 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
                 if value != value or abs(value) > 1e6:
                     break
                 clipped = min(max(value, bottom), top)
-                points.append(
-                    f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}"
-                )
+                x = x0 + w * i / max(1, len(losses) - 1)
+                y = y0 + h - h * (clipped - bottom) / (top - bottom or 1)
+                points.append(f"{x:.1f},{y:.1f}")
             parts.append(
                 f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" '
                 f'points="{" ".join(points)}"/>'

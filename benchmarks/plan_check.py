@@ -3,7 +3,8 @@
     python benchmarks/plan_check.py [--model mlp|vgg19] [--rounds 2] [--top 4]
 
 Runs ``PipelineStrategy(plan="auto")`` once (which profiles, measures the link and ranks every
-layout of the 2-stage pipeline: every synchronous schedule, ``virtual_stages`` included), then trains the ``--top`` best layouts and a few more from the grid in alternating
+layout of the 2-stage pipeline: every synchronous schedule, ``virtual_stages`` included), then
+trains the ``--top`` best layouts and a few more from the grid in alternating
 rounds, and prints each layout's predicted and measured step time (median over the steps after
 the warm-up, each round) and whether the planner's first choice is within 10% of the fastest.
 """

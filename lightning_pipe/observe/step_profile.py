@@ -29,7 +29,8 @@ over the same interval: ``main_thread_cpu`` by the thread that runs the training
 ``other_threads_cpu`` by all its other threads (on CPU with gloo mostly gloo's own threads, which
 read and write the messages: time they take from the cores the stages compute on). On a GPU
 the hooks synchronize the device (so that the host clock sees the work done) and the executor's
-parts are its CUDA events; measuring then slows the step a little. Asynchronous schedules that drain run the executor twice in a step: both runs count.
+parts are its CUDA events; measuring then slows the step a little. Asynchronous schedules that drain
+run the executor twice in a step: both runs count.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ class PipelineSteps:
         self, module: pl.LightningModule, kind: str, args: tuple
     ) -> tuple[pl.LightningModule, list[Any], list[tuple], list[float], StepRecorder]:
         """The module, the batch's micro-batches, their shape keys, their weights (share of the
-        batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs. Starts checking that every stage
+        batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs.
+        Starts checking that every stage
         loaded the same batch (finished before this rank's first receive)."""
         assert module is not None
         batch = args[0]
