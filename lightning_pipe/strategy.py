@@ -259,8 +259,7 @@ class PipelineStrategy(ProcessStrategy):
         self.steps.finish_in_flight()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks why this one fails, or explain why they fail
-        (:mod:`lightning_pipe.trainer.failures`)."""
+        """Tell the other ranks why this one fails, or why they fail (:mod:`lightning_pipe.trainer.failures`)."""
         self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 
