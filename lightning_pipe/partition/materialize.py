@@ -81,8 +81,8 @@ def _tensors(module: nn.Module) -> Iterator[Tensor]:
 def _direct(module: nn.Module) -> Iterator[tuple[str, Tensor | None, bool]]:
     for name, t in module._parameters.items():
         yield name, t, True
-    for name, t in module._buffers.items():
-        yield name, t, False
+    for name, buffer in module._buffers.items():
+        yield name, buffer, False
 
 
 def outside_modules(module: nn.Module, layers: Blocks) -> list[nn.Module]:
@@ -420,8 +420,8 @@ def _layers(module: nn.Module, path: str | None) -> Blocks:
     from lightning_pipe.partition.split import find_sequential
 
     if path is None or "." not in path:
-        found = find_sequential(module, path)[1]
-        return extended(found, find_ends(module, found))
+        layers = find_sequential(module, path)[1]
+        return extended(layers, find_ends(module, layers))
     try:
         found = module.get_submodule(path)
     except AttributeError as err:

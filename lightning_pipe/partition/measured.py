@@ -53,7 +53,7 @@ def measured_balance(
     num_microbatches: int,
     virtual: int,
     module: Any,
-    layers: nn.Sequential,
+    layers: nn.Sequential | nn.ModuleList,
     inputs: MeasureInputs,
     profile: Profile | None = None,
     owners: Sequence[bool] | None = None,

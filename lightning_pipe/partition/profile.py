@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,9 @@ from lightning_pipe.runtime.blocks import LoopedContainer
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 
 class _Captured(BaseException):
     """Stops the user's step at the Sequential, whose input it carries."""
@@ -40,7 +43,7 @@ class _Captured(BaseException):
         self.value = value
 
 
-def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) -> Any:
+def sequential_input(module: pl.LightningModule, layers: nn.Sequential | nn.ModuleList, microbatch: Any) -> Any:
     """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
     stopped there, before it computes or logs anything else). Run with gradients on, as in
     training, so that the value requires a gradient exactly where the pipeline's first stage
@@ -130,7 +133,7 @@ def _bytes(tensors: tuple[Tensor, ...]) -> int:
 
 
 def measure_layers(
-    layers: nn.Sequential,
+    layers: nn.Sequential | nn.ModuleList,
     value: Any,
     device: torch.device,
     warmup: int = 1,
@@ -329,8 +332,8 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 
 def profile_module(
-    module: nn.Module,
-    layers: nn.Sequential,
+    module: pl.LightningModule,
+    layers: nn.Sequential | nn.ModuleList,
     batch: Callable[[], Any],
     num_microbatches: int,
     device: torch.device,
@@ -461,10 +464,19 @@ def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch
         yield
     finally:
         for m, name, t, is_param in kept:
-            (m._parameters if is_param else m._buffers)[name] = t
+            if is_param:
+                m._parameters[name] = cast(nn.Parameter, t)  # kept from _parameters above
+            else:
+                m._buffers[name] = t
 
 
-def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: Any, device: torch.device) -> _Recorder:
+def block_calls(
+    module: pl.LightningModule,
+    path: str,
+    container: nn.Sequential | nn.ModuleList,
+    microbatch: Any,
+    device: torch.device,
+) -> _Recorder:
     """Run the user's ``training_step`` on ``microbatch`` once with a recorder in place of the block
     container at ``path``: each block's call (see :class:`BlockCall`), the time the step took to
     reach the first block, and the last block's output."""
@@ -496,8 +508,8 @@ def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: 
 
 
 def _profile_blocks(
-    module: nn.Module,
-    container: nn.Module,
+    module: pl.LightningModule,
+    container: nn.Sequential | nn.ModuleList,
     microbatch: Any,
     device: torch.device,
     context: Callable[[], AbstractContextManager[Any]],
@@ -549,6 +561,7 @@ def _ends_cost(
         post_bytes += sum(p.numel() * p.element_size() for p in real.parameters())
         forwards, backwards = [], []
         for rep in range(warmup + repeats):
+            assert hidden is not None  # a model with a head after the blocks
             x = hidden.detach().to(device).requires_grad_(True)
             _synchronize(device)
             start = time.perf_counter()
