@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import lightning as L
@@ -187,7 +187,8 @@ class PlanOnly(L.Callback):
         from lightning.pytorch.callbacks import ModelSummary
 
         # the summary (printed at fit start, after this callback) and the sanity check would read as a start of training
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        # Lightning's callback connector sets trainer.callbacks, which the Trainer's class does not declare
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
         trainer.num_sanity_val_steps = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -209,6 +210,7 @@ class PlanOnly(L.Callback):
                 flush=True,
             )
             return
+        assert isinstance(strategy, PipelineStrategy)  # the only one with plan_candidates
         print(write_plan(ranked, strategy.num_stages, strategy.num_replicas, self.folder), flush=True)
         print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}", flush=True)
 
@@ -277,7 +279,7 @@ def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -
             continue
         close = difflib.get_close_matches(str(key), valid, n=1)
         hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-        problems.append(f"unknown key {prefix}{key}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
+        problems.append(f"unknown key {prefix}{key!s}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
     return problems
 
 
@@ -407,7 +409,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     if resume is not None:
         _say(f"lightning-pipe: resuming from {resume}")
     logger = make_logger(str(cfg.get("logger", "csv")), output)
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_cfg = cast("dict[str, Any]", OmegaConf.to_container(cfg.trainer, resolve=True))  # keys: Trainer arguments
     assert isinstance(trainer_cfg, dict)
     model = instantiate_recipe(cfg, "model")
     strategy, devices = build_strategy(

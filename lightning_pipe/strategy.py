@@ -189,7 +189,7 @@ class PipelineStrategy(ProcessStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.lightning_module is not None
+        assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._signals = signals.install(trainer)
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING

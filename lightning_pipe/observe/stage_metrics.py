@@ -149,7 +149,7 @@ class StageMetrics(pl.Callback):
         self._timeline = strategy.enable_timeline(keep=0)  # read step by step below; keeps no history of its own
         self._timeline.listeners.append(self._on_step)
         if self.every_n_steps is None:
-            self.every_n_steps = max(1, int(trainer.log_every_n_steps))
+            self.every_n_steps = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]  # set by Lightning's logger connector
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank runs on_fit_start: a collective call
 

@@ -79,9 +79,10 @@ def hf_init_context() -> AbstractContextManager[Any]:
     guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)
     if guard is None:
         try:
-            from transformers.initialization import guard_torch_init_functions as guard
+            from transformers.initialization import guard_torch_init_functions
         except ImportError:
             return contextlib.nullcontext()
+        guard = guard_torch_init_functions
     return guard()
 
 

@@ -63,7 +63,7 @@ def _conv_backward(
         weight,
         [bias.shape[0]] if bias is not None else None,
         list(layer.stride),
-        list(layer.padding),  # type: ignore[arg-type]
+        list(layer.padding),
         list(layer.dilation),
         False,
         [0] * len(layer.stride),

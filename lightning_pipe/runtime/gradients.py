@@ -193,7 +193,7 @@ class StageGradients:
         stage computed the part of them its own piece of ``forward`` used."""
         if not self.shared or self.num_stages == 1:
             return
-        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self.shared]
+        grads = [g if (g := pending.get(p)) is not None else torch.zeros_like(p) for p in self.shared]
         FlatAllReduce(grads, self.pp_group, async_op=False).wait()
         pending.update(zip(self.shared, grads))
 

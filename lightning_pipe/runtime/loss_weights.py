@@ -47,9 +47,9 @@ class TokenCount:
         where = self.labels
         if where is None:
             found: Any = batch
-        elif (isinstance(batch, Mapping) and isinstance(where, str) and where in batch) or (
-            isinstance(batch, Sequence) and isinstance(where, int) and -len(batch) <= where < len(batch)
-        ):
+        elif isinstance(batch, Mapping) and isinstance(where, str) and where in batch:  # noqa: SIM114 - apart, each branch's index type checks
+            found = batch[where]
+        elif isinstance(batch, Sequence) and isinstance(where, int) and -len(batch) <= where < len(batch):
             found = batch[where]
         else:
             found = getattr(batch, where, None) if isinstance(where, str) else None

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
@@ -72,8 +73,8 @@ class StageSplit:
             model on that position (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
     """
 
-    host: StageModule
-    stages: dict[int, StageModule]
+    host: StageModule | BlockStage
+    stages: dict[int, StageModule | BlockStage]
     ties: list[dict[int, str]] = field(default_factory=list)
 
 

@@ -104,7 +104,7 @@ class _SavedWeight:
     name: str
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
     update: int  # updates applied when the forward ran
 
 

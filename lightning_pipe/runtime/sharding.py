@@ -19,12 +19,15 @@ splits them for the current layout (:func:`shard_like`), so they load under any 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(value: Any) -> bool:
+
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
@@ -81,7 +84,7 @@ class ShardedStage:
             module.set_is_last_backward(True)
             module.set_reshard_after_backward(True)
             module.set_requires_gradient_sync(True)
-            state = fully_shard.state(module)
+            state = fully_shard.state(module)  # type: ignore[attr-defined]  # set by torch's @contract
             for inner in state._state_ctx.all_states:
                 for group in inner._fsdp_param_groups:
                     group.post_backward()

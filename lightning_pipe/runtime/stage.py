@@ -39,7 +39,7 @@ class StageModule(nn.Sequential):
         self.num_stages = num_stages
         self._hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
-        self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
+        self._param_names = layer_parameter_names(self._modules)
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
@@ -133,11 +133,11 @@ class StageRunner:
 
     def __init__(
         self,
-        module: StageModule,
+        module: StageModule | BlockStage,
         checkpoint: str = "never",
         step: StepFn | None = None,
         versions: WeightVersions | None = None,
-        host: StageModule | None = None,
+        host: StageModule | BlockStage | None = None,
     ) -> None:
         self.module = module
         # the module in the user's LightningModule whose calls the step makes: the stage itself, or,
@@ -215,6 +215,7 @@ class StageRunner:
             value = from_tuple(tuple(leaves), was_tuple)
         if isinstance(self.module, BlockStage):
             return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params)
+        module = self.module  # a StageModule from here on
         if self.is_last:
             calls = 0
 
@@ -226,7 +227,7 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return self.module.run_layers(argument if received is None else value, use_ckpt, params)
+                return module.run_layers(argument if received is None else value, use_ckpt, params)
 
             loss = self._run_step(microbatch % num_microbatches, inject)
             if calls == 0:
@@ -238,7 +239,7 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(self.module.run_layers(argument, use_ckpt, params))
+                captured.append(module.run_layers(argument, use_ckpt, params))
                 raise StageExit
 
             with suppress(StageExit):
@@ -328,7 +329,7 @@ class StageRunner:
         """W of a split backward: the weight gradients B deferred, accumulated into ``.grad``."""
         weight_store.run(self._weights_due.pop(microbatch))
 
-    def _run_step(self, microbatch: int, hook: Callable[[Any], Any]) -> Tensor | None:
+    def _run_step(self, microbatch: int, hook: Callable[[Any], Any] | BlockDrive) -> Tensor | None:
         if self.step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
         self.host._hook = hook

@@ -140,9 +140,10 @@ def simulate(
             action = lists[rank][index]
             if action.kind.is_compute:
                 waits = [completed.get((rank, need)) for need in _needs_of(schedule, action)]
-                if any(w is None for w in waits):
+                done = [w for w in waits if w is not None]
+                if len(done) < len(waits):
                     return moved
-                start = max([clock[rank], *waits])  # type: ignore[list-item]
+                start = max([clock[rank], *done])
                 starts[(rank, action)] = start
                 clock[rank] = start + cost(action)
                 busy[rank] += cost(action)

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
 from lightning_pipe.schedules.simulate import Simulation
 
@@ -63,9 +64,7 @@ def simulated_bars(simulation: Simulation, scale: float = 1.0) -> list[Bar]:
     return bars
 
 
-def measured_bars(
-    spans_by_rank: Mapping[int, Iterable[object]], offsets: Mapping[int, float] | None = None
-) -> list[Bar]:
+def measured_bars(spans_by_rank: Mapping[int, Iterable[Any]], offsets: Mapping[int, float] | None = None) -> list[Bar]:
     """Bars from each rank's recorded spans of one step (objects with ``name``, ``stage``,
     ``microbatch``, ``start``, ``end``), shifted by that rank's ``offsets`` (seconds between the
     rank's step start and the earliest rank's), so the rows share one clock."""

@@ -172,7 +172,7 @@ def split_module(
     stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
     release_parameters(foreign)
-    if spec is not None:
+    if spec is not None and config.weights is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0:  # where Lightning prints its own setup lines, in any script
         chunks = config.num_microbatches(layout.stages)

@@ -4,8 +4,8 @@ whether an evaluation step is a replica's padding, and the optimizers as the Tra
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sized
+from typing import Any, cast
 
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.trainer.states import TrainerFn
@@ -58,8 +58,9 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
             return dataloader
         size, drop_last = dataloader.batch_size, dataloader.drop_last
         assert size is not None  # a plain BatchSampler has one
-        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
-        share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
+        dataset = cast(Sized, dataloader.dataset)  # splittable: a map-style dataset, so it has a length
+        rebuilt = _update_dataloader(dataloader, SequentialSampler(dataset), mode=mode)
+        share = EvaluationShare(len(dataset), size, drop_last, num_replicas, replica)
         # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
         object.__setattr__(rebuilt, "batch_sampler", share)
         return rebuilt

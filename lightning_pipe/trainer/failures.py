@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +122,7 @@ def after_failure(failure: BaseException | None, teardown: Callable[[], None]) -
     except Exception as error:
         if failure is None:
             raise
-        failure.add_note(
-            f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}"
-        )
+        if sys.version_info >= (3, 11):  # no notes on Python 3.10: the first error alone
+            failure.add_note(
+                f"lightning-pipe: tearing down after this error then failed too: {type(error).__name__}: {error}"
+            )

@@ -91,7 +91,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
             return merged
 
         # Lightning sends back what the module's state_dict gives: for this call, the whole model
-        module.state_dict = full_state_dict  # type: ignore[method-assign]
+        module.state_dict = full_state_dict  # type: ignore[assignment]
         try:
             output = super()._collect_rank_zero_results(trainer, results)
         finally:

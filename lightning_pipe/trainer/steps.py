@@ -12,7 +12,7 @@ so that no rank waits for the others between steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from lightning_pipe.runtime.loss_weights import microbatch_weights
+from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
@@ -261,7 +261,8 @@ class PipelineSteps:
         counted = self.placement.is_last_stage or (
             kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro))
         )
-        weights = microbatch_weights(micro, self.config.loss_weight if counted else None)
+        loss_weight = cast("LossWeight | None", self.config.loss_weight)  # PipelineConfig made "samples" None
+        weights = microbatch_weights(micro, loss_weight if counted else None)
         return module, micro, keys, weights, StepRecorder()
 
     def _checks_values(self, batch_idx: int) -> bool:

@@ -149,7 +149,8 @@ def _open_safetensors(path: Path) -> WeightSource:
     except ValueError as err:
         raise ValueError(f"Cannot read the weights {path}: {err}") from err
     handle = safe_open(str(path), framework="pt", device="cpu")
-    shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 - safe_open has keys() but no __iter__
+    names = handle.keys()  # safe_open has keys() but no __iter__
+    shapes: dict[str, tuple[int, ...] | None] = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
     return WeightSource(path, shapes, handle.get_tensor, [handle])
 
 
