@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,9 +26,6 @@ from lightning_pipe.observe.timeline_image import timeline_image
 from lightning_pipe.runtime.timeline import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
 from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
-
-if TYPE_CHECKING:
-    from lightning_pipe.strategy import PipelineStrategy
 
 
 def stage_costs(spans_by_rank: dict[int, list[Span]]) -> dict[int, tuple[float, float, float]]:
@@ -99,7 +96,7 @@ class TimelinePicture(pl.Callback):
         self._timeline: Timeline | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._timeline = cast("PipelineStrategy", trainer.strategy).enable_timeline()  # a callback of the pipeline's
+        self._timeline = trainer.strategy.enable_timeline()  # type: ignore[attr-defined]  # the pipeline strategy's
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,9 +31,6 @@ from lightning_pipe.runtime.blocks import LoopedContainer
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
 
 class _Captured(BaseException):
     """Stops the user's step at the Sequential, whose input it carries."""
@@ -43,7 +40,7 @@ class _Captured(BaseException):
         self.value = value
 
 
-def sequential_input(module: pl.LightningModule, layers: nn.Sequential | nn.ModuleList, microbatch: Any) -> Any:
+def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microbatch: Any) -> Any:
     """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
     stopped there, before it computes or logs anything else). Run with gradients on, as in
     training, so that the value requires a gradient exactly where the pipeline's first stage
@@ -332,7 +329,7 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 
 def profile_module(
-    module: pl.LightningModule,
+    module: Any,
     layers: nn.Sequential | nn.ModuleList,
     batch: Callable[[], Any],
     num_microbatches: int,
@@ -471,11 +468,7 @@ def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch
 
 
 def block_calls(
-    module: pl.LightningModule,
-    path: str,
-    container: nn.Sequential | nn.ModuleList,
-    microbatch: Any,
-    device: torch.device,
+    module: Any, path: str, container: nn.Sequential | nn.ModuleList, microbatch: Any, device: torch.device
 ) -> _Recorder:
     """Run the user's ``training_step`` on ``microbatch`` once with a recorder in place of the block
     container at ``path``: each block's call (see :class:`BlockCall`), the time the step took to
@@ -508,7 +501,7 @@ def block_calls(
 
 
 def _profile_blocks(
-    module: pl.LightningModule,
+    module: Any,
     container: nn.Sequential | nn.ModuleList,
     microbatch: Any,
     device: torch.device,
