@@ -88,9 +88,8 @@ def main() -> None:
         m = statistics.median(measured[i])
         rows.append(
             f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} "
-            f"{list(c.balance)} | {c.checkpoint} | "
-            f"{1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | "
-            f"{m / c.step_seconds:.2f} |"
+            f"{list(c.balance)} | {c.checkpoint} | {1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} "
+            f"({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | {m / c.step_seconds:.2f} |"
         )
     print("\n".join(rows))
     first = statistics.median(measured[0])

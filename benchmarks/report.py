@@ -59,9 +59,8 @@ def tables(results: dict) -> str:
         if "ideal_step_s" in entry:
             out.append(
                 f"\nIdeal pipeline ({entry['stages']} stages): the faster of plain_micro and pipe_1stage x (m+p-1)/(p "
-                "m) = "
-                f"{entry['ideal_step_s']:.4f} s/step; "
-                f"lightning-pipe 1F1B takes {entry['pipe_1f1b_over_ideal']:.2f}x the ideal.\n"
+                f"m) = {entry['ideal_step_s']:.4f} s/step; lightning-pipe 1F1B takes "
+                f"{entry['pipe_1f1b_over_ideal']:.2f}x the ideal.\n"
             )
         for contender, ranks in entry.get("breakdown", {}).items():
             out.append(f"Where {contender}'s step goes, mean ms per step on each rank:\n")
@@ -85,14 +84,12 @@ def tables(results: dict) -> str:
             for key, peaks in memory["peak_bytes"].items():
                 out.append(f"| {key} | {peaks[0]:,} | {peaks[1]:,} |")
             out.append(
-                f"\nMicro-batches held (peak / one micro-batch's activations), measured vs closed form: "
-                f"GPipe {memory['microbatches_held']['gpipe/never']} vs "
-                f"{memory['closed_form_microbatches']['gpipe/never']}, "
+                "\nMicro-batches held (peak / one micro-batch's activations), measured vs closed form: GPipe "
+                f"{memory['microbatches_held']['gpipe/never']} vs {memory['closed_form_microbatches']['gpipe/never']}, "
                 f"1F1B {memory['microbatches_held']['1f1b/never']} vs "
-                f"{memory['closed_form_microbatches']['1f1b/never']}. "
-                f"1F1B / GPipe on stage 0: {memory['ratio_1f1b_to_gpipe_stage0']:.3f} (bound p/m = "
-                f"{memory['bound_p_over_m']:.3f}). "
-                f"With checkpoint='always' the bytes beyond the held micro-batches' stage inputs "
+                f"{memory['closed_form_microbatches']['1f1b/never']}. 1F1B / GPipe on stage 0: "
+                f"{memory['ratio_1f1b_to_gpipe_stage0']:.3f} (bound p/m = {memory['bound_p_over_m']:.3f}). With "
+                "checkpoint='always' the bytes beyond the held micro-batches' stage inputs "
                 f"({memory['stage_input_bytes_per_microbatch']} bytes each) are "
                 f"{memory['always_bytes_beyond_stage_inputs']}.\n"
             )

@@ -203,10 +203,8 @@ class PlanOnly(L.Callback):
             stages = getattr(strategy, "num_stages", 1)
             print(
                 "lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this "
-                "run has "
-                f"{stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and strategy.stages "
-                "to 2 "
-                "or more (or leave it unset: one stage per process).",
+                f"run has {stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and "
+                "strategy.stages to 2 or more (or leave it unset: one stage per process).",
                 flush=True,
             )
             return

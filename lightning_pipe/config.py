@@ -156,8 +156,7 @@ def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
     if recompute is not None and recompute != checkpoint:
         raise ValueError(
             f"PipelineStrategy(recompute={recompute!r}, checkpoint={checkpoint!r}): both name activation "
-            "recomputation; "
-            "give recompute= only (checkpoint= is its deprecated former name)."
+            "recomputation; give recompute= only (checkpoint= is its deprecated former name)."
         )
     warnings.warn(
         f"PipelineStrategy(checkpoint={checkpoint!r}) is deprecated: write recompute={checkpoint!r} (activation "

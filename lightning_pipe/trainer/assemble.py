@@ -215,8 +215,7 @@ def refuse_for_blocks(config: PipelineConfig) -> None:
     if not traits(config.schedule).block_containers:
         raise ValueError(
             f"PipelineStrategy(module={config.module!r}) names a block container, and schedule={config.schedule!r} "
-            "runs "
-            "copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
+            "runs copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
             "'zero_bubble' or 'interleaved_1f1b'), or an nn.Sequential."
         )
 

@@ -106,8 +106,7 @@ class PipelineSteps:
             if weight > 0 and torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
                 raise FloatingPointError(
                     f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of "
-                    f"{len(micro)} "
-                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{len(micro)} (batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
                     f"{self.placement.describe_rank(self.placement.rank)}; stopping because "
                     "Trainer(detect_anomaly=True)."
                 )
