@@ -56,6 +56,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -264,7 +265,7 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
         for mode in ("never", "except_last", "always"):
             with tempfile.TemporaryDirectory() as folder:
                 fit_isolated(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
-                peaks[f"{schedule}/{mode}"] = [json.load(open(os.path.join(folder, f"peak{r}.json"))) for r in range(p)]
+                peaks[f"{schedule}/{mode}"] = [json.loads(Path(folder, f"peak{r}.json").read_text()) for r in range(p)]
     per_microbatch = [peaks["gpipe/never"][s] / m for s in range(p)]
     layers = build_module(model).layers
     balance = resolve_balance("parameters", layers, p)
@@ -303,11 +304,15 @@ def svg_chart(results: dict[str, Any]) -> str:
         (model, name, r["samples_per_s"]) for model, res in results.items() for name, r in res["contenders"].items()
     ]
     if not rows:
-        return '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no results</text></svg>'
+        return (
+            '<svg xmlns="http://www.w3.org/2000/svg" width="300" height="30"><text x="10" y="20">no '
+            "results</text></svg>"
+        )
     width, bar, gap = 760, 18, 6
     height = 40 + len(rows) * (bar + gap) + 20 * len(results)
     top = {model: max(v for m, _, v in rows if m == model) for model in results}  # each panel its own scale
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="12">',
            '<text x="10" y="20" font-size="14">samples per second (higher is better), 2 CPU stages</text>']  # fmt: skip
     y = 36
     current = None
@@ -340,7 +345,8 @@ def default_contenders() -> str:
     single = "plain,plain_micro,pipe_1stage"
     if torch.cuda.device_count() < STAGES:
         print(
-            f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead only"
+            f"GPU mode: {torch.cuda.device_count()} GPU(s); two-stage contenders need {STAGES}: single-GPU overhead "
+            "only"
         )
         return single
     return single + ",pipe_gpipe,pipe_1f1b,pipe_1f1b_unfused,pipe_pipedream,pipe_pipedream_2bw,torch_gpipe,torch_1f1b"
@@ -477,9 +483,10 @@ def main() -> None:
         results["mlp"]["activation_memory"] = memory = measure_memory("mlp")
         print(json.dumps({"mlp activation memory": memory}, indent=2), flush=True)
     results["_machine"] = {
-        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "torch": torch.__version__, "lightning": L.__version__, "wall_s": round(time.time() - began, 1),
+        "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+        "lightning": L.__version__, "wall_s": round(time.time() - began, 1),
     }  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -35,8 +35,9 @@ from tests.hf_models import GPT2Embed, GPT2Head
 def gpt2(args: argparse.Namespace) -> nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab,
-                                     n_positions=args.length, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
+                                     vocab_size=args.vocab, n_positions=args.length, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
 

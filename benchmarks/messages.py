@@ -30,7 +30,7 @@ def count(schedule: Schedule) -> dict[str, Any]:
     """The message counts of one schedule (see the module's docstring)."""
     sends = receives = together = 0
     gaps: list[int] = []
-    for rank, actions in enumerate(schedule.actions):
+    for _rank, actions in enumerate(schedule.actions):
         computed = 0
         last: dict[int, int] = {}  # peer rank -> computations done at its last send
         for action in actions:
@@ -50,8 +50,10 @@ def count(schedule: Schedule) -> dict[str, Any]:
             together += len(peers) - len(set(peers))
     ranks = schedule.num_ranks
     return {
-        "sends_per_rank": sends / ranks, "receives_per_rank": receives / ranks, "sends_in_a_group_with_another_to_the_same_peer": together,
-        "computations_between_sends_min": min(gaps) if gaps else None, "computations_between_sends_median": statistics.median(gaps) if gaps else None,
+        "sends_per_rank": sends / ranks, "receives_per_rank": receives / ranks,
+        "sends_in_a_group_with_another_to_the_same_peer": together,
+        "computations_between_sends_min": min(gaps) if gaps else None,
+        "computations_between_sends_median": statistics.median(gaps) if gaps else None,
     }  # fmt: skip
 
 
@@ -61,12 +63,14 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     args = parser.parse_args()
     print(
-        "| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | computations between consecutive sends to a peer (min, median) |"
+        "| schedule | sends per rank | receives per rank | sends sharing a group with another to the same peer | "
+        "computations between consecutive sends to a peer (min, median) |"
     )
     print("|---|---|---|---|---|")
     for name, virtual in SCHEDULES.items():
         c = count(build(name, args.stages, args.chunks, virtual))
-        print(f"| `{name}` | {c['sends_per_rank']:g} | {c['receives_per_rank']:g} | {c['sends_in_a_group_with_another_to_the_same_peer']} | "
+        print(f"| `{name}` | {c['sends_per_rank']:g} | {c['receives_per_rank']:g} | "
+              f"{c['sends_in_a_group_with_another_to_the_same_peer']} | "
               f"{c['computations_between_sends_min']}, {c['computations_between_sends_median']:g} |")  # fmt: skip
 
 

@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,8 +109,8 @@ def child(config: dict[str, Any]) -> None:
         start_method="fork",
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+        accelerator="cpu", devices=stages, max_steps=config["steps"], max_epochs=-1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
         callbacks=[profile_module.StepProfile(folder), Spans(), *([Profiled()] if config.get("cprofile") else [])],
     )  # fmt: skip
     trainer.fit(model, data)
@@ -127,8 +128,8 @@ def run(root: str, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
         if done.returncode != 0:
             raise RuntimeError(f"{schedule} ({root}) failed:\n{done.stderr[-4000:]}")
         ranks = 1 if schedule == "1stage" else args.stages
-        rows = [json.load(open(os.path.join(folder, f"step_profile_rank{r}.json"))) for r in range(ranks)]
-        spans = [json.load(open(os.path.join(folder, f"spans{r}.json"))) for r in range(ranks)]
+        rows = [json.loads(Path(folder, f"step_profile_rank{r}.json").read_text()) for r in range(ranks)]
+        spans = [json.loads(Path(folder, f"spans{r}.json").read_text()) for r in range(ranks)]
     return analyse(schedule, rows, spans, args)
 
 
@@ -256,7 +257,8 @@ def main() -> None:
                 entry["simulated_bubble_per_rank"] = [
                     round(statistics.median(e["simulated_bubble_per_rank"][r] for e in entries), 4) for r in range(p)
                 ]
-                # like for like: each rank against its own simulated idle share, and the mean over ranks against the mean
+                # like for like: each rank against its own simulated idle share, and the mean over
+                # ranks against the mean
                 entry["measured_over_simulated_per_rank"] = [
                     round(measured / simulated, 3) if simulated > 0 else None
                     for measured, simulated in zip(

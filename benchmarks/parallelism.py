@@ -42,7 +42,8 @@ def main() -> None:
         both = time.perf_counter() - start
         queue.get(), queue.get()
         print(
-            f"one process alone {single:.2f} s, two at once {both:.2f} s: parallel speed-up {2 * single / both:.2f}x (2.0 = a core each)"
+            f"one process alone {single:.2f} s, two at once {both:.2f} s: parallel speed-up {2 * single / both:.2f}x "
+            "(2.0 = a core each)"
         )
 
 

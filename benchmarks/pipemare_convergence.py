@@ -84,8 +84,9 @@ def build(
         from lightning_pipe.recipes.bert import BertMLM, TextData
 
         data = TextData(vocab_size=args.vocab, max_len=args.max_len, batch_size=args.batch, limit_chars=args.chars)
-        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr, warmup_steps=max(1, steps // 10),
-                        max_steps=steps, tie_embeddings=False, build="eager")  # fmt: skip
+        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr,
+                        warmup_steps=max(1, steps // 10), max_steps=steps, tie_embeddings=False,
+                        build="eager")  # fmt: skip
         return model, data
     from lightning_pipe.recipes.vgg import CIFAR100Data, VGGClassifier
 
@@ -106,9 +107,9 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
     with tempfile.TemporaryDirectory() as folder:
         strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
         trainer = L.Trainer(
-            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            limit_val_batches=0, callbacks=[Record(folder)],
+            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
         )  # fmt: skip
         trainer.fit(model, data)
         ranks = []
@@ -161,11 +162,13 @@ def summary(results: list[dict[str, Any]], lrs: list[float]) -> list[dict[str, A
             refs = [reference.get(r.get("seed", 0)) for r in mine]
             ratios = [None if ref is None else f / ref - 1 for f, ref in zip(finals, refs)]
             known = [x for x in ratios if x is not None]
-            table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"], "seeds": [r.get("seed", 0) for r in mine],
-                          "final_loss": round(sum(finals) / len(finals), 4), "final_losses": [round(f, 4) for f in finals],
+            table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"],
+                          "seeds": [r.get("seed", 0) for r in mine], "final_loss": round(sum(finals) / len(finals), 4),
+                          "final_losses": [round(f, 4) for f in finals],
                           "vs_1f1b": round(sum(known) / len(known), 4) if known else None,
                           "vs_1f1b_per_seed": [None if x is None else round(x, 4) for x in ratios],
-                          "steps_to_1f1b_final": [None if ref is None else steps_to_reach(r["losses"], ref) for r, ref in zip(mine, refs)],
+                          "steps_to_1f1b_final": [None if ref is None else steps_to_reach(r["losses"], ref)
+                                                  for r, ref in zip(mine, refs)],
                           "weight_copies": mine[0]["weight_copies"]})  # fmt: skip
     return table
 
@@ -176,7 +179,8 @@ def markdown(table: list[dict[str, Any]]) -> str:
     variants = list(dict.fromkeys(row["variant"] for row in table))
     by = {(row["variant"], row["lr"]): row for row in table}
     rates = " / ".join(f"{lr:g}" for lr in lrs)
-    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight copies per stage |",
+    lines = [f"| schedule | chunks | final loss at lr {rates} | steps to 1F1B's final loss at lr {rates} | weight "
+             "copies per stage |",
              "|---|---|---|---|---|"]  # fmt: skip
     for variant in variants:
         rows = [by.get((variant, lr)) for lr in lrs]
@@ -220,7 +224,8 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
     finite = [v for r in results for v in r["losses"] if v == v and abs(v) < 1e6]
     top = min(max(finite), 3 * sorted(finite)[len(finite) // 2]) if finite else 1.0
     bottom = min(finite) if finite else 0.0
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" font-family="sans-serif" font-size="11">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" '
+             'font-family="sans-serif" font-size="11">',
              f'<text x="10" y="16" font-size="13">{title}</text>']  # fmt: skip
     for panel, lr in enumerate(lrs):
         x0, y0 = panel * width + pad, 30
@@ -237,19 +242,21 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
             for i in range(len(losses)):
                 window = losses[max(0, i - smooth + 1) : i + 1]
                 value = sum(window) / len(window)
-                if not (value == value) or abs(value) > 1e6:
+                if value != value or abs(value) > 1e6:
                     break
                 clipped = min(max(value, bottom), top)
-                points.append(
-                    f"{x0 + w * i / max(1, len(losses) - 1):.1f},{y0 + h - h * (clipped - bottom) / (top - bottom or 1):.1f}"
-                )
+                x = x0 + w * i / max(1, len(losses) - 1)
+                y = y0 + h - h * (clipped - bottom) / (top - bottom or 1)
+                points.append(f"{x:.1f},{y:.1f}")
             parts.append(
-                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" points="{" ".join(points)}"/>'
+                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" '
+                f'points="{" ".join(points)}"/>'
             )
     legend_x = width * len(lrs) + 10
     for i, name in enumerate(VARIANTS):
         parts.append(
-            f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" stroke="{COLOURS[name]}" stroke-width="2"/>'
+            f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" '
+            f'stroke="{COLOURS[name]}" stroke-width="2"/>'
         )
         parts.append(f'<text x="{legend_x + 25}" y="{44 + 16 * i}">{name}</text>')
     parts.append("</svg>")
@@ -323,7 +330,10 @@ def main() -> None:
             indent=1,
         )
     print(markdown(table))
-    title = f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x {args.factors})"
+    title = (
+        f"{args.recipe}: training loss, {args.stages} stages, {args.steps} steps (1F1B's best lr {lr:g} x "
+        f"{args.factors})"
+    )
     if len(seeds) > 1:
         title += f", mean of seeds {args.seeds}"
     svg(

@@ -3,7 +3,8 @@
     python benchmarks/plan_check.py [--model mlp|vgg19] [--rounds 2] [--top 4]
 
 Runs ``PipelineStrategy(plan="auto")`` once (which profiles, measures the link and ranks every
-layout of the 2-stage pipeline: every synchronous schedule, ``virtual_stages`` included), then trains the ``--top`` best layouts and a few more from the grid in alternating
+layout of the 2-stage pipeline: every synchronous schedule, ``virtual_stages`` included), then
+trains the ``--top`` best layouts and a few more from the grid in alternating
 rounds, and prints each layout's predicted and measured step time (median over the steps after
 the warm-up, each round) and whether the planner's first choice is within 10% of the fastest.
 """
@@ -86,8 +87,9 @@ def main() -> None:
     for i, c in enumerate(chosen):
         m = statistics.median(measured[i])
         rows.append(
-            f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} {list(c.balance)} | {c.checkpoint} | "
-            f"{1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} ({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | {m / c.step_seconds:.2f} |"
+            f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} "
+            f"{list(c.balance)} | {c.checkpoint} | {1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} "
+            f"({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | {m / c.step_seconds:.2f} |"
         )
     print("\n".join(rows))
     first = statistics.median(measured[0])

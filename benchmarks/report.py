@@ -13,7 +13,8 @@ def tables(results: dict) -> str:
     out = []
     machine = results["_machine"]
     out.append(
-        f"Measured {machine['date']} on {machine['cpus']} CPU cores ({machine['processor']}), device {machine.get('device', 'cpu')}, torch {machine['torch']}, "
+        f"Measured {machine['date']} on {machine['cpus']} CPU cores ({machine['processor']}), device "
+        f"{machine.get('device', 'cpu')}, torch {machine['torch']}, "
         f"lightning {machine['lightning']}; the whole command took {machine['wall_s']:.0f} s.\n"
     )
     for model, entry in results.items():
@@ -21,7 +22,8 @@ def tables(results: dict) -> str:
             continue
         out.append(f"### {model}: batch {entry['batch']}, {entry['chunks']} micro-batches, {entry['stages']} stages\n")
         out.append(
-            "| contender | median s/step | samples/s | steps | lightning-pipe 1F1B speed-up | paired (median of rounds) |"
+            "| contender | median s/step | samples/s | steps | lightning-pipe 1F1B speed-up | paired (median of "
+            "rounds) |"
         )
         out.append("|---|---:|---:|---:|---:|---:|")
         speedups = entry.get("pipe_1f1b_speedup_over", {})
@@ -56,9 +58,9 @@ def tables(results: dict) -> str:
             )
         if "ideal_step_s" in entry:
             out.append(
-                f"\nIdeal pipeline ({entry['stages']} stages): the faster of plain_micro and pipe_1stage x (m+p-1)/(p m) = "
-                f"{entry['ideal_step_s']:.4f} s/step; "
-                f"lightning-pipe 1F1B takes {entry['pipe_1f1b_over_ideal']:.2f}x the ideal.\n"
+                f"\nIdeal pipeline ({entry['stages']} stages): the faster of plain_micro and pipe_1stage x (m+p-1)/(p "
+                f"m) = {entry['ideal_step_s']:.4f} s/step; lightning-pipe 1F1B takes "
+                f"{entry['pipe_1f1b_over_ideal']:.2f}x the ideal.\n"
             )
         for contender, ranks in entry.get("breakdown", {}).items():
             out.append(f"Where {contender}'s step goes, mean ms per step on each rank:\n")
@@ -82,11 +84,12 @@ def tables(results: dict) -> str:
             for key, peaks in memory["peak_bytes"].items():
                 out.append(f"| {key} | {peaks[0]:,} | {peaks[1]:,} |")
             out.append(
-                f"\nMicro-batches held (peak / one micro-batch's activations), measured vs closed form: "
-                f"GPipe {memory['microbatches_held']['gpipe/never']} vs {memory['closed_form_microbatches']['gpipe/never']}, "
-                f"1F1B {memory['microbatches_held']['1f1b/never']} vs {memory['closed_form_microbatches']['1f1b/never']}. "
-                f"1F1B / GPipe on stage 0: {memory['ratio_1f1b_to_gpipe_stage0']:.3f} (bound p/m = {memory['bound_p_over_m']:.3f}). "
-                f"With checkpoint='always' the bytes beyond the held micro-batches' stage inputs "
+                "\nMicro-batches held (peak / one micro-batch's activations), measured vs closed form: GPipe "
+                f"{memory['microbatches_held']['gpipe/never']} vs {memory['closed_form_microbatches']['gpipe/never']}, "
+                f"1F1B {memory['microbatches_held']['1f1b/never']} vs "
+                f"{memory['closed_form_microbatches']['1f1b/never']}. 1F1B / GPipe on stage 0: "
+                f"{memory['ratio_1f1b_to_gpipe_stage0']:.3f} (bound p/m = {memory['bound_p_over_m']:.3f}). With "
+                "checkpoint='always' the bytes beyond the held micro-batches' stage inputs "
                 f"({memory['stage_input_bytes_per_microbatch']} bytes each) are "
                 f"{memory['always_bytes_beyond_stage_inputs']}.\n"
             )

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -108,8 +109,8 @@ def run_one(schedule: str, args: argparse.Namespace, folder: str) -> dict[str, A
         callbacks=[StepTimer(times, args.warmup), Record(folder, args.warmup)],
     )  # fmt: skip
     trainer.fit(model, data)
-    ranks = [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(args.stages)]
-    return {"step_s": json.load(open(times)), "ranks": ranks}
+    ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(args.stages)]
+    return {"step_s": json.loads(Path(times).read_text()), "ranks": ranks}
 
 
 def analyse(schedule: str, result: dict[str, Any], stages: int, chunks: int) -> dict[str, Any]:

@@ -42,8 +42,9 @@ def main() -> None:
     x, y = torch.randn(256 * 6, 1024), torch.randint(0, 10, (256 * 6,))
     picture = TimelinePicture(DOCS / "timeline-run.svg")
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="1f1b", chunks=8, balance="parameters", start_method="fork"),
-        max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=2,
+        strategy=PipelineStrategy(schedule="1f1b", chunks=8, balance="parameters", start_method="fork"), max_steps=6,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[picture],
     )  # fmt: skip
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=256))

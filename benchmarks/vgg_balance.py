@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -108,13 +109,16 @@ def svg_chart(results: list[dict[str, Any]], batch: int) -> str:
             color = colors.get(r["chunks"], "#444444")
             out.append(f'<rect x="{left}" y="{y}" width="{length:.1f}" height="{bar - 2}" fill="{color}"/>')
             out.append(
-                f'<text x="{left + length + 4:.1f}" y="{y + bar - 3}" font-size="11">{value:.1f} (chunks {r["chunks"]})</text>'
+                f'<text x="{left + length + 4:.1f}" y="{y + bar - 3}" font-size="11">{value:.1f} (chunks '
+                f"{r['chunks']})</text>"
             )
             y += bar
         y += gap
     head = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 130}" height="{y + 10}" font-family="sans-serif" font-size="12">'
-        f'<text x="10" y="18" font-weight="bold">VGG19, batch {batch}, 1F1B: samples per second (higher is faster)</text>'
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 130}" height="{y + 10}" '
+        'font-family="sans-serif" font-size="12">'
+        f'<text x="10" y="18" font-weight="bold">VGG19, batch {batch}, 1F1B: samples per second (higher is '
+        "faster)</text>"
     )
     return "\n".join([head, *out, "</svg>"])
 
@@ -132,7 +136,7 @@ def main() -> None:
     parser.add_argument("--chart", help="only redraw: the table and vgg_balance.svg from this vgg_balance.json")
     args = parser.parse_args()
     if args.chart:
-        saved = json.load(open(args.chart))
+        saved = json.loads(Path(args.chart).read_text())
         with open(os.path.join(os.path.dirname(args.chart), "vgg_balance.svg"), "w") as f:
             f.write(svg_chart(saved["results"], saved["config"]["batch"]))
         print(table(saved["results"], saved["config"]["batch"]))

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import lightning as L
@@ -187,7 +187,8 @@ class PlanOnly(L.Callback):
         from lightning.pytorch.callbacks import ModelSummary
 
         # the summary (printed at fit start, after this callback) and the sanity check would read as a start of training
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        # Lightning's callback connector sets trainer.callbacks, which the Trainer's class does not declare
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
         trainer.num_sanity_val_steps = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -201,12 +202,13 @@ class PlanOnly(L.Callback):
         if not ranked:
             stages = getattr(strategy, "num_stages", 1)
             print(
-                f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has "
-                f"{stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and strategy.stages to 2 "
-                "or more (or leave it unset: one stage per process).",
+                "lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this "
+                f"run has {stages} on {trainer.world_size} process(es). Set trainer.devices to 2 or more, and "
+                "strategy.stages to 2 or more (or leave it unset: one stage per process).",
                 flush=True,
             )
             return
+        assert isinstance(strategy, PipelineStrategy)  # the only one with plan_candidates
         print(write_plan(ranked, strategy.num_stages, strategy.num_replicas, self.folder), flush=True)
         print(f"written: {self.folder / 'plan.txt'}, {self.folder / 'plan.svg'}", flush=True)
 
@@ -275,7 +277,7 @@ def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -
             continue
         close = difflib.get_close_matches(str(key), valid, n=1)
         hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-        problems.append(f"unknown key {prefix}{key}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
+        problems.append(f"unknown key {prefix}{key!s}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
     return problems
 
 
@@ -369,7 +371,8 @@ def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> str | Non
         path = path / "checkpoints" / "last.ckpt"  # a run's folder
     if not path.exists():
         raise SystemExit(
-            f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) or resume=last."
+            f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) "
+            "or resume=last."
         )
     return str(path.resolve())
 
@@ -404,7 +407,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     if resume is not None:
         _say(f"lightning-pipe: resuming from {resume}")
     logger = make_logger(str(cfg.get("logger", "csv")), output)
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_cfg = cast("dict[str, Any]", OmegaConf.to_container(cfg.trainer, resolve=True))  # keys: Trainer arguments
     assert isinstance(trainer_cfg, dict)
     model = instantiate_recipe(cfg, "model")
     try:

@@ -155,8 +155,8 @@ def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
         return "never" if recompute is None else recompute
     if recompute is not None and recompute != checkpoint:
         raise ValueError(
-            f"PipelineStrategy(recompute={recompute!r}, checkpoint={checkpoint!r}): both name activation recomputation; "
-            "give recompute= only (checkpoint= is its deprecated former name)."
+            f"PipelineStrategy(recompute={recompute!r}, checkpoint={checkpoint!r}): both name activation "
+            "recomputation; give recompute= only (checkpoint= is its deprecated former name)."
         )
     warnings.warn(
         f"PipelineStrategy(checkpoint={checkpoint!r}) is deprecated: write recompute={checkpoint!r} (activation "
@@ -175,14 +175,16 @@ def check_arguments(config: PipelineConfig) -> None:
     check_rename(config.rename)
     if config.init is not None and not callable(config.init):
         raise TypeError(
-            f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own tensors."
+            f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own "
+            "tensors."
         )
     check_layout_arguments(config.stages, config.data_parallel)
     if config.virtual_stages is not None:
         check_virtual_stages(schedule, config.virtual_stages)
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(
-            f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an integer >= 1."
+            f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an "
+            "integer >= 1."
         )
     if isinstance(balance, str):
         if balance not in BALANCE_MODES:
@@ -194,7 +196,8 @@ def check_arguments(config: PipelineConfig) -> None:
         isinstance(n, int) and not isinstance(n, bool) for n in balance
     ):
         raise ValueError(
-            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts per stage."
+            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts "
+            "per stage."
         )
     if recompute not in CHECKPOINT_MODES:
         raise ValueError(

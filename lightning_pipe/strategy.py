@@ -88,11 +88,11 @@ class PipelineStrategy(ProcessStrategy):
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint), module=module,
-            init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
-            check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
-            start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay, loss_weight=loss_weight,
+            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint),
+            module=module, init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion,
+            virtual_stages=virtual_stages, check_data=check_data, weights=weights, plan=plan, stages=stages,
+            data_parallel=data_parallel, start_method=start_method, pipemare_warmup=pipemare_warmup,
+            pipemare_correction=pipemare_correction, pipemare_decay=pipemare_decay, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
@@ -149,7 +149,7 @@ class PipelineStrategy(ProcessStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.layout  # a world size that `stages` does not divide fails here, before any process starts
+        _ = self.layout  # a world size that `stages` does not divide fails here, before any process starts
         self._launcher = launcher_for(self, self.config.start_method, self._gathering, self._check_before_launch)
 
     def _check_before_launch(self, trainer: pl.Trainer) -> None:  # what the module and arguments show wrong
@@ -182,7 +182,7 @@ class PipelineStrategy(ProcessStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.lightning_module is not None
+        assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._signals = signals.install(trainer)
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
@@ -250,7 +250,7 @@ class PipelineStrategy(ProcessStrategy):
         self.steps.finish_in_flight()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks why this one fails, or explain why they fail (:mod:`lightning_pipe.trainer.failures`)."""
+        """Tell the other ranks why this one fails, or why they fail (:mod:`lightning_pipe.trainer.failures`)."""
         self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 

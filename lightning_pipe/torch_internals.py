@@ -86,7 +86,7 @@ def fsdp_post_backward(module: Any) -> None:
     torch 2.13."""
     from torch.distributed.fsdp import fully_shard
 
-    state = fully_shard.state(module)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]  # set by torch's @contract
     for inner in state._state_ctx.all_states:
         for group in inner._fsdp_param_groups:
             group.post_backward()

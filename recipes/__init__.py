@@ -8,7 +8,7 @@ LightningDataModule that works offline by default.
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch

@@ -181,6 +181,6 @@ class CorpusData(TrainValData):
         if self.train is not None:
             return
         rows = self.rows(self.documents())
-        n_val = max(1, int(math.ceil(len(rows) * self.val_fraction))) if len(rows) > 1 else 0
+        n_val = max(1, math.ceil(len(rows) * self.val_fraction)) if len(rows) > 1 else 0
         self.train = self.dataset(rows[n_val:] if n_val else rows, self.seed)
         self.val = self.dataset(rows[:n_val] if n_val else rows, self.seed + 1)

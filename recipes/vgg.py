@@ -51,7 +51,7 @@ def vgg_layers(
         if item == "M":
             layers.append(nn.MaxPool2d(2))
             continue
-        out = max(1, int(round(int(item) * width)))
+        out = max(1, round(int(item) * width))
         layers.append(nn.Conv2d(channels, out, 3, padding=1, bias=not batch_norm))
         if batch_norm:
             layers.append(nn.BatchNorm2d(out))

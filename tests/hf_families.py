@@ -32,8 +32,9 @@ def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.
 
 
 def gpt2(layers: int = 4) -> nn.Module:
-    config = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
-                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -63,21 +64,23 @@ def bert_mlm(layers: int = 4) -> nn.Module:
 def roberta_mlm(layers: int = 4) -> nn.Module:
     config = transformers.RobertaConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
                                         intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=34,
-                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                        pad_token_id=0)  # fmt: skip
     return transformers.RobertaForMaskedLM(config)
 
 
 def distilbert_mlm(layers: int = 4) -> nn.Module:
-    config = transformers.DistilBertConfig(dim=WIDTH, n_layers=layers, n_heads=4, hidden_dim=2 * WIDTH, vocab_size=VOCAB,
-                                           max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
-                                           pad_token_id=0)  # fmt: skip
+    config = transformers.DistilBertConfig(dim=WIDTH, n_layers=layers, n_heads=4, hidden_dim=2 * WIDTH,
+                                           vocab_size=VOCAB, max_position_embeddings=32, dropout=0.0,
+                                           attention_dropout=0.0, pad_token_id=0)  # fmt: skip
     return transformers.DistilBertForMaskedLM(config)
 
 
 def vit(layers: int = 4) -> nn.Module:
     config = transformers.ViTConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
                                     intermediate_size=2 * WIDTH, image_size=8, patch_size=4, num_channels=3,
-                                    num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+                                    num_labels=CLASSES, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)  # fmt: skip
     return transformers.ViTForImageClassification(config)
 
 
@@ -227,7 +230,8 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a `save_pretrained` directory |",
+        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a "
+        "`save_pretrained` directory |",
         "|---|---|---|---|---|",
     ]
     for f in FAMILIES:

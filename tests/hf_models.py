@@ -213,9 +213,11 @@ class RecordHeld(L.Callback):
 #: A Llama of 1.13 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
 #: vocabulary, untied head), and a tiny one of the same shape for quick checks.
 LLAMA_1GB = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=16,
-                 num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=64)  # fmt: skip
+                 num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+                 max_position_embeddings=64)  # fmt: skip
 LLAMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=64)  # fmt: skip
+                  num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True,
+                  max_position_embeddings=64)  # fmt: skip
 
 
 class DeferredLlama(L.LightningModule):

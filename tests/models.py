@@ -314,7 +314,7 @@ class MetricNet(TinyNet):
         self.seen = torchmetrics.SumMetric()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        x, _y = batch
         self.seen.update(torch.tensor(float(len(x))))
         self.log("seen", self.seen, on_step=False, on_epoch=True)
         return super().training_step(batch, batch_idx)

@@ -19,9 +19,9 @@ def pipeline_trainer(
     """A Trainer with ``PipelineStrategy`` on ``devices`` CPU processes; keyword arguments go to the
     strategy when they are its own and to the Trainer otherwise."""
     strategy_keys = {
-        "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data", "weights",
-        "stages", "data_parallel", "plan",
-        "virtual_stages", "pipemare_warmup", "pipemare_correction", "pipemare_decay", "loss_weight",
+        "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data",
+        "weights", "stages", "data_parallel", "plan", "virtual_stages", "pipemare_warmup", "pipemare_correction",
+        "pipemare_decay", "loss_weight",
     }  # fmt: skip
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
@@ -54,7 +54,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for name in sa:
-        torch.testing.assert_close(sa[name], sb[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(sa[name], sb[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def twins(model: L.LightningModule) -> tuple[L.LightningModule, L.LightningModule]:

@@ -236,7 +236,8 @@ def test_overhead_sets_each_rank_against_its_own_simulated_bubble() -> None:
     assert all(
         p > s for p, s in zip(result["simulated_bubble_with_posting_per_rank"], result["simulated_bubble_per_rank"])
     )
-    # 1F1B on 2 stages of 2 micro-batches: 2 + 4 + 4 + 4 + 4 + 2 = 20 ms as split, (m + p - 1)(F + B) = 3 x 6 ms evened out
+    # 1F1B on 2 stages of 2 micro-batches: 2 + 4 + 4 + 4 + 4 + 2 = 20 ms as split,
+    # (m + p - 1)(F + B) = 3 x 6 ms evened out
     assert result["simulated_makespan_s"] == pytest.approx(0.020) and result["even_split_makespan_s"] == pytest.approx(
         0.018
     )

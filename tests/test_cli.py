@@ -154,7 +154,8 @@ UNREAD_KEYS = [
                            r"Valid keys: balance, check_data, checkpoint, chunks, ")),
     ("+recipe.loss=mse", r"unknown key recipe.loss: nothing reads it. Valid keys: data, model, name."),
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
-    ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or logger=tensorboard"),
+    ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or "
+                              r"logger=tensorboard"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
                            r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
@@ -284,8 +285,8 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
-        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"
-        in lines
+        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, "
+        "pipemare, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
@@ -296,8 +297,9 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
 
 
 def test_pipemare_runs_the_bert_recipe_with_its_options(tmp_path: Path) -> None:
-    overrides = ["recipe=bert_mlm", "strategy=pipemare", "recipe.model.tie_embeddings=false", "strategy.pipemare_warmup=2",
-                 "strategy.start_method=fork", "strategy.chunks=1", *SMALL["bert_mlm"], *QUICK]  # fmt: skip
+    overrides = ["recipe=bert_mlm", "strategy=pipemare", "recipe.model.tie_embeddings=false",
+                 "strategy.pipemare_warmup=2", "strategy.start_method=fork", "strategy.chunks=1", *SMALL["bert_mlm"],
+                 *QUICK]  # fmt: skip
     cfg = _compose(overrides)
     with open_dict(cfg):
         del cfg.hydra
@@ -441,7 +443,8 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
 
     monkeypatch.setattr(cli, "_main", lambda: pytest.fail("Hydra was reached"))
     for override, message in (("strategy.chunk=4", r"unknown key strategy.chunk \(did you mean strategy.chunks\?\)"),
-                              ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\)"),
+                              ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean "
+                                                     r"trainer.max_steps\?\)"),
                               ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):

@@ -51,7 +51,7 @@ def test_replicas_train_as_plain_training_on_the_global_batch(
     )
     assert_same_weights(reference, piped)
     # the logged loss is the mean over the global batch, the same on every rank
-    values = [json.load(open(tmp_path / f"rank{r}.json"))["train_loss"] for r in range(devices)]
+    values = [json.loads((tmp_path / f"rank{r}.json").read_text())["train_loss"] for r in range(devices)]
     assert all(abs(v - values[0]) < 1e-6 for v in values), values
 
 
@@ -94,7 +94,7 @@ def test_each_rank_all_reduces_its_stage_once_per_step(tmp_path, schedule: str) 
         TinyNet(), 4, stages=2, schedule=schedule, chunks=4, max_steps=3, callbacks=[_CountAllReduce(str(tmp_path))]
     )
     for rank in range(4):
-        record = json.load(open(tmp_path / f"bytes{rank}.json"))
+        record = json.loads((tmp_path / f"bytes{rank}.json").read_text())
         assert record["params"] > 0
         assert record["steps"] == [record["params"]] * 3, (rank, record)
 
@@ -168,9 +168,9 @@ def test_shuffled_data_is_split_between_the_replicas_and_reshuffled_each_epoch(t
     fit_pipeline(TinyNet(), 4, data=data, stages=2, chunks=2, max_steps=8, callbacks=[Seen()])
     seen = [json.loads((tmp_path / f"seen{r}.json").read_text()) for r in range(4)]
     assert seen[0] == seen[2] and seen[1] == seen[3]  # the stages of one replica read the same batches
-    epoch = [sum(seen[r][:4], []) for r in (0, 1)]  # 4 steps of 8 = one epoch of 32 per replica
+    epoch = [[i for batch in seen[r][:4] for i in batch] for r in (0, 1)]  # 4 steps of 8 = one epoch of 32 per replica
     assert sorted(epoch[0] + epoch[1]) == sorted(loader().dataset.tensors[0][:, 0].tolist())  # disjoint, complete
-    assert sum(seen[0][4:], []) != epoch[0]  # the next epoch is shuffled anew
+    assert [i for batch in seen[0][4:] for i in batch] != epoch[0]  # the next epoch is shuffled anew
 
 
 class _SmallBuckets(L.Callback):

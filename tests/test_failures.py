@@ -95,7 +95,10 @@ def test_an_exception_on_one_stage_reaches_every_rank_with_its_text(tmp_path: Pa
     result = _run(2, rank, "raise", tmp_path=tmp_path)
     assert result.returncode != 0
     other = 1 - rank
-    expected = f"[rank{other}]: lightning-pipe: rank {rank} (stage {rank} of 2) failed: ValueError: boom in the user's code on rank {rank}"
+    expected = (
+        f"[rank{other}]: lightning-pipe: rank {rank} (stage {rank} of 2) failed: ValueError: boom in the user's "
+        f"code on rank {rank}"
+    )
     assert expected in result.stderr, result.stderr[-3000:]
     assert f"ValueError: boom in the user's code on rank {rank}" in result.stderr
 

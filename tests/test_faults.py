@@ -334,7 +334,8 @@ def test_per_process_random_samples_stop_at_the_first_step_naming_the_loader(sch
     start = time.monotonic()
     with pytest.raises(
         Exception,
-        match=r"loaded different data for the same step from the training DataLoader \(dataset NoisyDataset\).*manual_seed\(index\)",
+        match=r"loaded different data for the same step from the training DataLoader \(dataset "
+        r"NoisyDataset\).*manual_seed\(index\)",
     ):
         fit_pipeline(
             TinyNet(dropout=0.5), 2, DataLoader(NoisyDataset(), batch_size=8), schedule=schedule, chunks=2, max_steps=4
@@ -353,7 +354,8 @@ def test_check_data_every_n_steps_catches_data_that_drifts_later(tmp_path: Path)
 
     with pytest.raises(
         Exception,
-        match=r"different data for the same step from the training DataLoader \(dataset LateDrift\) at batch 6 of epoch 0 \(global step 6\), compared every 2 batches, so they may differ from batch 5 on",
+        match=r"different data for the same step from the training DataLoader \(dataset LateDrift\) at batch 6 of "
+        r"epoch 0 \(global step 6\), compared every 2 batches, so they may differ from batch 5 on",
     ):
         fit_pipeline(TinyNet(), 2, DataLoader(LateDrift(), batch_size=8), check_data=2, max_steps=8)
     with pytest.raises(Exception, match=r"\(dataset LateDrift\) at batch 5 of epoch 0 \(global step 5\):"):
@@ -416,7 +418,8 @@ def test_data_that_parts_after_the_first_batch_is_caught_at_the_first_step_it_di
     data = DataLoader(GlobalRandomDataset(str(tmp_path)), batch_size=8, shuffle=False)
     with pytest.raises(
         Exception,
-        match=r"different data for the same step from the training DataLoader \(dataset GlobalRandomDataset\) at batch (\d+) of epoch 0 \(global step \1\):",
+        match=r"different data for the same step from the training DataLoader \(dataset GlobalRandomDataset\) at batch "
+        r"(\d+) of epoch 0 \(global step \1\):",
     ) as caught:
         fit_pipeline(model, 2, data, chunks=2, max_steps=6, callbacks=[RecordSteps(str(tmp_path))])
     named = int(re.search(r"at batch (\d+) of epoch 0", str(caught.value)).group(1))

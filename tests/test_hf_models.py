@@ -97,7 +97,9 @@ def test_a_model_kept_beside_its_sequential_trains_its_tie_once_and_keeps_only_i
     fit_plain(reference, data_for("gpt2"))
     fit_pipeline(piped, devices, data_for("gpt2"), module="layers", callbacks=[RecordHeld(str(tmp_path))])
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(piped.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            piped.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
     held = [json.loads((tmp_path / f"held{r}.json").read_text()) for r in range(devices)]
     block = sum(p.numel() * 4 for p in reference.hf.transformer.h[0].parameters())
     for r, rank in enumerate(held):

@@ -103,7 +103,7 @@ def test_two_torchrun_nodes_train_two_stages_by_two_replicas(tmp_path: Path) -> 
     assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
     layouts = [s["layout"] for s in saved]
-    assert [(l["stage"], l["replica"], l["node"]) for l in layouts] == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert [(at["stage"], at["replica"], at["node"]) for at in layouts] == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
     torch.manual_seed(0)
     reference = TinyNet()
     fit_plain(reference, loader(batch_size=24))

@@ -168,7 +168,7 @@ def test_velocity_follows_the_updates_with_gamma_from_the_delay() -> None:
     gamma = DEFAULT_DECAY ** (1 / 3)
     assert mare.gamma == pytest.approx(gamma) and velocity_decay(0) == pytest.approx(DEFAULT_DECAY)
     expected = {n: torch.zeros_like(p) for n, p in layer.named_parameters()}
-    for step in range(4):
+    for _step in range(4):
         for p in layer.parameters():
             p.grad = torch.randn_like(p)
         before = {n: p.detach().clone() for n, p in layer.named_parameters()}

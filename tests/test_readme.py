@@ -37,8 +37,8 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     output = result.stderr + result.stdout
     assert "`Trainer.fit` stopped: `max_epochs=5` reached." in output
     # where Lightning prints its setup lines, without any logging set up by the script
-    layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [4, 3], schedule 1f1b, 4 chunks, global batch 64; "
-              "the model summary below counts rank 0's stage 0 only")  # fmt: skip
+    layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [4, 3], schedule 1f1b, 4 chunks, global batch "
+              "64; the model summary below counts rank 0's stage 0 only")  # fmt: skip
     assert layout in result.stderr.splitlines()
     assert "train_loss" in result.stdout  # prog_bar=True: in the progress bar
     assert "log_every_n_steps" not in output  # no warning that 32 batches never reach the logging interval

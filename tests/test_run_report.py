@@ -17,7 +17,8 @@ def test_layout_line_names_stages_replicas_and_processes() -> None:
     )
     # one stage of the whole model on each of 2 replicas (was "1 stages, layers per stage [4]")
     assert layout_line(1, 2, [4], [0], "gpipe", 1, global_batch=64).startswith(
-        "lightning-pipe: 1 stage x 2 replicas (2 processes), layers per stage [4], schedule gpipe, 1 chunk, global batch 64"
+        "lightning-pipe: 1 stage x 2 replicas (2 processes), layers per stage [4], schedule gpipe, 1 chunk, global "
+        "batch 64"
     )
 
 

@@ -89,7 +89,7 @@ def test_logged_values_are_reduced_over_microbatches_by_their_reduce_fx(reduce_f
     for weight, value in ((0.5, 1.0), (0.25, 7.0), (0.25, -2.0)):
         with recorder.capture(module, weight, keep=True):
             module.log("x", torch.tensor(value), reduce_fx=reduce_fx)
-    ((name, value, kwargs),) = recorder.summary()["logs"]
+    ((_name, value, kwargs),) = recorder.summary()["logs"]
     assert value == pytest.approx(expected)
     assert kwargs["reduce_fx"] == reduce_fx  # Lightning reduces the batches' values over the epoch the same way
 

@@ -286,9 +286,11 @@ def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -
     from lightning_pipe.schedules.runnable import runnable_schedule
     from lightning_pipe.trainer.compatibility import as_misconfiguration
 
-    with pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"):
-        with as_misconfiguration():  # how the strategy's steps and setup report the pipeline's refusal
-            runnable_schedule("interleaved_1f1b", "interleaved_1f1b", 2, 1, 2, rendezvous=True)
+    with (
+        pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"),
+        as_misconfiguration(),  # how the strategy's steps and setup report the pipeline's refusal
+    ):
+        runnable_schedule("interleaved_1f1b", "interleaved_1f1b", 2, 1, 2, rendezvous=True)
 
 
 def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -> None:

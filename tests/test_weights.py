@@ -43,7 +43,11 @@ def test_stages_from_a_weights_file_train_as_plain_training(tmp_path: Path, suff
         assert set(trained) == set(expected)
         for name, value in expected.items():
             torch.testing.assert_close(
-                trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}"
+                trained[name],
+                value,
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, stages=stages, name=name: f"{stages} stages, {name}: {m}",
             )
             assert not torch.equal(value, state[name])  # training moved it
 
@@ -105,7 +109,8 @@ def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_tr
         folder.mkdir()
         OPENED.clear()
         fit_pipeline(DeferredNet(), stages, weights=str(tmp_path / "pretrained"),
-                     callbacks=[SaveStageState(str(folder)), SaveStageState(str(folder), start=True), RecordOpened(folder)])  # fmt: skip
+                     callbacks=[SaveStageState(str(folder)), SaveStageState(str(folder), start=True),
+                                RecordOpened(folder)])  # fmt: skip
         for rank in range(stages):
             held = torch.load(folder / f"start-rank{rank}.pt", weights_only=True)
             opened = json.loads((folder / f"opened-rank{rank}.json").read_text())
@@ -116,7 +121,11 @@ def test_a_sharded_directory_named_without_the_modules_prefix_trains_as_plain_tr
         assert set(trained) == set(expected)
         for name, value in expected.items():
             torch.testing.assert_close(
-                trained[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{stages} stages, {name}: {m}"
+                trained[name],
+                value,
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, stages=stages, name=name: f"{stages} stages, {name}: {m}",
             )
 
 

@@ -35,7 +35,8 @@ def tensor_checksum(tensor: Tensor) -> int:
     """CRC-32 of the tensor's dtype, shape and bytes (a changed shape or dtype counts as damage too)."""
     head = zlib.crc32(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
     data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(memoryview(data.numpy()), head)
+    # an ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12
+    return zlib.crc32(memoryview(data.numpy()), head)  # type: ignore[arg-type]
 
 
 def file_checksum(path: Path) -> int:
@@ -182,6 +183,6 @@ class Verifier:
 
 
 __all__ = [
-    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record", "tensor_checksum",
-    "values_checksum",
+    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record",
+    "tensor_checksum", "values_checksum",
 ]  # fmt: skip

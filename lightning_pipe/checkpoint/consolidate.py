@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -11,7 +11,7 @@ from lightning_pipe.checkpoint.files import read
 from lightning_pipe.checkpoint.merged import merged_optimizer_states, merged_state_dict
 from lightning_pipe.checkpoint.optimizer_state import optimizer_state_by_position
 
-_PATH = Union[str, Path]
+_PATH = str | Path
 
 
 def consolidate(path: _PATH, output: _PATH | None = None, weights_only: bool | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from lightning_pipe.checkpoint.tags import foreign
 
 META = "meta.pt"
 FORMAT = "lightning-pipe/1"
-_PATH = Union[str, Path]
+_PATH = str | Path
 #: the parts of a stage file and of the metadata whose values other than tensors are checksummed
 SHARD_VALUES = ("state_dict", "optimizer_states", "extra", "save", "dcp", "dcp_files")
 META_VALUES = ("lr_schedulers",)

@@ -29,8 +29,9 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | 
     """An asynchronous schedule's state over all stages: the step counter and, per batch, the
     unapplied gradient of every layer (by name): the replicas' mean, and with replicas each one's
     own (``replica_pending``, in replica order)."""
-    states = [(shard.get("extra") or {}).get("async") for shard in shards]
-    if any(state is None for state in states):
+    found = [(shard.get("extra") or {}).get("async") for shard in shards]
+    states = [state for state in found if state is not None]
+    if len(states) < len(found):
         return None
     pending: dict[int, dict[str, Any]] = {}
     for state in states:

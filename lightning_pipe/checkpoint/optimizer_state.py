@@ -4,6 +4,7 @@ to positions in the unsplit module's order for the plain file a consolidation wr
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -146,7 +147,7 @@ def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
             rank.setdefault(name, _natural_key(name))
             after.setdefault(name, set())
             incoming.setdefault(name, 0)
-        for a, b in zip(names, names[1:]):
+        for a, b in itertools.pairwise(names):
             if b not in after[a]:
                 after[a].add(b)
                 incoming[b] += 1

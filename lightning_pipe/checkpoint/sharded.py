@@ -155,8 +155,8 @@ def _check(
             )
         if found_size != size:
             raise RuntimeError(
-                f"The checkpoint file {file} cannot be read: it has {found_size} bytes but was written with {size}; it is "
-                "damaged or truncated (a save that did not finish?). Resume from another checkpoint."
+                f"The checkpoint file {file} cannot be read: it has {found_size} bytes but was written with {size}; it "
+                "is damaged or truncated (a save that did not finish?). Resume from another checkpoint."
             )
         raise checksums.damaged(file, checksums.mismatch("its content"))
 

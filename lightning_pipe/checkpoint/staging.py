@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Union
 
-_PATH = Union[str, Path]
+_PATH = str | Path
 
 
 def staging_path(path: _PATH) -> Path:

@@ -76,7 +76,8 @@ class TimelinePicture(pl.Callback):
     ) -> None:
         if log is not None:
             warnings.warn(
-                f"TimelinePicture(log={log!r}) is deprecated: write TimelinePicture(..., to_loggers={log!r}) (Lightning "
+                f"TimelinePicture(log={log!r}) is deprecated: write TimelinePicture(..., to_loggers={log!r}) "
+                "(Lightning "
                 "replaces every callback's `log` attribute with the module's `log` method when fitting starts).",
                 DeprecationWarning,
                 stacklevel=2,
@@ -96,7 +97,7 @@ class TimelinePicture(pl.Callback):
         self._timeline: Timeline | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._timeline = trainer.strategy.enable_timeline()
+        self._timeline = trainer.strategy.enable_timeline()  # type: ignore[attr-defined]  # the pipeline strategy's
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy

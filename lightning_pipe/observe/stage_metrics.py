@@ -124,7 +124,8 @@ class StageMetrics(pl.Callback):
             not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
         ):
             raise ValueError(
-                f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for Trainer(log_every_n_steps)."
+                f"StageMetrics(every_n_steps={every_n_steps!r}): give an integer >= 1, or None for "
+                "Trainer(log_every_n_steps)."
             )
         self.every_n_steps = every_n_steps
         self.prefix = prefix
@@ -142,13 +143,14 @@ class StageMetrics(pl.Callback):
         strategy = trainer.strategy
         if not hasattr(strategy, "enable_timeline"):
             raise MisconfigurationException(
-                f"StageMetrics measures the stages of a pipeline, but the Trainer's strategy is {type(strategy).__name__}. "
+                "StageMetrics measures the stages of a pipeline, but the Trainer's strategy is "
+                f"{type(strategy).__name__}. "
                 "Use Trainer(strategy='pipeline') or PipelineStrategy(...), or drop the callback."
             )
         self._timeline = strategy.enable_timeline(keep=0)  # read step by step below; keeps no history of its own
         self._timeline.listeners.append(self._on_step)
         if self.every_n_steps is None:
-            self.every_n_steps = max(1, int(trainer.log_every_n_steps))
+            self.every_n_steps = max(1, int(trainer.log_every_n_steps))  # type: ignore[attr-defined]  # set by Lightning's logger connector
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")  # every rank runs on_fit_start: a collective call
 

@@ -29,7 +29,8 @@ over the same interval: ``main_thread_cpu`` by the thread that runs the training
 ``other_threads_cpu`` by all its other threads (on CPU with gloo mostly gloo's own threads, which
 read and write the messages: time they take from the cores the stages compute on). On a GPU
 the hooks synchronize the device (so that the host clock sees the work done) and the executor's
-parts are its CUDA events; measuring then slows the step a little. Asynchronous schedules that drain run the executor twice in a step: both runs count.
+parts are its CUDA events; measuring then slows the step a little. Asynchronous schedules that drain
+run the executor twice in a step: both runs count.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import torch
 from lightning_pipe.observe.stage_metrics import COMPUTE
 
 PARTS = (
-    "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer", "between",
+    "compute", "wait", "post", "executor_other", "before_executor", "after_executor", "hand_over", "optimizer",
+    "between",
 )  # fmt: skip
 #: CPU time over each step's interval, beside the parts (they do not add up to ``total``)
 CPU = ("main_thread_cpu", "other_threads_cpu")

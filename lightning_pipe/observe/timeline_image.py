@@ -39,7 +39,7 @@ def timeline_image(panels: Sequence[tuple[str, Sequence[Bar]]], width: int = 960
     plot = width - 2 * _MARGIN
 
     def x(t: float) -> int:
-        return _MARGIN + int(round(plot * (t / span if span > 0 else 0.0)))
+        return _MARGIN + round(plot * (t / span if span > 0 else 0.0))
 
     top = 0
     for _, bars in panels:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 #: ``stage_cost(stage, start, stop)``: the cost of stage ``stage`` holding layers ``start..stop-1``.
 StageCost = Callable[[int, int, int], float]
 #: per layer, whether it holds a parameter. A stage of parameter-free layers alone (a lone ``ReLU``)
 #: would give its process's optimizer an empty parameter list, so the solvers keep one out of reach
 #: where the layers allow it (:func:`owning`).
-Owners = Optional[Sequence[bool]]
+Owners = Sequence[bool] | None
 
 
 def owning(owners: Owners, num_stages: int) -> Owners:

@@ -74,7 +74,7 @@ def find_ends(module: nn.Module, container: nn.Module) -> Ends:
     return Ends(pre, post)
 
 
-def extended(layers: nn.Module, ends: Ends) -> nn.ModuleList:
+def extended(layers: nn.Sequential | nn.ModuleList, ends: Ends) -> nn.ModuleList:
     """The blocks followed by the input and then the output embeddings, as the list of layers to
     materialise and initialise (the blocks keep their indices)."""
     return nn.ModuleList([*layers, *ends.modules])

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 
@@ -74,15 +75,16 @@ def _depth(root: nn.Module, target: nn.Module) -> int:
     return 0
 
 
-def hf_init_context() -> ContextManager[Any]:
+def hf_init_context() -> AbstractContextManager[Any]:
     """What ``PreTrainedModel.initialize_weights`` runs its walk under (older ``transformers``
     without ``transformers.initialization``: nothing)."""
     guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)
     if guard is None:
         try:
-            from transformers.initialization import guard_torch_init_functions as guard
+            from transformers.initialization import guard_torch_init_functions
         except ImportError:
             return contextlib.nullcontext()
+        guard = guard_torch_init_functions
     return guard()
 
 

@@ -44,7 +44,8 @@ import functools
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ContextManager, Union
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +56,7 @@ from lightning_pipe.torch_internals import private_reset_parameters
 
 OUTSIDE = -1  # the key of the modules outside the Sequential in layer_seed
 ModuleInit = Callable[[nn.Module], None]  # initialise one module's own tensors (the ``init`` hook)
-Blocks = Union[nn.Sequential, nn.ModuleList]  # the layers split into stages
+Blocks = nn.Sequential | nn.ModuleList  # the layers split into stages
 
 
 def run_seed() -> int:
@@ -81,8 +82,8 @@ def _tensors(module: nn.Module) -> Iterator[Tensor]:
 def _direct(module: nn.Module) -> Iterator[tuple[str, Tensor | None, bool]]:
     for name, t in module.named_parameters(recurse=False, remove_duplicate=False):
         yield name, t, True
-    for name, t in module.named_buffers(recurse=False, remove_duplicate=False):
-        yield name, t, False
+    for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+        yield name, buffer, False
 
 
 def outside_modules(module: nn.Module, layers: Blocks) -> list[nn.Module]:
@@ -147,7 +148,7 @@ class Initializer:
             return functools.partial(init_with_owner, owner, module)
         return _reset_fn(module)
 
-    def context(self) -> ContextManager[Any]:
+    def context(self) -> AbstractContextManager[Any]:
         """What the walk runs under (HF's guard of ``torch.nn.init`` when HF models take part)."""
         return hf_init_context() if self.owners and self.init is None else contextlib.nullcontext()
 
@@ -269,7 +270,7 @@ def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
     yield module
 
 
-def _seeded(device: torch.device) -> ContextManager[None]:
+def _seeded(device: torch.device) -> AbstractContextManager[None]:
     """The CPU's and ``device``'s random state, restored on exit."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
@@ -414,8 +415,8 @@ def _layers(module: nn.Module, path: str | None) -> Blocks:
     from lightning_pipe.partition.split import find_sequential
 
     if path is None or "." not in path:
-        found = find_sequential(module, path)[1]
-        return extended(found, find_ends(module, found))
+        layers = find_sequential(module, path)[1]
+        return extended(layers, find_ends(module, layers))
     try:
         found = module.get_submodule(path)
     except AttributeError as err:

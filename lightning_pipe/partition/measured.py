@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ class MeasureInputs:
     device: torch.device
     is_source: bool
     broadcast: Callable[[Any], Any]
-    context: Callable[[], ContextManager[Any]] = nullcontext
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
     optimizers: Callable[[], Sequence[Any]] = tuple
 
 
@@ -53,7 +53,7 @@ def measured_balance(
     num_microbatches: int,
     virtual: int,
     module: Any,
-    layers: nn.Sequential,
+    layers: nn.Sequential | nn.ModuleList,
     inputs: MeasureInputs,
     profile: Profile | None = None,
     owners: Sequence[bool] | None = None,

@@ -18,9 +18,9 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, replace
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +40,7 @@ class _Captured(BaseException):
         self.value = value
 
 
-def sequential_input(module: nn.Module, layers: nn.Sequential, microbatch: Any) -> Any:
+def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microbatch: Any) -> Any:
     """What the user's ``training_step`` passes to the Sequential for ``microbatch`` (the step is
     stopped there, before it computes or logs anything else). Run with gradients on, as in
     training, so that the value requires a gradient exactly where the pipeline's first stage
@@ -102,7 +102,7 @@ def _update_cost(
         try:
             trial = cls([copy], **settings)
             times = []
-            for rep in range(1 + repeats):
+            for _rep in range(1 + repeats):
                 _synchronize(device)
                 start = time.perf_counter()
                 trial.step()
@@ -130,12 +130,12 @@ def _bytes(tensors: tuple[Tensor, ...]) -> int:
 
 
 def measure_layers(
-    layers: nn.Sequential,
+    layers: nn.Sequential | nn.ModuleList,
     value: Any,
     device: torch.device,
     warmup: int = 1,
     repeats: int = 3,
-    context: Callable[[], ContextManager[Any]] = nullcontext,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     optimizers: dict[int, tuple[type, dict[str, Any]]] | None = None,
     calls: Sequence[BlockCall] | None = None,
     initializer: Initializer | None = None,
@@ -256,7 +256,7 @@ def _split_backward(
     device: torch.device,
     warmup: int,
     repeats: int,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     call: Callable[[Any], Any] | None = None,
 ) -> tuple[float, float]:
     """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
@@ -329,12 +329,12 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 
 def profile_module(
-    module: nn.Module,
-    layers: nn.Sequential,
+    module: Any,
+    layers: nn.Sequential | nn.ModuleList,
     batch: Callable[[], Any],
     num_microbatches: int,
     device: torch.device,
-    context: Callable[[], ContextManager[Any]] = nullcontext,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     memory: bool = True,
     warmup: int = 1,
     repeats: int = 3,
@@ -466,7 +466,9 @@ def _outside_with_storage(module: nn.Module, container: nn.Module, device: torch
             setattr(m, name, t)  # a parameter stays one, a buffer keeps its persistence
 
 
-def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: Any, device: torch.device) -> _Recorder:
+def block_calls(
+    module: Any, path: str, container: nn.Sequential | nn.ModuleList, microbatch: Any, device: torch.device
+) -> _Recorder:
     """Run the user's ``training_step`` on ``microbatch`` once with a recorder in place of the block
     container at ``path``: each block's call (see :class:`BlockCall`), the time the step took to
     reach the first block, and the last block's output."""
@@ -498,11 +500,11 @@ def block_calls(module: nn.Module, path: str, container: nn.Module, microbatch: 
 
 
 def _profile_blocks(
-    module: nn.Module,
-    container: nn.Module,
+    module: Any,
+    container: nn.Sequential | nn.ModuleList,
     microbatch: Any,
     device: torch.device,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     optimizers: dict[int, tuple[type, dict[str, Any]]],
     warmup: int,
     repeats: int,
@@ -528,7 +530,7 @@ def _ends_cost(
     device: torch.device,
     warmup: int,
     repeats: int,
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     initializer: Initializer,
 ) -> tuple[tuple[float, float, int], tuple[float, float, int]]:
     """(forward s, backward s, parameter bytes) of what the first stage runs before its first block
@@ -551,6 +553,7 @@ def _ends_cost(
         post_bytes += sum(p.numel() * p.element_size() for p in real.parameters())
         forwards, backwards = [], []
         for rep in range(warmup + repeats):
+            assert hidden is not None  # a model with a head after the blocks
             x = hidden.detach().to(device).requires_grad_(True)
             _synchronize(device)
             start = time.perf_counter()
@@ -608,10 +611,8 @@ def agreed_profile(
             failure = error
             answer = (None, f"{type(error).__name__}: {error}")
     elif everywhere:
-        try:
+        with suppress(Exception):  # only the source's profile counts; training meets this rank's problem
             measure()
-        except Exception:
-            pass  # only the source's profile counts; training will meet this rank's problem itself
     profile, message = broadcast(answer)
     if failure is not None:
         raise failure

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Union
 
 from torch import nn
 
@@ -19,11 +18,11 @@ from lightning_pipe.partition.balance import (
 )
 from lightning_pipe.torch_internals import module_slots
 
-BalanceSpec = Union[str, Sequence[int]]
+BalanceSpec = str | Sequence[int]
 BALANCE_MODES = ("uniform", "parameters", "time", "memory")
 
 
-Layers = Union[nn.Sequential, nn.ModuleList]
+Layers = nn.Sequential | nn.ModuleList
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, Layers]:
@@ -155,7 +154,10 @@ def check_stage_parameters(
         "or split the model into more layers that hold parameters"
     )
     if owning(owners, len(balance)) is not None:
-        fix = f"give every stage a layer with parameters, for example balance={balance_uniform(len(owners), len(balance), owners)}"
+        fix = (
+            "give every stage a layer with parameters, for example "
+            f"balance={balance_uniform(len(owners), len(balance), owners)}"
+        )
     raise ValueError(
         f"balance={list(balance)} leaves stage {stage} with only layers that hold no parameters ({what}), so its "
         f"process's optimizer would get an empty parameter list: {fix}."

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Union
 
 from torch import nn
 
@@ -20,7 +19,7 @@ from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
 from lightning_pipe.runtime.stage import StageModule
 
-Stage = Union[StageModule, BlockStage]
+Stage = StageModule | BlockStage
 
 
 def split_of(stage: int, num_split: int) -> int:

@@ -95,7 +95,11 @@ def agreed_plan(
 
 
 def plan_layers(
-    config: PipelineConfig, layout: Layout, module: Any, layers: torch.nn.Sequential, inputs: MeasureInputs
+    config: PipelineConfig,
+    layout: Layout,
+    module: Any,
+    layers: torch.nn.Sequential | torch.nn.ModuleList,
+    inputs: MeasureInputs,
 ) -> tuple[list[Candidate], Link, dict[int, Profile]]:
     """Measure and plan in the pipeline's setup, before the split (see the module docstring);
     returns what :func:`agreed_plan` returns, the profiles keyed by micro-batch size.
@@ -169,7 +173,11 @@ def plan_layers(
 
 
 def apply_plan(
-    config: PipelineConfig, layout: Layout, module: Any, layers: torch.nn.Sequential, inputs: MeasureInputs
+    config: PipelineConfig,
+    layout: Layout,
+    module: Any,
+    layers: torch.nn.Sequential | torch.nn.ModuleList,
+    inputs: MeasureInputs,
 ) -> tuple[PipelineConfig, Profile, list[Candidate]]:
     """``plan="auto"``: ``config`` with the schedule, chunks, checkpoint mode, virtual stages and
     balance of the planner's first choice (the same on every rank) for the run's own stages x

@@ -16,7 +16,8 @@ not extrapolated) and the measured point-to-point link, and predicts for every c
 
 Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes share a global batch,
 ``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
-stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv`` with 2) split the layers into
+stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv``
+with 2) split the layers into
 ``S x v`` stages placed as the runtime places them.
 
 Candidates whose largest rank exceeds the memory budget are ranked after those that fit. Only
@@ -100,7 +101,8 @@ class Candidate:
         """The ``PipelineStrategy`` arguments that run this candidate (with replicas, each replica's
         DataLoader batch must be ``batch / replicas`` for the global batch planned for)."""
         args: dict[str, object] = {
-            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint,
+            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance),
+            "checkpoint": self.checkpoint,
         }  # fmt: skip
         if self.schedule in VIRTUAL_STAGES:
             args["virtual_stages"] = self.virtual_stages
@@ -244,9 +246,9 @@ def _rank(
                     memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
                     fits = memory_budget is None or max(memory) <= memory_budget
                     found[key] = Candidate(
-                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail, simulation.bubble_fraction,
-                        memory, fits, tuple(costs), stages, replicas, v, profile.microbatch_size, max(reduce), replica_batch,
-                        rendezvous, link,
+                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
+                        simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
+                        profile.microbatch_size, max(reduce), replica_batch, rendezvous, link,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 

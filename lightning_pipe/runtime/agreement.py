@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ _SAMPLED = 64  # elements per tensor that enter the content checksum
 NO_CONTENT = -1
 
 #: where a step's batch came from, for the message: a name, or a function that gives it
-Source = Union[str, Callable[[], str]]
+Source = str | Callable[[], str]
 
 
 def _shapes(keys: Sequence[Hashable]) -> list[tuple[int, ...]]:

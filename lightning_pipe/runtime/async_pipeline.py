@@ -15,6 +15,7 @@ of the weights (the backward through PipeMare's saved-tensor hooks).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from typing import Any
 
 from torch import Tensor
 
@@ -113,27 +114,28 @@ class AsyncPipeline:
                 total[name] = grad if name not in total else total[name] + grad
         return total
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue exactly: the step counter and unapplied gradients.
         Call after :meth:`drain`."""
         if self.in_flight:
             raise RuntimeError("drain the pipeline before saving its state")
-        state: dict[str, object] = {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
+        state: dict[str, Any] = {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
         if self.pipemare is not None:
             state["pipemare"] = self.pipemare.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        self.step = int(state["step"])  # type: ignore[call-overload]
-        self.pending = {int(b): dict(g) for b, g in state["pending"].items()}  # type: ignore[attr-defined]
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.pending = {int(b): dict(g) for b, g in state["pending"].items()}
         if self.pipemare is not None:
             saved = state.get("pipemare")
             if saved is None:
                 raise ValueError(
                     "the checkpoint has no PipeMare state (update count, velocity): it was saved under another "
-                    "schedule or without learning-rate rescheduling; resume it with the schedule and options it was saved with"
+                    "schedule or without learning-rate rescheduling; resume it with the schedule and options it was "
+                    "saved with"
                 )
-            self.pipemare.load_state_dict(saved)  # type: ignore[arg-type]
+            self.pipemare.load_state_dict(saved)
         self._in_flight = None
         self.versions.clear()
         self.runner.reset()

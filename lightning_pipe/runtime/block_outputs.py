@@ -79,9 +79,9 @@ class BlockOutputs:
             if found is not None and found[3] is value:
                 source, position, count = found[:3]
                 raise BlockOutputsRefused(
-                    f"Block {index} ({kind}), the first of the next pipeline stage, is called with {name!r}, a tensor of "
-                    f"shape {list(value.shape)} that block {source} returned beside its hidden state (output {position} "
-                    f"of {count}). {ALTERNATIVE}"
+                    f"Block {index} ({kind}), the first of the next pipeline stage, is called with {name!r}, a tensor "
+                    f"of shape {list(value.shape)} that block {source} returned beside its hidden state (output "
+                    f"{position} of {count}). {ALTERNATIVE}"
                 )
 
     def explain(self, error: BaseException) -> BlockOutputsRefused | None:
@@ -92,8 +92,8 @@ class BlockOutputs:
         index, kind = self.skipped
         return BlockOutputsRefused(
             f"The model's forward failed right after block {index} ({kind}), which another pipeline stage holds: here "
-            f"it is passed over and returns only its hidden state, and if the model's loop expects more from it "
-            f"(a tuple: the hidden state beside values for later blocks), it fails so: {type(error).__name__}: {error}. "
+            "it is passed over and returns only its hidden state, and if the model's loop expects more from it (a "
+            f"tuple: the hidden state beside values for later blocks), it fails so: {type(error).__name__}: {error}. "
             f"{ALTERNATIVE}"
         )
 

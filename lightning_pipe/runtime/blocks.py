@@ -215,7 +215,8 @@ class BlockDrive:
             )
         if not is_last and not self.finished:
             raise RuntimeError(
-                f"The step ran blocks {self.start}..{self.stop - 1} but never called block {self.stop}, the next stage's "
+                f"The step ran blocks {self.start}..{self.stop - 1} but never called block {self.stop}, the next "
+                "stage's "
                 "first. Under the pipeline the model's forward must run all its blocks in order, once per micro-batch."
             )
 

@@ -13,7 +13,7 @@ forward.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from lightning_pipe.runtime import fused_linear
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.weight_store import defer_or_run
 
-_Conv = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
+_Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 _TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
@@ -70,7 +70,7 @@ def _conv_backward(
         weight,
         [bias.shape[0]] if bias is not None else None,
         list(layer.stride),
-        list(layer.padding),  # type: ignore[arg-type]
+        list(layer.padding),
         list(layer.dilation),
         False,
         [0] * len(layer.stride),

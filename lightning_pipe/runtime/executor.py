@@ -11,9 +11,9 @@ user's step, a check before the first receive, a timeline) is given with each ru
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -169,7 +169,8 @@ class Executor:
             if hasattr(error, "add_note") and index < len(actions):
                 action = actions[index]
                 error.add_note(
-                    f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage {action.stage} (rank {self.rank})"
+                    f"lightning-pipe: raised by {action.kind.name.lower()} of micro-batch {action.microbatch} on stage "
+                    f"{action.stage} (rank {self.rank})"
                 )
             raise
         if finish:
@@ -179,7 +180,7 @@ class Executor:
             timeline.end_step()
 
     @staticmethod
-    def _span(run: _Run, name: str, stage: int, microbatch: int) -> ContextManager[Any]:
+    def _span(run: _Run, name: str, stage: int, microbatch: int) -> AbstractContextManager[Any]:
         timeline = run.calls.timeline
         return _UNTIMED if timeline is None else timeline.span(name, stage, microbatch)
 

@@ -143,7 +143,7 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
             continue
         installed = layer.__dict__.get("forward")
         if installed is None:
-            layer.forward = forward(layer)  # type: ignore[method-assign]
+            layer.forward = forward(layer)
         elif not isinstance(installed, forward):
             continue
         layers.append(layer)

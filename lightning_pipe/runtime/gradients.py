@@ -149,7 +149,7 @@ class StageGradients:
         ready = [(p, g) for p, g in reversed(list(pending.items())) if g is not None]  # backward order
         bucket: list[Tensor] = []
         size = 0
-        for i, (param, grad) in enumerate(ready):
+        for i, (_param, grad) in enumerate(ready):
             bucket.append(grad)
             size += grad.numel() * grad.element_size()
             last = i == len(ready) - 1
@@ -193,7 +193,7 @@ class StageGradients:
         stage computed the part of them its own piece of ``forward`` used."""
         if not self.shared or self.num_stages == 1:
             return
-        grads = [pending.get(p) if pending.get(p) is not None else torch.zeros_like(p) for p in self.shared]
+        grads = [g if (g := pending.get(p)) is not None else torch.zeros_like(p) for p in self.shared]
         FlatAllReduce(grads, self.pp_group, async_op=False).wait()
         pending.update(zip(self.shared, grads))
 

@@ -29,15 +29,16 @@ Trainer (``tests/runtime/test_pipeline.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 from torch import Tensor, nn
 
 from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
@@ -56,7 +57,7 @@ from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
 #: A context to run a verb's compute in (the precision's autocast, for example).
-Context = Callable[[], ContextManager[Any]]
+Context = Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -72,8 +73,8 @@ class StageSplit:
             model on that position (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
     """
 
-    host: StageModule
-    stages: dict[int, StageModule]
+    host: StageModule | BlockStage
+    stages: dict[int, StageModule | BlockStage]
     ties: list[dict[int, str]] = field(default_factory=list)
 
 
@@ -383,7 +384,7 @@ class StagePipeline:
         if self.agreement is not None:
             self.agreement.check()
 
-    def _accumulation(self) -> ContextManager[Any]:
+    def _accumulation(self) -> AbstractContextManager[Any]:
         return fused_linear.accumulating(self.options.gradient_accumulation_fusion) if self._fused else nullcontext()
 
 

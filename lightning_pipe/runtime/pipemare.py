@@ -51,8 +51,9 @@ other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -103,7 +104,7 @@ class _SavedWeight:
     name: str
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
     update: int  # updates applied when the forward ran
 
 
@@ -142,7 +143,7 @@ class PipeMare:
         self._velocity_open = False
 
     # ------------------------------------------------------------------ the backward's weights
-    def saving(self, meter: SavedActivationMeter | None = None) -> ContextManager[Any]:
+    def saving(self, meter: SavedActivationMeter | None = None) -> AbstractContextManager[Any]:
         """Around a forward: autograd saves each stage weight as a reference, and the backward gets
         the weights of its own moment (corrected when correction is on) instead of the forward's.
         Other saved tensors go through ``meter``'s hooks when one is counting them."""

@@ -130,7 +130,7 @@ def combine_over_replicas(
     if 0 < len(with_data) < len(rows):  # a replica without samples in this step takes the others' names
         box = [(structure, has_loss)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, with_data[0]), group=group)
-        structure, has_loss = box[0]  # type: ignore[misc]
+        structure, has_loss = box[0]
     how = [reduction(kwargs.get("reduce_fx", "mean")) for _, kwargs in structure]
     flat = torch.zeros(2 + 2 * len(structure), dtype=torch.float64, device=device)
     # max and min go through one MAX all-reduce (a min as the max of the negated values); a
@@ -155,7 +155,7 @@ def combine_over_replicas(
     def mean(i: int) -> float:
         return sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else float("nan")
 
-    def value(i: int) -> float:  # the i-th logged value over the replicas, reduced as it was logged
+    def reduced(i: int) -> float:  # the i-th logged value over the replicas, reduced as it was logged
         reduce = how[i - 1]
         if reduce in ("max", "min"):
             return largest[i - 1] if reduce == "max" else -largest[i - 1]
@@ -168,7 +168,7 @@ def combine_over_replicas(
             kwargs["batch_size"] = round(sums[2 * i + 1])
         elif samples is not None:
             kwargs["batch_size"] = int(total)
-        logs.append((name, value(i), kwargs))
+        logs.append((name, reduced(i), kwargs))
     return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
 
 

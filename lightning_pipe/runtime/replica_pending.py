@@ -49,7 +49,7 @@ def mean_pending(replicas: Sequence[Mapping[int, Mapping[str, Tensor | None]]]) 
     out: Pending = {}
     for b, grads in first.items():
         out[b] = {}
-        for n, grad in grads.items():
+        for n in grads:
             parts = [r[b][n] for r in replicas]
             out[b][n] = None if any(p is None for p in parts) else torch.stack(parts).mean(0)  # type: ignore[arg-type]
     return out

@@ -19,14 +19,17 @@ splits them for the current layout (:func:`shard_like`), so they load under any 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor, nn
 
 from lightning_pipe.torch_internals import fsdp_post_backward
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(value: Any) -> bool:
+
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)

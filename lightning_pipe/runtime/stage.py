@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +39,7 @@ class StageModule(nn.Sequential):
         self.num_stages = num_stages
         self.hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
-        self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
+        self._param_names = layer_parameter_names(self._modules)
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
@@ -143,10 +143,10 @@ class StageRunner:
 
     def __init__(
         self,
-        module: StageModule,
+        module: StageModule | BlockStage,
         checkpoint: str = "never",
         versions: WeightVersions | None = None,
-        host: StageModule | None = None,
+        host: StageModule | BlockStage | None = None,
     ) -> None:
         self.module = module
         # the module in the user's LightningModule whose calls the step makes: the stage itself, or,
@@ -165,7 +165,7 @@ class StageRunner:
         self.meter: SavedActivationMeter | None = None  # benchmarks: peak bytes saved for backward
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
-        self.saving: Callable[[SavedActivationMeter | None], ContextManager[Any]] | None = None
+        self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -225,6 +225,7 @@ class StageRunner:
             value = from_tuple(tuple(leaves), was_tuple)
         if isinstance(self.module, BlockStage):
             return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params, step)
+        module = self.module  # a StageModule from here on
         if self.is_last:
             calls = 0
 
@@ -236,7 +237,7 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return self.module.run_layers(argument if received is None else value, use_ckpt, params)
+                return module.run_layers(argument if received is None else value, use_ckpt, params)
 
             loss = self._run_step(step, microbatch % num_microbatches, inject)
             if calls == 0:
@@ -248,13 +249,11 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(self.module.run_layers(argument, use_ckpt, params))
+                captured.append(module.run_layers(argument, use_ckpt, params))
                 raise StageExit
 
-            try:
+            with suppress(StageExit):
                 self._run_step(step, microbatch % num_microbatches, capture)
-            except StageExit:
-                pass
             if not captured:
                 raise RuntimeError(self._not_called())
             output = captured[0]

@@ -194,10 +194,7 @@ class Topology:
         self.meta_group: Any = None
         for replica in range(layout.replicas):
             ranks = layout.pipeline_ranks(replica)
-            if gloo and layout.replicas == 1:
-                group = dist.new_group()
-            else:
-                group = dist.new_group(ranks, backend="gloo")
+            group = dist.new_group() if gloo and layout.replicas == 1 else dist.new_group(ranks, backend="gloo")
             if replica == self.replica:
                 self.meta_group = group
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)

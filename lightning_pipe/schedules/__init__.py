@@ -74,7 +74,8 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
         )
     if not t.interleaved and t.virtual_stages > 1 and virtual_stages != t.virtual_stages:
         raise ValueError(
-            f"schedule={name!r} holds exactly {t.virtual_stages} stages per process (a V); got virtual_stages={virtual_stages}."
+            f"schedule={name!r} holds exactly {t.virtual_stages} stages per process (a V); got "
+            f"virtual_stages={virtual_stages}."
         )
     if t.virtual_stages == 1 and virtual_stages != 1:
         raise ValueError(

@@ -73,9 +73,12 @@ def _orders(d: int, n: int, chains: tuple[int, ...]) -> list[list[Action]]:
                 if ("F", i, depth) not in finish:
                     if depth == 0 or finish.get(("F", i, depth - 1), t + 1) <= t:
                         ready.append(((1, i // d, -depth, i), F(stage, i)))
-                elif ("B", i, depth) not in finish and finish[("F", i, depth)] <= t:
-                    if depth == d - 1 or finish.get(("B", i, depth + 1), t + 1) <= t:
-                        ready.append(((0, i // d, -depth, i), B(stage, i)))
+                elif (
+                    ("B", i, depth) not in finish
+                    and finish[("F", i, depth)] <= t
+                    and (depth == d - 1 or finish.get(("B", i, depth + 1), t + 1) <= t)
+                ):
+                    ready.append(((0, i // d, -depth, i), B(stage, i)))
             if ready:
                 action = min(ready)[1]
                 finish[_key(action, d)] = t + 1

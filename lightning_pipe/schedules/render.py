@@ -30,14 +30,14 @@ def render(
     virtual = schedule.num_stages > schedule.num_ranks
     strict = not virtual if rendezvous is None else rendezvous
     sim = simulate(schedule, forward_cost, backward_cost, weight_cost, rendezvous=strict)
-    width = int(round(sim.makespan))
+    width = round(sim.makespan)
     cell = max(2, len(str(schedule.num_microbatches - 1)) + 1 + (len(f"s{schedule.num_stages - 1}") if virtual else 0))
     rows = []
     for rank in range(schedule.num_ranks):
         slots = ["..".ljust(cell) for _ in range(width)]
         for action in schedule.compute(rank):
-            start = int(round(sim.start_times[(rank, action)]))
-            cost = int(round(sim.cost(action)))
+            start = round(sim.start_times[(rank, action)])
+            cost = round(sim.cost(action))
             label = f"{action.kind.value}{action.microbatch}" + (f"s{action.stage}" if virtual else "")
             label = label.ljust(cell)
             for t in range(start, start + cost):

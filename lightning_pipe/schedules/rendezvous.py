@@ -153,7 +153,7 @@ def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
         changed = True
         while changed:
             changed = False
-            for rank, state in enumerate(ranks):
+            for _rank, state in enumerate(ranks):
                 if not state.queue:
                     continue
                 head = state.queue[0]

@@ -49,12 +49,11 @@ def runnable_schedule(
         validate(schedule, rendezvous=rendezvous)
     except RendezvousError as err:
         raise ScheduleRefused(
-            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
-            f"run{under}: {err}. With this few micro-batches a process waits for its own output to come "
-            f"back around the pipeline. Use other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of "
-            f"{p} for 'interleaved_zero_bubble', >= {max(1, 2 * p - 2)} for 'zbv', >= {max(1, 2 * p - 4)} for 'chimera'; with a short last batch, "
-            "drop_last=True in the DataLoader), "
-            "or schedule='1f1b' or 'zero_bubble'."
+            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot run{under}: {err}. "
+            "With this few micro-batches a process waits for its own output to come back around the pipeline. Use "
+            f"other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of {p} for 'interleaved_zero_bubble', "
+            f">= {max(1, 2 * p - 2)} for 'zbv', >= {max(1, 2 * p - 4)} for 'chimera'; with a short last batch, "
+            "drop_last=True in the DataLoader), or schedule='1f1b' or 'zero_bubble'."
         ) from err
     except InvalidScheduleError as err:
         raise ScheduleRefused(

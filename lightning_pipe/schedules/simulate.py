@@ -102,7 +102,8 @@ def simulate(
 ) -> Simulation:
     """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
     (unequal stages, as a planner predicts them; a split backward's B and W take half the backward
-    each) or ``(forward, B, W)`` costs (as measured; an unsplit backward costs B + W); raises :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
+    each) or ``(forward, B, W)`` costs (as measured; an unsplit backward costs B + W); raises
+    :class:`DeadlockError` if it hangs. ``weight_cost`` is W's cost; without it a split
     backward's B and W take half of ``backward_cost`` each. With ``rendezvous`` false the model is
     gloo's instead of NCCL's: every posted send and receive proceeds on its own (matched per peer
     and tag), whatever else the rank posted before; only shape headers and the compute that
@@ -139,9 +140,10 @@ def simulate(
             action = lists[rank][index]
             if action.kind.is_compute:
                 waits = [completed.get((rank, need)) for need in _needs_of(schedule, action)]
-                if any(w is None for w in waits):
+                done = [w for w in waits if w is not None]
+                if len(done) < len(waits):
                     return moved
-                start = max([clock[rank], *waits])  # type: ignore[list-item]
+                start = max([clock[rank], *done])
                 starts[(rank, action)] = start
                 clock[rank] = start + cost(action)
                 busy[rank] += cost(action)

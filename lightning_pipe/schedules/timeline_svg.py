@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
 from lightning_pipe.schedules.simulate import Simulation
 
@@ -63,9 +64,7 @@ def simulated_bars(simulation: Simulation, scale: float = 1.0) -> list[Bar]:
     return bars
 
 
-def measured_bars(
-    spans_by_rank: Mapping[int, Iterable[object]], offsets: Mapping[int, float] | None = None
-) -> list[Bar]:
+def measured_bars(spans_by_rank: Mapping[int, Iterable[Any]], offsets: Mapping[int, float] | None = None) -> list[Bar]:
     """Bars from each rank's recorded spans of one step (objects with ``name``, ``stage``,
     ``microbatch``, ``start``, ``end``), shifted by that rank's ``offsets`` (seconds between the
     rank's step start and the earliest rank's), so the rows share one clock."""
@@ -147,7 +146,8 @@ def _panel(title: str, bars: Sequence[Bar], unit: str, top: float, width: float,
         )
         if label and right - left >= 14:
             out.append(
-                f'<text x="{(left + right) / 2:.2f}" y="{y + _ROW / 2 + 4}" class="label" text-anchor="middle">{label}{bar.microbatch}</text>'
+                f'<text x="{(left + right) / 2:.2f}" y="{y + _ROW / 2 + 4}" class="label" '
+                f'text-anchor="middle">{label}{bar.microbatch}</text>'
             )
     axis_y = y0 + ranks * (_ROW + _GAP)
     for tick in nice_ticks(span * scale):
@@ -188,7 +188,8 @@ def timeline_svg(panels: Sequence[tuple[str, Sequence[Bar]]], unit: str = "s", w
     )
     defs = (
         '<defs><pattern id="waiting" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-        '<rect width="6" height="6" fill="#fbe3e4"/><line x1="0" y1="0" x2="0" y2="6" stroke="#e15759" stroke-width="2"/>'
+        '<rect width="6" height="6" fill="#fbe3e4"/><line x1="0" y1="0" x2="0" y2="6" stroke="#e15759" '
+        'stroke-width="2"/>'
         "</pattern></defs>"
     )
     return (

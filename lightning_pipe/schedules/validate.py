@@ -16,9 +16,11 @@ class InvalidScheduleError(ValueError):
 def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     """Raise :class:`InvalidScheduleError` unless, on every rank: each action belongs to a stage the
     rank holds; every stage runs each micro-batch's forward exactly once (and its backward exactly
-    once, after the forward; with several chains, the stages of the micro-batch's chain only; in a ``split_backward`` schedule also its weight gradient W exactly once,
+    once, after the forward; with several chains, the stages of the micro-batch's chain only; in a
+    ``split_backward`` schedule also its weight gradient W exactly once,
     after the backward B); each receive comes before the compute that consumes it and each send
-    after the compute that produces it; every send has exactly one matching receive (between two stages of one rank, the send comes
+    after the compute that produces it; every send has exactly one matching receive (between two
+    stages of one rank, the send comes
     first in the rank's list); and the whole
     schedule finishes under the strict communication model of :mod:`.simulate` (NCCL's rendezvous;
     with ``rendezvous`` false, gloo's, where sends and receives proceed independently)."""

@@ -14,8 +14,9 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -120,7 +121,7 @@ def split_module(
     device: torch.device,
     to_device: Callable[[Any, torch.device], Any],
     broadcast: Callable[[Any], Any],
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
     previous: ModuleSplit | None = None,
 ) -> ModuleSplit:
     """Replace the Sequential by this rank's stage, under the same attribute and layer names.
@@ -179,7 +180,7 @@ def split_module(
     stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
     release_parameters(foreign)
-    if spec is not None:
+    if spec is not None and config.weights is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         chunks = config.num_microbatches(layout.stages)
@@ -202,7 +203,7 @@ def split_module(
 
 def check_held_parameters(
     module: nn.Module,
-    layers: nn.Module,
+    layers: nn.Sequential | nn.ModuleList,
     ends: Any,
     balance: list[int],
     positions: list[int],
@@ -240,8 +241,8 @@ def refuse_for_blocks(config: PipelineConfig) -> None:
     """What a block container (an ``nn.ModuleList`` the model's forward loops over) cannot run yet."""
     if not traits(config.schedule).block_containers:
         raise ValueError(
-            f"PipelineStrategy(module={config.module!r}) names a block container, and schedule={config.schedule!r} runs "
-            "copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
+            f"PipelineStrategy(module={config.module!r}) names a block container, and schedule={config.schedule!r} "
+            "runs copies of the split's stages, which block containers do not yet have. Use another schedule (such as "
             "'zero_bubble' or 'interleaved_1f1b'), or an nn.Sequential."
         )
 
@@ -252,7 +253,7 @@ def measure_inputs(
     device: torch.device,
     is_source: bool,
     broadcast: Callable[[Any], Any],
-    context: Callable[[], ContextManager[Any]],
+    context: Callable[[], AbstractContextManager[Any]],
 ) -> MeasureInputs:
     """What profiling before the split needs: the run's first batch (drawn when first asked for,
     moved by ``to_device`` to the device the module's tensors are on), this rank's device, whether

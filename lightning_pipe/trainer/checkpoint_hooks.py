@@ -20,10 +20,11 @@ from lightning_pipe.trainer import internals
 
 
 def optimizer_state(
-    module: nn.Module, optimizer: Optimizer, aliases: Mapping[str, str] | None = None
+    module: nn.Module | None, optimizer: Optimizer, aliases: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter name (so it loads under another layout); ``aliases``:
     this rank's copies of tied weights under the unsplit module's name (see :func:`tie_aliases`)."""
+    assert module is not None  # the strategy's lightning_module, attached before any checkpoint hook
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer.optimizer
     return optimizer_state_by_name(optimizer, parameter_names(module), aliases)
@@ -45,22 +46,24 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    module: nn.Module, checkpoint_path: Any, weights_only: bool | None, load_file: Callable[..., Any]
+    module: nn.Module | None, checkpoint_path: Any, weights_only: bool | None, load_file: Callable[..., Any]
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """This rank's view of a checkpoint: the parameters of its stage, by name, from a pipeline
     checkpoint written under any number of stages (or a plain Lightning checkpoint read with
     ``load_file``), and the asynchronous schedule's saved state (None without one)."""
+    assert module is not None
     return stage_io.load(checkpoint_path, list(module.state_dict()), weights_only, load_file)
 
 
 def load_optimizer_state_dict(
-    module: nn.Module,
+    module: nn.Module | None,
     optimizers: Sequence[Optimizer],
     checkpoint: Mapping[str, Any],
     sharded: bool,
     device: torch.device,
 ) -> None:
     """Each optimizer's state from the checkpoint's by-name states, in the optimizer's own order."""
+    assert module is not None
     names = parameter_names(module)
     params = dict(module.named_parameters())
     for optimizer, named in zip(optimizers, checkpoint["optimizer_states"]):
@@ -77,8 +80,9 @@ def load_optimizer_state_dict(
         internals.optimizer_to_device(optimizer, device)
 
 
-def load_model_state_dict(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, sharded: bool) -> None:
+def load_model_state_dict(module: nn.Module | None, checkpoint: Mapping[str, Any], strict: bool, sharded: bool) -> None:
     """As Lightning's, with whole tensors split into this replica's shards under ``shard``."""
+    assert module is not None
     state_dict = checkpoint["state_dict"]
     if sharded:
         current = module.state_dict()

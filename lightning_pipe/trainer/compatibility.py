@@ -65,7 +65,8 @@ def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, block
         problems.append("weights are tied across stages")
     if problems:
         fix = (
-            "Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied weights)."
+            "Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied "
+            "weights)."
             if blocks is None
             else f"Use data_parallel='replicate', or {_AS_SEQUENTIAL} (with a synchronous schedule and untied weights)."
         )

@@ -5,8 +5,8 @@ optimizers as the Trainer makes them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sized
+from typing import Any, cast
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
@@ -30,6 +30,7 @@ def first_batch(trainer: Any) -> Any:
         TrainerFn.PREDICTING: trainer.predict_loop,
     }
     source = internals.data_source(loops[trainer.state.fn])
+    assert source is not None, "the Trainer's loops hold their data source"
     loaders = source.dataloader()
     if isinstance(loaders, (Mapping, list, tuple)):
         loaders = CombinedLoader(loaders, "max_size_cycle" if trainer.state.fn == TrainerFn.FITTING else "sequential")
@@ -60,8 +61,9 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
             return dataloader
         size, drop_last = dataloader.batch_size, dataloader.drop_last
         assert size is not None  # a plain BatchSampler has one
-        rebuilt = internals.update_dataloader(dataloader, SequentialSampler(dataloader.dataset), mode=mode)
-        share = EvaluationShare(len(dataloader.dataset), size, drop_last, num_replicas, replica)  # type: ignore[arg-type]
+        dataset = cast(Sized, dataloader.dataset)  # splittable: a map-style dataset, so it has a length
+        rebuilt = internals.update_dataloader(dataloader, SequentialSampler(dataset), mode=mode)
+        share = EvaluationShare(len(dataset), size, drop_last, num_replicas, replica)
         # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
         object.__setattr__(rebuilt, "batch_sampler", share)
         return rebuilt

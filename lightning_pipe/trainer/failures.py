@@ -12,7 +12,9 @@ that reported nothing are named as the likely dead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,10 +67,8 @@ def report(error: BaseException, rank: int, describe_rank: Callable[[int], str])
         return None
     if not is_communication_error(error):
         text = f"{describe_rank(rank)} failed: {type(error).__name__}: {error}"
-        try:
+        with contextlib.suppress(Exception):
             store.set(f"{_NOTE}{rank}", text[:4000])
-        except Exception:
-            pass
         return None
     return PeerFailure(explain(store, rank, dist.get_world_size(), describe_rank, error))
 
@@ -124,4 +124,5 @@ def after_failure(failure: BaseException | None, teardown: Callable[[], None]) -
     except Exception as error:
         if failure is None:
             raise
-        failure.add_note(f"(tearing down after this error then failed too: {type(error).__name__}: {error})")
+        if sys.version_info >= (3, 11):  # no notes on Python 3.10: the first error alone
+            failure.add_note(f"(tearing down after this error then failed too: {type(error).__name__}: {error})")

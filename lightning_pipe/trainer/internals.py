@@ -179,7 +179,7 @@ class _ExtendedMultiProcessingLauncher(_MultiProcessingLauncher):
     def __init__(
         self, strategy: Any, start_method: str, after_worker: Callable[[], None], collect: Callable[..., Any]
     ) -> None:
-        super().__init__(strategy, start_method=start_method)
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]  # checked by the strategy
         self._after_worker = after_worker
         self._collect = collect
 

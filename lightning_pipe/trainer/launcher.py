@@ -6,7 +6,8 @@ would re-run the whole sweep in every extra process; :func:`hydra_child_command`
 one the job's own overrides and output folder instead (:func:`script_launcher`).
 
 For ``spawn`` / ``fork``, Lightning's own multiprocessing launcher does the work, with two
-differences that matter for a pipeline: the weights sent back to the main process are the whole model, gathered from every
+differences that matter for a pipeline: the weights sent back to the main process are the whole
+model, gathered from every
 stage (so ``trainer.fit`` in a notebook leaves the notebook's module trained, as with
 ``DDPStrategy``; not for a module built in ``configure_model()``, which may not fit one process:
 save a checkpoint instead), and ``trainer.predict`` returns rank 0's predictions there. The launcher is a
@@ -86,7 +87,7 @@ def _collect_whole_weights(
         return merged
 
     # Lightning sends back what the module's state_dict gives: for this call, the whole model
-    module.state_dict = full_state_dict  # type: ignore[method-assign]
+    module.state_dict = full_state_dict  # type: ignore[assignment]
     try:
         output = lightning()
     finally:

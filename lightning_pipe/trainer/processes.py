@@ -83,7 +83,7 @@ class ProcessStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # an attribute Lightning sets on it
         self._process_group_backend = self._process_group_backend or internals.default_process_group_backend(
             self.root_device
         )

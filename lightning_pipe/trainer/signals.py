@@ -13,7 +13,8 @@ Here the handler runs no collective. It records the request, passes the signal o
 this one launched (as Lightning does), and starts a deadline. The stages agree on stopping at a
 point every stage reaches: the start of each step (training, validation, test, predict), where
 rank 0's request is broadcast from rank 0 without waiting (over gloo, so never a GPU sync), and
-read one step later: no stage waits for another at a step's start. There every stage raises Lightning's ``SIGTERMException`` together and
+read one step later: no stage waits for another at a step's start. There every stage raises
+Lightning's ``SIGTERMException`` together and
 the Trainer ends the run as usual (``on_exception`` callbacks, loggers, teardown). A process that
 has not reached that point ``GRACE_SECONDS`` after its signal (a peer died, or the signal reached
 only a later stage) exits with status ``128 + SIGTERM``; a second SIGTERM ends it at once.

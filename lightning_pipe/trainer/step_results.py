@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Number
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -284,13 +284,15 @@ class SummaryBroadcaster:
         if flag == 2:  # too many values for the tensor: send the whole summary
             box = [summary]
             dist.broadcast_object_list(box, self.src, group=self.group)
-            return box[0]  # type: ignore[return-value]
+            return cast("dict[str, Any]", box[0])  # the sender's summary, on every rank
         if flag == 1:
             assert not self.is_src or summary is not None
-            structure = [(name, kwargs) for name, _, kwargs in summary["logs"]] if self.is_src else None  # type: ignore[index]
-            box = [structure]
-            dist.broadcast_object_list(box, self.src, group=self.group)
-            self._structure = box[0]
+            structure = (
+                [(name, kwargs) for name, _, kwargs in summary["logs"]] if summary is not None and self.is_src else None
+            )
+            shared = [structure]
+            dist.broadcast_object_list(shared, self.src, group=self.group)
+            self._structure = shared[0]
         assert self._structure is not None
         count = int(buffer[1])
         values = buffer[self.HEAD : self.HEAD + count].tolist()

@@ -12,7 +12,7 @@ so that no rank waits for the others between steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.runtime.loss_weights import microbatch_weights
+from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
@@ -108,9 +108,10 @@ class PipelineSteps:
                 )
             if weight > 0 and torch.is_anomaly_enabled() and not bool(torch.isfinite(loss.detach()).all()):
                 raise FloatingPointError(
-                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of {len(micro)} "
-                    f"(batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
-                    f"{self.placement.describe_rank(self.placement.rank)}; stopping because Trainer(detect_anomaly=True)."
+                    f"training_step returned a loss of {loss.detach().float().item()} for micro-batch {i} of "
+                    f"{len(micro)} (batch {rest[0] if rest else '?'}, global step {module.trainer.global_step}) on "
+                    f"{self.placement.describe_rank(self.placement.rank)}; stopping because "
+                    "Trainer(detect_anomaly=True)."
                 )
             recorder.add_loss(loss, weight)
             scaled = loss * weight
@@ -239,7 +240,8 @@ class PipelineSteps:
         self, module: pl.LightningModule, kind: str, args: tuple
     ) -> tuple[pl.LightningModule, list[Any], list[tuple], list[float], StepRecorder]:
         """The module, the batch's micro-batches, their shape keys, their weights (share of the
-        batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs. Starts checking that every stage
+        batch's samples, or of what ``loss_weight`` counts) and a recorder for what the step logs.
+        Starts checking that every stage
         loaded the same batch (finished before this rank's first receive)."""
         assert module is not None
         batch = args[0]
@@ -261,7 +263,8 @@ class PipelineSteps:
         counted = self.placement.is_last_stage or (
             kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro))
         )
-        weights = microbatch_weights(micro, self.config.loss_weight if counted else None)
+        loss_weight = cast("LossWeight | None", self.config.loss_weight)  # PipelineConfig made "samples" None
+        weights = microbatch_weights(micro, loss_weight if counted else None)
         return module, micro, keys, weights, StepRecorder()
 
     def _checks_values(self, batch_idx: int) -> bool:

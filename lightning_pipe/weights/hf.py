@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 PRETRAINED_FILES = (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX)  # from_pretrained's order
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the header's size
 
-Shape = Optional[tuple[int, ...]]  # None: not known until the file is opened
+Shape = tuple[int, ...] | None  # None: not known until the file is opened
 
 
 def pretrained_file(directory: Path) -> Path | None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrai
 from lightning_pipe.weights.names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
-_PATH = Union[str, Path]
+_PATH = str | Path
 _SHOWN = 8
 
 
@@ -149,7 +149,8 @@ def _open_safetensors(path: Path) -> WeightSource:
     except ValueError as err:
         raise ValueError(f"Cannot read the weights {path}: {err}") from err
     handle = safe_open(str(path), framework="pt", device="cpu")
-    shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    names = handle.keys()  # safe_open has keys() but no __iter__
+    shapes: dict[str, tuple[int, ...] | None] = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
     return WeightSource(path, shapes, handle.get_tensor, [handle])
 
 

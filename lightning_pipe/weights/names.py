@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Union
 
-Rename = Union[Mapping[str, str | None], Callable[[str], str | None]]
+Rename = Mapping[str, str | None] | Callable[[str], str | None]
 _SHOWN = 4
 
 

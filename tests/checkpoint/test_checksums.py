@@ -35,7 +35,8 @@ def test_the_verifier_checks_the_tensors_of_the_names_asked_for(tmp_path: Path) 
     recorded = checksums.record(shard)
     assert set(recorded) == {
         ("state_dict", "a.weight"), ("state_dict", "b.weight"), ("extra", "scale"),
-        ("optimizer_states", 0, "state", "a.weight", "exp_avg"), ("optimizer_states", 0, "state", "b.weight", "exp_avg"),
+        ("optimizer_states", 0, "state", "a.weight", "exp_avg"),
+        ("optimizer_states", 0, "state", "b.weight", "exp_avg"),
     }  # fmt: skip
     shard["optimizer_states"][0]["state"]["b.weight"]["exp_avg"][1] = 5.0  # damage b's optimizer state
     verifier = checksums.Verifier(tmp_path / "f.pt", shard, recorded, shard["state_dict"])

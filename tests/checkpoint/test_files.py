@@ -159,9 +159,10 @@ def test_a_stage_file_of_another_run_at_the_same_step_is_named_by_its_save_id(tm
         write_meta(tmp_path / run, {"epoch": 0, "global_step": 4}, 1, tag)
     (tmp_path / "a" / shard_name(0)).write_bytes((tmp_path / "b" / shard_name(0)).read_bytes())
     message = (
-        re.escape(str(tmp_path / "a" / shard_name(0))) + r" belongs to another save at the same step 4 \(epoch 0\) than "
-        + re.escape(str(tmp_path / "a" / "meta.pt")) + r": save id 9a8b7c6d against 1f2e3d4c \(another run, or the same "
-        r"step saved twice\)"
+        re.escape(str(tmp_path / "a" / shard_name(0))) + r" belongs to another save at the same step 4 \(epoch 0\) "
+                                                         r"than "
+        + re.escape(str(tmp_path / "a" / "meta.pt")) + r": save id 9a8b7c6d against 1f2e3d4c \(another run, or the "
+                                                       r"same step saved twice\)"
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=message):
         read(tmp_path / "a")

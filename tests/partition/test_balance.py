@@ -24,7 +24,7 @@ def _brute_force(costs: list[float], stages: int) -> float:
     n = len(costs)
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
     return best
 
 
@@ -38,7 +38,7 @@ def test_by_cost_minimises_the_bottleneck(costs: list[float], stages: int) -> No
     bounds = [0]
     for n in balance:
         bounds.append(bounds[-1] + n)
-    bottleneck = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+    bottleneck = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
     assert bottleneck == pytest.approx(_brute_force(costs, stages))
 
 

@@ -28,15 +28,23 @@ class Holder(L.LightningModule):
 
 
 def gpt2(layers: int = 4, width: int = 32, vocab: int = 100, positions: int = 16) -> Callable[[], nn.Module]:
-    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions,
-                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions, bos_token_id=0, eos_token_id=0
+    )
     return lambda: transformers.GPT2LMHeadModel(config)
 
 
 def llama(tied: bool, layers: int = 4, width: int = 32, vocab: int = 100) -> Callable[[], nn.Module]:
-    config = transformers.LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                                      tie_word_embeddings=tied, max_position_embeddings=64)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     return lambda: transformers.LlamaForCausalLM(config)
 
 
@@ -201,15 +209,31 @@ def test_other_hf_models_initialise_every_tensor(model: str) -> None:
     token_type_ids, non-persistent buffers set by _init_weights): no tensor is left unset (the NaN
     check would name it) and the buffers equal an eager build's."""
     if model == "vit":
-        config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                        image_size=8, patch_size=4, num_labels=3)  # fmt: skip
-        build = lambda: transformers.ViTForImageClassification(config)
+        config = transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=8,
+            patch_size=4,
+            num_labels=3,
+        )
+
+        def build() -> nn.Module:
+            return transformers.ViTForImageClassification(config)
+
         path = (
             "model.vit.layers" if hasattr(Holder(build).model.vit, "layers") else "model.vit.encoder.layer"
         )  # older releases
     else:
-        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                         vocab_size=50, max_position_embeddings=16)  # fmt: skip
+        config = transformers.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=50,
+            max_position_embeddings=16,
+        )
         build, path = (lambda: transformers.BertForMaskedLM(config)), "model.bert.encoder.layer"
     meta = init_like_pipeline(on_meta(build), seed=0, sequential=path)
     eager = Holder(build)

@@ -32,7 +32,7 @@ def _brute_force(n: int, stages: int, cost: Any) -> float:
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(cost(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))))
+        best = min(best, max(cost(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))))
     return best
 
 
@@ -55,7 +55,7 @@ def test_memory_balance_is_the_exact_minimum_with_in_flight_activations(seed: in
         in_flight = in_flight_microbatches(schedule, 3, 6)
         balance = profile.balance("memory", 3, in_flight, checkpoint)
         got = max(profile.stage_bytes(balance, in_flight, checkpoint))
-        best = _brute_force(9, 3, lambda s, a, b: profile._stage_memory(s, a, b, in_flight, checkpoint))
+        best = _brute_force(9, 3, lambda s, a, b, f=in_flight, c=checkpoint: profile._stage_memory(s, a, b, f, c))
         assert got == best
 
 

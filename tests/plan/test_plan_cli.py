@@ -61,8 +61,9 @@ def test_plan_only_and_timeline_options_of_a_run(
 
     from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
 
-    small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500", "recipe.data.batch_size=8",
-             "trainer.max_steps=2", "trainer.limit_val_batches=1", "strategy.start_method=fork"]  # fmt: skip
+    small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500",
+             "recipe.data.batch_size=8", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+             "strategy.start_method=fork"]  # fmt: skip
 
     def compose_run(overrides: list[str]) -> Any:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -112,8 +113,8 @@ def test_plan_with_nothing_to_rank_says_so(
 
     from lightning_pipe.cli import CONFIG_DIR, run
 
-    small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500", "recipe.data.batch_size=8",
-             "trainer.max_steps=2", "strategy.start_method=fork"]  # fmt: skip
+    small = ["recipe.data.limit_chars=40000", "recipe.data.max_len=32", "recipe.data.vocab_size=500",
+             "recipe.data.batch_size=8", "trainer.max_steps=2", "strategy.start_method=fork"]  # fmt: skip
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(
             config_name="config",
@@ -127,6 +128,6 @@ def test_plan_with_nothing_to_rank_says_so(
     out = capfd.readouterr().out
     processes = 1 if "trainer.devices=1" in overrides else 2
     assert (
-        f"lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has 1 on {processes} "
-        in out
+        "lightning-pipe plan: nothing to rank: the planner needs a pipeline of at least 2 stages, and this run has 1 "
+        f"on {processes} " in out
     )

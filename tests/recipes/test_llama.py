@@ -156,7 +156,8 @@ def test_blocks_of_another_model_type_are_found_by_their_count(tmp_path: Path) -
     """A checkpoint of a type the recipe has no entry for (Mistral): its one nn.ModuleList of
     num_hidden_layers modules, found on the meta device."""
     config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64)  # fmt: skip
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
     model = CausalLM(weights=str(tmp_path), max_len=32, build="configure_model")
     assert model.strategy_defaults == {

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -24,6 +25,6 @@ def test_warmup_then_linear_or_cosine_decay() -> None:
     assert cosine[:4] == pytest.approx([2 / 3, 4 / 3, 2.0, 2.0])
     assert cosine[6] == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 - math.cos(math.pi * 4 / 7))))
     assert cosine[10:] == pytest.approx([0.2, 0.2])  # the floor from max_steps on
-    assert all(a > b for a, b in zip(cosine[3:10], cosine[4:11]))
+    assert all(a > b for a, b in itertools.pairwise(cosine[3:11]))
     with pytest.raises(ValueError, match="valid decays are linear, cosine"):
         _rates("step")

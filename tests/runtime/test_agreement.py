@@ -103,7 +103,8 @@ def test_the_source_is_named_only_when_the_stages_disagree(monkeypatch: pytest.M
     board.post([signature(x)], [x], source)
     with pytest.raises(
         RuntimeError,
-        match=r"from the training DataLoader \(dataset Noisy\) at batch 3 of epoch 1 \(global step 7\): the batches have the same shapes",
+        match=r"from the training DataLoader \(dataset Noisy\) at batch 3 of epoch 1 \(global step 7\): the batches "
+        r"have the same shapes",
     ):
         board.check()
     assert named == [1]

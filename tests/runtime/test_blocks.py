@@ -103,7 +103,7 @@ def test_the_models_own_loop_gives_plain_gradients(world_of_one: Topology, sched
         pipeline.hand_over_gradients()
         assert sorted(expected) == sorted(n for n, _ in model.named_parameters())  # names unchanged by the split
         for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, expected[name], msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(param.grad, expected[name], msg=lambda m, name=name: f"{name}: {m}")
         # the loop read every block's attribute, those of the other stage's blocks included
         assert set(model.seen_types) == {"full", "sliding"}
     finally:
@@ -163,7 +163,7 @@ def test_other_stages_blocks_show_their_plain_attributes_only() -> None:
     assert host[0].attention_type == "full" and host[1].attention_type == "sliding"
     assert isinstance(host[2].linear, nn.Linear)  # a held block: its modules
     with pytest.raises(AttributeError, match=r"Block 0 is held by another pipeline stage; only its plain attributes"):
-        host[0].linear
+        _ = host[0].linear
     assert len(host[1:]) == 3
 
 

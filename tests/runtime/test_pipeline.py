@@ -89,7 +89,7 @@ def test_a_training_step_gives_plain_gradients(world_of_one: Topology, schedule:
         assert all(p.grad is None for p in model.parameters())  # kept aside until handed over
         pipeline.hand_over_gradients()
         for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, expected[name], msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(param.grad, expected[name], msg=lambda m, name=name: f"{name}: {m}")
     finally:
         pipeline.close()
 
@@ -148,7 +148,7 @@ def test_clipping_takes_the_norm_over_the_stage_gradients(world_of_one: Topology
         norm = pipeline.clip_grad_norm_(list(model.parameters()), 0.01)
         torch.testing.assert_close(norm, expected)
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
     finally:
         pipeline.close()
 
@@ -216,7 +216,7 @@ def test_pipedream_2bw_applies_each_batch_gradient_one_step_late(world_of_one: T
     batches = [_batch(seed=s) for s in range(4)]
     weights = [copy.deepcopy(model.state_dict())]
     try:
-        for t, batch in enumerate(batches):
+        for batch in batches:
             _train(pipeline, model, batch)
             pipeline.hand_over_gradients()
             with torch.no_grad():
@@ -236,4 +236,4 @@ def test_pipedream_2bw_applies_each_batch_gradient_one_step_late(world_of_one: T
             grads = _plain_grads(plain, batches[t - 1])
         expected = {k: v - lr * grads[k] if t >= 1 else v for k, v in weights[t].items()}
         for name, value in weights[t + 1].items():
-            torch.testing.assert_close(value, expected[name], msg=lambda m: f"step {t}, {name}: {m}")
+            torch.testing.assert_close(value, expected[name], msg=lambda m, t=t, name=name: f"step {t}, {name}: {m}")

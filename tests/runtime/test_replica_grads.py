@@ -47,7 +47,8 @@ def test_more_uses_than_the_first_step_had_is_explained() -> None:
     counts.start(3)
     with pytest.raises(
         RuntimeError,
-        match=r"shape \(3, 8\) received 4 gradient accumulations in a step of 3 micro-batches, where the first step gave it 1 per micro-batch",
+        match=r"shape \(3, 8\) received 4 gradient accumulations in a step of 3 micro-batches, where the first step "
+        r"gave it 1 per micro-batch",
     ):
         counts.final(ONCE, 4, (3, 8))
     with pytest.raises(RuntimeError, match="multiply its result by zero"):

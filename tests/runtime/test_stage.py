@@ -103,7 +103,7 @@ def test_meter_counts_what_the_schedules_hold() -> None:
         stage = StageModule(stage_layers(seq, [len(seq)], 0), 0, 1)
         xs, ys = x.chunk(4), y.chunk(4)
         runner = StageRunner(stage)
-        calls = Callbacks(lambda i: nn.functional.mse_loss(stage(xs[i]), ys[i]))
+        calls = Callbacks(lambda i, stage=stage, xs=xs, ys=ys: nn.functional.mse_loss(stage(xs[i]), ys[i]))
         runner.meter = SavedActivationMeter(stage.parameters())
         Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0).run(schedule(1, 4), [None] * 4, calls)
         peaks[schedule.__name__] = runner.meter.peak

@@ -1,5 +1,6 @@
 """Per-action timings: one span per compute action, in schedule order, inside the step."""
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -40,7 +41,7 @@ def test_spans_follow_the_schedule_and_add_up() -> None:
     spans = timeline.steps[1]
     step = spans[-1]
     assert step.name == "step"
-    for earlier, later in zip(spans[:-2], spans[1:-1]):
+    for earlier, later in itertools.pairwise(spans[:-1]):
         assert 0 <= earlier.start <= earlier.end <= later.start <= step.end
     totals = timeline.totals()
     assert totals["F"] >= m * 0.01  # the sleeps are inside the forward spans

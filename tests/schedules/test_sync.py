@@ -73,7 +73,8 @@ def test_render_shows_the_timetable() -> None:
 def test_unknown_schedule_names_the_valid_ones() -> None:
     with pytest.raises(
         ValueError,
-        match="Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble",
+        match="Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, "
+        "pipedream_2bw, pipemare, zbv, zero_bubble",
     ):
         get_schedule("zero_bubbles")
 
@@ -116,7 +117,7 @@ def test_validator_rejects_a_deadlock() -> None:
     reordered = [x for x in a0 if str(x) not in ("F1@s0", "SEND_F1@s0")]
     position = reordered.index(B(0, 0)) + 1
     reordered[position:position] = [F(0, 1)]
-    send = [x for x in a0 if str(x) == "SEND_F1@s0"][0]
+    send = next(x for x in a0 if str(x) == "SEND_F1@s0")
     reordered.append(send)
     with pytest.raises(InvalidScheduleError):
         validate(_replace(good, 0, reordered))

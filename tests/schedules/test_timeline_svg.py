@@ -95,8 +95,8 @@ def test_split_backward_schedules_get_their_predicted_timeline(tmp_path: Path, s
     step even where validation ran after it (its forwards are recorded too)."""
     path = tmp_path / "run.svg"
     fit_pipeline(
-        LifecycleNet(), 2, data=loader(48, 12), val_data=loader(24, 12), schedule=schedule, chunks=4, max_steps=-1, max_epochs=1,
-        callbacks=[TimelinePicture(path)],
+        LifecycleNet(), 2, data=loader(48, 12), val_data=loader(24, 12), schedule=schedule, chunks=4, max_steps=-1,
+        max_epochs=1, callbacks=[TimelinePicture(path)],
     )  # fmt: skip
     svg = path.read_text()
     panels = _panels(svg)
