@@ -100,6 +100,13 @@ class VGGClassifier(L.LightningModule):
         if self.layers is None:
             self.layers = self._vgg_layers()
 
+    @property
+    def strategy_defaults(self) -> dict[str, Any]:
+        """``PipelineStrategy`` arguments for this model unless the run sets them: ``balance`` by
+        parameters: the layers differ in size (the convolutions grow wider with depth), as the
+        command line's other recipes' do."""
+        return {"balance": "parameters"}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
 
