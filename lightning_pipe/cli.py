@@ -520,7 +520,8 @@ def check_overrides(args: Sequence[str]) -> None:
         if not rest:
             prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
         elif head == "strategy":
-            in_files = {str(k) for f in (Path(CONFIG_DIR) / "strategy").glob("*.yaml") for k in OmegaConf.load(f)}
+            files = (Path(CONFIG_DIR) / "strategy").glob("*.yaml")
+            in_files = {str(k) for f in files for k in OmegaConf.load(f)} - {"defaults"}  # Hydra's list, not a key
             prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
         elif head == "trainer":
             prefix, name, valid = (

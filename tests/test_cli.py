@@ -64,6 +64,7 @@ def test_config_groups_are_complete() -> None:
         "none",
         "pipedream",
         "pipedream_2bw",
+        "pipeline",
         "pipemare",
         "zbv",
         "zero_bubble",
@@ -284,7 +285,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
-        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"
+        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipeline, pipemare, zbv, zero_bubble"
         in lines
     )
     assert "powered by Hydra" not in result.stdout
