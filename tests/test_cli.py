@@ -444,7 +444,8 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
     monkeypatch.setattr(cli, "_main", lambda: pytest.fail("Hydra was reached"))
     for override, message in (("strategy.chunk=4", r"unknown key strategy.chunk \(did you mean strategy.chunks\?\)"),
                               ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\)"),
-                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)")):  # fmt: skip
+                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
+                              ("strategy.defaults=[]", r"unknown key strategy.defaults\.")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):
             cli.main()
