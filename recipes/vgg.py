@@ -103,8 +103,9 @@ class VGGClassifier(L.LightningModule):
     @property
     def strategy_defaults(self) -> dict[str, Any]:
         """``PipelineStrategy`` arguments for this model unless the run sets them: ``balance`` by
-        parameters: the layers differ in size (the convolutions grow wider with depth), as the
-        command line's other recipes' do."""
+        parameters, the command line's split for every recipe so far (the convolutions grow wider
+        with depth). By the step times of docs/balance.md, ``"time"`` and ``"uniform"`` split VGG
+        faster: ``strategy.balance=time``."""
         return {"balance": "parameters"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
