@@ -328,7 +328,9 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))
-        balance = cfg.strategy.balance
+        # null: the recipe's choice (its strategy_defaults), else PipelineConfig's, as build_strategy gives it
+        chosen = getattr(model, "strategy_defaults", None) or {}
+        balance = cfg.strategy.balance or chosen.get("balance") or PipelineConfig.balance
         balance = balance if isinstance(balance, str) else [int(n) for n in balance]
         ties = tied_parameters(layers, resolve_balance(balance, layers, devices))
     except (ValueError, TypeError):
