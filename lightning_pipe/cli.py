@@ -330,7 +330,9 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
         return
     try:
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))
-        balance = cfg.strategy.balance
+        # null: the recipe's choice (its strategy_defaults), else PipelineConfig's, as build_strategy gives it
+        chosen = getattr(model, "strategy_defaults", None) or {}
+        balance = cfg.strategy.balance or chosen.get("balance") or PipelineConfig.balance
         balance = balance if isinstance(balance, str) else [int(n) for n in balance]
         ties = tied_parameters(layers, resolve_balance(balance, layers, devices))
     except (ValueError, TypeError):
@@ -531,7 +533,8 @@ def check_overrides(args: Sequence[str]) -> None:
         if not rest:
             prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
         elif head == "strategy":
-            in_files = {str(k) for f in (Path(CONFIG_DIR) / "strategy").glob("*.yaml") for k in OmegaConf.load(f)}
+            files = (Path(CONFIG_DIR) / "strategy").glob("*.yaml")
+            in_files = {str(k) for f in files for k in OmegaConf.load(f)} - {"defaults"}  # Hydra's list, not a key
             prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
         elif head == "trainer":
             prefix, name, valid = (

@@ -161,8 +161,9 @@ class BertMLM(L.LightningModule):
         """``PipelineStrategy`` arguments this model needs unless the run sets them: ``loss_weight``
         counts the masked tokens (labels other than -100, the third item of a batch) that the loss
         averages over, so that the pipeline trains on the batch's mean over them, as plain training
-        does: micro-batches hold different numbers of masked tokens."""
-        return {"loss_weight": token_count(labels=2, shift=False)}
+        does: micro-batches hold different numbers of masked tokens. ``balance`` by parameters: the
+        embeddings, the encoder layers and the head differ in size."""
+        return {"loss_weight": token_count(labels=2, shift=False), "balance": "parameters"}
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layers((ids, mask))

@@ -188,7 +188,8 @@ class CausalLM(L.LightningModule):
         tokens the model's loss averages over (labels other than -100, shifted: the batch is the
         labels), so that the pipeline trains on the batch's token mean. This recipe's rows have no
         -100 label, so every micro-batch's count is its size times ``max_len - 1``; a batch whose
-        labels leave tokens out needs the count."""
+        labels leave tokens out needs the count. ``balance`` by parameters: the first and the last
+        stage also hold the embeddings and the head."""
         if self._blocks is None:  # another model type from `weights`: look for its blocks on the meta device
             with torch.device("meta"):
                 self._blocks = block_path(self._new_model(), self.hf_config.model_type)
@@ -197,6 +198,7 @@ class CausalLM(L.LightningModule):
             "module": f"model.{self._blocks}",
             "weights": str(Path(weights).expanduser()) if weights else None,
             "loss_weight": token_count(labels=None, shift=True),
+            "balance": "parameters",
         }
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,7 @@ def test_config_groups_are_complete() -> None:
         "none",
         "pipedream",
         "pipedream_2bw",
+        "pipeline",
         "pipemare",
         "zbv",
         "zero_bubble",
@@ -286,7 +287,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
         "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, "
-        "pipemare, zbv, zero_bubble" in lines
+        "pipeline, pipemare, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
@@ -445,7 +446,8 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
     for override, message in (("strategy.chunk=4", r"unknown key strategy.chunk \(did you mean strategy.chunks\?\)"),
                               ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean "
                                                      r"trainer.max_steps\?\)"),
-                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)")):  # fmt: skip
+                              ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
+                              ("strategy.defaults=[]", r"unknown key strategy.defaults\.")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):
             cli.main()

@@ -101,9 +101,11 @@ class Candidate:
         """The ``PipelineStrategy`` arguments that run this candidate (with replicas, each replica's
         DataLoader batch must be ``batch / replicas`` for the global batch planned for)."""
         args: dict[str, object] = {
-            "schedule": self.schedule, "chunks": self.chunks, "balance": list(self.balance),
-            "checkpoint": self.checkpoint,
-        }  # fmt: skip
+            "schedule": self.schedule,
+            "chunks": self.chunks,
+            "balance": list(self.balance),
+            "recompute": self.checkpoint,
+        }
         if self.schedule in VIRTUAL_STAGES:
             args["virtual_stages"] = self.virtual_stages
         if self.replicas > 1:

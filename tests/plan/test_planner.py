@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,10 @@ def test_interleaved_zero_bubble_predicts_less_bubble_than_interleaving_at_each_
         assert by["interleaved_zero_bubble", v].bubble < by["interleaved_1f1b", v].bubble
         assert by["interleaved_zero_bubble", v].step_seconds < by["interleaved_1f1b", v].step_seconds
     assert by["interleaved_zero_bubble", 3].strategy_arguments()["virtual_stages"] == 3
+    arguments = by["interleaved_zero_bubble", 3].strategy_arguments()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # recompute=, not its former name checkpoint=
+        assert PipelineStrategy(**arguments).config.recompute == arguments["recompute"]
     # under NCCL's rendezvous only what the regrouped schedule runs is proposed: multiples of p here
     nccl = plan(
         {m: _split_profile(16 // m, layers=8) for m in (1, 2, 4)},

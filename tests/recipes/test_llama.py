@@ -113,6 +113,7 @@ def test_weights_and_tokenizer_from_a_save_pretrained_directory(tmp_path: Path) 
         "module": "model.model.layers",
         "weights": str(tmp_path / "hub"),
         "loss_weight": token_count(None),
+        "balance": "parameters",
     }
     with torch.device("meta"):  # the pipeline's deferred build: the strategy loads each stage's tensors
         deferred.configure_model()
@@ -164,6 +165,7 @@ def test_blocks_of_another_model_type_are_found_by_their_count(tmp_path: Path) -
         "module": "model.model.layers",
         "weights": str(tmp_path),
         "loss_weight": token_count(None),
+        "balance": "parameters",
     }
     with pytest.raises(
         ValueError, match=r"which nn.ModuleList holds its 3 blocks \(candidates: none\); set strategy.module"
