@@ -91,6 +91,10 @@ class Schedule:
     equal chains, stage ``c x chain_length + k`` being depth ``k`` of chain ``c``; micro-batch ``i``
     goes through chain ``chain_of[i]`` only (every micro-batch through chain 0 where ``chain_of``
     is empty). Activations and gradients travel between neighbouring stages of one chain.
+
+    ``overlapped[r]`` lists rank ``r``'s overlapped units (DualPipe's F&B): consecutive computes
+    of its list, a forward of one micro-batch and the backward (B, and its W where it follows
+    at once) of another, that the executor may run at the same time. Empty: none.
     """
 
     name: str
@@ -102,6 +106,7 @@ class Schedule:
     split_backward: bool = False
     chains: int = 1
     chain_of: tuple[int, ...] = ()
+    overlapped: tuple[tuple[tuple[Action, ...], ...], ...] = ()
 
     @property
     def chain_length(self) -> int:
