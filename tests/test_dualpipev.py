@@ -58,6 +58,22 @@ def test_weights_equal_plain_training(stages: int, chunks: int, recompute: str) 
     assert_same_weights(reference, piped)
 
 
+class _BackwardFirst(TinyNet):
+    """Runs each F&B unit's backward half before its forward half, through the model's hook."""
+
+    def overlapped_forward_backward(self, forward: Any, backward: Any) -> None:
+        backward()
+        forward()
+
+
+def test_the_models_overlap_hook_runs_the_units_across_processes() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(_BackwardFirst(depth=8))
+    fit_plain(reference, _data())
+    fit_pipeline(piped, 2, _data(), schedule="dualpipev", chunks=8)
+    assert_same_weights(reference, piped)
+
+
 def test_parameters_outside_the_sequential_and_tied_weights() -> None:
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())

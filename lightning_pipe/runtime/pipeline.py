@@ -38,6 +38,7 @@ from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.p2p import Transport
@@ -155,7 +156,7 @@ class StagePipeline:
             s: StageRunner(m, checkpoint=config.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
         }
-        self.executor = Executor(self.transport, self.runners, rank=placement.stage)
+        self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(

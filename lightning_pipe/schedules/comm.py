@@ -49,8 +49,9 @@ def with_communication(
     """Build a :class:`Schedule` from each rank's compute order (``compute[r]`` is rank r's). A
     weight-gradient action (W) needs nothing and feeds nothing. ``chains`` and ``chain_of``: see
     :class:`Schedule`. ``overlapped[r]``: rank r's overlapped units (consecutive computes in its
-    order); a unit's receives are all posted before its first compute and its sends after its last,
-    so that nothing separates the computes that may run at once."""
+    order); a unit's receives are all posted before its first compute, so that nothing the unit
+    waits for separates the computes that may run at once, and each compute's send right after it
+    (run one after another, the forward's output travels while the backward computes)."""
     length = num_stages // chains
     per_rank: list[tuple[Action, ...]] = []
     for rank, order in enumerate(compute):
@@ -60,8 +61,9 @@ def with_communication(
         pending_sends: list[Action] = []
         for action in order:
             if action in inside:
+                actions.extend(pending_sends)
                 actions.append(action)
-                pending_sends += produces(action, length)
+                pending_sends = produces(action, length)
                 continue
             unit = units.get(action, (action,))
             inside.update(unit[1:])

@@ -2,8 +2,8 @@
 
 DeepSeek's table (DeepSeek-V3, section 3.2.1; the DualPipe repository), ``PP`` stages on ``PP / 2``
 ranks: bubble ``(PP/2 - 1)(F&B + B - 3W)``, ``PP + 1`` micro-batches' activations. ``B`` there is a
-whole backward (our B + W) and ``F&B`` an overlapped pair's time, which the simulation (one compute
-at a time, a unit's sends after its last compute) takes as ``F + B + W``.
+whole backward (our B + W) and ``F&B`` an overlapped pair's time: the simulation's ``overlap=1.0``
+runs each unit as one block of ``F + B + W`` whose sends leave at its end.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lightning_pipe.schedules import (
     traits,
     validate,
 )
-from lightning_pipe.schedules.actions import B, F, W
+from lightning_pipe.schedules.actions import Action, B, F, W
 from lightning_pipe.schedules.dualpipe import table_bubble
 from lightning_pipe.schedules.zero_bubble import zbv_stage_to_rank
 
@@ -32,11 +32,17 @@ def test_equal_costs_give_the_table_bubble_on_every_rank(ranks: int) -> None:
     for m in (2 * ranks, 2 * ranks + 1, 4 * ranks):
         schedule = dualpipev(ranks, m)
         validate(schedule, rendezvous=False)
-        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False)
-        # F = B = W = 1: a whole backward 2, an F&B pair 3 -> (p - 1)(3 + 2 - 3) = 2 (p - 1)
+        # F = B = W = 1: a whole backward 2, an F&B unit (on two streams, no gain) 3 -> 2 (p - 1)
         expected = table_bubble(ranks, forward=1.0, backward=2.0, weight=1.0, overlapped=3.0)
         assert expected == 2 * (ranks - 1)
+        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False, overlap=1.0)
         assert [sim.makespan - b for b in sim.busy] == pytest.approx([expected] * ranks), (ranks, m)
+        # run one after another as listed, the forward's output leaves before the backward computes:
+        # ZB-V's p - 1
+        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False)
+        assert [sim.makespan - b for b in sim.busy] == pytest.approx([ranks - 1] * ranks), (ranks, m)
+        zbv = simulate(build("zbv", ranks, m, 2), 1.0, 1.0, 1.0, rendezvous=False)
+        assert sim.makespan == pytest.approx(zbv.makespan), (ranks, m)
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -94,23 +100,24 @@ def test_orders_compute_as_torch_does(ranks: int, chunks: int) -> None:
         assert ours == _torch_order(ranks, chunks, rank), rank
 
 
-def test_f_and_b_pairs_post_their_communication_before_either_compute() -> None:
+def test_f_and_b_pairs_post_their_receives_before_either_compute() -> None:
     schedule = dualpipev(4, 16)
     assert all(schedule.overlapped)
     for rank, units in enumerate(schedule.overlapped):
         actions = schedule.actions[rank]
         for unit in units:
-            start = actions.index(unit[0])
-            assert list(actions[start : start + len(unit)]) == list(unit)  # nothing between the computes
+            start, end = actions.index(unit[0]), actions.index(unit[-1])
+            assert [a for a in actions[start : end + 1] if a.kind.is_compute] == list(unit)
+            assert not any(a.kind.is_recv for a in actions[start:end])  # nothing the unit waits for in between
             assert unit[0].kind is ActionKind.FORWARD and unit[1].kind is ActionKind.BACKWARD
             assert unit[0].stage != unit[1].stage  # one leg's forward with the other leg's backward
             before = set(actions[:start])
             for a in unit:
                 depth = a.stage % schedule.num_stages
                 if a.kind is ActionKind.FORWARD and depth > 0:
-                    assert a.__class__(ActionKind.RECV_ACTIVATION, a.stage, a.microbatch) in before
+                    assert Action(ActionKind.RECV_ACTIVATION, a.stage, a.microbatch) in before
                 if a.kind is ActionKind.BACKWARD and depth < schedule.num_stages - 1:
-                    assert a.__class__(ActionKind.RECV_GRADIENT, a.stage, a.microbatch) in before
+                    assert Action(ActionKind.RECV_GRADIENT, a.stage, a.microbatch) in before
 
 
 def test_rendezvous_regrouping_runs_every_count_it_is_given() -> None:

@@ -64,14 +64,17 @@ def _check_chimera(p: int, m: int) -> None:
 
 def _check_dualpipev(p: int, m: int) -> None:
     """DualPipeV: chunks >= 2p, refused below with the smallest valid value; DeepSeek's bubble
-    (PP/2 - 1)(F&B + B - 3W), 2 (p - 1) with equal costs (see tests/schedules/test_dualpipe.py)."""
+    (PP/2 - 1)(F&B + B - 3W), 2 (p - 1) with equal costs and F&B = F + B + W, p - 1 with its
+    computes one after another (see tests/schedules/test_dualpipe.py)."""
     if m < 2 * p:
         with pytest.raises(ValueError, match=f"Use chunks={2 * p}"):
             SCHEDULES["dualpipev"](p, m)
         return
     schedule = SCHEDULES["dualpipev"](p, m)
     validate(schedule, rendezvous=False)
-    assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([2 * (p - 1)] * p), (p, m)
+    sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False, overlap=1.0)
+    assert [sim.makespan - b for b in sim.busy] == pytest.approx([2 * (p - 1)] * p), (p, m)
+    assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
 
 
 def _check(name: str, p: int, m: int) -> None:
