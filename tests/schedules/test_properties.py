@@ -72,9 +72,10 @@ def _check_dualpipev(p: int, m: int) -> None:
         return
     schedule = SCHEDULES["dualpipev"](p, m)
     validate(schedule, rendezvous=False)
-    sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False, overlap=1.0)
-    assert [sim.makespan - b for b in sim.busy] == pytest.approx([2 * (p - 1)] * p), (p, m)
     assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
+    if m in (2 * p, 2 * p + 1, 4 * p):  # the table's model, on a part of the grid (the whole grid's time)
+        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False, overlap=1.0)
+        assert [sim.makespan - b for b in sim.busy] == pytest.approx([2 * (p - 1)] * p), (p, m)
 
 
 def _check(name: str, p: int, m: int) -> None:
