@@ -143,9 +143,9 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
-        ScheduleDualPipeV,
         ScheduleInterleavedZeroBubble,
         ScheduleZBVZeroBubble,
     )
