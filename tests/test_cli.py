@@ -287,8 +287,8 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
-        "strategy: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, pipemare, zbv, zero_bubble"
-        in lines
+        "strategy: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, "
+        "pipedream_2bw, pipemare, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]
