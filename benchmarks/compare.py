@@ -18,11 +18,12 @@ Contenders (2 processes, one CPU thread each, gloo; plain runs use one process):
   what the fusion is worth and how the rest of lightning-pipe compares with torch's;
 - ``torch_gpipe`` / ``torch_1f1b``: torch.distributed.pipelining's ``ScheduleGPipe`` and
   ``Schedule1F1B`` in a plain training loop (no Lightning), on the same stage split;
-  ``torch_interleaved_1f1b`` / ``torch_zero_bubble`` / ``torch_interleaved_zero_bubble`` / ``torch_zbv``:
-  its ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per process: ZB-H1;
-  two: interleaved zero bubble) and ``ScheduleZBVZeroBubble``, on the same p x v split as
-  ``pipe_interleaved_1f1b``, ``pipe_zero_bubble``, ``pipe_interleaved_zero_bubble`` and ``pipe_zbv``
-  (``--contenders`` picks them; not in the default set);
+  ``torch_interleaved_1f1b`` / ``torch_zero_bubble`` / ``torch_interleaved_zero_bubble`` / ``torch_zbv``
+  / ``torch_dualpipev``: its ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage
+  per process: ZB-H1; two: interleaved zero bubble), ``ScheduleZBVZeroBubble`` and
+  ``ScheduleDualPipeV``, on the same p x v split as ``pipe_interleaved_1f1b``, ``pipe_zero_bubble``,
+  ``pipe_interleaved_zero_bubble``, ``pipe_zbv`` and ``pipe_dualpipev`` (``--contenders`` picks
+  them; not in the default set);
 - ``deepspeed_1f1b``: DeepSpeed's pipeline engine (its 1F1B ``TrainSchedule``), when DeepSpeed is
   installed (``pip install 'lightning-pipe[bench]'``); skipped with a message otherwise.
 
@@ -143,6 +144,7 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
@@ -169,6 +171,7 @@ def _torch_worker(rank: int, model: str, schedule: str, steps: int, warmup: int,
         "zero_bubble": ScheduleInterleavedZeroBubble,  # one stage per process: ZB-H1
         "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
         "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
     }
     loss = nn.functional.cross_entropy
     pipe = (

@@ -36,7 +36,8 @@ class PipelineConfig:
     Attributes:
         schedule: micro-batch order: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
             (ZB-H1: each backward split into the input gradient and, later, the weight gradient),
-            ``"interleaved_zero_bubble"``, ``"zbv"``, ``"chimera"`` (two pipelines in opposite
+            ``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"`` (ZB-V's V with DeepSeek's F&B pairs;
+            chunks >= 2 x processes), ``"chimera"`` (two pipelines in opposite
             directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
             ``"pipedream_2bw"``, ``"pipemare"``).
         chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
@@ -63,7 +64,7 @@ class PipelineConfig:
             each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
             see :mod:`lightning_pipe.runtime.fused_linear`).
         virtual_stages: stages per process for ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
-            (>= 2, default 2) and ``"zbv"`` (2); the layers are split into processes x virtual_stages
+            (>= 2, default 2), ``"zbv"`` and ``"dualpipev"`` (2); the layers are split into processes x virtual_stages
             stages by ``balance``. None becomes the schedule's default here, so a ``replace`` that
             changes the schedule must give its ``virtual_stages`` too.
         check_data: when the stages compare a checksum of the batch they loaded (they compare its

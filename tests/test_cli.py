@@ -58,6 +58,7 @@ def test_config_groups_are_complete() -> None:
     assert GROUPS["strategy"] == [
         "1f1b",
         "chimera",
+        "dualpipev",
         "gpipe",
         "interleaved_1f1b",
         "interleaved_zero_bubble",
@@ -135,6 +136,8 @@ def test_virtual_stages_reach_the_strategy() -> None:
     cfg = _compose(["strategy=interleaved_1f1b", "strategy.virtual_stages=3"])
     assert build_strategy(cfg.strategy, 2)[0].virtual_stages == 3
     assert build_strategy(_compose(["strategy=zbv"]).strategy, 2)[0].virtual_stages == 2
+    dualpipev = build_strategy(_compose(["strategy=dualpipev"]).strategy, 2)[0]
+    assert (dualpipev.schedule_name, dualpipev.virtual_stages, dualpipev.config.chunks) == ("dualpipev", 2, None)
     izb = build_strategy(_compose(["strategy=interleaved_zero_bubble", "strategy.virtual_stages=4"]).strategy, 2)[0]
     assert (izb.schedule_name, izb.virtual_stages) == ("interleaved_zero_bubble", 4)
     assert build_strategy(_compose(["strategy=zero_bubble"]).strategy, 2)[0].virtual_stages == 1
@@ -286,8 +289,8 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert lines[0].startswith("lightning-pipe: pipeline model parallelism")
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
-        "strategy: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, pipedream_2bw, "
-        "pipeline, pipemare, zbv, zero_bubble" in lines
+        "strategy: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, "
+        "pipedream_2bw, pipeline, pipemare, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]

@@ -16,9 +16,9 @@ not extrapolated) and the measured point-to-point link, and predicts for every c
 
 Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes share a global batch,
 ``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
-stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv``
-with 2) split the layers into
-``S x v`` stages placed as the runtime places them.
+stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv`` and
+``dualpipev`` with 2) split the layers into ``S x v`` stages placed as the runtime places them;
+DualPipeV is a candidate from ``chunks = 2 x processes`` on.
 
 Candidates whose largest rank exceeds the memory budget are ranked after those that fit. Only
 the synchronous schedules are candidates: the asynchronous ones train with delayed gradients,

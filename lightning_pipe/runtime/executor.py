@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.overlap import OverlapHook, checked, one_after_another
 from lightning_pipe.runtime.p2p import Op, Transport
 from lightning_pipe.runtime.stage import StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
-from lightning_pipe.schedules.actions import comm_groups
+from lightning_pipe.schedules.actions import comm_groups, overlap_spans
 
 
 @dataclass
@@ -74,6 +75,10 @@ class _Run:
     outbox: dict[Action, tuple[Sequence[Tensor], bool]] = field(default_factory=dict)
     sends: list[tuple[Any, Op]] = field(default_factory=list)
     following: dict[Action, Action] = field(default_factory=dict)  # receive -> the next one, to prefetch
+    spans: dict[int, int] = field(default_factory=dict)  # overlapped units: first compute -> last
+    streams: dict[tuple[int, int], Any] = field(
+        default_factory=dict
+    )  # (stage, micro-batch) -> its forward's CUDA stream
 
 
 def next_receives(actions: Sequence[Action], gradients: bool = False) -> dict[Action, Action]:
@@ -94,11 +99,19 @@ def next_receives(actions: Sequence[Action], gradients: bool = False) -> dict[Ac
 class Executor:
     """Runs a rank's part of a schedule for one batch."""
 
-    def __init__(self, transport: Transport, runners: dict[int, StageRunner], rank: int) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        runners: dict[int, StageRunner],
+        rank: int,
+        overlap: OverlapHook = one_after_another,
+    ) -> None:
         self.transport = transport
         self.runners = runners
         self.rank = rank
+        self.overlap = overlap  # runs an overlapped unit's two halves (see lightning_pipe.runtime.overlap)
         self._carried: list[tuple[Any, Op]] = []
+        self._side_stream: Any = None
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable], calls: Callbacks = Callbacks()) -> None:
         """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
@@ -111,6 +124,7 @@ class Executor:
             keys,
             calls,
             split_backward=schedule.split_backward,
+            overlapped=schedule.overlapped[self.rank] if schedule.overlapped else (),
         )
 
     def run_actions(
@@ -122,6 +136,7 @@ class Executor:
         calls: Callbacks = Callbacks(),
         finish: bool = True,
         split_backward: bool = False,
+        overlapped: Sequence[Sequence[Action]] = (),
     ) -> None:
         """Execute ``actions`` (``num_stages``: the stages a micro-batch goes through, a chain's where the
         schedule has several). With ``finish`` false (asynchronous schedules between drains) the
@@ -133,8 +148,14 @@ class Executor:
         Under a split backward (ZB-H1, ZB-V, interleaved zero bubble), whose weight-gradient work
         delays the next gradient receive, each gradient receive is posted one early too (once the
         forward it belongs to has run): on the benchmark MLP this cut ZB-H1's rank-0 posting from
-        9.2 to 1.4 ms a step (``docs/benchmarks.md``); under 1F1B it did not pay."""
+        9.2 to 1.4 ms a step (``docs/benchmarks.md``); under 1F1B it did not pay.
+
+        ``overlapped``: this rank's overlapped units (DualPipe's F&B), each run by :attr:`overlap`
+        with its forward and its backward on two CUDA streams on a GPU (see
+        :mod:`lightning_pipe.runtime.overlap`); the sends between and after them are posted once
+        both halves ran."""
         run = _Run(keys, num_stages, microbatches_per_batch, calls, split_backward)
+        run.spans = overlap_spans(actions, overlapped)
         if self.transport.prefetches_receives:
             # gradient receives too under a split backward only (measured: no gain under 1F1B)
             run.following = next_receives(actions, gradients=split_backward)
@@ -147,8 +168,13 @@ class Executor:
             while index < len(actions):
                 action = actions[index]
                 if action.kind.is_compute:
-                    self._compute(action, run)
-                    index += 1
+                    end = run.spans.get(index)
+                    if end is None:
+                        self._compute(action, run)
+                        index += 1
+                    else:
+                        self._overlapped(actions[index : end + 1], run)
+                        index = end + 1
                     continue
                 group = groups[index]
                 self._post(group, run)
@@ -305,6 +331,48 @@ class Executor:
         with self._span(run, "post", following.stage, following.microbatch):
             box.works = self.transport.post(recv_ops)
         run.inbox[following] = box
+
+    def _overlapped(self, span: Sequence[Action], run: _Run) -> None:
+        """An overlapped unit: its forward and its backward (B, and W where it follows) through
+        :attr:`overlap`, on two CUDA streams on a GPU; then the sends placed among them."""
+        computes = [a for a in span if a.kind.is_compute]
+        forward, backward = computes[0], computes[1:]
+        device = self.transport.device
+        if device.type != "cuda":
+
+            def run_forward() -> None:
+                self._compute(forward, run)
+
+            def run_backward() -> None:
+                for a in backward:
+                    self._compute(a, run)
+
+            checked(self.overlap, run_forward, run_backward)
+        else:
+            main = torch.cuda.current_stream(device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device)
+            # autograd runs a backward on its forward's stream: the forward takes the other one
+            back = run.streams.get((backward[0].stage, backward[0].microbatch), main)
+            ahead = self._side_stream if back == main else main
+            for stream in (ahead, back):
+                if stream != main:
+                    stream.wait_stream(main)
+
+            def run_forward() -> None:
+                with torch.cuda.stream(ahead):
+                    self._compute(forward, run)
+                run.streams[(forward.stage, forward.microbatch)] = ahead
+
+            def run_backward() -> None:
+                with torch.cuda.stream(back):
+                    for a in backward:
+                        self._compute(a, run)
+
+            checked(self.overlap, run_forward, run_backward)
+            main.wait_stream(self._side_stream)
+        for _, group in comm_groups(span):
+            self._post(group, run)
 
     def _compute(self, action: Action, run: _Run) -> None:
         runner = self.runners[action.stage]

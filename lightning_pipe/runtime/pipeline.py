@@ -44,6 +44,7 @@ from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.outside_agreement import check_outside_agreement
+from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
@@ -157,7 +158,7 @@ class StagePipeline:
             s: StageRunner(m, checkpoint=options.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
         }
-        self.executor = Executor(self.transport, self.runners, rank=placement.stage)
+        self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(

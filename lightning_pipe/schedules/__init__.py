@@ -22,6 +22,7 @@ from lightning_pipe.schedules.asynchronous import (
     versions_held,
 )
 from lightning_pipe.schedules.chimera import chimera
+from lightning_pipe.schedules.dualpipe import dualpipev
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
@@ -80,7 +81,8 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
     if t.virtual_stages == 1 and virtual_stages != 1:
         raise ValueError(
             f"schedule={name!r} runs one stage per process; got virtual_stages={virtual_stages}. Several stages per "
-            f"process need schedule='interleaved_1f1b' or 'interleaved_zero_bubble' (virtual_stages >= 2) or 'zbv' (2)."
+            "process need schedule='interleaved_1f1b' or 'interleaved_zero_bubble' (virtual_stages >= 2), or 'zbv' "
+            "or 'dualpipev' (2)."
         )
 
 
@@ -114,6 +116,7 @@ __all__ = [
     "chimera",
     "closed_form_bubble",
     "drain_actions",
+    "dualpipev",
     "for_rendezvous",
     "forward_only",
     "forward_only_like",

@@ -91,6 +91,10 @@ class Schedule:
     equal chains, stage ``c x chain_length + k`` being depth ``k`` of chain ``c``; micro-batch ``i``
     goes through chain ``chain_of[i]`` only (every micro-batch through chain 0 where ``chain_of``
     is empty). Activations and gradients travel between neighbouring stages of one chain.
+
+    ``overlapped[r]`` lists rank ``r``'s overlapped units (DualPipe's F&B): consecutive computes
+    of its list, a forward of one micro-batch and the backward (B, and its W where it follows
+    at once) of another, that the executor may run at the same time. Empty: none.
     """
 
     name: str
@@ -102,6 +106,7 @@ class Schedule:
     split_backward: bool = False
     chains: int = 1
     chain_of: tuple[int, ...] = ()
+    overlapped: tuple[tuple[tuple[Action, ...], ...], ...] = ()
 
     @property
     def chain_length(self) -> int:
@@ -156,3 +161,20 @@ def comm_groups(actions: Sequence[Action]) -> list[tuple[int, list[Action]]]:
     if current:
         groups.append((start, current))
     return groups
+
+
+def overlap_spans(actions: Sequence[Action], units: Sequence[Sequence[Action]]) -> dict[int, int]:
+    """For each overlapped unit that can run as one (its computes consecutive in ``actions`` with
+    no receive between them, as :func:`~lightning_pipe.schedules.comm.with_communication` places
+    them), the index of its first compute mapped to that of its last. A unit whose communication
+    was regrouped (NCCL) so that it waits for something in between runs one compute at a time."""
+    index = {a: k for k, a in enumerate(actions) if a.kind.is_compute}
+    spans: dict[int, int] = {}
+    for unit in units:
+        if any(a not in index for a in unit):
+            continue
+        start, end = index[unit[0]], index[unit[-1]]
+        between = actions[start : end + 1]
+        if [a for a in between if a.kind.is_compute] == list(unit) and not any(a.kind.is_recv for a in between):
+            spans[start] = end
+    return spans

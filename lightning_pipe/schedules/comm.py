@@ -44,17 +44,30 @@ def with_communication(
     split_backward: bool = False,
     chains: int = 1,
     chain_of: Sequence[int] = (),
+    overlapped: Sequence[Sequence[Sequence[Action]]] = (),
 ) -> Schedule:
     """Build a :class:`Schedule` from each rank's compute order (``compute[r]`` is rank r's). A
     weight-gradient action (W) needs nothing and feeds nothing. ``chains`` and ``chain_of``: see
-    :class:`Schedule`."""
+    :class:`Schedule`. ``overlapped[r]``: rank r's overlapped units (consecutive computes in its
+    order); a unit's receives are all posted before its first compute, so that nothing the unit
+    waits for separates the computes that may run at once, and each compute's send right after it
+    (run one after another, the forward's output travels while the backward computes)."""
     length = num_stages // chains
     per_rank: list[tuple[Action, ...]] = []
-    for order in compute:
+    for rank, order in enumerate(compute):
+        units = {unit[0]: tuple(unit) for unit in (overlapped[rank] if overlapped else ())}
+        inside: set[Action] = set()
         actions: list[Action] = []
         pending_sends: list[Action] = []
         for action in order:
-            group = pending_sends + needs(action, length)
+            if action in inside:
+                actions.extend(pending_sends)
+                actions.append(action)
+                pending_sends = produces(action, length)
+                continue
+            unit = units.get(action, (action,))
+            inside.update(unit[1:])
+            group = pending_sends + [r for a in unit for r in needs(a, length)]
             actions.extend(group)
             actions.append(action)
             pending_sends = produces(action, length)
@@ -70,4 +83,5 @@ def with_communication(
         split_backward=split_backward,
         chains=chains,
         chain_of=tuple(chain_of),
+        overlapped=tuple(tuple(tuple(unit) for unit in units) for units in overlapped),
     )

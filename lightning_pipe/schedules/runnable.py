@@ -17,6 +17,7 @@ from lightning_pipe.schedules import (
     for_rendezvous,
     forward_only,
     forward_only_like,
+    traits,
     validate,
 )
 from lightning_pipe.schedules.chimera import chimera_forward
@@ -35,13 +36,20 @@ def runnable_schedule(
     rendezvous) with its communication regrouped where it needs it."""
     p, v = stages, virtual_stages
     under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
+    least = traits(training).min_chunks
+    if name != "forward" and least is not None and num_microbatches < least(p):
+        try:
+            build(name, p, num_microbatches, v)
+        except ValueError as err:  # the schedule's own message names the smallest valid chunks
+            raise ScheduleRefused(str(err)) from err
     try:
         if name != "forward":
             schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
         elif training == "chimera":  # evaluation through one of its two pipelines
             schedule = chimera_forward(p, num_microbatches)
-        elif training in VIRTUAL_STAGES:  # evaluation on the training layout
-            schedule = forward_only_like(build(training, p, num_microbatches, v))
+        elif training in VIRTUAL_STAGES:  # evaluation on the training layout (ZB-V's order: any count)
+            layout = "zbv" if traits(training).placement == "v" else training
+            schedule = forward_only_like(build(layout, p, num_microbatches, v))
             if rendezvous and training in REGROUPED_FOR_RENDEZVOUS:
                 schedule = for_rendezvous(schedule)
         else:

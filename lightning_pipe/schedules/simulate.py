@@ -99,6 +99,7 @@ def simulate(
     weight_cost: float | None = None,
     rendezvous: bool = True,
     stage_costs: Sequence[tuple[float, ...]] | None = None,
+    overlap: float | None = None,
 ) -> Simulation:
     """Play ``schedule`` with fixed per-action costs, or per-stage ``(forward, backward)`` costs
     (unequal stages, as a planner predicts them; a split backward's B and W take half the backward
@@ -107,7 +108,11 @@ def simulate(
     backward's B and W take half of ``backward_cost`` each. With ``rendezvous`` false the model is
     gloo's instead of NCCL's: every posted send and receive proceeds on its own (matched per peer
     and tag), whatever else the rank posted before; only shape headers and the compute that
-    consumes a receive wait."""
+    consumes a receive wait. ``overlap``: the schedule's overlapped units (DualPipe's F&B) run as
+    one block taking this share of their computes' summed cost, as on two streams: the block starts
+    once every receive of the unit arrived and its sends leave when it ends (1.0: no gain, the time
+    DeepSeek's table calls F&B being F + B + W). None: the unit's computes run one after another,
+    as listed."""
     backward_cost, weight_cost = split_costs(schedule, backward_cost, weight_cost)
     per_stage = tuple(tuple(float(c) for c in costs) for costs in stage_costs) if stage_costs is not None else None
     ranks = range(schedule.num_ranks)
@@ -127,6 +132,10 @@ def simulate(
         return ([op for op in group if op not in local] if local else group), local
 
     group_at = [{start: parts(group) for start, group in comm_groups(actions)} for actions in lists]
+    unit_of: list[dict[Action, tuple[Action, ...]]] = [
+        {a: unit for unit in units for a in unit} if overlap is not None else {}
+        for units in (schedule.overlapped or [()] * schedule.num_ranks)
+    ]
 
     def cost(action: Action) -> float:
         if per_stage is not None:
@@ -139,14 +148,22 @@ def simulate(
             index = pointer[rank]
             action = lists[rank][index]
             if action.kind.is_compute:
-                waits = [completed.get((rank, need)) for need in _needs_of(schedule, action)]
+                unit = unit_of[rank].get(action)
+                if unit is not None and action is not unit[0]:  # ran within its unit's block
+                    starts[(rank, action)] = starts[(rank, unit[0])]
+                    pointer[rank] += 1
+                    moved = True
+                    continue
+                members = unit if unit is not None else (action,)
+                waits = [completed.get((rank, need)) for a in members for need in _needs_of(schedule, a)]
                 done = [w for w in waits if w is not None]
                 if len(done) < len(waits):
                     return moved
                 start = max([clock[rank], *done])
                 starts[(rank, action)] = start
-                clock[rank] = start + cost(action)
-                busy[rank] += cost(action)
+                took = cost(action) if unit is None else overlap * sum(cost(a) for a in unit)  # type: ignore[operator]
+                clock[rank] = start + took
+                busy[rank] += took
                 pointer[rank] += 1
                 moved = True
                 continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
 from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
+from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.sync import gpipe, one_f_one_b
 from lightning_pipe.schedules.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
@@ -65,6 +66,11 @@ class ScheduleTraits:
     even_stages: bool = False
     #: ranked by the planner (``plan="auto"``, ``lightning-pipe plan``)
     planned: bool = True
+    #: ``ranks -> the fewest micro-batches it runs`` (DualPipeV: one per stage), None: any
+    min_chunks: Callable[[int], int] | None = None
+    #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
+    #: to run at once (:attr:`~lightning_pipe.schedules.actions.Schedule.overlapped`)
+    overlaps: bool = False
 
 
 TRAITS: dict[str, ScheduleTraits] = {
@@ -91,6 +97,16 @@ TRAITS: dict[str, ScheduleTraits] = {
             regroup_for_rendezvous=True,
         ),
         ScheduleTraits("zbv", zbv, split_backward=True, virtual_stages=2, placement="v", regroup_for_rendezvous=True),
+        ScheduleTraits(
+            "dualpipev",
+            dualpipev,
+            split_backward=True,
+            virtual_stages=2,
+            placement="v",
+            regroup_for_rendezvous=True,
+            min_chunks=dualpipev_min_chunks,
+            overlaps=True,
+        ),
         ScheduleTraits(
             "chimera",
             chimera,

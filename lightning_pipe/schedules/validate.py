@@ -99,6 +99,7 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
             f"compute actions do not cover each micro-batch once: missing {[str(a) for a in missing]}, "
             f"extra {[str(a) for a in extra]}"
         )
+    _check_overlapped(schedule)
     unmatched = [a for a in sends if a.matching() not in recvs] + [a for a in recvs if a.matching() not in sends]
     if unmatched:
         raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
@@ -106,6 +107,42 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
         simulate(schedule, rendezvous=rendezvous)
     except DeadlockError as err:
         raise InvalidScheduleError(str(err)) from err
+
+
+def _check_overlapped(schedule: Schedule) -> None:
+    """Each overlapped unit (DualPipe's F&B) is consecutive computes of its rank: a forward, then
+    the backward (B, and at most its W) of another stage or micro-batch, which it does not feed."""
+    if schedule.overlapped and len(schedule.overlapped) != schedule.num_ranks:
+        raise InvalidScheduleError(f"overlapped units for {len(schedule.overlapped)} ranks, not {schedule.num_ranks}")
+    for rank, units in enumerate(schedule.overlapped):
+        compute = schedule.compute(rank)
+        position = {a: k for k, a in enumerate(compute)}
+        for unit in units:
+            names = " ".join(str(a) for a in unit)
+            kinds = [a.kind for a in unit]
+            if kinds not in (
+                [ActionKind.FORWARD, ActionKind.BACKWARD],
+                [ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT],
+            ):
+                raise InvalidScheduleError(
+                    f"rank {rank}, overlapped unit {names}: give a forward, a B and at most its W"
+                )
+            forward, backward = unit[0], unit[1]
+            if unit[-1].kind is ActionKind.WEIGHT and (unit[-1].stage, unit[-1].microbatch) != (
+                backward.stage,
+                backward.microbatch,
+            ):
+                raise InvalidScheduleError(f"rank {rank}, overlapped unit {names}: the W is not the B's")
+            if forward.microbatch == backward.microbatch:
+                raise InvalidScheduleError(
+                    f"rank {rank}, overlapped unit {names}: one micro-batch's forward and backward cannot overlap"
+                )
+            if any(a not in position for a in unit) or [position[a] for a in unit] != list(
+                range(position[forward], position[forward] + len(unit))
+            ):
+                raise InvalidScheduleError(
+                    f"rank {rank}, overlapped unit {names}: not consecutive computes of the rank"
+                )
 
 
 def _producer(send: Action) -> Action:

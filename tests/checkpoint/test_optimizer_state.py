@@ -40,7 +40,7 @@ def test_parameters_outside_the_sequential_stay_around_it() -> None:
     assert merge_orders(lists) == ["embed.weight", *_names(0, 1, 2, 3), "head.weight"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"])
 def test_plain_lightning_resumes_a_consolidated_checkpoint_exactly(tmp_path: Path, schedule: str) -> None:
     """2 pipeline steps (Adam), consolidated, then 2 plain steps == 4 plain steps: the Adam moments
     of every layer land on that layer."""

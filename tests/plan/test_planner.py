@@ -12,6 +12,7 @@ import torch
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import (
+    PLAN_SCHEDULES,
     Link,
     chunk_candidates,
     format_plans,
@@ -356,3 +357,19 @@ def test_chimera_in_the_grid_counts_both_copies() -> None:
         assert c.strategy_arguments()["schedule"] == "chimera" and "virtual_stages" not in c.strategy_arguments()
     assert not [c for c in plan(profiles, 3, FREE, schedules=("chimera",)) if c.schedule == "chimera"]
     assert not [c for c in plan(profiles, 2, FREE, schedules=("chimera",), replicas=2) if c.schedule == "chimera"]
+
+
+def test_dualpipev_is_planned_from_two_micro_batches_per_process() -> None:
+    """The planner's grid comes from the traits: DualPipeV is a candidate where its chunk rule
+    holds (chunks >= 2 x processes), predicted from the schedule the runtime builds."""
+    assert "dualpipev" in PLAN_SCHEDULES
+    profiles = {m: _split_profile(16 // m) for m in (1, 2, 4, 8)}
+    for rendezvous in (False, True):
+        ranked = plan(profiles, 2, FREE, schedules=("dualpipev", "zbv"), **{**ONE, "rendezvous": rendezvous})
+        assert {c.chunks for c in ranked if c.schedule == "dualpipev"} == {4, 8}
+        for c in ranked:
+            assert c.virtual_stages == 2 and len(c.balance) == 4 and c.strategy_arguments()["virtual_stages"] == 2
+            if c.schedule == "dualpipev":
+                schedule = build("dualpipev", 2, c.chunks, 2, rendezvous=rendezvous)
+                predicted = simulate(schedule, stage_costs=c.stage_costs, rendezvous=rendezvous)
+                assert c.bubble == pytest.approx(predicted.bubble_fraction)

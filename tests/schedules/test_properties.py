@@ -62,7 +62,26 @@ def _check_chimera(p: int, m: int) -> None:
         )
 
 
+def _check_dualpipev(p: int, m: int) -> None:
+    """DualPipeV: chunks >= 2p, refused below with the smallest valid value; DeepSeek's bubble
+    (PP/2 - 1)(F&B + B - 3W), 2 (p - 1) with equal costs and F&B = F + B + W, p - 1 with its
+    computes one after another (see tests/schedules/test_dualpipe.py)."""
+    if m < 2 * p:
+        with pytest.raises(ValueError, match=f"Use chunks={2 * p}"):
+            SCHEDULES["dualpipev"](p, m)
+        return
+    schedule = SCHEDULES["dualpipev"](p, m)
+    validate(schedule, rendezvous=False)
+    assert _idle(schedule, 1.0, 1.0, 1.0) == pytest.approx([p - 1] * p), (p, m)
+    if m in (2 * p, 2 * p + 1, 4 * p):  # the table's model, on a part of the grid (the whole grid's time)
+        sim = simulate(schedule, 1.0, 1.0, 1.0, rendezvous=False, overlap=1.0)
+        assert [sim.makespan - b for b in sim.busy] == pytest.approx([2 * (p - 1)] * p), (p, m)
+
+
 def _check(name: str, p: int, m: int) -> None:
+    if name == "dualpipev":
+        _check_dualpipev(p, m)
+        return
     if name == "chimera":
         _check_chimera(p, m)
         return

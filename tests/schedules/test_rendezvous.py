@@ -25,7 +25,7 @@ from lightning_pipe.schedules import (
 def _regroups(name: str, p: int, m: int) -> bool:
     """The counts checked to regroup over the grid below (others may or may not, and
     :func:`for_rendezvous` says which): interleaved 1F1B from ``p`` micro-batches, interleaved
-    zero bubble at multiples of ``p``, ZB-V from ``2p - 2``, Chimera from ``2p - 4``."""
+    zero bubble at multiples of ``p``, ZB-V from ``2p - 2`` (DualPipeV runs from ``2p``), Chimera from ``2p - 4``."""
     if name == "chimera":
         return m >= max(1, 2 * p - 4)
     if name == "interleaved_1f1b":
@@ -46,6 +46,9 @@ def _check(name: str, p: int, m: int, v: int) -> None:
     except ValueError:
         if name == "chimera":
             assert p % 2, (p, m)  # Chimera pairs the ranks
+            return
+        if name == "dualpipev":
+            assert m < 2 * p, (p, m)  # DualPipeV needs a micro-batch per stage
             return
         assert name != "zbv" and m % max(1, m // p), (name, p, m)  # no equal rounds
         return

@@ -73,8 +73,8 @@ def test_render_shows_the_timetable() -> None:
 def test_unknown_schedule_names_the_valid_ones() -> None:
     with pytest.raises(
         ValueError,
-        match="Valid schedules: 1f1b, chimera, gpipe, interleaved_1f1b, interleaved_zero_bubble, pipedream, "
-        "pipedream_2bw, pipemare, zbv, zero_bubble",
+        match="Valid schedules: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, "
+        "pipedream, pipedream_2bw, pipemare, zbv, zero_bubble",
     ):
         get_schedule("zero_bubbles")
 

@@ -88,7 +88,7 @@ def test_ticks_are_round_numbers() -> None:
     assert labels == ["0", "2", "4", "6", "8", "10", "12", "ms"]
 
 
-@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
 def test_split_backward_schedules_get_their_predicted_timeline(tmp_path: Path, schedule: str) -> None:
     """The schedules that split the backward into B and W (and ZB-V, two stages per process) are
     predicted from each stage's measured F, B and W times; the measured panel is the last training
@@ -103,7 +103,7 @@ def test_split_backward_schedules_get_their_predicted_timeline(tmp_path: Path, s
     predicted = next(t for t in panels if "predicted" in t)
     measured = next(t for t in panels if "measured" in t)
     assert "forward, backward (B) and weight-gradient (W) times" in predicted
-    ran = build(schedule, 2, 4, 2 if schedule == "zbv" else 1)
+    ran = build(schedule, 2, 4, 2 if schedule in ("zbv", "dualpipev") else 1)
     for title in (predicted, measured):
         assert _rows(svg, title) == {"rank 0", "rank 1"}
         _assert_every_action(panels[title], ran)  # the training step's F, B and W, in both panels
