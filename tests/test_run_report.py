@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_pipe.observe.run_report import layout_line, summary_lines
+from lightning_pipe.observe.run_report import summary_lines
+from lightning_pipe.trainer.layout_report import layout_line
 
 
 def test_layout_line_names_stages_replicas_and_processes() -> None:
@@ -60,7 +61,7 @@ def test_summary_lists_folder_checkpoint_loss_steps_time_and_speed() -> None:
 
 def test_chimera_names_the_split_stages_process_0_holds(monkeypatch) -> None:
     """Chimera on 2 processes: process 0 holds stage 0 and a copy of stage 1 (schedule stages 0 and 3)."""
-    from lightning_pipe.observe import run_report
+    from lightning_pipe.trainer import layout_report as run_report
 
     monkeypatch.setattr(run_report, "shows_model_summary", lambda trainer: True)
     monkeypatch.setattr(run_report, "loader_batch_size", lambda trainer: None)

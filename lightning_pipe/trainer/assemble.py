@@ -24,7 +24,6 @@ from torch import nn
 
 from lightning_pipe.checkpoint import stage_io, tie_aliases
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.observe.run_report import describe_layout
 from lightning_pipe.partition import (
     check_stage_parameters,
     find_sequential,
@@ -61,6 +60,7 @@ from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
+from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 

@@ -1,0 +1,106 @@
+"""The line a run prints once the model is split: how it was split and run. The wording is a pure
+function of plain values, tested without processes; :func:`describe_layout` reads from the Trainer
+what only it knows.
+
+The line is emitted with Lightning's ``rank_zero_info``, so it appears where Lightning's own setup
+lines do (``GPU available: ...``), in a plain script as under Hydra, without any logging setup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def _listed(numbers: Sequence[int]) -> str:
+    text = [str(n) for n in numbers]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " and " + text[-1]
+
+
+def layout_line(
+    processes: int,
+    replicas: int,
+    balance: Sequence[int],
+    first_stages: Sequence[int],
+    schedule: str,
+    chunks: int,
+    global_batch: int | None = None,
+    summary: bool = False,
+) -> str:
+    """One line: how the model was split and run. ``processes``: pipeline depth (processes per
+    replica); ``balance``: layers per stage, ``processes x virtual stages`` entries; ``first_stages``:
+    the stages rank 0 holds; ``global_batch``: samples per optimizer step over all replicas, where
+    known; ``summary``: Lightning prints a model summary, which counts rank 0's stages only."""
+    stages = len(balance)
+    virtual = stages // processes
+    if virtual > 1:
+        shape = (
+            f"{_plural(processes, 'process')} x {virtual} virtual stages = {stages} stages "
+            f"(process 0 holds stages {_listed(first_stages)})"
+        )
+    else:
+        shape = _plural(stages, "stage")
+    shape += f" x {_plural(replicas, 'replica')} ({_plural(processes * replicas, 'process')})" if replicas > 1 else ""
+    if virtual == 1 and replicas == 1:
+        shape += f" ({_plural(processes, 'process')})"
+    parts = [shape, f"layers per stage {list(balance)}", f"schedule {schedule}", _plural(chunks, "chunk")]
+    if global_batch is not None:
+        parts.append(f"global batch {global_batch}")
+    line = "lightning-pipe: " + ", ".join(parts)
+    if summary and stages > 1:
+        held = f"stage {first_stages[0]}" if len(first_stages) == 1 else f"stages {_listed(first_stages)}"
+        line += f"; the model summary below counts rank 0's {held} only"
+    return line
+
+
+def loader_batch_size(trainer: Any) -> int | None:
+    """The training DataLoader's batch size when ``fit`` was given the DataLoader itself (a
+    DataModule's loader does not exist yet when the model is split, and calling the user's
+    ``train_dataloader()`` just for a log line could have side effects)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe.trainer import internals
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    loader = getattr(internals.data_source(trainer.fit_loop), "instance", None)
+    size = loader.batch_size if isinstance(loader, DataLoader) else None
+    return size if isinstance(size, int) else None
+
+
+def shows_model_summary(trainer: Any) -> bool:
+    """Whether Lightning will print a model summary (it does when fitting, on rank 0)."""
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return False
+    return any(isinstance(callback, ModelSummary) for callback in trainer.callbacks)
+
+
+def describe_layout(
+    trainer: Any,
+    processes: int,
+    replicas: int,
+    balance: Sequence[int],
+    positions: Sequence[int],
+    schedule: str,
+    chunks: int,
+) -> str:
+    """:func:`layout_line` for a Trainer being set up; ``positions[s]`` is the pipeline position
+    (process) that holds stage ``s``; Chimera's copies (stages ``len(balance)`` and up) are named by
+    the split stage they copy, so a 2-process run reads "stages 0 and 1"."""
+    size = loader_batch_size(trainer)
+    first = sorted({s % len(balance) for s, position in enumerate(positions) if position == 0})
+    return layout_line(
+        processes, replicas, balance, first, schedule, chunks, size * replicas if size is not None else None,
+        shows_model_summary(trainer),
+    )  # fmt: skip
+
+
+__all__ = ["describe_layout", "layout_line", "loader_batch_size", "shows_model_summary"]
