@@ -122,7 +122,7 @@ def _extent(tensor: Tensor) -> tuple[int, int]:
     start = int(tensor.storage_offset())
     if tensor.numel() == 0:
         return start, start
-    return start, start + 1 + sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride()))
+    return start, start + 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
 
 
 def storage_spans(params: Mapping[str, Tensor]) -> dict[int, list[_Span]]:
@@ -136,13 +136,13 @@ def storage_spans(params: Mapping[str, Tensor]) -> dict[int, list[_Span]]:
     return spans
 
 
-def owner(spans: list[_Span], tensor: Tensor) -> str | None:
+def owner(spans: list[_Span], tensor: Tensor) -> _Span | None:
     """The parameter whose elements hold all of ``tensor`` (a view of it), or None (a tensor over
     several parameters, such as the flat buffer itself, or of another dtype: kept as it is)."""
     start, stop = _extent(tensor)
     for span in spans:
         if span.dtype == tensor.dtype and span.start <= start and stop <= span.stop:
-            return span.name
+            return span
     return None
 
 
@@ -153,7 +153,7 @@ class _SavedWeight:
     name: str
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int | torch.SymInt
+    offset: int | torch.SymInt  # from the first element of the weight
     update: int  # updates applied when the forward ran
 
 
@@ -199,7 +199,7 @@ class PipeMare:
         keep: Callable[[Tensor], Any] = meter.pack if meter is not None else (lambda tensor: tensor)
         restore: Callable[[Any], Any] = meter.unpack if meter is not None else (lambda saved: saved)
         params = dict(self.module.named_parameters())
-        by_storage = storage_spans(params)
+        by_storage = storage_spans(self.forward_weights(refresh=False) or params)
         update = self.updates
 
         def pack(tensor: Tensor) -> Any:
@@ -207,10 +207,11 @@ class PipeMare:
                 spans = by_storage.get(tensor.untyped_storage().data_ptr())
             except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
                 return keep(tensor)
-            name = owner(spans, tensor) if spans else None
-            if name is None:
+            span = owner(spans, tensor) if spans else None
+            if span is None:
                 return keep(tensor)
-            return _SavedWeight(name, tensor.size(), tensor.stride(), tensor.storage_offset(), update)
+            offset = tensor.storage_offset() - span.start  # from the weight's first element
+            return _SavedWeight(span.name, tensor.size(), tensor.stride(), offset, update)
 
         def unpack(saved: Any) -> Any:
             return self.backward_weight(saved, params) if isinstance(saved, _SavedWeight) else restore(saved)
@@ -219,13 +220,19 @@ class PipeMare:
 
     def backward_weight(self, saved: _SavedWeight, params: Mapping[str, Tensor]) -> Tensor:
         """The saved weight (or its view) as the backward uses it now (``params``: the stage's by name)."""
-        param = params[saved.name]
-        gap = self.updates - saved.update
-        base = param.detach()
-        if self.correction and gap > 0 and saved.name in self.velocity:
-            base = predicted_weight(base, self.velocity[saved.name], gap)
-        offset = saved.offset - param.storage_offset() + base.storage_offset()
-        return base.as_strided(saved.size, saved.stride, offset)
+        base = self.backward_base(saved.name, params[saved.name].detach(), self.updates - saved.update)
+        return base.as_strided(saved.size, saved.stride, saved.offset + base.storage_offset())
+
+    def backward_base(self, name: str, weight: Tensor, gap: int) -> Tensor:
+        """The whole weight ``name`` (now ``weight``) for a backward ``gap`` updates after its forward."""
+        if self.correction and gap > 0 and name in self.velocity:
+            return predicted_weight(weight, self.velocity[name], gap)
+        return weight
+
+    def forward_weights(self, refresh: bool = True) -> dict[str, Tensor] | None:
+        """The tensors a batch's forwards run on, by parameter name, or None: the parameters
+        themselves (PipeMare). ``refresh``: compute them for the current weights first."""
+        return None
 
     # ------------------------------------------------------------------ around the optimizer's update
     def attach(self, optimizers: Iterable[Optimizer]) -> None:

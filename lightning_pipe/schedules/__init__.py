@@ -20,6 +20,7 @@ from lightning_pipe.schedules.asynchronous import (
     unroll,
     update_delay,
     versions_held,
+    xpipe,
 )
 from lightning_pipe.schedules.chimera import chimera
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
@@ -137,6 +138,7 @@ __all__ = [
     "update_delay",
     "validate",
     "versions_held",
+    "xpipe",
     "zbv",
     "zero_bubble",
 ]
