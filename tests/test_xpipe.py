@@ -69,6 +69,8 @@ def test_forwards_run_on_the_prediction_and_backwards_on_the_prediction_of_the_s
     run = XPipe(layer, delay=2, predictor="momentum")
     run.attach([optimizer])
     assert run.nbytes() == 2 * 2 * 4  # the prediction buffer only: momentum reads the optimizer's state
+    assert XPipe(layer, delay=2).nbytes() == 2 * (2 * 2 * 4)  # "update": the prediction and the last update
+    assert XPipe(layer, delay=0).nbytes() == 0  # the last stage predicts nothing
     torch.testing.assert_close(run.forward_weights()["weight"], layer.weight.detach())  # no update yet: w
     layer.weight.grad = torch.ones(2, 2)
     run.before_update()
