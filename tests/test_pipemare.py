@@ -481,3 +481,24 @@ def test_the_velocity_of_bfloat16_weights_is_float32() -> None:
     u = (layer.weight.detach().float() - 2 * mare.velocity["weight"]).to(torch.bfloat16)
     torch.testing.assert_close(x.grad, torch.ones(2, 3, dtype=torch.bfloat16) @ u)
     mare.detach()
+
+
+def test_a_stage_whose_weights_share_one_storage_follows_the_pipemare_update_rule() -> None:
+    """End to end: the first layer's weight and bias are views of one flat buffer (as cuDNN's
+    ``flatten_parameters`` lays out an LSTM's weights); corrected backwards on stage 0 run after
+    updates, so both views are predicted."""
+    torch.manual_seed(0)
+    piped = TinyNet(lr=0.1)
+    piped.optimizer = "plain-sgd"
+    first = piped.layers[0]
+    flat = torch.cat([first.weight.detach().flatten(), first.bias.detach()])
+    first.weight = nn.Parameter(flat[: first.weight.numel()].view_as(first.weight))
+    first.bias = nn.Parameter(flat[first.weight.numel() :])
+    assert first.weight.untyped_storage().data_ptr() == first.bias.untyped_storage().data_ptr()
+    reference = TinyNet()
+    reference.load_state_dict(piped.state_dict())
+    steps, stages, chunks = 6, 4, 1
+    data = loader(n=12 * steps)
+    _reference_pipemare(reference, list(data), 0.1, stages, chunks, 4, True)
+    fit_pipeline(piped, stages, data, schedule="pipemare", chunks=chunks, max_steps=steps, pipemare_warmup=4)
+    assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
