@@ -253,3 +253,10 @@ def test_checkpoint_under_xpipe_resumes_exactly(tmp_path: Path) -> None:
     resumed = TinyNet()
     fit_pipeline(resumed, 4, ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=3, **options)
     assert_same_weights(straight, resumed)
+
+
+def test_weights_tied_across_stages_are_refused() -> None:
+    from tests.models import TiedNet, token_loader
+
+    with pytest.raises(Exception, match="schedule='xpipe' applies gradients with a different delay on each stage"):
+        fit_pipeline(TiedNet(), 2, token_loader(), schedule="xpipe", chunks=2)
