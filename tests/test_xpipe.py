@@ -260,3 +260,18 @@ def test_weights_tied_across_stages_are_refused() -> None:
 
     with pytest.raises(Exception, match="schedule='xpipe' applies gradients with a different delay on each stage"):
         fit_pipeline(TiedNet(), 2, token_loader(), schedule="xpipe", chunks=2)
+
+
+def test_xpipe_with_replicas_equals_one_pipeline_on_the_global_batch() -> None:
+    """Replicas average their gradients before the update, so their weights, last updates and
+    predictions stay those of one pipeline on the doubled batch."""
+    from tests.pipeline import twins
+
+    torch.manual_seed(0)
+    one, two = twins(TinyNet())
+    options = dict(schedule="xpipe", chunks=1, max_steps=6)
+    fit_pipeline(one, 2, data=loader(batch_size=24), **options)
+    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, **options)
+    assert_same_weights(one, two)
+    torch.manual_seed(0)
+    assert not torch.allclose(TinyNet().layers[0].weight, two.layers[0].weight)
