@@ -252,6 +252,8 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             + (
                 "keeps the forward's weights for its backwards already"
                 if traits(schedule).stashes_weights
+                else "predicts its forwards' and backwards' weights ahead already"
+                if traits(schedule).predicts_ahead
                 else "has no such backwards"
             )
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
@@ -273,7 +275,11 @@ def check_pipemare_options(config: PipelineConfig) -> None:
     if predictor is not None and (predictor not in PREDICTORS or not traits(schedule).predicts_ahead):
         raise ValueError(
             f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights"
-            + (f"; valid: {', '.join(PREDICTORS)}" if predictor not in PREDICTORS else f", not {schedule!r}'s")
+            + (
+                f"; valid: {', '.join(PREDICTORS)}"
+                if predictor not in PREDICTORS
+                else f"; schedule={schedule!r} does not"
+            )
             + ". Use schedule='xpipe' with one of those, or leave xpipe_predictor unset."
         )
     if traits(schedule).predicts_ahead and config.recompute != "never":

@@ -105,8 +105,10 @@ def test_options_and_their_errors() -> None:
     PipelineConfig(schedule="xpipe", xpipe_predictor="adam")
     with pytest.raises(ValueError, match="valid: update, adam, momentum"):
         PipelineConfig(schedule="xpipe", xpipe_predictor="nesterov")
-    with pytest.raises(ValueError, match="not 'pipemare''s"):
+    with pytest.raises(ValueError, match="schedule='pipemare' does not"):
         PipelineConfig(schedule="pipemare", xpipe_predictor="adam")
+    with pytest.raises(ValueError, match="predicts its forwards' and backwards' weights ahead already"):
+        PipelineConfig(schedule="xpipe", pipemare_correction=True)
     with pytest.raises(ValueError, match="recompute='never'"):
         PipelineConfig(schedule="xpipe", recompute="always")
 
