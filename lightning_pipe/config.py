@@ -21,6 +21,7 @@ from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
+from lightning_pipe.runtime.xpipe import PREDICTORS
 from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
@@ -100,6 +101,10 @@ class PipelineConfig:
             (0, 1): how much of the velocity is left after one delay of ``tau_i`` updates. None: 0.1
             (:data:`lightning_pipe.runtime.pipemare.DEFAULT_DECAY`). Larger values average the
             updates over more steps.
+        xpipe_predictor: how ``schedule="xpipe"`` predicts the weights its forwards and backwards
+            run on, ``s`` updates ahead: ``"update"`` (the optimizer's last update times ``s``; any
+            optimizer), ``"adam"`` (from Adam's moments) or ``"momentum"`` (from SGD's momentum
+            buffer). None: ``"update"`` (see :mod:`lightning_pipe.runtime.xpipe`).
         loss_weight: how many items each micro-batch's loss averages over, ``loss_weight(micro_batch)
             -> number``: each micro-batch's loss (and each mean it logs) is weighted by its share of
             the batch's count, so the gradient is the batch's mean over those items. None or
@@ -126,6 +131,7 @@ class PipelineConfig:
     pipemare_warmup: int | None = None
     pipemare_correction: bool | None = None
     pipemare_decay: float | None = None
+    xpipe_predictor: str | None = None
     loss_weight: LossWeight | str | None = None
 
     def __post_init__(self) -> None:
@@ -223,7 +229,8 @@ def check_arguments(config: PipelineConfig) -> None:
 
 
 def check_pipemare_options(config: PipelineConfig) -> None:
-    """PipeMare's switches: rescheduling for the asynchronous schedules, correction for ``pipemare``."""
+    """PipeMare's switches: rescheduling for the asynchronous schedules, correction for ``pipemare``;
+    XPipe's predictor."""
     warmup, correction, schedule = config.pipemare_warmup, config.pipemare_correction, config.schedule
     if warmup is not None:
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -246,6 +253,8 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             + (
                 "keeps the forward's weights for its backwards already"
                 if traits(schedule).stashes_weights
+                else "predicts its forwards' and backwards' weights ahead already"
+                if traits(schedule).predicts_ahead
                 else "has no such backwards"
             )
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
@@ -263,6 +272,23 @@ def check_pipemare_options(config: PipelineConfig) -> None:
                 f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
                 "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
             )
+    predictor = config.xpipe_predictor
+    if predictor is not None and (predictor not in PREDICTORS or not traits(schedule).predicts_ahead):
+        raise ValueError(
+            f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights"
+            + (
+                f"; valid: {', '.join(PREDICTORS)}"
+                if predictor not in PREDICTORS
+                else f"; schedule={schedule!r} does not"
+            )
+            + ". Use schedule='xpipe' with one of those, or leave xpipe_predictor unset."
+        )
+    if traits(schedule).predicts_ahead and config.recompute != "never":
+        raise ValueError(
+            f"PipelineStrategy(schedule={schedule!r}, recompute={config.recompute!r}): each forward runs on weights "
+            "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
+            "recompute='never'."
+        )
     if traits(schedule).predicts_weights and correction is not False and config.recompute != "never":
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', recompute={config.recompute!r}): discrepancy correction gives each "

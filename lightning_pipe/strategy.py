@@ -84,15 +84,16 @@ class PipelineStrategy(ProcessStrategy):
         pipemare_warmup: int | None = None,
         pipemare_correction: bool | None = None,
         pipemare_decay: float | None = None,
+        xpipe_predictor: str | None = None,
         loss_weight: Callable[[Any], Any] | str | None = None,
         **processes: Any,
     ) -> None:
-        self.config = PipelineConfig(
-            schedule=schedule, chunks=chunks, balance=balance, recompute=recompute_mode(recompute, checkpoint),
-            module=module, init=init, rename=rename, gradient_accumulation_fusion=gradient_accumulation_fusion,
-            virtual_stages=virtual_stages, check_data=check_data, weights=weights, plan=plan, stages=stages,
-            data_parallel=data_parallel, start_method=start_method, pipemare_warmup=pipemare_warmup,
-            pipemare_correction=pipemare_correction, pipemare_decay=pipemare_decay, loss_weight=loss_weight,
+        self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
+            recompute=recompute_mode(recompute, checkpoint), module=module, init=init, rename=rename,
+            gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
+            check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
+            start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
+            pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)

@@ -67,6 +67,7 @@ def test_config_groups_are_complete() -> None:
         "pipedream_2bw",
         "pipeline",
         "pipemare",
+        "xpipe",
         "zbv",
         "zero_bubble",
     ]
@@ -113,6 +114,8 @@ def test_overrides_reach_the_strategy() -> None:
     assert (config.schedule, config.pipemare_warmup, config.pipemare_correction) == ("pipemare", 50, False)
     config = build_strategy(_compose(["strategy=pipemare", "strategy.pipemare_decay=0.9"]).strategy, 2)[0].config
     assert (config.pipemare_decay, config.pipemare_correction) == (0.9, None)
+    config = build_strategy(_compose(["strategy=xpipe", "strategy.xpipe_predictor=adam"]).strategy, 2)[0].config
+    assert (config.schedule, config.xpipe_predictor, config.recompute) == ("xpipe", "adam", "never")
     cfg = _compose(
         [
             "strategy=1f1b",
@@ -290,7 +293,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
         "strategy: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, "
-        "pipedream_2bw, pipeline, pipemare, zbv, zero_bubble" in lines
+        "pipedream_2bw, pipeline, pipemare, xpipe, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]

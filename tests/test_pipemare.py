@@ -405,3 +405,100 @@ def test_weights_tied_across_stages_are_refused() -> None:
 
     with pytest.raises(Exception, match="schedule='pipemare' applies gradients with a different delay on each stage"):
         fit_pipeline(TiedNet(), 2, token_loader(), schedule="pipemare", chunks=2)
+
+
+# ---------------------------------------------------------------------------- weights that share one storage
+class _TwoViews(nn.Module):
+    """Two weights that are views of one flat buffer (as cuDNN's ``flatten_parameters`` lays out an
+    LSTM's), each saved by its own matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.tensor([0.5, -0.25, 0.75, 1.0, -0.5, 0.25, 1.5, -1.0])
+        self.a = nn.Parameter(flat[:4].view(2, 2))
+        self.b = nn.Parameter(flat[4:].view(2, 2))
+        assert self.a.untyped_storage().data_ptr() == self.b.untyped_storage().data_ptr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(F.linear(x, self.a)), self.b)
+
+
+def test_weights_sharing_one_storage_are_each_predicted_from_their_own_velocity() -> None:
+    """Each view saved by the forward comes back as the prediction of its own parameter (before,
+    one storage named one parameter: the other's view came back at a wrong offset)."""
+    torch.manual_seed(0)
+    model = _TwoViews()
+    mare = PipeMare(model, delay=2, warmup=0, correction=True)
+    x = torch.randn(3, 2, requires_grad=True)
+    with mare.saving():
+        out = model(x)
+    h = torch.tanh(F.linear(x.detach(), model.a.detach()))  # the forward's activations
+    new = {"a": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "b": torch.tensor([[-1.0, 0.5], [2.0, -3.0]])}
+    velocity = {"a": torch.tensor([[0.1, 0.2], [0.3, 0.4]]), "b": torch.tensor([[-0.2, 0.1], [0.4, -0.3]])}
+    with torch.no_grad():  # two updates later, in place: the views still share the buffer
+        for n in ("a", "b"):
+            getattr(model, n).copy_(new[n])
+            mare.velocity[n].copy_(velocity[n])
+    mare.updates = 2
+    dy = torch.tensor([[1.0, -1.0], [0.5, 2.0], [-1.5, 0.25]])
+    out.backward(dy)
+    u = {n: new[n] - 2 * velocity[n] for n in new}  # u = w - gap * delta, per parameter
+    dh = dy @ u["b"]
+    torch.testing.assert_close(model.b.grad, dy.t() @ h)
+    torch.testing.assert_close(model.a.grad, (dh * (1 - h**2)).t() @ x.detach())
+    torch.testing.assert_close(x.grad, (dh * (1 - h**2)) @ u["a"])
+    for n in new:  # the weights themselves are untouched
+        torch.testing.assert_close(getattr(model, n).detach(), new[n])
+
+
+def test_the_velocity_of_bfloat16_weights_is_float32() -> None:
+    """In bfloat16 the split update (``gamma * delta - (1 - gamma) * w_k``, then ``+ (1 - gamma) *
+    w_{k+1}``) cancels two large terms and keeps mostly rounding; in float32 it is the velocity."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
+    mare = PipeMare(layer, delay=2, warmup=0, correction=True)
+    mare.attach([optimizer])
+    assert {v.dtype for v in mare.velocity.values()} == {torch.float32}
+    gamma = mare.gamma
+    expected = {n: torch.zeros(p.shape) for n, p in layer.named_parameters()}
+    for _step in range(5):
+        for p in layer.parameters():
+            p.grad = torch.randn_like(p)
+        before = {n: p.detach().float() for n, p in layer.named_parameters()}
+        mare.before_update()
+        optimizer.step()
+        for n, p in layer.named_parameters():
+            expected[n] = gamma * expected[n] + (1 - gamma) * (p.detach().float() - before[n])
+            torch.testing.assert_close(mare.velocity[n], expected[n], rtol=1e-5, atol=1e-6)
+    assert any(v.abs().sum() > 0 for v in mare.velocity.values())
+    # the backward's predicted weights: computed in float32, in the weights' dtype
+    x = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True)
+    with mare.saving():
+        out = layer(x)
+    mare.updates += 2
+    out.float().sum().backward()
+    u = (layer.weight.detach().float() - 2 * mare.velocity["weight"]).to(torch.bfloat16)
+    torch.testing.assert_close(x.grad, torch.ones(2, 3, dtype=torch.bfloat16) @ u)
+    mare.detach()
+
+
+def test_a_stage_whose_weights_share_one_storage_follows_the_pipemare_update_rule() -> None:
+    """End to end: the first layer's weight and bias are views of one flat buffer (as cuDNN's
+    ``flatten_parameters`` lays out an LSTM's weights); corrected backwards on stage 0 run after
+    updates, so both views are predicted."""
+    torch.manual_seed(0)
+    piped = TinyNet(lr=0.1)
+    piped.optimizer = "plain-sgd"
+    first = piped.layers[0]
+    flat = torch.cat([first.weight.detach().flatten(), first.bias.detach()])
+    first.weight = nn.Parameter(flat[: first.weight.numel()].view_as(first.weight))
+    first.bias = nn.Parameter(flat[first.weight.numel() :])
+    assert first.weight.untyped_storage().data_ptr() == first.bias.untyped_storage().data_ptr()
+    reference = TinyNet()
+    reference.load_state_dict(piped.state_dict())
+    steps, stages, chunks = 6, 4, 1
+    data = loader(n=12 * steps)
+    _reference_pipemare(reference, list(data), 0.1, stages, chunks, 4, True)
+    fit_pipeline(piped, stages, data, schedule="pipemare", chunks=chunks, max_steps=steps, pipemare_warmup=4)
+    assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)

@@ -9,7 +9,8 @@ does not apply anything early, so the update rule is the same with or without dr
 
 Under PipeMare (:mod:`lightning_pipe.runtime.pipemare`) the versions are never stashed: they only
 gather each batch's gradient apart, while every forward and backward reads the stage's one copy
-of the weights (the backward through PipeMare's saved-tensor hooks).
+of the weights (the backward through PipeMare's saved-tensor hooks). Under XPipe
+(:mod:`lightning_pipe.runtime.xpipe`) a batch's version aliases the prediction its forwards run on.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class AsyncPipeline:
         self._in_flight: int | None = None  # micro-batches per batch while work is in flight
         self.pending: dict[int, dict[str, Tensor | None]] = {}  # batch -> gradient not yet applied
         self._schedules: dict[int, Schedule] = {}
-        #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on
+        #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on; XPipe's
+        #: prediction (an :class:`~lightning_pipe.runtime.xpipe.XPipe`)
         self.pipemare = pipemare
         self.stashes = traits(name).stashes_weights  # PipeDream's and 2BW's versions keep their weights
-        if pipemare is not None and traits(name).predicts_weights:
+        if pipemare is not None and (traits(name).predicts_weights or traits(name).predicts_ahead):
             runner.saving = pipemare.saving
 
     def _steady(self, m: int) -> Schedule:
@@ -75,7 +77,7 @@ class AsyncPipeline:
         t = self.step
         if self._in_flight is None:
             self._start = t
-        self.versions.create(t)
+        self.versions.create(t, self.pipemare.forward_weights() if self.pipemare is not None else None)
         actions = step_actions(steady, self.executor.rank, t, self._start)
         self.executor.run_actions(actions, self.num_stages, m, keys, calls, finish=False)
         self._in_flight = m

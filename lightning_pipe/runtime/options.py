@@ -26,6 +26,7 @@ class PipelineOptions:
         pipemare_warmup: PipeMare's learning-rate rescheduling over this many updates (0: off).
         pipemare_correction: PipeMare's discrepancy correction on.
         pipemare_decay: the correction's velocity decay over one delay (None: PipeMare's default).
+        xpipe_predictor: how ``xpipe`` predicts the weights (see :mod:`lightning_pipe.runtime.xpipe`).
     """
 
     schedule: str
@@ -37,6 +38,7 @@ class PipelineOptions:
     pipemare_warmup: int = 0
     pipemare_correction: bool = False
     pipemare_decay: float | None = None
+    xpipe_predictor: str = "update"
 
 
 __all__ = ["PipelineOptions"]

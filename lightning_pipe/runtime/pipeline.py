@@ -53,6 +53,7 @@ from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.runtime.xpipe import XPipe
 from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
 from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
@@ -167,11 +168,15 @@ class StagePipeline:
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
-        needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``)."""
+        needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``), or
+        XPipe's prediction (always under ``xpipe``)."""
         options = self.options
-        if not traits(options.schedule).predicts_weights and options.pipemare_warmup <= 0:
+        ahead = traits(options.schedule).predicts_ahead
+        if not (traits(options.schedule).predicts_weights or ahead) and options.pipemare_warmup <= 0:
             return None
         delay = update_delay(options.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
+        if ahead:  # XPipe: PipeMare's machinery, forwards and backwards on predicted weights
+            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup)
         return PipeMare(self.host, delay, options.pipemare_warmup, options.pipemare_correction, options.pipemare_decay)
 
     # ------------------------------------------------------------------ what callers may read

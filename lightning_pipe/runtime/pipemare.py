@@ -22,9 +22,11 @@ The activations saved by the forward (a layer's input, Tanh's output) are the fo
 cases, as in the paper's model of an asynchronous pipeline: only the saved *weights* change. They
 are swapped at the moment autograd unpacks them (:func:`torch.autograd.graph.saved_tensors_hooks`),
 so ``u`` exists one parameter at a time, never as a whole copy: a stage holds its weights plus the
-velocity (two weight-sized buffers; one on the last stage, which needs no correction). A saved
-tensor that is not a stage weight (an activation, or a weight already cast by autocast to another
-dtype, which then is the forward's value) is kept as it is.
+velocity (two weight-sized buffers; one on the last stage, which needs no correction; the velocity
+of 16-bit weights is kept in float32). Parameters that are views of one flat buffer are told apart
+by the elements of the storage each covers. A saved tensor that is not a stage weight (an
+activation, or a weight already cast by autocast to another dtype, which then is the forward's
+value) is kept as it is.
 
 Learning-rate rescheduling: stage ``i``'s update ``k`` (counted from 0) steps with
 ``alpha_k * tau_i ** (-p_k)``, ``p_k = 1 - min(k / K, 1)`` (PipeMare's rescheduling rule): the
@@ -93,8 +95,55 @@ def velocity_decay(delay: int, decay: float = DEFAULT_DECAY) -> float:
 
 
 def predicted_weight(weight: Tensor, velocity: Tensor, gap: int) -> Tensor:
-    """``u = w - (tau_fwd - tau_bkwd) * delta``: the weights predicted for a forward ``gap`` updates ago."""
-    return weight - gap * velocity if gap > 0 else weight
+    """``u = w - (tau_fwd - tau_bkwd) * delta``: the weights predicted for a forward ``gap`` updates
+    ago, computed in the velocity's precision and returned in the weight's dtype."""
+    return (weight - gap * velocity).to(weight.dtype) if gap > 0 else weight
+
+
+def velocity_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The velocity's dtype for weights of ``dtype``: float32 for 16-bit floats. The velocity is
+    updated as ``gamma * delta - (1 - gamma) * w_k`` then ``+ (1 - gamma) * w_{k+1}``: in bfloat16
+    the two large terms cancel and leave mostly rounding (8 bits of mantissa)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The elements ``[start, stop)`` of a storage that one parameter (of ``dtype``) covers."""
+
+    name: str
+    dtype: torch.dtype
+    start: int
+    stop: int
+
+
+def _extent(tensor: Tensor) -> tuple[int, int]:
+    """``[first, last + 1)``: the storage elements a strided tensor reaches."""
+    start = int(tensor.storage_offset())
+    if tensor.numel() == 0:
+        return start, start
+    return start, start + 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+
+
+def storage_spans(params: Mapping[str, Tensor]) -> dict[int, list[_Span]]:
+    """Each storage's parameters with the elements they cover. Parameters may share one storage as
+    views of a flat buffer (cuDNN's ``flatten_parameters`` lays out an LSTM's weights so): a saved
+    view is then told apart by where it lies in the storage, not by the storage alone."""
+    spans: dict[int, list[_Span]] = {}
+    for name, p in params.items():
+        start, stop = _extent(p)
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append(_Span(name, p.dtype, start, stop))
+    return spans
+
+
+def owner(spans: list[_Span], tensor: Tensor) -> _Span | None:
+    """The parameter whose elements hold all of ``tensor`` (a view of it), or None (a tensor over
+    several parameters, such as the flat buffer itself, or of another dtype: kept as it is)."""
+    start, stop = _extent(tensor)
+    for span in spans:
+        if span.dtype == tensor.dtype and span.start <= start and stop <= span.stop:
+            return span
+    return None
 
 
 @dataclass(frozen=True)
@@ -104,7 +153,7 @@ class _SavedWeight:
     name: str
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int | torch.SymInt
+    offset: int | torch.SymInt  # from the first element of the weight
     update: int  # updates applied when the forward ran
 
 
@@ -133,7 +182,7 @@ class PipeMare:
         # the last stage's backwards always follow their forwards within a step: no velocity there
         needs_velocity = correction and delay > 0
         self.velocity: dict[str, Tensor] = {
-            name: torch.zeros_like(p, memory_format=torch.preserve_format)
+            name: torch.zeros_like(p, dtype=velocity_dtype(p.dtype), memory_format=torch.preserve_format)
             for name, p in module.named_parameters()
             if needs_velocity and p.requires_grad
         }
@@ -150,17 +199,19 @@ class PipeMare:
         keep: Callable[[Tensor], Any] = meter.pack if meter is not None else (lambda tensor: tensor)
         restore: Callable[[Any], Any] = meter.unpack if meter is not None else (lambda saved: saved)
         params = dict(self.module.named_parameters())
-        by_storage = {p.untyped_storage().data_ptr(): (name, p.dtype) for name, p in params.items()}
+        by_storage = storage_spans(self.forward_weights(refresh=False) or params)
         update = self.updates
 
         def pack(tensor: Tensor) -> Any:
             try:
-                hit = by_storage.get(tensor.untyped_storage().data_ptr())
+                spans = by_storage.get(tensor.untyped_storage().data_ptr())
             except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
                 return keep(tensor)
-            if hit is None or hit[1] != tensor.dtype:
+            span = owner(spans, tensor) if spans else None
+            if span is None:
                 return keep(tensor)
-            return _SavedWeight(hit[0], tensor.size(), tensor.stride(), tensor.storage_offset(), update)
+            offset = tensor.storage_offset() - span.start  # from the weight's first element
+            return _SavedWeight(span.name, tensor.size(), tensor.stride(), offset, update)
 
         def unpack(saved: Any) -> Any:
             return self.backward_weight(saved, params) if isinstance(saved, _SavedWeight) else restore(saved)
@@ -169,13 +220,19 @@ class PipeMare:
 
     def backward_weight(self, saved: _SavedWeight, params: Mapping[str, Tensor]) -> Tensor:
         """The saved weight (or its view) as the backward uses it now (``params``: the stage's by name)."""
-        param = params[saved.name]
-        gap = self.updates - saved.update
-        base = param.detach()
-        if self.correction and gap > 0 and saved.name in self.velocity:
-            base = predicted_weight(base, self.velocity[saved.name], gap)
-        offset = saved.offset - param.storage_offset() + base.storage_offset()
-        return base.as_strided(saved.size, saved.stride, offset)
+        base = self.backward_base(saved.name, params[saved.name].detach(), self.updates - saved.update)
+        return base.as_strided(saved.size, saved.stride, saved.offset + base.storage_offset())
+
+    def backward_base(self, name: str, weight: Tensor, gap: int) -> Tensor:
+        """The whole weight ``name`` (now ``weight``) for a backward ``gap`` updates after its forward."""
+        if self.correction and gap > 0 and name in self.velocity:
+            return predicted_weight(weight, self.velocity[name], gap)
+        return weight
+
+    def forward_weights(self, refresh: bool = True) -> dict[str, Tensor] | None:
+        """The tensors a batch's forwards run on, by parameter name, or None: the parameters
+        themselves (PipeMare). ``refresh``: compute them for the current weights first."""
+        return None
 
     # ------------------------------------------------------------------ around the optimizer's update
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
@@ -258,4 +315,15 @@ class PipeMare:
         return sum(v.numel() * v.element_size() for v in self.velocity.values())
 
 
-__all__ = ["DEFAULT_DECAY", "DEFAULT_WARMUP", "PipeMare", "lr_factor", "predicted_weight", "resolve", "velocity_decay"]
+__all__ = [
+    "DEFAULT_DECAY",
+    "DEFAULT_WARMUP",
+    "PipeMare",
+    "lr_factor",
+    "owner",
+    "predicted_weight",
+    "resolve",
+    "storage_spans",
+    "velocity_decay",
+    "velocity_dtype",
+]

@@ -13,7 +13,7 @@ this stage is done.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -29,12 +29,14 @@ class WeightVersions:
         self.peak_bytes = 0
         self.peak_weight_bytes = 0  # stashed weights alone (no gradients): the weight copies beyond the parameters
 
-    def create(self, version: int) -> None:
-        """Take the current parameters as ``version`` (no copy yet)."""
+    def create(self, version: int, source: Mapping[str, Tensor] | None = None) -> None:
+        """Take the current parameters as ``version`` (no copy yet); with ``source`` (by parameter
+        name), the tensors there instead (XPipe's predicted weights)."""
         snapshot: dict[str, Tensor] = {}
         for name, param in self.module.named_parameters():
-            alias = torch.empty(0, dtype=param.dtype, device=param.device)
-            alias.set_(param.untyped_storage(), param.storage_offset(), param.size(), param.stride())
+            held = param if source is None else source.get(name, param)
+            alias = torch.empty(0, dtype=held.dtype, device=held.device)
+            alias.set_(held.untyped_storage(), held.storage_offset(), held.size(), held.stride())
             alias.requires_grad_(param.requires_grad)
             if self.on_gradient is not None and alias.requires_grad:
                 alias.register_hook(self._hook(version, name))

@@ -20,6 +20,7 @@ from lightning_pipe.schedules.asynchronous import (
     unroll,
     update_delay,
     versions_held,
+    xpipe,
 )
 from lightning_pipe.schedules.chimera import chimera
 from lightning_pipe.schedules.dualpipe import dualpipev
@@ -140,6 +141,7 @@ __all__ = [
     "update_delay",
     "validate",
     "versions_held",
+    "xpipe",
     "zbv",
     "zero_bubble",
 ]

@@ -1,4 +1,5 @@
-"""Asynchronous schedules: 1F1B without a flush between batches (PipeDream, PipeDream-2BW, PipeMare).
+"""Asynchronous schedules: 1F1B without a flush between batches (PipeDream, PipeDream-2BW, PipeMare,
+XPipe).
 
 The micro-batches of consecutive batches form one stream. Stage ``s`` runs each forward ``F(g)``
 followed by the backward of the micro-batch ``k = p - s - 1`` places earlier, ``B(g - k)``, so in
@@ -14,7 +15,9 @@ the batch finished; PipeDream-2BW one step later than the batch, on every stage,
 ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with at most two weight versions. PipeMare (Yang et al.,
 MLSys 2021) runs PipeDream's order and delays without stashing: every forward uses the stage's
 current weights (see :mod:`lightning_pipe.runtime.pipemare` for its learning-rate rescheduling and
-discrepancy correction).
+discrepancy correction). XPipe (Guan et al., arXiv 1911.04610) runs the same order and delays with
+each batch's forwards and backwards on the weights predicted for the update that applies the
+batch's gradient (see :mod:`lightning_pipe.runtime.xpipe`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 from lightning_pipe.schedules.actions import Action, B, F, Schedule
 from lightning_pipe.schedules.comm import with_communication
 
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare")
+ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare", "xpipe")
 
 
 def lag(num_stages: int, stage: int) -> int:
@@ -55,6 +58,11 @@ def pipemare(num_stages: int, num_microbatches: int) -> Schedule:
     return _steady("pipemare", num_stages, num_microbatches)
 
 
+def xpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """XPipe: PipeDream's order and update delays, forwards and backwards on predicted weights."""
+    return _steady("xpipe", num_stages, num_microbatches)
+
+
 def min_chunks(name: str, num_stages: int) -> int:
     """The fewest micro-batches per batch with which ``name`` can run batch after batch without a
     drain: PipeDream-2BW needs ``p - 1`` so that a batch's backwards end within the next step."""
@@ -82,7 +90,7 @@ def update_delay(name: str, num_stages: int, num_microbatches: int, stage: int) 
     """Steps between a batch's step and the step whose optimizer update applies its gradient."""
     if name == "pipedream_2bw":
         return 1
-    if name in ("pipedream", "pipemare"):
+    if name in ("pipedream", "pipemare", "xpipe"):
         return math.ceil(lag(num_stages, stage) / num_microbatches)
     raise ValueError(f"{name!r} is not an asynchronous schedule; valid: {', '.join(ASYNC_SCHEDULES)}")
 
@@ -90,9 +98,12 @@ def update_delay(name: str, num_stages: int, num_microbatches: int, stage: int) 
 def versions_held(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:
     """Weight versions stage ``stage`` holds at once: the current one plus one per batch still
     waiting for backwards (PipeDream's stashing; always 2 or fewer for 2BW); PipeMare keeps only
-    the current one (its discrepancy correction adds a velocity buffer, not a version)."""
+    the current one (its discrepancy correction adds a velocity buffer, not a version); XPipe the
+    current one plus the prediction its forwards run on, where a gradient arrives late."""
     if name == "pipemare":
         return 1
+    if name == "xpipe":
+        return 1 + (lag(num_stages, stage) > 0)
     return 1 + math.ceil(lag(num_stages, stage) / num_microbatches)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare
+from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare, xpipe
 from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
 from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
@@ -54,6 +54,8 @@ class ScheduleTraits:
     stashes_weights: bool = False
     #: PipeMare: no stash; backwards on weights predicted for their forward (its techniques default on)
     predicts_weights: bool = False
+    #: XPipe: forwards and backwards on the weights predicted for the update that applies their gradient
+    predicts_ahead: bool = False
     #: applies gradients with a different delay per stage, so copies of a tied weight would drift
     refuses_ties: bool = False
     #: its default placement of communication deadlocks where point-to-point calls rendezvous (NCCL)
@@ -124,6 +126,7 @@ TRAITS: dict[str, ScheduleTraits] = {
         ScheduleTraits(
             "pipemare", pipemare, asynchronous=True, predicts_weights=True, refuses_ties=True, planned=False
         ),
+        ScheduleTraits("xpipe", xpipe, asynchronous=True, predicts_ahead=True, refuses_ties=True, planned=False),
     )
 }
 

@@ -281,6 +281,7 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
         pipemare_warmup=warmup,
         pipemare_correction=correction,
         pipemare_decay=config.pipemare_decay,
+        xpipe_predictor=config.xpipe_predictor or "update",
     )
 
 

@@ -1,0 +1,82 @@
+"""Final training loss of 1F1B and the asynchronous schedules on the 4-stage test MLP.
+
+    python benchmarks/xpipe_convergence.py --out benchmarks/results/xpipe_mlp.json
+
+The model is the test suite's MLP (``tests.models.TinyNet``: 8 layers, 4 stages of 2), SGD with
+momentum 0.9, on its random data (``tests.models.dataset``), one seed per run for the initial
+weights and the data. For each schedule and seed: the final loss, the mean training loss over the
+last 10% of steps (as in ``pipemare_convergence.py``), and the peak weight memory per stage in
+copies of the stage's weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from pipemare_convergence import Record, final_loss
+
+from lightning_pipe import PipelineStrategy
+from tests.models import TinyNet, dataset
+
+SCHEDULES = ("1f1b", "pipedream", "pipemare", "xpipe")
+
+
+def run(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = TinyNet(lr=args.lr)  # SGD with momentum 0.9
+    data = DataLoader(dataset(n=args.batch * args.steps, seed=seed), batch_size=args.batch, shuffle=False)
+    with tempfile.TemporaryDirectory() as folder:
+        strategy = PipelineStrategy(schedule=schedule, chunks=args.chunks, start_method="fork")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
+        )  # fmt: skip
+        trainer.fit(model, data)
+        ranks = []
+        for r in range(args.stages):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    losses = ranks[0]["losses"]
+    memory = [r["memory"] for r in ranks]
+    copies = [round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3) for m in memory]
+    return {"schedule": schedule, "seed": seed, "final_loss": final_loss(losses), "losses": losses, "copies": copies}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lr", type=float, default=0.3)
+    parser.add_argument("--seeds", type=str, default="0,1,2")
+    parser.add_argument("--out", type=str, default=None)
+    args = parser.parse_args()
+    runs = [run(s, int(seed), args) for s in SCHEDULES for seed in args.seeds.split(",")]
+    print(
+        "| schedule | " + " | ".join(f"seed {r['seed']}" for r in runs if r["schedule"] == SCHEDULES[0]) + " | mean |"
+    )
+    for schedule in SCHEDULES:
+        finals = [r["final_loss"] for r in runs if r["schedule"] == schedule]
+        cells = " | ".join(f"{v:.4f}" for v in finals)
+        print(f"| {schedule} | {cells} | {sum(finals) / len(finals):.4f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
