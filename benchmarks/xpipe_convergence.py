@@ -1,12 +1,13 @@
 """Final training loss of 1F1B and the asynchronous schedules on the 4-stage test MLP.
 
-    python benchmarks/xpipe_convergence.py --out benchmarks/results/xpipe_mlp.json
+    python benchmarks/xpipe_convergence.py --lr 0.3 --out benchmarks/results/xpipe_mlp_lr0.3.json
 
 The model is the test suite's MLP (``tests.models.TinyNet``: 8 layers, 4 stages of 2), SGD with
-momentum 0.9, on its random data (``tests.models.dataset``), one seed per run for the initial
-weights and the data. For each schedule and seed: the final loss, the mean training loss over the
-last 10% of steps (as in ``pipemare_convergence.py``), and the peak weight memory per stage in
-copies of the stage's weights.
+momentum 0.9, on its random data (``tests.models.dataset``: 64 samples by default, read for several
+epochs, so the loss can fall by memorising them), one seed per run for the initial weights and the
+data. For each schedule and seed: the final loss, the mean training loss over the last 10% of steps
+(as in ``pipemare_convergence.py``), and the peak weight memory per stage in copies of the stage's
+weights.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ SCHEDULES = ("1f1b", "pipedream", "pipemare", "xpipe")
 def run(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = TinyNet(lr=args.lr)  # SGD with momentum 0.9
-    data = DataLoader(dataset(n=args.batch * args.steps, seed=seed), batch_size=args.batch, shuffle=False)
+    samples = args.samples or args.batch * args.steps
+    data = DataLoader(dataset(n=samples, seed=seed), batch_size=args.batch, shuffle=False)
     with tempfile.TemporaryDirectory() as folder:
         strategy = PipelineStrategy(schedule=schedule, chunks=args.chunks, start_method="fork")
         trainer = L.Trainer(
@@ -63,6 +65,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=0.3)
     parser.add_argument("--seeds", type=str, default="0,1,2")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=64,
+        help="the dataset's size (the tests' 64, read for several epochs: learnable); 0: "
+        "batch x steps fresh random samples, never repeated (nothing to learn)",
+    )
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
     runs = [run(s, int(seed), args) for s in SCHEDULES for seed in args.seeds.split(",")]
