@@ -90,7 +90,7 @@ def _survivors(tmp_path: Path) -> list[str]:
     return [pid for pid in found if int(pid) != os.getpid()]
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])  # rank 0: with --runslow
 def test_an_exception_on_one_stage_reaches_every_rank_with_its_text(tmp_path: Path, rank: int) -> None:
     result = _run(2, rank, "raise", tmp_path=tmp_path)
     assert result.returncode != 0
@@ -103,7 +103,9 @@ def test_an_exception_on_one_stage_reaches_every_rank_with_its_text(tmp_path: Pa
     assert f"ValueError: boom in the user's code on rank {rank}" in result.stderr
 
 
-@pytest.mark.parametrize("devices, rank", [(2, 0), (2, 1), (4, 2)], ids=["first", "last", "middle"])
+@pytest.mark.parametrize(
+    "devices, rank", [(2, 0), pytest.param(2, 1, marks=pytest.mark.slow), (4, 2)], ids=["first", "last", "middle"]
+)
 def test_a_killed_stage_ends_every_process_and_is_named(tmp_path: Path, devices: int, rank: int) -> None:
     result = _run(devices, rank, "kill", tmp_path=tmp_path)
     assert result.returncode != 0

@@ -115,7 +115,7 @@ class DieAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("dying", [0, 1])
+@pytest.mark.parametrize("dying", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_spawn_survivors_exit_when_a_rank_dies(tmp_path: Path, dying: int) -> None:
     """With ``start_method="spawn"``, torch's launcher sends SIGTERM to the survivors when a process
     dies; they must not wait in a collective with the dead one."""

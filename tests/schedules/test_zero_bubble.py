@@ -143,6 +143,7 @@ def _check_interleaved_zero_bubble(grid: list[tuple[int, int]]) -> None:
             validate(build("interleaved_zero_bubble", p, m, v, rendezvous=True))
 
 
+@pytest.mark.slow  # about 12 s; the sampled property and rendezvous grids cover the schedule by default
 def test_interleaved_zero_bubble_sample() -> None:
     _check_interleaved_zero_bubble(_grid(False))
 
