@@ -31,7 +31,7 @@ from pipemare_convergence import Record, final_loss
 from lightning_pipe import PipelineStrategy
 from tests.models import TinyNet, dataset
 
-SCHEDULES = ("1f1b", "pipedream", "pipemare", "xpipe")
+SCHEDULES = ("1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe")
 
 
 def run(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
