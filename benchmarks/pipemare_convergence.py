@@ -104,25 +104,8 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
         extra = {**extra, "pipemare_decay": args.decay}
     chunks = args.chunks_2bw if schedule == "pipedream_2bw" else args.chunks
     model, data = build(recipe, lr, args.steps, args, seed)
-    with tempfile.TemporaryDirectory() as folder:
-        strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
-        trainer = L.Trainer(
-            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
-        )  # fmt: skip
-        trainer.fit(model, data)
-        ranks = []
-        for r in range(args.stages):
-            with open(os.path.join(folder, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-    losses = ranks[0]["losses"]
-    copies = [
-        round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3)
-        if m["param_bytes"]
-        else 0.0
-        for m in (r["memory"] for r in ranks)
-    ]
+    strategy = PipelineStrategy(schedule=schedule, chunks=chunks, start_method="fork", **extra)
+    losses, copies = train_recorded(model, data, strategy, args.stages, args.steps)
     return {
         "variant": variant,
         "schedule": schedule,
@@ -132,6 +115,29 @@ def run(recipe: str, variant: str, lr: float, args: argparse.Namespace, seed: in
         "losses": losses,
         "weight_copies": copies,
     }
+
+
+def train_recorded(model: Any, data: Any, strategy: Any, stages: int, steps: int) -> tuple[list[float], list[float]]:
+    """Train ``model`` for ``steps`` on ``stages`` CPU processes; rank 0's training losses, and each
+    stage's peak weight memory in copies of its weights (weights, stashed versions, velocities)."""
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=stages, strategy=strategy, max_steps=steps, max_epochs=-1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
+        )  # fmt: skip
+        trainer.fit(model, data)
+        ranks = []
+        for r in range(stages):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    copies = [
+        round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3)
+        if m["param_bytes"]
+        else 0.0
+        for m in (r["memory"] for r in ranks)
+    ]
+    return ranks[0]["losses"], copies
 
 
 def final_loss(losses: list[float]) -> float:

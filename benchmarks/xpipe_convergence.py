@@ -16,17 +16,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pipemare_convergence import Record, final_loss
+from pipemare_convergence import final_loss, train_recorded
 
 from lightning_pipe import PipelineStrategy
 from tests.models import TinyNet, dataset
@@ -39,21 +37,8 @@ def run(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     model = TinyNet(lr=args.lr)  # SGD with momentum 0.9
     samples = args.samples or args.batch * args.steps
     data = DataLoader(dataset(n=samples, seed=seed), batch_size=args.batch, shuffle=False)
-    with tempfile.TemporaryDirectory() as folder:
-        strategy = PipelineStrategy(schedule=schedule, chunks=args.chunks, start_method="fork")
-        trainer = L.Trainer(
-            accelerator="cpu", devices=args.stages, strategy=strategy, max_steps=args.steps, max_epochs=-1,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(folder)],
-        )  # fmt: skip
-        trainer.fit(model, data)
-        ranks = []
-        for r in range(args.stages):
-            with open(os.path.join(folder, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-    losses = ranks[0]["losses"]
-    memory = [r["memory"] for r in ranks]
-    copies = [round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3) for m in memory]
+    strategy = PipelineStrategy(schedule=schedule, chunks=args.chunks, start_method="fork")
+    losses, copies = train_recorded(model, data, strategy, args.stages, args.steps)
     return {"schedule": schedule, "seed": seed, "final_loss": final_loss(losses), "losses": losses, "copies": copies}
 
 

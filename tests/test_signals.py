@@ -126,4 +126,5 @@ def test_spawn_survivors_exit_when_a_rank_dies(tmp_path: Path, dying: int) -> No
     died = float((tmp_path / "died").read_text())
     survivor = int((tmp_path / f"pid-{1 - dying}").read_text())
     assert not alive(survivor)
-    assert ended - died < 10.0, f"the survivor ended {ended - died:.1f} s after rank {dying} died"
+    # a deadline, not a speed: a survivor waiting in a collective would wait for the 30-minute timeout
+    assert ended - died < 60.0, f"the survivor ended {ended - died:.1f} s after rank {dying} died"

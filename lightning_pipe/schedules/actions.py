@@ -168,6 +168,8 @@ def overlap_spans(actions: Sequence[Action], units: Sequence[Sequence[Action]]) 
     no receive between them, as :func:`~lightning_pipe.schedules.comm.with_communication` places
     them), the index of its first compute mapped to that of its last. A unit whose communication
     was regrouped (NCCL) so that it waits for something in between runs one compute at a time."""
+    if not units:  # every schedule but DualPipeV: nothing to index, every step
+        return {}
     index = {a: k for k, a in enumerate(actions) if a.kind.is_compute}
     spans: dict[int, int] = {}
     for unit in units:
