@@ -277,3 +277,14 @@ def test_messages_counts_sends_due_together_and_the_computations_between_sends()
     assert (
         merged["sends_in_a_group_with_another_to_the_same_peer"] == 1 and merged["computations_between_sends_min"] == 0
     )
+
+
+def test_dualpipev_holds_pp_plus_one_stage_microbatches_zbv_pp() -> None:
+    """DeepSeek's table: DualPipeV keeps ``PP + 1`` micro-batches' activations of a stage per process
+    (``PP = 2 x processes`` stages), ZB-V ``PP``; measured on the tensors autograd saves."""
+    import activation_memory
+
+    for schedule, expected in (("dualpipev", 5), ("zbv", 4)):
+        ranks = activation_memory.measure(schedule, stages=2, chunks=8, steps=2, width=256, batch=64)
+        peaks = [rank["peak_stage_microbatches"] for rank in ranks]
+        assert peaks == pytest.approx([expected, expected], abs=0.15), (schedule, peaks)

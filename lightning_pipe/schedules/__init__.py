@@ -27,7 +27,14 @@ from lightning_pipe.schedules.dualpipe import dualpipev
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
-from lightning_pipe.schedules.simulate import DeadlockError, Simulation, closed_form_bubble, peak_in_flight, simulate
+from lightning_pipe.schedules.simulate import (
+    DeadlockError,
+    Simulation,
+    closed_form_bubble,
+    peak_in_flight,
+    peak_in_flight_per_rank,
+    simulate,
+)
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.traits import DEFAULT_SCHEDULE, TRAITS, ScheduleTraits, stage_positions, traits
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
@@ -128,6 +135,7 @@ __all__ = [
     "is_async",
     "one_f_one_b",
     "peak_in_flight",
+    "peak_in_flight_per_rank",
     "pipedream",
     "pipedream_2bw",
     "pipemare",

@@ -317,6 +317,26 @@ def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     return peaks
 
 
+def peak_in_flight_per_rank(schedule: Schedule) -> dict[int, int]:
+    """Per rank, the most micro-batch stages whose forward ran and whose backward has not, over all
+    the rank's stages at once (an overlapped unit's forward counted before its backward frees the
+    other micro-batch, as the executor runs it): the activations a process holds at its peak,
+    in micro-batches of one stage. Summing :func:`peak_in_flight` over a rank's stages adds peaks
+    that need not coincide (ZB-V: ``2p + 1`` summed, ``2p`` held)."""
+    release = ActionKind.WEIGHT if schedule.split_backward else ActionKind.BACKWARD
+    peaks: dict[int, int] = {}
+    for rank in range(schedule.num_ranks):
+        count = peak = 0
+        for action in schedule.compute(rank):
+            if action.kind is ActionKind.FORWARD and not schedule.forward_only:
+                count += 1
+            elif action.kind is release:
+                count -= 1
+            peak = max(peak, count)
+        peaks[rank] = peak
+    return peaks
+
+
 def closed_form_bubble(num_stages: int, num_microbatches: int) -> float:
     """GPipe's and 1F1B's bubble with equal stages: ``(p - 1) / (m + p - 1)``."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

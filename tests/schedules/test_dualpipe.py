@@ -18,6 +18,7 @@ from lightning_pipe.schedules import (
     build,
     dualpipev,
     peak_in_flight,
+    peak_in_flight_per_rank,
     simulate,
     traits,
     validate,
@@ -49,6 +50,11 @@ def test_equal_costs_give_the_table_bubble_on_every_rank(ranks: int) -> None:
 def test_holds_pp_plus_one_activations_on_the_v(ranks: int) -> None:
     peaks = peak_in_flight(dualpipev(ranks, 4 * ranks))  # half-size stages: PP + 1 of them, PP = 2 x ranks
     assert [peaks[r] + peaks[2 * ranks - 1 - r] for r in range(ranks)] == [2 * ranks + 1] * ranks
+    # held at once (what benchmarks/activation_memory.py measures: 5 on 2 processes, 9 on 4), and
+    # ZB-V's PP, whose stages' separate peaks also sum to PP + 1 but never coincide
+    for m in (2 * ranks, 4 * ranks):
+        assert peak_in_flight_per_rank(dualpipev(ranks, m)) == dict.fromkeys(range(ranks), 2 * ranks + 1)
+        assert peak_in_flight_per_rank(build("zbv", ranks, m, 2)) == dict.fromkeys(range(ranks), 2 * ranks)
 
 
 def test_places_stages_in_a_v_and_splits_the_backward() -> None:
