@@ -92,6 +92,12 @@ def resume_arguments(
     :meth:`ElasticState.setup`)."""
     if trainer.state.fn != TrainerFn.FITTING:
         return args, kwargs
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("RANK") == "0":
+        log.warning(
+            "lightning-pipe elastic: torchrun's agent shares its rendezvous store with the processes, and a restart "
+            "then finds the addresses of the processes before it there (gloo: 'Connection refused' while connecting). "
+            "Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (see docs/elastic.md)."
+        )
     folder = watched_folder(trainer, setting)
     bound = inspect.signature(function).bind(*args, **kwargs)
     found = None
