@@ -110,6 +110,10 @@ class PipelineConfig:
             the batch's count, so the gradient is the batch's mean over those items. None or
             ``"samples"``: the micro-batch's size. Language models whose loss is a mean over the valid
             tokens give :func:`lightning_pipe.token_count` (see :mod:`lightning_pipe.runtime.loss_weights`).
+        elastic: resume by itself after torchrun's elastic agent restarts the run (a lost node): ``True``
+            watches the ``ModelCheckpoint`` callbacks' ``dirpath``, a path watches that folder; each
+            (re)start resumes from the newest complete checkpoint there, under the layout that fits the
+            new world, keeping the global batch (see :mod:`lightning_pipe.trainer.elastic`). False: off.
     """
 
     schedule: str = "1f1b"
@@ -133,6 +137,7 @@ class PipelineConfig:
     pipemare_decay: float | None = None
     xpipe_predictor: str | None = None
     loss_weight: LossWeight | str | None = None
+    elastic: bool | str | Path = False
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -222,6 +227,11 @@ def check_arguments(config: PipelineConfig) -> None:
         )
     check_pipemare_options(config)
     check_loss_weight(config.loss_weight)
+    if not isinstance(config.elastic, (bool, str, Path)) or config.elastic == "":
+        raise ValueError(
+            f"PipelineStrategy(elastic={config.elastic!r}): give True (watch the ModelCheckpoint callbacks' dirpath), "
+            "the folder of the checkpoints to resume from, or False (off)."
+        )
     if config.start_method not in START_METHODS:
         raise ValueError(
             f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."

@@ -28,7 +28,7 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import failures, internals, signals
+from lightning_pipe.trainer import elastic, failures, internals, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import stage_dataloader
@@ -86,6 +86,7 @@ class PipelineStrategy(ProcessStrategy):
         pipemare_decay: float | None = None,
         xpipe_predictor: str | None = None,
         loss_weight: Callable[[Any], Any] | str | None = None,
+        elastic: bool | str | Path = False,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
@@ -93,7 +94,7 @@ class PipelineStrategy(ProcessStrategy):
             gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight,
+            pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
@@ -118,8 +119,7 @@ class PipelineStrategy(ProcessStrategy):
     stage_balance = _decided("balance", "Layers per stage.")
     deferred_build = _decided("deferred_build", "Whether the module was built on the meta device.")
 
-    # ``lightning-pipe plan`` sets it before fitting: rank every stages x replicas of the world too
-    plan_all_layouts = property(
+    plan_all_layouts = property(  # `lightning-pipe plan` sets it before fitting: rank every stages x replicas too
         lambda self: self.config.plan_all_layouts,
         lambda self, on: setattr(self, "config", self.config.replace(plan_all_layouts=on)),
     )
@@ -151,7 +151,8 @@ class PipelineStrategy(ProcessStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         _ = self.layout  # a world size that `stages` does not divide fails here, before any process starts
-        self._launcher = launcher_for(self, self.config.start_method, self._gathering, self._check_before_launch)
+        go = elastic.resumer(self.config.elastic)  # elastic runs: fit from the newest checkpoint
+        self._launcher = launcher_for(self, self.config.start_method, self._gathering, self._check_before_launch, go)
 
     def _check_before_launch(self, trainer: pl.Trainer) -> None:  # what the module and arguments show wrong
         check_before_launch(trainer.lightning_module, self.config, self.layout)
@@ -163,8 +164,8 @@ class PipelineStrategy(ProcessStrategy):
     # ------------------------------------------------------------------ topology
     @property
     def layout(self) -> Layout:
-        """Stages x replicas of the world (raises, naming both numbers, where ``stages`` does not divide it)."""
-        return Layout.of(self.num_nodes * self.num_processes, self.config.stages)
+        """Stages x replicas of the world (:func:`.elastic.layout`: raises where ``stages`` does not divide it)."""
+        return elastic.layout(self.num_nodes * self.num_processes, self.config)
 
     num_stages = property(lambda self: self.layout.stages, doc="Pipeline depth: processes per pipeline.")
     num_replicas = property(lambda self: self.layout.replicas, doc="Replicas of the pipeline.")
@@ -292,8 +293,7 @@ class PipelineStrategy(ProcessStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """``"pipeline"`` for scripts, ``"pipeline_notebook"`` (fork) and ``"pipeline_spawn"``, as
-        Lightning names its DDP variants (:data:`~lightning_pipe.trainer.launcher.VARIANTS`)."""
+        """``"pipeline"``, ``"pipeline_notebook"`` (fork), ``"pipeline_spawn"`` (:data:`.launcher.VARIANTS`)."""
         register_variants(cls, strategy_registry)
 
 

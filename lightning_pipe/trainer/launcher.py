@@ -31,6 +31,9 @@ import torch.distributed as dist
 from lightning_pipe.runtime.sharding import full_tensor
 from lightning_pipe.trainer import internals
 
+#: ``(trainer, function, args, kwargs) -> (args, kwargs)``: a Trainer function's arguments, changed before it runs
+Arguments = Callable[[pl.Trainer, Callable, tuple, dict], tuple[tuple, dict]]
+
 
 @dataclass(frozen=True)
 class Gathering:
@@ -114,11 +117,13 @@ class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: igno
         start_method: str,
         gathering: Callable[[], Gathering],
         before: Callable[[pl.Trainer], None] | None = None,
+        arguments: Arguments | None = None,
     ) -> None:
         self._inner = internals.multiprocessing_launcher(
             strategy, start_method, _end_process_group, functools.partial(_collect_whole_weights, gathering)
         )
         self._before = before
+        self._arguments = arguments
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -127,6 +132,8 @@ class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: igno
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if self._before is not None and trainer is not None:
             self._before(trainer)
+        if self._arguments is not None and trainer is not None:
+            args, kwargs = self._arguments(trainer, function, args, kwargs)
         results = self._inner.launch(function, *args, trainer=trainer, **kwargs)
         if isinstance(results, _Serialized):
             # our own worker's output (predictions may be any picklable object), not a file from elsewhere
@@ -154,13 +161,17 @@ def launcher_for(
     start_method: str,
     gathering: Callable[[], Gathering],
     before: Callable[[pl.Trainer], None] | None = None,
+    arguments: Arguments | None = None,
 ) -> Any:
     """Lightning's script launcher, Hydra-aware, for ``"popen"``; else its multiprocessing launcher,
     which gathers the whole model back (``gathering``: where from, once the processes are set up).
-    ``before(trainer)``: run on the launching process before it starts any other."""
+    ``before(trainer)``: run on the launching process before it starts any other;
+    ``arguments(trainer, function, args, kwargs)``: the Trainer function's arguments, changed
+    (elastic runs resume from the newest checkpoint), in every process that runs it."""
     if start_method == "popen":
-        return PipelineScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes, before)
-    return PipelineMultiProcessingLauncher(strategy, start_method, gathering, before)
+        environment, processes, nodes = strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        return PipelineScriptLauncher(environment, processes, nodes, before, arguments)
+    return PipelineMultiProcessingLauncher(strategy, start_method, gathering, before, arguments)
 
 
 # Hydra overrides that make sense for the sweep only, or that the child's command sets itself.
@@ -206,9 +217,11 @@ class PipelineScriptLauncher(internals.launcher_class()):  # type: ignore[misc]
         num_processes: int,
         num_nodes: int,
         before: Callable[[pl.Trainer], None] | None = None,
+        arguments: Arguments | None = None,
     ) -> None:
         self._inner = internals.script_launcher(cluster_environment, num_processes, num_nodes, hydra_child_command)
         self._before = before
+        self._arguments = arguments
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -221,6 +234,8 @@ class PipelineScriptLauncher(internals.launcher_class()):  # type: ignore[misc]
             and not self._inner.cluster_environment.creates_processes_externally
         ):
             self._before(trainer)
+        if self._arguments is not None and trainer is not None:
+            args, kwargs = self._arguments(trainer, function, args, kwargs)
         return self._inner.launch(function, *args, trainer=trainer, **kwargs)
 
     def kill(self, signum: Any) -> None:

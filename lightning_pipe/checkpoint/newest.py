@@ -1,0 +1,69 @@
+"""The newest complete checkpoint in a folder: what an elastic restart resumes from.
+
+A candidate is a checkpoint directory in the folder (not a hidden staging ``.name.partial`` or a
+swapped-out ``.name.old``); candidates are tried newest first (by the step and epoch of their save
+tag, then by time), and the first whose files are all there, of one save, and match every
+checksum recorded when they were written is taken (:func:`~lightning_pipe.checkpoint.files.read`
+compares every tensor). The newer ones it passed over are named with why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.checkpoint.files import META, is_pipeline_checkpoint, read
+
+
+@dataclass(frozen=True)
+class Found:
+    """The checkpoint to resume from and the newer candidates refused (``"path: why"`` each)."""
+
+    path: Path
+    step: int
+    epoch: int
+    refused: tuple[str, ...] = ()
+
+
+def _order(path: Path) -> tuple[int, int, float]:
+    """(step, epoch, time) of the save in ``path``; a metadata file that cannot be read sorts first
+    (it is still tried, and refused with the reason)."""
+    try:
+        tag: Any = torch.load(path / META, map_location="cpu", weights_only=True)["lightning_pipe"].get("save") or {}
+        return int(tag.get("global_step") or 0), int(tag.get("epoch") or 0), (path / META).stat().st_mtime
+    except Exception:
+        return -1, -1, 0.0
+
+
+def candidates(folder: str | Path) -> list[Path]:
+    """The checkpoint directories in ``folder``, newest first (a link to one counts once)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    seen: dict[Path, Path] = {}
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith(".") or not is_pipeline_checkpoint(entry):
+            continue
+        seen.setdefault(entry.resolve(), entry)
+    return sorted(seen.values(), key=_order, reverse=True)
+
+
+def newest_complete(folder: str | Path) -> Found | None:
+    """The newest checkpoint in ``folder`` that loads whole and checks (None: there is none)."""
+    refused: list[str] = []
+    for path in candidates(folder):
+        try:
+            meta, _ = read(path)
+        except Exception as error:
+            refused.append(f"{path}: {type(error).__name__}: {error}")
+            continue
+        tag = meta["lightning_pipe"].get("save") or {}
+        step, epoch = int(tag.get("global_step") or meta.get("global_step") or 0), int(tag.get("epoch") or 0)
+        return Found(path, step, epoch, tuple(refused))
+    return None
+
+
+__all__ = ["Found", "candidates", "newest_complete"]

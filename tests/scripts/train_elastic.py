@@ -1,0 +1,79 @@
+"""A user's script run by torchrun's elastic agent (``--nnodes=1:2``) on each of two "nodes":
+
+    python -m torch.distributed.run --nnodes=1:2 --nproc-per-node=2 --max-restarts=1 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train_elastic.py OUT STAGES STEPS EVERY KILL_AT
+
+``PipelineStrategy(stages=STAGES, elastic=True)`` with ``ModelCheckpoint(every_n_train_steps=EVERY)``. On the
+first start with the whole world (4 processes), global rank 0 writes ``OUT/kill`` once KILL_AT steps are
+done and waits for ``OUT/killed`` (the test kills the other node in between). Every start writes each
+rank's weights, the elastic report and the losses it saw to ``OUT/final-rank<r>-start<k>.pt``."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.trainer.elastic import ElasticState
+from tests.models import TinyNet, loader, trainer_kwargs
+
+RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class KillAt(L.Callback):
+    """Rank 0 of the first start says when ``at`` steps are done, and waits until the test killed a node."""
+
+    def __init__(self, out: Path, at: int) -> None:
+        self.out, self.at = out, at
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if RESTART == 0 and trainer.world_size == 4 and trainer.is_global_zero and trainer.global_step == self.at:
+            (self.out / "kill").write_text(str(self.at))
+            deadline = time.monotonic() + 120
+            while not (self.out / "killed").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, *args: object) -> None:
+        self.losses.append((trainer.global_step, float(outputs["loss"])))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out, stages, steps, every, kill_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:6])
+    torch.manual_seed(0)
+    model = TinyNet()
+    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])  # the world of this start
+    saves = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=every, save_top_k=-1)
+    losses = Losses()
+    trainer = L.Trainer(
+        strategy=PipelineStrategy(stages=stages, chunks=2, elastic=True),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=nodes,
+        callbacks=[KillAt(out, kill_at), losses, saves],
+        **trainer_kwargs(max_steps=steps, enable_checkpointing=True, logger=CSVLogger(out, name="logs", version=0)),
+    )
+    trainer.fit(model, loader(n=48, batch_size=12))
+    report = next(c.report for c in trainer.callbacks if isinstance(c, ElasticState))
+    strategy = trainer.strategy
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "report": report,
+            "layout": (strategy.num_stages, strategy.num_replicas, strategy.stage, strategy.replica),
+            "accumulate": trainer.accumulate_grad_batches,
+            "losses": losses.losses,
+        },
+        out / f"final-rank{trainer.global_rank}-start{RESTART}.pt",
+    )
