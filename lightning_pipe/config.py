@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.elastic_average import check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
@@ -110,6 +111,13 @@ class PipelineConfig:
             the batch's count, so the gradient is the batch's mean over those items. None or
             ``"samples"``: the micro-batch's size. Language models whose loss is a mean over the valid
             tokens give :func:`lightning_pipe.token_count` (see :mod:`lightning_pipe.runtime.loss_weights`).
+        replicas_sync: how the replicas of a stage (``data_parallel="replicate"``) stay together:
+            ``"allreduce"`` (their gradients averaged every step: they train as one model on the global
+            batch) or ``"elastic"`` (AvgPipe's elastic averaging: each steps on its own batches, and every
+            ``elastic_period`` steps replicas and a center variable pull towards each other by
+            ``elastic_alpha``; see :mod:`lightning_pipe.runtime.elastic_average`).
+        elastic_period: optimizer steps between two elastic averagings (None: 4).
+        elastic_alpha: the elastic coefficient, in (0, 1), with replicas x alpha <= 1 (None: 0.9 / replicas).
     """
 
     schedule: str = "1f1b"
@@ -133,6 +141,9 @@ class PipelineConfig:
     pipemare_decay: float | None = None
     xpipe_predictor: str | None = None
     loss_weight: LossWeight | str | None = None
+    replicas_sync: str = "allreduce"
+    elastic_period: int | None = None
+    elastic_alpha: float | None = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -221,10 +232,31 @@ def check_arguments(config: PipelineConfig) -> None:
             "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
     check_pipemare_options(config)
+    check_elastic(config)
     check_loss_weight(config.loss_weight)
     if config.start_method not in START_METHODS:
         raise ValueError(
             f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."
+        )
+
+
+def check_elastic(config: PipelineConfig) -> None:
+    """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
+    layout's replica count is checked once known, in :func:`~lightning_pipe.runtime.elastic_average.resolve_alpha`)."""
+    check_replicas_sync(config.replicas_sync, config.elastic_period, config.elastic_alpha)
+    if config.replicas_sync != "elastic":
+        return
+    if config.data_parallel != "replicate":
+        raise ValueError(
+            f"PipelineStrategy(replicas_sync='elastic', data_parallel={config.data_parallel!r}): elastic averaging "
+            "pulls whole replicas of each stage together, and sharded replicas hold parts of one. Use "
+            "data_parallel='replicate', or replicas_sync='allreduce'."
+        )
+    if traits(config.schedule).asynchronous:
+        raise ValueError(
+            f"PipelineStrategy(replicas_sync='elastic', schedule={config.schedule!r}): elastic averaging runs with "
+            "the synchronous schedules; an asynchronous one keeps weight versions that the averaging would not "
+            "update. Use a synchronous schedule (such as '1f1b' or 'gpipe'), or replicas_sync='allreduce'."
         )
 
 
@@ -297,4 +329,12 @@ def check_pipemare_options(config: PipelineConfig) -> None:
         )
 
 
-__all__ = ["PLANS", "START_METHODS", "PipelineConfig", "check_arguments", "check_pipemare_options", "recompute_mode"]
+__all__ = [
+    "PLANS",
+    "START_METHODS",
+    "PipelineConfig",
+    "check_arguments",
+    "check_elastic",
+    "check_pipemare_options",
+    "recompute_mode",
+]

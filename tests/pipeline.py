@@ -21,7 +21,7 @@ def pipeline_trainer(
     strategy_keys = {
         "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data",
         "weights", "stages", "data_parallel", "plan", "virtual_stages", "pipemare_warmup", "pipemare_correction",
-        "pipemare_decay", "xpipe_predictor", "loss_weight",
+        "pipemare_decay", "xpipe_predictor", "loss_weight", "replicas_sync", "elastic_period", "elastic_alpha",
     }  # fmt: skip
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}

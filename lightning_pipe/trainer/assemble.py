@@ -52,6 +52,7 @@ from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_pos
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
+from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.pipemare import resolve
@@ -282,6 +283,8 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
         pipemare_correction=correction,
         pipemare_decay=config.pipemare_decay,
         xpipe_predictor=config.xpipe_predictor or "update",
+        elastic_alpha=resolve_alpha(config.replicas_sync, placement.num_replicas, config.elastic_alpha),
+        elastic_period=config.elastic_period or DEFAULT_PERIOD,
     )
 
 
