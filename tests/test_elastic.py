@@ -151,3 +151,17 @@ def test_elastic_refuses_a_layout_it_cannot_average_before_launch(
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False)
     with pytest.raises(ValueError, match=message):
         trainer.fit(TinyNet(), loader())
+
+
+def test_the_command_line_composes_elastic_averaging() -> None:
+    from lightning_pipe.cli import build_strategy, check_keys
+    from tests.test_cli import _compose
+
+    overrides = ["strategy.replicas_sync=elastic", "strategy.elastic_period=8", "strategy.elastic_alpha=0.2"]
+    cfg = _compose(["strategy=gpipe", "strategy.stages=2", *overrides])
+    check_keys(cfg)
+    config = build_strategy(cfg.strategy, 4)[0].config
+    assert (config.schedule, config.replicas_sync, config.elastic_period, config.elastic_alpha) == (
+        "gpipe", "elastic", 8, 0.2,
+    )  # fmt: skip
+    assert build_strategy(_compose([]).strategy, 2)[0].config.replicas_sync == "allreduce"
