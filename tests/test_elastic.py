@@ -64,7 +64,8 @@ class _RecordReplicas(L.Callback):
         torch.save(record, Path(self.folder) / f"replica{trainer.global_rank}.pt")
 
 
-def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(tmp_path: Path, schedule: str) -> None:
     """Six steps, a pull every second one (alpha 0.45): every rank's weights and center equal the
     single-process rule's; replica 0 comes back to this process; the stage's replicas all-reduce
     nothing in the steps between pulls and the stage's parameters once in each pull's step."""
@@ -74,8 +75,8 @@ def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(
     piped = copy.deepcopy(model)
     callbacks = [_RecordReplicas(str(tmp_path)), _CountAllReduce(str(tmp_path))]
     fit_pipeline(
-        piped, 4, data=loader(batch_size=12), stages=2, chunks=3, replicas_sync="elastic", elastic_period=2,
-        callbacks=callbacks,
+        piped, 4, data=loader(batch_size=12), stages=2, chunks=3, schedule=schedule, replicas_sync="elastic",
+        elastic_period=2, callbacks=callbacks,
     )  # fmt: skip
     assert_same_weights(copies[0], piped)
     for rank in range(4):  # rank r: stage r // 2 of replica r % 2
@@ -151,6 +152,17 @@ def test_elastic_refuses_a_layout_it_cannot_average_before_launch(
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False)
     with pytest.raises(ValueError, match=message):
         trainer.fit(TinyNet(), loader())
+
+
+def test_elastic_refuses_a_gradient_scaler() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_pipe.trainer.compatibility import check_elastic_scaler
+
+    check_elastic_scaler("elastic", None)
+    check_elastic_scaler("allreduce", torch.amp.GradScaler("cpu"))
+    with pytest.raises(MisconfigurationException, match="16-mixed"):
+        check_elastic_scaler("elastic", torch.amp.GradScaler("cpu"))
 
 
 def test_the_command_line_composes_elastic_averaging() -> None:

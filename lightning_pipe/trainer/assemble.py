@@ -59,7 +59,13 @@ from lightning_pipe.runtime.pipemare import resolve
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
-from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
+from lightning_pipe.trainer.compatibility import (
+    as_misconfiguration,
+    check_async,
+    check_chimera_layout,
+    check_elastic_scaler,
+    check_shard,
+)
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.weights import load_stage_weights, model_spec
@@ -301,6 +307,7 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     blocks = split.attribute if isinstance(split.split.host, BlockStage) else None  # the messages name the container
     if config.data_parallel == "shard" and placement.num_replicas > 1:
         check_shard(config.schedule, beyond_layers, tied, blocks)
+    check_elastic_scaler(config.replicas_sync, scaler)
     if is_async(config.schedule):
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
