@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.elastic_average import check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
@@ -114,6 +115,13 @@ class PipelineConfig:
             watches the ``ModelCheckpoint`` callbacks' ``dirpath``, a path watches that folder; each
             (re)start resumes from the newest complete checkpoint there, under the layout that fits the
             new world, keeping the global batch (see :mod:`lightning_pipe.trainer.elastic`). False: off.
+        replicas_sync: how the replicas of a stage (``data_parallel="replicate"``) stay together:
+            ``"allreduce"`` (their gradients averaged every step: they train as one model on the global
+            batch) or ``"elastic"`` (AvgPipe's elastic averaging: each steps on its own batches, and every
+            ``replicas_sync_period`` steps replicas and a center variable pull towards each other by
+            ``replicas_sync_alpha``; see :mod:`lightning_pipe.runtime.elastic_average`).
+        replicas_sync_period: optimizer steps between two elastic averagings (None: 4).
+        replicas_sync_alpha: the elastic coefficient, in (0, 1), with replicas x alpha <= 1 (None: 0.9 / replicas).
     """
 
     schedule: str = "1f1b"
@@ -138,6 +146,9 @@ class PipelineConfig:
     xpipe_predictor: str | None = None
     loss_weight: LossWeight | str | None = None
     elastic: bool | str | Path = False
+    replicas_sync: str = "allreduce"
+    replicas_sync_period: int | None = None
+    replicas_sync_alpha: float | None = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -226,6 +237,7 @@ def check_arguments(config: PipelineConfig) -> None:
             "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
         )
     check_pipemare_options(config)
+    check_elastic_averaging(config)
     check_loss_weight(config.loss_weight)
     if not isinstance(config.elastic, (bool, str, Path)) or config.elastic == "":
         raise ValueError(
@@ -235,6 +247,26 @@ def check_arguments(config: PipelineConfig) -> None:
     if config.start_method not in START_METHODS:
         raise ValueError(
             f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."
+        )
+
+
+def check_elastic_averaging(config: PipelineConfig) -> None:
+    """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
+    layout's replica count is checked once known, in :func:`~lightning_pipe.runtime.elastic_average.resolve_alpha`)."""
+    check_replicas_sync(config.replicas_sync, config.replicas_sync_period, config.replicas_sync_alpha)
+    if config.replicas_sync != "elastic":
+        return
+    if config.data_parallel != "replicate":
+        raise ValueError(
+            f"PipelineStrategy(replicas_sync='elastic', data_parallel={config.data_parallel!r}): elastic averaging "
+            "pulls whole replicas of each stage together, and sharded replicas hold parts of one. Use "
+            "data_parallel='replicate', or replicas_sync='allreduce'."
+        )
+    if traits(config.schedule).asynchronous:
+        raise ValueError(
+            f"PipelineStrategy(replicas_sync='elastic', schedule={config.schedule!r}): elastic averaging runs with "
+            "the synchronous schedules; an asynchronous one keeps weight versions that the averaging would not "
+            "update. Use a synchronous schedule (such as '1f1b' or 'gpipe'), or replicas_sync='allreduce'."
         )
 
 
@@ -307,4 +339,12 @@ def check_pipemare_options(config: PipelineConfig) -> None:
         )
 
 
-__all__ = ["PLANS", "START_METHODS", "PipelineConfig", "check_arguments", "check_pipemare_options", "recompute_mode"]
+__all__ = [
+    "PLANS",
+    "START_METHODS",
+    "PipelineConfig",
+    "check_arguments",
+    "check_elastic_averaging",
+    "check_pipemare_options",
+    "recompute_mode",
+]

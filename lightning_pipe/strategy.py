@@ -51,14 +51,9 @@ def _decided(name: str, doc: str) -> property:  # what splitting the module deci
 class PipelineStrategy(ProcessStrategy):
     """Pipeline model parallelism: one stage of the module's ``nn.Sequential`` per process.
 
-    The pipeline's arguments are checked once and kept in ``strategy.config``;
-    :class:`~lightning_pipe.config.PipelineConfig` documents each. ``processes`` are Lightning's
-    arguments of ``DDPStrategy`` (``accelerator``, ``parallel_devices``, ``cluster_environment``,
-    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``; see
-    :class:`~lightning_pipe.trainer.processes.ProcessStrategy`).
-
-    A module that builds its layers in ``configure_model()`` (or under ``init_module(empty_init=True)``)
-    is built on the meta device; each rank materialises only its stage (:mod:`lightning_pipe.partition.materialize`).
+    The arguments are checked once and kept in ``strategy.config`` (:class:`~lightning_pipe.config.PipelineConfig`
+    documents each); ``processes`` are ``DDPStrategy``'s (:class:`~lightning_pipe.trainer.processes.ProcessStrategy`).
+    Layers built in ``configure_model()`` are built on the meta device; each rank materialises only its stage.
     """
 
     strategy_name = "pipeline"
@@ -87,6 +82,9 @@ class PipelineStrategy(ProcessStrategy):
         xpipe_predictor: str | None = None,
         loss_weight: Callable[[Any], Any] | str | None = None,
         elastic: bool | str | Path = False,
+        replicas_sync: str = "allreduce",
+        replicas_sync_period: int | None = None,
+        replicas_sync_alpha: float | None = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
@@ -95,6 +93,8 @@ class PipelineStrategy(ProcessStrategy):
             check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
             pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
+            replicas_sync=replicas_sync, replicas_sync_period=replicas_sync_period,
+            replicas_sync_alpha=replicas_sync_alpha,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)

@@ -1,5 +1,5 @@
 """One view over every stage's shard: the whole state dict, each optimizer's state by name, an
-asynchronous schedule's pending gradients."""
+asynchronous schedule's pending gradients, elastic averaging's center and replicas."""
 
 from __future__ import annotations
 
@@ -53,4 +53,18 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | 
     return merged
 
 
-__all__ = ["merged_async_state", "merged_optimizer_states", "merged_state_dict"]
+def merged_elastic_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """``replicas_sync="elastic"``: every stage's saved state as one (``{"elastic": ...}``): the step
+    count, the center by name over all stages, and each stage's own entry (for a resume under the
+    same layout; see :mod:`lightning_pipe.runtime.elastic_average`)."""
+    states = [(shard.get("extra") or {}).get("elastic") for shard in shards]
+    if not states or any(state is None for state in states):
+        return None
+    center: dict[str, Tensor] = {}
+    for state in states:
+        center.update(state["center"])  # type: ignore[index]
+    stages = {state["stage"]: state for state in states}  # type: ignore[index]
+    return {"elastic": {"steps": states[0]["steps"], "center": center, "stages": stages}}  # type: ignore[index]
+
+
+__all__ = ["merged_async_state", "merged_elastic_state", "merged_optimizer_states", "merged_state_dict"]

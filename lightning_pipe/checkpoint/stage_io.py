@@ -16,7 +16,12 @@ from typing import Any
 
 from lightning_pipe.checkpoint.files import is_pipeline_checkpoint, write_meta, write_shard, write_sharded_stage
 from lightning_pipe.checkpoint.files import read as read_checkpoint
-from lightning_pipe.checkpoint.merged import merged_async_state, merged_optimizer_states, merged_state_dict
+from lightning_pipe.checkpoint.merged import (
+    merged_async_state,
+    merged_elastic_state,
+    merged_optimizer_states,
+    merged_state_dict,
+)
 from lightning_pipe.checkpoint.staging import prepare_staging, publish, staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 
@@ -99,7 +104,7 @@ def load(
         checkpoint["optimizer_states"] = merged_optimizer_states(shards)
         if checkpoint["optimizer_states"] is None:
             del checkpoint["optimizer_states"]
-        async_state = merged_async_state(shards)
+        async_state = merged_async_state(shards) or merged_elastic_state(shards)
     else:
         checkpoint = plain(path, weights_only)
         merged = checkpoint["state_dict"]

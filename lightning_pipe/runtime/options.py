@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD
+
 
 @dataclass(frozen=True)
 class PipelineOptions:
@@ -27,6 +29,9 @@ class PipelineOptions:
         pipemare_correction: PipeMare's discrepancy correction on.
         pipemare_decay: the correction's velocity decay over one delay (None: PipeMare's default).
         xpipe_predictor: how ``xpipe`` predicts the weights (see :mod:`lightning_pipe.runtime.xpipe`).
+        replicas_sync_alpha: elastic averaging's coefficient between the replicas (0.0: their gradients are
+            all-reduced every step instead; see :mod:`lightning_pipe.runtime.elastic_average`).
+        replicas_sync_period: optimizer steps between two elastic averagings.
     """
 
     schedule: str
@@ -39,6 +44,8 @@ class PipelineOptions:
     pipemare_correction: bool = False
     pipemare_decay: float | None = None
     xpipe_predictor: str = "update"
+    replicas_sync_alpha: float = 0.0
+    replicas_sync_period: int = DEFAULT_PERIOD
 
 
 __all__ = ["PipelineOptions"]

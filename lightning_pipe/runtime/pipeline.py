@@ -40,6 +40,7 @@ from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
+from lightning_pipe.runtime.elastic_average import ElasticAverage
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.options import PipelineOptions
@@ -129,7 +130,7 @@ class StagePipeline:
             self.num_stages,
             counts_shared=placement.stage == 0,
             norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
-            dp_group=topology.dp_group if replicas > 1 and not self.sharded else None,
+            dp_group=topology.dp_group if replicas > 1 and not self.sharded and not options.replicas_sync_alpha else None,
             copies=copies,
         )
         self.transport = Transport(
@@ -160,6 +161,12 @@ class StagePipeline:
             for s, m in self.stages.items()
         }
         self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
+        self.elastic: ElasticAverage | None = (
+            None  # replicas_sync="elastic": no gradient all-reduce, a pull every period
+        )
+        if options.replicas_sync_alpha > 0 and replicas > 1:
+            trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            self.elastic = ElasticAverage(trainable, topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(
@@ -259,6 +266,8 @@ class StagePipeline:
         (always, for synchronous schedules)."""
         if self.asynchronous is not None:
             return self._async_step(self.asynchronous, keys, step, context, pause_after)
+        if self.elastic is not None:
+            self.elastic.restore()  # after a resume: this replica's own weights and optimizer state
         schedule = self.schedule(self.options.schedule, len(keys))
         saved = swap_grads(self.params, {})
         per_param = reaching(schedule, self.stages) if schedule.chains > 1 else None
@@ -321,8 +330,10 @@ class StagePipeline:
                 run.pipemare.before_update()
 
     def attach_optimizers(self, optimizers: Sequence[Any]) -> None:
-        """The user's optimizers, which PipeMare's learning-rate factor and velocity follow (a no-op
-        for other schedules)."""
+        """The user's optimizers, which PipeMare's learning-rate factor and velocity follow, and after
+        whose steps elastic averaging pulls the replicas together (a no-op otherwise)."""
+        if self.elastic is not None:
+            self.elastic.attach(optimizers)
         if self.asynchronous is not None and self.asynchronous.pipemare is not None:
             self.asynchronous.pipemare.attach(optimizers)
 
@@ -334,7 +345,11 @@ class StagePipeline:
     def state_dict(self) -> dict[str, Any] | None:
         """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones.
         With replicas (a collective over them: every rank calls it), ``pending`` is the replicas'
-        mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replica_pending`)."""
+        mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replica_pending`).
+        Under elastic averaging (a collective over the replicas too): ``{"elastic": ...}``, the center and
+        every replica's own weights and optimizer state."""
+        if self.elastic is not None:
+            return {"elastic": self.elastic.state_dict(self.placement.stage, self.num_stages)}
         if self.asynchronous is None:
             return None
         state = self.asynchronous.state_dict()
@@ -348,7 +363,12 @@ class StagePipeline:
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Give this stage its share of an asynchronous schedule's saved state (every stage's, by
         parameter name): this replica's own unapplied gradients where the checkpoint has as many
-        replicas, else the saved replicas' mean."""
+        replicas, else the saved replicas' mean. Elastic averaging's state: see
+        :meth:`~lightning_pipe.runtime.elastic_average.ElasticAverage.load_state_dict`."""
+        if self.elastic is not None and state is not None and "elastic" in state:
+            p = self.placement
+            self.elastic.load_state_dict(state["elastic"], p.stage, p.num_stages, p.replica)
+            return
         if self.asynchronous is None or state is None:
             return
         local = {name for name, _ in self.host.named_parameters()}
@@ -374,6 +394,8 @@ class StagePipeline:
         """Give the layers back their own forwards and remove the gradient hooks."""
         if self.asynchronous is not None and self.asynchronous.pipemare is not None:
             self.asynchronous.pipemare.detach()
+        if self.elastic is not None:
+            self.elastic.detach()
         deferred_conv.uninstall_split(self._fused)
         self._fused = []
         self.gradients.close()

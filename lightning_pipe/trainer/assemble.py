@@ -52,13 +52,20 @@ from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_pos
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
+from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.pipemare import resolve
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
-from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async, check_chimera_layout, check_shard
+from lightning_pipe.trainer.compatibility import (
+    as_misconfiguration,
+    check_async,
+    check_chimera_layout,
+    check_elastic_scaler,
+    check_shard,
+)
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.weights import load_stage_weights, model_spec
@@ -282,6 +289,8 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
         pipemare_correction=correction,
         pipemare_decay=config.pipemare_decay,
         xpipe_predictor=config.xpipe_predictor or "update",
+        replicas_sync_alpha=resolve_alpha(config.replicas_sync, placement.num_replicas, config.replicas_sync_alpha),
+        replicas_sync_period=config.replicas_sync_period or DEFAULT_PERIOD,
     )
 
 
@@ -298,6 +307,7 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     blocks = split.attribute if isinstance(split.split.host, BlockStage) else None  # the messages name the container
     if config.data_parallel == "shard" and placement.num_replicas > 1:
         check_shard(config.schedule, beyond_layers, tied, blocks)
+    check_elastic_scaler(config.replicas_sync, scaler)
     if is_async(config.schedule):
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)

@@ -41,7 +41,8 @@ def save_checkpoint(
     published only once every rank wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
     if storage_options is not None:
         raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
-    extra = {"async": async_state} if async_state is not None else None
+    # the pipeline's own state: an asynchronous schedule's, or elastic averaging's (already keyed "elastic")
+    extra = None if async_state is None else async_state if "elastic" in async_state else {"async": async_state}
     stage_io.save(checkpoint, Path(filepath), writer, extra)
 
 

@@ -75,6 +75,17 @@ def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, block
         )
 
 
+def check_elastic_scaler(replicas_sync: str, scaler: Any) -> None:
+    """Elastic averaging counts optimizer steps on every replica alike; a gradient scaler skips a step
+    where this replica's own gradients overflowed, which the other replicas' need not."""
+    if replicas_sync == "elastic" and scaler is not None:
+        raise MisconfigurationException(
+            "PipelineStrategy(replicas_sync='elastic') with a gradient scaler (precision='16-mixed'): each replica "
+            "steps on its own gradients, so one may skip a step that the others take, and their averagings would no "
+            "longer match. Use precision='bf16-mixed' or '32-true', or replicas_sync='allreduce'."
+        )
+
+
 def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
     """Chimera pairs process ``i`` with process ``stages - 1 - i`` (they hold the same two stages), and
     does not combine with data-parallel replicas of the pipeline."""

@@ -17,6 +17,7 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, layer_owners, resolve_balance
 from lightning_pipe.partition.costs import MEASURED_BALANCES
 from lightning_pipe.partition.ends import end_parameters, find_ends
+from lightning_pipe.runtime.elastic_average import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import stage_positions
 from lightning_pipe.trainer.assemble import check_held_parameters, refuse_for_blocks
@@ -32,6 +33,7 @@ def builds_layers_later(module: nn.Module) -> bool:
 def check_before_launch(module: nn.Module | None, config: PipelineConfig, layout: Layout) -> None:
     """Raise what the split of ``module`` into ``layout`` would raise on every rank, where the module and
     the arguments decide it. Nothing is split, built or measured here."""
+    resolve_alpha(config.replicas_sync, layout.replicas, config.replicas_sync_alpha)  # elastic averaging needs replicas
     if module is None or config.plan == "auto":
         return
     try:
