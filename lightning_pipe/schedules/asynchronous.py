@@ -230,13 +230,16 @@ def unroll(steady: Schedule, steps: int) -> Schedule:
 
 
 def steady_state_bubble(
-    steady: Schedule, steps: int = 4, forward_cost: float = 1.0, backward_cost: float = 2.0
+    steady: Schedule, steps: int = 4, forward_cost: float = 1.0, backward_cost: float = 2.0, rendezvous: bool = True
 ) -> float:
     """Idle share of a step once the pipeline is full: one more step costs ``makespan(n + 1) -
-    makespan(n)``, against ``m`` forwards and backwards of work per stage."""
+    makespan(n)``, against ``m`` forwards and backwards of work per stage. ``rendezvous``: the
+    simulator's strict model (see :func:`~lightning_pipe.schedules.simulate.simulate`); WPipe's unrolled
+    steps need gloo's (False): the unrolled list joins a G1 stage's last send of a batch and its first
+    receive of the next into one group, which the runtime posts in two steps."""
     from lightning_pipe.schedules.simulate import simulate
 
-    longer = simulate(unroll(steady, steps + 1), forward_cost, backward_cost).makespan
-    shorter = simulate(unroll(steady, steps), forward_cost, backward_cost).makespan
+    longer = simulate(unroll(steady, steps + 1), forward_cost, backward_cost, rendezvous=rendezvous).makespan
+    shorter = simulate(unroll(steady, steps), forward_cost, backward_cost, rendezvous=rendezvous).makespan
     work = steady.num_microbatches * (forward_cost + backward_cost)
     return 1.0 - work / (longer - shorter)
