@@ -22,23 +22,28 @@ def _copies(folder: Path, stages: int) -> list[float]:
     return [(r["params"] + r["stashed"] + r["velocity"]) / r["params"] for r in records]
 
 
-@pytest.mark.parametrize("stages, chunks", [(2, 4), (4, 3)])
-def test_weights_follow_wpipes_rule_and_hold_fewer_copies_than_2bw(tmp_path: Path, stages: int, chunks: int) -> None:
+@pytest.mark.parametrize("stages, chunks, samples", [(2, 4, 64), (4, 3, 64), (4, 3, 62)])
+def test_weights_follow_wpipes_rule_and_hold_fewer_copies_than_2bw(
+    tmp_path: Path, stages: int, chunks: int, samples: int
+) -> None:
     """After 6 steps (an epoch, its short last batch drained) the weights are plain PyTorch's with G0's
-    gradients applied one step late and G1's at once; 2BW's rule (one step late everywhere) is not it."""
+    gradients applied one step late and G1's at once; 2BW's rule (one step late everywhere) is not it.
+    With 62 samples the last batch (2 samples) has fewer micro-batches than ``stages - 1`` and runs
+    from an empty pipeline, drained at once, under the same rule."""
     torch.manual_seed(0)
     piped = TinyNet(lr=0.1)
     piped.optimizer = "plain-sgd"
     initial = piped.state_dict()
     steps = 6
-    batches = [b for _, b in zip(range(steps), iter(_cycle(loader())))]
+    batches = [b for _, b in zip(range(steps), iter(_cycle(loader(samples))))]
     expected, two_bw = TinyNet(), TinyNet()
     for reference, schedule in ((expected, "wpipe"), (two_bw, "pipedream_2bw")):
         reference.load_state_dict(initial)
         _reference(reference, batches, 0.1, _stage_delays(schedule, stages, chunks, reference))
     fit_pipeline(
-        piped, stages, schedule="wpipe", chunks=chunks, max_steps=steps, callbacks=[WeightMemory(str(tmp_path))]
-    )
+        piped, stages, loader(samples), schedule="wpipe", chunks=chunks, max_steps=steps,
+        callbacks=[WeightMemory(str(tmp_path))],
+    )  # fmt: skip
     assert_same_weights(expected, piped, rtol=1e-4, atol=1e-6)
     with pytest.raises(AssertionError):
         assert_same_weights(two_bw, piped, rtol=1e-4, atol=1e-6)
@@ -51,6 +56,16 @@ def test_2bw_holds_a_second_copy_on_every_stage_but_the_last(tmp_path: Path) -> 
     torch.manual_seed(0)
     fit_pipeline(TinyNet(), 4, schedule="pipedream_2bw", chunks=3, max_steps=6, callbacks=[WeightMemory(str(tmp_path))])
     assert _copies(tmp_path, 4) == [2.0, 2.0, 2.0, 1.0]
+
+
+def test_replicas_equal_one_pipeline_on_the_global_batch() -> None:
+    from tests.pipeline import twins
+
+    torch.manual_seed(0)
+    one, two = twins(TinyNet())
+    fit_pipeline(one, 2, data=loader(batch_size=24), schedule="wpipe", chunks=3)
+    fit_pipeline(two, 4, data=loader(batch_size=12), stages=2, schedule="wpipe", chunks=3)
+    assert_same_weights(one, two)
 
 
 def test_checkpoint_under_wpipe_resumes_exactly(tmp_path: Path) -> None:
