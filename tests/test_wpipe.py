@@ -92,3 +92,8 @@ def test_weights_tied_across_stages_are_refused() -> None:
 
     with pytest.raises(Exception, match="schedule='wpipe' applies gradients with a different delay on each stage"):
         fit_pipeline(TiedNet(), 2, token_loader(), schedule="wpipe", chunks=2)
+
+
+def test_too_few_chunks_are_refused_before_training() -> None:
+    with pytest.raises(Exception, match=r"schedule='wpipe' keeps two weight versions.*Use chunks >= 3"):
+        fit_pipeline(TinyNet(), 4, schedule="wpipe", chunks=2)
