@@ -29,7 +29,7 @@ from pipemare_convergence import final_loss, train_recorded
 from lightning_pipe import PipelineStrategy
 from tests.models import TinyNet, dataset
 
-SCHEDULES = ("1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe")
+SCHEDULES = ("1f1b", "pipedream", "pipedream_2bw", "pipemare", "xpipe", "wpipe")
 
 
 def run(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -41,7 +41,7 @@ class PipelineConfig:
             ``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"`` (ZB-V's V with DeepSeek's F&B pairs;
             chunks >= 2 x processes), ``"chimera"`` (two pipelines in opposite
             directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
-            ``"pipedream_2bw"``, ``"pipemare"``).
+            ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``, ``"wpipe"``).
         chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),

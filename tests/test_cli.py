@@ -67,6 +67,7 @@ def test_config_groups_are_complete() -> None:
         "pipedream_2bw",
         "pipeline",
         "pipemare",
+        "wpipe",
         "xpipe",
         "zbv",
         "zero_bubble",
@@ -294,7 +295,7 @@ def test_help_names_the_tool_and_its_groups(tmp_path: Path) -> None:
     assert "recipe: bert_mlm, llama, vgg19_cifar100" in lines and "trainer: cpu, gpu" in lines
     assert (
         "strategy: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, none, pipedream, "
-        "pipedream_2bw, pipeline, pipemare, xpipe, zbv, zero_bubble" in lines
+        "pipedream_2bw, pipeline, pipemare, wpipe, xpipe, zbv, zero_bubble" in lines
     )
     assert "powered by Hydra" not in result.stdout
     own = [k for k in OmegaConf.load(Path(CONFIG_DIR) / "config.yaml") if k not in ("defaults", "hydra")]

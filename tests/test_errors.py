@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(120)
         (
             {"schedule": "pipedreamz"},
             r"Unknown pipeline schedule 'pipedreamz'. Valid schedules: 1f1b, chimera, dualpipev, gpipe, "
-            r"interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, xpipe, zbv, zero_bubble",
+            r"interleaved_1f1b, interleaved_zero_bubble, pipedream, pipedream_2bw, pipemare, wpipe, xpipe, zbv, "
+            r"zero_bubble",
         ),
         ({"recompute": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),
         (

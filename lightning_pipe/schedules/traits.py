@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare, xpipe
+from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare, wpipe, xpipe
 from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
 from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
@@ -127,6 +127,9 @@ TRAITS: dict[str, ScheduleTraits] = {
             "pipemare", pipemare, asynchronous=True, predicts_weights=True, refuses_ties=True, planned=False
         ),
         ScheduleTraits("xpipe", xpipe, asynchronous=True, predicts_ahead=True, refuses_ties=True, planned=False),
+        # WPipe: 2BW's stash on the first half of the stages (2 weight copies), none on the second (1 copy;
+        # ``asynchronous.versions_held``); the halves' delays differ (1 and 0), so ties are refused
+        ScheduleTraits("wpipe", wpipe, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False),
     )
 }
 

@@ -93,8 +93,10 @@ def _check(name: str, p: int, m: int) -> None:
             validate(unroll(isolated_step(p, m), 1))
             return
         unrolled = unroll(SCHEDULES[name](p, m), 2)
-        validate(unrolled)
-        simulate(unrolled)
+        # WPipe's G1 flushes each batch: the unrolled list joins two steps' groups there (tests/schedules/test_wpipe.py)
+        strict = name != "wpipe"
+        validate(unrolled, rendezvous=strict)
+        simulate(unrolled, rendezvous=strict)
         return
     schedule = SCHEDULES[name](p, m)
     validate(schedule)

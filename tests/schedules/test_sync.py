@@ -74,7 +74,7 @@ def test_unknown_schedule_names_the_valid_ones() -> None:
     with pytest.raises(
         ValueError,
         match="Valid schedules: 1f1b, chimera, dualpipev, gpipe, interleaved_1f1b, interleaved_zero_bubble, "
-        "pipedream, pipedream_2bw, pipemare, xpipe, zbv, zero_bubble",
+        "pipedream, pipedream_2bw, pipemare, wpipe, xpipe, zbv, zero_bubble",
     ):
         get_schedule("zero_bubbles")
 
