@@ -169,7 +169,11 @@ def test_the_command_line_composes_elastic_averaging() -> None:
     from lightning_pipe.cli import build_strategy, check_keys
     from tests.test_cli import _compose
 
-    overrides = ["strategy.replicas_sync=elastic", "strategy.replicas_sync_period=8", "strategy.replicas_sync_alpha=0.2"]
+    overrides = [
+        "strategy.replicas_sync=elastic",
+        "strategy.replicas_sync_period=8",
+        "strategy.replicas_sync_alpha=0.2",
+    ]
     cfg = _compose(["strategy=gpipe", "strategy.stages=2", *overrides])
     check_keys(cfg)
     config = build_strategy(cfg.strategy, 4)[0].config

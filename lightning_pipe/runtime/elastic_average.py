@@ -35,20 +35,20 @@ DEFAULT_BETA = 0.9
 
 
 def check_replicas_sync(replicas_sync: str, period: int | None, alpha: float | None) -> None:
-    """Reject bad values of ``replicas_sync``, ``replicas_sync_period`` and ``replicas_sync_alpha`` (no layout needed)."""
+    """Reject bad values of ``replicas_sync`` and its period and alpha (no layout needed)."""
     if replicas_sync not in REPLICAS_SYNC:
         raise ValueError(
             f"PipelineStrategy(replicas_sync={replicas_sync!r}): unknown mode. Valid: {', '.join(REPLICAS_SYNC)}."
         )
     if period is not None and (not isinstance(period, int) or isinstance(period, bool) or period < 1):
         raise ValueError(
-            f"PipelineStrategy(replicas_sync_period={period!r}): give the number of optimizer steps between two elastic "
-            f"averagings, an integer >= 1 (None: {DEFAULT_PERIOD})."
+            f"PipelineStrategy(replicas_sync_period={period!r}): give the number of optimizer steps between two "
+            f"elastic averagings, an integer >= 1 (None: {DEFAULT_PERIOD})."
         )
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 1.0):
         raise ValueError(
-            f"PipelineStrategy(replicas_sync_alpha={alpha!r}): give the elastic coefficient, a number strictly between 0 "
-            f"and 1 (None: {DEFAULT_BETA} / replicas)."
+            f"PipelineStrategy(replicas_sync_alpha={alpha!r}): give the elastic coefficient, a number strictly "
+            f"between 0 and 1 (None: {DEFAULT_BETA} / replicas)."
         )
     if replicas_sync != "elastic" and (period is not None or alpha is not None):
         given = "replicas_sync_period" if period is not None else "replicas_sync_alpha"

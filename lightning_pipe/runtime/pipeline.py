@@ -130,7 +130,9 @@ class StagePipeline:
             self.num_stages,
             counts_shared=placement.stage == 0,
             norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
-            dp_group=topology.dp_group if replicas > 1 and not self.sharded and not options.replicas_sync_alpha else None,
+            dp_group=topology.dp_group
+            if replicas > 1 and not self.sharded and not options.replicas_sync_alpha
+            else None,
             copies=copies,
         )
         self.transport = Transport(
@@ -166,7 +168,9 @@ class StagePipeline:
         )
         if options.replicas_sync_alpha > 0 and replicas > 1:
             trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            self.elastic = ElasticAverage(trainable, topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha)
+            self.elastic = ElasticAverage(
+                trainable, topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha
+            )
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(
