@@ -319,7 +319,7 @@ def make_logger(name: str, output: Path) -> Logger:
 
 
 def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) -> None:
-    """``schedule=pipedream`` and ``pipemare`` refuse weights tied across stages; say so before any process starts,
+    """Schedules that refuse weights tied across stages (``refuses_ties``): say so before any process starts,
     naming the override that unties them (the strategy itself would fail in every process)."""
     if (
         cfg.strategy.name != "pipeline"
@@ -342,8 +342,8 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
     names = ", ".join(sorted({f"{attribute}.{name}" for tie in ties for name in tie.values()}))
     fix = "add recipe.model.tie_embeddings=false" if "tie_embeddings" in cfg.recipe.model else "untie them in the model"
     raise SystemExit(
-        f"lightning-pipe: strategy=pipedream cannot train weights shared by layers of different stages ({names}): "
-        f"{fix}, or use strategy=pipedream_2bw."
+        f"lightning-pipe: strategy.schedule={cfg.strategy.schedule} cannot train weights shared by layers of "
+        f"different stages ({names}): {fix}, or use strategy=pipedream_2bw."
     )
 
 

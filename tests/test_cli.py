@@ -543,3 +543,21 @@ def test_preflight_refuses_bad_values_before_hydra_runs(tmp_path: Path, monkeypa
     preflight(["strategy=zbv", "trainer.devices=2"])  # valid: nothing raised
     preflight(["-m", "strategy.schedule=zigzag"])  # a sweep: left to Hydra
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipemare", "xpipe"])
+def test_tied_weights_across_stages_are_refused_naming_the_schedule(schedule: str) -> None:
+    from lightning_pipe.cli import check_tied_weights
+    from tests.models import TiedNet
+
+    cfg = OmegaConf.create(
+        {
+            "strategy": {"name": "pipeline", "schedule": schedule, "balance": None, "module": None},
+            "recipe": {"model": {}},
+        }
+    )
+    with pytest.raises(
+        SystemExit, match=rf"strategy.schedule={schedule} cannot train weights shared .*layers\.0\.weight"
+    ):
+        check_tied_weights(cfg, TiedNet(), 2)
+    check_tied_weights(OmegaConf.merge(cfg, {"strategy": {"schedule": "pipedream_2bw"}}), TiedNet(), 2)  # 2BW ties
