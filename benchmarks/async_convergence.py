@@ -156,7 +156,8 @@ def picture(results: list[dict[str, Any]], by_optimizer: dict[str, list], args: 
             (f"NAdam b1 0.99, lr {lr:g} (step)", [r for r in mean if r["optimizer"] == "nadam" and r["lr"] == lr])
         )
     seeds = args.seeds.replace(",", ", ")
-    title = f"{args.recipe}: training loss, {args.stages} stages, {args.chunks} micro-batches, mean of seeds {seeds}"
+    which = f"mean of seeds {seeds}" if "," in args.seeds else f"seed {seeds}"
+    title = f"{args.recipe}: training loss, {args.stages} stages, {args.chunks} micro-batches, {which}"
     names = list(dict.fromkeys(r["variant"] for r in results))
     draw(panels, title, path, names, COLOURS, ceiling=1.5)
 
