@@ -55,15 +55,31 @@ COLOURS = {
 
 
 class Record(L.Callback):
-    """Rank 0: the training loss of every step; every rank: its weight memory."""
+    """Rank 0: the training loss of every batch; every rank: its weight memory.
 
-    def __init__(self, folder: str) -> None:
+    The losses are the ``train_loss`` values logged on rank 0, one per batch in batch order. With
+    2 or more stages rank 0 runs no step method: it logs only the last stage's per-batch summaries.
+    The loss a step returns is no substitute under the asynchronous schedules: it is the previous
+    batch's, and where the pipeline drains (each epoch's end) it jumps to the current one, so one
+    batch's loss is never returned and another twice.
+    """
+
+    def __init__(self, folder: str, key: str = "train_loss") -> None:
         self.folder = folder
+        self.key = key
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # the pipeline routes each micro-batch's self.log through an instance attribute, which it
+        # deletes afterwards: the recording sits on the instance's own subclass, for this run only
+        cls, record = type(module), self
+
+        def log(self: L.LightningModule, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if name == record.key:
+                record.losses.append(float(value))
+            cls.log(self, name, value, *args, **kwargs)
+
+        module.__class__ = type(cls.__name__, (cls,), {"log": log})
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         pipeline = trainer.strategy.pipeline
@@ -77,14 +93,15 @@ class Record(L.Callback):
 
 
 def build(
-    recipe: str, lr: float, steps: int, args: argparse.Namespace, seed: int = 0
+    recipe: str, lr: float, steps: int, args: argparse.Namespace, seed: int = 0, bert: type | None = None
 ) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """The recipe's model and data (``bert``: a ``BertMLM`` subclass to build instead, e.g. another optimizer)."""
     torch.manual_seed(seed)  # the initial weights and the data order (the workers fork after this)
     if recipe == "bert":
         from lightning_pipe.recipes.bert import BertMLM, TextData
 
         data = TextData(vocab_size=args.vocab, max_len=args.max_len, batch_size=args.batch, limit_chars=args.chars)
-        model = BertMLM(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr,
+        model = (bert or BertMLM)(vocab_size=args.vocab, size="tiny", max_len=args.max_len, lr=lr,
                         warmup_steps=max(1, steps // 10), max_steps=steps, tie_embeddings=False,
                         build="eager")  # fmt: skip
         return model, data
@@ -131,6 +148,10 @@ def train_recorded(model: Any, data: Any, strategy: Any, stages: int, steps: int
         for r in range(stages):
             with open(os.path.join(folder, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
+    if len(ranks[0]["losses"]) != steps:
+        raise RuntimeError(
+            f"recorded {len(ranks[0]['losses'])} training losses in {steps} steps: one per batch expected"
+        )
     copies = [
         round((m["param_bytes"] + m["stash_bytes"] + m["velocity_bytes"]) / m["param_bytes"], 3)
         if m["param_bytes"]
@@ -156,16 +177,18 @@ def steps_to_reach(losses: list[float], target: float) -> int | None:
 def summary(results: list[dict[str, Any]], lrs: list[float]) -> list[dict[str, Any]]:
     """One row per learning rate and schedule: the final loss per seed and its mean, each seed's
     ratio to 1F1B's final loss on the same seed (and their mean), and the steps each seed took to
-    reach that 1F1B loss."""
+    reach that 1F1B loss. A run's ``reference`` names the variant it is compared with (default
+    ``"1f1b"``; e.g. 1F1B under the same optimizer)."""
     table = []
     for value in lrs:
         runs = [r for r in results if r["lr"] == value]
-        reference = {r.get("seed", 0): final_loss(r["losses"]) for r in runs if r["variant"] == "1f1b"}
+        # each run against its reference on the same seed: "1f1b", or the run's "reference" (1F1B with its optimizer)
+        reference = {(r["variant"], r.get("seed", 0)): final_loss(r["losses"]) for r in runs}
         for variant in dict.fromkeys(r["variant"] for r in runs):
             mine = [r for r in runs if r["variant"] == variant]
             finals = [final_loss(r["losses"]) for r in mine]
             # no 1F1B run at this rate and seed (a subset of --variants): no ratio, no steps to reach it
-            refs = [reference.get(r.get("seed", 0)) for r in mine]
+            refs = [reference.get((r.get("reference", "1f1b"), r.get("seed", 0))) for r in mine]
             ratios = [None if ref is None else f / ref - 1 for f, ref in zip(finals, refs)]
             known = [x for x in ratios if x is not None]
             table.append({"lr": value, "variant": variant, "chunks": mine[0]["chunks"],
@@ -226,22 +249,39 @@ def _reach_cell(steps: Any) -> str:
 
 def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) -> None:
     """Loss against step, one panel per learning rate, one line per schedule (running mean over 5% of the steps)."""
+    panels = [(f"lr {lr:g} (step)", [r for r in results if r["lr"] == lr]) for lr in lrs]
+    draw(panels, title, path, list(VARIANTS), COLOURS)
+
+
+def draw(
+    panels: list[tuple[str, list[dict[str, Any]]]],
+    title: str,
+    path: str,
+    names: list[str],
+    colours: dict[str, str],
+    ceiling: float = 3.0,
+) -> None:
+    """Loss against step: one panel per ``(label, runs)``, one line per run coloured by its
+    variant (running mean over 5% of the steps; a run stops where it is no longer finite), and a
+    legend of ``names``. The vertical scale is shared and clipped at ``ceiling`` x the median loss,
+    so a diverging run runs along the top of its panel."""
     width, height, pad = 330, 240, 40
+    results = [r for _, runs in panels for r in runs]
     finite = [v for r in results for v in r["losses"] if v == v and abs(v) < 1e6]
-    top = min(max(finite), 3 * sorted(finite)[len(finite) // 2]) if finite else 1.0
+    top = min(max(finite), ceiling * sorted(finite)[len(finite) // 2]) if finite else 1.0
     bottom = min(finite) if finite else 0.0
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(lrs) + 180}" height="{height + 60}" '
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(panels) + 180}" height="{height + 60}" '
              'font-family="sans-serif" font-size="11">',
              f'<text x="10" y="16" font-size="13">{title}</text>']  # fmt: skip
-    for panel, lr in enumerate(lrs):
+    for panel, (label, runs) in enumerate(panels):
         x0, y0 = panel * width + pad, 30
         w, h = width - pad - 10, height - 30
         parts.append(f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#888"/>')
-        parts.append(f'<text x="{x0 + w / 2 - 30}" y="{y0 + h + 28}">lr {lr:g} (step)</text>')
+        parts.append(f'<text x="{x0 + 10}" y="{y0 + h + 28}">{label}</text>')
         for frac in (0.0, 0.5, 1.0):
             value = bottom + frac * (top - bottom)
             parts.append(f'<text x="{x0 - 36}" y="{y0 + h - frac * h + 4}">{value:.2f}</text>')
-        for r in (r for r in results if r["lr"] == lr):
+        for r in runs:
             losses = r["losses"]
             smooth = max(1, len(losses) // 20)
             points = []
@@ -255,14 +295,14 @@ def svg(results: list[dict[str, Any]], lrs: list[float], title: str, path: str) 
                 y = y0 + h - h * (clipped - bottom) / (top - bottom or 1)
                 points.append(f"{x:.1f},{y:.1f}")
             parts.append(
-                f'<polyline fill="none" stroke="{COLOURS[r["variant"]]}" stroke-width="1.3" '
+                f'<polyline fill="none" stroke="{colours.get(r["variant"], "#7f7f7f")}" stroke-width="1.3" '
                 f'points="{" ".join(points)}"/>'
             )
-    legend_x = width * len(lrs) + 10
-    for i, name in enumerate(VARIANTS):
+    legend_x = width * len(panels) + 10
+    for i, name in enumerate(names):
         parts.append(
             f'<line x1="{legend_x}" y1="{40 + 16 * i}" x2="{legend_x + 20}" y2="{40 + 16 * i}" '
-            f'stroke="{COLOURS[name]}" stroke-width="2"/>'
+            f'stroke="{colours.get(name, "#7f7f7f")}" stroke-width="2"/>'
         )
         parts.append(f'<text x="{legend_x + 25}" y="{44 + 16 * i}">{name}</text>')
     parts.append("</svg>")

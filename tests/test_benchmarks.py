@@ -288,3 +288,45 @@ def test_dualpipev_holds_pp_plus_one_stage_microbatches_zbv_pp() -> None:
         ranks = activation_memory.measure(schedule, stages=2, chunks=8, steps=2, width=256, batch=64)
         peaks = [rank["peak_stage_microbatches"] for rank in ranks]
         assert peaks == pytest.approx([expected, expected], abs=0.15), (schedule, peaks)
+
+
+def _async_args(**extra: object):
+    import argparse
+
+    return argparse.Namespace(**{"steps": 6, "samples": 64, "batch": 16, "stages": 2, "chunks": 2, **extra})
+
+
+def test_async_convergence_records_every_batch_loss_once_and_the_pipeline_follows_2bw_rule() -> None:
+    """6 steps of 4 batches per epoch: the pipeline drains after step 4. Each batch's loss is
+    recorded once, in order, and equals the loss of the same batch under 2BW's update rule
+    replayed in one process (W(t+1) = W(t) - lr grad f(W(t-1)) on both stages)."""
+    from async_convergence import replay, run
+
+    args = _async_args()
+    recorded = run("mlp", "pipedream_2bw", "own", 0.3, 0, args)["losses"]
+    assert recorded == pytest.approx(replay((1, 1), 0.3, 0, args), abs=1e-5)
+    assert replay((1, 1), 0.3, 0, args) != pytest.approx(replay((0, 0), 0.3, 0, args), abs=1e-5)
+
+
+def test_async_convergence_mlp_gives_every_column_and_the_nadam_rows_against_1f1b_with_nadam(tmp_path, capsys) -> None:
+    import json
+
+    from async_convergence import main
+
+    out, picture = tmp_path / "r.json", tmp_path / "p.svg"
+    main(["mlp", "--steps", "4", "--seeds", "0", "--stages", "2", "--chunks", "2", "--lrs", "0.3",
+          "--schedules", "1f1b,xpipe", "--nadam-lrs", "0.01", "--out", str(out), "--svg", str(picture)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    rows = {row["variant"]: row for table in saved["tables"].values() for row in table}
+    assert set(rows) == {"1f1b", "xpipe", "1f1b+nadam", "pipedream+nadam"}
+    assert rows["xpipe"]["weight_copies"] == [3.0, 1.0]  # weights, prediction, last update; the last stage 1
+    assert rows["pipedream+nadam"]["weight_copies"] == [2.0, 1.0]
+    nadam = {r["variant"]: r["losses"] for r in saved["runs"] if r["optimizer"] == "nadam"}
+    expected = sum(nadam["pipedream+nadam"][-1:]) / sum(nadam["1f1b+nadam"][-1:]) - 1  # against 1F1B with NAdam
+    assert rows["pipedream+nadam"]["vs_1f1b"] == pytest.approx(expected, abs=1e-4)
+    assert all(len(row["steps_to_1f1b_final"]) == 1 for row in rows.values())
+    text = capsys.readouterr().out
+    assert "| schedule | chunks | final loss at lr 0.3 | steps to 1F1B's final loss at lr 0.3 | weight copies" in text
+    assert "| pipedream+nadam | 2 |" in text
+    svg = picture.read_text()
+    assert svg.count("<polyline") == 4 and "SGD, lr 0.3" in svg and "NAdam b1 0.99, lr 0.01" in svg
