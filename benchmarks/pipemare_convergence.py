@@ -60,8 +60,7 @@ class Record(L.Callback):
     The losses are the ``train_loss`` values logged on rank 0, one per batch in batch order. With
     2 or more stages rank 0 runs no step method: it logs only the last stage's per-batch summaries.
     The loss a step returns is no substitute under the asynchronous schedules: it is the previous
-    batch's, and where the pipeline drains (each epoch's end) it jumps to the current one, so one
-    batch's loss is never returned and another twice.
+    batch's (``nan`` at the first step), and the last batch's is never returned.
     """
 
     def __init__(self, folder: str, key: str = "train_loss") -> None:

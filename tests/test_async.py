@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,3 +207,39 @@ def test_a_batch_too_short_for_2bw_runs_isolated() -> None:
     for p in range(2, 7):
         for m in range(1, p - 1):
             validate(unroll(isolated_step(p, m), 1))  # from an empty pipeline, drained at once
+
+
+class _ReturnedAndLogged(L.Callback):
+    """Rank 0: the loss each step returns, and each batch's logged ``train_loss`` in batch order."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.returned, self.logged = folder, [], []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        cls, record = type(module), self
+
+        def log(self: L.LightningModule, name: str, value: object, *args: object, **kwargs: object) -> None:
+            if name == "train_loss":
+                record.logged.append(float(value))  # type: ignore[arg-type]
+            cls.log(self, name, value, *args, **kwargs)
+
+        module.__class__ = type(cls.__name__, (cls,), {"log": log})
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self.returned.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            Path(self.folder, "losses.json").write_text(json.dumps([self.returned, self.logged]))
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_a_step_returns_the_previous_batchs_loss_at_drains_too(tmp_path: Path, schedule: str) -> None:
+    """Two epochs of 4 batches (a drain after each): every batch's loss is returned once, in order,
+    one step late; the returned values do not skip the batch before a drain nor repeat its last."""
+    fit_pipeline(TinyNet(), 2, loader(n=32, batch_size=8), schedule=schedule, chunks=2, max_steps=8,
+                 callbacks=[_ReturnedAndLogged(str(tmp_path))])  # fmt: skip
+    returned, logged = json.loads((tmp_path / "losses.json").read_text())
+    assert len(returned) == len(logged) == 8 and len(set(logged)) == 8
+    assert returned[0] != returned[0]  # nan: no batch before the first
+    assert returned[1:] == pytest.approx(logged[:-1], rel=1e-6)

@@ -79,6 +79,7 @@ class PipelineSteps:
         self._stop_if_requested = stop_if_requested or (lambda: None)
         self._sharing: SummarySharing | None = None  # the last stage's summaries, on every rank
         self._last_loss = float("nan")
+        self._pending_loss: float | None = None  # asynchronous: a drained batch's loss, the next step returns it
 
     @property
     def device(self) -> torch.device:
@@ -155,14 +156,18 @@ class PipelineSteps:
         if self.placement.num_stages == 1:
             assert summary is not None
             self._replay_summary(module, summary)
-        else:
+        else:  # the step returns the previous batch's loss, at drains too: every batch's once, in order
+            returned, self._pending_loss = self._pending_loss, None
             lagged = self._summaries().take_lagged()
             if lagged is not None:
                 self._replay_summary(module, lagged)
+                returned = self._last_loss
             if sync:
                 self._replay_summary(module, self._summaries().share("train", summary))
+                self._pending_loss = self._last_loss
             else:
                 self._summaries().post_lagged(summary)
+            self._last_loss = float("nan") if returned is None else returned  # nan: no batch before the first
         recorder.log_local(module)
         return torch.tensor(self._last_loss, device=self.device)
 
