@@ -84,3 +84,28 @@ def test_a_regrouped_unit_with_a_receive_between_its_computes_runs_one_compute_a
         actions = regrouped.actions[rank]
         for start, end in overlap_spans(actions, regrouped.overlapped[rank]).items():
             assert not any(a.kind.is_recv for a in actions[start:end])
+
+
+def test_a_units_forward_output_leaves_before_its_backward_computes(world_of_one: Topology) -> None:
+    """Off a GPU the halves run one after the other: a send placed between them is posted between
+    them, so the next stage gets the forward's output without waiting for the backward too."""
+    from lightning_pipe.schedules.actions import Action, ActionKind
+
+    model = Net()
+    pipeline = _pipeline(world_of_one, model, "dualpipev", chunks=3)
+    executor, events = pipeline.executor, []
+    compute, post = executor._compute, executor._post
+    executor._compute = lambda action, run: (events.append(action), compute(action, run))[1]  # type: ignore[method-assign]
+    executor._post = lambda group, run: (events.extend(group), post(group, run))[1]  # type: ignore[method-assign]
+    try:
+        assert _train(pipeline, model, _batch()) is True
+    finally:
+        pipeline.close()
+    schedule = build("dualpipev", 1, 3, 2)
+    checked = 0
+    for forward, backward, *_ in schedule.overlapped[0]:
+        send = Action(ActionKind.SEND_ACTIVATION, forward.stage, forward.microbatch)
+        if send in events:
+            assert events.index(forward) < events.index(send) < events.index(backward), (forward, backward)
+            checked += 1
+    assert checked > 0
