@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     groups: list[tuple[str, Sequence[str], Sequence[float]]] = [
         ("own", args.schedules.split(","), [float(v) for v in args.lrs.split(",")])
     ]
-    if args.nadam_lrs:
+    if args.nadam_lrs and args.nadam_schedules:  # --nadam-schedules "": none
         groups.append(("nadam", args.nadam_schedules.split(","), [float(v) for v in args.nadam_lrs.split(",")]))
     results = grid(args.recipe, groups, args)
     by_optimizer = tables(results)
