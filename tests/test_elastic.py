@@ -179,7 +179,8 @@ def _lose_a_node(
         workers = _children(lost.pid)
         lost.kill()  # a node gone: its agent and every process of it at once
         for worker in workers:
-            os.killpg(worker, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # one that had just ended
+                os.killpg(worker, signal.SIGKILL)
         lost.wait(timeout=30)
         (out / "killed").write_text("1")
         _stamp("second agent and its processes killed")
