@@ -6,11 +6,15 @@
 ``PipelineStrategy(stages=STAGES, elastic=True)`` with ``ModelCheckpoint(every_n_train_steps=EVERY)``. On the
 first start with the whole world (4 processes), global rank 0 writes ``OUT/kill`` once KILL_AT steps are
 done and waits for ``OUT/killed`` (the test kills the other node in between). Every start writes each
-rank's weights, the elastic report and the losses it saw to ``OUT/final-rank<r>-start<k>.pt``."""
+rank's weights, the elastic report and the losses it saw to ``OUT/final-rank<r>-start<k>.pt``.
+
+Each process prints ``elastic-test <unix time> rank <r> start <k>: <event>`` lines (imports done, training
+started, fit done), a timeline of the run for the test's output."""
 
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +28,10 @@ from lightning_pipe.trainer.elastic import ElasticState
 from tests.models import TinyNet, loader, trainer_kwargs
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def stamp(event: str) -> None:
+    print(f"elastic-test {time.time():.3f} rank {os.environ.get('RANK')} start {RESTART}: {event}", flush=True)
 
 
 class KillAt(L.Callback):
@@ -44,11 +52,15 @@ class Losses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[tuple[int, float]] = []
 
+    def on_train_start(self, trainer: L.Trainer, *args: object) -> None:
+        stamp(f"training from step {trainer.global_step}")
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, *args: object) -> None:
         self.losses.append((trainer.global_step, float(outputs["loss"])))
 
 
-if __name__ == "__main__":
+def main() -> None:
+    stamp("imported")
     torch.set_num_threads(1)
     out, stages, steps, every, kill_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:6])
     torch.manual_seed(0)
@@ -65,6 +77,7 @@ if __name__ == "__main__":
         **trainer_kwargs(max_steps=steps, enable_checkpointing=True, logger=CSVLogger(out, name="logs", version=0)),
     )
     trainer.fit(model, loader(n=48, batch_size=12))
+    stamp(f"fit done at step {trainer.global_step}")
     report = next(c.report for c in trainer.callbacks if isinstance(c, ElasticState))
     strategy = trainer.strategy
     torch.save(
@@ -77,3 +90,17 @@ if __name__ == "__main__":
         },
         out / f"final-rank{trainer.global_rank}-start{RESTART}.pt",
     )
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Nothing is left to do: skip Python's teardown of torch's and Lightning's modules (about 2 s on a loaded 2-core
+    # machine), which would delay the agent's restart after a failure and its end after the last start.
+    os._exit(code)
