@@ -39,7 +39,8 @@ communication, outside the executor). For the MLP, the peak bytes of activations
 for the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
 ``results.json`` and ``throughput.svg`` to ``--out``.
 
-GPU mode (``--device cuda``): the same with NCCL; per-action timings are CUDA events and each
+GPU mode (``--device cuda``): the same with NCCL (``--share-gpu``: lightning-pipe's two ranks on
+one GPU over gloo, torch's contenders skipped); per-action timings are CUDA events and each
 rank reports the allocator's peak. With one GPU only the single-GPU contenders run (``plain``,
 ``plain_micro``, ``pipe_1stage``): NCCL cannot put two ranks on one GPU.
 """
@@ -84,6 +85,7 @@ from lightning_pipe.schedules import (
 
 UNFUSED = "_unfused"  # a lightning-pipe contender without gradient-accumulation fusion
 DEVICE = "cpu"  # "cuda" in GPU mode (set by main before processes fork)
+SHARE_GPU = False  # --share-gpu: lightning-pipe's ranks all on cuda:0, over gloo
 
 
 def _trainer_args(steps: int, callbacks: list) -> dict[str, Any]:
@@ -111,6 +113,9 @@ def lightning_trainer(
         schedule = "1f1b" if name == "pipe_1stage" else name[len("pipe_") :]
         devices = 1 if name == "pipe_1stage" else STAGES
         options.setdefault("gradient_accumulation_fusion", not contender.endswith(UNFUSED))
+        if SHARE_GPU and devices > 1:  # NCCL refuses two ranks on one GPU: gloo through host memory
+            options.update(parallel_devices=[torch.device("cuda", 0)] * devices, process_group_backend="gloo")
+            devices = 1
         strategy = PipelineStrategy(schedule=schedule, chunks=m, balance="parameters", start_method="fork", **options)
         trainer = L.Trainer(devices=devices, strategy=strategy, **_trainer_args(steps, callbacks))
     return trainer, data(model, spec["batch"], steps)
@@ -358,6 +363,9 @@ def default_contenders() -> str:
 def runner_for(contender: str) -> Callable[..., list[float]] | None:
     """The function that runs ``contender``, or None (with a message) when it cannot run here."""
     if contender.startswith("torch_"):
+        if SHARE_GPU:
+            print(f"skipping {contender}: torch's contenders run under NCCL, one GPU per rank")
+            return None
         return run_torch
     if contender.startswith("deepspeed_"):
         reason = deepspeed_runner.available() if DEVICE == "cpu" else "the DeepSpeed contender runs on CPUs only"
@@ -437,7 +445,7 @@ def summarize(model: str, rounds: list[dict[str, list[float]]]) -> dict[str, Any
 
 
 def main() -> None:
-    global DEVICE
+    global DEVICE, SHARE_GPU
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,vgg19")
     parser.add_argument("--steps", type=int, help="steps per run (default: per model, mlp 14, vgg19 7)")
@@ -449,10 +457,19 @@ def main() -> None:
         help="extra rounds of pipe_1f1b, pipe_1f1b_unfused and torch_1f1b only (default: per model, mlp 8, vgg19 0)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU mode")
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="GPU mode on one GPU: lightning-pipe's two-stage contenders put both ranks on it, over gloo "
+        "(tensors between stages through pinned host memory); torch's contenders are skipped",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--contenders", help=f"comma-separated (default on CPUs: {CPU_CONTENDERS})")
     args = parser.parse_args()
     DEVICE = args.device
+    SHARE_GPU = args.share_gpu
+    if SHARE_GPU and DEVICE != "cuda":
+        parser.error("--share-gpu needs --device cuda")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU; none is visible to torch")
     torch.set_num_threads(1)
@@ -482,7 +499,7 @@ def main() -> None:
             if contender in contenders:
                 entry.setdefault("breakdown", {})[contender] = breakdown(model, contender, steps, warmup)
         print(json.dumps({model: entry}, indent=2), flush=True)
-    if "mlp" in args.models.split(",") and (DEVICE == "cpu" or torch.cuda.device_count() >= STAGES):
+    if "mlp" in args.models.split(",") and (DEVICE == "cpu" or torch.cuda.device_count() >= STAGES) and not SHARE_GPU:
         results["mlp"]["activation_memory"] = memory = measure_memory("mlp")
         print(json.dumps({"mlp activation memory": memory}, indent=2), flush=True)
     results["_machine"] = {

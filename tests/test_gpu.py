@@ -1,0 +1,91 @@
+"""On a GPU (skipped without CUDA): one stage under NCCL, and two stages sharing one GPU.
+
+NCCL refuses two ranks on one GPU, so the two-stage runs use gloo, which sends the stages' tensors
+through pinned host memory: the executor, the CUDA streams of DualPipeV's F&B units and the
+staging are the GPU code paths these reach. Every run is compared with plain training on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pipe import PipelineStrategy
+from tests.models import TinyNet, fit_plain, loader, trainer_kwargs
+from tests.pipeline import assert_same_weights, twins
+
+pytestmark = pytest.mark.gpu
+
+
+def _data() -> torch.utils.data.DataLoader:
+    return loader(n=48, batch_size=12)
+
+
+def _fit_on_one_gpu(model: L.LightningModule, processes: int, callbacks: list | None = None, **options: Any) -> None:
+    """Fit with ``processes`` ranks all on ``cuda:0`` (gloo between them when there are several)."""
+    extra: dict[str, Any] = {}
+    if processes > 1:
+        extra = dict(parallel_devices=[torch.device("cuda", 0)] * processes, process_group_backend="gloo")
+    strategy = PipelineStrategy(start_method="spawn", **options, **extra)
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, callbacks=callbacks or [], **trainer_kwargs())
+    trainer.fit(model, _data())
+
+
+def _close(reference: torch.nn.Module, piped: torch.nn.Module) -> None:
+    # the GPU's float32 kernels sum in another order than the CPU's
+    assert_same_weights(reference, piped.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_one_stage_on_a_gpu_trains_as_plain_training() -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, _data())
+    _fit_on_one_gpu(piped, 1, schedule="1f1b", chunks=4)
+    _close(reference, piped)
+
+
+@pytest.mark.parametrize(
+    "schedule, chunks, recompute",
+    [("1f1b", 4, "never"), ("zbv", 4, "never"), ("dualpipev", 4, "never"), ("dualpipev", 8, "always")],
+)
+def test_two_stages_sharing_a_gpu_train_as_plain_training(schedule: str, chunks: int, recompute: str) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, _data())
+    _fit_on_one_gpu(piped, 2, schedule=schedule, chunks=chunks, checkpoint=recompute)
+    _close(reference, piped)
+
+
+class _StreamsSeen(L.Callback):
+    """Records the CUDA stream of every forward of this rank's layers and writes the distinct ones
+    to ``folder/streams-<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.seen: set[int] = set()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for layer in pl_module.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.register_forward_pre_hook(self._record)
+
+    def _record(self, _: torch.nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            self.seen.add(torch.cuda.current_stream(args[0].device).stream_id)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        Path(self.folder, f"streams-{trainer.global_rank}.json").write_text(json.dumps(sorted(self.seen)))
+
+
+def test_dualpipevs_units_run_their_forwards_on_a_second_cuda_stream(tmp_path: Path) -> None:
+    """An F&B unit's forward takes the stream its backward's micro-batch did not use, so every
+    process runs forwards on two streams (plain runs use one)."""
+    torch.manual_seed(0)
+    _fit_on_one_gpu(TinyNet(depth=8), 2, [_StreamsSeen(str(tmp_path))], schedule="dualpipev", chunks=8)
+    seen = [json.loads(Path(tmp_path, f"streams-{rank}.json").read_text()) for rank in range(2)]
+    assert all(len(streams) == 2 for streams in seen), seen
