@@ -88,7 +88,9 @@ class ProcessStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
+        # bind the GPU for NCCL only (it creates the communicators eagerly); bound under gloo (two
+        # stages sharing a GPU), torch's DeviceMesh splits the default group and fails copying gloo's options
+        device_id = self.root_device if self._process_group_backend == "nccl" else None
         internals.init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
