@@ -1,5 +1,5 @@
 """Elastic averaging (``replicas_sync="elastic"``) against the gradient all-reduce of every step, on
-2 stages x 2 replicas (4 CPU processes).
+2 stages x 2 replicas (4 CPU processes; ``--stages 1``: 2 processes, which a 2-core machine can time).
 
     python benchmarks/elastic_averaging.py --rounds 5 --out benchmarks/results/elastic_averaging.json
 
@@ -43,7 +43,12 @@ MODES = ("allreduce", "elastic")
 def strategy(mode: str, args: argparse.Namespace) -> PipelineStrategy:
     elastic = {"replicas_sync_period": args.period} if mode == "elastic" else {}
     return PipelineStrategy(
-        schedule=args.schedule, chunks=args.chunks, stages=2, replicas_sync=mode, start_method="fork", **elastic
+        schedule=args.schedule,
+        chunks=args.chunks,
+        stages=args.stages,
+        replicas_sync=mode,
+        start_method="fork",
+        **elastic,
     )
 
 
@@ -54,7 +59,7 @@ def step_time(mode: str, args: argparse.Namespace, path: str) -> float:
     y = torch.randint(0, 10, (len(x),))
     data = DataLoader(TensorDataset(x, y), batch_size=args.batch_timed, shuffle=False)
     L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy(mode, args), max_steps=args.steps, max_epochs=-1,
+        accelerator="cpu", devices=2 * args.stages, strategy=strategy(mode, args), max_steps=args.steps, max_epochs=-1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[StepTimer(path, args.warmup)],
     ).fit(model, data)  # fmt: skip
@@ -78,6 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument(
+        "--stages", type=int, default=2, help="stages x 2 replicas (1: 2 processes, timeable on 2 cores)"
+    )
     parser.add_argument("--period", type=int, default=4, help="replicas_sync_period")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=8)
@@ -91,6 +99,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-convergence", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -101,7 +110,8 @@ def main() -> None:
         times = {mode: step_time(mode, args, tmp) for mode in order}
         rounds.append({**times, "ratio": times["elastic"] / times["allreduce"]})
         print(json.dumps(rounds[-1]), flush=True)
-    runs = [convergence(mode, int(seed), args) for seed in args.seeds.split(",") for mode in MODES]
+    seeds = [] if args.skip_convergence else [int(seed) for seed in args.seeds.split(",")]
+    runs = [convergence(mode, seed, args) for seed in seeds for mode in MODES]
     result = {
         "config": vars(args),
         "cpu_count": os.cpu_count(),
