@@ -85,6 +85,7 @@ class PipelineStrategy(ProcessStrategy):
         replicas_sync: str = "allreduce",
         replicas_sync_period: int | None = None,
         replicas_sync_alpha: float | None = None,
+        rank_speeds: Sequence[float] | None = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
@@ -94,7 +95,7 @@ class PipelineStrategy(ProcessStrategy):
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
             pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
             replicas_sync=replicas_sync, replicas_sync_period=replicas_sync_period,
-            replicas_sync_alpha=replicas_sync_alpha,
+            replicas_sync_alpha=replicas_sync_alpha, rank_speeds=rank_speeds,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
