@@ -118,6 +118,7 @@ class PipelineStrategy(ProcessStrategy):
     profile = _decided("profile", "The measured layer costs (``balance='time'/'memory'``, ``plan='auto'``).")
     plan_candidates = _decided("candidates", "``plan='auto'``: the ranked layouts; the first one runs.")
     stage_balance = _decided("balance", "Layers per stage.")
+    rank_resources = _decided("resources", "Every rank's speed and free memory that weighted a measured balance.")
     deferred_build = _decided("deferred_build", "Whether the module was built on the meta device.")
 
     plan_all_layouts = property(  # `lightning-pipe plan` sets it before fitting: rank every stages x replicas too

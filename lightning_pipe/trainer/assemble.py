@@ -47,7 +47,7 @@ from lightning_pipe.partition.ends import (
     stand_in_ends,
 )
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
-from lightning_pipe.partition.measured import MeasureInputs, agreed_resources, measured_balance
+from lightning_pipe.partition.measured import MeasureInputs, RankResources, agreed_resources, measured_balance
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
@@ -87,6 +87,8 @@ class ModuleSplit:
         candidates: ``plan="auto"``: the ranked layouts; the first one runs.
         held_ends: the parameters of a model's ends (its embeddings, see
             :mod:`lightning_pipe.partition.ends`) that this rank's stages hold.
+        resources: every rank's speed and free memory that weighted the measured split
+            (``balance="time"/"memory"``; None where none was measured).
     """
 
     config: PipelineConfig
@@ -98,6 +100,7 @@ class ModuleSplit:
     profile: Profile | None = None
     candidates: list[Any] | None = None
     held_ends: list[nn.Parameter] = field(default_factory=list)
+    resources: RankResources | None = None
 
     def optimizer_aliases(self) -> dict[str, str]:
         """This rank's names of weights tied to an earlier stage's layer -> the unsplit module's name
@@ -159,6 +162,7 @@ def split_module(
     placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
+    resources = None
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
         resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
@@ -207,6 +211,7 @@ def split_module(
         profile,
         candidates,
         held_ends,
+        resources,
     )
 
 
