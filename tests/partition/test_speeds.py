@@ -164,3 +164,12 @@ def test_given_speeds_give_the_slower_rank_fewer_layers_and_train_as_plain(tmp_p
     assert records[0]["resources"].speeds == [1.0, 0.5] and not records[0]["resources"].measured
     assert balance == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 4), speeds=[1.0, 0.5])
     assert_same_weights(reference, piped)
+
+
+def test_the_command_line_gives_rank_speeds_as_numbers() -> None:
+    from lightning_pipe.cli import build_strategy
+    from tests.test_cli import _compose
+
+    cfg = _compose(["strategy.balance=time", "strategy.rank_speeds=[1,0.5]"])
+    strategy, _ = build_strategy(cfg.strategy, 2)
+    assert strategy.config.rank_speeds == [1.0, 0.5] and strategy.config.balance == "time"
