@@ -81,7 +81,7 @@ def child(config: dict[str, Any]) -> None:
     class Pin(L.Callback):
         """Each rank on its own core (runs in the Trainer's setup, before the strategy profiles)."""
 
-        def setup(self, trainer: L.Trainer, *args: Any) -> None:
+        def setup(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
             pin(cores[trainer.global_rank])
             torch.set_num_threads(1)
 
@@ -89,7 +89,12 @@ def child(config: dict[str, Any]) -> None:
         def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
             if trainer.global_rank == 0:
                 resources = trainer.strategy.rank_resources
-                record = {"balance": trainer.strategy.stage_balance, "speeds": resources and resources.speeds}
+                profile = trainer.strategy.profile
+                record = {
+                    "balance": trainer.strategy.stage_balance,
+                    "speeds": resources and resources.speeds,
+                    "layer_ms": profile and [round(1e3 * c, 3) for c in profile.time_costs()],
+                }
                 Path(config["folder"], "split.json").write_text(json.dumps(record))
 
     pin(cores[0])
@@ -142,6 +147,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
             "step_s_per_round": [round(r["step_s"], 4) for r in ran],
             "balances": [r["balance"] for r in ran],
             "speeds": [r["speeds"] for r in ran],
+            "layer_ms": [r.get("layer_ms") for r in ran],  # rank 0's profile: each layer's F + B per micro-batch
         }
         if name != REFERENCE:
             ratios = [r[name]["step_s"] / r[REFERENCE]["step_s"] for r in rounds if name in r and REFERENCE in r]
