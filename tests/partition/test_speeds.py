@@ -148,21 +148,27 @@ def test_bad_rank_speeds_are_refused_naming_the_fix(arguments: dict, message: st
     assert PipelineConfig(plan="auto", rank_speeds=[1.0, 0.5]).rank_speeds == [1.0, 0.5]
 
 
-def test_given_speeds_give_the_slower_rank_fewer_layers_and_train_as_plain(tmp_path: Path) -> None:
-    """2 processes, rank 1 said to run at half speed: the split weighs it (every layer costs the same
-    here), every rank splits alike, and the weights after training equal plain training's."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_given_speeds_give_the_slower_rank_fewer_layers_and_train_as_plain(tmp_path: Path, schedule: str) -> None:
+    """2 processes, rank 1 said to run at half speed: the split weighs its stages (every layer costs
+    the same here; under ZB-V's V rank 1 holds stages 1 and 2), every rank splits alike, and the
+    weights after training equal plain training's."""
     torch.manual_seed(0)
     reference, piped = twins(SkewedNet(heavy=1.0))
     fit_plain(reference, data=loader(64, 16), max_steps=3)
     fit_pipeline(
-        piped, 2, data=loader(64, 16), balance="time", rank_speeds=[1.0, 0.5], chunks=4, max_steps=3,
-        callbacks=[RecordSplit(str(tmp_path))],
+        piped, 2, data=loader(64, 16), schedule=schedule, balance="time", rank_speeds=[1.0, 0.5], chunks=4,
+        max_steps=3, callbacks=[RecordSplit(str(tmp_path))],
     )  # fmt: skip
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     balance, profile = records[0]["balance"], records[0]["profile"]
-    assert records[1]["balance"] == balance and balance[1] < balance[0]
+    positions = stage_positions(schedule, 2, len(balance) // 2)
+    held = [sum(n for n, p in zip(balance, positions) if p == rank) for rank in range(2)]
+    assert records[1]["balance"] == balance and held[1] < held[0]
     assert records[0]["resources"].speeds == [1.0, 0.5] and not records[0]["resources"].measured
-    assert balance == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 4), speeds=[1.0, 0.5])
+    in_flight = in_flight_microbatches(schedule, 2, 4, len(balance) // 2)
+    speeds = stage_values([1.0, 0.5], positions, len(balance))
+    assert balance == profile.balance("time", len(balance), in_flight, speeds=speeds)
     assert_same_weights(reference, piped)
 
 
