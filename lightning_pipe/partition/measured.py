@@ -115,6 +115,8 @@ def agreed_resources(
     if given is not None:
         given = check_speeds_for_world(given, world_size)
     timed = speeds and given is None
+    if timed:
+        gather(None)  # every rank starts its probe together, so each sees what the others' work costs it
     mine = (probe(device) if timed else None, free_bytes(device) if memory else None)
     everyone = gather(mine)
     found = RankResources(measured=timed)

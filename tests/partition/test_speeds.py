@@ -110,7 +110,9 @@ def test_resources_are_gathered_from_every_rank() -> None:
     """Each rank's probe seconds and free memory reach every rank; the speeds are relative to rank 0."""
     cpu = torch.device("cpu")
 
-    def gather(mine: tuple) -> list[tuple]:
+    def gather(mine: tuple | None) -> list[tuple | None]:
+        if mine is None:  # the start line before the probe
+            return [None, None]
         return [mine, (None if mine[0] is None else 2 * mine[0], mine[1])]  # rank 1 takes twice as long
 
     found = agreed_resources(gather, cpu, None, 2, speeds=True, memory=True, probe=lambda device: 0.25)
