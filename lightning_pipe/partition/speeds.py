@@ -120,9 +120,9 @@ def bottleneck(costs: Sequence[float], balance: Sequence[int], speeds: Sequence[
 
 def probe_seconds(device: torch.device, repeats: int = 5) -> float:
     """Median seconds of a fixed workload on ``device``: matrix products as one layer's forward
-    and backward run them (three per iteration), long enough (about 50 ms on a CPU core)
-    that a core shared with another process shows its share, not one uninterrupted time slice.
-    Leaves the random state as it was (its inputs come from their own generator)."""
+    and backward run them (three per iteration), long enough (60 to 80 ms a repeat on one core of
+    the project's test machine) that a core shared with another process shows its share, not one
+    uninterrupted time slice. Leaves the random state as it was (its inputs have their own generator)."""
     cuda = device.type == "cuda"
     size, iterations = (4096, 8) if cuda else (256, 80)
     generator = torch.Generator().manual_seed(0)
