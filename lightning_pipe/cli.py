@@ -235,6 +235,8 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         args["loss_weight"] = instantiate(args["loss_weight"])
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
+    if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
+        args["rank_speeds"] = [float(n) for n in args["rank_speeds"]]
     return PipelineStrategy(**args), devices
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from lightning_pipe.partition.speeds import check_rank_speeds
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.elastic_average import check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
@@ -122,6 +123,11 @@ class PipelineConfig:
             ``replicas_sync_alpha``; see :mod:`lightning_pipe.runtime.elastic_average`).
         replicas_sync_period: optimizer steps between two elastic averagings (None: 4).
         replicas_sync_alpha: the elastic coefficient, in (0, 1), with replicas x alpha <= 1 (None: 0.9 / replicas).
+        rank_speeds: for ``balance="time"`` and ``plan="auto"`` on unequal devices: one relative speed per
+            process, global rank 0 first (``[1.0, 0.5]``: rank 1 runs at half the speed of rank 0); each
+            stage's measured seconds are divided by its rank's speed, so a slower rank gets less work.
+            None: every rank times a fixed probe on its own device before the split (see
+            :mod:`lightning_pipe.partition.speeds`).
     """
 
     schedule: str = "1f1b"
@@ -149,6 +155,7 @@ class PipelineConfig:
     replicas_sync: str = "allreduce"
     replicas_sync_period: int | None = None
     replicas_sync_alpha: float | None = None
+    rank_speeds: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -238,6 +245,12 @@ def check_arguments(config: PipelineConfig) -> None:
         )
     check_pipemare_options(config)
     check_elastic_averaging(config)
+    check_rank_speeds(config.rank_speeds)
+    if config.rank_speeds is not None and balance != "time" and config.plan != "auto":
+        raise ValueError(
+            f"PipelineStrategy(rank_speeds={config.rank_speeds!r}, balance={balance!r}): the speeds weight the "
+            "measured split, balance='time' (or plan='auto'). Give balance='time', or leave rank_speeds unset."
+        )
     check_loss_weight(config.loss_weight)
     if not isinstance(config.elastic, (bool, str, Path)) or config.elastic == "":
         raise ValueError(

@@ -85,6 +85,7 @@ class PipelineStrategy(ProcessStrategy):
         replicas_sync: str = "allreduce",
         replicas_sync_period: int | None = None,
         replicas_sync_alpha: float | None = None,
+        rank_speeds: Sequence[float] | None = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
@@ -94,7 +95,7 @@ class PipelineStrategy(ProcessStrategy):
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
             pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
             replicas_sync=replicas_sync, replicas_sync_period=replicas_sync_period,
-            replicas_sync_alpha=replicas_sync_alpha,
+            replicas_sync_alpha=replicas_sync_alpha, rank_speeds=rank_speeds,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
@@ -117,6 +118,7 @@ class PipelineStrategy(ProcessStrategy):
     profile = _decided("profile", "The measured layer costs (``balance='time'/'memory'``, ``plan='auto'``).")
     plan_candidates = _decided("candidates", "``plan='auto'``: the ranked layouts; the first one runs.")
     stage_balance = _decided("balance", "Layers per stage.")
+    rank_resources = _decided("resources", "Every rank's speed and free memory that weighted a measured balance.")
     deferred_build = _decided("deferred_build", "Whether the module was built on the meta device.")
 
     plan_all_layouts = property(  # `lightning-pipe plan` sets it before fitting: rank every stages x replicas too

@@ -394,6 +394,7 @@ class RecordSplit(L.Callback):
         strategy = trainer.strategy
         record = {"balance": strategy.stage_balance, "profile": strategy.profile, "times": self.times}
         record["plan"] = strategy.plan_candidates
+        record["resources"] = strategy.rank_resources
         record["chunks"], record["schedule"] = strategy.chunks, strategy.schedule_name
         torch.save(record, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
 

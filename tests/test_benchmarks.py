@@ -330,3 +330,29 @@ def test_async_convergence_mlp_gives_every_column_and_the_nadam_rows_against_1f1
     assert "| pipedream+nadam | 2 |" in text
     svg = picture.read_text()
     assert svg.count("<polyline") == 4 and "SGD, lr 0.3" in svg and "NAdam b1 0.99, lr 0.01" in svg
+
+
+def test_heterogeneous_pairs_each_split_with_the_speed_aware_one_per_round() -> None:
+    import heterogeneous
+
+    def result(step: float, balance: list[int]) -> dict:
+        return {"step_s": step, "balance": balance, "speeds": [1.0, 0.5]}
+
+    rounds = [
+        {"speed_aware": result(1.0, [9, 4]), "rank0_profile": result(1.5, [7, 6]), "uniform": result(1.6, [7, 6])},
+        {"speed_aware": result(2.0, [9, 4]), "rank0_profile": result(2.6, [7, 6]), "uniform": result(3.0, [7, 6])},
+    ]
+    summary = heterogeneous.summarize(rounds)
+    entries = summary["contenders"]
+    assert summary["rounds"] == 2 and entries["speed_aware"]["median_step_s"] == pytest.approx(1.5)
+    assert entries["rank0_profile"]["over_speed_aware_per_round"] == pytest.approx([1.5, 1.3])
+    assert entries["rank0_profile"]["over_speed_aware_median"] == pytest.approx(1.4)
+    assert entries["uniform"]["over_speed_aware_median"] == pytest.approx(1.55)
+    assert "over_speed_aware_median" not in entries["speed_aware"]
+    # each contender runs first once in three rounds; the equal-speed profile gives every rank speed 1.0
+    assert [heterogeneous.order(i)[0] for i in range(3)] == list(heterogeneous.CONTENDERS)
+    assert heterogeneous.strategy_options("rank0_profile") == {"balance": "time", "rank_speeds": [1.0, 1.0]}
+    from lightning_pipe.config import PipelineConfig
+
+    for name in heterogeneous.CONTENDERS:
+        PipelineConfig(**heterogeneous.strategy_options(name))  # arguments the strategy accepts

@@ -22,6 +22,7 @@ from lightning_pipe.partition.balance import (
     balance_uniform,
     stage_bounds,
 )
+from lightning_pipe.partition.speeds import all_equal, balance_by_speed
 from lightning_pipe.schedules import build, is_async, peak_in_flight, traits
 
 MEASURED_BALANCES = ("time", "memory")
@@ -88,21 +89,38 @@ class Profile:
         return static + in_flight[stage] * layers[0].input_bytes + saved
 
     def balance(
-        self, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str = "never", owners: Owners = None
+        self,
+        mode: str,
+        num_stages: int,
+        in_flight: Sequence[int],
+        checkpoint: str = "never",
+        owners: Owners = None,
+        speeds: Sequence[float] | None = None,
+        capacities: Sequence[float] | None = None,
     ) -> list[int]:
         """The contiguous split with the least slowest (``"time"``) or largest (``"memory"``) stage;
-        ``owners``: which layers hold a parameter, one for every stage where they allow it."""
+        ``owners``: which layers hold a parameter, one for every stage where they allow it. Unequal
+        devices (see :mod:`lightning_pipe.partition.speeds`): ``speeds`` per stage divide its seconds,
+        ``capacities`` (free bytes of the device holding it) its bytes; equal ones change nothing."""
         n = len(self.layers)
+        for name, values in (("speeds", speeds), ("capacities", capacities)):
+            if values is not None and len(values) != num_stages:
+                raise ValueError(f"{name} has {len(values)} entries for {num_stages} stages")
         if mode == "time":
             costs = self.time_costs(checkpoint)
             if sum(costs) <= 0.0:
                 return balance_uniform(n, num_stages, owners)
+            if speeds is not None and not all_equal(speeds):
+                return balance_by_speed(costs, speeds, owners)
             return balance_by_cost(costs, num_stages, owners)
         if mode == "memory":
             if len(in_flight) != num_stages:
                 raise ValueError(f"in_flight has {len(in_flight)} entries for {num_stages} stages")
+            scale = [1.0] * num_stages
+            if capacities is not None and not all_equal(capacities):
+                scale = [max(capacities) / c for c in capacities]
             return balance_by_stage_cost(
-                n, num_stages, lambda s, a, b: float(self._stage_memory(s, a, b, in_flight, checkpoint)), owners
+                n, num_stages, lambda s, a, b: scale[s] * self._stage_memory(s, a, b, in_flight, checkpoint), owners
             )
         raise ValueError(f"Unknown measured balance {mode!r}. Valid: {', '.join(MEASURED_BALANCES)}.")
 

@@ -4,6 +4,12 @@ Every rank profiles the layers at once on its device with the first micro-batch 
 first batch (drawn from the DataLoader in setup, since the split must exist before the
 optimizers); global rank 0's profile reaches every rank, which solve alike. The caller keeps the
 profile for the run (a later setup, such as test after fit, passes it back and reuses it).
+
+Unequal devices: before the split every rank also times a fixed probe on its own device
+(``balance="time"``, unless ``rank_speeds`` gives the speeds) and reads its free memory
+(``balance="memory"``); the numbers are gathered to every rank (:func:`agreed_resources`) and the
+split gives each stage work in proportion to the speed (or room) of the rank holding it (see
+:mod:`lightning_pipe.partition.speeds`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,18 @@ from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, profile_module
+from lightning_pipe.partition.speeds import (
+    EQUAL_WITHIN,
+    all_equal,
+    check_speeds_for_world,
+    free_bytes,
+    position_values,
+    probe_seconds,
+    relative,
+    speeds_from_seconds,
+    stage_values,
+)
+from lightning_pipe.schedules import stage_positions
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +53,8 @@ class MeasureInputs:
         context: the precision's training-step context (autocast under mixed precision).
         optimizers: makes the module's optimizers as the Trainer would (for their state's size and
             update time); none by default.
+        gather: gives every rank the list of every global rank's object (an all-gather over the
+            world; None: a world of one process).
     """
 
     batch: Callable[[], Any]
@@ -43,6 +63,88 @@ class MeasureInputs:
     broadcast: Callable[[Any], Any]
     context: Callable[[], AbstractContextManager[Any]] = nullcontext
     optimizers: Callable[[], Sequence[Any]] = tuple
+    gather: Callable[[Any], list[Any]] | None = None
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """Every global rank's speed and free memory, the same on every rank.
+
+    Attributes:
+        speeds: relative speed per global rank, rank 0 (whose profile is used) 1.0; None: not asked for.
+        free: free bytes per global rank (None entries: unknown); None: not asked for.
+        measured: whether the speeds come from the probe (False: given as ``rank_speeds``).
+    """
+
+    speeds: list[float] | None = None
+    free: list[int | None] | None = None
+    measured: bool = False
+
+    def describe(self) -> str:
+        """One line for the log and ``plan.txt``: each rank's speed (and free memory)."""
+        parts = []
+        for rank in range(len(self.speeds or self.free or [])):
+            part = f"rank {rank}"
+            if self.speeds is not None:
+                part += f" {self.speeds[rank]:.2f}"
+            free = self.free[rank] if self.free is not None else None
+            if free is not None:
+                part += f" ({free / 2**30:.1f} GiB free)"
+            parts.append(part)
+        source = "measured by a probe on each rank" if self.measured else "given as rank_speeds"
+        equal = ""
+        if self.speeds is not None and all_equal(self.speeds):
+            equal = f" (equal within {EQUAL_WITHIN:.0%}: split as for equal devices)"
+        return f"rank speeds relative to rank 0, {source}{equal}: " + ", ".join(parts)
+
+
+def agreed_resources(
+    gather: Callable[[Any], list[Any]] | None,
+    device: torch.device,
+    given: Sequence[float] | None,
+    world_size: int,
+    speeds: bool = True,
+    memory: bool = False,
+    probe: Callable[[torch.device], float] = probe_seconds,
+) -> RankResources:
+    """Every rank's speed (``speeds``: ``given`` per global rank, else timed with ``probe`` on each
+    rank at once) and free memory (``memory``), gathered to every rank with ``gather``; every rank
+    calls it. A world of one process measures nothing."""
+    if world_size < 2 or gather is None:
+        return RankResources()
+    if given is not None:
+        given = check_speeds_for_world(given, world_size)
+    timed = speeds and given is None
+    if timed:
+        gather(None)  # every rank starts its probe together, so each sees what the others' work costs it
+    mine = (probe(device) if timed else None, free_bytes(device) if memory else None)
+    everyone = gather(mine)
+    found = RankResources(measured=timed)
+    if given is not None and speeds:
+        found = RankResources(relative(given), measured=False)
+    elif timed:
+        found = RankResources(relative(speeds_from_seconds([e[0] for e in everyone])), measured=True)
+    if memory:
+        found = RankResources(found.speeds, [e[1] for e in everyone], found.measured)
+    return found
+
+
+def split_resources(
+    resources: RankResources, schedule: str, stages: int, replicas: int, virtual: int
+) -> tuple[list[float] | None, list[float] | None]:
+    """Per stage of the split (``stages x virtual``, as the schedule places them), the speed and the
+    free bytes of the rank holding it (the least over its replicas); None where not known."""
+    positions = stage_positions(schedule, stages, virtual)
+    num_split = stages * virtual
+
+    def per_stage(values: Sequence[float] | None) -> list[float] | None:
+        if values is None:
+            return None
+        return stage_values(position_values(values, stages, replicas), positions, num_split)
+
+    free = [float(f) for f in resources.free or [] if f is not None]
+    known = resources.free is not None and len(free) == len(resources.free)
+    return per_stage(resources.speeds), per_stage(free if known else None)
 
 
 def measured_balance(
@@ -57,12 +159,15 @@ def measured_balance(
     inputs: MeasureInputs,
     profile: Profile | None = None,
     owners: Sequence[bool] | None = None,
+    resources: RankResources | None = None,
+    replicas: int = 1,
 ) -> tuple[list[int], Profile]:
     """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``) and the
     profile they come from (``profile`` when given for these layers, else measured); with
     ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
     holding the micro-batches its schedule keeps in flight there. ``owners``: which layers hold a
-    parameter (every stage gets one where they allow it)."""
+    parameter (every stage gets one where they allow it). ``resources``: every rank's speed and free
+    memory (:func:`agreed_resources`; ``replicas`` per pipeline position), which weight the stages."""
     in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, virtual)
 
     def measure() -> Profile:
@@ -79,10 +184,13 @@ def measured_balance(
 
     if profile is None or len(profile.layers) != len(layers):
         profile = agreed_profile(inputs.is_source, inputs.broadcast, measure)
-    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint, owners)
+    speeds, capacities = split_resources(resources or RankResources(), schedule, num_stages, replicas, virtual)
+    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint, owners, speeds, capacities)
     if inputs.is_source:
         log.info("lightning-pipe: balance=%s, %s", balance, profile.report(counts, in_flight, checkpoint))
+        if resources is not None and (resources.speeds is not None or resources.free is not None):
+            log.info("lightning-pipe: %s", resources.describe())
     return counts, profile
 
 
-__all__ = ["MeasureInputs", "measured_balance"]
+__all__ = ["MeasureInputs", "RankResources", "agreed_resources", "measured_balance", "split_resources"]

@@ -1,8 +1,10 @@
 """``PipelineStrategy(plan="auto")``: measure, plan on one rank, and give every rank the choice.
 
 Global rank 0 profiles the layers once per candidate micro-batch size (from the run's first
-batch, as for ``balance="time"``); ranks 0 and 1 time point-to-point transfers between them; rank 0
-plans (:mod:`lightning_pipe.plan.planner`) and broadcasts the ranked candidates, so every rank
+batch, as for ``balance="time"``); every rank times a fixed probe on its own device (unless
+``rank_speeds`` gives the speeds) and reads its free memory, gathered to all; ranks 0 and 1 time
+point-to-point transfers between them; rank 0 plans (:mod:`lightning_pipe.plan.planner`, each
+stage's compute scaled by its rank's speed) and broadcasts the ranked candidates, so every rank
 runs the same first choice.
 """
 
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.costs import Profile
-from lightning_pipe.partition.measured import MeasureInputs
+from lightning_pipe.partition.measured import MeasureInputs, agreed_resources
 from lightning_pipe.partition.profile import agreed_profile
 from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
 from lightning_pipe.plan.report import link_line
@@ -152,8 +154,9 @@ def plan_layers(
         per_replica = max(measured)  # the whole DataLoader batch (the first profile, one micro-batch)
         if all_layouts:
             return plan_layouts(
-                measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous
-            )
+                measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous,
+                rank_speeds=speeds,
+            )  # fmt: skip
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
         return plan(
@@ -165,10 +168,18 @@ def plan_layers(
             replicas=replicas,
             replica_batch=per_replica,
             rendezvous=rendezvous,
+            rank_speeds=speeds,
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
-    budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    resources = agreed_resources(inputs.gather, device, config.rank_speeds, stages * replicas, True, cuda)
+    speeds = resources.speeds
+    if inputs.is_source and speeds is not None:
+        log.info("lightning-pipe plan: %s", resources.describe())
+    # the smallest device's free memory bounds every rank (a budget per rank is not modelled yet)
+    free = [f for f in resources.free or [] if f is not None]
+    budget = (min(free) if free else torch.cuda.mem_get_info(device)[0]) if cuda else None
     return agreed_plan(inputs.is_source, inputs.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
 

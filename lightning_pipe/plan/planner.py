@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
+from lightning_pipe.partition.speeds import all_equal, position_values, stage_values
 from lightning_pipe.schedules import (
     DEFAULT_SCHEDULE,
     TRAITS,
@@ -92,6 +93,7 @@ class Candidate:
     replica_batch: int = 0  # samples per replica and step (each replica's DataLoader batch); 0: not known
     rendezvous: bool = False  # planned under NCCL's point-to-point model (its schedule regrouped where needed)
     link: Link | None = None  # the measured link the prediction used
+    rank_speeds: tuple[float, ...] = ()  # per global rank, relative to the profiling rank 0; (): not known
 
     @property
     def depth(self) -> int:
@@ -119,12 +121,19 @@ def stage_ranks(schedule: str, num_ranks: int, virtual_stages: int) -> list[int]
     return stage_positions(schedule, num_ranks, virtual_stages)
 
 
-def _split(profile: Profile, mode: str, num_stages: int, in_flight: Sequence[int], checkpoint: str) -> list[int]:
+def _split(
+    profile: Profile,
+    mode: str,
+    num_stages: int,
+    in_flight: Sequence[int],
+    checkpoint: str,
+    speeds: Sequence[float] | None = None,
+) -> list[int]:
     if mode == "uniform":
         return balance_uniform(len(profile.layers), num_stages)
     if mode == "parameters":
         return balance_by_cost([float(c.parameter_bytes) for c in profile.layers], num_stages)
-    return profile.balance(mode, num_stages, in_flight, checkpoint)
+    return profile.balance(mode, num_stages, in_flight, checkpoint, speeds=speeds if mode == "time" else None)
 
 
 def stage_seconds(
@@ -134,14 +143,17 @@ def stage_seconds(
     chunks: int,
     link: Link,
     ranks: Sequence[int] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> list[tuple[float, float, float]]:
     """Each stage's (forward, B, W) seconds per micro-batch, its transfers included: the forward
     sends the stage's output on, B sends the gradient of its input back (latency + bytes /
     bandwidth, where the neighbouring stage is on another rank of ``ranks``; default: one stage
     per rank), and the receiving end of each transfer pays the latency too (taking a message in
     costs its rank time as well). A recomputed forward is part of B. Without a split measurement W
-    is 0 and B the whole backward."""
+    is 0 and B the whole backward. ``speeds``: per stage, its rank's speed relative to the profiling
+    rank (its compute takes the profile's seconds / speed; transfers are the link's)."""
     ranks = list(ranks) if ranks is not None else list(range(len(balance)))
+    speeds = list(speeds) if speeds is not None else [1.0] * len(balance)
     costs: list[tuple[float, float, float]] = []
     start = 0
     recompute = {"never": 0.0, "always": 1.0, "except_last": (chunks - 1) / chunks}[checkpoint]
@@ -149,8 +161,9 @@ def stage_seconds(
         layers = profile.layers[start : start + count]
         forward = sum(c.forward for c in layers)
         splits = [c.split_backward for c in layers]
-        b = sum(x for x, _ in splits) + recompute * forward
-        w = sum(y for _, y in splits)
+        b = (sum(x for x, _ in splits) + recompute * forward) / speeds[stage]
+        w = sum(y for _, y in splits) / speeds[stage]
+        forward /= speeds[stage]
         if stage < len(balance) - 1 and ranks[stage + 1] != ranks[stage]:
             forward += link.seconds(layers[-1].output_bytes)  # sends its output
             b += link.latency  # receives the gradient of its output
@@ -171,9 +184,27 @@ def _per_stage(profile: Profile, balance: Sequence[int], field: str) -> list[flo
     return out
 
 
-def stage_updates(profile: Profile, balance: Sequence[int]) -> list[float]:
-    """Seconds of each stage's optimizer step (the stages step at once, after their last backward)."""
-    return _per_stage(profile, balance, "update")
+def stage_updates(profile: Profile, balance: Sequence[int], speeds: Sequence[float] | None = None) -> list[float]:
+    """Seconds of each stage's optimizer step (the stages step at once, after their last backward), on
+    ranks of ``speeds`` (per stage, relative to the profiling rank; default 1.0)."""
+    seconds = _per_stage(profile, balance, "update")
+    return seconds if speeds is None else [t / v for t, v in zip(seconds, speeds)]
+
+
+def holder_speeds(
+    rank_speeds: Sequence[float] | None, stages: int, replicas: int, ranks: Sequence[int]
+) -> list[float] | None:
+    """The speed of the position holding each stage of ``ranks`` (the slowest of its replicas), from
+    per-global-rank speeds; None where they are all equal (:func:`~lightning_pipe.partition.speeds.all_equal`)."""
+    if rank_speeds is None:
+        return None
+    per_position = position_values(rank_speeds, stages, replicas)
+    return None if all_equal(per_position) else [per_position[r] for r in ranks]
+
+
+def _copy(speeds: Sequence[float] | None, copy: int, split: int) -> list[float] | None:
+    """Copy ``copy``'s stages' entries of per-holder ``speeds`` (Chimera keeps each stage twice)."""
+    return None if speeds is None else list(speeds[copy * split : (copy + 1) * split])
 
 
 def _per_rank(values: Sequence[float], ranks: Sequence[int], num_ranks: int) -> list[float]:
@@ -205,9 +236,12 @@ def _rank(
     checkpoints: Sequence[str],
     virtual: Sequence[int],
     rendezvous: bool,
+    rank_speeds: Sequence[float] | None = None,
 ) -> list[Candidate]:
-    """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries, ranked."""
+    """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries,
+    ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles."""
     found: dict[tuple, Candidate] = {}
+    given_speeds = tuple(float(v) for v in rank_speeds) if rank_speeds is not None else ()
     for stages, replicas, chunks, profile, replica_batch in entries:
         for schedule, v in _variants(schedules, stages, len(profile.layers), virtual):
             try:  # as the strategy builds it: regrouped for NCCL where the schedule needs it
@@ -223,22 +257,34 @@ def _rank(
             in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
             split_in_flight = [sum(in_flight[s + c * split] for c in range(copies)) for s in range(split)]
             summed_over = 2 if copies > 1 else replicas  # Chimera's pair sums its gradients, replicas average theirs
+            held = holder_speeds(rank_speeds, stages, replicas, ranks)  # per stage of ranks (copies included)
+            # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
+            speeds = None if held is None else stage_values(held, list(range(len(ranks))), split)
             for checkpoint in checkpoints:
                 if chunks == 1 and checkpoint == "except_last":
                     continue  # the same as "never" with one micro-batch
                 for mode in balances:
-                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint))
+                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint, speeds))
                     key = (stages, replicas, schedule, v, chunks, balance, checkpoint)
                     if key in found:
                         continue
-                    costs = stage_seconds(profile, balance, checkpoint, chunks, link, ranks[:split]) * copies
+                    costs = [
+                        cost
+                        for c in range(copies)
+                        for cost in stage_seconds(
+                            profile, balance, checkpoint, chunks, link, ranks[:split], _copy(held, c, split)
+                        )
+                    ]
                     try:
                         simulation = simulate(plan_schedule, stage_costs=costs, rendezvous=rendezvous)
                     except DeadlockError:
                         break  # the schedule cannot run with this backend and micro-batch count
                     grads = _per_rank(_per_stage(profile, balance, "gradient_bytes") * copies, ranks, stages)
                     reduce = [link.all_reduce_seconds(int(g), summed_over) for g in grads]
-                    updates = _per_rank(stage_updates(profile, balance) * copies, ranks, stages)
+                    updates = _per_rank(
+                        [u for c in range(copies) for u in stage_updates(profile, balance, _copy(held, c, split))],
+                        ranks, stages,
+                    )  # fmt: skip
                     tail = max(r + u for r, u in zip(reduce, updates))
                     per_stage = [
                         float(m)
@@ -250,7 +296,7 @@ def _rank(
                     found[key] = Candidate(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
                         simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
-                        profile.microbatch_size, max(reduce), replica_batch, rendezvous, link,
+                        profile.microbatch_size, max(reduce), replica_batch, rendezvous, link, given_speeds,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
@@ -267,14 +313,18 @@ def plan(
     virtual: Sequence[int] = PLAN_VIRTUAL,
     replica_batch: int = 0,
     rendezvous: bool = True,
+    rank_speeds: Sequence[float] | None = None,
 ) -> list[Candidate]:
     """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
     (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
     (bytes per device; None: no limit) by predicted step time, then the others by their largest rank.
     ``rendezvous``: NCCL's point-to-point model (True) or gloo's (False); a schedule that would
-    hang under it (see :func:`lightning_pipe.schedules.simulate`) is left out, as the runtime refuses it."""
+    hang under it (see :func:`lightning_pipe.schedules.simulate`) is left out, as the runtime refuses it.
+    ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
+    equal): each stage's compute is its profile's seconds / its rank's speed, and ``balance="time"``
+    gives a slower rank less (each stage stays on the rank the schedule places it on)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
-    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous)
+    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds)
 
 
 def layouts(world_size: int, batch_size: int) -> list[tuple[int, int]]:
@@ -311,6 +361,7 @@ def plan_layouts(
     virtual: Sequence[int] = PLAN_VIRTUAL,
     limit: int = 32,
     rendezvous: bool = True,
+    rank_speeds: Sequence[float] | None = None,
 ) -> list[Candidate]:
     """Stages x replicas too: every layout of ``world_size`` processes for a global batch of
     ``batch_size`` samples, with a profile per micro-batch size (``profiles[size]``, see
@@ -321,7 +372,7 @@ def plan_layouts(
             size = microbatch_size(batch_size, replicas, chunks)
             if size in profiles:
                 entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
-    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous)
+    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds)
 
 
 def _schedule_label(c: Candidate) -> str:
@@ -380,6 +431,6 @@ def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:
 
 
 __all__ = [
-    "Candidate", "Link", "chunk_candidates", "format_plans", "layouts", "microbatch_size", "needed_sizes", "plan",
-    "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
+    "Candidate", "Link", "chunk_candidates", "format_plans", "holder_speeds", "layouts", "microbatch_size",
+    "needed_sizes", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
 ]  # fmt: skip

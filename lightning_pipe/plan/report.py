@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_pipe.partition.speeds import EQUAL_WITHIN, all_equal
 from lightning_pipe.plan.planner import Candidate, Link, format_plans
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
 from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
@@ -36,6 +37,15 @@ def link_line(link: Link | None) -> str:
     if math.isinf(link.bandwidth):
         return latency + ", bandwidth not resolved (an activation-sized message took no longer than a 4-byte one)"
     return latency + f", bandwidth {link.bandwidth / 1e6:.0f} MB/s"
+
+
+def speeds_line(c: Candidate) -> str:
+    """Each rank's speed that the predictions used (relative to rank 0, whose profile they scale)."""
+    if not c.rank_speeds:
+        return "rank speeds: none (one process, or none given): every stage predicted at the profiling rank's speed"
+    speeds = ", ".join(f"rank {r} {v:.2f}" for r, v in enumerate(c.rank_speeds))
+    note = "" if not all_equal(c.rank_speeds) else f" (equal within {EQUAL_WITHIN:.0%}: predicted and split as equal)"
+    return f"rank speeds relative to rank 0{note}: {speeds}; each stage stays on the rank its schedule places it on"
 
 
 def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
@@ -84,6 +94,7 @@ def plan_text(candidates: Sequence[Candidate], stages: int, replicas: int, top: 
     shown = distinct(candidates)
     lines = [
         link_line(best.link),
+        speeds_line(best),
         f"{len(candidates)} layouts ranked by predicted step time; the best {min(top, len(shown))} distinct ones:",
         format_plans(shown, top),
         chosen,
@@ -115,4 +126,4 @@ def write_plan(candidates: Sequence[Candidate], stages: int, replicas: int, fold
     return text
 
 
-__all__ = ["describe", "link_line", "overrides", "plan_text", "predicted_timelines", "write_plan"]
+__all__ = ["describe", "link_line", "overrides", "plan_text", "predicted_timelines", "speeds_line", "write_plan"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -46,7 +47,7 @@ from lightning_pipe.partition.ends import (
     stand_in_ends,
 )
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
-from lightning_pipe.partition.measured import MeasureInputs, measured_balance
+from lightning_pipe.partition.measured import MeasureInputs, RankResources, agreed_resources, measured_balance
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
@@ -86,6 +87,8 @@ class ModuleSplit:
         candidates: ``plan="auto"``: the ranked layouts; the first one runs.
         held_ends: the parameters of a model's ends (its embeddings, see
             :mod:`lightning_pipe.partition.ends`) that this rank's stages hold.
+        resources: every rank's speed and free memory that weighted the measured split
+            (``balance="time"/"memory"``; None where none was measured).
     """
 
     config: PipelineConfig
@@ -97,6 +100,7 @@ class ModuleSplit:
     profile: Profile | None = None
     candidates: list[Any] | None = None
     held_ends: list[nn.Parameter] = field(default_factory=list)
+    resources: RankResources | None = None
 
     def optimizer_aliases(self) -> dict[str, str]:
         """This rank's names of weights tied to an earlier stage's layer -> the unsplit module's name
@@ -158,11 +162,13 @@ def split_module(
     placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
+    resources = None
     if config.balance in MEASURED_BALANCES and num_split > 1:
-        p = layout.stages
+        p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
+        resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
         balance, profile = measured_balance(
             config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
-            module, layers, inputs, profile, owners,
+            module, layers, inputs, profile, owners, resources, layout.replicas,
         )  # fmt: skip
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
@@ -205,6 +211,7 @@ def split_module(
         profile,
         candidates,
         held_ends,
+        resources,
     )
 
 
@@ -270,7 +277,23 @@ def measure_inputs(
         home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
         return to_device(first_batch(module.trainer), home)
 
-    return MeasureInputs(batch, device, is_source, broadcast, context, lambda: configured_optimizers(module))
+    return MeasureInputs(
+        batch, device, is_source, broadcast, context, lambda: configured_optimizers(module), gather_objects()
+    )
+
+
+def gather_objects() -> Callable[[Any], list[Any]] | None:
+    """Every global rank's object, on every rank (an all-gather over the world), or None in a world
+    of one process."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+
+    def gather(value: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
+    return gather
 
 
 def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOptions:

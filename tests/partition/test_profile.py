@@ -305,10 +305,12 @@ def test_time_balance_follows_the_measured_profile(tmp_path: Path) -> None:
     records = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
     profile = records[0]["profile"]
     assert profile is not None and profile == records[1]["profile"] and len(profile.layers) == 14
+    speeds = records[0]["resources"].speeds  # each rank's speed, timed by the probe on every rank
+    assert speeds is not None and len(speeds) == 2 and speeds[0] == 1.0 and records[1]["resources"].speeds == speeds
     assert (
         records[0]["balance"]
         == records[1]["balance"]
-        == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 16))
+        == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 16), speeds=speeds)
     )
 
 

@@ -76,7 +76,7 @@ def test_plan_only_and_timeline_options_of_a_run(
     assert "train_loss" not in metrics  # stopped before the first step
     out, err = capfd.readouterr()
     text = (tmp_path / "plan" / "plan.txt").read_text()
-    header = text.splitlines()[2]
+    header = text.splitlines()[3]  # after the link's and the rank speeds' lines and the count
     assert (out + err).count(header) == 1 and text in out  # the table printed once, all of plan.txt with it
     assert (
         out.rstrip().splitlines()[-1].startswith("written: ") and "Trainable params" not in out + err + caplog.text
@@ -86,7 +86,8 @@ def test_plan_only_and_timeline_options_of_a_run(
     assert re.fullmatch(
         r"measured link between ranks 0 and 1: latency [0-9.]+ us, bandwidth ([0-9]+ MB/s|not resolved .*)", lines[0]
     ), lines[0]
-    best = lines[3].split()
+    assert lines[1].startswith("rank speeds relative to rank 0"), lines[1]
+    best = lines[4].split()
     assert header.split()[:4] == ["#", "schedule", "chunks", "balance"] and best[0] == "1"
     assert lines[-2].startswith("best: #1, " + best[1])
     run_it = lines[-1]

@@ -373,3 +373,23 @@ def test_dualpipev_is_planned_from_two_micro_batches_per_process() -> None:
                 schedule = build("dualpipev", 2, c.chunks, 2, rendezvous=rendezvous)
                 predicted = simulate(schedule, stage_costs=c.stage_costs, rendezvous=rendezvous)
                 assert c.bubble == pytest.approx(predicted.bubble_fraction)
+
+
+def test_a_slow_rank_gets_less_work_and_the_prediction_uses_the_speeds() -> None:
+    """Rank 1 at half speed: the time split gives it fewer (equal-cost) layers, its stage's compute is
+    predicted at twice the profile's seconds, and the time split is predicted faster than the even one."""
+    profiles = {m: _profile(m) for m in (1, 2, 4, 8)}
+    options: dict[str, Any] = dict(schedules=("1f1b",), checkpoints=("never",))
+    equal = plan(profiles, 2, FREE, **options)
+    slow = plan(profiles, 2, FREE, rank_speeds=[1.0, 0.5], **options)
+    assert equal[0].balance == (4, 4) and equal[0].rank_speeds == ()
+    best = slow[0]
+    assert best.balance_mode == "time" and best.balance[1] < best.balance[0] and best.rank_speeds == (1.0, 0.5)
+    even = next(c for c in slow if c.balance == (4, 4) and c.chunks == best.chunks)
+    before = next(c for c in equal if c.balance == (4, 4) and c.chunks == best.chunks)
+    assert even.step_seconds > best.step_seconds and even.step_seconds > before.step_seconds
+    assert even.stage_costs[0] == pytest.approx(before.stage_costs[0])  # rank 0 runs at the profile's speed
+    assert [2 * t for t in before.stage_costs[1]] == pytest.approx(even.stage_costs[1])
+    # speeds equal within 10% plan as equal speeds do
+    near = plan(profiles, 2, FREE, rank_speeds=[1.0, 0.95], **options)
+    assert [(c.balance, c.step_seconds) for c in near] == [(c.balance, c.step_seconds) for c in equal]

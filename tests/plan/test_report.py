@@ -99,12 +99,15 @@ def test_plan_text_has_the_link_the_table_once_and_the_choice() -> None:
     text = plan_text(ranked, 4, 1)
     lines = text.splitlines()
     assert lines[0] == "measured link between ranks 0 and 1: latency 85.8 us, bandwidth 3377 MB/s"
-    assert lines[1] == f"{len(ranked)} layouts ranked by predicted step time; the best 5 distinct ones:"
-    assert [line.split()[:3] for line in lines].count(["#", "schedule", "chunks"]) == 1 and len(lines) == 3 + 5 + 2
+    assert lines[1].startswith("rank speeds: none")  # the ranked layouts here were planned without speeds
+    assert lines[2] == f"{len(ranked)} layouts ranked by predicted step time; the best 5 distinct ones:"
+    assert [line.split()[:3] for line in lines].count(["#", "schedule", "chunks"]) == 1 and len(lines) == 4 + 5 + 2
     best = ranked[0]
-    assert lines[8].startswith("best: #1, ") and f"{1e3 * best.step_seconds:.2f} ms per step predicted" in lines[8]
-    assert lines[9] == "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, 4, 1))
+    assert lines[9].startswith("best: #1, ") and f"{1e3 * best.step_seconds:.2f} ms per step predicted" in lines[9]
+    assert lines[10] == "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, 4, 1))
     assert "link between ranks 0 and 1: none measured (one process)" in plan_text([replace(best, link=FREE)], 4, 1)
+    speeds = plan_text([replace(best, rank_speeds=(1.0, 0.5, 1.0, 1.0))], 4, 1).splitlines()[1]
+    assert speeds.startswith("rank speeds relative to rank 0: rank 0 1.00, rank 1 0.50, rank 2 1.00, rank 3 1.00")
     busy = plan_text([replace(best, link=Link(latency=2e-3, bandwidth=float("inf")))], 4, 1).splitlines()[0]
     assert busy == (
         "measured link between ranks 0 and 1: latency 2000.0 us, bandwidth not resolved (an activation-sized message "
