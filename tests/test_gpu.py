@@ -89,3 +89,24 @@ def test_dualpipevs_units_run_their_forwards_on_a_second_cuda_stream(tmp_path: P
     _fit_on_one_gpu(TinyNet(depth=8), 2, [_StreamsSeen(str(tmp_path))], schedule="dualpipev", chunks=8)
     seen = [json.loads(Path(tmp_path, f"streams-{rank}.json").read_text()) for rank in range(2)]
     assert all(len(streams) == 2 for streams in seen), seen
+
+
+def test_the_speed_probe_and_free_memory_read_the_gpu() -> None:
+    from lightning_pipe.partition.speeds import free_bytes, probe_seconds
+
+    device = torch.device("cuda", 0)
+    seconds = probe_seconds(device, repeats=2)
+    assert 0 < seconds < 10
+    free = free_bytes(device)
+    assert free is not None and 0 < free <= torch.cuda.get_device_properties(device).total_memory
+
+
+@pytest.mark.parametrize("balance", ["time", "memory"])
+def test_a_measured_balance_with_every_ranks_speed_and_memory_on_one_gpu(balance: str) -> None:
+    """Both ranks probe the one GPU (their speed and free memory) before the split; training then
+    equals plain training whatever split they chose."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, _data())
+    _fit_on_one_gpu(piped, 2, schedule="1f1b", chunks=4, balance=balance)
+    _close(reference, piped)
