@@ -488,8 +488,8 @@ def test_a_mistake_found_after_launch_prints_one_sentence_once(tmp_path: Path) -
             marks=pytest.mark.slow,
         ),
         (["trainer.devices=6", *SMALL["bert_mlm"]], "cannot split 4 layers into 6 stages", True),
-        (["recipe=vgg19_cifar100", "recipe.data.source=cifar100", "recipe.data.root=nowhere"],
-         "CIFAR-100 is not in", True),
+        pytest.param(["recipe=vgg19_cifar100", "recipe.data.source=cifar100", "recipe.data.root=nowhere"],
+         "CIFAR-100 is not in", True, marks=pytest.mark.slow),
     ],
     ids=["bad-schedule", "bad-logger", "bad-balance", "too-many-devices", "missing-data"],
 )  # fmt: skip

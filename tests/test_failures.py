@@ -104,7 +104,9 @@ def test_an_exception_on_one_stage_reaches_every_rank_with_its_text(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    "devices, rank", [(2, 0), pytest.param(2, 1, marks=pytest.mark.slow), (4, 2)], ids=["first", "last", "middle"]
+    "devices, rank",
+    [pytest.param(2, 0, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow), (4, 2)],
+    ids=["first", "last", "middle"],
 )
 def test_a_killed_stage_ends_every_process_and_is_named(tmp_path: Path, devices: int, rank: int) -> None:
     result = _run(devices, rank, "kill", tmp_path=tmp_path)

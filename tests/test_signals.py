@@ -90,7 +90,7 @@ def _sigterm_rounds(tmp_path: Path, rounds: int, concurrent: int) -> None:
 
 
 def test_sigterm_ends_a_two_stage_job(tmp_path: Path) -> None:
-    _sigterm_rounds(tmp_path, rounds=4, concurrent=4)
+    _sigterm_rounds(tmp_path, rounds=2, concurrent=4)  # 20 rounds: --runslow
 
 
 @pytest.mark.slow
