@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -152,12 +153,9 @@ class PipelineStrategy(ProcessStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        _ = self.layout  # a world size that `stages` does not divide fails here, before any process starts
+        before = partial(check_before_launch, config=self.config, layout=self.layout)  # a bad world fails here
         go = elastic.resumer(self.config.elastic)  # elastic runs: fit from the newest checkpoint
-        self._launcher = launcher_for(self, self.config.start_method, self._gathering, self._check_before_launch, go)
-
-    def _check_before_launch(self, trainer: pl.Trainer) -> None:  # what the module and arguments show wrong
-        check_before_launch(trainer.lightning_module, self.config, self.layout)
+        self._launcher = launcher_for(self, self.config.start_method, self._gathering, before, go)
 
     def _gathering(self) -> Gathering:
         group = self._topology.meta_group if self._topology is not None else None

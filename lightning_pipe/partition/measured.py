@@ -119,14 +119,12 @@ def agreed_resources(
         gather(None)  # every rank starts its probe together, so each sees what the others' work costs it
     mine = (probe(device) if timed else None, free_bytes(device) if memory else None)
     everyone = gather(mine)
-    found = RankResources(measured=timed)
+    found: list[float] | None = None
     if given is not None and speeds:
-        found = RankResources(relative(given), measured=False)
+        found = relative(given)
     elif timed:
-        found = RankResources(relative(speeds_from_seconds([e[0] for e in everyone])), measured=True)
-    if memory:
-        found = RankResources(found.speeds, [e[1] for e in everyone], found.measured)
-    return found
+        found = relative(speeds_from_seconds([e[0] for e in everyone]))
+    return RankResources(found, [e[1] for e in everyone] if memory else None, timed)
 
 
 def split_resources(

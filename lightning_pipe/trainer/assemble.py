@@ -162,10 +162,11 @@ def split_module(
     placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
-    resources = None
+    resources = previous.resources if previous is not None else None  # measured once a run, as the profile
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
-        resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
+        if resources is None:
+            resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
         balance, profile = measured_balance(
             config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
             module, layers, inputs, profile, owners, resources, layout.replicas,
