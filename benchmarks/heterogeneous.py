@@ -14,7 +14,13 @@ so rank 1 gets about half of its core. The workload is the benchmark MLP (``--bl
   rank, as before per-rank speeds (every rank assumed as fast as rank 0);
 - ``uniform``: equal layer counts.
 
-Every run is a fresh interpreter; each round runs the three back to back, in an order that rotates
+Placement (``--devices 4 --stages 2 --cores 0,1,0,1 --contenders placed,default_placement``): 2
+stages x 2 replicas, ranks 0 and 2 on one core, ranks 1 and 3 and the busy process on the other, so
+each node-like pair has a fast and a slow rank. Both contenders run ``balance="time"`` with measured
+speeds; ``placed`` lets the speeds choose which rank holds which stage (ranks 0 and 2 on one stage),
+``default_placement`` fixes ``rank_order`` to rank ``r`` on stage ``r // 2`` (a slow rank in every stage).
+
+Every run is a fresh interpreter; each round runs the contenders back to back, in an order that rotates
 from round to round. A step's time is rank 0's, from one step's end to the next, the median over the
 steps after ``--warmup``. Per round the ratios ``rank0_profile / speed_aware`` and
 ``uniform / speed_aware`` are taken (paired); their medians over the rounds are reported, with each
@@ -36,8 +42,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CONTENDERS = ("speed_aware", "rank0_profile", "uniform")
-REFERENCE = "speed_aware"
+CONTENDERS = ("speed_aware", "rank0_profile", "uniform", "placed", "default_placement")
+DEFAULT_CONTENDERS = CONTENDERS[:3]
 
 
 def pin(core: int) -> None:
@@ -48,25 +54,27 @@ def pin(core: int) -> None:
     os.sched_setaffinity(0, {core})
 
 
-def strategy_options(contender: str) -> dict[str, Any]:
-    """The ``PipelineStrategy`` arguments of each contender (besides schedule and chunks)."""
-    if contender == "speed_aware":
+def strategy_options(contender: str, devices: int = 2) -> dict[str, Any]:
+    """The ``PipelineStrategy`` arguments of each contender (besides schedule, chunks and stages)."""
+    if contender in ("speed_aware", "placed"):
         return {"balance": "time"}
     if contender == "rank0_profile":
-        return {"balance": "time", "rank_speeds": [1.0, 1.0]}
+        return {"balance": "time", "rank_speeds": [1.0] * devices}
     if contender == "uniform":
         return {"balance": "uniform"}
+    if contender == "default_placement":
+        return {"balance": "time", "rank_order": list(range(devices))}
     raise ValueError(f"unknown contender {contender!r}; valid: {', '.join(CONTENDERS)}")
 
 
-def order(round_index: int) -> list[str]:
+def order(round_index: int, contenders: list[str]) -> list[str]:
     """The contenders' order in round ``round_index``: rotated each round, so each runs first as often."""
-    k = round_index % len(CONTENDERS)
-    return list(CONTENDERS[k:] + CONTENDERS[:k])
+    k = round_index % len(contenders)
+    return contenders[k:] + contenders[:k]
 
 
 def child(config: dict[str, Any]) -> None:
-    """One run, in this interpreter: 2 ranks (fork), each pinned to its core before the profile."""
+    """One run, in this interpreter: the ranks (fork), each pinned to its core before the profile."""
     sys.path.insert(0, ROOT)
     sys.path.insert(1, HERE)
     import lightning as L
@@ -92,6 +100,7 @@ def child(config: dict[str, Any]) -> None:
                 profile = trainer.strategy.profile
                 record = {
                     "balance": trainer.strategy.stage_balance,
+                    "rank_order": list(trainer.strategy.layout.order),
                     "speeds": resources and resources.speeds,
                     "layer_ms": profile and [round(1e3 * c, 3) for c in profile.time_costs()],
                 }
@@ -107,12 +116,14 @@ def child(config: dict[str, Any]) -> None:
         TensorDataset(torch.randn(n, config["width"], generator=g), torch.randint(0, 10, (n,), generator=g)),
         batch_size=config["batch"],
     )
+    devices = config["devices"]
     strategy = PipelineStrategy(
-        schedule="1f1b", chunks=config["chunks"], start_method="fork", **strategy_options(config["contender"])
-    )
+        schedule="1f1b", chunks=config["chunks"], start_method="fork", stages=config["stages"],
+        **strategy_options(config["contender"], devices),
+    )  # fmt: skip
     timer = StepTimer(os.path.join(config["folder"], "steps.json"), config["warmup"])
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=config["warmup"] + config["steps"], max_epochs=-1, logger=False,
+        accelerator="cpu", devices=devices, max_steps=config["warmup"] + config["steps"], max_epochs=-1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
         callbacks=[Pin(), timer, Record()],
     )  # fmt: skip
@@ -124,7 +135,7 @@ def run(contender: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         config = {"contender": contender, "folder": folder, "cores": args.cores, "width": args.width,
                   "blocks": args.blocks, "batch": args.batch, "chunks": args.chunks, "steps": args.steps,
-                  "warmup": args.warmup}  # fmt: skip
+                  "warmup": args.warmup, "devices": args.devices, "stages": args.stages}  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         done = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(config)], env=env, cwd=ROOT, capture_output=True, text=True
@@ -136,23 +147,25 @@ def run(contender: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"step_s": statistics.median(steps), "steps_s": steps, **split}
 
 
-def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, dict[str, Any]]], contenders: list[str]) -> dict[str, Any]:
     """Per contender its median step time over the rounds and the splits it ran; per other contender
-    its step time over ``speed_aware``'s in each round (paired) and the median of those ratios."""
+    its step time over the first contender's in each round (paired) and the median of those ratios."""
     summary: dict[str, Any] = {"rounds": len(rounds), "contenders": {}}
-    for name in CONTENDERS:
+    reference = contenders[0]
+    for name in contenders:
         ran = [r[name] for r in rounds if name in r]
         entry: dict[str, Any] = {
             "median_step_s": round(statistics.median(r["step_s"] for r in ran), 4),
             "step_s_per_round": [round(r["step_s"], 4) for r in ran],
             "balances": [r["balance"] for r in ran],
+            "rank_orders": [r.get("rank_order") for r in ran],
             "speeds": [r["speeds"] for r in ran],
             "layer_ms": [r.get("layer_ms") for r in ran],  # rank 0's profile: each layer's F + B per micro-batch
         }
-        if name != REFERENCE:
-            ratios = [r[name]["step_s"] / r[REFERENCE]["step_s"] for r in rounds if name in r and REFERENCE in r]
-            entry[f"over_{REFERENCE}_per_round"] = [round(v, 3) for v in ratios]
-            entry[f"over_{REFERENCE}_median"] = round(statistics.median(ratios), 3)
+        if name != reference:
+            ratios = [r[name]["step_s"] / r[reference]["step_s"] for r in rounds if name in r and reference in r]
+            entry[f"over_{reference}_per_round"] = [round(v, 3) for v in ratios]
+            entry[f"over_{reference}_median"] = round(statistics.median(ratios), 3)
         summary["contenders"][name] = entry
     return summary
 
@@ -173,7 +186,10 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--cores", default="0,1", help="rank 0's and rank 1's cores; the busy loop shares rank 1's")
+    parser.add_argument("--devices", type=int, default=2, help="processes")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline depth (default: every process)")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="the first is the reference")
+    parser.add_argument("--cores", default="0,1", help="each rank's core; the busy loop shares rank 1's")
     parser.add_argument("--no-busy", action="store_true", help="leave rank 1's core alone (equal ranks)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "heterogeneous.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -182,18 +198,21 @@ def main() -> None:
         child(json.loads(args.child))
         return
     args.cores = [int(c) for c in args.cores.split(",")]
+    args.contenders = args.contenders.split(",")
+    if len(args.cores) != args.devices or not set(args.contenders) <= set(CONTENDERS):
+        parser.error(f"give one core per process (--cores) and contenders among {', '.join(CONTENDERS)}")
     busy = None if args.no_busy else busy_loop(args.cores[1])
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for index in range(args.rounds):
-            rounds.append({name: run(name, args) for name in order(index)})
+            rounds.append({name: run(name, args) for name in order(index, args.contenders)})
             line = {name: (round(1e3 * r["step_s"], 1), r["balance"], r["speeds"]) for name, r in rounds[-1].items()}
             print(json.dumps({"round": index, **line}), flush=True)
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
-    summary = {"config": {k: v for k, v in vars(args).items() if k != "child"}, **summarize(rounds)}
+    summary = {"config": {k: v for k, v in vars(args).items() if k != "child"}, **summarize(rounds, args.contenders)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["contenders"], indent=1))

@@ -237,6 +237,8 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         args["balance"] = [int(n) for n in args["balance"]]
     if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
         args["rank_speeds"] = [float(n) for n in args["rank_speeds"]]
+    if "rank_order" in args and not isinstance(args["rank_order"], (str, int, float)):
+        args["rank_order"] = [int(n) for n in args["rank_order"]]
     return PipelineStrategy(**args), devices
 
 

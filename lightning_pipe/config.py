@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.partition.speeds import check_rank_speeds
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
 from lightning_pipe.runtime.elastic_average import check_replicas_sync
@@ -128,6 +129,11 @@ class PipelineConfig:
             stage's measured seconds are divided by its rank's speed, so a slower rank gets less work.
             None: every rank times a fixed probe on its own device before the split (see
             :mod:`lightning_pipe.partition.speeds`).
+        rank_order: which global rank holds which pipeline position: the ranks of stage 0's replicas
+            first, then stage 1's (``[0, 2, 1, 3]`` on 2 stages x 2 replicas: ranks 0 and 2 hold stage
+            0). None: chosen from the ranks' speeds (``balance="time"``, ``plan="auto"``) or free memory
+            (``balance="memory"``) where they differ, so that a stage's replicas are equally fast;
+            otherwise rank ``r`` holds stage ``r // replicas`` (see :mod:`lightning_pipe.partition.placement`).
     """
 
     schedule: str = "1f1b"
@@ -156,6 +162,7 @@ class PipelineConfig:
     replicas_sync_period: int | None = None
     replicas_sync_alpha: float | None = None
     rank_speeds: Sequence[float] | None = None
+    rank_order: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         check_arguments(self)
@@ -246,6 +253,7 @@ def check_arguments(config: PipelineConfig) -> None:
     check_pipemare_options(config)
     check_elastic_averaging(config)
     check_rank_speeds(config.rank_speeds)
+    check_rank_order(config.rank_order)
     if config.rank_speeds is not None and balance != "time" and config.plan != "auto":
         raise ValueError(
             f"PipelineStrategy(rank_speeds={config.rank_speeds!r}, balance={balance!r}): the speeds weight the "

@@ -87,6 +87,7 @@ class PipelineStrategy(ProcessStrategy):
         replicas_sync_period: int | None = None,
         replicas_sync_alpha: float | None = None,
         rank_speeds: Sequence[float] | None = None,
+        rank_order: Sequence[int] | None = None,
         **processes: Any,
     ) -> None:
         self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
@@ -96,7 +97,7 @@ class PipelineStrategy(ProcessStrategy):
             start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
             pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
             replicas_sync=replicas_sync, replicas_sync_period=replicas_sync_period,
-            replicas_sync_alpha=replicas_sync_alpha, rank_speeds=rank_speeds,
+            replicas_sync_alpha=replicas_sync_alpha, rank_speeds=rank_speeds, rank_order=rank_order,
         )  # fmt: skip
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
@@ -164,8 +165,9 @@ class PipelineStrategy(ProcessStrategy):
     # ------------------------------------------------------------------ topology
     @property
     def layout(self) -> Layout:
-        """Stages x replicas of the world (:func:`.elastic.layout`: raises where ``stages`` does not divide it)."""
-        return elastic.layout(self.num_nodes * self.num_processes, self.config)
+        """Stages x replicas of the world (:func:`.elastic.layout`), placed as the split decided once it exists."""
+        split = self._split
+        return split.placement.layout if split else elastic.layout(self.num_nodes * self.num_processes, self.config)
 
     num_stages = property(lambda self: self.layout.stages, doc="Pipeline depth: processes per pipeline.")
     num_replicas = property(lambda self: self.layout.replicas, doc="Replicas of the pipeline.")
@@ -190,13 +192,12 @@ class PipelineStrategy(ProcessStrategy):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_automatic_optimization(module)
-        if self._topology is None:  # this rank's process groups, built once (creating a group is collective)
-            self._topology = Topology(self.layout, self.global_rank, self.root_device.type)
-        context = self.precision_plugin.train_step_context
-        device, topology = self.root_device, self._topology
-        to_device, broadcast = self.batch_to_device, self.broadcast
-        self._split = split_module(module, self.config, topology, device, to_device, broadcast, context, self._split)
+        context, device, rank = self.precision_plugin.train_step_context, self.root_device, self.global_rank
+        measure = (device, self.batch_to_device, self.broadcast, context)  # how the split measures, where it does
+        self._split = split_module(module, self.config, self.layout, rank, *measure, previous=self._split)
         self.config = self._split.config
+        if self._topology is None:  # this rank's process groups, built once, where the split placed the ranks
+            self._topology = Topology(self._split.placement.layout, rank, device.type)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         scaler = getattr(self.precision_plugin, "scaler", None)

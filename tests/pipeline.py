@@ -22,7 +22,7 @@ def pipeline_trainer(
         "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data",
         "weights", "stages", "data_parallel", "plan", "virtual_stages", "pipemare_warmup", "pipemare_correction",
         "pipemare_decay", "xpipe_predictor", "loss_weight", "elastic", "replicas_sync", "replicas_sync_period",
-        "replicas_sync_alpha", "rank_speeds",
+        "replicas_sync_alpha", "rank_speeds", "rank_order",
     }  # fmt: skip
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}

@@ -342,7 +342,7 @@ def test_heterogeneous_pairs_each_split_with_the_speed_aware_one_per_round() -> 
         {"speed_aware": result(1.0, [9, 4]), "rank0_profile": result(1.5, [7, 6]), "uniform": result(1.6, [7, 6])},
         {"speed_aware": result(2.0, [9, 4]), "rank0_profile": result(2.6, [7, 6]), "uniform": result(3.0, [7, 6])},
     ]
-    summary = heterogeneous.summarize(rounds)
+    summary = heterogeneous.summarize(rounds, list(heterogeneous.DEFAULT_CONTENDERS))
     entries = summary["contenders"]
     assert summary["rounds"] == 2 and entries["speed_aware"]["median_step_s"] == pytest.approx(1.5)
     assert entries["rank0_profile"]["over_speed_aware_per_round"] == pytest.approx([1.5, 1.3])
@@ -350,8 +350,12 @@ def test_heterogeneous_pairs_each_split_with_the_speed_aware_one_per_round() -> 
     assert entries["uniform"]["over_speed_aware_median"] == pytest.approx(1.55)
     assert "over_speed_aware_median" not in entries["speed_aware"]
     # each contender runs first once in three rounds; the equal-speed profile gives every rank speed 1.0
-    assert [heterogeneous.order(i)[0] for i in range(3)] == list(heterogeneous.CONTENDERS)
+    names = list(heterogeneous.DEFAULT_CONTENDERS)
+    assert [heterogeneous.order(i, names)[0] for i in range(3)] == names
     assert heterogeneous.strategy_options("rank0_profile") == {"balance": "time", "rank_speeds": [1.0, 1.0]}
+    # placement: the default layout fixed as the rank order, against the speeds' choice
+    assert heterogeneous.strategy_options("default_placement", 4) == {"balance": "time", "rank_order": [0, 1, 2, 3]}
+    assert heterogeneous.strategy_options("placed", 4) == {"balance": "time"}
     from lightning_pipe.config import PipelineConfig
 
     for name in heterogeneous.CONTENDERS:

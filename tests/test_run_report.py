@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_pipe.observe.run_report import summary_lines
+from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.trainer.layout_report import layout_line
 
 
@@ -65,8 +66,19 @@ def test_chimera_names_the_split_stages_process_0_holds(monkeypatch) -> None:
 
     monkeypatch.setattr(run_report, "shows_model_summary", lambda trainer: True)
     monkeypatch.setattr(run_report, "loader_batch_size", lambda trainer: None)
-    line = run_report.describe_layout(None, 2, 1, [2, 2], [0, 1, 1, 0], "chimera", 4)
+    line = run_report.describe_layout(None, Layout(2, 1), [2, 2], [0, 1, 1, 0], "chimera", 4)
     assert line.endswith("the model summary below counts rank 0's stages 0 and 1 only"), line
+
+
+def test_a_placed_layout_names_rank_0s_stages_and_where_each_stage_sits(monkeypatch) -> None:
+    """Ranks placed by speed: rank 0 holds the second position, and the line says where each sits."""
+    from lightning_pipe.trainer import layout_report as run_report
+
+    monkeypatch.setattr(run_report, "shows_model_summary", lambda trainer: True)
+    monkeypatch.setattr(run_report, "loader_batch_size", lambda trainer: None)
+    line = run_report.describe_layout(None, Layout(2, 2, (1, 3, 0, 2)), [3, 5], [0, 1], "1f1b", 4)
+    assert "the model summary below counts rank 0's stage 1 only" in line, line
+    assert line.endswith("; ranks placed: stage 0 on ranks 1, 3; stage 1 on ranks 0, 2"), line
 
 
 def test_the_summary_lists_every_file_the_run_wrote(tmp_path: Path) -> None:

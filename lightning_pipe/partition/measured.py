@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
+from lightning_pipe.partition.placement import describe_order, measured_order
 from lightning_pipe.partition.profile import agreed_profile, profile_module
 from lightning_pipe.partition.speeds import (
     EQUAL_WITHIN,
@@ -97,6 +98,17 @@ class RankResources:
             equal = f" (equal within {EQUAL_WITHIN:.0%}: split as for equal devices)"
         return f"rank speeds relative to rank 0, {source}{equal}: " + ", ".join(parts)
 
+    @property
+    def known_free(self) -> list[float] | None:
+        """Every rank's free bytes, or None where any is unknown (or none was asked for)."""
+        free = [float(f) for f in self.free or [] if f is not None]
+        return free if self.free is not None and len(free) == len(self.free) else None
+
+    def placed_by(self, balance: str) -> list[float] | None:
+        """The per-rank values that place the ranks for ``balance``: speeds for ``"time"`` (and any
+        balance where speeds were given), free bytes for ``"memory"``."""
+        return self.known_free if balance == "memory" else self.speeds
+
 
 def agreed_resources(
     gather: Callable[[Any], list[Any]] | None,
@@ -128,21 +140,20 @@ def agreed_resources(
 
 
 def split_resources(
-    resources: RankResources, schedule: str, stages: int, replicas: int, virtual: int
+    resources: RankResources, schedule: str, stages: int, replicas: int, virtual: int, order: Sequence[int] = ()
 ) -> tuple[list[float] | None, list[float] | None]:
     """Per stage of the split (``stages x virtual``, as the schedule places them), the speed and the
-    free bytes of the rank holding it (the least over its replicas); None where not known."""
+    free bytes of the rank holding it (the least over its replicas; ranks placed by ``order``, see
+    :class:`~lightning_pipe.runtime.topology.Layout`); None where not known."""
     positions = stage_positions(schedule, stages, virtual)
     num_split = stages * virtual
 
     def per_stage(values: Sequence[float] | None) -> list[float] | None:
         if values is None:
             return None
-        return stage_values(position_values(values, stages, replicas), positions, num_split)
+        return stage_values(position_values(values, stages, replicas, order), positions, num_split)
 
-    free = [float(f) for f in resources.free or [] if f is not None]
-    known = resources.free is not None and len(free) == len(resources.free)
-    return per_stage(resources.speeds), per_stage(free if known else None)
+    return per_stage(resources.speeds), per_stage(resources.known_free)
 
 
 def measured_balance(
@@ -159,9 +170,11 @@ def measured_balance(
     owners: Sequence[bool] | None = None,
     resources: RankResources | None = None,
     replicas: int = 1,
-) -> tuple[list[int], Profile]:
-    """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``) and the
-    profile they come from (``profile`` when given for these layers, else measured); with
+    order: Sequence[int] | None = None,
+) -> tuple[list[int], Profile, tuple[int, ...]]:
+    """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``), the
+    profile they come from (``profile`` when given for these layers, else measured) and the rank
+    order they are for (``order`` when given, else :func:`chosen_order`'s); with
     ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
     holding the micro-batches its schedule keeps in flight there. ``owners``: which layers hold a
     parameter (every stage gets one where they allow it). ``resources``: every rank's speed and free
@@ -182,13 +195,23 @@ def measured_balance(
 
     if profile is None or len(profile.layers) != len(layers):
         profile = agreed_profile(inputs.is_source, inputs.broadcast, measure)
-    speeds, capacities = split_resources(resources or RankResources(), schedule, num_stages, replicas, virtual)
+    resources = resources or RankResources()
+    if order is None:
+        values = resources.placed_by(balance)
+        order = measured_order(
+            profile, values, balance, schedule, checkpoint, num_stages, replicas, virtual, in_flight, owners
+        )
+    speeds, capacities = split_resources(resources, schedule, num_stages, replicas, virtual, order)
     counts = profile.balance(balance, len(in_flight), in_flight, checkpoint, owners, speeds, capacities)
     if inputs.is_source:
         log.info("lightning-pipe: balance=%s, %s", balance, profile.report(counts, in_flight, checkpoint))
-        if resources is not None and (resources.speeds is not None or resources.free is not None):
+        if resources.speeds is not None or resources.free is not None:
             log.info("lightning-pipe: %s", resources.describe())
-    return counts, profile
+        if order:
+            log.info("lightning-pipe: ranks placed by %s: %s", balance, describe_order(order, num_stages, replicas))
+    return counts, profile, tuple(order)
 
 
-__all__ = ["MeasureInputs", "RankResources", "agreed_resources", "measured_balance", "split_resources"]
+__all__ = [
+    "MeasureInputs", "RankResources", "agreed_resources", "measured_balance", "split_resources",
+]  # fmt: skip

@@ -72,13 +72,15 @@ def speeds_from_seconds(seconds: Sequence[float]) -> list[float]:
     return [fastest / s for s in seconds]
 
 
-def position_values(per_rank: Sequence[float], stages: int, replicas: int) -> list[float]:
-    """Per pipeline position, the least of its replicas' values (rank ``r`` is position
-    ``r // replicas``, see :class:`~lightning_pipe.runtime.topology.Layout`): replicas of a position
-    hold the same stages and step together, so the slowest (or smallest) bounds them."""
+def position_values(per_rank: Sequence[float], stages: int, replicas: int, order: Sequence[int] = ()) -> list[float]:
+    """Per pipeline position, the least of its replicas' values (position ``p`` is held by the ranks
+    of slots ``p x replicas ..``, rank ``order[slot]``, by default rank ``slot``; see
+    :class:`~lightning_pipe.runtime.topology.Layout`): replicas of a position hold the same stages
+    and step together, so the slowest (or smallest) bounds them."""
     if len(per_rank) != stages * replicas:
         raise ValueError(f"{len(per_rank)} values for {stages} x {replicas} processes")
-    return [min(per_rank[p * replicas : (p + 1) * replicas]) for p in range(stages)]
+    ranks = list(order) or list(range(stages * replicas))
+    return [min(per_rank[r] for r in ranks[p * replicas : (p + 1) * replicas]) for p in range(stages)]
 
 
 def stage_values(per_position: Sequence[float], positions: Sequence[int], num_split: int) -> list[float]:

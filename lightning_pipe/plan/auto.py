@@ -155,7 +155,7 @@ def plan_layers(
         if all_layouts:
             return plan_layouts(
                 measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous,
-                rank_speeds=speeds,
+                rank_speeds=speeds, rank_order=fixed,
             )  # fmt: skip
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
@@ -169,12 +169,14 @@ def plan_layers(
             replica_batch=per_replica,
             rendezvous=rendezvous,
             rank_speeds=speeds,
+            rank_order=fixed,
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
     cuda = device.type == "cuda"
     resources = agreed_resources(inputs.gather, device, config.rank_speeds, stages * replicas, True, cuda)
     speeds = resources.speeds
+    fixed = layout.order if config.rank_order is not None and len(config.rank_order) == layout.world_size else None
     if inputs.is_source and speeds is not None:
         log.info("lightning-pipe plan: %s", resources.describe())
     # the smallest device's free memory bounds every rank (a budget per rank is not modelled yet)
@@ -199,6 +201,7 @@ def apply_plan(
     planned = config.replace(
         schedule=best.schedule, chunks=best.chunks, recompute=best.checkpoint,
         virtual_stages=best.virtual_stages, balance=list(best.balance),
+        rank_order=list(best.rank_order) if best.rank_order else config.rank_order,
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
         log.info("lightning-pipe plan: %s; best of %d layouts:\n%s", link_line(link), len(ranked), format_plans(ranked))

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
+from lightning_pipe.partition.placement import measured_order
 from lightning_pipe.partition.speeds import all_equal, position_values, stage_values
+from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import (
     DEFAULT_SCHEDULE,
     TRAITS,
@@ -94,6 +96,7 @@ class Candidate:
     rendezvous: bool = False  # planned under NCCL's point-to-point model (its schedule regrouped where needed)
     link: Link | None = None  # the measured link the prediction used
     rank_speeds: tuple[float, ...] = ()  # per global rank, relative to the profiling rank 0; (): not known
+    rank_order: tuple[int, ...] = ()  # which rank holds which slot (stage 0's replicas first); (): rank r slot r
 
     @property
     def depth(self) -> int:
@@ -112,6 +115,8 @@ class Candidate:
             args["virtual_stages"] = self.virtual_stages
         if self.replicas > 1:
             args["stages"] = self.depth
+        if self.rank_order:
+            args["rank_order"] = list(self.rank_order)
         return args
 
 
@@ -192,19 +197,38 @@ def stage_updates(profile: Profile, balance: Sequence[int], speeds: Sequence[flo
 
 
 def holder_speeds(
-    rank_speeds: Sequence[float] | None, stages: int, replicas: int, ranks: Sequence[int]
+    rank_speeds: Sequence[float] | None, stages: int, replicas: int, ranks: Sequence[int], order: Sequence[int] = ()
 ) -> list[float] | None:
-    """The speed of the position holding each stage of ``ranks`` (the slowest of its replicas), from
-    per-global-rank speeds; None where they are all equal (:func:`~lightning_pipe.partition.speeds.all_equal`)."""
+    """The speed of the position holding each stage of ``ranks`` (the slowest of its replicas, the
+    ranks placed by ``order``), from per-global-rank speeds; None where they all equal the profiling
+    rank's (:func:`~lightning_pipe.partition.speeds.all_equal`)."""
     if rank_speeds is None:
         return None
-    per_position = position_values(rank_speeds, stages, replicas)
-    return None if all_equal(per_position) else [per_position[r] for r in ranks]
+    per_position = position_values(rank_speeds, stages, replicas, order)
+    # None only where every position runs at the profiling rank's speed: positions equally slow (each
+    # with a slow replica) still take longer than the profile says
+    return None if all_equal([*per_position, 1.0]) else [per_position[r] for r in ranks]
 
 
 def _copy(speeds: Sequence[float] | None, copy: int, split: int) -> list[float] | None:
     """Copy ``copy``'s stages' entries of per-holder ``speeds`` (Chimera keeps each stage twice)."""
     return None if speeds is None else list(speeds[copy * split : (copy + 1) * split])
+
+
+def placed(
+    profile: Profile,
+    rank_speeds: Sequence[float] | None,
+    schedule: str,
+    stages: int,
+    replicas: int,
+    virtual: int,
+    in_flight: Sequence[int],
+) -> tuple[int, ...]:
+    """The rank order for ``rank_speeds`` on this layout and schedule, for the time split (the same
+    choice the runtime's ``balance="time"`` makes); ``()``: the default (equal or unknown speeds)."""
+    if rank_speeds is None or all_equal(rank_speeds):
+        return ()
+    return measured_order(profile, rank_speeds, "time", schedule, "never", stages, replicas, virtual, in_flight)
 
 
 def _per_rank(values: Sequence[float], ranks: Sequence[int], num_ranks: int) -> list[float]:
@@ -237,9 +261,12 @@ def _rank(
     virtual: Sequence[int],
     rendezvous: bool,
     rank_speeds: Sequence[float] | None = None,
+    rank_order: Sequence[int] | None = None,
 ) -> list[Candidate]:
     """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries,
-    ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles."""
+    ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles; they
+    also place the ranks (:func:`~lightning_pipe.partition.placement.measured_order`, for the time
+    split) unless ``rank_order`` fixes which rank holds which slot."""
     found: dict[tuple, Candidate] = {}
     given_speeds = tuple(float(v) for v in rank_speeds) if rank_speeds is not None else ()
     for stages, replicas, chunks, profile, replica_batch in entries:
@@ -257,7 +284,12 @@ def _rank(
             in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
             split_in_flight = [sum(in_flight[s + c * split] for c in range(copies)) for s in range(split)]
             summed_over = 2 if copies > 1 else replicas  # Chimera's pair sums its gradients, replicas average theirs
-            held = holder_speeds(rank_speeds, stages, replicas, ranks)  # per stage of ranks (copies included)
+            order = (
+                tuple(rank_order)
+                if rank_order is not None
+                else placed(profile, rank_speeds, schedule, stages, replicas, v, split_in_flight)
+            )
+            held = holder_speeds(rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies included)
             # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
             speeds = None if held is None else stage_values(held, list(range(len(ranks))), split)
             for checkpoint in checkpoints:
@@ -265,7 +297,7 @@ def _rank(
                     continue  # the same as "never" with one micro-batch
                 for mode in balances:
                     balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint, speeds))
-                    key = (stages, replicas, schedule, v, chunks, balance, checkpoint)
+                    key = (stages, replicas, schedule, v, chunks, balance, checkpoint, order)
                     if key in found:
                         continue
                     costs = [
@@ -297,6 +329,7 @@ def _rank(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
                         simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
                         profile.microbatch_size, max(reduce), replica_batch, rendezvous, link, given_speeds,
+                        Layout(stages, replicas).placed(order).order,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
@@ -314,6 +347,7 @@ def plan(
     replica_batch: int = 0,
     rendezvous: bool = True,
     rank_speeds: Sequence[float] | None = None,
+    rank_order: Sequence[int] | None = None,
 ) -> list[Candidate]:
     """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
     (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
@@ -322,9 +356,12 @@ def plan(
     hang under it (see :func:`lightning_pipe.schedules.simulate`) is left out, as the runtime refuses it.
     ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
     equal): each stage's compute is its profile's seconds / its rank's speed, and ``balance="time"``
-    gives a slower rank less (each stage stays on the rank the schedule places it on)."""
+    gives a slower rank less; the speeds also choose which rank holds which stage, unless ``rank_order``
+    gives it (see :func:`placed`)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
-    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds)
+    return _rank(
+        entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
+    )
 
 
 def layouts(world_size: int, batch_size: int) -> list[tuple[int, int]]:
@@ -362,6 +399,7 @@ def plan_layouts(
     limit: int = 32,
     rendezvous: bool = True,
     rank_speeds: Sequence[float] | None = None,
+    rank_order: Sequence[int] | None = None,
 ) -> list[Candidate]:
     """Stages x replicas too: every layout of ``world_size`` processes for a global batch of
     ``batch_size`` samples, with a profile per micro-batch size (``profiles[size]``, see
@@ -372,7 +410,9 @@ def plan_layouts(
             size = microbatch_size(batch_size, replicas, chunks)
             if size in profiles:
                 entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
-    return _rank(entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds)
+    return _rank(
+        entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
+    )
 
 
 def _schedule_label(c: Candidate) -> str:
@@ -432,5 +472,5 @@ def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:
 
 __all__ = [
     "Candidate", "Link", "chunk_candidates", "format_plans", "holder_speeds", "layouts", "microbatch_size",
-    "needed_sizes", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
+    "needed_sizes", "placed", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
 ]  # fmt: skip

@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_pipe.partition.placement import describe_order
 from lightning_pipe.partition.speeds import EQUAL_WITHIN, all_equal
 from lightning_pipe.plan.planner import Candidate, Link, format_plans
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
@@ -40,12 +41,21 @@ def link_line(link: Link | None) -> str:
 
 
 def speeds_line(c: Candidate) -> str:
-    """Each rank's speed that the predictions used (relative to rank 0, whose profile they scale)."""
+    """Each rank's speed that the predictions used (relative to rank 0, whose profile they scale),
+    and which rank holds which stage."""
+    where = (
+        f"ranks placed: {describe_order(c.rank_order, c.depth, c.replicas)}"
+        if c.rank_order
+        else "rank r holds stage r // replicas"
+    )
     if not c.rank_speeds:
-        return "rank speeds: none (one process, or none given): every stage predicted at the profiling rank's speed"
+        return (
+            "rank speeds: none (one process, or none given): every stage predicted at the profiling rank's speed; "
+            + where
+        )
     speeds = ", ".join(f"rank {r} {v:.2f}" for r, v in enumerate(c.rank_speeds))
     note = "" if not all_equal(c.rank_speeds) else f" (equal within {EQUAL_WITHIN:.0%}: predicted and split as equal)"
-    return f"rank speeds relative to rank 0{note}: {speeds}; each stage stays on the rank its schedule places it on"
+    return f"rank speeds relative to rank 0{note}: {speeds}; {where}"
 
 
 def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
@@ -61,6 +71,8 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
     ]
     if c.schedule in VIRTUAL_STAGES:
         out.append(f"strategy.virtual_stages={c.virtual_stages}")
+    if c.rank_order:
+        out.append("strategy.rank_order=[" + ",".join(map(str, c.rank_order)) + "]")
     if (c.depth, c.replicas) != (stages, replicas):
         out.append(f"strategy.stages={c.depth}")
         if c.replica_batch:

@@ -1,9 +1,11 @@
 """Where each rank sits: pipeline stage x data-parallel replica.
 
-The world of ``p x d`` processes is a ``DeviceMesh`` with dims ``("pp", "dp")``: rank ``r`` is
-stage ``r // d`` of replica ``r % d``, so the ``d`` replicas of one stage are neighbouring ranks.
-Their gradient all-reduce (the heavy, frequent collective) then stays inside a node, while the
-pipeline's point-to-point traffic is what crosses nodes.
+The world of ``p x d`` processes is a ``DeviceMesh`` with dims ``("pp", "dp")``: by default rank
+``r`` is stage ``r // d`` of replica ``r % d``, so the ``d`` replicas of one stage are neighbouring
+ranks. Their gradient all-reduce (the heavy, frequent collective) then stays inside a node, while
+the pipeline's point-to-point traffic is what crosses nodes. On unequal devices a layout may be
+*placed* (:meth:`Layout.placed`): its slots (stage x replica) are held by the ranks of an ``order``
+(see :mod:`lightning_pipe.partition.placement`), so that the replicas of a stage are equally fast.
 
 :class:`Layout` is the arithmetic alone (no processes, tested as such); :class:`Topology` adds
 the process groups of this rank, built once from the mesh.
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 DATA_PARALLEL_MODES = ("replicate", "shard")
@@ -35,10 +38,35 @@ def check_layout_arguments(stages: int | None, data_parallel: str) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """``stages`` x ``replicas`` processes; rank ``r`` is stage ``r // replicas`` of replica ``r % replicas``."""
+    """``stages`` x ``replicas`` processes. Slot ``k`` is stage ``k // replicas`` of replica
+    ``k % replicas``; rank ``order[k]`` holds it (``order`` empty: rank ``k``, the default)."""
 
     stages: int
     replicas: int
+    order: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.order and sorted(self.order) != list(range(self.stages * self.replicas)):
+            raise ValueError(
+                f"a rank order of {self.stages} x {self.replicas} processes names each global rank "
+                f"0..{self.stages * self.replicas - 1} once, got {list(self.order)}"
+            )
+        if self.order == tuple(range(len(self.order))):
+            object.__setattr__(self, "order", ())  # the identity: one spelling, so equal layouts compare equal
+        slots = {rank: slot for slot, rank in enumerate(self.order)}
+        object.__setattr__(self, "_slots", slots)
+
+    def placed(self, order: Sequence[int] | None) -> Layout:
+        """This layout with slot ``k`` held by rank ``order[k]`` (None: by rank ``k``)."""
+        return Layout(self.stages, self.replicas, tuple(order or ()))
+
+    @property
+    def is_placed(self) -> bool:
+        """Whether some rank holds another slot than its own number."""
+        return bool(self.order)
+
+    def _slot(self, rank: int) -> int:
+        return self._slots[rank] if self.order else rank  # type: ignore[attr-defined]  # set in __post_init__
 
     @classmethod
     def of(cls, world_size: int, stages: int | None) -> Layout:
@@ -58,13 +86,18 @@ class Layout:
         return self.stages * self.replicas
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.replicas
+        return self._slot(rank) // self.replicas
 
     def replica_of(self, rank: int) -> int:
-        return rank % self.replicas
+        return self._slot(rank) % self.replicas
 
     def rank(self, stage: int, replica: int) -> int:
-        return stage * self.replicas + replica
+        slot = stage * self.replicas + replica
+        return self.order[slot] if self.order else slot
+
+    def ranks(self) -> list[int]:
+        """Every slot's rank, stage 0's replicas first (the mesh's rows)."""
+        return list(self.order) if self.order else list(range(self.world_size))
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         """Global ranks of replica ``replica``'s stages, first to last."""
@@ -180,14 +213,18 @@ class Topology:
     """
 
     def __init__(self, layout: Layout, rank: int, device_type: str) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         self.layout = layout
         self.rank = rank
         self.stage = layout.stage_of(rank)
         self.replica = layout.replica_of(rank)
         self.backend = dist.get_backend()
-        self.mesh = init_device_mesh(device_type, (layout.stages, layout.replicas), mesh_dim_names=("pp", "dp"))
+        if layout.is_placed:  # rows by stage, as placed
+            mesh = torch.tensor(layout.ranks(), dtype=torch.int).view(layout.stages, layout.replicas)
+            self.mesh = DeviceMesh(device_type, mesh, mesh_dim_names=("pp", "dp"))
+        else:
+            self.mesh = init_device_mesh(device_type, (layout.stages, layout.replicas), mesh_dim_names=("pp", "dp"))
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
         gloo = dist.get_backend() == "gloo"

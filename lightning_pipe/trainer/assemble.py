@@ -13,7 +13,8 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,7 @@ from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.pipemare import resolve
 from lightning_pipe.runtime.stage import StageModule
-from lightning_pipe.runtime.topology import Placement, Topology
+from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
 from lightning_pipe.trainer.compatibility import (
     as_misconfiguration,
@@ -70,6 +71,8 @@ from lightning_pipe.trainer.compatibility import (
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.weights import load_stage_weights, model_spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,7 +131,8 @@ class ModuleSplit:
 def split_module(
     module: Any,
     config: PipelineConfig,
-    topology: Topology,
+    layout: Layout,
+    rank: int,
     device: torch.device,
     to_device: Callable[[Any, torch.device], Any],
     broadcast: Callable[[Any], Any],
@@ -139,8 +143,10 @@ def split_module(
 
     Measuring (``plan="auto"``, ``balance="time"/"memory"``) moves the run's first batch with
     ``to_device``, runs in the precision's ``context`` on ``device`` and gives every rank rank 0's
-    numbers with ``broadcast``. ``previous``: what an earlier setup of the run decided."""
-    layout, rank, backend = topology.layout, topology.rank, topology.backend
+    numbers with ``broadcast``. ``previous``: what an earlier setup of the run decided. ``layout``:
+    the world's stages x replicas, which a measured split or the planner may place anew (on unequal
+    devices, which rank holds which stage); the split's placement holds the layout that runs."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
     inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
     name, layers = find_sequential(module, config.module)
     if isinstance(layers, (StageModule, BlockStage)):  # set up before (fit, then test): already split
@@ -152,6 +158,7 @@ def split_module(
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
         config, profile, candidates = apply_plan(config, layout, module, layers, inputs)
+        layout = layout.placed(config.rank_order)
     if not isinstance(layers, nn.Sequential):
         refuse_for_blocks(config)
     virtual = config.virtual_stages
@@ -159,22 +166,25 @@ def split_module(
     positions = stage_positions(config.schedule, layout.stages, virtual)
     num_split = layout.stages * virtual  # Chimera's 2 x stages run copies of these
     check_chimera_layout(config.schedule, layout.stages, layout.replicas)
-    placement = Placement(layout, rank, tuple(positions), device, backend)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
     resources = previous.resources if previous is not None else None  # measured once a run, as the profile
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
         if resources is None:
-            resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
-        balance, profile = measured_balance(
+            given = config.rank_speeds if kept(config.rank_speeds, "rank_speeds", config, layout.world_size) else None
+            resources = agreed_resources(inputs.gather, device, given, layout.world_size, timed, not timed)
+        fixed = layout.order if kept(config.rank_order, "rank_order", config, layout.world_size) else None
+        balance, profile, order = measured_balance(
             config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
-            module, layers, inputs, profile, owners, resources, layout.replicas,
+            module, layers, inputs, profile, owners, resources, layout.replicas, fixed,
         )  # fmt: skip
+        layout = layout.placed(order)
     elif config.balance in MEASURED_BALANCES:
         balance = [len(layers)]
     else:
         balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
+    placement = Placement(layout, rank, tuple(positions), device, backend)
     check_held_parameters(module, layers, ends, balance, positions, num_split, owners)
     with_ends = extended(layers, ends)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
@@ -198,9 +208,7 @@ def split_module(
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         chunks = config.num_microbatches(layout.stages)
-        rank_zero_info(
-            describe_layout(module.trainer, layout.stages, layout.replicas, balance, positions, config.schedule, chunks)
-        )
+        rank_zero_info(describe_layout(module.trainer, layout, balance, positions, config.schedule, chunks))
     held_ends = held_end_parameters(ends, held_split, num_split)
     return ModuleSplit(
         config,
@@ -214,6 +222,21 @@ def split_module(
         held_ends,
         resources,
     )
+
+
+def kept(given: Sequence[Any] | None, name: str, config: PipelineConfig, world_size: int) -> bool:
+    """Whether a per-process argument (``rank_speeds``, ``rank_order``) holds: given, and not for
+    another number of processes than an elastic run restarted on (then the ranks' speeds are
+    measured and place them, as without it)."""
+    if given is None:
+        return False
+    if config.elastic is not False and len(given) != world_size:
+        log.warning(
+            "lightning-pipe elastic: %s names %d processes and the run restarted on %d: the ranks' speeds are "
+            "measured instead.", name, len(given), world_size,
+        )  # fmt: skip
+        return False
+    return True
 
 
 def check_held_parameters(

@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pipe.checkpoint.newest import newest_complete
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.plan.elastic import elastic_stages, kept_accumulation, rescaled_count
 from lightning_pipe.runtime.topology import Layout
 
@@ -52,8 +53,15 @@ Setting = bool | str | Path
 
 
 def layout(world: int, config: PipelineConfig) -> Layout:
-    """The run's stages x replicas: ``config.stages`` or, with ``elastic``, the depth that fits ``world``."""
-    return Layout.of(world, elastic_stages(world, config.stages) if config.elastic is not False else config.stages)
+    """The run's stages x replicas: ``config.stages`` or, with ``elastic``, the depth that fits ``world``;
+    placed by ``config.rank_order`` where given (an elastic run restarted on another world places its
+    ranks by their speed instead, as without it)."""
+    found = Layout.of(world, elastic_stages(world, config.stages) if config.elastic is not False else config.stages)
+    order = config.rank_order
+    if order is None or (config.elastic is not False and len(order) != world):
+        return found
+    check_rank_order(order, world)
+    return found.placed(order)
 
 
 def watched_folder(trainer: pl.Trainer, setting: Setting) -> Path:

@@ -41,7 +41,7 @@ class Gathering:
 
     Attributes:
         group: the group of this rank's pipeline that gathers the stages (None: the default group).
-        ranks: global ranks of this pipeline's stages; the first gathers.
+        ranks: global ranks of this pipeline's stages; rank 0 gathers where it is one, else the first.
         whole: False for a module built on the meta device (it may not fit one process): nothing is
             sent back.
     """
@@ -79,11 +79,12 @@ def _collect_whole_weights(
         local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return local
-        # the first stage of each pipeline gathers its stages; only rank 0's result is sent back
+        # one rank of each pipeline gathers its stages, rank 0 in its own (which need not hold the first
+        # stage where ranks are placed by speed); only rank 0's result is sent back
         group, ranks = gathered_how.group, list(gathered_how.ranks)
-        first = dist.get_rank() == ranks[0]
-        gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
-        dist.gather_object(local, gathered, dst=ranks[0], group=group)
+        dst = 0 if 0 in ranks else ranks[0]
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+        dist.gather_object(local, gathered, dst=dst, group=group)
         merged: dict[str, Any] = {}
         for part in gathered or [local]:
             merged.update(part)

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_pipe.partition.placement import describe_order
+from lightning_pipe.runtime.topology import Layout
+
 
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
@@ -85,8 +88,7 @@ def shows_model_summary(trainer: Any) -> bool:
 
 def describe_layout(
     trainer: Any,
-    processes: int,
-    replicas: int,
+    layout: Layout,
     balance: Sequence[int],
     positions: Sequence[int],
     schedule: str,
@@ -94,13 +96,17 @@ def describe_layout(
 ) -> str:
     """:func:`layout_line` for a Trainer being set up; ``positions[s]`` is the pipeline position
     (process) that holds stage ``s``; Chimera's copies (stages ``len(balance)`` and up) are named by
-    the split stage they copy, so a 2-process run reads "stages 0 and 1"."""
-    size = loader_batch_size(trainer)
-    first = sorted({s % len(balance) for s, position in enumerate(positions) if position == 0})
-    return layout_line(
-        processes, replicas, balance, first, schedule, chunks, size * replicas if size is not None else None,
+    the split stage they copy, so a 2-process run reads "stages 0 and 1". A placed ``layout`` (on
+    unequal devices) adds which ranks hold each position."""
+    size, replicas, home = loader_batch_size(trainer), layout.replicas, layout.stage_of(0)
+    first = sorted({s % len(balance) for s, position in enumerate(positions) if position == home})
+    line = layout_line(
+        layout.stages, replicas, balance, first, schedule, chunks, size * replicas if size is not None else None,
         shows_model_summary(trainer),
     )  # fmt: skip
+    if layout.is_placed:
+        line += f"; ranks placed: {describe_order(layout.order, layout.stages, replicas)}"
+    return line
 
 
 __all__ = ["describe_layout", "layout_line", "loader_batch_size", "shows_model_summary"]

@@ -233,9 +233,9 @@ class PipelineSteps:
         self.finish_pending()
         ranks = placement.pipeline_ranks
         last = ranks[placement.last_position]
-        if placement.replica == 0 and last != ranks[0]:  # replica 0's outputs go to rank 0
+        if 0 in ranks and last != 0:  # rank 0's pipeline's outputs go to rank 0 (each replica predicts every sample)
             if placement.is_last_stage:
-                dist.send_object_list(box, dst=ranks[0], group=self._meta_group)
+                dist.send_object_list(box, dst=0, group=self._meta_group)
             elif placement.rank == 0:
                 dist.recv_object_list(box, src=last, group=self._meta_group)
         return box[0] if placement.rank == 0 else None

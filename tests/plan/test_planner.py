@@ -24,6 +24,7 @@ from lightning_pipe.plan.planner import (
     stage_ranks,
     stage_seconds,
 )  # fmt: skip
+from lightning_pipe.plan.report import overrides, plan_text
 from lightning_pipe.schedules import build, closed_form_bubble, simulate
 from tests.models import DeferredNet, RecordSplit, SkewedNet, loader
 from tests.pipeline import fit_pipeline
@@ -357,6 +358,34 @@ def test_chimera_in_the_grid_counts_both_copies() -> None:
         assert c.strategy_arguments()["schedule"] == "chimera" and "virtual_stages" not in c.strategy_arguments()
     assert not [c for c in plan(profiles, 3, FREE, schedules=("chimera",)) if c.schedule == "chimera"]
     assert not [c for c in plan(profiles, 2, FREE, schedules=("chimera",), replicas=2) if c.schedule == "chimera"]
+
+
+def test_the_planner_places_ranks_by_speed_and_its_choice_follows_them() -> None:
+    """2 stages x 2 replicas, ranks 1 and 3 at half speed (one slow device per node): the default
+    layout has a slow rank in each stage, so both run at half speed; the planner groups the fast
+    ranks on one stage and predicts a shorter step than the default layout's. Equal speeds keep the
+    default; a given ``rank_order`` is planned as given."""
+    profiles = {m: _profile(m) for m in (1, 2, 4)}
+    options: dict[str, Any] = dict(schedules=("1f1b",), checkpoints=("never",), replicas=2, replica_batch=16)
+    speeds = [1.0, 0.5, 1.0, 0.5]
+    placed = plan(profiles, 2, FREE, rank_speeds=speeds, **options)
+    kept = plan(profiles, 2, FREE, rank_speeds=speeds, rank_order=[0, 1, 2, 3], **options)
+    best, default = placed[0], kept[0]
+    assert best.rank_order == (0, 2, 1, 3) and default.rank_order == ()
+    assert best.balance_mode == "time" and best.balance[0] > best.balance[1]  # the fast stage takes more
+    assert best.step_seconds < 0.9 * default.step_seconds
+    assert best.strategy_arguments()["rank_order"] == [0, 2, 1, 3] and "rank_order" not in default.strategy_arguments()
+    assert {c.rank_order for c in plan(profiles, 2, FREE, rank_speeds=[1.0] * 4, **options)} == {()}
+    assert {c.rank_order for c in plan(profiles, 2, FREE, rank_speeds=speeds, rank_order=[1, 3, 0, 2], **options)} == {
+        (1, 3, 0, 2)
+    }
+    # the speeds line of plan.txt lists every rank's speed and where each stage sits; the overrides run it
+    line = plan_text(placed, 2, 2).splitlines()[1]
+    assert line == (
+        "rank speeds relative to rank 0: rank 0 1.00, rank 1 0.50, rank 2 1.00, rank 3 0.50; "
+        "ranks placed: stage 0 on ranks 0, 2; stage 1 on ranks 1, 3"
+    )
+    assert "strategy.rank_order=[0,2,1,3]" in overrides(best, 2, 2)
 
 
 def test_dualpipev_is_planned_from_two_micro_batches_per_process() -> None:
