@@ -192,12 +192,11 @@ class PipelineStrategy(ProcessStrategy):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_automatic_optimization(module)
-        context, device, rank = self.precision_plugin.train_step_context, self.root_device, self.global_rank
-        measure = (device, self.batch_to_device, self.broadcast, context)  # how the split measures, where it does
-        self._split = split_module(module, self.config, self.layout, rank, *measure, previous=self._split)
+        measure = (self.root_device, self.batch_to_device, self.broadcast, self.precision_plugin.train_step_context)
+        self._split = split_module(module, self.config, self.layout, self.global_rank, *measure, previous=self._split)
         self.config = self._split.config
         if self._topology is None:  # this rank's process groups, built once, where the split placed the ranks
-            self._topology = Topology(self._split.placement.layout, rank, device.type)
+            self._topology = Topology(self._split.placement.layout, self.global_rank, self.root_device.type)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         scaler = getattr(self.precision_plugin, "scaler", None)

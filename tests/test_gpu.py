@@ -110,3 +110,39 @@ def test_a_measured_balance_with_every_ranks_speed_and_memory_on_one_gpu(balance
     fit_plain(reference, _data())
     _fit_on_one_gpu(piped, 2, schedule="1f1b", chunks=4, balance=balance)
     _close(reference, piped)
+
+
+class _Order(L.Callback):
+    """Writes this rank's layout order and stage to ``folder/order-<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record = {"order": list(trainer.strategy.layout.order), "stage": trainer.strategy.stage}
+        Path(self.folder, f"order-{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_ranks_placed_by_speed_on_one_gpu_train_as_plain(tmp_path: Path) -> None:
+    """4 ranks sharing the GPU as 2 stages x 2 replicas, ranks 1 and 3 said to be slow: the placed
+    layout's DeviceMesh (rows by stage, not by rank) on a CUDA device, and training equal to plain
+    training on the global batch."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, loader(n=48, batch_size=24))
+    _fit_on_one_gpu(
+        piped, 4, [_Order(str(tmp_path))], schedule="1f1b", chunks=3, stages=2, balance="time",
+        rank_speeds=[1.0, 0.5, 1.0, 0.5],
+    )  # fmt: skip
+    records = [json.loads(Path(tmp_path, f"order-{rank}.json").read_text()) for rank in range(4)]
+    assert {tuple(r["order"]) for r in records} <= {(0, 2, 1, 3), (1, 3, 0, 2)} and len({str(r) for r in records}) == 2
+    _close(reference, piped)
+
+
+def test_a_given_rank_order_on_one_gpu_trains_as_plain(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, _data())
+    _fit_on_one_gpu(piped, 2, [_Order(str(tmp_path))], schedule="zbv", chunks=4, rank_order=[1, 0])
+    assert json.loads(Path(tmp_path, "order-0.json").read_text()) == {"order": [1, 0], "stage": 1}
+    _close(reference, piped)

@@ -83,3 +83,17 @@ def test_the_trainer_refuses_before_starting_any_process(monkeypatch: pytest.Mon
         with pytest.raises(ValueError, match=r"cannot split 3 layers into 4 stages"):
             trainer.fit(TinyNet(depth=3), loader())
     assert torch.distributed.is_initialized() is False
+
+
+def test_a_rank_order_for_another_world_is_refused_before_starting_any_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", started)
+    with pytest.raises(ValueError, match=r"rank_order=\[1, 0, 2\]\): give each global rank of 2 processes once"):
+        trainer = L.Trainer(
+            strategy=PipelineStrategy(rank_order=[1, 0, 2]), accelerator="cpu", devices=2, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(TinyNet(), loader())
+    assert torch.distributed.is_initialized() is False

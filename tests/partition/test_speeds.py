@@ -178,6 +178,7 @@ def test_the_command_line_gives_rank_speeds_as_numbers() -> None:
     from lightning_pipe.cli import build_strategy
     from tests.test_cli import _compose
 
-    cfg = _compose(["strategy.balance=time", "strategy.rank_speeds=[1,0.5]"])
+    cfg = _compose(["strategy.balance=time", "strategy.rank_speeds=[1,0.5]", "strategy.rank_order=[1,0]"])
     strategy, _ = build_strategy(cfg.strategy, 2)
     assert strategy.config.rank_speeds == [1.0, 0.5] and strategy.config.balance == "time"
+    assert strategy.config.rank_order == [1, 0] and all(type(r) is int for r in strategy.config.rank_order)
