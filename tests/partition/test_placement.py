@@ -197,3 +197,27 @@ def test_a_given_rank_order_trains_as_plain(tmp_path: Path, schedule: str) -> No
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["stage"] for r in records] == [1, 0] and records[0]["pipeline"] == [1, 0]
     assert_same_weights(reference, piped)
+
+
+def test_a_checkpoint_of_a_placed_layout_resumes_under_the_default_one(tmp_path: Path) -> None:
+    """Checkpoint files are per stage, not per rank: two epochs with rank 1 on the first stage, then a
+    third with rank 0 there, equal three plain epochs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import LifecycleNet
+
+    epochs = {"max_steps": -1}
+    torch.manual_seed(0)
+    initial = LifecycleNet().state_dict()
+    three = LifecycleNet()
+    three.load_state_dict(initial)
+    fit_plain(three, max_epochs=3, **epochs)
+    two = LifecycleNet()
+    two.load_state_dict(initial)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit_pipeline(
+        two, 2, chunks=4, rank_order=[1, 0], max_epochs=2, enable_checkpointing=True, callbacks=[saving], **epochs
+    )
+    resumed = LifecycleNet()
+    fit_pipeline(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"), chunks=4, max_epochs=3, **epochs)
+    assert_same_weights(three, resumed)
