@@ -146,3 +146,30 @@ def test_a_given_rank_order_on_one_gpu_trains_as_plain(tmp_path: Path) -> None:
     _fit_on_one_gpu(piped, 2, [_Order(str(tmp_path))], schedule="zbv", chunks=4, rank_order=[1, 0])
     assert json.loads(Path(tmp_path, "order-0.json").read_text()) == {"order": [1, 0], "stage": 1}
     _close(reference, piped)
+
+
+class _Plan(L.Callback):
+    """Writes rank 0's planned candidate's per-rank free memory and rank order to ``folder/plan.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            best = trainer.strategy.plan_candidates[0]
+            record = {"free": list(best.rank_free), "fits": best.fits, "speeds": list(best.rank_speeds)}
+            Path(self.folder, "plan.json").write_text(json.dumps(record))
+
+
+def test_plan_auto_bounds_each_rank_by_its_own_free_memory_on_one_gpu(tmp_path: Path) -> None:
+    """``plan="auto"`` on two ranks sharing the GPU: every rank's free memory reaches the planner as
+    a budget per rank, the chosen candidate fits it, and training equals plain training."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))
+    fit_plain(reference, _data())
+    _fit_on_one_gpu(piped, 2, [_Plan(str(tmp_path))], plan="auto")
+    record = json.loads(Path(tmp_path, "plan.json").read_text())
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert len(record["free"]) == 2 and all(0 < f <= total for f in record["free"]) and record["fits"]
+    assert len(record["speeds"]) == 2
+    _close(reference, piped)

@@ -39,6 +39,8 @@ def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Link | 
     if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_rank() > 1:
         return None
     rank = dist.get_rank()
+    if dist.get_backend() != "nccl":  # gloo sends host memory (the pipeline stages GPU tensors through it too)
+        device = torch.device("cpu")
 
     def one_way(size: int) -> float:
         buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
@@ -179,9 +181,11 @@ def plan_layers(
     fixed = layout.order if config.rank_order is not None and len(config.rank_order) == layout.world_size else None
     if inputs.is_source and speeds is not None:
         log.info("lightning-pipe plan: %s", resources.describe())
-    # the smallest device's free memory bounds every rank (a budget per rank is not modelled yet)
-    free = [f for f in resources.free or [] if f is not None]
-    budget = (min(free) if free else torch.cuda.mem_get_info(device)[0]) if cuda else None
+    # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)
+    free = resources.known_free
+    budget: int | list[int] | None = None
+    if cuda:
+        budget = [int(f) for f in free] if free is not None else int(torch.cuda.mem_get_info(device)[0])
     return agreed_plan(inputs.is_source, inputs.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
 

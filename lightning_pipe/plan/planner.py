@@ -97,6 +97,7 @@ class Candidate:
     link: Link | None = None  # the measured link the prediction used
     rank_speeds: tuple[float, ...] = ()  # per global rank, relative to the profiling rank 0; (): not known
     rank_order: tuple[int, ...] = ()  # which rank holds which slot (stage 0's replicas first); (): rank r slot r
+    rank_free: tuple[int, ...] = ()  # bytes free per global rank, where the budget was given per rank; (): not
 
     @property
     def depth(self) -> int:
@@ -133,12 +134,15 @@ def _split(
     in_flight: Sequence[int],
     checkpoint: str,
     speeds: Sequence[float] | None = None,
+    capacities: Sequence[float] | None = None,
 ) -> list[int]:
     if mode == "uniform":
         return balance_uniform(len(profile.layers), num_stages)
     if mode == "parameters":
         return balance_by_cost([float(c.parameter_bytes) for c in profile.layers], num_stages)
-    return profile.balance(mode, num_stages, in_flight, checkpoint, speeds=speeds if mode == "time" else None)
+    if mode == "time":
+        return profile.balance(mode, num_stages, in_flight, checkpoint, speeds=speeds)
+    return profile.balance(mode, num_stages, in_flight, checkpoint, capacities=capacities)
 
 
 def stage_seconds(
@@ -231,6 +235,20 @@ def placed(
     return measured_order(profile, rank_speeds, "time", schedule, "never", stages, replicas, virtual, in_flight)
 
 
+#: bytes of memory for every rank, or per global rank; None: no limit
+Budget = int | Sequence[int] | None
+
+
+def position_budgets(budget: Budget, stages: int, replicas: int, order: Sequence[int] = ()) -> list[int] | None:
+    """Per pipeline position, the bytes its ranks have (the least of its replicas', ranks placed by
+    ``order``), from one budget for every rank or one per global rank; None: no limit."""
+    if budget is None:
+        return None
+    if isinstance(budget, int):
+        return [budget] * stages
+    return [int(b) for b in position_values([float(b) for b in budget], stages, replicas, order)]
+
+
 def _per_rank(values: Sequence[float], ranks: Sequence[int], num_ranks: int) -> list[float]:
     out = [0.0] * num_ranks
     for value, rank in zip(values, ranks):
@@ -254,7 +272,7 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
 def _rank(
     entries: Iterable[tuple[int, int, int, Profile, int]],
     link: Link,
-    memory_budget: int | None,
+    memory_budget: Budget,
     schedules: Sequence[str],
     balances: Sequence[str],
     checkpoints: Sequence[str],
@@ -266,9 +284,14 @@ def _rank(
     """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries,
     ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles; they
     also place the ranks (:func:`~lightning_pipe.partition.placement.measured_order`, for the time
-    split) unless ``rank_order`` fixes which rank holds which slot."""
+    split) unless ``rank_order`` fixes which rank holds which slot. ``memory_budget``: bytes for
+    every rank, or per global rank (then each position's is its smallest rank's, and the memory
+    split gives a smaller device less)."""
     found: dict[tuple, Candidate] = {}
     given_speeds = tuple(float(v) for v in rank_speeds) if rank_speeds is not None else ()
+    free = (
+        tuple(int(b) for b in memory_budget) if memory_budget is not None and not isinstance(memory_budget, int) else ()
+    )
     for stages, replicas, chunks, profile, replica_batch in entries:
         for schedule, v in _variants(schedules, stages, len(profile.layers), virtual):
             try:  # as the strategy builds it: regrouped for NCCL where the schedule needs it
@@ -292,11 +315,13 @@ def _rank(
             held = holder_speeds(rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies included)
             # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
             speeds = None if held is None else stage_values(held, list(range(len(ranks))), split)
+            budgets = position_budgets(memory_budget, stages, replicas, order)  # per position (rank of one pipeline)
+            capacities = None if budgets is None else stage_values([float(b) for b in budgets], ranks, split)
             for checkpoint in checkpoints:
                 if chunks == 1 and checkpoint == "except_last":
                     continue  # the same as "never" with one micro-batch
                 for mode in balances:
-                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint, speeds))
+                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint, speeds, capacities))
                     key = (stages, replicas, schedule, v, chunks, balance, checkpoint, order)
                     if key in found:
                         continue
@@ -324,12 +349,12 @@ def _rank(
                         for m in profile.stage_bytes(balance, in_flight[c * split : (c + 1) * split], checkpoint)
                     ]
                     memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
-                    fits = memory_budget is None or max(memory) <= memory_budget
+                    fits = budgets is None or all(m <= b for m, b in zip(memory, budgets))
                     found[key] = Candidate(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
                         simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
                         profile.microbatch_size, max(reduce), replica_batch, rendezvous, link, given_speeds,
-                        Layout(stages, replicas).placed(order).order,
+                        Layout(stages, replicas).placed(order).order, free,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
@@ -338,7 +363,7 @@ def plan(
     profiles: Mapping[int, Profile],
     num_stages: int,
     link: Link,
-    memory_budget: int | None = None,
+    memory_budget: Budget = None,
     schedules: Sequence[str] = PLAN_SCHEDULES,
     balances: Sequence[str] = PLAN_BALANCES,
     checkpoints: Sequence[str] = PLAN_CHECKPOINTS,
@@ -351,7 +376,8 @@ def plan(
 ) -> list[Candidate]:
     """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
     (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
-    (bytes per device; None: no limit) by predicted step time, then the others by their largest rank.
+    (bytes per device, or a list of them per global rank; None: no limit) by predicted step time,
+    then the others by their largest rank.
     ``rendezvous``: NCCL's point-to-point model (True) or gloo's (False); a schedule that would
     hang under it (see :func:`lightning_pipe.schedules.simulate`) is left out, as the runtime refuses it.
     ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
@@ -391,7 +417,7 @@ def plan_layouts(
     world_size: int,
     batch_size: int,
     link: Link,
-    memory_budget: int | None = None,
+    memory_budget: Budget = None,
     schedules: Sequence[str] = PLAN_SCHEDULES,
     balances: Sequence[str] = PLAN_BALANCES,
     checkpoints: Sequence[str] = PLAN_CHECKPOINTS,

@@ -53,7 +53,11 @@ def speeds_line(c: Candidate) -> str:
             "rank speeds: none (one process, or none given): every stage predicted at the profiling rank's speed; "
             + where
         )
-    speeds = ", ".join(f"rank {r} {v:.2f}" for r, v in enumerate(c.rank_speeds))
+    free = c.rank_free or (None,) * len(c.rank_speeds)
+    speeds = ", ".join(
+        f"rank {r} {v:.2f}" + (f" ({b / 2**30:.1f} GiB free)" if b is not None else "")
+        for r, (v, b) in enumerate(zip(c.rank_speeds, free))
+    )
     note = "" if not all_equal(c.rank_speeds) else f" (equal within {EQUAL_WITHIN:.0%}: predicted and split as equal)"
     return f"rank speeds relative to rank 0{note}: {speeds}; {where}"
 

@@ -388,6 +388,31 @@ def test_the_planner_places_ranks_by_speed_and_its_choice_follows_them() -> None
     assert "strategy.rank_order=[0,2,1,3]" in overrides(best, 2, 2)
 
 
+def test_each_ranks_own_free_memory_bounds_its_stages() -> None:
+    """A budget per global rank: rank 1 has room for about half of an even split, so the memory
+    split gives it fewer layers and only such candidates fit; one budget of rank 1's size for every
+    rank fits nothing. plan.txt lists each rank's free memory beside its speed."""
+    profiles = {m: _profile(m) for m in (1, 2, 4)}
+    options: dict[str, Any] = dict(schedules=("1f1b",), checkpoints=("never",), balances=("uniform", "memory"))
+    even = plan(profiles, 2, FREE, **options)
+    largest = max(max(c.stage_bytes) for c in even)
+    small = min(c.stage_bytes[1] for c in even if c.balance == (4, 4)) - 1  # below every even split's rank 1
+    ranked = plan(profiles, 2, FREE, memory_budget=[4 * largest, small], **options)
+    fitting = [c for c in ranked if c.fits]
+    assert fitting and all(c.balance_mode == "memory" and c.stage_bytes[1] <= small for c in fitting)
+    assert all(not c.fits for c in ranked if c.balance == (4, 4)) and ranked[0].rank_free == (4 * largest, small)
+    assert not any(c.fits for c in plan(profiles, 2, FREE, memory_budget=small, **options) if c.balance == (4, 4))
+    speeds = plan(profiles, 2, FREE, memory_budget=[2**30, 2**29], rank_speeds=[1.0, 1.0], **options)
+    assert (
+        plan_text(speeds, 2, 1)
+        .splitlines()[1]
+        .startswith(
+            "rank speeds relative to rank 0 (equal within 10%: predicted and split as equal): rank 0 1.00 (1.0 GiB free), "
+            "rank 1 1.00 (0.5 GiB free)"
+        )
+    )
+
+
 def test_dualpipev_is_planned_from_two_micro_batches_per_process() -> None:
     """The planner's grid comes from the traits: DualPipeV is a candidate where its chunk rule
     holds (chunks >= 2 x processes), predicted from the schedule the runtime builds."""
