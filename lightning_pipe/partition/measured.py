@@ -174,7 +174,7 @@ def measured_balance(
 ) -> tuple[list[int], Profile, tuple[int, ...]]:
     """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``), the
     profile they come from (``profile`` when given for these layers, else measured) and the rank
-    order they are for (``order`` when given, else :func:`chosen_order`'s); with
+    order they are for (``order`` when given, else :func:`~lightning_pipe.partition.placement.measured_order`'s); with
     ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
     holding the micro-batches its schedule keeps in flight there. ``owners``: which layers hold a
     parameter (every stage gets one where they allow it). ``resources``: every rank's speed and free

@@ -205,7 +205,7 @@ def apply_plan(
     planned = config.replace(
         schedule=best.schedule, chunks=best.chunks, recompute=best.checkpoint,
         virtual_stages=best.virtual_stages, balance=list(best.balance),
-        rank_order=list(best.rank_order) if best.rank_order else config.rank_order,
+        rank_order=list(best.rank_order) or None,  # a given order was planned as given
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
         log.info("lightning-pipe plan: %s; best of %d layouts:\n%s", link_line(link), len(ranked), format_plans(ranked))

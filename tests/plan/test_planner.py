@@ -403,13 +403,10 @@ def test_each_ranks_own_free_memory_bounds_its_stages() -> None:
     assert all(not c.fits for c in ranked if c.balance == (4, 4)) and ranked[0].rank_free == (4 * largest, small)
     assert not any(c.fits for c in plan(profiles, 2, FREE, memory_budget=small, **options) if c.balance == (4, 4))
     speeds = plan(profiles, 2, FREE, memory_budget=[2**30, 2**29], rank_speeds=[1.0, 1.0], **options)
-    assert (
-        plan_text(speeds, 2, 1)
-        .splitlines()[1]
-        .startswith(
-            "rank speeds relative to rank 0 (equal within 10%: predicted and split as equal): rank 0 1.00 (1.0 GiB free), "
-            "rank 1 1.00 (0.5 GiB free)"
-        )
+    line = plan_text(speeds, 2, 1).splitlines()[1]
+    assert line.startswith(
+        "rank speeds relative to rank 0 (equal within 10%: predicted and split as equal): "
+        "rank 0 1.00 (1.0 GiB free), rank 1 1.00 (0.5 GiB free)"
     )
 
 
