@@ -51,6 +51,18 @@ def test_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str)
     assert_same_weights(reference, piped)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_one_micro_batch_leaves_the_up_pipeline_empty_and_still_trains_as_plain(stages: int) -> None:
+    """One micro-batch (``chunks=1``, or an epoch's last batch of one sample) goes down only: the up
+    copies get no gradient of their own, add zeros to their pair's sum and take the down copy's.
+    Before, the pair's buckets differed (the empty copy's parameters were left out) and gloo aborted."""
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=2 * stages))
+    fit_plain(reference, loader(48, 12), max_steps=3)
+    fit_pipeline(piped, stages, data=loader(48, 12), schedule="chimera", chunks=1, max_steps=3)
+    assert_same_weights(reference, piped)
+
+
 def test_both_copies_of_every_stage_stay_equal(tmp_path: Path) -> None:
     """Each process saves its own module (both of its stages) after training: the two processes
     holding a stage hold equal weights, and those equal plain training's."""

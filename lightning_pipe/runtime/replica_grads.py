@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -95,6 +96,7 @@ class ReplicaReducer:
         self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20, mean: bool = True
     ) -> None:
         self.group = group
+        self.summed = not mean
         self.replicas = dist.get_world_size(group) if mean else 1
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
@@ -156,7 +158,12 @@ class ReplicaReducer:
             self._next += 1
 
     def _launch(self, index: int) -> None:
-        grads = [p.grad for p in self.buckets[index] if p.grad is not None]
+        bucket = self.buckets[index]
+        if self.summed:  # a copy that no micro-batch of this step reached adds zeros, and takes its pair's sum
+            for param in bucket:
+                if param.grad is None and self.accumulations.per_param.get(id(param)) == 0:
+                    param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in bucket if p.grad is not None]
         if grads:
             self._works.append(FlatAllReduce(grads, self.group))
 
