@@ -25,7 +25,7 @@ from lightning_pipe.partition.placement import (
 )
 from lightning_pipe.partition.speeds import position_values, stage_values
 from lightning_pipe.schedules import stage_positions
-from tests.models import SkewedNet, TinyNet, fit_plain, loader
+from tests.models import SkewedNet, TinyNet, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 
@@ -221,3 +221,23 @@ def test_a_checkpoint_of_a_placed_layout_resumes_under_the_default_one(tmp_path:
     resumed = LifecycleNet()
     fit_pipeline(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"), chunks=4, max_epochs=3, **epochs)
     assert_same_weights(three, resumed)
+
+
+@pytest.mark.parametrize(
+    "devices, options",
+    [(2, {"schedule": "zbv", "rank_order": [1, 0]}), (4, {"stages": 2, "rank_order": [1, 0, 3, 2]})],
+    ids=["zbv-last-stage-on-rank-1", "2x2-rank-0-first-of-replica-1"],
+)
+def test_predictions_reach_rank_0_wherever_it_sits(devices: int, options: dict) -> None:
+    """Rank 0 returns the predictions though another rank computes them: under ZB-V with rank 1 first,
+    the last stage sits on rank 1; on 2 x 2 with ``[1, 0, 3, 2]``, rank 0 is replica 1's first stage
+    and rank 2 its last."""
+    from tests.models import LifecycleNet
+    from tests.pipeline import pipeline_trainer
+
+    torch.manual_seed(0)
+    model = LifecycleNet()
+    expected = torch.cat(plain_trainer().predict(model, loader(batch_size=12)))
+    predictions = pipeline_trainer(devices, chunks=4, **options).predict(model, loader(batch_size=12))
+    assert predictions is not None and len(predictions) == 6
+    torch.testing.assert_close(torch.cat(predictions), expected, rtol=1e-4, atol=1e-6)
