@@ -74,18 +74,20 @@ def test_the_layout_fits_the_world_only_when_elastic() -> None:
 def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_the_world(caplog) -> None:
     """``rank_order`` names the rank of each slot for its world; an elastic run restarted on fewer
     processes leaves it (and ``rank_speeds``) aside, with a warning, and measures the speeds instead."""
-    from lightning_pipe.trainer.assemble import kept
+    from lightning_pipe.trainer.assemble import for_this_world
 
     config = PipelineConfig(stages=2, balance="time", rank_order=[0, 2, 1, 3], rank_speeds=[1.0, 0.5, 1.0, 0.5])
-    assert layout(4, config).order == (0, 2, 1, 3) and kept(config.rank_order, "rank_order", config, 4)
+    assert layout(4, config).order == (0, 2, 1, 3) and for_this_world(config, 4) is config
     with pytest.raises(ValueError, match=r"rank_order=\[0, 2, 1, 3\]\): give each global rank of 2 processes once"):
         layout(2, config)  # not elastic: a world the order does not fit is a mistake
     restarted = config.replace(elastic=True)
     assert layout(2, restarted) == layout(2, PipelineConfig(stages=2, elastic=True))  # not placed
     with caplog.at_level("WARNING"):
-        assert not kept(restarted.rank_speeds, "rank_speeds", restarted, 2)
+        dropped = for_this_world(restarted, 2)
+    assert dropped.rank_speeds is None and dropped.rank_order is None
     assert "rank_speeds names 4 processes and the run restarted on 2" in caplog.text
-    assert kept(restarted.rank_speeds, "rank_speeds", restarted, 4) and not kept(None, "rank_order", restarted, 2)
+    assert "rank_order names 4 processes and the run restarted on 2" in caplog.text
+    assert for_this_world(restarted, 4) is restarted
 
 
 # ---------------------------------------------------------------------------- a resume with fewer replicas

@@ -178,7 +178,7 @@ def plan_layers(
     cuda = device.type == "cuda"
     resources = agreed_resources(inputs.gather, device, config.rank_speeds, stages * replicas, True, cuda)
     speeds = resources.speeds
-    fixed = layout.order if config.rank_order is not None and len(config.rank_order) == layout.world_size else None
+    fixed = layout.order if config.rank_order is not None else None  # else the speeds place the ranks
     if inputs.is_source and speeds is not None:
         log.info("lightning-pipe plan: %s", resources.describe())
     # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)

@@ -219,22 +219,6 @@ def _copy(speeds: Sequence[float] | None, copy: int, split: int) -> list[float] 
     return None if speeds is None else list(speeds[copy * split : (copy + 1) * split])
 
 
-def placed(
-    profile: Profile,
-    rank_speeds: Sequence[float] | None,
-    schedule: str,
-    stages: int,
-    replicas: int,
-    virtual: int,
-    in_flight: Sequence[int],
-) -> tuple[int, ...]:
-    """The rank order for ``rank_speeds`` on this layout and schedule, for the time split (the same
-    choice the runtime's ``balance="time"`` makes); ``()``: the default (equal or unknown speeds)."""
-    if rank_speeds is None or all_equal(rank_speeds):
-        return ()
-    return measured_order(profile, rank_speeds, "time", schedule, "never", stages, replicas, virtual, in_flight)
-
-
 #: bytes of memory for every rank, or per global rank; None: no limit
 Budget = int | Sequence[int] | None
 
@@ -307,10 +291,13 @@ def _rank(
             in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
             split_in_flight = [sum(in_flight[s + c * split] for c in range(copies)) for s in range(split)]
             summed_over = 2 if copies > 1 else replicas  # Chimera's pair sums its gradients, replicas average theirs
+            # the order the runtime's balance="time" would choose (``()``: the default layout), or the given one
             order = (
-                tuple(rank_order)
+                Layout(stages, replicas).placed(rank_order).order
                 if rank_order is not None
-                else placed(profile, rank_speeds, schedule, stages, replicas, v, split_in_flight)
+                else measured_order(
+                    profile, rank_speeds, "time", schedule, "never", stages, replicas, v, split_in_flight
+                )
             )
             held = holder_speeds(rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies included)
             # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
@@ -354,7 +341,7 @@ def _rank(
                         schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
                         simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
                         profile.microbatch_size, max(reduce), replica_batch, rendezvous, link, given_speeds,
-                        Layout(stages, replicas).placed(order).order, free,
+                        order, free,
                     )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
@@ -383,7 +370,7 @@ def plan(
     ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
     equal): each stage's compute is its profile's seconds / its rank's speed, and ``balance="time"``
     gives a slower rank less; the speeds also choose which rank holds which stage, unless ``rank_order``
-    gives it (see :func:`placed`)."""
+    gives it (see :func:`~lightning_pipe.partition.placement.measured_order`)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
     return _rank(
         entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
@@ -498,5 +485,5 @@ def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:
 
 __all__ = [
     "Candidate", "Link", "chunk_candidates", "format_plans", "holder_speeds", "layouts", "microbatch_size",
-    "needed_sizes", "placed", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
+    "needed_sizes", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
 ]  # fmt: skip

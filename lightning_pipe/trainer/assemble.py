@@ -14,7 +14,7 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +147,7 @@ def split_module(
     the world's stages x replicas, which a measured split or the planner may place anew (on unequal
     devices, which rank holds which stage); the split's placement holds the layout that runs."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    config = for_this_world(config, layout.world_size)
     inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
     name, layers = find_sequential(module, config.module)
     if isinstance(layers, (StageModule, BlockStage)):  # set up before (fit, then test): already split
@@ -172,9 +173,8 @@ def split_module(
     if config.balance in MEASURED_BALANCES and num_split > 1:
         p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
         if resources is None:
-            given = config.rank_speeds if kept(config.rank_speeds, "rank_speeds", config, layout.world_size) else None
-            resources = agreed_resources(inputs.gather, device, given, layout.world_size, timed, not timed)
-        fixed = layout.order if kept(config.rank_order, "rank_order", config, layout.world_size) else None
+            resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
+        fixed = layout.order if config.rank_order is not None else None  # else placed by the ranks' speeds
         balance, profile, order = measured_balance(
             config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
             module, layers, inputs, profile, owners, resources, layout.replicas, fixed,
@@ -224,19 +224,19 @@ def split_module(
     )
 
 
-def kept(given: Sequence[Any] | None, name: str, config: PipelineConfig, world_size: int) -> bool:
-    """Whether a per-process argument (``rank_speeds``, ``rank_order``) holds: given, and not for
-    another number of processes than an elastic run restarted on (then the ranks' speeds are
-    measured and place them, as without it)."""
-    if given is None:
-        return False
-    if config.elastic is not False and len(given) != world_size:
+def for_this_world(config: PipelineConfig, world_size: int) -> PipelineConfig:
+    """``config`` without the per-process arguments (``rank_speeds``, ``rank_order``) that name another
+    number of processes than an elastic run restarted on: the ranks' speeds are then measured and
+    place them, as without those arguments (a warning says so)."""
+    if config.elastic is False:
+        return config
+    stale = [name for name in ("rank_speeds", "rank_order") if len(getattr(config, name) or [world_size]) != world_size]
+    for name in stale:
         log.warning(
             "lightning-pipe elastic: %s names %d processes and the run restarted on %d: the ranks' speeds are "
-            "measured instead.", name, len(given), world_size,
+            "measured instead.", name, len(getattr(config, name)), world_size,
         )  # fmt: skip
-        return False
-    return True
+    return config.replace(**dict.fromkeys(stale)) if stale else config
 
 
 def check_held_parameters(
