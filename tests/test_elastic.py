@@ -88,6 +88,7 @@ def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_
     assert "rank_speeds names 4 processes and the run restarted on 2" in caplog.text
     assert "rank_order names 4 processes and the run restarted on 2" in caplog.text
     assert for_this_world(restarted, 4) is restarted
+    assert for_this_world(PipelineConfig(elastic=True), 2) == PipelineConfig(elastic=True)  # nothing given
 
 
 # ---------------------------------------------------------------------------- a resume with fewer replicas

@@ -230,11 +230,12 @@ def for_this_world(config: PipelineConfig, world_size: int) -> PipelineConfig:
     place them, as without those arguments (a warning says so)."""
     if config.elastic is False:
         return config
-    stale = [name for name in ("rank_speeds", "rank_order") if len(getattr(config, name) or [world_size]) != world_size]
+    given = {name: getattr(config, name) for name in ("rank_speeds", "rank_order")}
+    stale = [name for name, values in given.items() if values is not None and len(values) != world_size]
     for name in stale:
         log.warning(
             "lightning-pipe elastic: %s names %d processes and the run restarted on %d: the ranks' speeds are "
-            "measured instead.", name, len(getattr(config, name)), world_size,
+            "measured instead.", name, len(given[name]), world_size,
         )  # fmt: skip
     return config.replace(**dict.fromkeys(stale)) if stale else config
 
