@@ -7,6 +7,7 @@ finishes the run on 2 processes with the weights of uninterrupted plain training
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -15,16 +16,20 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_pipe.checkpoint import write_meta, write_shard
+from lightning_pipe import PipelineStrategy
+from lightning_pipe.checkpoint import consolidate, write_meta, write_shard
 from lightning_pipe.checkpoint.newest import candidates, newest_complete
 from lightning_pipe.checkpoint.staging import staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.trainer.elastic import ElasticState, layout
+from lightning_pipe.trainer.elastic import ElasticState, layout, resume_arguments
 from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
@@ -91,6 +96,64 @@ def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_
     assert for_this_world(PipelineConfig(elastic=True), 2) == PipelineConfig(elastic=True)  # nothing given
 
 
+def _fitting(devices: int = 1, num_nodes: int = 1, **strategy: object) -> L.Trainer:
+    """A Trainer about to fit (nothing launched): what the launchers hand to :func:`resume_arguments`."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=PipelineStrategy(**strategy), logger=False
+    )
+    trainer.state.fn = TrainerFn.FITTING
+    return trainer
+
+
+def _chosen(trainer: L.Trainer, folder: Path, given: Path | str | None) -> str | None:
+    """The ``ckpt_path`` that ``fit(model, ckpt_path=given)`` runs with in an elastic run watching ``folder``."""
+    path = str(given) if given is not None else None
+    args, kwargs = resume_arguments(trainer, trainer.fit, (TinyNet(),), {"ckpt_path": path}, str(folder))
+    return inspect.signature(trainer.fit).bind(*args, **kwargs).arguments.get("ckpt_path")
+
+
+def test_the_watched_folder_beats_the_given_checkpoint_once_it_holds_a_newer_one(tmp_path: Path) -> None:
+    """``fit(ckpt_path=START)`` in an elastic run: START until the watched folder holds a later save (by step,
+    as the folder's checkpoints are ordered), then the folder's newest; a given path whose step cannot be
+    read (Lightning's ``"last"``) is left as given."""
+    folder, given = tmp_path / "checkpoints", tmp_path / "start" / "epoch=0-step=4.ckpt"
+    _save(given, 4, 1.0)
+    trainer = _fitting(elastic=str(folder))
+    assert _chosen(trainer, folder, given) == str(given)  # nothing saved yet
+    assert _chosen(trainer, folder, None) is None
+    _save(folder / "epoch=0-step=4.ckpt", 4, 2.0)
+    assert _chosen(trainer, folder, given) == str(given)  # the same step: the given one
+    _save(folder / "epoch=1-step=8.ckpt", 8, 3.0)
+    assert _chosen(trainer, folder, given) == str(folder / "epoch=1-step=8.ckpt")
+    plain = tmp_path / "plain.ckpt"  # a plain Lightning checkpoint of a later step than the folder's
+    torch.save({"global_step": 12, "epoch": 2, "state_dict": {}}, plain)
+    assert _chosen(trainer, folder, plain) == str(plain)
+    assert _chosen(trainer, folder, "last") == "last"
+
+
+def test_an_elastic_chimera_run_that_a_lost_node_would_leave_odd_is_refused_at_the_first_start(tmp_path: Path) -> None:
+    """Chimera runs on an even world only; with 3 processes per node, losing one of 2 nodes leaves 3: refused
+    before anything starts, naming what survives. 2 processes per node pass."""
+    trainer = _fitting(devices=3, num_nodes=2, schedule="chimera", elastic=str(tmp_path))
+    with pytest.raises(MisconfigurationException, match=r"3 processes per node.*even number of processes per node"):
+        resume_arguments(trainer, trainer.fit, (TinyNet(),), {}, str(tmp_path))
+    trainer = _fitting(devices=2, num_nodes=2, schedule="chimera", elastic=str(tmp_path))
+    resume_arguments(trainer, trainer.fit, (TinyNet(),), {}, str(tmp_path))
+
+
+def test_an_error_in_an_elastic_restart_says_it_comes_from_the_restart(tmp_path: Path, monkeypatch) -> None:
+    """What fails in a start that torchrun's agent restarted carries a note naming the restart (the first start's
+    errors do not)."""
+    state = ElasticState(tmp_path, None)
+    trainer = _fitting(elastic=str(tmp_path))
+    first, again = ValueError("first"), ValueError("again")
+    state.on_exception(trainer, TinyNet(), first)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    state.on_exception(trainer, TinyNet(), again)
+    assert not getattr(first, "__notes__", [])
+    assert len(again.__notes__) == 1 and "lightning-pipe elastic: raised in restart 2 of the run" in again.__notes__[0]
+
+
 # ---------------------------------------------------------------------------- a resume with fewer replicas
 def test_fewer_replicas_resume_with_more_accumulation_and_the_global_batch_kept(tmp_path: Path) -> None:
     """2 stages x 2 replicas save at the end of an epoch; 2 processes resume it elastically as 2 stages x
@@ -113,6 +176,65 @@ def test_fewer_replicas_resume_with_more_accumulation_and_the_global_batch_kept(
     # the report is made in the processes; here, what the launching process chose and kept
     state = next(c for c in trainer.callbacks if isinstance(c, ElasticState))  # type: ignore[attr-defined]
     assert state.resumed == str(folder / "epoch=0-step=2.ckpt")
+
+
+class _Reports(Callback):
+    """Each rank's elastic report, written where the test reads it (the processes are forked)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state = next(c for c in trainer.callbacks if isinstance(c, ElasticState))  # type: ignore[attr-defined]
+        torch.save(state.report, self.folder / f"report{trainer.global_rank}.pt")
+
+
+def _saved_by_two_replicas(folder: Path, **options: object) -> Path:
+    """2 stages x 2 replicas (4 processes) save at the end of epoch 0 (step 2): the checkpoint."""
+    torch.manual_seed(0)
+    saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
+    data = loader(n=48, batch_size=12)
+    fit_pipeline(TinyNet(), 4, data, max_steps=2, callbacks=[saves], enable_checkpointing=True, **options)
+    (saved,) = candidates(folder)
+    return saved
+
+
+def test_an_asynchronous_schedule_with_replicas_goes_on_with_one_replica_and_says_the_batch_changed(
+    tmp_path: Path,
+) -> None:
+    """pipedream refuses gradient accumulation, so 2 replicas become 1 keeping each replica's batch: the run
+    goes on (it was refused at every restart) with the weights of a plain resume of the checkpoint on 2
+    processes, and the report says that the global batch was not kept and why."""
+    folder = tmp_path / "checkpoints"
+    options = dict(stages=2, chunks=2, schedule="pipedream")
+    saved = _saved_by_two_replicas(folder, elastic=str(folder), **options)
+    resumed, straight = TinyNet(), TinyNet()
+    data = loader(n=48, batch_size=12)
+    fit_pipeline(resumed, 2, data, max_steps=4, callbacks=[_Reports(tmp_path)], elastic=str(folder), **options)
+    fit_pipeline(straight, 2, data, max_steps=4, ckpt_path=str(saved), **options)
+    assert_same_weights(straight, resumed, rtol=0, atol=0)
+    report = torch.load(tmp_path / "report0.pt", weights_only=False)
+    assert (report["old_layout"], report["new_layout"], report["global_batch_kept"]) == ([2, 2, 1], [2, 1, 1], False)
+    assert any("schedule='pipedream' applies one batch per optimizer step" in note for note in report["notes"])
+
+
+def test_elastic_averaging_left_with_one_replica_goes_on_as_one_pipeline(tmp_path: Path, monkeypatch) -> None:
+    """``replicas_sync="elastic"`` restarted with 1 replica of each stage (it was refused at every restart):
+    nothing is left to average, so the run goes on as one pipeline from replica 0's weights (the checkpoint's),
+    accumulating 2 batches to keep the global batch: the weights of plain Lightning resumed from the
+    consolidated checkpoint on batches of 24."""
+    folder = tmp_path / "checkpoints"
+    options = dict(stages=2, chunks=2, replicas_sync="elastic", replicas_sync_period=1, elastic=str(folder))
+    saved = _saved_by_two_replicas(folder, **options)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # this start is a restart by torchrun's agent
+    resumed, plain = TinyNet(), TinyNet()
+    fit_pipeline(resumed, 2, loader(n=48, batch_size=12), max_steps=4, callbacks=[_Reports(tmp_path)], **options)
+    consolidate(saved, tmp_path / "plain.ckpt")
+    fit_plain(plain, loader(n=48, batch_size=24), max_steps=4, ckpt_path=str(tmp_path / "plain.ckpt"))
+    assert_same_weights(plain, resumed)
+    report = torch.load(tmp_path / "report0.pt", weights_only=False)
+    assert (report["new_layout"], report["global_batch_kept"]) == ([2, 1, 2], True)
+    assert any("replicas_sync='elastic' is off" in note for note in report["notes"])
 
 
 # ---------------------------------------------------------------------------- torchrun: a node is lost
@@ -165,9 +287,17 @@ def _command_line(pid: int) -> str:
 
 
 def _lose_a_node(
-    out: Path, stages: int, steps: int, every: int, kill_at: int, wait_s: float = 120
+    out: Path,
+    stages: int,
+    steps: int,
+    every: int,
+    kill_at: int,
+    where: str = "step",
+    start: str = "",
+    wait_s: float = 120,
 ) -> tuple[list[dict], str]:
-    """Two agents; the second is killed with its processes once ``kill_at`` steps are done; returns the
+    """Two agents; the second is killed with its processes once ``kill_at`` steps are done (``where="save"``:
+    inside the save of step ``kill_at``); every start fits from ``ckpt_path=start`` where given. Returns the
     surviving processes' results (global rank order) and the surviving agent's output. Each wait ends within
     ``wait_s``; on any failure the agents and their processes are ended.
 
@@ -182,7 +312,7 @@ def _lose_a_node(
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic-{port}",
         f"--rdzv-conf={rendezvous},is_host={host}", "--monitor-interval=0.1",
-        str(SCRIPT), str(out), str(stages), str(steps), str(every), str(kill_at),
+        str(SCRIPT), str(out), str(stages), str(steps), str(every), str(kill_at), where, start,
     ] for host in ("true", "false")]  # fmt: skip
     logs = [open(out / f"agent{i}.log", "w") for i in range(2)]  # noqa: SIM115  # closed below
     agents: list[subprocess.Popen] = []
@@ -223,31 +353,46 @@ def _merged(results: list[dict]) -> TinyNet:
     return model
 
 
-def test_four_stages_lose_a_node_and_finish_on_two_as_plain_training_would(tmp_path: Path) -> None:
-    results, output = _lose_a_node(tmp_path, stages=4, steps=12, every=4, kill_at=6)
+def test_four_stages_lose_a_node_inside_a_save_and_finish_on_two_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    """A script that fits from ``ckpt_path=START`` (step 4, saved by 2 stages) on every start: the first start
+    (4 stages) saves at step 8 and loses a node inside the save of step 12; the restart resumes from the
+    watched folder's step 8, newer than START, and does steps 9 to 12 again (4: the kill came after step 12).
+    The weights are those of 16 steps of uninterrupted plain training."""
+    torch.manual_seed(0)
+    start = ModelCheckpoint(dirpath=tmp_path / "start", every_n_train_steps=4, save_top_k=-1)
+    fit_pipeline(TinyNet(), 2, loader(n=48, batch_size=12), max_steps=4, callbacks=[start], enable_checkpointing=True)
+    (given,) = candidates(tmp_path / "start")
+    results, output = _lose_a_node(tmp_path, stages=4, steps=16, every=4, kill_at=12, where="save", start=str(given))
     assert [r["layout"] for r in results] == [(2, 1, 0, 0), (2, 1, 1, 0)]  # 2 stages x 1 replica
     report = results[0]["report"]
-    assert (report["restart"], report["resumed_step"], report["steps_redone"]) == (1, 4, 2)
+    assert (report["restart"], report["resumed_step"], report["steps_redone"]) == (1, 8, 4)
+    assert report["checkpoint"] == str(tmp_path / "checkpoints" / "epoch=1-step=8.ckpt")
     assert (report["old_layout"], report["new_layout"], report["global_batch_kept"]) == ([4, 1, 1], [2, 1, 1], True)
     assert [n[2] for n in report["lost_nodes"]] == [[2, 3]] and report["seconds_lost"] > 0
-    assert "lightning-pipe elastic: restart 1: lost" in output and "resumed from step 4" in output
+    assert "lightning-pipe elastic: restart 1: lost" in output and "resumed from step 8" in output
+    assert "newer than the given ckpt_path" in output
     metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
     assert "elastic/resumed_step" in metrics.splitlines()[0]
     torch.manual_seed(0)
     plain = TinyNet()
-    fit_plain(plain, loader(n=48, batch_size=12), max_steps=12)
+    fit_plain(plain, loader(n=48, batch_size=12), max_steps=16)
     assert_same_weights(plain, _merged(results))
 
 
-def test_two_by_two_lose_a_replica_and_keep_the_global_batch(tmp_path: Path) -> None:
-    results, _ = _lose_a_node(tmp_path, stages=2, steps=8, every=2, kill_at=3)
+def test_two_by_two_lose_a_replica_before_the_first_checkpoint_and_keep_the_global_batch(tmp_path: Path) -> None:
+    """2 stages x 2 replicas lose a node at step 3, before the first save (step 4): the restart starts again
+    from step 0 as 2 stages x 1 replica accumulating 2 batches (the first layout, from the progress file), says
+    so, and ends with the weights of plain training on the global batch of 24."""
+    results, output = _lose_a_node(tmp_path, stages=2, steps=8, every=4, kill_at=3)
     assert [r["layout"] for r in results] == [(2, 1, 0, 0), (2, 1, 1, 0)]
     assert [r["accumulate"] for r in results] == [2, 2]  # 1 replica accumulates 2 batches per step
     report = results[0]["report"]
-    assert (report["resumed_step"], report["steps_redone"], report["global_batch_kept"]) == (2, 1, True)
-    assert (report["old_layout"], report["new_layout"]) == ([2, 2, 1], [2, 1, 2])
-    losses = [loss for _, loss in results[1]["losses"]]  # per batch after the resume: 3 epochs of 4 batches
-    assert len(losses) == 12 and sum(losses[-4:]) < sum(losses[:4])  # the same batches, an epoch apart
+    assert (report["checkpoint"], report["resumed_step"], report["steps_redone"]) == (None, 0, 3)
+    assert (report["old_layout"], report["new_layout"], report["global_batch_kept"]) == ([2, 2, 1], [2, 1, 2], True)
+    assert [n[2] for n in report["lost_nodes"]] == [[2, 3]]
+    assert "lightning-pipe elastic: restart 1: lost" in output and "no checkpoint yet" in output
+    losses = [loss for _, loss in results[1]["losses"]]  # per batch after the restart: 4 epochs of 4 batches
+    assert len(losses) == 16 and sum(losses[-4:]) < sum(losses[:4])  # the same batches, epochs apart
     torch.manual_seed(0)
     plain = TinyNet()
     fit_plain(plain, loader(n=48, batch_size=24), max_steps=8)  # the global batch of 2 replicas x 12

@@ -4,7 +4,8 @@ A candidate is a checkpoint directory in the folder (not a hidden staging ``.nam
 swapped-out ``.name.old``); candidates are tried newest first (by the step and epoch of their save
 tag, then by time), and the first whose files are all there, of one save, and match every
 checksum recorded when they were written is taken (:func:`~lightning_pipe.checkpoint.files.read`
-compares every tensor). The newer ones it passed over are named with why.
+compares every tensor). The newer ones it passed over are named with why. Where ``fit`` was given a
+checkpoint too, the folder's wins once it is a later save (:func:`preferred`).
 """
 
 from __future__ import annotations
@@ -66,4 +67,30 @@ def newest_complete(folder: str | Path) -> Found | None:
     return None
 
 
-__all__ = ["Found", "candidates", "newest_complete"]
+def saved_at(path: str | Path) -> tuple[int, int] | None:
+    """(step, epoch) of the save at ``path``: a pipeline checkpoint's save tag, or a plain Lightning
+    file's counters (memory-mapped: no tensor is read); None where ``path`` names no checkpoint that
+    can be read (such as Lightning's ``"last"``)."""
+    path = Path(path)
+    if is_pipeline_checkpoint(path):
+        step, epoch, _ = _order(path)
+        return (step, epoch) if step >= 0 else None
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return int(saved.get("global_step") or 0), int(saved.get("epoch") or 0)
+    except Exception:
+        return None
+
+
+def preferred(given: str | None, found: Found | None) -> str | None:
+    """The checkpoint an elastic start resumes from: ``found`` (the watched folder's newest) where
+    ``fit`` was given none, or where it is a later save (by step, then epoch, as the folder's
+    checkpoints are ordered) than the ``given`` one; the given one otherwise, and where its save
+    cannot be read."""
+    if found is None or given is None:
+        return str(found.path) if found is not None else given
+    at = saved_at(given)
+    return str(found.path) if at is not None and (found.step, found.epoch) > at else given
+
+
+__all__ = ["Found", "candidates", "newest_complete", "preferred", "saved_at"]

@@ -52,6 +52,7 @@ from lightning_pipe.partition.measured import MeasureInputs, RankResources, agre
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
+from lightning_pipe.plan.elastic import restart_replicas_sync
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
@@ -69,6 +70,7 @@ from lightning_pipe.trainer.compatibility import (
     check_shard,
 )
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
+from lightning_pipe.trainer.elastic import restart_count
 from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.weights import load_stage_weights, model_spec
 
@@ -147,7 +149,7 @@ def split_module(
     the world's stages x replicas, which a measured split or the planner may place anew (on unequal
     devices, which rank holds which stage); the split's placement holds the layout that runs."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    config = for_this_world(config, layout.world_size)
+    config = for_this_world(config, layout.world_size, layout.replicas)
     inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
     name, layers = find_sequential(module, config.module)
     if isinstance(layers, (StageModule, BlockStage)):  # set up before (fit, then test): already split
@@ -224,10 +226,12 @@ def split_module(
     )
 
 
-def for_this_world(config: PipelineConfig, world_size: int) -> PipelineConfig:
-    """``config`` without the per-process arguments (``rank_speeds``, ``rank_order``) that name another
-    number of processes than an elastic run restarted on: the ranks' speeds are then measured and
-    place them, as without those arguments (a warning says so)."""
+def for_this_world(config: PipelineConfig, world_size: int, replicas: int | None = None) -> PipelineConfig:
+    """``config`` for the world of an elastic run's restart: without the per-process arguments
+    (``rank_speeds``, ``rank_order``) that name another number of processes (the ranks' speeds are
+    then measured and place them, as without those arguments; a warning says so), and under
+    ``replicas_sync="allreduce"`` where elastic averaging is left with one replica of each stage
+    (``replicas``: the layout's; the restart's report says so)."""
     if config.elastic is False:
         return config
     given = {name: getattr(config, name) for name in ("rank_speeds", "rank_order")}
@@ -237,7 +241,11 @@ def for_this_world(config: PipelineConfig, world_size: int) -> PipelineConfig:
             "lightning-pipe elastic: %s names %d processes and the run restarted on %d: the ranks' speeds are "
             "measured instead.", name, len(given[name]), world_size,
         )  # fmt: skip
-    return config.replace(**dict.fromkeys(stale)) if stale else config
+    changes: dict[str, Any] = dict.fromkeys(stale)
+    sync = restart_replicas_sync(config.replicas_sync, replicas or 0, restart_count() > 0)
+    if sync != config.replicas_sync:
+        changes.update(replicas_sync=sync, replicas_sync_period=None, replicas_sync_alpha=None)
+    return config.replace(**changes) if changes else config
 
 
 def check_held_parameters(

@@ -3,24 +3,31 @@
 When a node is lost, the surviving ranks fail on communication, their agents stop them, meet again
 (rendezvous) with the nodes that are left, and start the script again with a smaller world
 (``TORCHELASTIC_RESTART_COUNT`` counts the restarts). With ``elastic`` on, each (re)start of
-``fit`` without a ``ckpt_path``:
+``fit``:
 
 - resumes from the newest complete checkpoint of the watched folder (every file of one save,
   every checksum compared: :func:`~lightning_pipe.checkpoint.newest.newest_complete`), read under
   the layout that fits the new world (:func:`~lightning_pipe.plan.elastic.elastic_stages`; the
-  checkpoint reshards on load, as any resume under another layout);
+  checkpoint reshards on load, as any resume under another layout). A ``ckpt_path`` given to
+  ``fit`` is taken until the folder holds a later save (:func:`~lightning_pipe.checkpoint.newest.preferred`);
 - keeps the global batch: ``k`` fewer replicas accumulate proportionally more batches per step
-  (:func:`~lightning_pipe.plan.elastic.kept_accumulation`), and the epoch's batch counts are
+  (:func:`~lightning_pipe.plan.elastic.restart_accumulation`), and the epoch's batch counts are
   rescaled to the new replicas' batches, so the samples of each step are those of the run before;
-  where the accumulation would not be a whole number, each replica keeps its batch and the report
-  says that the global batch changed;
+  where the accumulation would not be a whole number, or the schedule does not accumulate (the
+  asynchronous ones), each replica keeps its batch and the report says that the global batch
+  changed, and why. A restart before the first checkpoint starts again from step 0 with the
+  layout of the start before (kept in the progress file below), keeping its global batch too;
 - says what happened, on global rank 0 and to the Trainer's loggers: the restart count, the
   nodes lost (by host and agent process), the old and new layout, the step resumed from, the
-  steps done again and the seconds lost since the checkpoint.
+  steps done again and the seconds lost since the checkpoint;
+- refuses, at the first start, a run that no restart after a lost node could run
+  (:func:`~lightning_pipe.plan.elastic.lost_node_problem`), and marks what fails in a restart as
+  coming from the restart (a note on the exception).
 
 What the next start needs is kept with each checkpoint (the callback state of
-:class:`ElasticState`) and, for the steps reached before a failure, in a small file that global
-rank 0 rewrites after every step (``.lightning-pipe-elastic.json`` in the watched folder).
+:class:`ElasticState`) and, for the layout and the steps reached before a failure, in a small file
+that global rank 0 rewrites when training starts and after every step
+(``.lightning-pipe-elastic.json`` in the watched folder).
 """
 
 from __future__ import annotations
@@ -39,17 +46,37 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_pipe.checkpoint.newest import newest_complete
+from lightning_pipe.checkpoint.newest import newest_complete, preferred
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.placement import check_rank_order
-from lightning_pipe.plan.elastic import elastic_stages, kept_accumulation, rescaled_count
+from lightning_pipe.plan.elastic import (
+    elastic_stages,
+    lost_node_problem,
+    rescaled_count,
+    restart_accumulation,
+    restart_replicas_sync,
+)
 from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.schedules import traits
 
 log = logging.getLogger(__name__)
 
 PROGRESS = ".lightning-pipe-elastic.json"
+_RAISED_IN = "lightning-pipe elastic: raised in"
 Setting = bool | str | Path
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent restarted the run's processes (0: the first start, or
+    no agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def _run_id() -> str | None:
+    """torchrun's ``--rdzv-id``, the same for every start of one run (None without an agent)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 def layout(world: int, config: PipelineConfig) -> Layout:
@@ -93,13 +120,29 @@ def resume_arguments(
     trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict, setting: Setting
 ) -> tuple[tuple, dict]:
     """``fit``'s arguments with ``ckpt_path`` set to the newest complete checkpoint of the watched
-    folder where the user gave none, and an :class:`ElasticState` among the Trainer's callbacks.
+    folder where the user gave none or an older one, and an :class:`ElasticState` first among the
+    Trainer's callbacks (before ``ModelCheckpoint``: each step's progress is written before its save).
 
     Each process looks for itself (before the process group exists): nothing writes to the folder
     while an elastic agent restarts the run, so all find the same one (checked in
-    :meth:`ElasticState.setup`)."""
+    :meth:`ElasticState.setup`). A run that a lost node would leave on a world no restart can run
+    is refused here, at its first start."""
     if trainer.state.fn != TrainerFn.FITTING:
         return args, kwargs
+    try:
+        return _resume_arguments(trainer, function, args, kwargs, setting)
+    except Exception as error:
+        _note_restart(error)
+        raise
+
+
+def _resume_arguments(
+    trainer: pl.Trainer, function: Callable, args: tuple, kwargs: dict, setting: Setting
+) -> tuple[tuple, dict]:
+    config: PipelineConfig = trainer.strategy.config  # type: ignore[attr-defined]  # PipelineStrategy's
+    problem = lost_node_problem(config.schedule, traits(config.schedule).even_stages, trainer.num_devices)
+    if problem is not None:
+        raise MisconfigurationException(f"lightning-pipe elastic: {problem}.")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("RANK") == "0":
         log.warning(
             "lightning-pipe elastic: torchrun's agent shares its rendezvous store with the processes, and a restart "
@@ -109,17 +152,40 @@ def resume_arguments(
     folder = watched_folder(trainer, setting)
     bound = inspect.signature(function).bind(*args, **kwargs)
     found = None
-    if "ckpt_path" in inspect.signature(function).parameters and bound.arguments.get("ckpt_path") is None:
+    if "ckpt_path" in inspect.signature(function).parameters:
+        given = bound.arguments.get("ckpt_path")
         found = newest_complete(folder)
-        if found is not None:
-            bound.arguments["ckpt_path"] = str(found.path)
+        chosen = preferred(str(given) if given is not None else None, found)
+        if given is not None and chosen != str(given):
+            if os.environ.get("RANK", "0") == "0":
+                log.warning(
+                    "lightning-pipe elastic: resuming from %s (step %d) of the watched folder, newer than the given "
+                    "ckpt_path %s.", chosen, found.step if found is not None else 0, given,
+                )  # fmt: skip
+            bound.arguments["ckpt_path"] = chosen
+        elif given is None and chosen is not None:
+            bound.arguments["ckpt_path"] = chosen
     for refused in found.refused if found is not None else ():
         log.warning("lightning-pipe elastic: passed over %s", refused)
     resumed = bound.arguments.get("ckpt_path")
-    state = ElasticState(folder, str(resumed) if resumed is not None else None)
+    accumulates = not traits(config.schedule).asynchronous
+    state = ElasticState(folder, str(resumed) if resumed is not None else None, config.schedule, accumulates,
+                         config.replicas_sync)  # fmt: skip
     callbacks = [c for c in trainer.callbacks if not isinstance(c, ElasticState)]  # type: ignore[attr-defined]
-    trainer.callbacks = [*callbacks, state]  # type: ignore[attr-defined]  # the Trainer's list (no property stub)
+    trainer.callbacks = [state, *callbacks]  # type: ignore[attr-defined]  # the Trainer's list (no property stub)
     return bound.args, bound.kwargs
+
+
+def _note_restart(error: BaseException) -> None:
+    """Mark ``error`` as raised in a start that torchrun's agent restarted (once; none on a first start)."""
+    count, notes = restart_count(), getattr(error, "__notes__", [])
+    if count > 0 and hasattr(error, "add_note") and not any(n.startswith(_RAISED_IN) for n in notes):
+        world = os.environ.get("WORLD_SIZE", "?")
+        error.add_note(
+            f"{_RAISED_IN} restart {count} of the run (torchrun's elastic agent started it again "
+            f"on {world} processes, after a lost node or a failed process): what the restart chose (layout, "
+            "checkpoint, accumulation) is described in docs/elastic.md."
+        )
 
 
 def _nodes(rank: int) -> list[list[Any]]:
@@ -144,14 +210,33 @@ def layout_text(stages: int, replicas: int, accumulate: int) -> str:
 
 
 class ElasticState(Callback):
-    """What an elastic restart needs from the run before it (kept with each checkpoint), and what
-    this start did about it (``report``, on every rank, once training starts)."""
+    """What an elastic restart needs from the run before it (kept with each checkpoint, and in the
+    progress file), and what this start did about it (``report``, on every rank, once training
+    starts; None on a start that resumes nothing).
 
-    def __init__(self, folder: Path, resumed: str | None) -> None:
+    Args:
+        folder: the watched folder (the progress file is written there).
+        resumed: the checkpoint this start resumes from (None: none).
+        schedule: the run's schedule, and ``accumulates``: whether it accepts gradient accumulation.
+        replicas_sync: the ``replicas_sync`` the run was given."""
+
+    def __init__(
+        self,
+        folder: Path,
+        resumed: str | None,
+        schedule: str = "1f1b",
+        accumulates: bool = True,
+        replicas_sync: str = "allreduce",
+    ) -> None:
         self.folder = folder
         self.resumed = resumed
+        self.schedule = schedule
+        self.accumulates = accumulates
+        self.replicas_sync = replicas_sync
         self.previous: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None
+        self._progress: dict[str, Any] | None = None
+        self._started = 0.0
         self._trainer: pl.Trainer | None = None
         self._nodes: list[list[Any]] = []
 
@@ -160,17 +245,22 @@ class ElasticState(Callback):
         return "lightning_pipe.ElasticState"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Every rank takes rank 0's progress file (read before rank 0 rewrites it) and checks that it
+        found the same checkpoint."""
         self._trainer = trainer
         self._nodes = _nodes(trainer.global_rank)
+        progress = _read_progress(self.folder) if trainer.is_global_zero else None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            chosen = [self.resumed]
+            chosen: list[Any] = [self.resumed, progress]
             dist.broadcast_object_list(chosen, 0)
+            progress = chosen[1]
             if chosen[0] != self.resumed:
                 raise RuntimeError(
                     f"lightning-pipe elastic: rank {trainer.global_rank} found the checkpoint {self.resumed} to resume "
                     f"from, rank 0 found {chosen[0]}: the processes do not see the same files in {self.folder}. Give "
                     "every node the same folder (a shared file system), or resume with fit(ckpt_path=...)."
                 )
+        self._progress = progress
 
     def _layout(self) -> tuple[int, int, int]:
         assert self._trainer is not None
@@ -188,41 +278,70 @@ class ElasticState(Callback):
         self.previous = dict(state_dict) or None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.resumed is None:
+        """Keep the global batch of the start before and say what changed (resuming a checkpoint, or,
+        in a restart before the first checkpoint, from the layout in the progress file); then
+        record this start's layout in the progress file."""
+        self._started = now = time.time()
+        progress = self._progress
+        restarted = restart_count() > 0
+        if self.resumed is not None:
+            previous = self.previous or {}
+        elif restarted and progress is not None and progress.get("run") == _run_id() and "replicas" in progress:
+            previous = progress  # this run's start before, lost before its first checkpoint
+        else:
+            self._write_progress(trainer)
             return
-        now, previous = time.time(), self.previous or {}
         stages, replicas, accumulate = self._layout()
         old_replicas, old_accumulate = int(previous.get("replicas", replicas)), int(previous.get("accumulate", 1))
-        kept = kept_accumulation(old_accumulate, old_replicas, replicas)
+        kept, why = restart_accumulation(old_accumulate, old_replicas, replicas, self.schedule, self.accumulates)
         if kept is not None:
             trainer.accumulate_grad_batches = accumulate = kept
-        if old_replicas != replicas:
+        if old_replicas != replicas and self.resumed is not None:
             _rescale_epoch_progress(trainer, old_replicas, replicas)
-        progress = _read_progress(self.folder)
+        notes = [why] if why is not None else []
+        if restart_replicas_sync(self.replicas_sync, replicas, restarted) != self.replicas_sync:
+            notes.append(
+                f"replicas_sync={self.replicas_sync!r} is off: {replicas} replica of each stage is left, nothing to "
+                "average, and it trains on as one pipeline from replica 0's weights (the checkpoint's)"
+            )
         step = trainer.global_step
         reached = int(progress["step"]) if progress is not None else None
+        since = previous.get("saved_at") if self.resumed is not None else previous.get("started")
         lost = [n for n in previous.get("nodes", []) if (n[0], n[1]) not in {(m[0], m[1]) for m in self._nodes}]
         self.report = {
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "restart": restart_count(),
             "checkpoint": self.resumed,
             "resumed_step": step,
             "steps_redone": max(reached - step, 0) if reached is not None else None,
-            "seconds_lost": now - float(previous["saved_at"]) if "saved_at" in previous else None,
+            "seconds_lost": now - float(since) if since is not None else None,
             "seconds_down": now - float(progress["time"]) if progress is not None else None,
             "lost_nodes": lost,
             "old_layout": [previous.get("stages"), old_replicas, old_accumulate],
             "new_layout": [stages, replicas, accumulate],
             "global_batch_kept": kept is not None,
+            "notes": notes,
         }
         if trainer.is_global_zero:
             _announce(trainer, self.report)
+        self._write_progress(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.is_global_zero:  # the step reached, for the steps a restart does again
-            self.folder.mkdir(parents=True, exist_ok=True)
-            part = self.folder / f"{PROGRESS}.partial"
-            part.write_text(json.dumps({"step": trainer.global_step, "time": time.time()}))
-            part.replace(self.folder / PROGRESS)
+        self._write_progress(trainer)  # the step reached, for the steps a restart does again
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        _note_restart(exception)
+
+    def _write_progress(self, trainer: pl.Trainer) -> None:
+        """Global rank 0 records this start's layout and the step reached (written whole, then renamed)."""
+        if not trainer.is_global_zero:
+            return
+        stages, replicas, accumulate = self._layout()
+        progress = {"run": _run_id(), "step": trainer.global_step, "time": time.time(), "started": self._started,
+                    "stages": stages, "replicas": replicas, "accumulate": accumulate, "nodes": self._nodes}  # fmt: skip
+        self.folder.mkdir(parents=True, exist_ok=True)
+        part = self.folder / f"{PROGRESS}.partial"
+        part.write_text(json.dumps(progress))
+        part.replace(self.folder / PROGRESS)
 
 
 def _read_progress(folder: Path) -> dict[str, Any] | None:
@@ -254,12 +373,15 @@ def _announce(trainer: pl.Trainer, report: dict[str, Any]) -> None:
 
     batch = "kept" if report["global_batch_kept"] else "NOT kept (each replica keeps its batch)"
     old_text = layout_text(*old) if old[0] is not None else "unknown"
+    checkpoint = report["checkpoint"]
+    source = f"({checkpoint})" if checkpoint is not None else "(no checkpoint yet: the run starts again)"
+    since = "the checkpoint" if checkpoint is not None else "the start before began training"
     line = (
         f"lightning-pipe elastic: restart {report['restart']}: lost {lost}; layout {old_text} -> "
-        f"{layout_text(*new)}; resumed from step {report['resumed_step']} ({report['checkpoint']}); "
-        f"{number(report['steps_redone'])} steps to do again; {number(report['seconds_lost'], ' s')} lost since the "
-        f"checkpoint ({number(report['seconds_down'], ' s')} since the last step); global batch {batch}"
-    )
+        f"{layout_text(*new)}; resumed from step {report['resumed_step']} {source}; "
+        f"{number(report['steps_redone'])} steps to do again; {number(report['seconds_lost'], ' s')} lost since "
+        f"{since} ({number(report['seconds_down'], ' s')} since the last step); global batch {batch}"
+    ) + "".join(f"; {note}" for note in report["notes"])
     log.warning(line)
     metrics = {
         "elastic/restart": report["restart"],
@@ -274,4 +396,13 @@ def _announce(trainer: pl.Trainer, report: dict[str, Any]) -> None:
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
-__all__ = ["PROGRESS", "ElasticState", "describe_nodes", "layout", "resume_arguments", "resumer", "watched_folder"]
+__all__ = [
+    "PROGRESS",
+    "ElasticState",
+    "describe_nodes",
+    "layout",
+    "restart_count",
+    "resume_arguments",
+    "resumer",
+    "watched_folder",
+]

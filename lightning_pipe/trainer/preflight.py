@@ -20,7 +20,7 @@ from lightning_pipe.partition.ends import end_parameters, find_ends
 from lightning_pipe.runtime.elastic_average import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import stage_positions
-from lightning_pipe.trainer.assemble import check_held_parameters, refuse_for_blocks
+from lightning_pipe.trainer.assemble import check_held_parameters, for_this_world, refuse_for_blocks
 from lightning_pipe.trainer.compatibility import check_chimera_layout
 
 
@@ -33,6 +33,7 @@ def builds_layers_later(module: nn.Module) -> bool:
 def check_before_launch(module: nn.Module | None, config: PipelineConfig, layout: Layout) -> None:
     """Raise what the split of ``module`` into ``layout`` would raise on every rank, where the module and
     the arguments decide it. Nothing is split, built or measured here."""
+    config = for_this_world(config, layout.world_size, layout.replicas)  # an elastic restart's own
     resolve_alpha(config.replicas_sync, layout.replicas, config.replicas_sync_alpha)  # elastic averaging needs replicas
     if module is None or config.plan == "auto":
         return

@@ -1,12 +1,14 @@
 """A user's script run by torchrun's elastic agent (``--nnodes=1:2``) on each of two "nodes":
 
     python -m torch.distributed.run --nnodes=1:2 --nproc-per-node=2 --max-restarts=1 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train_elastic.py OUT STAGES STEPS EVERY KILL_AT
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT train_elastic.py OUT STAGES STEPS EVERY KILL_AT [WHERE [START]]
 
-``PipelineStrategy(stages=STAGES, elastic=True)`` with ``ModelCheckpoint(every_n_train_steps=EVERY)``. On the
-first start with the whole world (4 processes), global rank 0 writes ``OUT/kill`` once KILL_AT steps are
-done and waits for ``OUT/killed`` (the test kills the other node in between). Every start writes each
-rank's weights, the elastic report and the losses it saw to ``OUT/final-rank<r>-start<k>.pt``.
+``PipelineStrategy(stages=STAGES, elastic=True)`` with ``ModelCheckpoint(every_n_train_steps=EVERY)``, fitting
+from ``ckpt_path=START`` where given (on every start, as a fine-tuning script would). On the first start with
+the whole world (4 processes), global rank 0 writes ``OUT/kill`` once KILL_AT steps are done (WHERE ``step``, the
+default) or inside the save of step KILL_AT (WHERE ``save``: while the checkpoint is being written), and waits
+for ``OUT/killed`` (the test kills the other node in between). Every start writes each rank's weights, the
+elastic report and the losses it saw to ``OUT/final-rank<r>-start<k>.pt``.
 
 Each process prints ``elastic-test <unix time> rank <r> start <k>: <event>`` lines (imports done, training
 started, fit done), a timeline of the run for the test's output."""
@@ -35,12 +37,21 @@ def stamp(event: str) -> None:
 
 
 class KillAt(L.Callback):
-    """Rank 0 of the first start says when ``at`` steps are done, and waits until the test killed a node."""
+    """Rank 0 of the first start says when ``at`` steps are done (or the save of step ``at`` started), and waits
+    until the test killed a node."""
 
-    def __init__(self, out: Path, at: int) -> None:
-        self.out, self.at = out, at
+    def __init__(self, out: Path, at: int, where: str) -> None:
+        self.out, self.at, self.where = out, at, where
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if self.where == "step":
+            self._kill(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: object) -> None:
+        if self.where == "save":
+            self._kill(trainer)
+
+    def _kill(self, trainer: L.Trainer) -> None:
         if RESTART == 0 and trainer.world_size == 4 and trainer.is_global_zero and trainer.global_step == self.at:
             (self.out / "kill").write_text(str(self.at))
             deadline = time.monotonic() + 120
@@ -63,6 +74,7 @@ def main() -> None:
     stamp("imported")
     torch.set_num_threads(1)
     out, stages, steps, every, kill_at = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:6])
+    where, start = (sys.argv[6:] + ["step", ""])[:2]
     torch.manual_seed(0)
     model = TinyNet()
     nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])  # the world of this start
@@ -73,10 +85,10 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         num_nodes=nodes,
-        callbacks=[KillAt(out, kill_at), losses, saves],
+        callbacks=[KillAt(out, kill_at, where), losses, saves],
         **trainer_kwargs(max_steps=steps, enable_checkpointing=True, logger=CSVLogger(out, name="logs", version=0)),
     )
-    trainer.fit(model, loader(n=48, batch_size=12))
+    trainer.fit(model, loader(n=48, batch_size=12), ckpt_path=start or None)
     stamp(f"fit done at step {trainer.global_step}")
     report = next(c.report for c in trainer.callbacks if isinstance(c, ElasticState))
     strategy = trainer.strategy
