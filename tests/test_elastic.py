@@ -54,6 +54,7 @@ def test_the_newest_complete_checkpoint_is_found_and_a_damaged_newer_one_passed_
     assert [p.name for p in candidates(tmp_path)] == ["epoch=0-step=8.ckpt", "epoch=0-step=4.ckpt"]
     found = newest_complete(tmp_path)
     assert found is not None and (found.path.name, found.step, found.refused) == ("epoch=0-step=8.ckpt", 8, ())
+    assert newest_complete(tmp_path, after=(8, 0)) is None  # only later saves than a given one are read
 
     shard = tmp_path / "epoch=0-step=8.ckpt" / "stage-00000.pt"
     saved = torch.load(shard, weights_only=True)

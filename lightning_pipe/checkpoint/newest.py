@@ -5,7 +5,7 @@ swapped-out ``.name.old``); candidates are tried newest first (by the step and e
 tag, then by time), and the first whose files are all there, of one save, and match every
 checksum recorded when they were written is taken (:func:`~lightning_pipe.checkpoint.files.read`
 compares every tensor). The newer ones it passed over are named with why. Where ``fit`` was given a
-checkpoint too, the folder's wins once it is a later save (:func:`preferred`).
+checkpoint too, only the folder's later saves are candidates (``after``: :func:`saved_at` of the given one).
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ def candidates(folder: str | Path) -> list[Path]:
     return sorted(seen.values(), key=_order, reverse=True)
 
 
-def newest_complete(folder: str | Path) -> Found | None:
-    """The newest checkpoint in ``folder`` that loads whole and checks (None: there is none)."""
+def newest_complete(folder: str | Path, after: tuple[int, int] | None = None) -> Found | None:
+    """The newest checkpoint in ``folder`` that loads whole and checks (None: there is none), of a
+    later save than ``after`` (step, epoch) where given: only those are read."""
     refused: list[str] = []
     for path in candidates(folder):
+        if after is not None and _order(path)[:2] <= after:
+            break
         try:
             meta, _ = read(path)
         except Exception as error:
@@ -82,15 +85,4 @@ def saved_at(path: str | Path) -> tuple[int, int] | None:
         return None
 
 
-def preferred(given: str | None, found: Found | None) -> str | None:
-    """The checkpoint an elastic start resumes from: ``found`` (the watched folder's newest) where
-    ``fit`` was given none, or where it is a later save (by step, then epoch, as the folder's
-    checkpoints are ordered) than the ``given`` one; the given one otherwise, and where its save
-    cannot be read."""
-    if found is None or given is None:
-        return str(found.path) if found is not None else given
-    at = saved_at(given)
-    return str(found.path) if at is not None and (found.step, found.epoch) > at else given
-
-
-__all__ = ["Found", "candidates", "newest_complete", "preferred", "saved_at"]
+__all__ = ["Found", "candidates", "newest_complete", "saved_at"]

@@ -9,7 +9,7 @@ When a node is lost, the surviving ranks fail on communication, their agents sto
   every checksum compared: :func:`~lightning_pipe.checkpoint.newest.newest_complete`), read under
   the layout that fits the new world (:func:`~lightning_pipe.plan.elastic.elastic_stages`; the
   checkpoint reshards on load, as any resume under another layout). A ``ckpt_path`` given to
-  ``fit`` is taken until the folder holds a later save (:func:`~lightning_pipe.checkpoint.newest.preferred`);
+  ``fit`` is taken until the folder holds a later save (:func:`~lightning_pipe.checkpoint.newest.saved_at`);
 - keeps the global batch: ``k`` fewer replicas accumulate proportionally more batches per step
   (:func:`~lightning_pipe.plan.elastic.restart_accumulation`), and the epoch's batch counts are
   rescaled to the new replicas' batches, so the samples of each step are those of the run before;
@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_pipe.checkpoint.newest import newest_complete, preferred
+from lightning_pipe.checkpoint.newest import newest_complete, saved_at
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.plan.elastic import (
@@ -154,17 +154,16 @@ def _resume_arguments(
     found = None
     if "ckpt_path" in inspect.signature(function).parameters:
         given = bound.arguments.get("ckpt_path")
-        found = newest_complete(folder)
-        chosen = preferred(str(given) if given is not None else None, found)
-        if given is not None and chosen != str(given):
-            if os.environ.get("RANK", "0") == "0":
+        after = saved_at(given) if given is not None else None
+        if given is None or after is not None:  # a given path whose save cannot be read ("last") stays
+            found = newest_complete(folder, after)
+        if found is not None:
+            if given is not None and os.environ.get("RANK", "0") == "0":
                 log.warning(
                     "lightning-pipe elastic: resuming from %s (step %d) of the watched folder, newer than the given "
-                    "ckpt_path %s.", chosen, found.step if found is not None else 0, given,
+                    "ckpt_path %s.", found.path, found.step, given,
                 )  # fmt: skip
-            bound.arguments["ckpt_path"] = chosen
-        elif given is None and chosen is not None:
-            bound.arguments["ckpt_path"] = chosen
+            bound.arguments["ckpt_path"] = str(found.path)
     for refused in found.refused if found is not None else ():
         log.warning("lightning-pipe elastic: passed over %s", refused)
     resumed = bound.arguments.get("ckpt_path")
@@ -182,9 +181,9 @@ def _note_restart(error: BaseException) -> None:
     if count > 0 and hasattr(error, "add_note") and not any(n.startswith(_RAISED_IN) for n in notes):
         world = os.environ.get("WORLD_SIZE", "?")
         error.add_note(
-            f"{_RAISED_IN} restart {count} of the run (torchrun's elastic agent started it again "
-            f"on {world} processes, after a lost node or a failed process): what the restart chose (layout, "
-            "checkpoint, accumulation) is described in docs/elastic.md."
+            f"{_RAISED_IN} restart {count} of the run (torchrun's elastic agent started it again on {world} "
+            "processes, after a lost node or a failed process; the restart chooses its layout, checkpoint and "
+            "accumulation for that world: docs/elastic.md)."
         )
 
 
@@ -292,7 +291,8 @@ class ElasticState(Callback):
             self._write_progress(trainer)
             return
         stages, replicas, accumulate = self._layout()
-        old_replicas, old_accumulate = int(previous.get("replicas", replicas)), int(previous.get("accumulate", 1))
+        old_replicas = int(previous.get("replicas", replicas))  # unknown (a checkpoint of a run without elastic):
+        old_accumulate = int(previous.get("accumulate", accumulate))  # taken as this start's
         kept, why = restart_accumulation(old_accumulate, old_replicas, replicas, self.schedule, self.accumulates)
         if kept is not None:
             trainer.accumulate_grad_batches = accumulate = kept
