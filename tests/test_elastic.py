@@ -238,6 +238,29 @@ def test_elastic_averaging_left_with_one_replica_goes_on_as_one_pipeline(tmp_pat
     assert any("replicas_sync='elastic' is off" in note for note in report["notes"])
 
 
+def test_elastic_averaging_resumed_from_a_checkpoint_without_its_state_centers_on_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A run that grows back to 2 replicas after a restart trained on 1 (under ``"allreduce"``): its checkpoint
+    holds no center, so the center starts at the checkpoint's weights (it stayed at the module's own initial
+    weights, and the first pull would have drawn the replicas towards them)."""
+    from tests.test_replicas_sync import _RecordReplicas
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    options = dict(stages=2, chunks=2)
+    torch.manual_seed(0)
+    fit_pipeline(TinyNet(), 2, loader(n=48), max_steps=2, callbacks=[saves], enable_checkpointing=True, **options)
+    (saved,) = candidates(tmp_path / "ckpt")
+    torch.manual_seed(1)  # other initial weights
+    records = _RecordReplicas(str(tmp_path))
+    fit_pipeline(TinyNet(), 4, loader(n=48), max_steps=3, ckpt_path=str(saved), callbacks=[records],
+                 replicas_sync="elastic", replicas_sync_period=100, **options)  # fmt: skip
+    weights = consolidate(saved)["state_dict"]
+    for rank in range(4):
+        center = torch.load(tmp_path / f"replica{rank}.pt", weights_only=True)["center"]
+        assert center and all(torch.equal(value, weights[name].float()) for name, value in center.items()), rank
+
+
 # ---------------------------------------------------------------------------- torchrun: a node is lost
 def _free_port() -> int:
     with socket.socket() as s:

@@ -101,6 +101,7 @@ class ElasticAverage:
         self.optimizers: list[Any] = []
         self._handles: list[Any] = []
         self._restore: dict[str, Any] | None = None  # this replica's own state from a checkpoint, for the next step
+        self._recenter = False  # a checkpoint without a center: take the loaded weights before the next step
 
     def attach(self, optimizers: Sequence[Any]) -> None:
         """Pull after every ``period``-th step of the (one) optimizer of automatic optimization."""
@@ -168,10 +169,19 @@ class ElasticAverage:
         same = mine is not None and mine["stages"] == stages and mine["replicas"] == replicas
         self._restore = mine["own"][replica] if same else None
 
+    def center_on_loaded_weights(self) -> None:
+        """The resumed checkpoint holds no center (saved under ``replicas_sync="allreduce"``, such as
+        an elastic restart's that was left with one replica): the center starts at the weights it
+        holds, taken before the next step (they are loaded after this)."""
+        self._recenter = True
+
     @torch.no_grad()
     def restore(self) -> None:
         """Give this replica its own saved weights and optimizer state (once, before the first step
-        after a resume under the checkpoint's layout)."""
+        after a resume under the checkpoint's layout), or center on the loaded weights."""
+        if self._recenter:
+            self.center = [p.detach().float().clone() for p in self.params]
+            self._recenter = False
         own, self._restore = self._restore, None
         if own is None:
             return

@@ -369,7 +369,10 @@ class StagePipeline:
         parameter name): this replica's own unapplied gradients where the checkpoint has as many
         replicas, else the saved replicas' mean. Elastic averaging's state: see
         :meth:`~lightning_pipe.runtime.elastic_average.ElasticAverage.load_state_dict`."""
-        if self.elastic is not None and state is not None and "elastic" in state:
+        if self.elastic is not None:
+            if state is None or "elastic" not in state:  # saved without elastic averaging
+                self.elastic.center_on_loaded_weights()
+                return
             p = self.placement
             self.elastic.load_state_dict(state["elastic"], p.stage, p.num_stages, p.replica)
             return
