@@ -238,6 +238,30 @@ def test_elastic_averaging_left_with_one_replica_goes_on_as_one_pipeline(tmp_pat
     assert any("replicas_sync='elastic' is off" in note for note in report["notes"])
 
 
+def test_a_restart_from_a_given_checkpoint_before_the_first_save_keeps_the_global_batch(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``fit(ckpt_path=START)``, START saved without ``elastic`` (no layout with it): 2 x 2 lose a node before
+    the watched folder's first save, and the restart resumes START on 1 replica. The layout of the start
+    before comes from the progress file, so it accumulates 2 batches: plain Lightning resumed from START on
+    batches of 24."""
+    start = ModelCheckpoint(dirpath=tmp_path / "start", every_n_train_steps=4, save_top_k=-1)
+    data, options = loader(n=48, batch_size=12), dict(stages=2, chunks=2, elastic=str(tmp_path / "checkpoints"))
+    torch.manual_seed(0)
+    fit_pipeline(TinyNet(), 2, data, max_steps=4, callbacks=[start], enable_checkpointing=True, stages=2, chunks=2)
+    (given,) = candidates(tmp_path / "start")
+    fit_pipeline(TinyNet(), 4, data, ckpt_path=str(given), max_steps=5, **options)  # one step as 2 x 2, no save
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # this start is a restart by torchrun's agent
+    resumed, plain = TinyNet(), TinyNet()
+    fit_pipeline(resumed, 2, data, ckpt_path=str(given), max_steps=7, callbacks=[_Reports(tmp_path)], **options)
+    consolidate(given, tmp_path / "plain.ckpt")
+    fit_plain(plain, loader(n=48, batch_size=24), max_steps=7, ckpt_path=str(tmp_path / "plain.ckpt"))
+    assert_same_weights(plain, resumed)
+    report = torch.load(tmp_path / "report0.pt", weights_only=False)
+    assert (report["checkpoint"], report["resumed_step"], report["steps_redone"]) == (str(given), 4, 1)
+    assert (report["old_layout"], report["new_layout"], report["global_batch_kept"]) == ([2, 2, 1], [2, 1, 2], True)
+
+
 def test_elastic_averaging_resumed_from_a_checkpoint_without_its_state_centers_on_the_checkpoint(
     tmp_path: Path,
 ) -> None:

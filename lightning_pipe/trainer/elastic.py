@@ -281,13 +281,9 @@ class ElasticState(Callback):
         in a restart before the first checkpoint, from the layout in the progress file); then
         record this start's layout in the progress file."""
         self._started = now = time.time()
-        progress = self._progress
-        restarted = restart_count() > 0
-        if self.resumed is not None:
-            previous = self.previous or {}
-        elif restarted and progress is not None and progress.get("run") == _run_id() and "replicas" in progress:
-            previous = progress  # this run's start before, lost before its first checkpoint
-        else:
+        progress, restarted = self._progress, restart_count() > 0
+        previous, saved = self._start_before()
+        if previous is None:
             self._write_progress(trainer)
             return
         stages, replicas, accumulate = self._layout()
@@ -296,7 +292,7 @@ class ElasticState(Callback):
         kept, why = restart_accumulation(old_accumulate, old_replicas, replicas, self.schedule, self.accumulates)
         if kept is not None:
             trainer.accumulate_grad_batches = accumulate = kept
-        if old_replicas != replicas and self.resumed is not None:
+        if old_replicas != replicas and saved:  # the checkpoint's batch counts, in its replicas' batches
             _rescale_epoch_progress(trainer, old_replicas, replicas)
         notes = [why] if why is not None else []
         if restart_replicas_sync(self.replicas_sync, replicas, restarted) != self.replicas_sync:
@@ -306,7 +302,7 @@ class ElasticState(Callback):
             )
         step = trainer.global_step
         reached = int(progress["step"]) if progress is not None else None
-        since = previous.get("saved_at") if self.resumed is not None else previous.get("started")
+        since = previous.get("saved_at" if saved else "started")
         lost = [n for n in previous.get("nodes", []) if (n[0], n[1]) not in {(m[0], m[1]) for m in self._nodes}]
         self.report = {
             "restart": restart_count(),
@@ -324,6 +320,18 @@ class ElasticState(Callback):
         if trainer.is_global_zero:
             _announce(trainer, self.report)
         self._write_progress(trainer)
+
+    def _start_before(self) -> tuple[dict[str, Any] | None, bool]:
+        """The layout and nodes this start continues, and whether they came with the checkpoint: the
+        resumed checkpoint's where it has them; else the progress file's where this run's start
+        before wrote it (a restart by the same torchrun run: lost before a checkpoint with them);
+        else nothing known of a resumed checkpoint (``{}``), and None where nothing is resumed."""
+        progress = self._progress
+        if self.resumed is not None and self.previous:
+            return self.previous, True
+        if restart_count() > 0 and progress is not None and progress.get("run") == _run_id() and "replicas" in progress:
+            return progress, False
+        return ({} if self.resumed is not None else None), False
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._write_progress(trainer)  # the step reached, for the steps a restart does again
