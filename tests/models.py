@@ -216,6 +216,15 @@ class LifecycleNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class ScheduledNet(TinyNet):
+    """TinyNet whose optimizer (``optimizer``: as TinyNet's) steps with a per-step learning-rate schedule."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 class RecordEpochs(L.Callback):
     """Writes each rank's last epoch and (when present) gradient-scaler scale to ``<folder>/end<k>.json``."""
 
