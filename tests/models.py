@@ -216,6 +216,45 @@ class LifecycleNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class ScheduledNet(TinyNet):
+    """TinyNet whose optimizer (``optimizer``: as TinyNet's) steps with a per-step learning-rate schedule;
+    with a validation step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class RecordWarnings(L.Callback):
+    """Writes the warnings each rank raised during training to ``<folder>/warnings<k>.json`` (a
+    spawned or forked rank's warnings reach no output the test can read otherwise)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._catching: Any = None
+        self._caught: list = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import warnings
+
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        self._catching.__exit__(None, None, None)
+        with open(os.path.join(self.folder, f"warnings{trainer.global_rank}.json"), "w") as f:
+            json.dump([str(w.message) for w in self._caught], f)
+
+
 class RecordEpochs(L.Callback):
     """Writes each rank's last epoch and (when present) gradient-scaler scale to ``<folder>/end<k>.json``."""
 

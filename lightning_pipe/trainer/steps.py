@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
@@ -80,6 +81,7 @@ class PipelineSteps:
         self._sharing: SummarySharing | None = None  # the last stage's summaries, on every rank
         self._last_loss = float("nan")
         self._pending_loss: float | None = None  # asynchronous: a drained batch's loss, the next step returns it
+        self._warned_drain = False  # asynchronous: a drain that changes the weights was told once
 
     @property
     def device(self) -> torch.device:
@@ -308,6 +310,10 @@ class PipelineSteps:
         """Before a collective of another kind (evaluation, a checkpoint): this rank's summary
         broadcast, then an asynchronous schedule's work in flight."""
         self.finish_pending()
+        why = self.pipeline.inexact_drain()
+        if why is not None and not self._warned_drain:
+            self._warned_drain = True
+            rank_zero_warn(why)
         self.pipeline.drain(self._precision.train_step_context)
 
 
