@@ -57,18 +57,22 @@ def refuse_recorded_outputs(index: int, bounds: tuple[int, int]) -> None:
     keys = hf_recording()
     if not keys:
         return
+    span = _span(bounds)
+    if keys == ["router_logits"]:
+        raise HeldBlockRead(
+            "The model records the router logits of every block for its MoE load-balancing loss "
+            "(output_router_logits=True, passed to the call or set in the model's config), but block "
+            f"{index} runs on another pipeline stage and this stage runs only {span}: the loss would see only "
+            "this stage's routers and give the other stages' routers no gradient. Set output_router_logits=False "
+            "(in the call and in model.config): the model then trains without its auxiliary loss, as it would "
+            "without the pipeline with that setting."
+        )
     flags = sorted({_HF_FLAGS.get(k, f"output_{k}") for k in keys})
-    moe = (
-        " The MoE load-balancing loss (router_aux_loss_coef) reads the router logits of every layer, so it "
-        "would see only this stage's layers and give the other stages' routers no gradient."
-        if "router_logits" in keys
-        else ""
-    )
     raise HeldBlockRead(
         f"The model records {', '.join(keys)} from every block with forward hooks ({' / '.join(flags)}=True, passed to "
         f"the call or set in the model's config), but block {index} runs on another pipeline stage and this stage "
-        f"runs only {_span(bounds)}: what it records here would miss the other stages' blocks and the run would "
-        f"train on wrong values.{moe} Under module= only the hidden state crosses a stage boundary. Set "
+        f"runs only {span}: what it records here would miss the other stages' blocks and the run would "
+        "train on wrong values. Under module= only the hidden state crosses a stage boundary. Set "
         f"{' and '.join(f'{f}=False' for f in flags)} (in the call and in model.config), or compute what you need "
         "inside the blocks of the last stage, or split an nn.Sequential whose layers pass all they need on."
     )
