@@ -476,3 +476,44 @@ class ReadsBlocksNet(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class FrozenOutsideNet(L.LightningModule):
+    """A block container (``module="blocks"``) whose parameters outside the blocks include a frozen
+    final norm and a layer the forward never uses; the optimizer gets every parameter with weight
+    decay, as ``AdamW(self.parameters())`` does."""
+
+    def __init__(self, optimizer: str = "adamw", depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(depth)])
+        self.norm = nn.LayerNorm(HIDDEN).requires_grad_(False)
+        self.unused = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.optimizer = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            hidden = block(hidden)
+        loss = F.cross_entropy(self.head(self.norm(hidden)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+class FrozenStartNet(TinyNet):
+    """Fine-tuning with a frozen start: the first half of the layers frozen, the optimizer given the
+    trainable parameters only (so a stage holding only frozen layers has none to give it)."""
+
+    def __init__(self, frozen: int = 4, depth: int = 8) -> None:
+        super().__init__(depth=depth)
+        self.layers[:frozen].requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
