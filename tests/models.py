@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import lightning as L
@@ -517,3 +518,13 @@ class FrozenStartNet(TinyNet):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
+
+
+class NamedLayersNet(TinyNet):
+    """:class:`TinyNet` whose Sequential is built from an ``OrderedDict`` (as torchvision's ViT encoder
+    is): its layers are named ``encoder_layer_<i>``, not by their index (past 10, their names'
+    order is not the layers')."""
+
+    def __init__(self, depth: int = 12) -> None:
+        super().__init__(depth=depth)
+        self.layers = nn.Sequential(OrderedDict((f"encoder_layer_{i}", layer) for i, layer in enumerate(self.layers)))
