@@ -453,8 +453,11 @@ def merged_stage_states(folder: str, ranks: int, start: bool = False) -> dict[st
 
 
 class ReadsBlocksNet(L.LightningModule):
-    """A model whose forward loops over an ``nn.ModuleList`` and whose loss reads blocks' outputs
-    after the loop: ``"pool"`` every block's output averaged, ``"probe"`` a probe loss on block 1's."""
+    """A model whose forward loops over an ``nn.ModuleList`` and whose steps read blocks' outputs
+    after the loop. Training, by ``reads``: ``"pool"`` every block's output averaged, ``"probe"`` a
+    probe loss on block 1's, ``"statistic"`` the loss scaled by a detached statistic of block 0's,
+    ``"logged"`` a probe on block 0's output logged only. Validation and prediction pool every
+    block's output."""
 
     def __init__(self, reads: str, depth: int = 4) -> None:
         super().__init__()
@@ -464,16 +467,33 @@ class ReadsBlocksNet(L.LightningModule):
         self.probe = nn.Linear(HIDDEN, CLASSES)
         self.reads = reads
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         hidden = self.embed(x)
         outputs = []
         for block in self.blocks:
             hidden = block(hidden)
             outputs.append(hidden)
+        return hidden, outputs
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden, outputs = self._run(x)
+        loss = F.cross_entropy(self.head(hidden), y)
         if self.reads == "pool":
             return F.cross_entropy(self.head(torch.stack(outputs).mean(0)), y)
-        return F.cross_entropy(self.head(hidden), y) + 0.5 * F.cross_entropy(self.probe(outputs[1]), y)
+        if self.reads == "statistic":
+            return loss * outputs[0].detach().std()
+        if self.reads == "logged":
+            self.log("probe", F.cross_entropy(self.probe(outputs[0]), y))
+            return loss
+        return loss + 0.5 * F.cross_entropy(self.probe(outputs[1]), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.head(torch.stack(self._run(x)[1]).mean(0)), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(torch.stack(self._run(batch[0])[1]).mean(0))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
