@@ -540,6 +540,15 @@ class FrozenStartNet(TinyNet):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
 
 
+class FrozenStartInfNet(FrozenStartNet):
+    """:class:`FrozenStartNet` whose last layer's gradient (on the last stage) becomes inf at step 2."""
+
+    def on_train_start(self) -> None:
+        last = self.layers._modules.get("7")  # of the 8 layers
+        if last is not None:
+            last.weight.register_hook(lambda g: g * float("inf") if self.trainer.global_step == 2 else g)
+
+
 class NamedLayersNet(TinyNet):
     """:class:`TinyNet` whose Sequential is built from an ``OrderedDict`` (as torchvision's ViT encoder
     is): its layers are named ``encoder_layer_<i>``, not by their index (past 10, their names'

@@ -5,13 +5,23 @@ part of every step."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 
-from tests.models import FrozenOutsideNet, FrozenStartNet, TinyNet, fit_plain, loader
+from tests.models import (
+    FrozenOutsideNet,
+    FrozenStartInfNet,
+    FrozenStartNet,
+    RecordEpochs,
+    TinyNet,
+    fit_plain,
+    loader,
+)
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 
@@ -46,6 +56,21 @@ def test_a_stage_with_nothing_to_train_runs_its_part_and_resumes(tmp_path: Path)
     assert_same_weights(reference, resumed)
     for name in ("layers.0.weight", "layers.2.bias"):
         assert torch.equal(resumed.state_dict()[name], start[name]), name
+
+
+def test_a_stage_with_nothing_to_train_takes_the_gradient_scalers_verdict(tmp_path: Path) -> None:
+    """``16-mixed``: an inf on the last stage at step 2 skips that step on every stage; the frozen
+    stage's scaler (whose optimizer has no gradient to check) backs off with the others'."""
+    torch.manual_seed(0)
+    piped = FrozenStartInfNet()
+    reference = copy.deepcopy(piped)
+    fp16 = lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # noqa: E731
+    (tmp_path / "plain").mkdir()
+    fit_plain(reference, plugins=[fp16()], callbacks=[RecordEpochs(str(tmp_path / "plain"))])
+    fit_pipeline(piped, 2, plugins=[fp16()], callbacks=[RecordEpochs(str(tmp_path))])
+    scales = [json.loads((tmp_path / f"end{r}.json").read_text())["scale"] for r in range(2)]
+    assert scales == [json.loads((tmp_path / "plain" / "end0.json").read_text())["scale"]] * 2 == [65536.0 * 0.5] * 2
+    assert_same_weights(reference, piped, rtol=1e-2, atol=1e-3)
 
 
 class _NothingToTrain(TinyNet):
