@@ -112,10 +112,10 @@ class HeldOutput(Tensor):
                 _read_message(f"The step writes ({func.__name__}) into another tensor a value that", sources)
             )
         result = super().__torch_function__(func, types, args, kwargs)
-        blocks = _blocks(sources)
+        blocks, bounds = _blocks(sources), next((t.bounds for t in sources if hasattr(t, "bounds")), (0, 0))
         for tensor in _tensors(result):
             if isinstance(tensor, HeldOutput):
-                tensor.blocks, tensor.bounds = blocks, sources[0].bounds
+                tensor.blocks, tensor.bounds = blocks, bounds
         return result
 
 
