@@ -299,6 +299,18 @@ class TiedNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class FrozenTieNet(TiedNet):
+    """:class:`TiedNet` with its tied embedding frozen (a weight tied across the first and the last
+    stage), every parameter given to AdamW with weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].weight.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
 def token_loader(n: int = 48, batch_size: int = 12) -> DataLoader:
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TiedNet.VOCAB, (n, TiedNet.LENGTH), generator=g)

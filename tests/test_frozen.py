@@ -17,10 +17,12 @@ from tests.models import (
     FrozenOutsideNet,
     FrozenStartInfNet,
     FrozenStartNet,
+    FrozenTieNet,
     RecordEpochs,
     TinyNet,
     fit_plain,
     loader,
+    token_loader,
 )
 from tests.pipeline import assert_same_weights, fit_pipeline
 
@@ -37,6 +39,18 @@ def test_frozen_and_unused_parameters_outside_the_blocks_are_not_decayed(optimiz
     for name in ("norm.weight", "norm.bias", "unused.weight", "unused.bias"):  # no gradient: untouched
         assert torch.equal(piped.state_dict()[name], start[name]), name
     assert not torch.equal(piped.state_dict()["embed.weight"], start["embed.weight"])
+
+
+def test_a_frozen_weight_tied_across_stages_is_not_decayed() -> None:
+    """The embedding tied to the head, frozen: no copy gets a gradient, so neither is decayed."""
+    torch.manual_seed(0)
+    piped = FrozenTieNet()
+    start = piped.layers[0].weight.detach().clone()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, token_loader())
+    fit_pipeline(piped, 2, token_loader())
+    assert_same_weights(reference, piped)
+    assert torch.equal(piped.layers[0].weight, start)
 
 
 def test_a_stage_with_nothing_to_train_runs_its_part_and_resumes(tmp_path: Path) -> None:
