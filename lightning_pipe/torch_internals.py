@@ -12,10 +12,12 @@ fails here, in one place.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 
 def module_slots(parent: nn.Module) -> list[tuple[str, nn.Module | None]]:
@@ -100,6 +102,33 @@ def lightning_wrapped_batch_sampler(sampler: Any) -> Any | None:
     return getattr(sampler, "_batch_sampler", None)
 
 
+@contextmanager
+def optimizers_over_nothing(built: list[Optimizer], emptied: list[Optimizer]) -> Iterator[None]:
+    """While open, an optimizer handed an empty parameter list gets one empty parameter group
+    instead of torch's ``ValueError: optimizer got an empty parameter list`` (each optimizer built
+    is added to ``built``, one built over nothing to ``emptied`` too). Replaces
+    ``torch.optim.Optimizer.__init__``, which every optimizer calls with its parameters: the
+    user's ``configure_optimizers`` builds the optimizer, and torch has no switch for an empty one.
+    An optimizer over an empty group steps, zeroes and saves its (empty) state as usual. Checked
+    with torch 2.13."""
+    original = Optimizer.__init__
+
+    def init(self: Optimizer, params: Any, defaults: dict[str, Any]) -> None:
+        if not isinstance(params, Tensor):
+            params = list(params)
+            if not params:
+                params = [{"params": []}]
+                emptied.append(self)
+        original(self, params, defaults)
+        built.append(self)
+
+    Optimizer.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Optimizer.__init__ = original  # type: ignore[method-assign]
+
+
 __all__ = [
     "backward_hooks",
     "fsdp_post_backward",
@@ -107,6 +136,7 @@ __all__ = [
     "hf_init_weights",
     "lightning_wrapped_batch_sampler",
     "module_slots",
+    "optimizers_over_nothing",
     "post_accumulate_grad_hooks",
     "private_reset_parameters",
     "version",

@@ -37,7 +37,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
-from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
+from lightning_pipe.runtime.block_reads import held, refuse_held, refuse_recorded_outputs
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -260,7 +260,7 @@ class _Entry:
 
 class _Skipped(_Entry):
     """A block of an earlier stage: hands its hidden state on (the next held block replaces it),
-    marked so that a read of it is refused (see :mod:`lightning_pipe.runtime.block_reads`)."""
+    as a :class:`~lightning_pipe.runtime.block_reads.HeldOutput`, so that a read of it is refused."""
 
     def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
         super().__init__(host, index)
@@ -270,7 +270,7 @@ class _Skipped(_Entry):
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
         refuse_recorded_outputs(self._index, bounds)
-        return marked(self._hidden(args, kwargs)[0], self._index, bounds)
+        return held(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
 class _Boundary(_Entry):
@@ -286,6 +286,7 @@ class _Boundary(_Entry):
         shell = self._host.shell(self._index)
         self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
         self._drive.captured = self._hidden(args, kwargs)[0]
+        refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
         raise StageExit
 
@@ -310,6 +311,7 @@ class _Local(_Entry):
                 args, kwargs = self._with_hidden(drive.received, args, kwargs)
         elif not drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
+        refuse_held((args, kwargs), f"What block {self._index} is called with")
         block = self._host.block(self._index)
         assert block is not None
         own = self._host.own_params(self._index, drive.params) if drive.params is not None else None

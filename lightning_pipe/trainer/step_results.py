@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.reductions import combine, reduction
 from lightning_pipe.trainer import internals
 
@@ -97,6 +98,7 @@ class StepRecorder:
             arguments = dict(bound.arguments)
             arguments.pop("self")
             name, value = arguments.pop("name"), arguments.pop("value")
+        refuse_held(value, f"The value logged as {name!r}")  # a block container's read of another stage's block
         scalar = _as_scalar(value)
         if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_weights
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
@@ -205,6 +206,7 @@ class PipelineSteps:
         def step(i: int) -> None:
             with recorder.capture(module, weights[i], keep):
                 output = getattr(module, hook)(micro[i], *rest, **kwargs)
+            refuse_held(output, f"What {hook} returned")  # a block container's read of another stage's block
             outputs[i] = output
             return None
 
