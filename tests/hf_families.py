@@ -17,6 +17,7 @@ from tests.hf_models import HFModule
 WIDTH = 64
 VOCAB = 96
 CLASSES = 5
+MELS, FRAMES = 8, 16  # Whisper's input features: mel bins x frames (its encoder halves the frames)
 
 
 def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
@@ -82,6 +83,40 @@ def vit(layers: int = 4) -> nn.Module:
                                     num_labels=CLASSES, hidden_dropout_prob=0.0,
                                     attention_probs_dropout_prob=0.0)  # fmt: skip
     return transformers.ViTForImageClassification(config)
+
+
+def whisper(layers: int = 4) -> nn.Module:
+    """Whisper's encoder-decoder (8 mel bins, 16 frames); ``layers`` blocks in the encoder and in the decoder."""
+    config = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=MELS, encoder_layers=layers,
+                                        decoder_layers=layers, d_model=WIDTH, encoder_attention_heads=4,
+                                        decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+                                        max_source_positions=FRAMES // 2, max_target_positions=32, dropout=0.0,
+                                        attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def bart(layers: int = 4) -> nn.Module:
+    """BART: one embedding shared by the encoder, the decoder and the head (three modules, one weight)."""
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=WIDTH, encoder_layers=layers, decoder_layers=layers,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH,
+                                     decoder_ffn_dim=2 * WIDTH, max_position_embeddings=32, dropout=0.0,
+                                     attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, decoder_start_token_id=1)  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def vision_encoder_decoder(layers: int = 4) -> nn.Module:
+    """A ViT encoder and a GPT-2 decoder (its head tied to its token embedding) with cross-attention."""
+    encoder = transformers.ViTConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                     intermediate_size=2 * WIDTH, image_size=8, patch_size=4, num_channels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    decoder = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                      bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      add_cross_attention=True, is_decoder=True)  # fmt: skip
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return transformers.VisionEncoderDecoderModel(config)
 
 
 def t5(layers: int = 4) -> nn.Module:
@@ -183,6 +218,29 @@ FAMILIES: list[Family] = [
         ),
     ),
     Family(
+        "Whisper (split by its encoder)",
+        whisper,
+        T.WhisperForConditionalGeneration,
+        "model.model.encoder.layers",
+        data="audio_to_text",
+    ),
+    Family(
+        "Whisper (split by its decoder)",
+        whisper,
+        T.WhisperForConditionalGeneration,
+        "model.model.decoder.layers",
+        data="audio_to_text",
+    ),
+    Family("BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers"),
+    Family("BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers"),
+    Family(
+        "ViT + GPT-2 (split by its encoder)",
+        vision_encoder_decoder,
+        T.VisionEncoderDecoderModel,
+        "model.encoder.layers",
+        data="image_to_text",
+    ),
+    Family(
         "T5",
         t5,
         T.T5ForConditionalGeneration,
@@ -196,24 +254,30 @@ BY_NAME = {f.name: f for f in FAMILIES}
 
 def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
     """Token sequences with labels = inputs (a causal LM shifts them; a masked LM predicts every
-    token), sequences with a class each, or small images with a class each."""
+    token), sequences with a class each, small images with a class each, or an image or Whisper's
+    input features with a token sequence to predict."""
     g = torch.Generator().manual_seed(seed)
-    if family.data == "images":
-        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
-    else:
-        tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
-        labels = torch.randint(0, CLASSES, (n,), generator=g) if family.data == "classes" else tokens
-        data = TensorDataset(tokens, labels)
-    return DataLoader(data, batch_size=batch_size, shuffle=False)
+    tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
+    classes = torch.randint(0, CLASSES, (n,), generator=g)
+    images = torch.randn(n, 3, 8, 8, generator=g)
+    inputs, labels = {
+        "images": (images, classes),
+        "classes": (tokens, classes),
+        "audio_to_text": (torch.randn(n, MELS, FRAMES, generator=g), tokens),
+        "image_to_text": (images, tokens),
+    }.get(family.data, (tokens, tokens))
+    return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
 
 
 class FamilyModule(HFModule):
-    """A family's unchanged model; its own loss (``labels=``) is the training loss."""
+    """A family's unchanged model; its own loss (``labels=``) is the training loss. The inputs'
+    keyword follows from their kind: token ids, images (4 dimensions), or audio features (3)."""
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
-        if inputs.is_floating_point():
-            return self.model(pixel_values=inputs, labels=labels)
-        return self.model(input_ids=inputs, labels=labels)
+        if not inputs.is_floating_point():
+            return self.model(input_ids=inputs, labels=labels)
+        keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
+        return self.model(**{keyword: inputs}, labels=labels)
 
 
 #: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains

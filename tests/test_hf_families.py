@@ -67,6 +67,25 @@ def test_a_masked_lm_whose_head_bias_has_two_names_trains_as_plain(name: str, de
     parity(BY_NAME[name], devices, schedule)
 
 
+@pytest.mark.parametrize(
+    "name, devices, schedule",
+    [("Whisper (split by its encoder)", 2, "1f1b"), ("ViT + GPT-2 (split by its encoder)", 2, "zero_bubble")],
+)
+def test_an_encoder_decoder_split_by_its_encoder_trains_as_plain(name: str, devices: int, schedule: str) -> None:
+    """The outer model's input embeddings are the decoder's, which run after the encoder's blocks, on
+    the last stage (before: a stand-in's zeros there, 3e-2 off after 6 steps); the decoder's
+    embedding is tied to the head, and every stage keeps both."""
+    parity(BY_NAME[name], devices, schedule)
+
+
+@pytest.mark.parametrize("name", ["BART (split by its encoder)", "BART (split by its decoder)"])
+def test_bart_trains_as_plain_where_a_process_holds_neither_end(name: str) -> None:
+    """DualPipeV on 2 processes: each holds a middle stage, which runs the encoder's embedding, one
+    weight with the decoder's and the head's (before: ``'BartScaledWordEmbedding' object has no
+    attribute 'weight'`` in the first forward)."""
+    parity(BY_NAME[name], 2, "dualpipev")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, devices, schedule", GRID, ids=[f"{n}-{d}-{s}" for n, d, s in GRID])
 def test_every_family_trains_as_plain(name: str, devices: int, schedule: str) -> None:
