@@ -18,6 +18,7 @@ WIDTH = 64
 VOCAB = 96
 CLASSES = 5
 MELS, FRAMES = 8, 16  # Whisper's input features: mel bins x frames (its encoder halves the frames)
+SAMPLES = 200  # a waveform for Wav2Vec2 and HuBERT
 
 
 def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
@@ -117,6 +118,30 @@ def vision_encoder_decoder(layers: int = 4) -> nn.Module:
     config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     config.decoder_start_token_id, config.pad_token_id = 1, 0
     return transformers.VisionEncoderDecoderModel(config)
+
+
+def _speech_config(config_cls: Any, layers: int, **extra: Any) -> Any:
+    """Wav2Vec2's or HuBERT's configuration: two convolutions over 200 samples (19 frames)."""
+    return config_cls(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=2 * WIDTH, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+                      attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                      layerdrop=0.0, mask_time_prob=0.0, num_labels=CLASSES, classifier_proj_size=32,
+                      pad_token_id=0, **extra)  # fmt: skip
+
+
+def wav2vec2_classifier(layers: int = 4, **extra: Any) -> nn.Module:
+    """Its forward records every layer's hidden states whatever was asked (transformers'
+    ``filter_output_hidden_states``) and reads only the last unless ``use_weighted_layer_sum``."""
+    return transformers.Wav2Vec2ForSequenceClassification(_speech_config(transformers.Wav2Vec2Config, layers, **extra))
+
+
+def hubert_classifier(layers: int = 4) -> nn.Module:
+    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers))
+
+
+def wav2vec2_ctc(layers: int = 4) -> nn.Module:
+    return transformers.Wav2Vec2ForCTC(_speech_config(transformers.Wav2Vec2Config, layers))
 
 
 def t5(layers: int = 4) -> nn.Module:
@@ -241,6 +266,21 @@ FAMILIES: list[Family] = [
         data="image_to_text",
     ),
     Family(
+        "Wav2Vec2 sequence classification",
+        wav2vec2_classifier,
+        T.Wav2Vec2ForSequenceClassification,
+        "model.wav2vec2.encoder.layers",
+        data="speech",
+    ),
+    Family(
+        "HuBERT sequence classification",
+        hubert_classifier,
+        T.HubertForSequenceClassification,
+        "model.hubert.encoder.layers",
+        data="speech",
+    ),
+    Family("Wav2Vec2 CTC", wav2vec2_ctc, T.Wav2Vec2ForCTC, "model.wav2vec2.encoder.layers", data="speech_to_text"),
+    Family(
         "T5",
         t5,
         T.T5ForConditionalGeneration,
@@ -265,6 +305,8 @@ def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0)
         "classes": (tokens, classes),
         "audio_to_text": (torch.randn(n, MELS, FRAMES, generator=g), tokens),
         "image_to_text": (images, tokens),
+        "speech": (torch.randn(n, SAMPLES, generator=g), classes),
+        "speech_to_text": (torch.randn(n, SAMPLES, generator=g), tokens),
     }.get(family.data, (tokens, tokens))
     return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
 

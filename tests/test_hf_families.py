@@ -199,3 +199,27 @@ def test_a_meta_built_masked_lm_initialises_its_head_and_keeps_the_bias_on_the_l
     first, last = (set(json.loads((tmp_path / f"held{r}.json").read_text())["names"]) for r in range(2))
     assert "model.cls.predictions.bias" not in first and "model.cls.predictions.decoder.weight" not in first
     assert "model.cls.predictions.bias" in last  # the first name of the decoder's bias there
+
+
+@pytest.mark.parametrize("name", ["Wav2Vec2 sequence classification", "HuBERT sequence classification"])
+def test_a_classifier_whose_forward_records_hidden_states_it_drops_trains_as_plain(name: str) -> None:
+    """transformers' ``filter_output_hidden_states`` turns the recording of every layer's hidden
+    state on whatever the caller asked, and drops them from the output; the head reads only the last
+    (before: refused as a read of other stages' blocks, with advice that could not help)."""
+    parity(BY_NAME[name], 2, "1f1b")
+
+
+def test_a_classifier_that_sums_every_layers_hidden_state_is_refused() -> None:
+    """``use_weighted_layer_sum=True``: the head reads every layer's hidden state."""
+    from tests.hf_families import wav2vec2_classifier
+
+    family = BY_NAME["Wav2Vec2 sequence classification"]
+    with pytest.raises(
+        Exception, match=r"Wav2Vec2ForSequenceClassification sums the hidden states of every layer \(use_weighted_layer"
+    ):
+        fit_pipeline(
+            FamilyModule(lambda: wav2vec2_classifier(use_weighted_layer_sum=True)),
+            2,
+            family_data(family),
+            module=family.module,
+        )
