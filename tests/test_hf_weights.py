@@ -204,3 +204,69 @@ def test_the_argument_accepts_a_save_pretrained_directory_and_damage_is_named(tm
     index.write_text(json.dumps(table))
     with pytest.raises(ValueError, match=rf"places 'transformer.extra.weight' in {first}, which does not hold it"):
         open_weights(directory)
+
+
+def _bert_classifier() -> nn.Module:
+    from tests.hf_families import CLASSES, _bert_config
+
+    return transformers.BertForSequenceClassification(_bert_config(4, num_labels=CLASSES, classifier_dropout=0.0))
+
+
+def _llama_classifier() -> nn.Module:
+    from tests.hf_families import CLASSES, _decoder
+
+    model = _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM)()
+    model.config.num_labels = CLASSES
+    return transformers.LlamaForSequenceClassification(model.config)
+
+
+#: a task model, and the base checkpoints it starts from: (what save_pretrained saved, the part of
+#: the task model it fills)
+FINE_TUNES = {
+    "bert": (_bert_classifier, lambda m: transformers.BertModel(m.config), "bert"),
+    "llama": (_llama_classifier, lambda m: transformers.LlamaForCausalLM(m.config), ""),
+}
+
+
+@pytest.mark.parametrize("kind", list(FINE_TUNES))
+def test_a_base_checkpoint_starts_a_model_with_a_new_head_as_from_pretrained(tmp_path: Path, kind: str) -> None:
+    """The common fine-tune: BERT's base model into BertForSequenceClassification, a Llama causal
+    LM into LlamaForSequenceClassification. The head the file lacks keeps the model's own
+    initialisation, the causal LM's head in the file is left unused, and the run equals plain
+    training of the model with the base weights loaded (before: refused as names that do not fit)."""
+    from tests.hf_families import BY_NAME, FamilyModule, family_data
+    from tests.models import fit_plain
+    from tests.pipeline import assert_same_weights, fit_pipeline
+
+    build, base_of, part = FINE_TUNES[kind]
+    torch.manual_seed(3)
+    base = base_of(build())
+    base.save_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    piped = FamilyModule(build, lr=0.01)  # at 0.1 the causal LM's embedding moves by 1.0 and float noise grows to 1e-4
+    reference = FamilyModule(build, lr=0.01)
+    reference.load_state_dict(piped.state_dict())
+    into = reference.model.get_submodule(part) if part else reference.model
+    missing, unused = into.load_state_dict(type(base).from_pretrained(tmp_path / "base").state_dict(), strict=False)
+    assert (missing, unused) == (([], []) if kind == "bert" else (["score.weight"], ["lm_head.weight"]))
+    family = BY_NAME["BERT sequence classification"]  # a class per sequence
+    fit_plain(reference, family_data(family))
+    fit_pipeline(piped, 2, family_data(family), module=family.module if kind == "bert" else "model.model.layers",
+                 weights=str(tmp_path / "base"))  # fmt: skip
+    assert_same_weights(reference, piped)
+
+
+def test_what_a_base_checkpoint_lacks_is_listed_in_one_line_and_a_partial_base_is_refused(tmp_path: Path) -> None:
+    from lightning_pipe.weights.load import check_names, match_names
+    from tests.hf_families import _bert_config
+
+    transformers.BertForMaskedLM(_bert_config(2)).save_pretrained(tmp_path / "mlm")
+    transformers.BertModel(_bert_config(1)).save_pretrained(tmp_path / "short")
+    spec = model_spec(Holder(lambda: transformers.BertForSequenceClassification(_bert_config(2, num_labels=3))))
+    line = check_names(match_names(open_weights(tmp_path / "mlm"), spec), spec).line(tmp_path / "mlm")
+    assert "4 tensors of the model not in the checkpoint" in line and "'model.classifier.weight'" in line
+    assert "'model.bert.pooler.dense.weight'" in line  # a part the masked LM does not build
+    assert "5 tensors of another head in it are not used: ['model.cls.predictions.bias'" in line
+    assert line.count("\n") == 0
+    with pytest.raises(ValueError, match=r"not in the file: model\.bert\.encoder\.layer\.1\."):
+        check_names(match_names(open_weights(tmp_path / "short"), spec), spec)  # one of 2 blocks: no fit
