@@ -18,7 +18,7 @@ WIDTH = 64
 VOCAB = 96
 CLASSES = 5
 MELS, FRAMES = 8, 16  # Whisper's input features: mel bins x frames (its encoder halves the frames)
-SAMPLES = 200  # a waveform for Wav2Vec2 and HuBERT
+SAMPLES = 400  # a waveform for Wav2Vec2 and HuBERT (39 frames)
 
 
 def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
@@ -121,7 +121,7 @@ def vision_encoder_decoder(layers: int = 4) -> nn.Module:
 
 
 def _speech_config(config_cls: Any, layers: int, **extra: Any) -> Any:
-    """Wav2Vec2's or HuBERT's configuration: two convolutions over 200 samples (19 frames)."""
+    """Wav2Vec2's or HuBERT's configuration: two convolutions (400 samples: 39 frames)."""
     return config_cls(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
                       intermediate_size=2 * WIDTH, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
                       num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
@@ -138,10 +138,6 @@ def wav2vec2_classifier(layers: int = 4, **extra: Any) -> nn.Module:
 
 def hubert_classifier(layers: int = 4) -> nn.Module:
     return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers))
-
-
-def wav2vec2_ctc(layers: int = 4) -> nn.Module:
-    return transformers.Wav2Vec2ForCTC(_speech_config(transformers.Wav2Vec2Config, layers))
 
 
 def t5(layers: int = 4) -> nn.Module:
@@ -163,24 +159,18 @@ class Family:
     module: str
     data: str = "tokens"
     refused: str = ""
-    weights_refused: str = ""  # why ``weights=`` a save_pretrained directory is refused at setup
+    converted: str = ""  # what transformers converts in a save_pretrained directory's names when it loads them
 
 
-#: transformers 5 converts some checkpoints' names and layouts when it loads them, and its
-#: ``save_pretrained`` writes the legacy ones, which ``weights=`` reads as they are
-LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}), which weights= does not convert"
-
-
-def _causal(name: str, config_cls: Any, model_cls: type, weights_refused: str = "", **extra: Any) -> Family:
+def _causal(name: str, config_cls: Any, model_cls: type, converted: str = "", **extra: Any) -> Family:
     """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
-    return Family(
-        name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused
-    )
+    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", converted=converted)
 
 
 T = transformers
+STACKED = "one tensor per expert and projection, stacked into `experts.gate_up_proj` and `experts.down_proj`"
+VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj` ..."
 MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
-STACKED_EXPERTS = LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")
 
 FAMILIES: list[Family] = [
     Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
@@ -193,18 +183,12 @@ FAMILIES: list[Family] = [
     _causal("Gemma 2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Gemma 3 (text)", T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Phi-3", T.Phi3Config, T.Phi3ForCausalLM),
-    Family(
-        "GPT-NeoX",
-        gpt_neox,
-        T.GPTNeoXForCausalLM,
-        "model.gpt_neox.layers",
-        weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`"),
-    ),
+    Family("GPT-NeoX", gpt_neox, T.GPTNeoXForCausalLM, "model.gpt_neox.layers", converted="`embed_out` to `lm_head`"),
     _causal(
         "Mixtral (auxiliary loss off)",
         T.MixtralConfig,
         T.MixtralForCausalLM,
-        STACKED_EXPERTS,
+        STACKED,
         num_local_experts=4,
         num_experts_per_tok=2,
         **MOE_OFF,
@@ -213,7 +197,7 @@ FAMILIES: list[Family] = [
         "Qwen2-MoE (auxiliary loss off)",
         T.Qwen2MoeConfig,
         T.Qwen2MoeForCausalLM,
-        STACKED_EXPERTS,
+        STACKED,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=WIDTH,
@@ -238,9 +222,7 @@ FAMILIES: list[Family] = [
         T.ViTForImageClassification,
         "model.vit.layers",
         data="images",
-        weights_refused=LEGACY_NAMES.format(
-            "`vit.encoder.layer.N.attention.attention.query` for `vit.layers.N.attention.q_proj`"
-        ),
+        converted=VIT_NAMES,
     ),
     Family(
         "Whisper (split by its encoder)",
@@ -264,6 +246,7 @@ FAMILIES: list[Family] = [
         T.VisionEncoderDecoderModel,
         "model.encoder.layers",
         data="image_to_text",
+        converted=VIT_NAMES,
     ),
     Family(
         "Wav2Vec2 sequence classification",
@@ -279,7 +262,6 @@ FAMILIES: list[Family] = [
         "model.hubert.encoder.layers",
         data="speech",
     ),
-    Family("Wav2Vec2 CTC", wav2vec2_ctc, T.Wav2Vec2ForCTC, "model.wav2vec2.encoder.layers", data="speech_to_text"),
     Family(
         "T5",
         t5,
@@ -306,7 +288,6 @@ def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0)
         "audio_to_text": (torch.randn(n, MELS, FRAMES, generator=g), tokens),
         "image_to_text": (images, tokens),
         "speech": (torch.randn(n, SAMPLES, generator=g), classes),
-        "speech_to_text": (torch.randn(n, SAMPLES, generator=g), tokens),
     }.get(family.data, (tokens, tokens))
     return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
 
@@ -345,11 +326,9 @@ def family_table() -> str:
         if f.refused:
             rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
             continue
-        weights = (
-            f"refused at setup: {f.weights_refused}"
-            if f.weights_refused
-            else f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
-        )
+        weights = f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
+        if f.converted:
+            weights += f"; its names converted as transformers converts them ({f.converted})"
         rows.append(f"| {f.name} | `{model}` | `{f.module}` | {stages} stages x {schedules} | {weights} |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
 

@@ -270,3 +270,36 @@ def test_what_a_base_checkpoint_lacks_is_listed_in_one_line_and_a_partial_base_i
     assert line.count("\n") == 0
     with pytest.raises(ValueError, match=r"not in the file: model\.bert\.encoder\.layer\.1\."):
         check_names(match_names(open_weights(tmp_path / "short"), spec), spec)  # one of 2 blocks: no fit
+
+
+def test_a_stage_converts_only_its_own_experts(tmp_path: Path) -> None:
+    """Mixtral's save_pretrained directory (one tensor per expert and projection): the first of two
+    stages, built on the meta device, reads only the file tensors of its own blocks and of the
+    embeddings, and its stacked experts equal from_pretrained's."""
+    from lightning_pipe.weights.hf import PretrainedFiles
+    from tests.hf_models import mixtral
+
+    directory, expected = saved(tmp_path, mixtral, None)
+    spec = model_spec(Holder(mixtral))
+    read: list[str] = []
+    real = PretrainedFiles.read
+
+    def recording(self: PretrainedFiles, name: str) -> torch.Tensor:
+        read.append(name)
+        return real(self, name)
+
+    with torch.device("meta"):
+        part = Holder(mixtral)
+    container = part.get_submodule("model.model.layers")
+    materialize(part, extended(container, find_ends(part, container)), [0, 1, 4], "cpu", seed=0)  # blocks 0, 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PretrainedFiles, "read", recording)
+        load_stage_weights(part, directory, spec)
+    assert {n.split(".")[2] for n in read if n.startswith("model.layers.")} == {"0", "1"}
+    assert any(".experts.3.w1." in n for n in read) and "lm_head.weight" not in read
+    stacked = part.model.model.layers[1].mlp.experts.gate_up_proj
+    torch.testing.assert_close(stacked, expected["model.model.layers.1.mlp.experts.gate_up_proj"], rtol=0, atol=0)
+    held = {k: v for k, v in part.state_dict().items() if not v.is_meta}
+    assert not any(k.startswith("model.model.layers.2.") for k in held)
+    for name, value in held.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)

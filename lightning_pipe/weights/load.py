@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
 from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrained_file, safetensors_shapes
+from lightning_pipe.weights.hf_conversion import Conversion, conversion_of
 from lightning_pipe.weights.names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
@@ -162,6 +163,7 @@ class ModelSpec:
     shapes: dict[str, tuple[int, ...]]
     aliases: dict[str, list[str]]  # name -> every name of the same tensor (itself included)
     head: HeadOf | None = None
+    conversion: Conversion | None = None  # how transformers converts a save_pretrained directory's names
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,27 @@ def model_spec(module: nn.Module) -> ModelSpec:
     for name, t in state.items():
         groups.setdefault(id(t), []).append(name)
     aliases = {n: groups[id(t)] for n, t in state.items()}
-    return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, aliases, head_of(module))
+    return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, aliases, head_of(module), conversion_of(module))
+
+
+def converted(source: WeightSource, conversion: Conversion) -> WeightSource:
+    """``source`` (a ``save_pretrained`` directory) named and read as ``from_pretrained`` loads it,
+    where transformers converts its names (see :mod:`lightning_pipe.weights.hf_conversion`);
+    unchanged where it does not. A converted tensor's shape is known once built (checked as it is
+    copied)."""
+    keys = list(source.shapes)
+    if not conversion.converts(keys):
+        return source
+    plan = conversion.plan(keys)
+    shapes = {name: source.shapes[srcs[0][0]] if srcs[0][1] is None else None for name, srcs in plan.items()}
+    read = source.read
+    built = sum(srcs[0][1] is not None for srcs in plan.values())
+    renamed = sum(srcs[0][1] is None and srcs[0][0] != n[len(conversion.prefix) :] for n, srcs in plan.items())
+    hint = (
+        f"transformers converts this directory's names when it loads them ({built} tensors built by its converters, "
+        f"{renamed} renamed); they were converted the same way. "
+    )
+    return replace(source, shapes=shapes, read=lambda name: conversion.build(name, plan[name], read), hint=hint)
 
 
 def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = None) -> WeightSource:
@@ -218,7 +240,7 @@ def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = N
     else by the one prefix that makes them all fit, or by ``rename`` (see
     :mod:`lightning_pipe.weights.names`). Raises ``ValueError`` when several prefixes fit."""
     names: NameMap = name_map(list(source.shapes), spec.aliases, rename, where=str(source.path))
-    hint = mismatch_hint(names, list(source.shapes), list(spec.shapes))
+    hint = source.hint + mismatch_hint(names, list(source.shapes), list(spec.shapes))
     if all(f == m for f, m in names.names.items()) and len(names.names) == len(source.shapes):
         return replace(source, hint=hint)
     back = {m: f for f, m in names.names.items()}
@@ -329,7 +351,10 @@ def load_stage_weights(
     ``report`` is given one line saying how many tensors came from where (the caller decides where
     it shows: Lightning's setup lines)."""
     check_rename(rename)
-    source = match_names(open_weights(path), spec, rename)
+    source = open_weights(path)
+    if spec.conversion is not None and source.files is not None and rename is None:
+        source = converted(source, spec.conversion)
+    source = match_names(source, spec, rename)
     fit = check_names(source, spec)
     copied = load_local(module, source, spec)
     files = ""
@@ -354,6 +379,7 @@ __all__ = [
     "WeightSource",
     "check_names",
     "check_weights_argument",
+    "converted",
     "head_of",
     "load_local",
     "load_stage_weights",
