@@ -11,6 +11,7 @@ fails here, in one place.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -56,6 +57,29 @@ def hf_active_output_collector() -> Mapping[str, Any] | None:
     except ImportError:
         return None
     return _active_collector.get()
+
+
+def hf_forced_hidden_states_calls() -> list[tuple[Any, Any]]:
+    """The calls under way, innermost first, of forwards wrapped by transformers'
+    ``filter_output_hidden_states`` (``transformers.backbone_utils``), each as the model and what its
+    caller asked for ``output_hidden_states``: the wrapper turns the recording on whatever was asked
+    and keeps that only in its local ``output_hidden_states``, read here from its frame (the wrapper
+    copies the forward's name, so its frames are told by its code). transformers has no public way
+    to ask. Empty without transformers. Checked with transformers 5.24."""
+    if "transformers" not in sys.modules:
+        return []
+    try:
+        from transformers.backbone_utils import filter_output_hidden_states
+    except ImportError:
+        return []
+    code = filter_output_hidden_states(lambda self: None).__code__
+    calls = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is code:
+            calls.append((frame.f_locals.get("self"), frame.f_locals.get("output_hidden_states")))
+        frame = frame.f_back
+    return calls
 
 
 def backward_hooks(tensor: Tensor) -> Mapping[Any, Any]:
@@ -133,6 +157,7 @@ __all__ = [
     "backward_hooks",
     "fsdp_post_backward",
     "hf_active_output_collector",
+    "hf_forced_hidden_states_calls",
     "hf_init_weights",
     "lightning_wrapped_batch_sampler",
     "module_slots",

@@ -37,7 +37,8 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
-from lightning_pipe.runtime.block_reads import held, refuse_held, refuse_recorded_outputs
+from lightning_pipe.runtime.block_reads import held, hf_recording, refuse_held, refuse_recorded_outputs
+from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -269,7 +270,10 @@ class _Skipped(_Entry):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
-        refuse_recorded_outputs(self._index, bounds)
+        recording = hf_recording()
+        if not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
+            refuse_forced_read(recording, self._index, bounds)
+            refuse_recorded_outputs(self._index, bounds)
         return held(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
