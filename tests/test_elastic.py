@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe.checkpoint import write_meta, write_shard
 from lightning_pipe.checkpoint.newest import candidates, newest_complete
@@ -25,7 +27,7 @@ from lightning_pipe.checkpoint.staging import staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.trainer.elastic import ElasticState, layout
-from tests.models import TinyNet, fit_plain, loader
+from tests.models import TinyNet, dataset, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,22 +95,24 @@ def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_
 
 # ---------------------------------------------------------------------------- a resume with fewer replicas
 def test_fewer_replicas_resume_with_more_accumulation_and_the_global_batch_kept(tmp_path: Path) -> None:
-    """2 stages x 2 replicas save at the end of an epoch; 2 processes resume it elastically as 2 stages x
-    1 replica accumulating 2 batches per step: the weights are those of plain training on the global
-    batch of 24 throughout, and the report says what changed."""
+    """2 stages x 2 replicas, shuffled, save in the middle of an epoch; 2 processes resume it elastically as 2
+    stages x 1 replica accumulating 2 batches per step: the weights are those of uninterrupted plain training on
+    the global batch of 24 in the same order (the epoch's permutation of the run's seed), the rest of the saved
+    epoch and the next one included, and the report says what changed."""
     folder = tmp_path / "checkpoints"
-    torch.manual_seed(0)
+    L.seed_everything(0)
     first, plain = TinyNet(), TinyNet()
     plain.load_state_dict(first.state_dict())
     saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
-    data = loader(n=48, batch_size=12)
+    data = DataLoader(dataset(72), batch_size=12, shuffle=True)  # 3 steps of 2 x 12 per epoch
     options = dict(stages=2, chunks=2, elastic=str(folder))
     fit_pipeline(first, 4, data, max_steps=2, callbacks=[saves], enable_checkpointing=True, **options)
     assert [p.name for p in candidates(folder)] == ["epoch=0-step=2.ckpt"]
 
     resumed = TinyNet()
-    trainer = fit_pipeline(resumed, 2, data, max_steps=4, **options)
-    fit_plain(plain, loader(n=48, batch_size=24), max_steps=4)
+    trainer = fit_pipeline(resumed, 2, data, max_steps=5, **options)
+    order = DistributedSampler(dataset(72), num_replicas=1, rank=0, shuffle=True, seed=0)
+    fit_plain(plain, DataLoader(dataset(72), batch_size=24, sampler=order), max_steps=5)
     assert_same_weights(plain, resumed)
     # the report is made in the processes; here, what the launching process chose and kept
     state = next(c for c in trainer.callbacks if isinstance(c, ElasticState))  # type: ignore[attr-defined]

@@ -1,0 +1,60 @@
+"""A resumed run reads the batches an uninterrupted one reads: in the middle of an epoch, with
+``shuffle=True``, at an epoch's end (the resume under fewer replicas runs in tests/test_elastic.py,
+the command line's ``resume=`` in tests/test_cli.py).
+
+The oracle is plain Lightning on one process, uninterrupted, reading the pipeline's documented order:
+the dataset's indices permuted from the run's seed and the epoch (``DistributedSampler``'s permutation
+over one replica)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe.checkpoint import consolidate
+from tests.models import TinyNet, dataset, fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+
+def shuffled(n: int = 64, batch_size: int = 12) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True)
+
+
+def pipeline_order(n: int = 64, batch_size: int = 12, seed: int = 0) -> DataLoader:
+    """``shuffled`` as the pipeline reads it, for plain Lightning: each epoch's permutation of the run's seed."""
+    data = dataset(n)
+    order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    return DataLoader(data, batch_size=batch_size, sampler=order)
+
+
+# 64 samples in batches of 12: 6 batches per epoch (the last of 4)
+STOPS = {
+    "mid_epoch": ({"max_steps": 3}, {"max_steps": 9}),  # saved after 3 of epoch 0's 6 batches, resumed into epoch 1
+    "epoch_end": ({"max_steps": -1, "max_epochs": 1}, {"max_steps": -1, "max_epochs": 2}),
+}
+
+
+@pytest.mark.parametrize("stop", sorted(STOPS))
+def test_a_shuffled_run_resumed_trains_on_the_batches_of_an_uninterrupted_one(tmp_path: Path, stop: str) -> None:
+    """Saved in the middle of an epoch (Lightning alone starts a plain DataLoader's epoch again), or at
+    its end (the next epoch's order must not depend on the process's random state): the resumed weights
+    equal those of plain training that was never stopped."""
+    L.seed_everything(0)
+    first, plain = twins(TinyNet())
+    before, after = STOPS[stop]
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=3)
+    fit_pipeline(first, 2, shuffled(), chunks=2, callbacks=[saves], enable_checkpointing=True, **before)
+    resumed = TinyNet()
+    fit_pipeline(resumed, 2, shuffled(), chunks=2, ckpt_path=str(tmp_path / "last.ckpt"), **after)
+    fit_plain(plain, pipeline_order(), **after)
+    assert_same_weights(plain, resumed)
+    assert not torch.equal(first.layers[0].weight, resumed.layers[0].weight)  # the resumed run trained on
+    # consolidated, the checkpoint leaves the pipeline's data position out: plain Lightning, which refuses a
+    # loader state for its plain DataLoader, resumes it (starting the epoch again, as it warns)
+    consolidate(tmp_path / "last.ckpt", tmp_path / "plain.ckpt")
+    fit_plain(TinyNet(), shuffled(), ckpt_path=str(tmp_path / "plain.ckpt"), **after)
