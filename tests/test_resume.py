@@ -8,15 +8,20 @@ over one replica)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, WeightedRandomSampler
 
 from lightning_pipe.checkpoint import consolidate
+from lightning_pipe.runtime.replica_data import ReplicaOrder
+from lightning_pipe.trainer.resume_data import training_loader
 from tests.models import TinyNet, dataset, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
@@ -58,3 +63,35 @@ def test_a_shuffled_run_resumed_trains_on_the_batches_of_an_uninterrupted_one(tm
     # loader state for its plain DataLoader, resumes it (starting the epoch again, as it warns)
     consolidate(tmp_path / "last.ckpt", tmp_path / "plain.ckpt")
     fit_plain(TinyNet(), shuffled(), ckpt_path=str(tmp_path / "plain.ckpt"), **after)
+
+
+def _resumed_trainer(processed: int, last: bool, states: list) -> SimpleNamespace:
+    """What the data hooks read of a Trainer that restored a checkpoint saved after ``processed`` batches."""
+    batches = SimpleNamespace(current=SimpleNamespace(processed=processed), is_last_batch=last)
+    fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=batches), is_resuming=True,
+                               epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=0)),
+                               _combined_loader_states_to_load=states)  # fmt: skip
+    return SimpleNamespace(fit_loop=fit_loop)
+
+
+def test_a_resume_the_pipeline_cannot_make_exact_says_so_once() -> None:
+    """A sampler the pipeline does not steer, resumed in the middle of an epoch: Lightning starts the saved
+    epoch again, and the sampler draws from the process's random state; the warning says both (and the
+    loader is one Lightning counts as resumable, so that its generic warning does not come as well)."""
+    data = dataset(64)
+    weighted = DataLoader(data, batch_size=12, sampler=WeightedRandomSampler(torch.ones(64), 64))
+    said = ("lightning-pipe: resuming with a training DataLoader the pipeline does not steer (a custom sampler "
+            "(WeightedRandomSampler)): the checkpoint was saved after 3 batches of epoch 0, and Lightning starts that "
+            "epoch again from its first batch; its sampler draws from the process's random state")  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        loader = training_loader(weighted, _resumed_trainer(3, False, []), 1, 0)
+    assert [str(w.message) for w in caught if said in str(w.message)] and len(caught) == 1
+    assert isinstance(loader, _Stateful) and loader.state_dict() == {}
+    sequential = DataLoader(data, batch_size=12)
+    with pytest.warns(UserWarning, match="holds no position of the training data"):  # a plain Lightning checkpoint
+        training_loader(sequential, _resumed_trainer(3, False, []), 1, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steered = training_loader(sequential, _resumed_trainer(3, False, [{"samples": 36}]), 1, 0)
+        training_loader(sequential, _resumed_trainer(6, True, []), 1, 0)  # at an epoch's end: nothing to say
+    assert isinstance(steered.sampler, ReplicaOrder) and isinstance(steered, _Stateful)
