@@ -87,6 +87,7 @@ class ReplicaOrder(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.replaced = replaced
         self._resume: tuple[int, int, int] | None = None  # epoch, its seed, global samples already read
+        self._drawn: tuple[int, int] = (-1, seed)  # the epoch last iterated and the seed of its order
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -107,6 +108,7 @@ class ReplicaOrder(DistributedSampler):
         if self._resume is not None and self._resume[0] == self.epoch:
             _, seed, start = self._resume
         self._resume = None  # a position holds for the epoch it was saved in only
+        self._drawn = (self.epoch, seed)
         order = self.order(self.epoch, seed)
         rest = order[start:]
         padding = -len(rest) % self.num_replicas  # as DistributedSampler pads: from the epoch's first samples
@@ -114,9 +116,11 @@ class ReplicaOrder(DistributedSampler):
         return iter(rest[self.rank :: self.num_replicas])
 
     def position(self, samples: int) -> dict[str, Any]:
-        """What a checkpoint keeps: the epoch's order (its seed) and the global samples read in it."""
-        return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle, "size": len(self.dataset),  # type: ignore[arg-type]
-                "samples": samples}  # fmt: skip
+        """What a checkpoint keeps: the epoch's order (its seed: a resumed epoch keeps the saved one) and the
+        global samples read in it."""
+        seed = self._drawn[1] if self._drawn[0] == self.epoch else self.seed
+        size = len(self.dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
+        return {"epoch": self.epoch, "seed": seed, "shuffle": self.shuffle, "size": size, "samples": samples}
 
     def resume(self, state: dict[str, Any]) -> str | None:
         """Read on from a saved :meth:`position` in its epoch; what is not exact (for a warning), or None."""

@@ -118,3 +118,17 @@ def test_which_loaders_the_pipeline_steers() -> None:
     )
     assert not_steered(DataLoader(data, batch_sampler=[[0, 1]])) == "a custom batch_sampler (list)"
     assert not_steered(DataLoader(data, sampler=WeightedRandomSampler([1.0] * 20, 20))) is not None
+
+
+def test_a_resumed_epoch_keeps_its_saved_seed_and_the_next_epoch_takes_the_runs() -> None:
+    """A run resumed under another seed finishes the saved epoch in its saved order (and saves that
+    seed again), and draws the next epochs from its own seed."""
+    saved = ReplicaOrder(dataset(20), 1, 0, True, 3)
+    saved.set_epoch(2)
+    other = ReplicaOrder(dataset(20), 1, 0, True, 4)
+    other.set_epoch(2)
+    assert other.resume(saved.position(8)) is None
+    assert list(other) == list(saved)[8:] and other.position(12)["seed"] == 3
+    other.set_epoch(3)
+    assert list(other) == list(ReplicaOrder(dataset(20), 1, 0, True, 4, None).order(3, 4))
+    assert other.position(0)["seed"] == 4
