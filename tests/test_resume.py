@@ -26,8 +26,8 @@ from tests.models import TinyNet, dataset, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 
-def shuffled(n: int = 64, batch_size: int = 12) -> DataLoader:
-    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True)
+def shuffled(n: int = 64, batch_size: int = 12, workers: int = 0) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True, num_workers=workers)
 
 
 def pipeline_order(n: int = 64, batch_size: int = 12, seed: int = 0) -> DataLoader:
@@ -41,6 +41,10 @@ def pipeline_order(n: int = 64, batch_size: int = 12, seed: int = 0) -> DataLoad
 STOPS = {
     "mid_epoch": ({"max_steps": 3}, {"max_steps": 9}),  # saved after 3 of epoch 0's 6 batches, resumed into epoch 1
     "epoch_end": ({"max_steps": -1, "max_epochs": 1}, {"max_steps": -1, "max_epochs": 2}),
+    # a DataLoader with a worker draws its first batches before Lightning sets the epoch: saved in epoch 1,
+    # or at the end of epoch 1 (the next epoch, 2, not 0, read first)
+    "workers_mid_epoch": ({"max_steps": 9}, {"max_steps": 12}),
+    "workers_epoch_end": ({"max_steps": -1, "max_epochs": 2}, {"max_steps": -1, "max_epochs": 3}),
 }
 
 
@@ -52,13 +56,19 @@ def test_a_shuffled_run_resumed_trains_on_the_batches_of_an_uninterrupted_one(tm
     L.seed_everything(0)
     first, plain = twins(TinyNet())
     before, after = STOPS[stop]
-    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=3)
-    fit_pipeline(first, 2, shuffled(), chunks=2, callbacks=[saves], enable_checkpointing=True, **before)
+    # every 3 steps (in on_train_batch_end), or at each epoch's end (in on_train_epoch_end: no loader state
+    # comes back, as Lightning does not restart in an epoch)
+    every = 3 if stop.endswith("mid_epoch") else None
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=every)
+    data = shuffled(workers=1 if stop.startswith("workers") else 0)
+    fit_pipeline(first, 2, data, chunks=2, callbacks=[saves], enable_checkpointing=True, **before)
     resumed = TinyNet()
-    fit_pipeline(resumed, 2, shuffled(), chunks=2, ckpt_path=str(tmp_path / "last.ckpt"), **after)
+    fit_pipeline(resumed, 2, data, chunks=2, ckpt_path=str(tmp_path / "last.ckpt"), **after)
     fit_plain(plain, pipeline_order(), **after)
     assert_same_weights(plain, resumed)
     assert not torch.equal(first.layers[0].weight, resumed.layers[0].weight)  # the resumed run trained on
+    if stop != "mid_epoch":
+        return
     # consolidated, the checkpoint leaves the pipeline's data position out: plain Lightning, which refuses a
     # loader state for its plain DataLoader, resumes it (starting the epoch again, as it warns)
     consolidate(tmp_path / "last.ckpt", tmp_path / "plain.ckpt")

@@ -115,12 +115,13 @@ class ReplicaOrder(DistributedSampler):
         rest += (order * math.ceil(padding / max(len(order), 1)))[:padding]
         return iter(rest[self.rank :: self.num_replicas])
 
-    def position(self, samples: int) -> dict[str, Any]:
-        """What a checkpoint keeps: the epoch's order (its seed: a resumed epoch keeps the saved one) and the
-        global samples read in it."""
+    def position(self, samples: int, complete: bool = False) -> dict[str, Any]:
+        """What a checkpoint keeps: the epoch's order (its seed: a resumed epoch keeps the saved one), the
+        global samples read in it, and whether it is ``complete`` (a ``drop_last`` epoch reads fewer)."""
         seed = self._drawn[1] if self._drawn[0] == self.epoch else self.seed
         size = len(self.dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
-        return {"epoch": self.epoch, "seed": seed, "shuffle": self.shuffle, "size": size, "samples": samples}
+        return {"epoch": self.epoch, "seed": seed, "shuffle": self.shuffle, "size": size, "samples": samples,
+                "complete": complete}  # fmt: skip
 
     def resume(self, state: dict[str, Any]) -> str | None:
         """Read on from a saved :meth:`position` in its epoch; what is not exact (for a warning), or None."""
@@ -130,7 +131,11 @@ class ReplicaOrder(DistributedSampler):
                 f"the checkpoint's training data had {state.get('size')} samples, shuffle={state.get('shuffle')}, and "
                 f"this run's has {size}, shuffle={self.shuffle}: the saved epoch starts again from its first sample"
             )
-        self._resume = (int(state["epoch"]), int(state["seed"]), min(int(state["samples"]), size))
+        epoch, samples = int(state["epoch"]), min(int(state["samples"]), size)
+        # the epoch a DataLoader with workers starts drawing from before Lightning's set_epoch: the saved
+        # one, or the next where the save ended its epoch
+        self.set_epoch(epoch + 1 if state.get("complete") or samples >= size else epoch)
+        self._resume = (epoch, int(state["seed"]), samples)
         return None
 
 

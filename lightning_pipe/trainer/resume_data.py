@@ -37,29 +37,39 @@ def training_loader(dataloader: DataLoader, trainer: Any, num_replicas: int, rep
     if why is None:
         sampler = dataloader.sampler
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning seeds DistributedSampler
-        order = ReplicaOrder(
-            dataloader.dataset, num_replicas, replica, isinstance(sampler, RandomSampler), seed, sampler
-        )
+        shuffle = isinstance(sampler, RandomSampler)
+        order = ReplicaOrder(dataloader.dataset, num_replicas, replica, shuffle, seed, sampler)
+        if trainer is not None:  # the epoch Lightning sets next: a DataLoader with workers draws before it does
+            order.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
         dataloader = internals.update_dataloader(dataloader, order, mode=mode)
     if trainer is not None and trainer.fit_loop.is_resuming:
         _say_what_is_not_exact(trainer, dataloader, why)
     batch = dataloader.batch_size or 1
-    trained = (lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed) if trainer is not None else None
-    keep_position(dataloader, order, trained, batch * num_replicas)
+    keep_position(dataloader, order, (lambda: _trained(trainer)) if trainer is not None else None, batch * num_replicas)
     return dataloader
 
 
+def _trained(trainer: Any) -> tuple[int, bool]:
+    """The batches of the running epoch that Lightning's loop counts as trained, and whether it ended."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.current.processed, bool(progress.is_last_batch)
+
+
 def keep_position(
-    dataloader: DataLoader, order: ReplicaOrder | None, trained: Callable[[], int] | None, global_batch: int
+    dataloader: DataLoader,
+    order: ReplicaOrder | None,
+    trained: Callable[[], tuple[int, bool]] | None,
+    global_batch: int,
 ) -> None:
-    """Give ``dataloader`` Lightning's loader state: ``order``'s position after ``trained()`` batches of
-    ``global_batch`` samples (nothing without an order: a resume then starts the epoch again).
-    Attributes of this instance, as the DataLoader's class is the user's."""
+    """Give ``dataloader`` Lightning's loader state: ``order``'s position after the batches of
+    ``global_batch`` samples that ``trained()`` counts (and whether the epoch ended); nothing without an
+    order (a resume then starts the epoch again). Attributes of this instance: the class is the user's."""
 
     def state_dict() -> dict[str, Any]:
         if order is None or trained is None:
             return {}
-        return order.position(trained() * global_batch)
+        batches, ended = trained()
+        return order.position(batches * global_batch, ended)
 
     def load_state_dict(state: dict[str, Any]) -> None:
         if order is None or not state:

@@ -70,10 +70,10 @@ def test_a_fresh_epoch_is_distributed_samplers_order(replicas: int, shuffle: boo
 def _global_steps(replicas: int, batch: int, state: dict | None = None, epoch: int = 1) -> list[list[int]]:
     """The samples of each global step (every replica's batch of it), as sets in order of position."""
     orders = [ReplicaOrder(dataset(48), replicas, r, True, 7) for r in range(replicas)]
-    for order in orders:
-        order.set_epoch(epoch)
+    for order in orders:  # in Lightning's order: the checkpoint's state, then the epoch
         if state is not None:
             assert order.resume(state) is None
+        order.set_epoch(epoch)
     parts = [list(order) for order in orders]
     steps = len(parts[0]) // batch
     return [sorted(i for part in parts for i in part[s * batch : (s + 1) * batch]) for s in range(steps)]
@@ -89,7 +89,7 @@ def test_a_resumed_epoch_reads_on_from_the_saved_position_under_any_replicas(
     saved = ReplicaOrder(dataset(48), saved_replicas, 0, True, 7)
     saved.set_epoch(1)
     state = saved.position(2 * 12)
-    assert state == {"epoch": 1, "seed": 7, "shuffle": True, "size": 48, "samples": 24}
+    assert state == {"epoch": 1, "seed": 7, "shuffle": True, "size": 48, "samples": 24, "complete": False}
     assert _global_steps(replicas, 12 // replicas, state) == whole[2:]
     assert _global_steps(replicas, 12 // replicas, state, epoch=2) == _global_steps(1, 12, epoch=2)  # a later epoch
 
@@ -126,9 +126,18 @@ def test_a_resumed_epoch_keeps_its_saved_seed_and_the_next_epoch_takes_the_runs(
     saved = ReplicaOrder(dataset(20), 1, 0, True, 3)
     saved.set_epoch(2)
     other = ReplicaOrder(dataset(20), 1, 0, True, 4)
+    assert other.resume(saved.position(8)) is None and other.epoch == 2  # drawn from at once (workers), as saved
     other.set_epoch(2)
-    assert other.resume(saved.position(8)) is None
     assert list(other) == list(saved)[8:] and other.position(12)["seed"] == 3
     other.set_epoch(3)
     assert list(other) == list(ReplicaOrder(dataset(20), 1, 0, True, 4, None).order(3, 4))
     assert other.position(0)["seed"] == 4
+
+
+def test_a_saved_epoch_that_ended_resumes_at_the_next_one() -> None:
+    """Before Lightning's ``set_epoch`` (a DataLoader with workers draws at once): the epoch after one
+    that ended, with ``drop_last`` too (its samples read fall short of the dataset's)."""
+    for state in ({"samples": 20, "complete": False}, {"samples": 16, "complete": True}):
+        order = ReplicaOrder(dataset(20), 1, 0, True, 3)
+        assert order.resume({"epoch": 4, "seed": 3, "shuffle": True, "size": 20, **state}) is None
+        assert order.epoch == 5 and list(order) == order.order(5, 3)
