@@ -159,8 +159,8 @@ class PipelineStrategy(ProcessStrategy):
         self._launcher = launcher_for(self, self.config.start_method, self._gathering, before, go)
 
     def _gathering(self) -> Gathering:
-        group = self._topology.meta_group if self._topology is not None else None
-        return Gathering(group, self.pipeline_ranks, not self.deferred_build)
+        assert self._topology is not None, "every rank is set up before a worker's results are collected"
+        return Gathering(self._topology.gather_group, self.layout.pipeline_ranks(0), not self.deferred_build)
 
     # ------------------------------------------------------------------ topology
     @property

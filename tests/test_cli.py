@@ -535,10 +535,18 @@ def test_preflight_refuses_bad_values_before_hydra_runs(tmp_path: Path, monkeypa
     from lightning_pipe.cli import preflight
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run's folder whose last.ckpt is gone
+    (tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt").write_bytes(b"")
     for overrides, message in (
         (["strategy.schedule=zigzag"], r"Unknown pipeline schedule 'zigzag'"),
         (["logger=csvv"], r"logger=csvv is unknown"),
         (["resume=nowhere"], r"resume=nowhere: .* does not exist"),
+        (
+            ["resume=run"],
+            r"resume=run: .*run is a folder, not a checkpoint: a lightning-pipe checkpoint is a folder holding meta.pt "
+            r".* Checkpoints in it: checkpoints/epoch=0-step=3.ckpt\. .*its checkpoints/last.ckpt, which this one does "
+            "not have",
+        ),
         (["+strategy.chunkz=3"], r"unknown key strategy.chunkz \(did you mean strategy.chunks\?\)"),
     ):
         with pytest.raises(SystemExit, match=message):

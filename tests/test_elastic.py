@@ -86,7 +86,7 @@ def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_
 
     config = PipelineConfig(stages=2, balance="time", rank_order=[0, 2, 1, 3], rank_speeds=[1.0, 0.5, 1.0, 0.5])
     assert layout(4, config).order == (0, 2, 1, 3) and for_this_world(config, 4) is config
-    with pytest.raises(ValueError, match=r"rank_order=\[0, 2, 1, 3\]\): give each global rank of 2 processes once"):
+    with pytest.raises(ValueError, match=r"rank_order=\[0, 2, 1, 3\]\): names 4 ranks for 2 processes; give each"):
         layout(2, config)  # not elastic: a world the order does not fit is a mistake
     restarted = config.replace(elastic=True)
     assert layout(2, restarted) == layout(2, PipelineConfig(stages=2, elastic=True))  # not placed

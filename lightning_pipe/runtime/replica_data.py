@@ -18,10 +18,14 @@ Evaluation (validation, test): a ``DistributedSampler`` would pad the replicas' 
 sizes with repeated samples, which then count twice in the metrics. :class:`EvaluationShare`
 splits the samples without repeating any; a replica that runs out of samples before the others
 gets one-sample padding batches, so that the replicas still step together (their step summaries
-are combined every step), and skips them (:func:`is_padding`). :func:`combine_over_replicas` then
-weights each replica's means by its real sample count and logs the step's global count as
-``batch_size``, which is what Lightning weights the epoch means by: every sample counts once, as
-in plain training on one process.
+are combined every step), and skips them (:func:`is_padding`). Replica ``j``'s ``k``-th batch holds
+the samples ``j, j + d, ...`` of plain training's ``k``-th batch of ``d`` times the batch size, so
+the replicas' batches of a step together are that global batch. :func:`combine_over_replicas` then
+weights each replica's means by what they average over (its real sample count, or with
+``loss_weight`` what that counts, such as tokens) and logs the step's global sample count as
+``batch_size``, which is what Lightning weights the epoch means by: every step's mean is the global
+batch's (its token mean under ``token_count``) and every sample counts once, as in plain training
+on one process with batches of ``d`` times the batch size.
 
 Samplers other than the plain sequential and random ones are kept as given: every replica then
 reads them whole (each pipeline keeps its own shared order), the replicas do not split the data,
@@ -180,14 +184,21 @@ def combine_over_replicas(
     last stage, which computed them): means as below, values logged with ``reduce_fx`` ``"max"``,
     ``"min"`` or ``"sum"`` by the largest, the smallest or the sum of the replicas' values.
 
-    Each value is weighted by the ``batch_size`` it was logged with where the step gave one, else by
-    ``samples``, the replica's real sample count (evaluation; 0 on a padding step, whose replica
-    takes the other replicas' names); ``samples=None`` (training, where every replica's batch has
-    the same size) weights the replicas equally. In evaluation each value is logged with the step's
-    global sample count as ``batch_size``, so that Lightning's epoch means count every sample once."""
-    weight = 1.0 if samples is None else float(samples)
+    In evaluation (``samples``: the replica's real sample count, 0 on a padding step, whose replica
+    takes the other replicas' names) each mean is weighted by the ``batch_size`` it was logged with
+    where the step gave one, else by the summary's ``items`` (what the replica's means average over:
+    its samples, or what ``loss_weight`` counts, such as tokens), so that the step's mean is the global
+    batch's; each value is logged with the step's global sample count as ``batch_size``, so that
+    Lightning's epoch means weight the steps as plain training weights its batches. ``samples=None``
+    (training, where every replica's batch has the same size) weights the replicas equally, as DDP
+    averages their gradients."""
+    # training: the replicas' batches weigh the same; evaluation: what the replica's means average over
+    # (nothing on a padding step)
+    weight = 1.0 if samples is None else float(summary.get("items", samples)) if samples else 0.0
     has_loss = summary["loss"] is not None
-    header = torch.tensor([float(len(summary["logs"])), float(has_loss), weight], dtype=torch.float64, device=device)
+    header = torch.tensor(
+        [float(len(summary["logs"])), float(has_loss), float(samples or 0)], dtype=torch.float64, device=device
+    )
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
     dist.all_gather(headers, header, group=group)
     rows = [h.tolist() for h in headers]
@@ -209,8 +220,9 @@ def combine_over_replicas(
     # max and min go through one MAX all-reduce (a min as the max of the negated values); a
     # replica without samples adds -inf there and nothing to the sums
     extremes = torch.full((len(structure),), -math.inf, dtype=torch.float64, device=device)
-    if weight > 0:
-        flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
+    if samples is None or samples > 0:  # a replica with samples but nothing counted (weight 0) adds no mean
+        if weight > 0:
+            flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
         for i, (_, value, kwargs) in enumerate(summary["logs"]):
             if how[i] in ("max", "min"):
                 extremes[i] = value if how[i] == "max" else -value
@@ -218,7 +230,8 @@ def combine_over_replicas(
                 flat[2 + 2 * i], flat[3 + 2 * i] = value, 1.0
             else:
                 logged = float(kwargs.get("batch_size", weight))
-                flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
+                if logged > 0:
+                    flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
     dist.all_reduce(flat, group=group)
     if any(h in ("max", "min") for h in how):
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
@@ -242,7 +255,7 @@ def combine_over_replicas(
         elif samples is not None:
             kwargs["batch_size"] = int(total)
         logs.append((name, reduced(i), kwargs))
-    return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
+    return {**summary, "loss": mean(0) if has_loss else None, "logs": logs, "items": sums[1]}
 
 
 __all__ = ["EMPTY", "EvaluationShare", "ReplicaOrder", "combine_over_replicas", "not_steered", "splittable"]
