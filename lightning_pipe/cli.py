@@ -279,10 +279,22 @@ def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -
     for key in node:
         if key in valid or key in hidden or (prefix == "trainer." and key in SET_BY_THE_COMMAND):
             continue
-        close = difflib.get_close_matches(str(key), valid, n=1)
-        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        hint = _hint(prefix, str(key), valid)
         problems.append(f"unknown key {prefix}{key!s}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
     return problems
+
+
+def _hint(prefix: str, name: str, valid: Sequence[str]) -> str:
+    """`` (did you mean <key>?)`` for an unknown key, naming only keys a user can write: a strategy or Trainer
+    argument given at the top level (``plan=auto``) is sent to its node (``strategy.plan``), and otherwise the
+    closest of ``valid`` (which holds no internal key such as the planner's ``plan_only``)."""
+    if not prefix:
+        if name in STRATEGY_KEYS:
+            return f" (did you mean strategy.{name}?)"
+        if name in inspect.signature(L.Trainer.__init__).parameters and name not in SET_BY_THE_COMMAND:
+            return f" (did you mean trainer.{name}?)"
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def instantiate_recipe(cfg: DictConfig, part: str) -> Any:
@@ -535,7 +547,9 @@ def check_overrides(args: Sequence[str]) -> None:
         if head == "hydra" or "/" in key or "." in rest:
             continue
         if not rest:
-            prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
+            if head in INTERNAL_KEYS:
+                continue
+            prefix, name, valid = "", head, _top_level_keys()
         elif head == "strategy":
             files = (Path(CONFIG_DIR) / "strategy").glob("*.yaml")
             in_files = {str(k) for f in files for k in OmegaConf.load(f)} - {"defaults"}  # Hydra's list, not a key
@@ -549,8 +563,7 @@ def check_overrides(args: Sequence[str]) -> None:
         else:
             continue
         if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            hint = _hint(prefix, name, valid)
             problems.append(f"unknown key {prefix}{name}{hint}. Valid keys: {', '.join(sorted(valid))}.")
     if problems:
         raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))

@@ -164,6 +164,7 @@ UNREAD_KEYS = [
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or "
                               r"logger=tensorboard"),
+    ("+plan=auto", r"unknown key plan \(did you mean strategy.plan\?\): nothing reads it\. Valid keys: (?!.*plan_)"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
                            r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
@@ -451,7 +452,12 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
                               ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean "
                                                      r"trainer.max_steps\?\)"),
                               ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
-                              ("strategy.defaults=[]", r"unknown key strategy.defaults\.")):  # fmt: skip
+                              ("strategy.defaults=[]", r"unknown key strategy.defaults\."),
+                              # a strategy or Trainer argument at the top level is sent to its node, and the
+                              # planner's internal plan_only key is never suggested
+                              ("plan=auto", r"unknown key plan \(did you mean strategy.plan\?\)"),
+                              ("max_steps=3", r"unknown key max_steps \(did you mean trainer.max_steps\?\)"),
+                              ("plan_onl=true", r"unknown key plan_onl\. Valid keys: (?!.*plan_only)")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):
             cli.main()
