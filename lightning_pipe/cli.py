@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -443,7 +443,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
             raise SystemExit(f"lightning-pipe: {error}") from error
     if cfg.strategy.name == "pipeline":
         warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
-    callbacks: list[L.Callback] = [SamplesPerSecond()]
+    callbacks: list[L.Callback] = [SamplesPerSecond(), *progress_bar(trainer_cfg)]
     summary: RunSummary | None = None
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
@@ -480,6 +480,13 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     if summary is not None and summary.text is not None:  # this process ran global rank 0
         print(summary.text, flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def progress_bar(trainer_cfg: dict[str, Any]) -> list[L.Callback]:
+    """Lightning's TQDM progress bar, chosen here: where ``rich`` is installed (the ``hf`` extra brings it)
+    Lightning would pick its rich bar, which writes ``Epoch 2/-2`` for a run bounded by steps (``max_epochs:
+    -1``). None where ``trainer.enable_progress_bar=false`` (Lightning refuses a bar then)."""
+    return [TQDMProgressBar()] if trainer_cfg.get("enable_progress_bar", True) else []
 
 
 def failure_sentence(error: BaseException, rank: int) -> Any:
