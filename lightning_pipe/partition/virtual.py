@@ -58,6 +58,7 @@ def split_stages(
     for s in sorted(mine):
         held.update(stage_layers(layers, balance, split_of(s, num_split)))
     host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine), num_stages)
+    host.held = (tuple(sorted({split_of(s, num_split) for s in mine})), num_split)  # what errors name
     return host, stages
 
 
