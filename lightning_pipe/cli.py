@@ -56,10 +56,6 @@ STRATEGY_KEYS = tuple(
     f.name for f in dataclasses.fields(PipelineConfig) if f.name not in ("init", "rename", "plan_all_layouts")
 ) + ("checkpoint",)
 LOGGERS = ("csv", "tensorboard")
-# Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
-# stage's values, averaged over the replicas, and Lightning drops sync_dist for a strategy that is not
-# `is_distributed` (the pipeline's is not, so that Lightning never swaps in its own sampler)
-SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
 # top-level keys that are not in config.yaml: what `lightning-pipe plan` adds
 INTERNAL_KEYS = ("plan_only",)
 # Trainer arguments the command line sets itself, and how to set them instead
@@ -441,8 +437,6 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
             data.prepare_data()
         except (OSError, RuntimeError, ValueError) as error:
             raise SystemExit(f"lightning-pipe: {error}") from error
-    if cfg.strategy.name == "pipeline":
-        warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
     callbacks: list[L.Callback] = [SamplesPerSecond(), *progress_bar(trainer_cfg)]
     summary: RunSummary | None = None
     if cfg.get("plan_only", False):
