@@ -155,10 +155,11 @@ def bottleneck(costs: Sequence[float], balance: Sequence[int], speeds: Sequence[
 
 def probe_timings(device: torch.device, repeats: int = 9) -> list[float]:
     """Seconds of each of ``repeats`` runs of a fixed workload on ``device`` (after a warm-up): matrix
-    products as one layer's forward and backward run them (three per iteration), long enough (30 to 40
-    ms a repeat on one core of the project's test machine) that a core shared with another process
-    shows its share, not one uninterrupted time slice, and repeated so that :func:`speeds_from_timings`
-    sees the noise. Leaves the random state as it was (its inputs have their own generator)."""
+    products as one layer's forward and backward run them (three per iteration), long enough (half of
+    the 80 iterations that took 60 to 80 ms on one core of the project's test machine) that a core shared
+    with another process shows its share, not one uninterrupted time slice, and repeated so that
+    :func:`speeds_from_timings` sees the noise. Leaves the random state as it was (its inputs have their
+    own generator)."""
     cuda = device.type == "cuda"
     size, iterations = (4096, 4) if cuda else (256, 40)
     generator = torch.Generator().manual_seed(0)
