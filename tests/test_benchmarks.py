@@ -369,8 +369,8 @@ def test_the_planners_first_choice_runs_near_its_prediction_on_the_benchmark_mlp
     """``plan="auto"`` on the benchmark MLP (2 CPU processes): the first choice's measured step (median of
     the steps after the warm-up) is within a factor of 4 of the planner's prediction either way. Generous:
     the profile is timed on an otherwise idle rank, and contention with other work on the machine is not
-    predicted (measured / predicted: 1.08 with Chimera x2, 3.47 with ZB-H1 x8, 2026-11-28, load average
-    about 10 on 2 cores)."""
+    predicted (measured / predicted: 1.08 with Chimera x2, 3.47 with ZB-H1 x8, 0.46 with interleaved ZB x1,
+    2026-11-28, load average 10 to 13 on 2 cores)."""
     import plan_check
 
     times = plan_check.run("mlp", 10, 3, str(tmp_path), plan="auto")
