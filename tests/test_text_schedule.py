@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_pipe.observe.picture import TimelinePicture
 from lightning_pipe.schedules import build, load_schedule
 from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
@@ -27,7 +28,13 @@ def test_a_hand_written_schedule_file_trains_as_plain_training(tmp_path: Path) -
     reference, piped = twins(TinyNet(depth=8))  # two layers on each of the 4 stages
     fit_plain(reference)
     # chunks and virtual_stages come from the text; the last batch of 4 samples still splits into 4
-    trainer = fit_pipeline(piped, 2, schedule=str(path), val_data=loader(n=20, batch_size=8, seed=5))
+    picture = tmp_path / "timeline.svg"
+    trainer = fit_pipeline(
+        piped, 2, schedule=str(path), val_data=loader(n=20, batch_size=8, seed=5), callbacks=[TimelinePicture(picture)]
+    )
     assert_same_weights(reference, piped)
     assert (trainer.strategy.virtual_stages, trainer.strategy.chunks) == (2, None)
     assert load_schedule(V_BY_HAND).actions != build("zbv", 2, 4, 2).actions  # not a built-in's order
+    svg = picture.read_text()  # the last step, measured, under the text's simulated prediction
+    assert 'data-title="text &#x27;my_schedule.csv&#x27;: predicted from' in svg
+    assert 'data-title="text &#x27;my_schedule.csv&#x27;: measured, the last training step' in svg

@@ -128,7 +128,8 @@ class TimelinePicture(pl.Callback):
             panels.append(predicted)
         step_seconds = max(b.end for b in measured)
         which = "the last training step" if self.step == -1 else f"training step {self.step}"
-        panels.append((f"{name}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
+        label = traits(name).label if is_schedule_text(name) else name  # a schedule text: its file's name
+        panels.append((f"{label}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
         self.svg = timeline_svg(panels, unit="s")
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +162,8 @@ class TimelinePicture(pl.Callback):
             return None
         simulation = simulate(schedule, stage_costs=[costs[s] for s in range(ranks * virtual)], rendezvous=rendezvous)
         times = "forward, backward (B) and weight-gradient (W)" if schedule.split_backward else "forward and backward"
-        return f"{name}: predicted from each stage's median {times} times", simulated_bars(simulation)
+        label = traits(name).label if is_schedule_text(name) else name
+        return f"{label}: predicted from each stage's median {times} times", simulated_bars(simulation)
 
 
 __all__ = ["TimelinePicture"]

@@ -76,6 +76,8 @@ def test_a_hand_written_1f1b_is_the_built_in_one_and_has_its_traits() -> None:
     assert build(ONE_F_ONE_B, 2, 4) is schedule
     assert simulate(schedule).bubble_fraction == simulate(built).bubble_fraction
     assert render(schedule).splitlines()[0] == render(built).splitlines()[0]
+    with pytest.raises(ScheduleTextError, match="written for 2 pipeline stages .*asked for 4"):
+        stage_positions(ONE_F_ONE_B, 4, 1)  # a run with another depth, refused when its layout is known
     config = PipelineConfig(schedule=ONE_F_ONE_B)
     assert (config.num_microbatches(2), config.virtual_stages) == (4, 1)
     with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 3"):
