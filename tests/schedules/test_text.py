@@ -23,6 +23,7 @@ from lightning_pipe.schedules import (
     traits,
     validate,
 )
+from lightning_pipe.schedules.__main__ import main
 from lightning_pipe.schedules.runnable import ScheduleRefused, runnable_schedule
 from lightning_pipe.schedules.text import forward_like_text
 
@@ -114,6 +115,7 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
             r"line 2 \(rank 1\), position 2 \(SEND_B0@s1\): sends before B0@s1 produced it",
         ),
         ("0F0,0B-1\n1F0,1B0\n", r"line 1: RECV_B-1@s0 is work of the batch before .* asynchronous ones are built in"),
+        ("0F-1,0B-1\n", r"line 1: F-1@s0 is work of the batch before"),
         ("0F0\n1F0\n", r"no backward"),
         ("0F0,1F0,1B0,0B0\n2F0,2B0\n", r"compute \[2, 1\] stages; .* the same number of stages"),
         ("0F0,3F1,3B1,0B0\n2F1,1F0,1B0,2B1\n", r"2 chains of stages, Chimera's .* use schedule='chimera'"),
@@ -148,3 +150,18 @@ def test_a_text_schedule_is_synchronous_and_fixes_its_chunks(options: dict, matc
 def test_an_unknown_name_says_a_schedule_can_be_text() -> None:
     with pytest.raises(ValueError, match=r"Valid schedules: .*1f1b.*or your own as text: the path of a \.csv"):
         traits("zigzag")
+
+
+def test_the_command_checks_a_file_and_prints_its_timeline(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    main(["--write", "interleaved_1f1b", "2", "2"])
+    written = capsys.readouterr().out
+    assert parse_schedule(written) == parse_schedule(format_schedule(build("interleaved_1f1b", 2, 2, 2)))
+    (tmp_path / "mine.txt").write_text(written)
+    main([str(tmp_path / "mine.txt")])
+    assert capsys.readouterr().out.endswith(
+        "mine.txt: 4 stages, 2 micro-batches, bubble 20.0%, peak micro-batches held per stage 2, 2, 2, 1\n"
+    )
+    (tmp_path / "bad.txt").write_text(written.replace("2B1", "2B0", 1))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "bad.txt")])
+    assert "schedule text 'bad.txt'" in capsys.readouterr().err
