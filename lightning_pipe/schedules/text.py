@@ -131,11 +131,15 @@ def read_schedule_text(spec: str) -> tuple[str, str]:
     return path.read_text(), path.name
 
 
-@functools.lru_cache(maxsize=16)
 def load_schedule(spec: str) -> Schedule:
     """The schedule that ``spec`` (a text or the path of one) writes, validated under gloo's
-    communication model (NCCL's is checked when the run knows its backend). Errors name the line."""
-    text, name = read_schedule_text(spec)
+    communication model (NCCL's is checked when the run knows its backend). Errors name the line.
+    A file is read at each call (an edited file counts), a text checked once."""
+    return _checked(*read_schedule_text(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _checked(text: str, name: str) -> Schedule:
     try:
         schedule = parse_schedule(text, name)
     except ScheduleTextError as err:

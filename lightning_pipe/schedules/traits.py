@@ -161,12 +161,15 @@ def traits(name: str) -> ScheduleTraits:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def text_traits(spec: str) -> ScheduleTraits:
     """A schedule text's traits: synchronous; its stages where it computes them, as many on each
     rank; its backward split where it has W; its own micro-batch count only. Refuses, before any
     process runs it, a text that training cannot run."""
-    schedule = load_schedule(spec)
+    return _text_traits(spec, load_schedule(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
     where = f"schedule text {schedule.name!r}"
     if schedule.forward_only:
         raise ScheduleTextError(f"{where} has no backward (B or I): a training schedule runs each forward's backward")

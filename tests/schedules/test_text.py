@@ -100,6 +100,8 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
     assert forward_like_text(t.text, 1).num_microbatches == 1  # type: ignore[arg-type]
     config = PipelineConfig(schedule=path)  # a Path too
     assert (config.schedule, config.virtual_stages, config.num_microbatches(2)) == (str(path), 2, 2)
+    path.write_text(ONE_F_ONE_B)  # edited: read again
+    assert (traits(str(path)).virtual_stages, PipelineConfig(schedule=path).num_microbatches(2)) == (1, 4)
 
 
 @pytest.mark.parametrize(
