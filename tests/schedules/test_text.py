@@ -93,6 +93,8 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
     t = traits(str(path))
     assert (t.virtual_stages, t.split_backward, t.label) == (2, True, "text 'v.csv'")
     assert stage_positions(str(path), 2, 2) == [0, 1, 1, 0]
+    as_written = build(str(path), 2, 2, 2)
+    assert build(str(path), 2, 2, 2, rendezvous=True).actions != as_written.actions  # deadlocks under NCCL as written
     for rendezvous in (False, True):  # regrouped under NCCL where it needs it, and evaluation on any count
         validate(build(str(path), 2, 2, 2, rendezvous=rendezvous), rendezvous=rendezvous)
         evaluation = runnable_schedule(str(path), "forward", 2, 3, 2, rendezvous)
