@@ -43,6 +43,7 @@ from lightning_pipe.observe.stage_metrics import StageMetrics
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import traits
+from lightning_pipe.schedules.text import TEXT_SUFFIXES
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
 
@@ -230,6 +231,9 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         args.get("loss_weight"), DictConfig
     ):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
         args["loss_weight"] = instantiate(args["loss_weight"])
+    schedule = args.get("schedule")
+    if isinstance(schedule, str) and schedule.endswith(TEXT_SUFFIXES) and Path(schedule).is_file():
+        args["schedule"] = str(Path(schedule).resolve())  # a schedule text's path, the same from every process
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
     if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
