@@ -35,22 +35,25 @@ def vit(layers: int = 4) -> nn.Module:
 
 
 def mixtral(layers: int = 4, router_logits: bool = False) -> nn.Module:
-    """A tiny Mixtral (4 experts, 2 per token); ``router_logits``: its load-balancing loss on."""
+    """A tiny Mixtral (4 experts, 2 per token); ``router_logits``: its load-balancing loss on, with a
+    coefficient (0.02) that moves the routers visibly within a few steps."""
     config = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
-                                        eos_token_id=0, output_router_logits=router_logits)  # fmt: skip
+                                        eos_token_id=0, output_router_logits=router_logits,
+                                        router_aux_loss_coef=0.02)  # fmt: skip
     return transformers.MixtralForCausalLM(config)
 
 
 def qwen2_moe(layers: int = 4, router_logits: bool = False) -> nn.Module:
     """A tiny Qwen2-MoE (4 experts, 2 per token, a shared expert); ``router_logits``: its
-    load-balancing loss on."""
+    load-balancing loss on (coefficient 0.02)."""
     config = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                                          shared_expert_intermediate_size=64, num_hidden_layers=layers,
                                          num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                          num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
-                                         eos_token_id=0, output_router_logits=router_logits)  # fmt: skip
+                                         eos_token_id=0, output_router_logits=router_logits,
+                                         router_aux_loss_coef=0.02)  # fmt: skip
     return transformers.Qwen2MoeForCausalLM(config)
 
 
