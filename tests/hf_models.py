@@ -57,6 +57,27 @@ def qwen2_moe(layers: int = 4, router_logits: bool = False) -> nn.Module:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+def qwen3_moe(layers: int = 4, router_logits: bool = False) -> nn.Module:
+    """A tiny Qwen3-MoE (4 experts, 2 per token) whose block 1 is dense (``mlp_only_layers``: it
+    records no router logits); ``router_logits``: its load-balancing loss on (coefficient 0.02)."""
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                         output_router_logits=router_logits, router_aux_loss_coef=0.02)  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def olmoe(layers: int = 4, router_logits: bool = False) -> nn.Module:
+    """A tiny OLMoE (4 experts, 2 per token); ``router_logits``: its load-balancing loss on (0.02)."""
+    config = transformers.OlmoeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=None,
+                                      bos_token_id=0, eos_token_id=0, output_router_logits=router_logits,
+                                      router_aux_loss_coef=0.02)  # fmt: skip
+    return transformers.OlmoeForCausalLM(config)
+
+
 #: name -> (builder taking the number of blocks (default 4), the path of its block container in :class:`HFModule`)
 MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "gpt2": (gpt2, "model.transformer.h"),
@@ -74,6 +95,8 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
 MOE_MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "mixtral": (mixtral, "model.model.layers"),
     "qwen2_moe": (qwen2_moe, "model.model.layers"),
+    "qwen3_moe": (qwen3_moe, "model.model.layers"),
+    "olmoe": (olmoe, "model.model.layers"),
 }
 
 

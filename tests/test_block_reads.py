@@ -95,6 +95,10 @@ def test_the_moe_load_balancing_loss_trains_as_plain_under_1f1b() -> None:
         ("qwen2_moe", 2, {"schedule": "1f1b"}),
         ("qwen2_moe", 4, {"schedule": "zero_bubble"}),
         ("mixtral", 2, {"schedule": "interleaved_zero_bubble", "virtual_stages": 2}),
+        ("qwen3_moe", 2, {"schedule": "1f1b"}),  # block 1 dense: it records no router logits
+        ("qwen3_moe", 4, {"schedule": "1f1b"}),  # a stage whose only block records none
+        ("olmoe", 2, {"schedule": "1f1b"}),
+        ("olmoe", 4, {"schedule": "zero_bubble"}),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())) if isinstance(v, dict) else f"{v}p",
 )
