@@ -156,6 +156,10 @@ class HFModule(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, labels = batch
+        if self.microbatches > 1:  # as the pipeline weights its micro-batches' logged values
+            parts = zip(inputs.tensor_split(self.microbatches), labels.tensor_split(self.microbatches))
+            self.log("val_loss", sum(self(x, y).loss * (len(x) / len(inputs)) for x, y in parts))
+            return
         self.log("val_loss", self(inputs, labels).loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

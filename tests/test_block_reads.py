@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.models import ReadsBlocksNet, fit_plain, loader
+from tests.models import ReadsBlocksNet, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 
@@ -53,10 +53,11 @@ def _gates(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".mlp.gate.weight")}
 
 
-def _moe_parity(name: str, processes: int, **options: object) -> None:
+def _moe_parity(name: str, processes: int, validate: bool = False, **options: object) -> None:
     """``name`` with its load-balancing loss (coefficient 0.02) trained under the pipeline equals plain
     training on the same micro-batches (the loss, a product of per-expert means over a forward's
-    tokens, is not additive over tokens: the pipeline's micro-batches are its forwards)."""
+    tokens, is not additive over tokens: the pipeline's micro-batches are its forwards); with
+    ``validate``, so does the validation loss of the trained model."""
     build, path = MOE_MODELS[name]
     chunks = 2 * processes
     torch.manual_seed(0)
@@ -74,12 +75,19 @@ def _moe_parity(name: str, processes: int, **options: object) -> None:
     assert start and all(not torch.equal(moved[n], start[n]) for n in start)
     # the load-balancing loss moved every router (of every stage) beyond the tolerance of the comparison
     assert all((moved[n] - aux[n]).abs().max() > 1e-4 for n in start)
+    if validate:  # without gradients the router logits cross too, and the loss reads them all
+        val = data_for(name, n=16, seed=1)
+        plain = plain_trainer().validate(reference, val, verbose=False)[0]["val_loss"]
+        piped_val = pipeline_trainer(processes, module=path, chunks=chunks, **options).validate(
+            piped, val, verbose=False
+        )
+        assert piped_val[0]["val_loss"] == pytest.approx(plain, rel=1e-5)
 
 
 def test_the_moe_load_balancing_loss_trains_as_plain_under_1f1b() -> None:
     """Mixtral's router logits travel from blocks 0-1 to the last stage, which computes the loss; its
     gradient reaches the first stage's routers."""
-    _moe_parity("mixtral", 2, schedule="1f1b")
+    _moe_parity("mixtral", 2, validate=True, schedule="1f1b")
 
 
 @pytest.mark.slow
