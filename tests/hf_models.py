@@ -35,23 +35,47 @@ def vit(layers: int = 4) -> nn.Module:
 
 
 def mixtral(layers: int = 4, router_logits: bool = False) -> nn.Module:
-    """A tiny Mixtral (4 experts, 2 per token); ``router_logits``: its load-balancing loss on."""
+    """A tiny Mixtral (4 experts, 2 per token); ``router_logits``: its load-balancing loss on, with a
+    coefficient (0.02) that moves the routers visibly within a few steps."""
     config = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
-                                        eos_token_id=0, output_router_logits=router_logits)  # fmt: skip
+                                        eos_token_id=0, output_router_logits=router_logits,
+                                        router_aux_loss_coef=0.02)  # fmt: skip
     return transformers.MixtralForCausalLM(config)
 
 
 def qwen2_moe(layers: int = 4, router_logits: bool = False) -> nn.Module:
     """A tiny Qwen2-MoE (4 experts, 2 per token, a shared expert); ``router_logits``: its
-    load-balancing loss on."""
+    load-balancing loss on (coefficient 0.02)."""
     config = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                                          shared_expert_intermediate_size=64, num_hidden_layers=layers,
                                          num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                          num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
-                                         eos_token_id=0, output_router_logits=router_logits)  # fmt: skip
+                                         eos_token_id=0, output_router_logits=router_logits,
+                                         router_aux_loss_coef=0.02)  # fmt: skip
     return transformers.Qwen2MoeForCausalLM(config)
+
+
+def qwen3_moe(layers: int = 4, router_logits: bool = False) -> nn.Module:
+    """A tiny Qwen3-MoE (4 experts, 2 per token) whose block 1 is dense (``mlp_only_layers``: it
+    records no router logits); ``router_logits``: its load-balancing loss on (coefficient 0.02)."""
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                         output_router_logits=router_logits, router_aux_loss_coef=0.02)  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def olmoe(layers: int = 4, router_logits: bool = False) -> nn.Module:
+    """A tiny OLMoE (4 experts, 2 per token); ``router_logits``: its load-balancing loss on (0.02)."""
+    config = transformers.OlmoeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=None,
+                                      bos_token_id=0, eos_token_id=0, output_router_logits=router_logits,
+                                      router_aux_loss_coef=0.02)  # fmt: skip
+    return transformers.OlmoeForCausalLM(config)
 
 
 #: name -> (builder taking the number of blocks (default 4), the path of its block container in :class:`HFModule`)
@@ -71,6 +95,8 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
 MOE_MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "mixtral": (mixtral, "model.model.layers"),
     "qwen2_moe": (qwen2_moe, "model.model.layers"),
+    "qwen3_moe": (qwen3_moe, "model.model.layers"),
+    "olmoe": (olmoe, "model.model.layers"),
 }
 
 
@@ -130,6 +156,10 @@ class HFModule(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         inputs, labels = batch
+        if self.microbatches > 1:  # as the pipeline weights its micro-batches' logged values
+            parts = zip(inputs.tensor_split(self.microbatches), labels.tensor_split(self.microbatches))
+            self.log("val_loss", sum(self(x, y).loss * (len(x) / len(inputs)) for x, y in parts))
+            return
         self.log("val_loss", self(inputs, labels).loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -18,7 +18,8 @@ word. Two checks stop that before any weight changes, in training and evaluation
 - Hugging Face models (transformers 5) record hidden states, attentions and router logits with
   forward hooks on submodules of their blocks while a collector is active; a block held elsewhere
   does not run here, so its entries would be missing. A skipped block called while that collector
-  records anything raises at once, in training and evaluation alike.
+  records anything raises at once, in training and evaluation alike; except the router logits of
+  an MoE model's load-balancing loss, which cross stages (:mod:`lightning_pipe.runtime.carried`).
 """
 
 from __future__ import annotations
@@ -54,22 +55,13 @@ def hf_recording() -> list[str]:
     return sorted(k for k in collected or {} if not k.startswith("_"))
 
 
-def refuse_recorded_outputs(index: int, bounds: tuple[int, int]) -> None:
-    """Raise if the model records outputs of its blocks' submodules while block ``index``, which
-    another stage runs, is skipped here."""
-    keys = hf_recording()
+def refuse_recorded_outputs(index: int, bounds: tuple[int, int], keys: list[str]) -> None:
+    """Raise if the model records outputs of its blocks' submodules (``keys``, as :func:`hf_recording`
+    gives them, less the router logits that cross stages) while block ``index``, which another stage
+    runs, is skipped here."""
     if not keys:
         return
     span = _span(bounds)
-    if keys == ["router_logits"]:
-        raise HeldBlockRead(
-            "The model records the router logits of every block for its MoE load-balancing loss "
-            "(output_router_logits=True, passed to the call or set in the model's config), but block "
-            f"{index} runs on another pipeline stage and this stage runs only {span}: the loss would see only "
-            "this stage's routers and give the other stages' routers no gradient. Set output_router_logits=False "
-            "(in the call and in model.config): the model then trains without its auxiliary loss, as it would "
-            "without the pipeline with that setting."
-        )
     flags = sorted({_HF_FLAGS.get(k, f"output_{k}") for k in keys})
     raise HeldBlockRead(
         f"The model records {', '.join(keys)} from every block with forward hooks ({' / '.join(flags)}=True, passed to "

@@ -20,7 +20,9 @@ What crosses a stage boundary is exactly the first argument a block is called wi
 state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
 the micro-batch on every stage, and a block must not return anything but the next hidden state that
 a later block needs (see the README's "Bring your own model"). A model that reads another stage's
-block's output is refused (:mod:`lightning_pipe.runtime.block_reads`).
+block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for the router logits
+a Hugging Face MoE model records for its load-balancing loss, which travel with the micro-batch
+beside the hidden state (:mod:`lightning_pipe.runtime.carried`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
-from lightning_pipe.runtime.block_reads import held, hf_recording, refuse_held, refuse_recorded_outputs
+from lightning_pipe.runtime.block_reads import (
+    HeldBlockRead,
+    held,
+    hf_recording,
+    refuse_held,
+    refuse_recorded_outputs,
+)
+from lightning_pipe.runtime.carried import CARRIED_KEY, Carry, recorded_list
 from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
 from lightning_pipe.runtime.recomputation import keep_buffers
 
@@ -188,6 +197,8 @@ class BlockDrive:
         stops: whether the pass ends at block ``stop`` (every stage but the last).
         use_checkpoint: recompute each block in the backward.
         params: the weight version to run on (asynchronous schedules), by the host's names.
+        carry: the router logits received for earlier blocks and recorded by this stage's.
+        refusal: why this run cannot carry router logits (the schedule), None where it can.
     """
 
     def __init__(
@@ -197,6 +208,8 @@ class BlockDrive:
         stops: bool,
         use_checkpoint: bool,
         params: dict[str, Tensor] | None,
+        carry: Carry | None = None,
+        refusal: str | None = None,
     ) -> None:
         self.start, self.stop = bounds
         self.received = received
@@ -207,6 +220,8 @@ class BlockDrive:
         self.captured: Any | None = None
         self.finished = False
         self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
+        self.carry = carry if carry is not None else Carry(self.start, None)
+        self.refusal = refusal
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -282,10 +297,30 @@ class _Skipped(_Entry):
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
         recording = hf_recording()
-        if not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
+        if CARRIED_KEY in recording:
+            self._feed(bounds)
+            recording.remove(CARRIED_KEY)
+        if recording and not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
             refuse_forced_read(recording, self._index, bounds)
-            refuse_recorded_outputs(self._index, bounds)
+            refuse_recorded_outputs(self._index, bounds, recording)
         return held(self._hidden(args, kwargs)[0], self._index, bounds)
+
+    def _feed(self, bounds: tuple[int, int]) -> None:
+        """The model records router logits: give it those this block recorded on its stage."""
+        drive = self._drive
+        if drive.refusal is None and drive.carry.feed(self._index):
+            return
+        reason = drive.refusal or (
+            "they were not received from the previous stage (this block runs on a later stage, or the earlier "
+            "stages' forward did not record them)"
+        )
+        raise HeldBlockRead(
+            "The model records the router logits of every block for its MoE load-balancing loss "
+            f"(output_router_logits=True), but block {self._index} runs on another pipeline stage (this stage runs "
+            f"only blocks {bounds[0]}..{bounds[1] - 1}) and its router logits cannot reach this stage: {reason}. "
+            "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
+            "without its auxiliary loss, as it would without the pipeline with that setting."
+        )
 
 
 class _Boundary(_Entry):
@@ -334,6 +369,8 @@ class _Local(_Entry):
         def run(*a: Any, **k: Any) -> Any:
             return functional_call(block, own, a, k) if own else block(*a, **k)
 
+        recorded = recorded_list()
+        before = len(recorded) if recorded is not None else 0
         if not drive.use_checkpoint:
             output = run(*args, **kwargs)
         else:
@@ -345,6 +382,7 @@ class _Local(_Entry):
                 context_fn=lambda: keep_buffers(block),
                 **kwargs,
             )
+        drive.carry.record(self._index, before)
         drive.outputs.returned(self._index, output, args, kwargs)
         return output
 

@@ -34,6 +34,7 @@ class _Inbox:
     buffers: list[Tensor]
     flags: tuple[bool, ...] = ()
     was_tuple: bool = False
+    carried: tuple[int, ...] = ()  # per earlier block, its recorded values after the hidden state
 
     def wait(self) -> list[Tensor]:
         for work in self.works:
@@ -72,7 +73,8 @@ class _Run:
     split_backward: bool = False
     checked: bool = False  # whether ``calls.before_receive`` ran
     inbox: dict[Action, _Inbox] = field(default_factory=dict)
-    outbox: dict[Action, tuple[Sequence[Tensor], bool]] = field(default_factory=dict)
+    # activations: (tensors, was_tuple, carried counts); gradients: (tensors, False, ())
+    outbox: dict[Action, tuple[Sequence[Tensor], bool, tuple[int, ...]]] = field(default_factory=dict)
     sends: list[tuple[Any, Op]] = field(default_factory=list)
     following: dict[Action, Action] = field(default_factory=dict)  # receive -> the next one, to prefetch
     spans: dict[int, int] = field(default_factory=dict)  # overlapped units: first compute -> last
@@ -227,11 +229,13 @@ class Executor:
             if not self._is_local(action):
                 rest.append(action)
             elif action.kind is ActionKind.SEND_ACTIVATION:
-                tensors, was_tuple = run.outbox.pop(action)
+                tensors, was_tuple, carried = run.outbox.pop(action)
                 flags = tuple(bool(t.requires_grad) for t in tensors)
-                run.inbox[action.matching()] = _Inbox([], [t.detach().clone() for t in tensors], flags, was_tuple)
+                run.inbox[action.matching()] = _Inbox(
+                    [], [t.detach().clone() for t in tensors], flags, was_tuple, carried
+                )
             elif action.kind is ActionKind.SEND_GRADIENT:
-                grads, _ = run.outbox.pop(action)
+                grads, _, _ = run.outbox.pop(action)
                 run.inbox[action.matching()] = _Inbox([], [g.detach() for g in grads])
         return rest
 
@@ -242,11 +246,11 @@ class Executor:
         ops: list[Op] = []
         for action in group:  # sends first: their headers unblock the peer
             if action.kind is ActionKind.SEND_ACTIVATION:
-                tensors, was_tuple = run.outbox.pop(action)
+                tensors, was_tuple, carried = run.outbox.pop(action)
                 key = self._activation_key(action, run, action.stage + 1)
-                ops += self.transport.activation_send_ops(action.stage + 1, key, tensors, was_tuple)
+                ops += self.transport.activation_send_ops(action.stage + 1, key, tensors, was_tuple, carried)
             elif action.kind is ActionKind.SEND_GRADIENT:
-                grads, _ = run.outbox.pop(action)
+                grads, _, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads)
         if (
             ops
@@ -306,7 +310,7 @@ class Executor:
         with header:
             self._before_receive(run)
             buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key)
-        return _Inbox([], buffers, meta.requires_grad, meta.was_tuple), ops
+        return _Inbox([], buffers, meta.requires_grad, meta.was_tuple, meta.carried), ops
 
     @staticmethod
     def _before_receive(run: _Run) -> None:
@@ -396,7 +400,7 @@ class Executor:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span(run, "wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
-                received = (tensors, box.flags, box.was_tuple)
+                received = (tensors, box.flags, box.was_tuple, box.carried)
             with self._span(run, "F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received, run.calls.step)
             if depth < run.num_stages - 1:
@@ -417,4 +421,4 @@ class Executor:
             input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
         if depth > 0:
             assert input_grads is not None
-            run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False)
+            run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False, ())

@@ -1,7 +1,10 @@
 """Shape-aware point-to-point transport between neighbouring stages.
 
 Activations travel with a small header (dtypes, shapes, which tensors need a gradient, whether
-the stage returned a tuple) so a receiver can allocate buffers for shapes it has never seen. A
+the stage returned a tuple, and how many recorded values of each earlier block travel after the
+hidden state: :mod:`lightning_pipe.runtime.carried`) so a receiver can allocate buffers for shapes
+it has never seen. The header goes as its length, then its integers, so it has no fixed size: a
+64-layer MoE's router logits (one tensor per block) need no cap. A
 header goes once per *shape key* (the stage and the micro-batch's input shapes), which every rank
 computes alike because every rank sees the same batch: steady-state steps send payloads only, while
 a short last batch or a new sequence length sends a fresh header. Headers use a gloo group, so on
@@ -19,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-HEADER_LEN = 256
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -34,33 +36,33 @@ class TensorMeta:
     dtypes: tuple[torch.dtype, ...]
     requires_grad: tuple[bool, ...]
     was_tuple: bool
+    #: per earlier block, how many of its recorded values travel after the hidden state (empty: none)
+    carried: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, tensors: Sequence[Tensor], was_tuple: bool) -> TensorMeta:
+    def of(cls, tensors: Sequence[Tensor], was_tuple: bool, carried: tuple[int, ...] = ()) -> TensorMeta:
         return cls(
             tuple(tuple(t.shape) for t in tensors),
             tuple(t.dtype for t in tensors),
             tuple(bool(t.requires_grad) for t in tensors),
             was_tuple,
+            carried,
         )
 
     def encode(self) -> Tensor:
-        values = [int(self.was_tuple), len(self.shapes)]
+        """The header's integers (any number: :meth:`Transport.activation_send_ops` sends its length first)."""
+        values = [int(self.was_tuple), len(self.shapes), len(self.carried), *self.carried]
         for shape, dtype, grad in zip(self.shapes, self.dtypes, self.requires_grad):
             if dtype not in _DTYPES:
                 raise TypeError(f"A pipeline stage output has dtype {dtype}, which cannot be sent between stages.")
             values += [_DTYPES.index(dtype), int(grad), len(shape), *shape]
-        if len(values) > HEADER_LEN:
-            raise ValueError(
-                f"A pipeline stage output is too complex to describe in {HEADER_LEN} integers "
-                f"({len(self.shapes)} tensors); return fewer tensors between stages."
-            )
-        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
     def decode(cls, header: Tensor) -> TensorMeta:
         values = header.tolist()
-        was_tuple, count, pos = bool(values[0]), values[1], 2
+        was_tuple, count, blocks = bool(values[0]), values[1], values[2]
+        carried, pos = tuple(values[3 : 3 + blocks]), 3 + blocks
         shapes, dtypes, grads = [], [], []
         for _ in range(count):
             dtype, grad, ndim = values[pos : pos + 3]
@@ -68,7 +70,7 @@ class TensorMeta:
             dtypes.append(_DTYPES[dtype])
             grads.append(bool(grad))
             pos += 3 + ndim
-        return cls(tuple(shapes), tuple(dtypes), tuple(grads), was_tuple)
+        return cls(tuple(shapes), tuple(dtypes), tuple(grads), was_tuple, carried)
 
 
 @dataclass
@@ -110,15 +112,20 @@ class Transport:
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
 
-    def activation_send_ops(self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool) -> list[Op]:
-        """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now."""
+    def activation_send_ops(
+        self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool, carried: tuple[int, ...] = ()
+    ) -> list[Op]:
+        """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now
+        (its length, then its integers)."""
         peer = self.stage_ranks[to_stage]
-        meta = TensorMeta.of(tensors, was_tuple)
+        meta = TensorMeta.of(tensors, was_tuple, carried)
         known = self._sent.get(key)
         if known is None:
             self._sent[key] = meta
             header = meta.encode()
-            self._header_works.append((dist.isend(header, peer, group=self.meta_group), header))
+            length = torch.tensor([header.numel()], dtype=torch.int64)
+            for part in (length, header):
+                self._header_works.append((dist.isend(part, peer, group=self.meta_group), part))
         elif known != meta:
             raise RuntimeError(
                 f"Stage {to_stage - 1} produced outputs of shapes {list(meta.shapes)} for a micro-batch whose input "
@@ -136,7 +143,9 @@ class Transport:
         peer = self.stage_ranks[from_stage]
         meta = self._received.get(key)
         if meta is None:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            length = torch.empty(1, dtype=torch.int64)
+            dist.recv(length, peer, group=self.meta_group)
+            header = torch.empty(int(length.item()), dtype=torch.int64)
             dist.recv(header, peer, group=self.meta_group)
             meta = self._received[key] = TensorMeta.decode(header)
         device = "cpu" if self.through_host else self.device

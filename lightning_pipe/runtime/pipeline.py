@@ -39,6 +39,7 @@ from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.blocks import BlockStage
+from lightning_pipe.runtime.carried import carrying_refusal
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.elastic_average import ElasticAverage
 from lightning_pipe.runtime.executor import Callbacks, Executor
@@ -162,6 +163,9 @@ class StagePipeline:
             s: StageRunner(m, checkpoint=options.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
         }
+        refusal = carrying_refusal(options.schedule)
+        for runner in self.runners.values():
+            runner.carry_refusal = refusal
         self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
         self.elastic: ElasticAverage | None = (
             None  # replicas_sync="elastic": no gradient all-reduce, a pull every period

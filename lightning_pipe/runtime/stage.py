@@ -20,8 +20,9 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime import weight_store
-from lightning_pipe.runtime.block_reads import refuse_held
+from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
+from lightning_pipe.runtime.carried import Carry
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -137,8 +138,12 @@ def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
 #: or None when nothing is backpropagated (evaluation).
 StepFn = Callable[[int], Tensor | None]
 
-#: An activation as received: its tensors, which of them carry a gradient, whether it was a tuple.
-Received = tuple[list[Tensor], tuple[bool, ...], bool]
+#: An activation as received: its tensors, which of them carry a gradient, whether it was a tuple,
+#: and per earlier block how many recorded values follow the hidden state (:mod:`.carried`).
+Received = tuple[list[Tensor], tuple[bool, ...], bool, tuple[int, ...]]
+
+#: What a stage sends on: its tensors, whether the hidden state was a tuple, the carried counts.
+Sent = tuple[tuple[Tensor, ...], bool, tuple[int, ...]]
 
 
 class StageRunner:
@@ -169,6 +174,8 @@ class StageRunner:
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
+        #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
+        self.carry_refusal: str | None = None
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -195,7 +202,7 @@ class StageRunner:
 
     def forward(
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None = None
-    ) -> tuple[tuple[Tensor, ...], bool] | None:
+    ) -> Sent | None:
         """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage; ``step``
         runs the user's step for a micro-batch (needed on the first and last stages, and for block
@@ -211,7 +218,7 @@ class StageRunner:
 
     def _forward(
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None
-    ) -> tuple[tuple[Tensor, ...], bool] | None:
+    ) -> Sent | None:
         training = torch.is_grad_enabled()
         use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
         self._microbatches = num_microbatches
@@ -223,7 +230,7 @@ class StageRunner:
                 self.trace.append(("F", microbatch, version))
         leaves: list[Tensor] = []
         if received is not None:
-            tensors, flags, was_tuple = received
+            tensors, flags, was_tuple, _ = received
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
             value = from_tuple(tuple(leaves), was_tuple)
         if isinstance(self.module, BlockStage):
@@ -265,7 +272,7 @@ class StageRunner:
         tensors_out, was_tuple_out = as_tuple(output)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
-        return tensors_out, was_tuple_out
+        return tensors_out, was_tuple_out, ()
 
     def _forward_blocks(
         self,
@@ -276,13 +283,19 @@ class StageRunner:
         use_ckpt: bool,
         params: dict[str, Tensor] | None,
         step: StepFn | None,
-    ) -> tuple[tuple[Tensor, ...], bool] | None:
+    ) -> Sent | None:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
-        the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`)."""
+        the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`).
+        The router logits received for earlier blocks (after the hidden state) go to the model's
+        recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
-        value = None if received is None else from_tuple(tuple(leaves), received[2])
-        drive = BlockDrive(self.module.bounds, value, not self.is_last, use_ckpt, params)
+        hidden, carried = Carry.split(leaves, received[3] if received is not None else ())
+        value = None if received is None else from_tuple(tuple(hidden), received[2])
+        carry = Carry(self.module.bounds[0], carried)
+        drive = BlockDrive(
+            self.module.bounds, value, not self.is_last, use_ckpt, params, carry, refusal=self.carry_refusal
+        )
         loss = None
         try:
             loss = self._run_step(step, microbatch % num_microbatches, drive)
@@ -300,10 +313,18 @@ class StageRunner:
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
             return None
-        tensors_out, was_tuple_out = as_tuple(drive.captured)
+        hidden_out, was_tuple_out = as_tuple(drive.captured)
+        tensors_out, counts = carry.outgoing(hidden_out, self.module.bounds[1])
+        if counts and self.carry_refusal is not None:
+            raise HeldBlockRead(
+                "The model records the router logits of every block for its MoE load-balancing loss "
+                f"(output_router_logits=True), and they cannot travel to the last stage: {self.carry_refusal}. "
+                "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
+                "without its auxiliary loss."
+            )
         if training:
-            self._saved[microbatch] = (leaves, tensors_out)
-        return tensors_out, was_tuple_out
+            self._saved[microbatch] = (leaves, tuple(tensors_out))
+        return tuple(tensors_out), was_tuple_out, counts
 
     def holds(self, microbatch: int) -> bool:
         """Whether ``microbatch``'s forward has run and its backward has not."""

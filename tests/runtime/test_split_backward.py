@@ -44,7 +44,7 @@ def test_b_leaves_the_linear_weight_gradients_to_w(checkpoint: str, fuse: bool) 
     runner = _runner(layers, checkpoint)
     with fused_linear.accumulating(fuse), torch.enable_grad():
         for i, x in enumerate(xs):
-            runner.forward(i, 3, ([x.clone()], (True,), False))
+            runner.forward(i, 3, ([x.clone()], (True,), False, ()))
         for i, g in enumerate(gs):
             (input_grad,) = runner.backward_input(i, [g])
             torch.testing.assert_close(input_grad, input_grads[i])
@@ -75,7 +75,7 @@ def test_other_parameters_get_their_gradients_in_b_and_convolutions_in_w() -> No
         stack.enter_context(fused_linear.accumulating())
         stack.enter_context(torch.enable_grad())
         for i, x in enumerate(xs):
-            runner.forward(i, 2, ([x.clone()], (True,), False))
+            runner.forward(i, 2, ([x.clone()], (True,), False, ()))
         for i, g in enumerate(gs):
             (input_grad,) = runner.backward_input(i, [g])
             torch.testing.assert_close(input_grad, input_grads[i])
