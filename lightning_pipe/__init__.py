@@ -70,7 +70,7 @@ class _RegisterWithLightning(MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname != "lightning":
+        if fullname != "lightning" or self not in sys.meta_path:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
