@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -164,6 +166,7 @@ UNREAD_KEYS = [
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or "
                               r"logger=tensorboard"),
+    ("+plan=auto", r"unknown key plan \(did you mean strategy.plan\?\): nothing reads it\. Valid keys: (?!.*plan_)"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
                            r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
@@ -223,10 +226,27 @@ def test_logger_choice(tmp_path: Path) -> None:
         make_logger("wandb", tmp_path)
 
 
-def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path) -> None:
+def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``logger=tensorboard``: the run's event file in its folder holds the recipe's values, every stage's
-    metrics and (``timeline=true``) the timeline picture."""
+    metrics and (``timeline=true``) the timeline picture. The progress bar is TQDM's even where ``rich`` is
+    installed (the ``hf`` extra brings it), whose bar Lightning would choose and which shows ``Epoch 2/-2``."""
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.trainer.connectors import callback_connector
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    made: list[L.Trainer] = []
+
+    class Recorded(L.Trainer):
+        @functools.wraps(L.Trainer.__init__)  # the command checks its keys against the signature
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(L, "Trainer", Recorded)
+    monkeypatch.setattr(callback_connector, "_RICH_AVAILABLE", importlib.util.find_spec("rich") is not None)
 
     cfg = _compose(["logger=tensorboard", "timeline=true", *SMALL["bert_mlm"], *QUICK, "strategy.start_method=fork",
                     "strategy.chunks=2", "trainer.max_steps=2"])  # fmt: skip
@@ -239,6 +259,7 @@ def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path)
         assert tag in tags["scalars"], tags
     assert tags["images"] == ["pipeline/timeline"]
     assert (tmp_path / "timeline.svg").is_file() and not (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
+    assert type(made[0].progress_bar_callback) is TQDMProgressBar
 
 
 @pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
@@ -398,10 +419,10 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
 
 
 def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
-    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints; with augmentation (crops
-    and flips drawn from the sample and the epoch)."""
+    """3 steps per epoch of a small VGG on 2 forked processes, saving checkpoints at every validation (every 2
+    steps); shuffled, with augmentation (crops and flips drawn from the sample and the epoch)."""
     cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"],
-                    "recipe.data.synthetic_train=16", "trainer.max_steps=4",
+                    "recipe.data.synthetic_train=24", "trainer.max_steps=4",
                     "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
                     "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
     with open_dict(cfg):
@@ -420,13 +441,15 @@ def _consolidated(folder: Path) -> dict:
 
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``resume=`` gives ``fit`` the checkpoint: the optimizer's momentum, the LR schedule and the step go on,
-    and the weights after 4 steps equal those of a run that was never stopped."""
+    """``resume=`` gives ``fit`` the checkpoint, saved in the middle of an epoch: the optimizer's momentum, the LR
+    schedule, the step and the epoch's shuffled order go on, and the weights after 4 steps (the rest of epoch 0
+    and one step of epoch 1) equal those of a run that was never stopped."""
     import torch
 
     monkeypatch.chdir(tmp_path)
     _vgg_run(tmp_path / "whole")
-    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_epochs=1")  # stopped after 2 of the 4 steps
+    # stopped after 2 of the 4 steps, 2 of epoch 0's 3 (the schedule still planned for 4)
+    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_steps=2", "recipe.model.max_steps=4")
     assert _consolidated(tmp_path / "outputs" / "first")["global_step"] == 2
     _vgg_run(tmp_path / "second", "resume=last")  # the newest under outputs/
     whole, resumed = _consolidated(tmp_path / "whole"), _consolidated(tmp_path / "second")
@@ -451,7 +474,12 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
                               ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean "
                                                      r"trainer.max_steps\?\)"),
                               ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
-                              ("strategy.defaults=[]", r"unknown key strategy.defaults\.")):  # fmt: skip
+                              ("strategy.defaults=[]", r"unknown key strategy.defaults\."),
+                              # a strategy or Trainer argument at the top level is sent to its node, and the
+                              # planner's internal plan_only key is never suggested
+                              ("plan=auto", r"unknown key plan \(did you mean strategy.plan\?\)"),
+                              ("max_steps=3", r"unknown key max_steps \(did you mean trainer.max_steps\?\)"),
+                              ("plan_onl=true", r"unknown key plan_onl\. Valid keys: (?!.*plan_only)")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):
             cli.main()
@@ -533,10 +561,18 @@ def test_preflight_refuses_bad_values_before_hydra_runs(tmp_path: Path, monkeypa
     from lightning_pipe.cli import preflight
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run's folder whose last.ckpt is gone
+    (tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt").write_bytes(b"")
     for overrides, message in (
         (["strategy.schedule=zigzag"], r"Unknown pipeline schedule 'zigzag'"),
         (["logger=csvv"], r"logger=csvv is unknown"),
         (["resume=nowhere"], r"resume=nowhere: .* does not exist"),
+        (
+            ["resume=run"],
+            r"resume=run: .*run is a folder, not a checkpoint: a lightning-pipe checkpoint is a folder holding meta.pt "
+            r".* Checkpoints in it: checkpoints/epoch=0-step=3.ckpt\. .*its checkpoints/last.ckpt, which this one does "
+            "not have",
+        ),
         (["+strategy.chunkz=3"], r"unknown key strategy.chunkz \(did you mean strategy.chunks\?\)"),
     ):
         with pytest.raises(SystemExit, match=message):

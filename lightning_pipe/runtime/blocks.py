@@ -37,7 +37,8 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
-from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
+from lightning_pipe.runtime.block_reads import held, hf_recording, refuse_held, refuse_recorded_outputs
+from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -68,6 +69,15 @@ class BlockShell:
         self.hidden = hidden_argument(block)
         self.kind = type(block).__name__
         self.arguments = argument_names(block)
+
+
+def held_stages(held: tuple[tuple[int, ...], int]) -> str:
+    """How an error names the stages a process's module holds, ``((0, 2), 4)``: ``pipeline stages 0 and 2 of
+    4``. The count is the split's, as the layout line gives it (Chimera's copies run the same split stages)."""
+    stages, of = held
+    if len(stages) == 1:
+        return f"pipeline stage {stages[0]} of {of}"
+    return f"pipeline stages {', '.join(map(str, stages[:-1]))} and {stages[-1]} of {of}"
 
 
 class LoopedContainer(nn.Module, ABC):
@@ -116,6 +126,8 @@ class BlockStage(LoopedContainer):
             self.add_module(key, block)
         self.stage = stage
         self.num_stages = num_stages
+        #: the split stages this module holds and their count, for errors (see :func:`held_stages`)
+        self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self._shells = shells
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
@@ -142,7 +154,7 @@ class BlockStage(LoopedContainer):
         if held is not None and self.num_stages == 1:
             return held
         raise RuntimeError(
-            f"This module holds only pipeline stage {self.stage} of {self.num_stages} (blocks "
+            f"This module holds {held_stages(self.held)} (blocks "
             f"{self.bounds[0]}..{self.bounds[1] - 1}); it runs inside the Trainer's steps. To use the whole model "
             "outside the Trainer, load a consolidated checkpoint."
         )
@@ -260,7 +272,7 @@ class _Entry:
 
 class _Skipped(_Entry):
     """A block of an earlier stage: hands its hidden state on (the next held block replaces it),
-    marked so that a read of it is refused (see :mod:`lightning_pipe.runtime.block_reads`)."""
+    as a :class:`~lightning_pipe.runtime.block_reads.HeldOutput`, so that a read of it is refused."""
 
     def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
         super().__init__(host, index)
@@ -269,8 +281,11 @@ class _Skipped(_Entry):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
-        refuse_recorded_outputs(self._index, bounds)
-        return marked(self._hidden(args, kwargs)[0], self._index, bounds)
+        recording = hf_recording()
+        if not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
+            refuse_forced_read(recording, self._index, bounds)
+            refuse_recorded_outputs(self._index, bounds)
+        return held(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
 class _Boundary(_Entry):
@@ -286,6 +301,7 @@ class _Boundary(_Entry):
         shell = self._host.shell(self._index)
         self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
         self._drive.captured = self._hidden(args, kwargs)[0]
+        refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
         raise StageExit
 
@@ -310,6 +326,7 @@ class _Local(_Entry):
                 args, kwargs = self._with_hidden(drive.received, args, kwargs)
         elif not drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
+        refuse_held((args, kwargs), f"What block {self._index} is called with")
         block = self._host.block(self._index)
         assert block is not None
         own = self._host.own_params(self._index, drive.params) if drive.params is not None else None

@@ -68,6 +68,10 @@ class ScheduleTraits:
     even_stages: bool = False
     #: ranked by the planner (``plan="auto"``, ``lightning-pipe plan``)
     planned: bool = True
+    #: the fewest pipeline stages the planner ranks it for (Chimera: 4; on 2 processes each holds the whole
+    #: model, and the pair's sum of every gradient and the whole model's optimizer step cost more than the
+    #: bubble it removes: measured slower than 1F1B on 2 processes, though its prediction ranked it first)
+    planned_from: int = 1
     #: ``ranks -> the fewest micro-batches it runs`` (DualPipeV: one per stage), None: any
     min_chunks: Callable[[int], int] | None = None
     #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
@@ -118,6 +122,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             block_containers=False,
             replicas=False,
             even_stages=True,
+            planned_from=4,
         ),
         ScheduleTraits(
             "pipedream", pipedream, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False
