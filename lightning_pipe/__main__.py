@@ -1,3 +1,3 @@
-from lightning_pipe.cli import main
+from lightning_pipe.command import main
 
 main()

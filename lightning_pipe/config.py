@@ -32,6 +32,8 @@ from lightning_pipe.weights.names import Rename, check_rename
 
 PLANS = (None, "auto")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: The strategy's registered names and their start methods, as Lightning names its DDP variants.
+VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
 
 
 @dataclass(frozen=True)
@@ -390,12 +392,24 @@ def check_pipemare_options(config: PipelineConfig) -> None:
         )
 
 
+def register_variants(strategy: Callable[..., Any], registry: Any) -> None:
+    """Register ``strategy`` (the class, or what builds it) under each name of :data:`VARIANTS` with its
+    start method (again: a no-op). Here, free of Lightning: the package registers them as soon as Lightning
+    is imported, whatever module of the package is being imported then."""
+    for name, start_method in VARIANTS.items():
+        if name not in registry:
+            description = f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}"
+            registry.register(name, strategy, description=description, start_method=start_method)
+
+
 __all__ = [
     "PLANS",
     "START_METHODS",
+    "VARIANTS",
     "PipelineConfig",
     "check_arguments",
     "check_elastic_averaging",
     "check_pipemare_options",
     "recompute_mode",
+    "register_variants",
 ]

@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.config import PipelineConfig, recompute_mode
+from lightning_pipe.config import PipelineConfig, recompute_mode, register_variants
 from lightning_pipe.partition.split import BalanceSpec
 from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
@@ -33,7 +33,7 @@ from lightning_pipe.trainer import elastic, failures, internals, nothing_to_trai
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import stage_dataloader
-from lightning_pipe.trainer.launcher import Gathering, launcher_for, register_variants
+from lightning_pipe.trainer.launcher import Gathering, launcher_for
 from lightning_pipe.trainer.precision import across_stages
 from lightning_pipe.trainer.preflight import check_before_launch
 from lightning_pipe.trainer.processes import ProcessStrategy
@@ -293,7 +293,7 @@ class PipelineStrategy(ProcessStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """``"pipeline"``, ``"pipeline_notebook"`` (fork), ``"pipeline_spawn"`` (:data:`.launcher.VARIANTS`)."""
+        """``"pipeline"``, ``"pipeline_notebook"`` (fork), ``"pipeline_spawn"`` (:data:`.config.VARIANTS`)."""
         register_variants(cls, strategy_registry)
 
 

@@ -163,18 +163,6 @@ def test_checkpointing_recomputes_the_same_dropout_masks() -> None:
     assert_same_weights(always, never, rtol=1e-6, atol=1e-7)
 
 
-def test_loss_and_logs_are_batch_means_on_every_rank(tmp_path) -> None:
-    torch.manual_seed(0)
-    reference, piped = twins(TinyNet())
-    plain = fit_plain(reference, max_steps=5)  # stop on a full batch, whose mean the log holds
-    trainer = fit_pipeline(piped, 2, schedule="1f1b", chunks=3, max_steps=5, callbacks=[RecordMetrics(str(tmp_path))])
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1]
-    expected = float(plain.callback_metrics["train_loss"])
-    assert ranks[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
-    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)
-
-
 @pytest.mark.parametrize("stages, schedule", [(2, "1f1b"), (3, "gpipe")])
 def test_weights_tied_across_the_first_and_last_stage(stages: int, schedule: str) -> None:
     from tests.models import TiedNet, token_loader
@@ -218,12 +206,22 @@ class _RecordTimeline(L.Callback):
             json.dump({"steps": steps, "totals": self.timeline.totals()}, f)
 
 
-def test_timeline_records_every_action_of_every_step(tmp_path) -> None:
+def test_loss_and_logs_are_batch_means_and_the_timeline_records_every_action(tmp_path) -> None:
+    """One fit, two findings: the logged loss is the batch mean on every rank, and the timeline holds every
+    action of every step."""
     torch.manual_seed(0)
-    fit_pipeline(TinyNet(), 2, schedule="1f1b", chunks=3, max_steps=4, callbacks=[_RecordTimeline(str(tmp_path))])
+    reference, piped = twins(TinyNet())
+    plain = fit_plain(reference, max_steps=5)  # stop on a full batch, whose mean the log holds
+    recorders = [RecordMetrics(str(tmp_path)), _RecordTimeline(str(tmp_path))]
+    trainer = fit_pipeline(piped, 2, schedule="1f1b", chunks=3, max_steps=5, callbacks=recorders)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    expected = float(plain.callback_metrics["train_loss"])
+    assert ranks[0]["train_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)
     for rank in range(2):
         record = json.loads((tmp_path / f"timeline{rank}.json").read_text())
-        assert len(record["steps"]) == 4
+        assert len(record["steps"]) == 5
         for spans in record["steps"]:
             compute = [(name, mb) for name, stage, mb in spans if name in ("F", "B")]
             assert sorted(compute) == [("B", i) for i in range(3)] + [("F", i) for i in range(3)]

@@ -148,18 +148,6 @@ class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: igno
         self._inner.kill(signum)
 
 
-#: The strategy's registered names and their start methods, as Lightning names its DDP variants.
-VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
-
-
-def register_variants(strategy: type, registry: Any) -> None:
-    """Register ``strategy`` under each name of :data:`VARIANTS` with its start method (again: a no-op)."""
-    for name, start_method in VARIANTS.items():
-        if name not in registry:
-            description = f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}"
-            registry.register(name, strategy, description=description, start_method=start_method)
-
-
 def launcher_for(
     strategy: Any,
     start_method: str,
