@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.costs import Profile
@@ -102,6 +101,7 @@ def plan_layers(
     module: Any,
     layers: torch.nn.Sequential | torch.nn.ModuleList,
     inputs: MeasureInputs,
+    say: Callable[[str], None] = print,
 ) -> tuple[list[Candidate], Link, dict[int, Profile]]:
     """Measure and plan in the pipeline's setup, before the split (see the module docstring);
     returns what :func:`agreed_plan` returns, the profiles keyed by micro-batch size.
@@ -178,7 +178,7 @@ def plan_layers(
     speeds = resources.speeds
     fixed = layout.order if config.rank_order is not None else None  # else the speeds place the ranks
     if inputs.is_source and speeds is not None:
-        rank_zero_info(f"lightning-pipe plan: {resources.describe()}")
+        say(f"lightning-pipe plan: {resources.describe()}")
     # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)
     free = resources.known_free
     budget: int | list[int] | None = None
@@ -193,12 +193,15 @@ def apply_plan(
     module: Any,
     layers: torch.nn.Sequential | torch.nn.ModuleList,
     inputs: MeasureInputs,
+    say: Callable[[str], None] = print,
 ) -> tuple[PipelineConfig, Profile, list[Candidate]]:
     """``plan="auto"``: ``config`` with the schedule, chunks, checkpoint mode, virtual stages and
     balance of the planner's first choice (the same on every rank) for the run's own stages x
     replicas, which stay fixed (the global batch is the DataLoader's batch x replicas, see
-    docs/planner.md); with the profile of that choice's micro-batch size and the ranked candidates."""
-    ranked, link, profiles = plan_layers(config, layout, module, layers, inputs)
+    docs/planner.md); with the profile of that choice's micro-batch size and the ranked candidates.
+    ``say`` shows rank 0's lines (the trainer side passes Lightning's ``rank_zero_info``, so they appear
+    with Lightning's own setup lines without any logging set-up)."""
+    ranked, link, profiles = plan_layers(config, layout, module, layers, inputs, say)
     best = next(c for c in ranked if (c.depth, c.replicas) == (layout.stages, layout.replicas))
     planned = config.replace(
         schedule=best.schedule, chunks=best.chunks, recompute=best.checkpoint,
@@ -206,10 +209,7 @@ def apply_plan(
         rank_order=list(best.rank_order) or None,  # a given order was planned as given
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
-        # with Lightning's own setup lines (shown without any logging set-up), as the layout line
-        rank_zero_info(
-            f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}"
-        )
+        say(f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}")
     return planned, profiles[best.microbatch_size], ranked
 
 

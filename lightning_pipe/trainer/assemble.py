@@ -160,7 +160,7 @@ def split_module(
     profile = previous.profile if previous is not None else None
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
-        config, profile, candidates = apply_plan(config, layout, module, layers, inputs)
+        config, profile, candidates = apply_plan(config, layout, module, layers, inputs, rank_zero_info)
         layout = layout.placed(config.rank_order)
     if not isinstance(layers, nn.Sequential):
         refuse_for_blocks(config)
