@@ -48,6 +48,8 @@ class Writer:
     # optimizer-state names of tensors this rank writes under another of their names: a weight tied
     # to another stage, whose first name is that of a copy written elsewhere (Chimera)
     rename: Mapping[str, str] = field(default_factory=dict)
+    # what each rank's saved random state belongs to: the layout a resume must share to restore it
+    random_key: Any = None
 
 
 def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: dict[str, Any] | None = None) -> None:

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
 from lightning_pipe.runtime.sharding import is_dtensor, shard_like
-from lightning_pipe.trainer import internals
+from lightning_pipe.trainer import internals, random_states
 
 
 def optimizer_state(
@@ -37,12 +37,14 @@ def save_checkpoint(
     writer: stage_io.Writer,
     async_state: dict[str, Any] | None,
 ) -> None:
-    """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata,
-    published only once every rank wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
+    """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata (with
+    every rank's random state, gathered: see :mod:`.random_states`), published only once every rank
+    wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
     if storage_options is not None:
         raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
     # the pipeline's own state: an asynchronous schedule's, or elastic averaging's (already keyed "elastic")
     extra = None if async_state is None else async_state if "elastic" in async_state else {"async": async_state}
+    checkpoint = {**checkpoint, random_states.KEY: random_states.gathered(writer.random_key)}
     stage_io.save(checkpoint, Path(filepath), writer, extra)
 
 

@@ -30,8 +30,16 @@ EXACT = (
 )
 
 
-def training_loader(dataloader: DataLoader, trainer: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
-    """``dataloader`` as this replica reads it in training, with its position kept in checkpoints."""
+def training_loader(
+    dataloader: DataLoader,
+    trainer: Any,
+    num_replicas: int,
+    replica: int,
+    mode: Any = None,
+    resumed: Callable[[bool], None] | None = None,
+) -> Any:
+    """``dataloader`` as this replica reads it in training, with its position kept in checkpoints;
+    ``resumed`` is told whether the run continues within an epoch, before its first iterator."""
     why = not_steered(dataloader)
     order = None
     if why is None:
@@ -44,6 +52,9 @@ def training_loader(dataloader: DataLoader, trainer: Any, num_replicas: int, rep
         dataloader = internals.update_dataloader(dataloader, order, mode=mode)
     if trainer is not None and trainer.fit_loop.is_resuming:
         _say_what_is_not_exact(trainer, dataloader, why)
+    if trainer is not None and resumed is not None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        resumed(progress.current.processed > 0 and not progress.is_last_batch)
     batch = dataloader.batch_size or 1
     keep_position(dataloader, order, (lambda: _trained(trainer)) if trainer is not None else None, batch * num_replicas)
     return dataloader
