@@ -285,7 +285,7 @@ class PipelineStrategy(ProcessStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         hooks.load_optimizer_state_dict(
-            self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device
+            self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device, self.optimizer_state
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -120,3 +120,18 @@ def test_dropout_resumed_in_an_epoch_or_at_its_end_draws_the_masks_of_an_uninter
         resumed = TinyNet(dropout=0.5)
         fit_pipeline(resumed, 2, shuffled(), chunks=2, ckpt_path=str(tmp_path / f"step={step}.ckpt"), max_steps=9)
         assert_same_weights(uninterrupted, resumed, rtol=0, atol=0)
+
+
+def test_a_plain_lightning_checkpoint_resumes_under_the_pipeline_with_its_optimizer(tmp_path: Path) -> None:
+    """Trained 2 epochs by plain Lightning, continued for a third on 2 stages: the weights by name, Adam's state
+    by position in the plain model mapped to each stage's parameters; the result is 3 plain epochs'."""
+    L.seed_everything(0)
+    first, whole = twins(TinyNet(optimizer="adam", lr=0.01))
+    data = DataLoader(dataset(48), batch_size=12)
+    trainer = fit_plain(first, data, max_steps=-1, max_epochs=2)
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed = TinyNet(optimizer="adam", lr=0.01)
+    fit_pipeline(resumed, 2, data, chunks=2, ckpt_path=str(tmp_path / "plain.ckpt"), max_steps=-1, max_epochs=3)
+    fit_plain(whole, data, max_steps=-1, max_epochs=3)
+    assert_same_weights(whole, resumed)
+    assert not torch.equal(first.layers[0].weight, resumed.layers[0].weight)  # the third epoch trained
