@@ -115,7 +115,7 @@ def _say_what_is_not_exact(trainer: Any, dataloader: DataLoader, why: str | None
         what.append(f"the checkpoint was saved after {done} batches of epoch {epoch}, and Lightning starts that epoch "
                     "again from its first batch")  # fmt: skip
     if drawn:
-        what.append("its sampler draws from the process's random state, which a resume does not restore")
+        what.append("its sampler draws from the process's random state")
     rank_zero_warn(
         f"lightning-pipe: resuming with a training DataLoader the pipeline does not steer ({why}): "
         f"{'; '.join(what)}, so the resumed run reads other batches than an uninterrupted one. {EXACT}"
