@@ -175,6 +175,7 @@ class PipelineConfig:
             object.__setattr__(self, "schedule", os.fspath(self.schedule))
         check_arguments(self)
         object.__setattr__(self, "rank_order", check_rank_order(self.rank_order))  # numpy's integers as Python's
+        object.__setattr__(self, "rank_speeds", check_rank_speeds(self.rank_speeds))  # numpy's floats as Python's
         if self.loss_weight == "samples":
             object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:

@@ -29,7 +29,7 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import elastic, failures, internals, nothing_to_train, signals
+from lightning_pipe.trainer import elastic, failures, internals, nothing_to_train, random_states, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import stage_dataloader
@@ -106,6 +106,7 @@ class PipelineStrategy(ProcessStrategy):
         self._steps: PipelineSteps | None = None
         self._signals: signals.PipelineSignalConnector | None = None
         self._failure: BaseException | None = None  # what failed the run, not to be hidden by teardown
+        self._rng = random_states.ResumedRandom()  # the random state a resume hands back
 
     schedule_name = _argument("schedule")
     chunks = _argument("chunks")
@@ -149,8 +150,7 @@ class PipelineStrategy(ProcessStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Every stage draws the first stage's order, each replica its part (see ``stage_dataloader``)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        meta_group = self._topology.meta_group if self._topology is not None else None
-        return stage_dataloader(dataloader, trainer, self.layout, self.global_rank, meta_group)
+        return stage_dataloader(dataloader, trainer, self.layout, self.global_rank, self._topology, self._rng.at_data)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -224,6 +224,7 @@ class PipelineStrategy(ProcessStrategy):
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._rng.at_step()  # a resumed run's random state, where the saved run stood
         return self.steps.training_step(args, kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -266,9 +267,8 @@ class PipelineStrategy(ProcessStrategy):
         return True  # restore into the split module: each rank loads only the names its stage holds
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return hooks.optimizer_state(
-            self.lightning_module, optimizer, self._split.optimizer_aliases() if self._split else None
-        )
+        aliases = self._split.optimizer_aliases() if self._split else None
+        return hooks.optimizer_state(self.lightning_module, optimizer, aliases)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self.steps.finish_in_flight()
@@ -281,11 +281,11 @@ class PipelineStrategy(ProcessStrategy):
             self.lightning_module, checkpoint_path, weights_only, super().load_checkpoint
         )
         self.pipeline.load_state_dict(async_state)
-        return checkpoint
+        return self._rng.take(checkpoint, self._split.random_key() if self._split else None, self.global_rank)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         hooks.load_optimizer_state_dict(
-            self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device
+            self.lightning_module, self.optimizers, checkpoint, self.sharded, self.root_device, self.optimizer_state
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

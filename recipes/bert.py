@@ -12,7 +12,6 @@ locally from them (:mod:`lightning_pipe.recipes.text`).
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import lightning as L
@@ -195,21 +194,24 @@ class BertMLM(L.LightningModule):
 class MaskedSequences(Dataset):
     """Rows of token ids with BERT's masking (15% of tokens: 80% [MASK], 10% random, 10% kept).
 
-    The masking of a row depends only on the row and on how often it was read, never on the
-    process's random state, so that every pipeline stage builds the same batch.
+    The masking of a row depends only on the row and the epoch (``set_epoch``, called by the recipes'
+    sampler), never on the process's random state or on what this process read before: every
+    pipeline stage builds the same batch, and a run resumed from a checkpoint (``resume=``) masks as
+    an uninterrupted run does. Validation rows (never given an epoch) keep one masking.
     """
 
     def __init__(self, rows: torch.Tensor, vocab_size: int, seed: int, probability: float = 0.15) -> None:
         self.rows, self.vocab_size, self.seed, self.probability = rows, vocab_size, seed, probability
-        self._reads: Counter[int] = Counter()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        reads = self._reads[index]
-        self._reads[index] += 1
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7_919 + reads)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 7_919 + self.epoch)
         ids = self.rows[index].clone()
         special = ids < len(SPECIALS)
         chosen = (torch.rand(ids.shape, generator=g) < self.probability) & ~special

@@ -480,6 +480,34 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkey
         _vgg_run(tmp_path / "third", "resume=nowhere")
 
 
+def _bert_run(folder: Path, *overrides: str) -> dict[str, float]:
+    """4 steps per epoch of a tiny BERT (its default dropout, 0.1) on 2 forked processes, saving checkpoints at
+    every validation (every 2 steps)."""
+    cfg = _compose(["recipe=bert_mlm", *SMALL["bert_mlm"], "recipe.data.limit_chars=4000", "trainer.max_steps=6",
+                    "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
+                    "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
+    with open_dict(cfg):
+        del cfg.hydra
+    return run(cfg, output_dir=str(folder))
+
+
+def test_bert_resumed_in_an_epoch_masks_and_drops_out_as_an_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved after 2 of epoch 0's 4 steps and resumed to step 6 (into epoch 1): the masks of a row come from the row
+    and the epoch, each rank's dropout from its saved random state, so the weights equal the uninterrupted run's."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _bert_run(tmp_path / "whole")
+    _bert_run(tmp_path / "outputs" / "first", "trainer.max_steps=2", "recipe.model.max_steps=6")
+    _bert_run(tmp_path / "second", "resume=last")
+    whole, resumed = _consolidated(tmp_path / "whole"), _consolidated(tmp_path / "second")
+    assert resumed["global_step"] == whole["global_step"] == 6 and resumed["epoch"] == whole["epoch"] == 1
+    for name, value in whole["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
 def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_pipe import cli
 

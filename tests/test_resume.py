@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -105,3 +106,42 @@ def test_a_resume_the_pipeline_cannot_make_exact_says_so_once() -> None:
         steered = training_loader(sequential, _resumed_trainer(3, False, [{"samples": 36}]), 1, 0)
         training_loader(sequential, _resumed_trainer(6, True, []), 1, 0)  # at an epoch's end: nothing to say
     assert isinstance(steered.sampler, ReplicaOrder) and isinstance(steered, _Stateful)
+
+
+class ValidatedNet(TinyNet):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+
+def test_dropout_resumed_in_an_epoch_or_at_its_end_draws_the_masks_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Each rank's random state travels in the checkpoint (Lightning saves none): 2 stages with dropout,
+    resumed after 3 of an epoch's 6 batches and at the end of the epoch (step 6, saved before the epoch's
+    validation), end with the weights of the run that was never stopped, exactly (plain Lightning's resume
+    draws other dropout masks)."""
+    L.seed_everything(0)
+    uninterrupted = ValidatedNet(dropout=0.5)
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=3)
+    val = DataLoader(dataset(24, seed=1), batch_size=12)
+    fit = dict(chunks=2, max_steps=9, limit_val_batches=1)
+    fit_pipeline(uninterrupted, 2, shuffled(), val, callbacks=[saves], enable_checkpointing=True, **fit)
+    for step in (3, 6):
+        L.seed_everything(0)  # the run's seed (it orders the data); the processes' state is the run's start's
+        resumed = ValidatedNet(dropout=0.5)
+        fit_pipeline(resumed, 2, shuffled(), val, ckpt_path=str(tmp_path / f"step={step}.ckpt"), **fit)
+        assert_same_weights(uninterrupted, resumed, rtol=0, atol=0)
+
+
+def test_a_plain_lightning_checkpoint_resumes_under_the_pipeline_with_its_optimizer(tmp_path: Path) -> None:
+    """Trained 2 epochs by plain Lightning, continued for a third on 2 stages: the weights by name, Adam's state
+    by position in the plain model mapped to each stage's parameters; the result is 3 plain epochs'."""
+    L.seed_everything(0)
+    first, whole = twins(TinyNet(optimizer="adam", lr=0.01))
+    data = DataLoader(dataset(48), batch_size=12)
+    trainer = fit_plain(first, data, max_steps=-1, max_epochs=2)
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed = TinyNet(optimizer="adam", lr=0.01)
+    fit_pipeline(resumed, 2, data, chunks=2, ckpt_path=str(tmp_path / "plain.ckpt"), max_steps=-1, max_epochs=3)
+    fit_plain(whole, data, max_steps=-1, max_epochs=3)
+    assert_same_weights(whole, resumed)
+    assert not torch.equal(first.layers[0].weight, resumed.layers[0].weight)  # the third epoch trained

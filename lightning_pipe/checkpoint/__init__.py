@@ -57,6 +57,7 @@ from lightning_pipe.checkpoint.optimizer_state import (
     optimizer_state_by_name,
     optimizer_state_by_position,
     parameter_names,
+    plain_state_by_name,
     tie_aliases,
 )
 from lightning_pipe.checkpoint.sharded import dcp_name
@@ -80,6 +81,7 @@ __all__ = [
     "optimizer_state_by_name",
     "optimizer_state_by_position",
     "parameter_names",
+    "plain_state_by_name",
     "prepare_staging",
     "publish",
     "read",

@@ -181,6 +181,43 @@ def _natural_key(name: str) -> NaturalKey:
     )
 
 
+def plain_state_by_name(
+    plain: Mapping[str, Any], stages: Sequence[Mapping[str, Any]], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """A plain (unsplit) optimizer's ``state_dict``, keyed by position, keyed by name instead: the
+    stages' by-name groups (``stages``: every rank's, from :func:`optimizer_state_by_name`, states
+    left out), merged in the unsplit module's order, name the plain groups' positions, as a
+    consolidation writes them. ``shapes``: this rank's parameters' shapes, to check the mapping.
+    Raises ValueError where the groups do not match."""
+    merged = merge_optimizer_states([{"state": {}, **stage} for stage in stages])
+    groups, state = [], {}
+    if len(plain["param_groups"]) != len(merged["param_groups"]):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(plain['param_groups'])} parameter groups, this one "
+            f"{len(merged['param_groups'])}"
+        )
+    for g, (saved, names) in enumerate(zip(plain["param_groups"], merged["param_groups"])):
+        if len(saved["params"]) != len(names["params"]):
+            raise ValueError(
+                f"parameter group {g} holds {len(saved['params'])} parameters in the checkpoint, "
+                f"{len(names['params'])} here"
+            )
+        for position, name in zip(saved["params"], names["params"]):
+            if position in plain["state"]:
+                state[name] = plain["state"][position]
+                wrong = [
+                    k
+                    for k, v in state[name].items()
+                    if name in shapes and getattr(v, "dim", lambda: 0)() > 0 and tuple(v.shape) != shapes[name]
+                ]
+                if wrong:
+                    raise ValueError(f"the state {wrong[0]} of position {position} does not fit {name}")
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(names["params"])})
+    aliases = {alias: name for stage in stages for alias, name in (stage.get("aliases") or {}).items()}
+    state.update({alias: state[name] for alias, name in aliases.items() if name in state})
+    return {"state": state, "param_groups": groups}
+
+
 __all__ = [
     "differing_hyperparameters",
     "merge_optimizer_states",
@@ -188,5 +225,6 @@ __all__ = [
     "optimizer_state_by_name",
     "optimizer_state_by_position",
     "parameter_names",
+    "plain_state_by_name",
     "tie_aliases",
 ]

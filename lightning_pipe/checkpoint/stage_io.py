@@ -31,6 +31,9 @@ from lightning_pipe.checkpoint.merged import (
 from lightning_pipe.checkpoint.staging import prepare_staging, publish, staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 
+#: marks a checkpoint whose optimizer states are a plain Lightning run's: by position in the unsplit model
+PLAIN_OPTIMIZERS = "lightning_pipe_plain_optimizers"
+
 
 @dataclass(frozen=True)
 class Writer:
@@ -48,6 +51,8 @@ class Writer:
     # optimizer-state names of tensors this rank writes under another of their names: a weight tied
     # to another stage, whose first name is that of a copy written elsewhere (Chimera)
     rename: Mapping[str, str] = field(default_factory=dict)
+    # what each rank's saved random state belongs to: the layout a resume must share to restore it
+    random_key: Any = None
 
 
 def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: dict[str, Any] | None = None) -> None:
@@ -101,7 +106,7 @@ def load(
     """This rank's view of the checkpoint at ``path`` (the values of the state-dict names
     ``local``) and the asynchronous schedules' saved state, if any. ``plain`` reads a checkpoint
     that is not a pipeline's (Lightning's own loader); its optimizer states, by position in the
-    unsplit model, cannot be restored and are dropped."""
+    unsplit model, are kept and marked (``PLAIN_OPTIMIZERS``) for the optimizers to map by name."""
     async_state = None
     if is_pipeline_checkpoint(path):
         meta, shards = read_checkpoint(path, weights_only, names=local)  # checks the local tensors only
@@ -116,7 +121,8 @@ def load(
     else:
         checkpoint = plain(path, weights_only)
         merged = checkpoint["state_dict"]
-        checkpoint.pop("optimizer_states", None)
+        if "optimizer_states" in checkpoint:
+            checkpoint[PLAIN_OPTIMIZERS] = True
     missing = [k for k in local if k not in merged]
     if missing:
         raise KeyError(f"The checkpoint {path} has no values for {missing[:5]} (of {len(missing)} missing).")

@@ -16,9 +16,11 @@ with memory, each stage's bytes over its rank's free bytes. Where every rank is 
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -29,20 +31,35 @@ from lightning_pipe.partition.balance import Owners, balance_by_cost, balance_by
 EQUAL_WITHIN = 0.10
 
 
-def check_rank_speeds(speeds: Sequence[float] | None) -> None:
-    """Refuse a ``rank_speeds`` argument that is not None or a list of positive finite numbers."""
+def check_rank_speeds(speeds: Any) -> list[float] | None:
+    """``rank_speeds`` as Python floats: any sequence or 1-D array of positive finite real numbers
+    (numpy's and torch's too), or None; otherwise refused."""
     if speeds is None:
-        return
-    if (
-        isinstance(speeds, (str, bytes))
-        or not isinstance(speeds, Sequence)
-        or not speeds
-        or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0 for s in speeds)
-    ):
+        return None
+    values = None if isinstance(speeds, (str, bytes, Mapping)) or not isinstance(speeds, Iterable) else list(speeds)
+    reals = [_real(s) for s in values or []]
+    if not reals or any(r is None or not math.isfinite(r) or r <= 0 for r in reals):
         raise ValueError(
             f"PipelineStrategy(rank_speeds={speeds!r}): give one positive number per process, its relative speed "
             "(such as [1.0, 0.5] where rank 1 runs at half the speed of rank 0), or None to measure them."
         )
+    return [r for r in reals if r is not None]
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float where it is a real number of any kind (Python's, a numpy scalar, a torch
+    tensor of one element); None for anything else, truth values included."""
+    kind = str(getattr(value, "dtype", ""))
+    if isinstance(value, (bool, str, bytes)) or "bool" in kind or "complex" in kind:
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if kind and tuple(getattr(value, "shape", (0,))) in ((), (1,)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def check_speeds_for_world(speeds: Sequence[float], world_size: int) -> list[float]:

@@ -72,6 +72,7 @@ from lightning_pipe.trainer.compatibility import (
 from lightning_pipe.trainer.data import configured_optimizers, first_batch
 from lightning_pipe.trainer.elastic import restart_count
 from lightning_pipe.trainer.layout_report import describe_layout
+from lightning_pipe.trainer.random_states import layout_key
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,10 @@ class ModuleSplit:
         for them, so that a consolidated optimizer state holds such a tensor once, as plain training does."""
         return tie_aliases(self.split.ties, self.placement.stage, "")
 
+    def random_key(self) -> list[Any]:
+        """What a resume must share with the saved run for each rank's saved random state to be its own."""
+        return layout_key(self.placement.layout, self.balance)
+
     def writer(
         self, topology: Topology, is_global_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[], None]
     ) -> stage_io.Writer:
@@ -126,7 +131,7 @@ class ModuleSplit:
         rename = renamed_ties(self.split.host, skip, prefix) if skip else {}
         return stage_io.Writer(
             placement.stage, placement.num_stages, placement.replica, is_global_zero, broadcast, barrier,
-            topology.dp_group if sharded else None, skip, rename,
+            topology.dp_group if sharded else None, skip, rename, self.random_key(),
         )  # fmt: skip
 
 

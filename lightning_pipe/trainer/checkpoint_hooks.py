@@ -10,13 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.checkpoint import optimizer_state_by_name, optimizer_state_by_position, parameter_names, stage_io
+from lightning_pipe.checkpoint import (
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    parameter_names,
+    plain_state_by_name,
+    stage_io,
+)
 from lightning_pipe.runtime.sharding import is_dtensor, shard_like
-from lightning_pipe.trainer import internals
+from lightning_pipe.trainer import internals, random_states
 
 
 def optimizer_state(
@@ -37,12 +44,14 @@ def save_checkpoint(
     writer: stage_io.Writer,
     async_state: dict[str, Any] | None,
 ) -> None:
-    """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata,
-    published only once every rank wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
+    """Write a checkpoint directory: every rank its stage's shard, rank 0 the shared metadata (with
+    every rank's random state, gathered: see :mod:`.random_states`), published only once every rank
+    wrote its part (see :mod:`lightning_pipe.checkpoint.stage_io`)."""
     if storage_options is not None:
         raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options.")
     # the pipeline's own state: an asynchronous schedule's, or elastic averaging's (already keyed "elastic")
     extra = None if async_state is None else async_state if "elastic" in async_state else {"async": async_state}
+    checkpoint = {**checkpoint, random_states.KEY: random_states.gathered(writer.random_key)}
     stage_io.save(checkpoint, Path(filepath), writer, extra)
 
 
@@ -62,12 +71,17 @@ def load_optimizer_state_dict(
     checkpoint: Mapping[str, Any],
     sharded: bool,
     device: torch.device,
+    by_name: Callable[[Optimizer], dict[str, Any]],
 ) -> None:
-    """Each optimizer's state from the checkpoint's by-name states, in the optimizer's own order."""
+    """Each optimizer's state from the checkpoint's by-name states, in the optimizer's own order
+    (``by_name``: an optimizer's state keyed by name, to map a plain Lightning checkpoint's)."""
     assert module is not None
     names = parameter_names(module)
     params = dict(module.named_parameters())
-    for optimizer, named in zip(optimizers, checkpoint["optimizer_states"]):
+    states = checkpoint["optimizer_states"]
+    if checkpoint.get(stage_io.PLAIN_OPTIMIZERS):
+        states = [_plain_by_name(o, s, by_name, params) for o, s in zip(optimizers, states)]
+    for optimizer, named in zip(optimizers, states):
         if sharded:  # each state tensor shaped like its parameter becomes this replica's shard
             named = {
                 **named,
@@ -79,6 +93,28 @@ def load_optimizer_state_dict(
         order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         optimizer.load_state_dict(optimizer_state_by_position(named, order))
         internals.optimizer_to_device(optimizer, device)
+
+
+def _plain_by_name(
+    optimizer: Optimizer, plain: Mapping[str, Any], by_name: Callable[[Optimizer], dict[str, Any]], params: Any
+) -> dict[str, Any]:
+    """A plain Lightning checkpoint's optimizer state (by position in the unsplit model) by name: every
+    rank's groups (a collective), merged in the unsplit order, name the positions."""
+    mine = {k: v for k, v in by_name(optimizer).items() if k != "state"}
+    every: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    try:
+        return plain_state_by_name(plain, every, shapes)
+    except ValueError as e:
+        raise RuntimeError(
+            f"lightning-pipe: the plain Lightning checkpoint's optimizer state does not map onto this run's "
+            f"parameters ({e}): configure_optimizers must build the same parameter groups, in the model's order, "
+            f"as the run that saved it. To start from its weights alone, fit without ckpt_path and load them "
+            f"with PipelineStrategy(weights=...) or model.load_state_dict(torch.load(path)['state_dict'])."
+        ) from e
 
 
 def load_model_state_dict(module: nn.Module | None, checkpoint: Mapping[str, Any], strict: bool, sharded: bool) -> None:

@@ -5,7 +5,7 @@ an evaluation step is a replica's padding, and the optimizers as the Trainer mak
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any, cast
 
 from lightning.pytorch.trainer.states import TrainerFn
@@ -72,17 +72,25 @@ def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: 
     return rebuilt
 
 
-def stage_dataloader(dataloader: Any, trainer: Any, layout: Layout, rank: int, meta_group: Any) -> Any:
+def stage_dataloader(
+    dataloader: Any,
+    trainer: Any,
+    layout: Layout,
+    rank: int,
+    topology: Any,
+    resumed: Callable[[bool], None] | None = None,
+) -> Any:
     """``dataloader`` as global ``rank`` of ``layout`` draws from it: every stage of a pipeline loads
     the batch itself, in the first stage's order (a sampler drawing from a process's random state
-    would differ between them; see :mod:`lightning_pipe.runtime.sampling`, over ``meta_group``), and
-    with replicas each replica loads its own part of every step (predict runs every sample on every
-    replica). Training reads the run's order from where a resumed checkpoint left off."""
-    replica = layout.replica_of(rank)
+    would differ between them; see :mod:`lightning_pipe.runtime.sampling`, over ``topology``'s meta
+    group), and with replicas each replica loads its own part of every step (predict runs every sample on every
+    replica). Training reads the run's order from where a resumed checkpoint left off; ``resumed``
+    is told whether the training loader continues within an epoch (see :mod:`.random_states`)."""
+    replica, meta_group = layout.replica_of(rank), topology.meta_group if topology is not None else None
     if trainer is not None and not trainer.predicting and isinstance(dataloader, DataLoader):
         mode = trainer.state.stage
         if mode is None or not mode.evaluating:
-            dataloader = training_loader(dataloader, trainer, layout.replicas, replica, mode)
+            dataloader = training_loader(dataloader, trainer, layout.replicas, replica, mode, resumed)
         elif layout.replicas > 1:
             dataloader = split_over_replicas(dataloader, layout.replicas, replica, mode)
     ranks = layout.pipeline_ranks(replica)

@@ -30,8 +30,16 @@ EXACT = (
 )
 
 
-def training_loader(dataloader: DataLoader, trainer: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
-    """``dataloader`` as this replica reads it in training, with its position kept in checkpoints."""
+def training_loader(
+    dataloader: DataLoader,
+    trainer: Any,
+    num_replicas: int,
+    replica: int,
+    mode: Any = None,
+    resumed: Callable[[bool], None] | None = None,
+) -> Any:
+    """``dataloader`` as this replica reads it in training, with its position kept in checkpoints;
+    ``resumed`` is told whether the run continues within an epoch, before its first iterator."""
     why = not_steered(dataloader)
     order = None
     if why is None:
@@ -44,6 +52,9 @@ def training_loader(dataloader: DataLoader, trainer: Any, num_replicas: int, rep
         dataloader = internals.update_dataloader(dataloader, order, mode=mode)
     if trainer is not None and trainer.fit_loop.is_resuming:
         _say_what_is_not_exact(trainer, dataloader, why)
+    if trainer is not None and resumed is not None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        resumed(progress.current.processed > 0 and not progress.is_last_batch)
     batch = dataloader.batch_size or 1
     keep_position(dataloader, order, (lambda: _trained(trainer)) if trainer is not None else None, batch * num_replicas)
     return dataloader
@@ -104,7 +115,7 @@ def _say_what_is_not_exact(trainer: Any, dataloader: DataLoader, why: str | None
         what.append(f"the checkpoint was saved after {done} batches of epoch {epoch}, and Lightning starts that epoch "
                     "again from its first batch")  # fmt: skip
     if drawn:
-        what.append("its sampler draws from the process's random state, which a resume does not restore")
+        what.append("its sampler draws from the process's random state")
     rank_zero_warn(
         f"lightning-pipe: resuming with a training DataLoader the pipeline does not steer ({why}): "
         f"{'; '.join(what)}, so the resumed run reads other batches than an uninterrupted one. {EXACT}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_pipe.checkpoint import consolidate, merge_orders, tie_aliases
+from lightning_pipe.checkpoint import consolidate, merge_orders, plain_state_by_name, tie_aliases
 from tests.models import TiedNet, TinyNet, fit_plain, loader, token_loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
@@ -105,3 +105,24 @@ def test_a_weight_tied_across_processes_is_one_entry_of_the_consolidated_optimiz
     resumed = TiedNet()
     fit_plain(resumed, data, ckpt_path=str(plain_file), max_steps=-1, max_epochs=2)
     assert_same_weights(four, resumed)
+
+
+def test_a_plain_optimizer_state_is_named_by_the_stages_merged_groups_or_refused() -> None:
+    """Positions of the plain model name the stages' parameters in the unsplit order; a tied copy gets its first
+    name's state; groups of another size, or a state that does not fit the parameter, are refused."""
+    plain = {
+        "state": {0: {"exp_avg": torch.ones(2, 3)}, 1: {"exp_avg": torch.ones(2)}, 2: {"exp_avg": torch.zeros(4)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.0, "params": [2]}],
+    }
+    first = {"param_groups": [{"params": ["l.0.weight", "l.0.bias"]}, {"params": ["e.weight"]}]}
+    second = {"param_groups": [{"params": []}, {"params": ["l.1.weight"]}], "aliases": {"l.1.weight": "e.weight"}}
+    named = plain_state_by_name(plain, [first, second], {"l.1.weight": (4,)})
+    assert named["param_groups"] == [
+        {"lr": 0.1, "params": ["l.0.weight", "l.0.bias"]},
+        {"lr": 0.0, "params": ["e.weight"]},
+    ]
+    assert named["state"]["l.1.weight"] is plain["state"][2] and named["state"]["l.0.bias"] is plain["state"][1]
+    with pytest.raises(ValueError, match="parameter group 0 holds 2 parameters in the checkpoint, 1 here"):
+        plain_state_by_name(plain, [{"param_groups": [{"params": ["l.0.weight"]}, {"params": ["e.weight"]}]}], {})
+    with pytest.raises(ValueError, match="the state exp_avg of position 0 does not fit l.0.weight"):
+        plain_state_by_name(plain, [first, second], {"l.0.weight": (3, 2)})

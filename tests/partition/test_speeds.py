@@ -7,6 +7,7 @@ import itertools
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,6 +165,9 @@ def test_the_probe_takes_time_and_leaves_the_random_state_alone() -> None:
         ({"balance": "time", "rank_speeds": [1.0, 0.0]}, "one positive number per process"),
         ({"balance": "time", "rank_speeds": "fast"}, "one positive number per process"),
         ({"balance": "time", "rank_speeds": [1.0, True]}, "one positive number per process"),
+        ({"balance": "time", "rank_speeds": [1.0, np.bool_(True)]}, "one positive number per process"),
+        ({"balance": "time", "rank_speeds": [1.0, 1j]}, "one positive number per process"),
+        ({"balance": "time", "rank_speeds": torch.ones(2, 2)}, "one positive number per process"),
         ({"balance": "uniform", "rank_speeds": [1.0, 0.5]}, "Give balance='time'"),
     ],
 )
@@ -171,6 +175,14 @@ def test_bad_rank_speeds_are_refused_naming_the_fix(arguments: dict, message: st
     with pytest.raises(ValueError, match=message):
         PipelineConfig(**arguments)
     assert PipelineConfig(plan="auto", rank_speeds=[1.0, 0.5]).rank_speeds == [1.0, 0.5]
+
+
+def test_rank_speeds_take_numpy_and_torch_reals() -> None:
+    """Speeds computed with numpy or torch are taken as Python floats, the container too."""
+    for speeds in ([np.float32(1.0), np.float64(0.5)], np.array([1.0, 0.5], dtype=np.float32), torch.tensor([1.0, 0.5]),
+                   [torch.tensor(1.0), np.int64(2)]):  # fmt: skip
+        taken = PipelineConfig(balance="time", rank_speeds=speeds).rank_speeds
+        assert taken == [float(s) for s in speeds] and all(type(s) is float for s in taken)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])

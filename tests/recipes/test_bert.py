@@ -8,16 +8,21 @@ from lightning_pipe.recipes.text import MASK, pack
 from tests.recipes.test_text import TEXT
 
 
-def test_masking_is_a_function_of_the_row_and_its_reads() -> None:
+def test_masking_is_a_function_of_the_row_and_the_epoch() -> None:
+    """Not of what the process read before: a resumed run (a fresh dataset) masks as an uninterrupted one."""
     rows = pack([list(range(5, 60))] * 4, max_len=16)
     a, b = MaskedSequences(rows, vocab_size=60, seed=3), MaskedSequences(rows, vocab_size=60, seed=3)
     first = [a[i] for i in range(len(rows))]
     assert all(
         torch.equal(x[0], y[0]) and torch.equal(x[2], y[2]) for x, y in zip(first, [b[i] for i in range(len(rows))])
     )
+    assert torch.equal(a[0][2], first[0][2])  # read again in the same epoch: the same masking
+    a.set_epoch(1)
     second = a[0]
     assert not torch.equal(second[2], first[0][2])  # a new epoch masks differently
-    masked = torch.stack([a[i % len(rows)][2] for i in range(40)]) != -100
+    b.set_epoch(1)  # a fresh dataset that starts at epoch 1 (a resume) masks as the one that read epoch 0
+    assert torch.equal(b[0][0], second[0]) and torch.equal(b[0][2], second[2])
+    masked = torch.stack([MaskedSequences(rows, 60, seed=3 + i)[i % len(rows)][2] for i in range(40)]) != -100
     assert 0.08 < masked.float().mean() < 0.22  # about 15% of (non-special) tokens
     ids, _, labels = a[1]
     assert (ids[labels != -100] == MASK).any()
