@@ -133,23 +133,39 @@ class Cell:
 
 
 def refusal(cell: Cell) -> str | None:
-    """The sentence (a regular expression) the strategy must refuse ``cell`` with before training,
-    as the schedule's traits say; None where the traits allow the cell."""
+    """The sentences (a regular expression, any of them) the strategy must refuse ``cell`` with before
+    training, as the schedule's traits say; None where the traits allow the cell."""
     t, layout, model = cell.traits, cell.layout, cell.model
+    sentences = []
     if layout.virtual_stages is not None and not t.interleaved:
-        return r"virtual_stages"
+        sentences.append(r"virtual_stages")
     if t.even_stages and layout.positions % 2:
-        return r"even"
+        sentences.append(r"even number")
     if layout.replicas > 1 and not t.replicas:
-        return r"replica"
+        sentences.append(r"replica")
     if model.module is not None and not t.block_containers:
-        return r"block container|module="
+        sentences.append(r"block container")
     if model.tied and t.refuses_ties:
-        return r"tied|tie"
-    if model.outside and t.asynchronous:
-        return r"trainable parameters outside it"
+        sentences.append(r"tied")
+    if (model.outside or model.module is not None) and t.asynchronous:  # their stashes hold the split only
+        sentences.append(r"trainable parameters outside")
+    if layout.replicas > 1 and layout.data_parallel == "shard":
+        if t.asynchronous:
+            sentences.append(r"weight versions, which sharded weights do not have")
+        if model.module is not None or model.outside:  # the parts outside the split would not be sharded
+            sentences.append(r"trainable parameters outside")
+    if layout.replicas_sync == "elastic" and t.asynchronous:
+        sentences.append(r"elastic averaging runs with the synchronous schedules")
     if t.asynchronous and cell.event.rule.get("accumulate_grad_batches", 1) > 1:
-        return r"accumulate_grad_batches"
+        sentences.append(r"accumulate_grad_batches must be 1")
+    return "|".join(sentences) or None
+
+
+def open_defect(cell: Cell) -> str | None:
+    """Why ``cell`` is known to fail today (found by the matrix, not yet fixed), or None; the test
+    marks it ``xfail(strict=True)``, so the fix makes it fail until its line here goes."""
+    if refusal(cell) == r"accumulate_grad_batches must be 1":
+        return "an asynchronous schedule refuses accumulate_grad_batches > 1 at its first training step, not before"
     return None
 
 
@@ -201,19 +217,21 @@ def sample(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
     pairs_seen: set[tuple] = set()
     chosen: list[Cell] = []
     while values_left:
-
-        def gain(c: Cell) -> tuple[int, float]:
-            return (len(set(_values(c)) & values_left), len(_pairs(c) - pairs_seen) / cost(c))
-
-        best = max((c for c in running if c not in chosen), key=gain)
+        best = max(
+            (c for c in running if c not in chosen),
+            key=lambda c, left=values_left, seen=pairs_seen: (
+                len(set(_values(c)) & left),
+                len(_pairs(c) - seen) / cost(c),
+            ),
+        )
         chosen.append(best)
         values_left -= set(_values(best))
         pairs_seen |= _pairs(best)
     sentences: set[str] = set()
     for c in pool:
-        sentence = refusal(c)
-        if sentence is not None and sentence not in sentences:
-            sentences.add(sentence)
+        new = set((refusal(c) or "").split("|")) - {""} - sentences
+        if new:
+            sentences |= new
             chosen.append(c)
     return chosen
 

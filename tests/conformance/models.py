@@ -61,9 +61,8 @@ class _Steps(L.LightningModule):
 class SequentialNet(_Steps):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        width = [IN] + [HIDDEN] * 7 + [CLASSES]
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(width, width[1:-1])])
-        self.layers.append(nn.Linear(HIDDEN, CLASSES))
+        blocks = [nn.Sequential(nn.Linear(IN if i == 0 else HIDDEN, HIDDEN), nn.Tanh()) for i in range(7)]
+        self.layers = nn.Sequential(*blocks, nn.Linear(HIDDEN, CLASSES))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)

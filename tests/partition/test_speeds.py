@@ -163,13 +163,15 @@ def test_given_speeds_give_the_slower_rank_fewer_layers_and_train_as_plain(tmp_p
         max_steps=3, callbacks=[RecordSplit(str(tmp_path))],
     )  # fmt: skip
     records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    balance, profile = records[0]["balance"], records[0]["profile"]
+    balance, profile, order = records[0]["balance"], records[0]["profile"], records[0]["order"]
     positions = stage_positions(schedule, 2, len(balance) // 2)
-    held = [sum(n for n, p in zip(balance, positions) if p == rank) for rank in range(2)]
-    assert records[1]["balance"] == balance and held[1] < held[0]
+    # the run places the ranks by speed (the measured profile decides which position the slower one
+    # takes): each rank's layers are those of the position it was placed at, as it recorded
+    held = [sum(n for n, p in zip(balance, positions) if p == records[rank]["position"]) for rank in range(2)]
+    assert records[1]["balance"] == balance and records[1]["order"] == order and held[1] < held[0]
     assert records[0]["resources"].speeds == [1.0, 0.5] and not records[0]["resources"].measured
     in_flight = in_flight_microbatches(schedule, 2, 4, len(balance) // 2)
-    speeds = stage_values([1.0, 0.5], positions, len(balance))
+    speeds = stage_values(position_values([1.0, 0.5], 2, 1, order), positions, len(balance))
     assert balance == profile.balance("time", len(balance), in_flight, speeds=speeds)
     assert_same_weights(reference, piped)
 
