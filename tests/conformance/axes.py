@@ -236,6 +236,21 @@ def sample(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
     return chosen
 
 
+def pairs(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
+    """Cells that cover every pair of axis values that some running cell has (greedy, ties broken by
+    ``seed``), then one refused cell per refusal sentence: between the sample and the full matrix."""
+    pool = list(cells if cells is not None else all_cells())
+    random.Random(seed).shuffle(pool)
+    running = {c: (_pairs(c), cost(c)) for c in pool if refusal(c) is None}
+    left = set().union(*(p for p, _ in running.values()))
+    chosen: list[Cell] = []
+    while left:
+        best = max(running, key=lambda c, left=left: len(running[c][0] & left) / running[c][1])
+        chosen.append(best)
+        left -= running[best][0]
+    return chosen + [c for c in sample(seed, pool) if refusal(c) is not None]
+
+
 #: the round-5 defects that fall inside the axes, as cells (always in the default run)
 KNOWN: tuple[str, ...] = (
     "xpipe/resume_epoch/p2/sequential",
@@ -269,6 +284,8 @@ def by_id(ids: Iterable[str]) -> list[Cell]:
 
 
 SEED_VARIABLE, CELL_VARIABLE = "LIGHTNING_PIPE_MATRIX_SEED", "LIGHTNING_PIPE_MATRIX_CELLS"
+#: ``pairs``: run the pairwise cover instead of the sample (``--runslow`` runs every cell)
+MODE_VARIABLE = "LIGHTNING_PIPE_MATRIX"
 
 
 def default_seed() -> int:
@@ -280,7 +297,8 @@ def default_seed() -> int:
 
 def selected(full: bool) -> tuple[int, list[Cell]]:
     """The cells this run checks: ``$LIGHTNING_PIPE_MATRIX_CELLS`` (comma-separated ids) if set, else
-    the full matrix (``full``) or the seed's sample plus :data:`KNOWN`."""
+    the full matrix (``full``), the pairwise cover (``$LIGHTNING_PIPE_MATRIX=pairs``) or the seed's
+    sample, each with :data:`KNOWN` first."""
     seed = default_seed()
     named = os.environ.get(CELL_VARIABLE)
     if named:
@@ -288,4 +306,5 @@ def selected(full: bool) -> tuple[int, list[Cell]]:
     if full:
         return seed, all_cells()
     known = by_id(KNOWN)
-    return seed, known + [c for c in sample(seed) if c not in known]
+    chosen = pairs(seed) if os.environ.get(MODE_VARIABLE) == "pairs" else sample(seed)
+    return seed, known + [c for c in chosen if c not in known]
