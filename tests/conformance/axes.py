@@ -66,6 +66,8 @@ class Layout:
     virtual_stages: int | None = None
     replicas_sync: str | None = None
     restart_on: tuple[int, ...] = ()
+    #: the training data shuffled (each replica's share drawn by the sampler's seed)
+    shuffle: bool = False
 
     @property
     def replicas(self) -> int:
@@ -88,8 +90,8 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("permuted", 2, rank_order=(1, 0)),
     Layout("avgpipe_permuted", 4, stages=2, rank_order=(1, 0, 3, 2), replicas_sync="elastic"),
     Layout("virtual3", 2, virtual_stages=3),
-    Layout("elastic_shrink", 4, stages=2, restart_on=(2,)),
-    Layout("elastic_grow", 4, stages=2, restart_on=(2, 4)),
+    Layout("elastic_shrink", 4, stages=2, restart_on=(2,), shuffle=True),
+    Layout("elastic_grow", 4, stages=2, restart_on=(2, 4), shuffle=True),
 )
 
 

@@ -101,7 +101,7 @@ def _pipeline_fit(
     also = [] if also is None else also
     folder.mkdir(parents=True, exist_ok=True)
     options = _options(schedule, layout, model)
-    loader = data(model, BATCH // layout.replicas, shuffle=layout.elastic)
+    loader = data(model, BATCH // layout.replicas, shuffle=layout.shuffle)
     rule = dict(event.rule)
     module = _fresh(model, event.scheduler)
 
