@@ -147,14 +147,16 @@ def strategy_options(model: Model) -> dict[str, Any]:
 def data(model: Model, batch_size: int = BATCH, shuffle: bool = False) -> DataLoader:
     """``REPEATS`` copies of one batch of 12 samples, in batches of ``batch_size`` (a replica's share).
     The token models' rows 0-5 of the 12 have no label (-100): the first micro-batch of every split
-    the layouts make has no token."""
+    the layouts make has no token; rows 6 and 7 miss one each, so micro-batches differ in tokens
+    while two replicas (even and odd rows) hold the same number, as their averaged token means
+    (DDP's rule, see docs/usage.md) equal plain training's only then."""
     if model.tied or model.token_count:
         g = torch.Generator().manual_seed(4)
         ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
         labels = (ids * 3 + 1) % VOCAB
-        if model.token_count:
+        if model.token_count:  # replicas (even and odd rows) keep as many tokens each: their means' mean is plain's
             labels[: BATCH // 2] = -100
-            labels[BATCH // 2 :: 2, 0] = -100
+            labels[BATCH // 2 : BATCH // 2 + 2, 0] = -100
         tensors = (ids, labels)
     else:
         tensors = dataset(BATCH, seed=0).tensors
