@@ -36,6 +36,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_pipe.checkpoint import is_pipeline_checkpoint, not_a_checkpoint
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.observe.stage_metrics import StageMetrics
@@ -379,6 +380,11 @@ def resume_path(value: Any, output: Path, searched: Sequence[Path]) -> str | Non
         raise SystemExit(
             f"lightning-pipe: resume={value}: {path} does not exist. Give a checkpoint (a run's checkpoints/last.ckpt) "
             "or resume=last."
+        )
+    if path.is_dir() and not is_pipeline_checkpoint(path):  # neither a checkpoint nor a run's folder with one
+        raise SystemExit(
+            f"lightning-pipe: resume={value}: {not_a_checkpoint(path)} A run's folder resumes from its "
+            "checkpoints/last.ckpt, which this one does not have (a run saves it with checkpoint=true)."
         )
     return str(path.resolve())
 

@@ -166,6 +166,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_arguments(self)
+        object.__setattr__(self, "rank_order", check_rank_order(self.rank_order))  # numpy's integers as Python's
         if self.loss_weight == "samples":
             object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:

@@ -29,7 +29,7 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import elastic, failures, internals, signals
+from lightning_pipe.trainer import elastic, failures, internals, nothing_to_train, signals
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.data import stage_dataloader
@@ -159,8 +159,8 @@ class PipelineStrategy(ProcessStrategy):
         self._launcher = launcher_for(self, self.config.start_method, self._gathering, before, go)
 
     def _gathering(self) -> Gathering:
-        group = self._topology.meta_group if self._topology is not None else None
-        return Gathering(group, self.pipeline_ranks, not self.deferred_build)
+        assert self._topology is not None, "every rank is set up before a worker's results are collected"
+        return Gathering(self._topology.gather_group, self.layout.pipeline_ranks(0), not self.deferred_build)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -205,8 +205,8 @@ class PipelineStrategy(ProcessStrategy):
         self._pipeline = build_pipeline(module, self._split, self._topology, scaler)
         stop = self._signals.stop_if_requested
         self._steps = PipelineSteps(self._pipeline, self.config, self._topology, module, self.precision_plugin, stop)
-        if fitting:
-            self.setup_optimizers(trainer)
+        if fitting:  # a stage with nothing to train (a frozen backbone) runs its part with an empty optimizer
+            nothing_to_train.setup_optimizers(partial(self.setup_optimizers, trainer), self.root_device)
         self.setup_precision_plugin()
         if fitting:
             internals.optimizers_to_device(self.optimizers, self.root_device)

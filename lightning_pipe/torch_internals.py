@@ -11,11 +11,14 @@ fails here, in one place.
 
 from __future__ import annotations
 
+import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 
 def module_slots(parent: nn.Module) -> list[tuple[str, nn.Module | None]]:
@@ -54,6 +57,29 @@ def hf_active_output_collector() -> Mapping[str, Any] | None:
     except ImportError:
         return None
     return _active_collector.get()
+
+
+def hf_forced_hidden_states_calls() -> list[tuple[Any, Any]]:
+    """The calls under way, innermost first, of forwards wrapped by transformers'
+    ``filter_output_hidden_states`` (``transformers.backbone_utils``), each as the model and what its
+    caller asked for ``output_hidden_states``: the wrapper turns the recording on whatever was asked
+    and keeps that only in its local ``output_hidden_states``, read here from its frame (the wrapper
+    copies the forward's name, so its frames are told by its code). transformers has no public way
+    to ask. Empty without transformers. Checked with transformers 5.24."""
+    if "transformers" not in sys.modules:
+        return []
+    try:
+        from transformers.backbone_utils import filter_output_hidden_states
+    except ImportError:
+        return []
+    code = filter_output_hidden_states(lambda self: None).__code__
+    calls = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is code:
+            calls.append((frame.f_locals.get("self"), frame.f_locals.get("output_hidden_states")))
+        frame = frame.f_back
+    return calls
 
 
 def backward_hooks(tensor: Tensor) -> Mapping[Any, Any]:
@@ -100,13 +126,42 @@ def lightning_wrapped_batch_sampler(sampler: Any) -> Any | None:
     return getattr(sampler, "_batch_sampler", None)
 
 
+@contextmanager
+def optimizers_over_nothing(built: list[Optimizer], emptied: list[Optimizer]) -> Iterator[None]:
+    """While open, an optimizer handed an empty parameter list gets one empty parameter group
+    instead of torch's ``ValueError: optimizer got an empty parameter list`` (each optimizer built
+    is added to ``built``, one built over nothing to ``emptied`` too). Replaces
+    ``torch.optim.Optimizer.__init__``, which every optimizer calls with its parameters: the
+    user's ``configure_optimizers`` builds the optimizer, and torch has no switch for an empty one.
+    An optimizer over an empty group steps, zeroes and saves its (empty) state as usual. Checked
+    with torch 2.13."""
+    original = Optimizer.__init__
+
+    def init(self: Optimizer, params: Any, defaults: dict[str, Any]) -> None:
+        if not isinstance(params, Tensor):
+            params = list(params)
+            if not params:
+                params = [{"params": []}]
+                emptied.append(self)
+        original(self, params, defaults)
+        built.append(self)
+
+    Optimizer.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Optimizer.__init__ = original  # type: ignore[method-assign]
+
+
 __all__ = [
     "backward_hooks",
     "fsdp_post_backward",
     "hf_active_output_collector",
+    "hf_forced_hidden_states_calls",
     "hf_init_weights",
     "lightning_wrapped_batch_sampler",
     "module_slots",
+    "optimizers_over_nothing",
     "post_accumulate_grad_hooks",
     "private_reset_parameters",
     "version",

@@ -47,21 +47,23 @@ def require_transformers(what: str) -> ModuleType:
 class EpochShuffle(RandomSampler):
     """A random order drawn from the run's seed and the epoch alone (Lightning calls ``set_epoch``), so a
     run resumed from a checkpoint (``resume=``) reads the batches an uninterrupted run reads. The epoch
-    is passed on to a dataset that takes it (``set_epoch``), for augmentations drawn per sample and epoch."""
+    is passed on to a dataset that takes it (``set_epoch``), for augmentations drawn per sample and epoch.
+
+    It keeps ``RandomSampler``'s own iteration (a permutation from its generator, reseeded at each
+    epoch), so the pipeline steers it as it steers ``shuffle=True``: the same permutation, each replica
+    its part, and a resume in the middle of an epoch reads on from where the checkpoint left off."""
 
     def __init__(self, data: Any) -> None:
-        super().__init__(data, generator=torch.Generator())
-        self.seed, self.epoch = torch.initial_seed(), 0  # seed_everything(seed) sets it
+        self.seed = torch.initial_seed()  # seed_everything(seed) sets it
+        super().__init__(data, generator=torch.Generator().manual_seed(self.seed))
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        assert self.generator is not None
+        self.generator.manual_seed(self.seed + epoch)
         if hasattr(self.data_source, "set_epoch"):
             self.data_source.set_epoch(epoch)
-
-    def __iter__(self) -> Any:
-        assert self.generator is not None
-        self.generator.manual_seed(self.seed + self.epoch)
-        return super().__iter__()
 
 
 class TrainValData(L.LightningDataModule):

@@ -17,6 +17,8 @@ from tests.hf_models import HFModule
 WIDTH = 64
 VOCAB = 96
 CLASSES = 5
+MELS, FRAMES = 8, 16  # Whisper's input features: mel bins x frames (its encoder halves the frames)
+SAMPLES = 400  # a waveform for Wav2Vec2 and HuBERT (39 frames)
 
 
 def _decoder(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[..., nn.Module]:
@@ -84,6 +86,60 @@ def vit(layers: int = 4) -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
+def whisper(layers: int = 4) -> nn.Module:
+    """Whisper's encoder-decoder (8 mel bins, 16 frames); ``layers`` blocks in the encoder and in the decoder."""
+    config = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=MELS, encoder_layers=layers,
+                                        decoder_layers=layers, d_model=WIDTH, encoder_attention_heads=4,
+                                        decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH,
+                                        max_source_positions=FRAMES // 2, max_target_positions=32, dropout=0.0,
+                                        attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=1,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def bart(layers: int = 4) -> nn.Module:
+    """BART: one embedding shared by the encoder, the decoder and the head (three modules, one weight)."""
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=WIDTH, encoder_layers=layers, decoder_layers=layers,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH,
+                                     decoder_ffn_dim=2 * WIDTH, max_position_embeddings=32, dropout=0.0,
+                                     attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, decoder_start_token_id=1)  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def vision_encoder_decoder(layers: int = 4) -> nn.Module:
+    """A ViT encoder and a GPT-2 decoder (its head tied to its token embedding) with cross-attention."""
+    encoder = transformers.ViTConfig(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                                     intermediate_size=2 * WIDTH, image_size=8, patch_size=4, num_channels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    decoder = transformers.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                      bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      add_cross_attention=True, is_decoder=True)  # fmt: skip
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return transformers.VisionEncoderDecoderModel(config)
+
+
+def _speech_config(config_cls: Any, layers: int, **extra: Any) -> Any:
+    """Wav2Vec2's or HuBERT's configuration: two convolutions (400 samples: 39 frames)."""
+    return config_cls(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=2 * WIDTH, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+                      attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                      layerdrop=0.0, mask_time_prob=0.0, num_labels=CLASSES, classifier_proj_size=32,
+                      pad_token_id=0, **extra)  # fmt: skip
+
+
+def wav2vec2_classifier(layers: int = 4, **extra: Any) -> nn.Module:
+    """Its forward records every layer's hidden states whatever was asked (transformers'
+    ``filter_output_hidden_states``) and reads only the last unless ``use_weighted_layer_sum``."""
+    return transformers.Wav2Vec2ForSequenceClassification(_speech_config(transformers.Wav2Vec2Config, layers, **extra))
+
+
+def hubert_classifier(layers: int = 4) -> nn.Module:
+    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers))
+
+
 def t5(layers: int = 4) -> nn.Module:
     config = transformers.T5Config(d_model=WIDTH, d_kv=16, d_ff=2 * WIDTH, num_layers=layers, num_decoder_layers=layers,
                                    num_heads=4, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
@@ -103,24 +159,18 @@ class Family:
     module: str
     data: str = "tokens"
     refused: str = ""
-    weights_refused: str = ""  # why ``weights=`` a save_pretrained directory is refused at setup
+    converted: str = ""  # what transformers converts in a save_pretrained directory's names when it loads them
 
 
-#: transformers 5 converts some checkpoints' names and layouts when it loads them, and its
-#: ``save_pretrained`` writes the legacy ones, which ``weights=`` reads as they are
-LEGACY_NAMES = "save_pretrained writes names transformers converts on load ({}), which weights= does not convert"
-
-
-def _causal(name: str, config_cls: Any, model_cls: type, weights_refused: str = "", **extra: Any) -> Family:
+def _causal(name: str, config_cls: Any, model_cls: type, converted: str = "", **extra: Any) -> Family:
     """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
-    return Family(
-        name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", weights_refused=weights_refused
-    )
+    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", converted=converted)
 
 
 T = transformers
+STACKED = "one tensor per expert and projection, stacked into `experts.gate_up_proj` and `experts.down_proj`"
+VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj` ..."
 MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
-STACKED_EXPERTS = LEGACY_NAMES.format("one tensor per expert for the stacked `experts.gate_up_proj`")
 
 FAMILIES: list[Family] = [
     Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
@@ -133,18 +183,12 @@ FAMILIES: list[Family] = [
     _causal("Gemma 2", T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Gemma 3 (text)", T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=16, sliding_window=8),
     _causal("Phi-3", T.Phi3Config, T.Phi3ForCausalLM),
-    Family(
-        "GPT-NeoX",
-        gpt_neox,
-        T.GPTNeoXForCausalLM,
-        "model.gpt_neox.layers",
-        weights_refused=LEGACY_NAMES.format("`embed_out` for `lm_head`"),
-    ),
+    Family("GPT-NeoX", gpt_neox, T.GPTNeoXForCausalLM, "model.gpt_neox.layers", converted="`embed_out` to `lm_head`"),
     _causal(
         "Mixtral (auxiliary loss off)",
         T.MixtralConfig,
         T.MixtralForCausalLM,
-        STACKED_EXPERTS,
+        STACKED,
         num_local_experts=4,
         num_experts_per_tok=2,
         **MOE_OFF,
@@ -153,7 +197,7 @@ FAMILIES: list[Family] = [
         "Qwen2-MoE (auxiliary loss off)",
         T.Qwen2MoeConfig,
         T.Qwen2MoeForCausalLM,
-        STACKED_EXPERTS,
+        STACKED,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=WIDTH,
@@ -178,9 +222,45 @@ FAMILIES: list[Family] = [
         T.ViTForImageClassification,
         "model.vit.layers",
         data="images",
-        weights_refused=LEGACY_NAMES.format(
-            "`vit.encoder.layer.N.attention.attention.query` for `vit.layers.N.attention.q_proj`"
-        ),
+        converted=VIT_NAMES,
+    ),
+    Family(
+        "Whisper (split by its encoder)",
+        whisper,
+        T.WhisperForConditionalGeneration,
+        "model.model.encoder.layers",
+        data="audio_to_text",
+    ),
+    Family(
+        "Whisper (split by its decoder)",
+        whisper,
+        T.WhisperForConditionalGeneration,
+        "model.model.decoder.layers",
+        data="audio_to_text",
+    ),
+    Family("BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers"),
+    Family("BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers"),
+    Family(
+        "ViT + GPT-2 (split by its encoder)",
+        vision_encoder_decoder,
+        T.VisionEncoderDecoderModel,
+        "model.encoder.layers",
+        data="image_to_text",
+        converted=VIT_NAMES,
+    ),
+    Family(
+        "Wav2Vec2 sequence classification",
+        wav2vec2_classifier,
+        T.Wav2Vec2ForSequenceClassification,
+        "model.wav2vec2.encoder.layers",
+        data="speech",
+    ),
+    Family(
+        "HuBERT sequence classification",
+        hubert_classifier,
+        T.HubertForSequenceClassification,
+        "model.hubert.encoder.layers",
+        data="speech",
     ),
     Family(
         "T5",
@@ -196,24 +276,31 @@ BY_NAME = {f.name: f for f in FAMILIES}
 
 def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0) -> DataLoader:
     """Token sequences with labels = inputs (a causal LM shifts them; a masked LM predicts every
-    token), sequences with a class each, or small images with a class each."""
+    token), sequences with a class each, small images with a class each, or an image or Whisper's
+    input features with a token sequence to predict."""
     g = torch.Generator().manual_seed(seed)
-    if family.data == "images":
-        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
-    else:
-        tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
-        labels = torch.randint(0, CLASSES, (n,), generator=g) if family.data == "classes" else tokens
-        data = TensorDataset(tokens, labels)
-    return DataLoader(data, batch_size=batch_size, shuffle=False)
+    tokens = torch.randint(2, VOCAB, (n, 12), generator=g)
+    classes = torch.randint(0, CLASSES, (n,), generator=g)
+    images = torch.randn(n, 3, 8, 8, generator=g)
+    inputs, labels = {
+        "images": (images, classes),
+        "classes": (tokens, classes),
+        "audio_to_text": (torch.randn(n, MELS, FRAMES, generator=g), tokens),
+        "image_to_text": (images, tokens),
+        "speech": (torch.randn(n, SAMPLES, generator=g), classes),
+    }.get(family.data, (tokens, tokens))
+    return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
 
 
 class FamilyModule(HFModule):
-    """A family's unchanged model; its own loss (``labels=``) is the training loss."""
+    """A family's unchanged model; its own loss (``labels=``) is the training loss. The inputs'
+    keyword follows from their kind: token ids, images (4 dimensions), or audio features (3)."""
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
-        if inputs.is_floating_point():
-            return self.model(pixel_values=inputs, labels=labels)
-        return self.model(input_ids=inputs, labels=labels)
+        if not inputs.is_floating_point():
+            return self.model(input_ids=inputs, labels=labels)
+        keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
+        return self.model(**{keyword: inputs}, labels=labels)
 
 
 #: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains
@@ -239,11 +326,9 @@ def family_table() -> str:
         if f.refused:
             rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
             continue
-        weights = (
-            f"refused at setup: {f.weights_refused}"
-            if f.weights_refused
-            else f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
-        )
+        weights = f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
+        if f.converted:
+            weights += f"; its names converted as transformers converts them ({f.converted})"
         rows.append(f"| {f.name} | `{model}` | `{f.module}` | {stages} stages x {schedules} | {weights} |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import lightning as L
@@ -216,6 +217,45 @@ class LifecycleNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class ScheduledNet(TinyNet):
+    """TinyNet whose optimizer (``optimizer``: as TinyNet's) steps with a per-step learning-rate schedule;
+    with a validation step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class RecordWarnings(L.Callback):
+    """Writes the warnings each rank raised during training to ``<folder>/warnings<k>.json`` (a
+    spawned or forked rank's warnings reach no output the test can read otherwise)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._catching: Any = None
+        self._caught: list = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import warnings
+
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        self._catching.__exit__(None, None, None)
+        with open(os.path.join(self.folder, f"warnings{trainer.global_rank}.json"), "w") as f:
+            json.dump([str(w.message) for w in self._caught], f)
+
+
 class RecordEpochs(L.Callback):
     """Writes each rank's last epoch and (when present) gradient-scaler scale to ``<folder>/end<k>.json``."""
 
@@ -296,6 +336,18 @@ class TiedNet(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class FrozenTieNet(TiedNet):
+    """:class:`TiedNet` with its tied embedding frozen (a weight tied across the first and the last
+    stage), every parameter given to AdamW with weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].weight.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
 
 
 def token_loader(n: int = 48, batch_size: int = 12) -> DataLoader:
@@ -453,8 +505,11 @@ def merged_stage_states(folder: str, ranks: int, start: bool = False) -> dict[st
 
 
 class ReadsBlocksNet(L.LightningModule):
-    """A model whose forward loops over an ``nn.ModuleList`` and whose loss reads blocks' outputs
-    after the loop: ``"pool"`` every block's output averaged, ``"probe"`` a probe loss on block 1's."""
+    """A model whose forward loops over an ``nn.ModuleList`` and whose steps read blocks' outputs
+    after the loop. Training, by ``reads``: ``"pool"`` every block's output averaged, ``"probe"`` a
+    probe loss on block 1's, ``"statistic"`` the loss scaled by a detached statistic of block 0's,
+    ``"logged"`` a probe on block 0's output logged only. Validation and prediction pool every
+    block's output."""
 
     def __init__(self, reads: str, depth: int = 4) -> None:
         super().__init__()
@@ -464,16 +519,93 @@ class ReadsBlocksNet(L.LightningModule):
         self.probe = nn.Linear(HIDDEN, CLASSES)
         self.reads = reads
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+    def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         hidden = self.embed(x)
         outputs = []
         for block in self.blocks:
             hidden = block(hidden)
             outputs.append(hidden)
+        return hidden, outputs
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden, outputs = self._run(x)
+        loss = F.cross_entropy(self.head(hidden), y)
         if self.reads == "pool":
             return F.cross_entropy(self.head(torch.stack(outputs).mean(0)), y)
-        return F.cross_entropy(self.head(hidden), y) + 0.5 * F.cross_entropy(self.probe(outputs[1]), y)
+        if self.reads == "statistic":
+            return loss * outputs[0].detach().std()
+        if self.reads == "logged":
+            self.log("probe", F.cross_entropy(self.probe(outputs[0]), y))
+            return loss
+        return loss + 0.5 * F.cross_entropy(self.probe(outputs[1]), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.head(torch.stack(self._run(x)[1]).mean(0)), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(torch.stack(self._run(batch[0])[1]).mean(0))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class FrozenOutsideNet(L.LightningModule):
+    """A block container (``module="blocks"``) whose parameters outside the blocks include a frozen
+    final norm and a layer the forward never uses; the optimizer gets every parameter with weight
+    decay, as ``AdamW(self.parameters())`` does."""
+
+    def __init__(self, optimizer: str = "adamw", depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(depth)])
+        self.norm = nn.LayerNorm(HIDDEN).requires_grad_(False)
+        self.unused = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.optimizer = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            hidden = block(hidden)
+        loss = F.cross_entropy(self.head(self.norm(hidden)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+class FrozenStartNet(TinyNet):
+    """Fine-tuning with a frozen start: the first half of the layers frozen, the optimizer given the
+    trainable parameters only (so a stage holding only frozen layers has none to give it)."""
+
+    def __init__(self, frozen: int = 4, depth: int = 8) -> None:
+        super().__init__(depth=depth)
+        self.layers[:frozen].requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01, weight_decay=0.01)
+
+
+class FrozenStartInfNet(FrozenStartNet):
+    """:class:`FrozenStartNet` whose last layer's gradient (on the last stage) becomes inf at step 2."""
+
+    def on_train_start(self) -> None:
+        last = self.layers._modules.get("7")  # of the 8 layers
+        if last is not None:
+            last.weight.register_hook(lambda g: g * float("inf") if self.trainer.global_step == 2 else g)
+
+
+class NamedLayersNet(TinyNet):
+    """:class:`TinyNet` whose Sequential is built from an ``OrderedDict`` (as torchvision's ViT encoder
+    is): its layers are named ``encoder_layer_<i>``, not by their index (past 10, their names'
+    order is not the layers')."""
+
+    def __init__(self, depth: int = 12) -> None:
+        super().__init__(depth=depth)
+        self.layers = nn.Sequential(OrderedDict((f"encoder_layer_{i}", layer) for i, layer in enumerate(self.layers)))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pipe.schedules import (
+    TRAITS,
     closed_form_bubble,
     pipedream,
     pipedream_2bw,
@@ -126,6 +127,67 @@ def test_weights_follow_the_delayed_update_rule(schedule: str, stages: int, chun
     _reference(reference, batches, 0.1, _stage_delays(schedule, stages, chunks, reference))
     fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, max_steps=steps)
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
+
+
+ASYNCHRONOUS = [name for name, row in TRAITS.items() if row.asynchronous]
+
+
+@pytest.mark.parametrize(
+    "schedule, predictor", [(name, None) for name in ASYNCHRONOUS] + [("xpipe", "adam"), ("xpipe", "momentum")]
+)
+def test_saves_and_validations_leave_the_weights_the_rule_gives(
+    tmp_path: Path, schedule: str, predictor: str | None
+) -> None:
+    """A drain never changes the weights the rule gives (a run with more saves or validations trains
+    the same): 8 steps over epochs of 6 batches, with a checkpoint after every step and a validation
+    every 2 steps, against none. Each save or validation drains the pipeline after the step's update,
+    so the next step starts from an empty pipeline, also the last of an epoch, which drains before
+    its update in both runs. PipeMare and XPipe run their backwards on the weights of the moment they
+    run at, which drains must not move (2 stages: every backward runs at most one update after its
+    forward, see docs/schedules.md). Every asynchronous schedule of the traits table is run; XPipe's
+    optimizer-state predictors too, with Adam and SGD's momentum; a learning-rate schedule and clipping."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import RecordWarnings, ScheduledNet
+
+    optimizer = "adam" if predictor == "adam" else "sgd"
+    options: dict = dict(schedule=schedule, chunks=2, max_steps=8, gradient_clip_val=1.0)
+    if predictor is not None:
+        options["xpipe_predictor"] = predictor
+    torch.manual_seed(0)
+    plain = ScheduledNet(lr=0.1, optimizer=optimizer)
+    drained = ScheduledNet(lr=0.1, optimizer=optimizer)
+    drained.load_state_dict(plain.state_dict())
+    fit_pipeline(plain, 2, **options)
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
+    callbacks = [saves, RecordWarnings(str(tmp_path))]
+    fit_pipeline(drained, 2, val_data=loader(n=12), enable_checkpointing=True, callbacks=callbacks,
+                 val_check_interval=2, limit_val_batches=1, **options)  # fmt: skip
+    assert (tmp_path / "last.ckpt").exists()
+    said = json.loads((tmp_path / "warnings0.json").read_text())
+    assert not [w for w in said if "draining the pipeline between steps" in w]  # exact: nothing to tell
+    assert_same_weights(plain, drained, rtol=0, atol=1e-7)
+    torch.manual_seed(0)
+    assert not torch.allclose(ScheduledNet().layers[2].weight, plain.layers[2].weight)  # it trained
+
+
+def test_a_drain_that_changes_pipemares_weights_is_told_once(tmp_path: Path) -> None:
+    """3 stages, 1 chunk: stage 0's backwards trail their forwards by two updates, which a drain in the
+    middle of an epoch cannot give them; rank 0 says so once, with what makes drains exact."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import RecordWarnings
+
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
+    callbacks = [saves, RecordWarnings(str(tmp_path))]
+    fit_pipeline(
+        TinyNet(), 3, schedule="pipemare", chunks=1, max_steps=3, enable_checkpointing=True, callbacks=callbacks
+    )
+    said = [json.loads((tmp_path / f"warnings{rank}.json").read_text()) for rank in range(3)]
+    told = [[w for w in ws if "draining the pipeline between steps" in w] for ws in said]
+    assert [len(t) for t in told] == [1, 0, 0], said
+    assert told[0][0].startswith("schedule='pipemare' with 1 micro-batch(es) per batch on 3 stages")
+    assert "chunks >= 2 makes every drain exact" in told[0][0]
 
 
 def _cycle(data):

@@ -398,10 +398,10 @@ def test_weights_and_deferred_builds_compose(tmp_path: Path) -> None:
 
 
 def _vgg_run(folder: Path, *overrides: str) -> dict[str, float]:
-    """2 steps per epoch of a small VGG on 2 forked processes, saving checkpoints; with augmentation (crops
-    and flips drawn from the sample and the epoch)."""
+    """3 steps per epoch of a small VGG on 2 forked processes, saving checkpoints at every validation (every 2
+    steps); shuffled, with augmentation (crops and flips drawn from the sample and the epoch)."""
     cfg = _compose(["recipe=vgg19_cifar100", *SMALL["vgg19_cifar100"],
-                    "recipe.data.synthetic_train=16", "trainer.max_steps=4",
+                    "recipe.data.synthetic_train=24", "trainer.max_steps=4",
                     "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "strategy.start_method=fork",
                     "strategy.chunks=2", "checkpoint=true", *overrides])  # fmt: skip
     with open_dict(cfg):
@@ -420,13 +420,15 @@ def _consolidated(folder: Path) -> dict:
 
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``resume=`` gives ``fit`` the checkpoint: the optimizer's momentum, the LR schedule and the step go on,
-    and the weights after 4 steps equal those of a run that was never stopped."""
+    """``resume=`` gives ``fit`` the checkpoint, saved in the middle of an epoch: the optimizer's momentum, the LR
+    schedule, the step and the epoch's shuffled order go on, and the weights after 4 steps (the rest of epoch 0
+    and one step of epoch 1) equal those of a run that was never stopped."""
     import torch
 
     monkeypatch.chdir(tmp_path)
     _vgg_run(tmp_path / "whole")
-    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_epochs=1")  # stopped after 2 of the 4 steps
+    # stopped after 2 of the 4 steps, 2 of epoch 0's 3 (the schedule still planned for 4)
+    _vgg_run(tmp_path / "outputs" / "first", "trainer.max_steps=2", "recipe.model.max_steps=4")
     assert _consolidated(tmp_path / "outputs" / "first")["global_step"] == 2
     _vgg_run(tmp_path / "second", "resume=last")  # the newest under outputs/
     whole, resumed = _consolidated(tmp_path / "whole"), _consolidated(tmp_path / "second")
@@ -533,10 +535,18 @@ def test_preflight_refuses_bad_values_before_hydra_runs(tmp_path: Path, monkeypa
     from lightning_pipe.cli import preflight
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run's folder whose last.ckpt is gone
+    (tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt").write_bytes(b"")
     for overrides, message in (
         (["strategy.schedule=zigzag"], r"Unknown pipeline schedule 'zigzag'"),
         (["logger=csvv"], r"logger=csvv is unknown"),
         (["resume=nowhere"], r"resume=nowhere: .* does not exist"),
+        (
+            ["resume=run"],
+            r"resume=run: .*run is a folder, not a checkpoint: a lightning-pipe checkpoint is a folder holding meta.pt "
+            r".* Checkpoints in it: checkpoints/epoch=0-step=3.ckpt\. .*its checkpoints/last.ckpt, which this one does "
+            "not have",
+        ),
         (["+strategy.chunkz=3"], r"unknown key strategy.chunkz \(did you mean strategy.chunks\?\)"),
     ):
         with pytest.raises(SystemExit, match=message):

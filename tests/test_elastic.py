@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import consolidate, write_meta, write_shard
@@ -30,7 +32,7 @@ from lightning_pipe.checkpoint.staging import staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.trainer.elastic import ElasticState, layout, resume_arguments
-from tests.models import TinyNet, fit_plain, loader
+from tests.models import TinyNet, dataset, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_
 
     config = PipelineConfig(stages=2, balance="time", rank_order=[0, 2, 1, 3], rank_speeds=[1.0, 0.5, 1.0, 0.5])
     assert layout(4, config).order == (0, 2, 1, 3) and for_this_world(config, 4) is config
-    with pytest.raises(ValueError, match=r"rank_order=\[0, 2, 1, 3\]\): give each global rank of 2 processes once"):
+    with pytest.raises(ValueError, match=r"rank_order=\[0, 2, 1, 3\]\): names 4 ranks for 2 processes; give each"):
         layout(2, config)  # not elastic: a world the order does not fit is a mistake
     restarted = config.replace(elastic=True)
     assert layout(2, restarted) == layout(2, PipelineConfig(stages=2, elastic=True))  # not placed
@@ -157,22 +159,24 @@ def test_an_error_in_an_elastic_restart_says_it_comes_from_the_restart(tmp_path:
 
 # ---------------------------------------------------------------------------- a resume with fewer replicas
 def test_fewer_replicas_resume_with_more_accumulation_and_the_global_batch_kept(tmp_path: Path) -> None:
-    """2 stages x 2 replicas save at the end of an epoch; 2 processes resume it elastically as 2 stages x
-    1 replica accumulating 2 batches per step: the weights are those of plain training on the global
-    batch of 24 throughout, and the report says what changed."""
+    """2 stages x 2 replicas, shuffled, save in the middle of an epoch; 2 processes resume it elastically as 2
+    stages x 1 replica accumulating 2 batches per step: the weights are those of uninterrupted plain training on
+    the global batch of 24 in the same order (the epoch's permutation of the run's seed), the rest of the saved
+    epoch and the next one included, and the report says what changed."""
     folder = tmp_path / "checkpoints"
-    torch.manual_seed(0)
+    L.seed_everything(0)
     first, plain = TinyNet(), TinyNet()
     plain.load_state_dict(first.state_dict())
     saves = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
-    data = loader(n=48, batch_size=12)
+    data = DataLoader(dataset(72), batch_size=12, shuffle=True)  # 3 steps of 2 x 12 per epoch
     options = dict(stages=2, chunks=2, elastic=str(folder))
     fit_pipeline(first, 4, data, max_steps=2, callbacks=[saves], enable_checkpointing=True, **options)
     assert [p.name for p in candidates(folder)] == ["epoch=0-step=2.ckpt"]
 
     resumed = TinyNet()
-    trainer = fit_pipeline(resumed, 2, data, max_steps=4, **options)
-    fit_plain(plain, loader(n=48, batch_size=24), max_steps=4)
+    trainer = fit_pipeline(resumed, 2, data, max_steps=5, **options)
+    order = DistributedSampler(dataset(72), num_replicas=1, rank=0, shuffle=True, seed=0)
+    fit_plain(plain, DataLoader(dataset(72), batch_size=24, sampler=order), max_steps=5)
     assert_same_weights(plain, resumed)
     # the report is made in the processes; here, what the launching process chose and kept
     state = next(c for c in trainer.callbacks if isinstance(c, ElasticState))  # type: ignore[attr-defined]
@@ -445,3 +449,34 @@ def test_two_by_two_lose_a_replica_before_the_first_checkpoint_and_keep_the_glob
     plain = TinyNet()
     fit_plain(plain, loader(n=48, batch_size=24), max_steps=8)  # the global batch of 2 replicas x 12
     assert_same_weights(plain, _merged(results))
+
+
+# ---------------------------------------------------------------------------- the docs' script
+def test_the_docs_script_runs_as_written(tmp_path: Path) -> None:
+    """docs/elastic.md's script under torchrun on 2 CPU processes, with only its folder and step counts
+    changed: it trains, saves, and its ModelCheckpoint keeps the 2 newest saves (Lightning refused the
+    ModelCheckpoint the page had before). One start: the restarts are the tests above."""
+    text = (ROOT / "docs" / "elastic.md").read_text()
+    match = re.search(r"```python\n(.*?)```", text[text.index("## The script") :], re.S)
+    assert match is not None, "no python block under '## The script'"
+    script, changes = (
+        match.group(1),
+        {
+            'CHECKPOINTS = "/shared/run1/checkpoints"': f"CHECKPOINTS = {str(tmp_path / 'checkpoints')!r}",
+            "STEPS, SAVE_EVERY = 2000, 200": "STEPS, SAVE_EVERY = 6, 2",
+        },
+    )
+    for line, replacement in changes.items():
+        assert line in script, line
+        script = script.replace(line, replacement)
+    (tmp_path / "train.py").write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "`max_steps=6` reached" in output and "2 stages (2 processes)" in output  # stages=4 fits 2 processes as 2
+    assert sorted(p.name for p in candidates(tmp_path / "checkpoints")) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=6.ckpt",
+    ]

@@ -204,3 +204,102 @@ def test_the_argument_accepts_a_save_pretrained_directory_and_damage_is_named(tm
     index.write_text(json.dumps(table))
     with pytest.raises(ValueError, match=rf"places 'transformer.extra.weight' in {first}, which does not hold it"):
         open_weights(directory)
+
+
+def _bert_classifier() -> nn.Module:
+    from tests.hf_families import CLASSES, _bert_config
+
+    return transformers.BertForSequenceClassification(_bert_config(4, num_labels=CLASSES, classifier_dropout=0.0))
+
+
+def _llama_classifier() -> nn.Module:
+    from tests.hf_families import CLASSES, _decoder
+
+    model = _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM)()
+    model.config.num_labels = CLASSES
+    return transformers.LlamaForSequenceClassification(model.config)
+
+
+#: a task model, and the base checkpoints it starts from: (what save_pretrained saved, the part of
+#: the task model it fills)
+FINE_TUNES = {
+    "bert": (_bert_classifier, lambda m: transformers.BertModel(m.config), "bert"),
+    "llama": (_llama_classifier, lambda m: transformers.LlamaForCausalLM(m.config), ""),
+}
+
+
+@pytest.mark.parametrize("kind", list(FINE_TUNES))
+def test_a_base_checkpoint_starts_a_model_with_a_new_head_as_from_pretrained(tmp_path: Path, kind: str) -> None:
+    """The common fine-tune: BERT's base model into BertForSequenceClassification, a Llama causal
+    LM into LlamaForSequenceClassification. The head the file lacks keeps the model's own
+    initialisation, the causal LM's head in the file is left unused, and the run equals plain
+    training of the model with the base weights loaded (before: refused as names that do not fit)."""
+    from tests.hf_families import BY_NAME, FamilyModule, family_data
+    from tests.models import fit_plain
+    from tests.pipeline import assert_same_weights, fit_pipeline
+
+    build, base_of, part = FINE_TUNES[kind]
+    torch.manual_seed(3)
+    base = base_of(build())
+    base.save_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    piped = FamilyModule(build, lr=0.01)  # at 0.1 the causal LM's embedding moves by 1.0 and float noise grows to 1e-4
+    reference = FamilyModule(build, lr=0.01)
+    reference.load_state_dict(piped.state_dict())
+    into = reference.model.get_submodule(part) if part else reference.model
+    missing, unused = into.load_state_dict(type(base).from_pretrained(tmp_path / "base").state_dict(), strict=False)
+    assert (missing, unused) == (([], []) if kind == "bert" else (["score.weight"], ["lm_head.weight"]))
+    family = BY_NAME["BERT sequence classification"]  # a class per sequence
+    fit_plain(reference, family_data(family))
+    fit_pipeline(piped, 2, family_data(family), module=family.module if kind == "bert" else "model.model.layers",
+                 weights=str(tmp_path / "base"))  # fmt: skip
+    assert_same_weights(reference, piped)
+
+
+def test_what_a_base_checkpoint_lacks_is_listed_in_one_line_and_a_partial_base_is_refused(tmp_path: Path) -> None:
+    from lightning_pipe.weights.load import check_names, match_names
+    from tests.hf_families import _bert_config
+
+    transformers.BertForMaskedLM(_bert_config(2)).save_pretrained(tmp_path / "mlm")
+    transformers.BertModel(_bert_config(1)).save_pretrained(tmp_path / "short")
+    spec = model_spec(Holder(lambda: transformers.BertForSequenceClassification(_bert_config(2, num_labels=3))))
+    line = check_names(match_names(open_weights(tmp_path / "mlm"), spec), spec).line(tmp_path / "mlm")
+    assert "4 tensors of the model not in the checkpoint" in line and "'model.classifier.weight'" in line
+    assert "'model.bert.pooler.dense.weight'" in line  # a part the masked LM does not build
+    assert "5 tensors of another head in it are not used: ['model.cls.predictions.bias'" in line
+    assert line.count("\n") == 0
+    with pytest.raises(ValueError, match=r"not in the file: model\.bert\.encoder\.layer\.1\."):
+        check_names(match_names(open_weights(tmp_path / "short"), spec), spec)  # one of 2 blocks: no fit
+
+
+def test_a_stage_converts_only_its_own_experts(tmp_path: Path) -> None:
+    """Mixtral's save_pretrained directory (one tensor per expert and projection): the first of two
+    stages, built on the meta device, reads only the file tensors of its own blocks and of the
+    embeddings, and its stacked experts equal from_pretrained's."""
+    from lightning_pipe.weights.hf import PretrainedFiles
+    from tests.hf_models import mixtral
+
+    directory, expected = saved(tmp_path, mixtral, None)
+    spec = model_spec(Holder(mixtral))
+    read: list[str] = []
+    real = PretrainedFiles.read
+
+    def recording(self: PretrainedFiles, name: str) -> torch.Tensor:
+        read.append(name)
+        return real(self, name)
+
+    with torch.device("meta"):
+        part = Holder(mixtral)
+    container = part.get_submodule("model.model.layers")
+    materialize(part, extended(container, find_ends(part, container)), [0, 1, 4], "cpu", seed=0)  # blocks 0, 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PretrainedFiles, "read", recording)
+        load_stage_weights(part, directory, spec)
+    assert {n.split(".")[2] for n in read if n.startswith("model.layers.")} == {"0", "1"}
+    assert any(".experts.3.w1." in n for n in read) and "lm_head.weight" not in read
+    stacked = part.model.model.layers[1].mlp.experts.gate_up_proj
+    torch.testing.assert_close(stacked, expected["model.model.layers.1.mlp.experts.gate_up_proj"], rtol=0, atol=0)
+    held = {k: v for k, v in part.state_dict().items() if not v.is_meta}
+    assert not any(k.startswith("model.model.layers.2.") for k in held)
+    for name, value in held.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)

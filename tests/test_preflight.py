@@ -90,7 +90,8 @@ def test_a_rank_order_for_another_world_is_refused_before_starting_any_process(m
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", started)
-    with pytest.raises(ValueError, match=r"rank_order=\[1, 0, 2\]\): give each global rank of 2 processes once"):
+    refused = r"rank_order=\[1, 0, 2\]\): names 3 ranks for 2 processes; give each global rank of 2 processes once"
+    with pytest.raises(ValueError, match=refused):
         trainer = L.Trainer(
             strategy=PipelineStrategy(rank_order=[1, 0, 2]), accelerator="cpu", devices=2, logger=False,
             enable_progress_bar=False, enable_model_summary=False,

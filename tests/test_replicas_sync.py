@@ -64,11 +64,18 @@ class _RecordReplicas(L.Callback):
         torch.save(record, Path(self.folder) / f"replica{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
-def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    "schedule, order",
+    [("1f1b", [1, 0, 3, 2]), pytest.param("gpipe", None, marks=pytest.mark.slow)],
+    ids=["1f1b-rank-0-in-replica-1", "gpipe"],
+)
+def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(
+    tmp_path: Path, schedule: str, order: list[int] | None
+) -> None:
     """Six steps, a pull every second one (alpha 0.45): every rank's weights and center equal the
-    single-process rule's; replica 0 comes back to this process; the stage's replicas all-reduce
-    nothing in the steps between pulls and the stage's parameters once in each pull's step."""
+    single-process rule's; replica 0 comes back to this process, also where ``rank_order`` puts rank 0
+    in replica 1 (``[1, 0, 3, 2]``: ranks 1 and 3 are replica 0's stages); the stage's replicas
+    all-reduce nothing in the steps between pulls and the stage's parameters once in each pull's step."""
     torch.manual_seed(0)
     model = TinyNet()
     copies, center = elastic_reference(model, replicas=2, steps=6, period=2, alpha=0.45)
@@ -76,12 +83,13 @@ def test_elastic_replicas_follow_the_rule_and_all_reduce_only_when_they_average(
     callbacks = [_RecordReplicas(str(tmp_path)), _CountAllReduce(str(tmp_path))]
     fit_pipeline(
         piped, 4, data=loader(batch_size=12), stages=2, chunks=3, schedule=schedule, replicas_sync="elastic",
-        replicas_sync_period=2, callbacks=callbacks,
+        replicas_sync_period=2, rank_order=order, callbacks=callbacks,
     )  # fmt: skip
     assert_same_weights(copies[0], piped)
-    for rank in range(4):  # rank r: stage r // 2 of replica r % 2
+    replica_of = [1, 0, 1, 0] if order else [0, 1, 0, 1]  # slot k (stage k // 2 of replica k % 2) is rank order[k]
+    for rank in range(4):
         record = torch.load(tmp_path / f"replica{rank}.pt", weights_only=True)
-        reference = dict(copies[rank % 2].named_parameters())
+        reference = dict(copies[replica_of[rank]].named_parameters())
         assert record["params"] and set(record["params"]) == set(record["center"])
         for name, value in record["params"].items():
             torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-6, msg=name)

@@ -12,7 +12,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.checkpoint import is_pipeline_checkpoint
 from lightning_pipe.checkpoint import main as consolidate_main
-from tests.models import LifecycleNet, TiedNet, TinyNet, WrappedNet, fit_plain, loader, plain_trainer, token_loader
+from tests.models import (
+    LifecycleNet,
+    NamedLayersNet,
+    TiedNet,
+    TinyNet,
+    WrappedNet,
+    fit_plain,
+    loader,
+    plain_trainer,
+    token_loader,
+)
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer, twins
 
 EPOCH = {"max_steps": -1}
@@ -51,6 +61,18 @@ def test_interleaved_zero_bubble_with_three_stages_per_process() -> None:
     fit_plain(reference)
     fit_pipeline(piped, 2, schedule="interleaved_zero_bubble", virtual_stages=3, chunks=4, checkpoint="except_last")
     assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])  # the two shapes: round robin and the V
+def test_a_sequential_of_named_layers_keeps_their_names_and_order(schedule: str) -> None:
+    """An ``nn.Sequential(OrderedDict(...))`` (torchvision's ViT encoder) with 12 named layers: each
+    process's stages hold them in the Sequential's order, under the unsplit module's names."""
+    torch.manual_seed(0)
+    reference, piped = twins(NamedLayersNet())
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule=schedule, chunks=4)
+    assert_same_weights(reference, piped)
+    assert "layers.encoder_layer_10.weight" in piped.state_dict()
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "interleaved_zero_bubble"])

@@ -257,6 +257,28 @@ def test_checkpoint_under_xpipe_resumes_exactly(tmp_path: Path) -> None:
     assert_same_weights(straight, resumed)
 
 
+@pytest.mark.parametrize("predictor, optimizer", [("adam", "adam"), ("momentum", "sgd")])
+def test_the_optimizer_state_predictors_resume_exactly(tmp_path: Path, predictor: str, optimizer: str) -> None:
+    """The predictor reads the optimizer's state as it is now: a resume replaces the state and the
+    param groups (``Optimizer.load_state_dict``), so a predictor holding the ones of the setup would
+    read an empty state and predict no movement. Three epochs straight through, saving at each
+    epoch's end (already drained there), against the third resumed from the second's end; with a
+    learning-rate schedule and gradient clipping."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import ScheduledNet
+
+    options = dict(schedule="xpipe", chunks=2, max_steps=-1, xpipe_predictor=predictor, gradient_clip_val=0.5)
+    torch.manual_seed(0)
+    straight = ScheduledNet(lr=0.1, optimizer=optimizer)
+    resumed = ScheduledNet(lr=0.1, optimizer=optimizer)
+    resumed.load_state_dict(straight.state_dict())
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    fit_pipeline(straight, 2, max_epochs=3, enable_checkpointing=True, callbacks=[saves], **options)
+    fit_pipeline(resumed, 2, ckpt_path=str(tmp_path / "epoch=1.ckpt"), max_epochs=3, **options)
+    assert_same_weights(straight, resumed, rtol=0, atol=1e-7)
+
+
 def test_weights_tied_across_stages_are_refused() -> None:
     from tests.models import TiedNet, token_loader
 

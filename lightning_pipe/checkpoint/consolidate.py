@@ -18,9 +18,13 @@ def consolidate(path: _PATH, output: _PATH | None = None, weights_only: bool | N
     """The full ``state_dict``, and optimizer states by position in the unsplit module's order as
     ``torch.optim`` saves them, every tensor compared with its checksum. Written to ``output`` when
     given; ``LightningModule.load_from_checkpoint`` and ``Trainer.fit(ckpt_path=...)`` without the
-    pipeline accept it."""
+    pipeline accept it. The training data's position is left out: it is the pipeline's own order
+    (Lightning refuses a loader state for a plain DataLoader)."""
     meta, shards = read(path, weights_only)
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_pipe"}
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if isinstance(fit_loop, dict):
+        fit_loop.pop("combined_loader", None)
     checkpoint["state_dict"] = {k: v.clone() for k, v in merged_state_dict(shards).items()}
     named = merged_optimizer_states(shards)
     if named is not None:

@@ -33,6 +33,30 @@ def is_pipeline_checkpoint(path: _PATH) -> bool:
     return path.is_dir() and (path / META).is_file()
 
 
+def not_a_checkpoint(folder: _PATH) -> str:
+    """Why ``folder`` (a folder without :data:`META`) is not a checkpoint, what one holds, and the
+    checkpoints inside it, or in its ``checkpoints`` folder (a run's), to give instead."""
+    folder = Path(folder)
+    stages = sorted(p.name for p in folder.glob("stage-*.pt"))
+    if stages:  # the stages' files without the metadata, which is written last
+        return (
+            f"{folder} is an incomplete checkpoint: it has {stages[0]} but no {META}, which a save writes last (a "
+            "save that did not finish?). Resume from another checkpoint."
+        )
+    inside = [p for p in (*sorted(folder.iterdir()), *sorted(folder.glob("checkpoints/*"))) if _is_checkpoint_file(p)]
+    found = f" Checkpoints in it: {', '.join(str(p.relative_to(folder)) for p in inside[:5])}." if inside else ""
+    return (
+        f"{folder} is a folder, not a checkpoint: a lightning-pipe checkpoint is a folder holding {META} and one "
+        f"stage-NNNNN.pt per stage (such as epoch=1-step=12.ckpt/ or last.ckpt/), and a plain Lightning checkpoint "
+        f"is one .ckpt file.{found} Give the path of a checkpoint."
+    )
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    """A pipeline checkpoint, or a plain Lightning one (a ``.ckpt`` file)."""
+    return is_pipeline_checkpoint(path) or (path.is_file() and path.suffix == ".ckpt")
+
+
 # ---------------------------------------------------------------------------- writing
 def write_shard(
     path: _PATH,
@@ -138,6 +162,8 @@ def _open(
     """The metadata (checked), every stage's shard (tensors memory-mapped and not yet compared with
     their checksums) and, per shard, what compares them."""
     path = Path(path)
+    if path.is_dir() and not is_pipeline_checkpoint(path):
+        raise FileNotFoundError(not_a_checkpoint(path))
     if not is_pipeline_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a lightning-pipe checkpoint directory (no {META} in it).")
     meta = _load(path / META, weights_only=True if weights_only is None else weights_only)
@@ -192,6 +218,7 @@ __all__ = [
     "FORMAT",
     "META",
     "is_pipeline_checkpoint",
+    "not_a_checkpoint",
     "read",
     "read_state_dict",
     "shard_name",

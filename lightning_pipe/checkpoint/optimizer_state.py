@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -133,6 +134,10 @@ def _same(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
+#: a name's sort key: per dotted part, its runs of digits (compared as numbers) and of other text
+NaturalKey = tuple[tuple[tuple[int, int, str], ...], ...]
+
+
 def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
     """The one order consistent with every list (each a subsequence of it) that follows the layer
     indices of the names where the lists leave a choice: a process may hold non-adjacent stages
@@ -141,7 +146,7 @@ def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
     around them."""
     after: dict[str, set[str]] = {}
     incoming: dict[str, int] = {}
-    rank: dict[str, tuple[tuple[int, int, str], ...]] = {}
+    rank: dict[str, NaturalKey] = {}
     for names in lists:
         for name in names:
             rank.setdefault(name, _natural_key(name))
@@ -166,10 +171,14 @@ def merge_orders(lists: Sequence[Sequence[str]]) -> list[str]:
     return order
 
 
-def _natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
-    """``layers.10.weight`` after ``layers.9.bias``: numbers compare as numbers (a Sequential's
-    layer index), other parts as text."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+def _natural_key(name: str) -> NaturalKey:
+    """``layers.10.weight`` after ``layers.9.bias``, ``encoder_layer_10`` after ``encoder_layer_9`` (a
+    Sequential built from an ``OrderedDict``): numbers compare as numbers, wherever they are in a
+    part, the rest as text."""
+    return tuple(
+        tuple((0, int(piece), "") if piece.isdigit() else (1, 0, piece) for piece in re.split(r"(\d+)", part) if piece)
+        for part in name.split(".")
+    )
 
 
 __all__ = [

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.checkpoint.files import is_pipeline_checkpoint, write_meta, write_shard, write_sharded_stage
+from lightning_pipe.checkpoint.files import (
+    is_pipeline_checkpoint,
+    not_a_checkpoint,
+    write_meta,
+    write_shard,
+    write_sharded_stage,
+)
 from lightning_pipe.checkpoint.files import read as read_checkpoint
 from lightning_pipe.checkpoint.merged import (
     merged_async_state,
@@ -105,6 +111,8 @@ def load(
         if checkpoint["optimizer_states"] is None:
             del checkpoint["optimizer_states"]
         async_state = merged_async_state(shards) or merged_elastic_state(shards)
+    elif Path(path).is_dir():  # Lightning's loader would fail with a bare IsADirectoryError
+        raise FileNotFoundError(not_a_checkpoint(path))
     else:
         checkpoint = plain(path, weights_only)
         merged = checkpoint["state_dict"]

@@ -49,17 +49,22 @@ class Ends:
 def find_ends(module: nn.Module, container: nn.Module) -> Ends:
     """The input and output embeddings of the Hugging Face model around ``container`` (an
     ``nn.ModuleList`` of blocks); none for other models and for an ``nn.Sequential``, whose layers
-    hold their own ends."""
+    hold their own ends.
+
+    The input embeddings are those of the innermost model around the blocks: an encoder-decoder
+    names the decoder's as its own, which run after the encoder's blocks, on the last stage. An end
+    whose weight another module outside the blocks also holds (BART's encoder, decoder and head
+    share one embedding; Whisper's decoder embedding is tied to its head) is no end: the stages that
+    run that module need the weight, so every stage keeps it, as any parameter outside the blocks."""
     if not isinstance(container, nn.ModuleList):
         return Ends()
     paths = {id(m): name for name, m in module.named_modules()}
     models = [m for m in module.modules() if is_pretrained_model(m) and any(c is container for c in m.modules())]
     if not models:
         return Ends()
-    model = models[0]  # the outermost: a causal LM's head sits beside its base model
     inside = {id(m) for m in container.modules()}
 
-    def found(getter: str) -> list[tuple[str, nn.Module]]:
+    def found(model: nn.Module, getter: str) -> list[tuple[str, nn.Module]]:
         try:
             end = getattr(model, getter)()
         except (AttributeError, NotImplementedError):  # a model without that end (ViT has no output embeddings)
@@ -68,10 +73,30 @@ def find_ends(module: nn.Module, container: nn.Module) -> Ends:
             return []
         return [(paths[id(end)], end)]
 
-    pre, post = found("get_input_embeddings"), found("get_output_embeddings")
+    # models: outermost first (a causal LM's head sits beside its base model); the input embeddings
+    # from the innermost model that has them
+    pre = next((e for e in (found(m, "get_input_embeddings") for m in reversed(models)) if e), [])
+    post = found(models[0], "get_output_embeddings")
     if pre and post and pre[0][1] is post[0][1]:
         post = []
-    return Ends(pre, post)
+    shared = shared_elsewhere(module, container, pre + post)
+    keep = lambda pairs: [(p, m) for p, m in pairs if not any(id(t) in shared for t in m.parameters())]  # noqa: E731
+    return Ends(keep(pre), keep(post))
+
+
+def shared_elsewhere(module: nn.Module, container: nn.Module, ends: list[tuple[str, nn.Module]]) -> set[int]:
+    """The ids of the ends' parameters that a module outside ``container`` and the ends also holds
+    directly, other than a module around an end (BERT's head holds its decoder's bias, and runs only
+    where the decoder does)."""
+    own = {id(t) for _, end in ends for t in end.parameters()}
+    skip = {id(m) for m in container.modules()} | {id(m) for _, end in ends for m in end.modules()}
+    around = {id(m) for m in module.modules() if any(c is end for _, end in ends for c in m.modules())}
+    shared: set[int] = set()
+    for holder in module.modules():
+        if id(holder) in skip or id(holder) in around:
+            continue
+        shared |= {id(t) for _, t in holder.named_parameters(recurse=False, remove_duplicate=False)} & own
+    return shared
 
 
 def extended(layers: nn.Sequential | nn.ModuleList, ends: Ends) -> nn.ModuleList:
@@ -185,5 +210,6 @@ __all__ = [
     "held_end_parameters",
     "local_end_indices",
     "meta_twin",
+    "shared_elsewhere",
     "stand_in_ends",
 ]

@@ -16,7 +16,9 @@ so equal devices (and a probe's noise between them) keep the default layout.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from lightning_pipe.partition.costs import Profile
 from lightning_pipe.partition.speeds import EQUAL_WITHIN, all_equal, stage_values
@@ -31,25 +33,46 @@ BETTER_BY = 0.05
 EVERY_ORDER_UP_TO = 4
 
 
-def check_rank_order(order: Sequence[int] | None, world_size: int | None = None) -> None:
-    """Refuse a ``rank_order`` argument that does not name each global rank once (of ``world_size``
-    processes, where known)."""
+def check_rank_order(order: Any, world_size: int | None = None) -> list[int] | None:
+    """``rank_order`` as Python integers: any sequence or 1-D array of integers (numpy's and torch's
+    too), naming each global rank once (of ``world_size`` processes, where known); otherwise refused,
+    saying what is wrong with it."""
     if order is None:
-        return
-    good = (
-        not isinstance(order, (str, bytes))
-        and isinstance(order, Sequence)
-        and all(isinstance(r, int) and not isinstance(r, bool) for r in order)
-        and sorted(order) == list(range(len(order)))
-        and (world_size is None or len(order) == world_size)
+        return None
+    size = f"{world_size} processes" if world_size is not None else "the processes"
+    fix = (
+        f"give each global rank of {size} once, the ranks of stage 0's replicas first (such as [0, 2, 1, 3] for "
+        "ranks 0 and 2 on stage 0 of 2 stages x 2 replicas), or None to place ranks by their speed."
     )
-    if not good:
-        size = f"{world_size} processes" if world_size is not None else "the processes"
-        raise ValueError(
-            f"PipelineStrategy(rank_order={order!r}): give each global rank of {size} once, the ranks of stage 0's "
-            "replicas first (such as [0, 2, 1, 3] for ranks 0 and 2 on stage 0 of 2 stages x 2 replicas), or None "
-            "to place ranks by their speed."
-        )
+    shown = f"PipelineStrategy(rank_order={order!r})"
+    if isinstance(order, (str, bytes, Mapping)) or not isinstance(order, Iterable):
+        raise ValueError(f"{shown}: not a list of global ranks; {fix}")
+    ranks: list[int] = []
+    for rank in order:
+        if isinstance(rank, bool) or "bool" in str(getattr(rank, "dtype", "")):
+            raise ValueError(f"{shown}: {rank!r} is a truth value, not a global rank; {fix}")
+        try:
+            ranks.append(operator.index(rank))  # an integer of any kind; a float, even 1.0, is refused
+        except TypeError:
+            raise ValueError(
+                f"{shown}: {rank!r} ({type(rank).__name__}) is not a global rank (an integer); {fix}"
+            ) from None
+    if world_size is not None and len(ranks) != world_size:
+        raise ValueError(f"{shown}: names {len(ranks)} ranks for {world_size} processes; {fix}")
+    wrong = {
+        "names {} more than once": {r for r in ranks if ranks.count(r) > 1},
+        f"names {{}} outside 0..{len(ranks) - 1}": {r for r in ranks if not 0 <= r < len(ranks)},
+        "leaves out {}": set(range(len(ranks))) - set(ranks),
+    }
+    found = [what.format(_ranks(found)) for what, found in wrong.items() if found]
+    if found:
+        raise ValueError(f"{shown}: {' and '.join(found)}; {fix}")
+    return ranks
+
+
+def _ranks(ranks: set[int]) -> str:
+    """``rank 3`` or ``ranks 1, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
 
 
 def classes(values: Sequence[float], within: float = EQUAL_WITHIN) -> list[float]:

@@ -55,9 +55,9 @@ def split_stages(
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: OrderedDict[str, nn.Module] = OrderedDict()
-    for s in sorted(mine):
+    for s in sorted(mine, key=lambda s: split_of(s, num_split)):  # the layers in their order, whatever their names
         held.update(stage_layers(layers, balance, split_of(s, num_split)))
-    host = make(OrderedDict(sorted(held.items(), key=lambda kv: int(kv[0]))), min(mine), num_stages)
+    host = make(held, min(mine), num_stages)
     return host, stages
 
 

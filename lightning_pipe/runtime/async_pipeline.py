@@ -4,8 +4,12 @@ Step ``t`` runs batch ``t``'s forwards on a fresh weight version and the backwar
 some of them for earlier batches, which still use their own stashed versions. A batch's gradient
 on a stage is complete once the stage's last backward of it ran; it is applied at the optimizer
 step ``update_delay`` steps after the batch. A drain runs the backwards still owed (before
-validation, a checkpoint, the end of training, or a change in the number of micro-batches); it
-does not apply anything early, so the update rule is the same with or without drains.
+validation, a checkpoint, the end of training, at an epoch's end, or before a change in the number
+of micro-batches); it does not apply anything early. A backward that reads its forward's stashed
+version gives the same gradient whenever it runs, so the update rule is the same with or without
+drains. Under PipeMare and XPipe a backward reads the weights of its own moment: a drain after a
+step's update leaves their rule unchanged where each backward would have run in the next step
+anyway (``chunks >= stages - 1``), see :meth:`AsyncPipeline.inexact_drain`.
 
 Under PipeMare (:mod:`lightning_pipe.runtime.pipemare`) the versions are never stashed: they only
 gather each batch's gradient apart, while every forward and backward reads the stage's one copy
@@ -24,7 +28,7 @@ from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, traits, update_delay
-from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
+from lightning_pipe.schedules.asynchronous import isolated_step, lag, min_chunks
 
 
 class AsyncPipeline:
@@ -84,6 +88,26 @@ class AsyncPipeline:
         self.step += 1
         self._collect()
         return t
+
+    def inexact_drain(self) -> str | None:
+        """Why draining now, between steps (after the step's update), would change the weights the rule
+        gives, or None where it does not. A drain runs every backward owed at once. Backwards that run on
+        their forward's stashed version (PipeDream, 2BW, WPipe) are the same whenever they run; under
+        PipeMare and XPipe a backward reads the weights of its own moment, so it is the same only where
+        it would have run in the next step anyway: where no backward trails its forward by two updates
+        or more, ``m >= p - 1`` (stage 0's lag)."""
+        m = self._in_flight
+        longest = lag(self.num_stages, 0)
+        if m is None or self.stashes or m >= longest:
+            return None
+        return (
+            f"schedule={self.name!r} with {m} micro-batch(es) per batch on {self.num_stages} stages: draining the "
+            "pipeline between steps (for a validation or a checkpoint in the middle of an epoch) runs at once "
+            "backwards that would have run two or more updates after their forward, on other weights than the "
+            f"rule gives them, so this run trains slightly differently from one without the drain. chunks >= "
+            f"{longest} makes every drain exact; else validate and save at epoch ends (val_check_interval=1.0, "
+            "ModelCheckpoint(every_n_epochs=...)), where the pipeline drains anyway."
+        )
 
     def drain(self, calls: Callbacks) -> None:
         """Finish every backward in flight (``calls``: what the executor calls out to); the pipeline

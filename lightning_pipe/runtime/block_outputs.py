@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_pipe.runtime.block_reads import HeldBlockRead
+
 ALTERNATIVE = (
     "Only a block's hidden state (its first argument) passes between pipeline stages, so blocks whose other outputs "
     "feed later blocks (T5's position biases) cannot be split at a stage boundary. Express the model as an "
@@ -87,7 +89,7 @@ class BlockOutputs:
     def explain(self, error: BaseException) -> BlockOutputsRefused | None:
         """Where the model failed after a stand-in of another stage's block returned only the hidden
         state, and before this stage's blocks ran: the error that says why it probably failed."""
-        if self.skipped is None or isinstance(error, BlockOutputsRefused):
+        if self.skipped is None or isinstance(error, (BlockOutputsRefused, HeldBlockRead)):
             return None
         index, kind = self.skipped
         return BlockOutputsRefused(

@@ -37,7 +37,8 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.block_outputs import BlockOutputs, argument_names
-from lightning_pipe.runtime.block_reads import marked, refuse_recorded_outputs
+from lightning_pipe.runtime.block_reads import held, hf_recording, refuse_held, refuse_recorded_outputs
+from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -260,7 +261,7 @@ class _Entry:
 
 class _Skipped(_Entry):
     """A block of an earlier stage: hands its hidden state on (the next held block replaces it),
-    marked so that a read of it is refused (see :mod:`lightning_pipe.runtime.block_reads`)."""
+    as a :class:`~lightning_pipe.runtime.block_reads.HeldOutput`, so that a read of it is refused."""
 
     def __init__(self, host: BlockStage, index: int, drive: BlockDrive) -> None:
         super().__init__(host, index)
@@ -269,8 +270,11 @@ class _Skipped(_Entry):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
-        refuse_recorded_outputs(self._index, bounds)
-        return marked(self._hidden(args, kwargs)[0], self._index, bounds)
+        recording = hf_recording()
+        if not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
+            refuse_forced_read(recording, self._index, bounds)
+            refuse_recorded_outputs(self._index, bounds)
+        return held(self._hidden(args, kwargs)[0], self._index, bounds)
 
 
 class _Boundary(_Entry):
@@ -286,6 +290,7 @@ class _Boundary(_Entry):
         shell = self._host.shell(self._index)
         self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
         self._drive.captured = self._hidden(args, kwargs)[0]
+        refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
         raise StageExit
 
@@ -310,6 +315,7 @@ class _Local(_Entry):
                 args, kwargs = self._with_hidden(drive.received, args, kwargs)
         elif not drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
+        refuse_held((args, kwargs), f"What block {self._index} is called with")
         block = self._host.block(self._index)
         assert block is not None
         own = self._host.own_params(self._index, drive.params) if drive.params is not None else None

@@ -181,21 +181,32 @@ class StageGradients:
 
     def _all_reduce_tied(self, pending: Pending) -> None:
         """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
-        the copies (equal from the start) take equal updates."""
+        the copies (equal from the start) take equal updates. A weight that no copy got a gradient
+        for (frozen, or unused) keeps none, as in plain training."""
         for group, param, _ in self.ties:
             grad = pending.get(param)
+            got = torch.tensor([float(grad is not None)], device=param.device)
+            dist.all_reduce(got, group=group)
+            if not got.item():
+                pending[param] = None
+                continue
             total = grad if grad is not None else torch.zeros_like(param)
             dist.all_reduce(total, group=group)
             pending[param] = total
 
     def _all_reduce_shared(self, pending: Pending) -> None:
         """Sum this batch's gradients of parameters outside the Sequential over the stages: each
-        stage computed the part of them its own piece of ``forward`` used."""
+        stage computed the part of them its own piece of ``forward`` used. Which of them got a
+        gradient on some stage is summed in the same buffer: one that got none anywhere (frozen, or
+        unused) keeps ``.grad`` None, as in plain training, so the optimizer leaves it alone (weight
+        decay included)."""
         if not self.shared or self.num_stages == 1:
             return
+        got = [pending.get(p) is not None for p in self.shared]
         grads = [g if (g := pending.get(p)) is not None else torch.zeros_like(p) for p in self.shared]
-        FlatAllReduce(grads, self.pp_group, async_op=False).wait()
-        pending.update(zip(self.shared, grads))
+        flags = torch.tensor(got, dtype=self.shared[0].dtype, device=self.shared[0].device)
+        FlatAllReduce([*grads, flags], self.pp_group, async_op=False).wait()
+        pending.update((p, g if anywhere else None) for p, g, anywhere in zip(self.shared, grads, flags.tolist()))
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, device: torch.device) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients.

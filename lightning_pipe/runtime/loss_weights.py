@@ -89,10 +89,16 @@ def microbatch_weights(micro: list[Any], loss_weight: LossWeight | None) -> list
     """Each micro-batch's share ``n_i / N`` of the batch's items: samples (``loss_weight`` None), or
     what ``loss_weight`` counts. A batch without items gives shares of 0 (its mean is NaN, as in
     plain training)."""
+    return microbatch_shares(micro, loss_weight)[0]
+
+
+def microbatch_shares(micro: list[Any], loss_weight: LossWeight | None) -> tuple[list[float], float]:
+    """Each micro-batch's share of the batch's items (see :func:`microbatch_weights`) and ``N``, the
+    batch's items: what its means average over, and so their weight against other replicas' batches."""
     if loss_weight is None:
         sizes = [batch_size(mb) for mb in micro]
         total = float(sum(sizes))
-        return [n / total for n in sizes] if total else [1.0]  # an empty batch: one empty micro-batch
+        return ([n / total for n in sizes] if total else [1.0]), total  # an empty batch: one empty micro-batch
     counts = [loss_weight(mb) for mb in micro]
     tensors = [c for c in counts if isinstance(c, Tensor)]
     if tensors:  # one read back to the host for the step, not one per micro-batch
@@ -108,7 +114,7 @@ def microbatch_weights(micro: list[Any], loss_weight: LossWeight | None) -> list
                 "micro-batch's loss averages over, a finite number >= 0 (see lightning_pipe.token_count)."
             )
     total = sum(values)
-    return [v / total if total else 0.0 for v in values]
+    return [v / total if total else 0.0 for v in values], total
 
 
 def check_loss_weight(loss_weight: Any) -> None:
@@ -121,4 +127,4 @@ def check_loss_weight(loss_weight: Any) -> None:
         )
 
 
-__all__ = ["LossWeight", "TokenCount", "check_loss_weight", "microbatch_weights", "token_count"]
+__all__ = ["LossWeight", "TokenCount", "check_loss_weight", "microbatch_shares", "microbatch_weights", "token_count"]

@@ -301,7 +301,7 @@ class StagePipeline:
             self._check_agreement()
             isolated = run.isolated(m)
             settled = fresh or isolated or pause_after
-            if isolated or (settled and not fresh):
+            if isolated or pause_after:  # a step from an empty pipeline too: a drain before it must not move this one
                 run.drain(Callbacks(timeline=self.timeline))
         params = dict(self.host.named_parameters())
         self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
@@ -321,6 +321,11 @@ class StagePipeline:
         if self.asynchronous is not None and self.asynchronous.in_flight:
             with context(), self._accumulation():
                 self.asynchronous.drain(Callbacks(timeline=self.timeline))
+
+    def inexact_drain(self) -> str | None:
+        """Why :meth:`drain` would now change the weights an asynchronous schedule's rule gives, or None
+        (see :meth:`~lightning_pipe.runtime.async_pipeline.AsyncPipeline.inexact_drain`)."""
+        return None if self.asynchronous is None else self.asynchronous.inexact_drain()
 
     def hand_over_gradients(self, scale: float = 1.0) -> None:
         """Give the kept gradients, summed across ranks where needed and times ``scale``, to the

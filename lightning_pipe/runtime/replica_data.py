@@ -1,30 +1,41 @@
-"""Each data-parallel replica of the pipeline reads its own part of every step.
+"""Each data-parallel replica of the pipeline reads its own part of every step, and a resumed run
+reads on where the checkpoint left off.
 
-Training: the DataLoader's sampler is replaced by a ``DistributedSampler`` over the ``d`` replicas,
-as Lightning does for DDP (shuffled when the user's sampler shuffled, seeded by
-``seed_everything``'s seed and reshuffled per epoch through ``set_epoch``, which Lightning's loops
-call). All stages of one replica build the same sampler, so they read the same indices in the same
-order; a ``DistributedSampler`` draws from no process state, so the pipeline's shared sample order
-(:mod:`lightning_pipe.runtime.sampling`) leaves it alone. The global batch is ``d`` times the
-DataLoader's batch size.
+Training: a DataLoader the pipeline steers (:func:`not_steered` says which: a map-style dataset, the
+default batch sampler, a sequential sampler or a shuffling ``RandomSampler``) gets a
+:class:`ReplicaOrder` in place of its sampler, with any number of replicas, one included. The
+epoch's global order is the dataset's indices, permuted from the run's seed (``seed_everything``'s)
+and the epoch when the user's sampler shuffled (``DistributedSampler``'s permutation: it does not
+depend on the number of replicas); replica ``r`` of ``d`` reads positions ``r, r + d, ...``, so that
+global step ``s`` reads positions ``[s B d, (s + 1) B d)`` for the DataLoader's batch ``B``. All
+stages of one replica compute the same order, without any process's random state, so the
+pipeline's shared sample order (:mod:`lightning_pipe.runtime.sampling`) leaves it alone. A
+checkpoint keeps the epoch, its seed and the global samples read (:meth:`ReplicaOrder.position`);
+the resumed run reads the rest of that epoch from there (:meth:`ReplicaOrder.resume`), under any
+number of replicas, and every later epoch as an uninterrupted run would.
 
 Evaluation (validation, test): a ``DistributedSampler`` would pad the replicas' parts to equal
 sizes with repeated samples, which then count twice in the metrics. :class:`EvaluationShare`
 splits the samples without repeating any; a replica that runs out of samples before the others
 gets one-sample padding batches, so that the replicas still step together (their step summaries
-are combined every step), and skips them (:func:`is_padding`). :func:`combine_over_replicas` then
-weights each replica's means by its real sample count and logs the step's global count as
-``batch_size``, which is what Lightning weights the epoch means by: every sample counts once, as
-in plain training on one process.
+are combined every step), and skips them (:func:`is_padding`). Replica ``j``'s ``k``-th batch holds
+the samples ``j, j + d, ...`` of plain training's ``k``-th batch of ``d`` times the batch size, so
+the replicas' batches of a step together are that global batch. :func:`combine_over_replicas` then
+weights each replica's means by what they average over (its real sample count, or with
+``loss_weight`` what that counts, such as tokens) and logs the step's global sample count as
+``batch_size``, which is what Lightning weights the epoch means by: every step's mean is the global
+batch's (its token mean under ``token_count``) and every sample counts once, as in plain training
+on one process with batches of ``d`` times the batch size.
 
 Samplers other than the plain sequential and random ones are kept as given: every replica then
-reads them whole (each pipeline keeps its own shared order), and the replicas do not split the data.
+reads them whole (each pipeline keeps its own shared order), the replicas do not split the data,
+and a resume in the middle of an epoch starts that epoch again (Lightning's behaviour).
 """
 
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,29 +52,95 @@ from torch.utils.data import (
 from lightning_pipe.runtime.reductions import reduction
 
 
-def splittable(dataloader: DataLoader, num_replicas: int) -> bool:
-    """Whether the replicas split ``dataloader`` (not: one replica, an iterable dataset, a custom sampler)."""
-    if num_replicas == 1 or isinstance(dataloader.dataset, IterableDataset):
-        return False
+def not_steered(dataloader: DataLoader) -> str | None:
+    """Why the pipeline does not choose ``dataloader``'s order (for the user), or None where it does: a
+    map-style dataset, the default batch sampler, and a ``SequentialSampler`` or a ``RandomSampler``
+    that draws a permutation (``shuffle=True``; a subclass that keeps ``RandomSampler``'s iteration)."""
+    if isinstance(dataloader.dataset, IterableDataset):
+        return "an IterableDataset"
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
-        return False
-    return type(dataloader.sampler) in (SequentialSampler, RandomSampler)
-
-
-def replica_sampler(dataloader: DataLoader, num_replicas: int, replica: int) -> DistributedSampler | None:
-    """The ``DistributedSampler`` that replaces a training ``dataloader``'s sampler, or None where
-    the DataLoader is left as it is (see :func:`splittable`)."""
-    if not splittable(dataloader, num_replicas):
-        return None
+        return f"a custom batch_sampler ({type(batch_sampler).__name__})"
     sampler = dataloader.sampler
-    return DistributedSampler(
-        dataloader.dataset,
-        num_replicas=num_replicas,
-        rank=replica,
-        shuffle=isinstance(sampler, RandomSampler),
-        seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-    )
+    if isinstance(sampler, SequentialSampler) and type(sampler).__iter__ is SequentialSampler.__iter__:
+        return None
+    if (
+        isinstance(sampler, RandomSampler)
+        and type(sampler).__iter__ is RandomSampler.__iter__
+        and not sampler.replacement
+        and sampler.num_samples == len(sampler.data_source)
+    ):
+        return None
+    return f"a custom sampler ({type(sampler).__name__})"
+
+
+def splittable(dataloader: DataLoader, num_replicas: int) -> bool:
+    """Whether the replicas split ``dataloader`` (not: one replica, or one the pipeline does not steer)."""
+    return num_replicas > 1 and not_steered(dataloader) is None
+
+
+class ReplicaOrder(DistributedSampler):
+    """Replica ``rank``'s part of each epoch's global order (see the module's doc), resumable.
+
+    ``replaced``: the user's sampler, which still gets ``set_epoch`` (a sampler that passes the epoch
+    on to its dataset, for augmentations drawn per sample and epoch, keeps doing so). Its length is
+    that of a whole epoch, as Lightning counts an epoch's batches; a resumed epoch yields only the
+    rest, from the saved position, whose batches Lightning counts as done."""
+
+    def __init__(self, dataset: Any, num_replicas: int, rank: int, shuffle: bool, seed: int, replaced: Any = None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.replaced = replaced
+        self._resume: tuple[int, int, int] | None = None  # epoch, its seed, global samples already read
+        self._drawn: tuple[int, int] = (-1, seed)  # the epoch last iterated and the seed of its order
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        forward = getattr(self.replaced, "set_epoch", None)
+        if callable(forward):
+            forward(epoch)
+
+    def order(self, epoch: int, seed: int) -> list[int]:
+        """The global order of ``epoch``: the same permutation as ``DistributedSampler``'s, for any replicas."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))  # type: ignore[arg-type]  # a map-style dataset has a length
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        seed, start = self.seed, 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            _, seed, start = self._resume
+        self._resume = None  # a position holds for the epoch it was saved in only
+        self._drawn = (self.epoch, seed)
+        order = self.order(self.epoch, seed)
+        rest = order[start:]
+        padding = -len(rest) % self.num_replicas  # as DistributedSampler pads: from the epoch's first samples
+        rest += (order * math.ceil(padding / max(len(order), 1)))[:padding]
+        return iter(rest[self.rank :: self.num_replicas])
+
+    def position(self, samples: int, complete: bool = False) -> dict[str, Any]:
+        """What a checkpoint keeps: the epoch's order (its seed: a resumed epoch keeps the saved one), the
+        global samples read in it, and whether it is ``complete`` (a ``drop_last`` epoch reads fewer)."""
+        seed = self._drawn[1] if self._drawn[0] == self.epoch else self.seed
+        size = len(self.dataset)  # type: ignore[arg-type]  # a map-style dataset has a length
+        return {"epoch": self.epoch, "seed": seed, "shuffle": self.shuffle, "size": size, "samples": samples,
+                "complete": complete}  # fmt: skip
+
+    def resume(self, state: dict[str, Any]) -> str | None:
+        """Read on from a saved :meth:`position` in its epoch; what is not exact (for a warning), or None."""
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if (state.get("size"), state.get("shuffle")) != (size, self.shuffle):
+            return (
+                f"the checkpoint's training data had {state.get('size')} samples, shuffle={state.get('shuffle')}, and "
+                f"this run's has {size}, shuffle={self.shuffle}: the saved epoch starts again from its first sample"
+            )
+        epoch, samples = int(state["epoch"]), min(int(state["samples"]), size)
+        # the epoch a DataLoader with workers starts drawing from before Lightning's set_epoch: the saved
+        # one, or the next where the save ended its epoch
+        self.set_epoch(epoch + 1 if state.get("complete") or samples >= size else epoch)
+        self._resume = (epoch, int(state["seed"]), samples)
+        return None
 
 
 class EvaluationShare(BatchSampler):
@@ -107,14 +184,21 @@ def combine_over_replicas(
     last stage, which computed them): means as below, values logged with ``reduce_fx`` ``"max"``,
     ``"min"`` or ``"sum"`` by the largest, the smallest or the sum of the replicas' values.
 
-    Each value is weighted by the ``batch_size`` it was logged with where the step gave one, else by
-    ``samples``, the replica's real sample count (evaluation; 0 on a padding step, whose replica
-    takes the other replicas' names); ``samples=None`` (training, where every replica's batch has
-    the same size) weights the replicas equally. In evaluation each value is logged with the step's
-    global sample count as ``batch_size``, so that Lightning's epoch means count every sample once."""
-    weight = 1.0 if samples is None else float(samples)
+    In evaluation (``samples``: the replica's real sample count, 0 on a padding step, whose replica
+    takes the other replicas' names) each mean is weighted by the ``batch_size`` it was logged with
+    where the step gave one, else by the summary's ``items`` (what the replica's means average over:
+    its samples, or what ``loss_weight`` counts, such as tokens), so that the step's mean is the global
+    batch's; each value is logged with the step's global sample count as ``batch_size``, so that
+    Lightning's epoch means weight the steps as plain training weights its batches. ``samples=None``
+    (training, where every replica's batch has the same size) weights the replicas equally, as DDP
+    averages their gradients."""
+    # training: the replicas' batches weigh the same; evaluation: what the replica's means average over
+    # (nothing on a padding step)
+    weight = 1.0 if samples is None else float(summary.get("items", samples)) if samples else 0.0
     has_loss = summary["loss"] is not None
-    header = torch.tensor([float(len(summary["logs"])), float(has_loss), weight], dtype=torch.float64, device=device)
+    header = torch.tensor(
+        [float(len(summary["logs"])), float(has_loss), float(samples or 0)], dtype=torch.float64, device=device
+    )
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
     dist.all_gather(headers, header, group=group)
     rows = [h.tolist() for h in headers]
@@ -136,8 +220,9 @@ def combine_over_replicas(
     # max and min go through one MAX all-reduce (a min as the max of the negated values); a
     # replica without samples adds -inf there and nothing to the sums
     extremes = torch.full((len(structure),), -math.inf, dtype=torch.float64, device=device)
-    if weight > 0:
-        flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
+    if samples is None or samples > 0:  # a replica with samples but nothing counted (weight 0) adds no mean
+        if weight > 0:
+            flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
         for i, (_, value, kwargs) in enumerate(summary["logs"]):
             if how[i] in ("max", "min"):
                 extremes[i] = value if how[i] == "max" else -value
@@ -145,7 +230,8 @@ def combine_over_replicas(
                 flat[2 + 2 * i], flat[3 + 2 * i] = value, 1.0
             else:
                 logged = float(kwargs.get("batch_size", weight))
-                flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
+                if logged > 0:
+                    flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
     dist.all_reduce(flat, group=group)
     if any(h in ("max", "min") for h in how):
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
@@ -169,7 +255,7 @@ def combine_over_replicas(
         elif samples is not None:
             kwargs["batch_size"] = int(total)
         logs.append((name, reduced(i), kwargs))
-    return {**summary, "loss": mean(0) if has_loss else None, "logs": logs}
+    return {**summary, "loss": mean(0) if has_loss else None, "logs": logs, "items": sums[1]}
 
 
-__all__ = ["EMPTY", "EvaluationShare", "combine_over_replicas", "replica_sampler"]
+__all__ = ["EMPTY", "EvaluationShare", "ReplicaOrder", "combine_over_replicas", "not_steered", "splittable"]

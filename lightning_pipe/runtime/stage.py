@@ -20,6 +20,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime import weight_store
+from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, layer_parameter_names
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
@@ -293,6 +294,7 @@ class StageRunner:
         drive.check(self.is_last)
         training = torch.is_grad_enabled()
         if self.is_last:
+            refuse_held(loss, "The step's loss")
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
             return None

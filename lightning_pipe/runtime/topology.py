@@ -209,6 +209,9 @@ class Topology:
         meta_group: a gloo group over this rank's pipeline, for small host-side messages (activation
             headers, sample indices, step summaries), whatever the backend of ``pp_group``.
         meta_src: global rank of this pipeline's first stage (the source of its sample order).
+        gather_group: a gloo group over rank 0 and replica 0's pipeline, where rank 0 receives the
+            whole weights from replica 0 wherever it sits (None on the ranks outside it). Replica 0's
+            weights are the checkpoint's: under ``replicas_sync="elastic"`` the replicas differ.
         backend: the default group's backend (``"gloo"``, ``"nccl"``).
     """
 
@@ -236,6 +239,12 @@ class Topology:
                 self.meta_group = group
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)
         self.meta_src = self.pipeline_ranks[0]
+        first = layout.pipeline_ranks(0)
+        if 0 in first:  # rank 0 is in replica 0: its pipeline's group
+            self.gather_group: Any = self.meta_group if self.replica == 0 else None
+        else:  # placed into another replica (rank_order): one more group, created by every rank
+            group = dist.new_group(sorted({0, *first}), backend="gloo")
+            self.gather_group = group if rank == 0 or self.replica == 0 else None
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def group(self, ranks: Sequence[int]) -> Any:

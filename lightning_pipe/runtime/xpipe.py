@@ -103,14 +103,29 @@ class XPipe(PipeMare):
             if delay > 0 and p.requires_grad
         }
         self._params = dict(module.named_parameters())
-        self._groups: dict[int, dict[str, Any]] = {}  # id(param) -> its param group
-        self._states: list[Any] = []  # the optimizers' states (keyed by parameter)
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (its optimizer, its param group), by index
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Follow the user's optimizers. Where each parameter sits is kept, not the param groups or the
+        state themselves: loading an optimizer's state (a resume, an elastic restart) replaces both,
+        and the predictor must read the ones the optimizer steps with."""
         optimizers = list(optimizers)
         super().attach(optimizers)
-        self._groups = {id(p): group for o in optimizers for group in o.param_groups for p in group["params"]}
-        self._states = [o.state for o in optimizers]
+        self._where = {
+            id(p): (i, g)
+            for i, o in enumerate(optimizers)
+            for g, group in enumerate(o.param_groups)
+            for p in group["params"]
+        }
+
+    def _optimizer_of(self, param: Tensor) -> tuple[dict[str, Any], Any] | None:
+        """``param``'s param group and optimizer state (None: no update yet) as the optimizer holds them
+        now, or None where no optimizer updates it."""
+        where = self._where.get(id(param))
+        if where is None:
+            return None
+        optimizer = self._optimizers[where[0]]
+        return optimizer.param_groups[where[1]], optimizer.state.get(param)
 
     def predicted(self, name: str, param: Tensor, steps: int) -> Tensor:
         """``param``'s weight predicted ``steps`` updates ahead by the stage's predictor."""
@@ -120,10 +135,10 @@ class XPipe(PipeMare):
         if self.predictor == "update":
             last = self.velocity.get(name)
             return weight if last is None else predict_from_update(weight, last, steps)
-        group = self._groups.get(id(param))
-        if group is None:
+        found = self._optimizer_of(param)
+        if found is None:
             return weight  # no optimizer updates it
-        state = next((s[param] for s in self._states if param in s), None)
+        group, state = found
         if self.predictor == "adam":
             if "betas" not in group or (state and ("exp_avg" not in state or "exp_avg_sq" not in state)):
                 raise ValueError(

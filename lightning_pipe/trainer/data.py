@@ -1,7 +1,7 @@
 """The Trainer's data as the pipeline needs it: the run's first batch before Lightning sets the
 loaders up (for profiling), each stage's DataLoader (the first stage's order, each replica's part,
-by Lightning's own re-instantiation), whether an evaluation step is a replica's padding, and the
-optimizers as the Trainer makes them."""
+by Lightning's own re-instantiation, resumable: :mod:`lightning_pipe.trainer.resume_data`), whether
+an evaluation step is a replica's padding, and the optimizers as the Trainer makes them."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, SequentialSampler
 
-from lightning_pipe.runtime.replica_data import EvaluationShare, replica_sampler, splittable
+from lightning_pipe.runtime.replica_data import EvaluationShare, splittable
 from lightning_pipe.runtime.sampling import share_order
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.trainer import internals
+from lightning_pipe.trainer.resume_data import training_loader
 
 
 def first_batch(trainer: Any) -> Any:
@@ -52,25 +53,23 @@ def configured_optimizers(module: Any) -> list[Optimizer]:
 
 def split_over_replicas(dataloader: Any, num_replicas: int, replica: int, mode: Any = None) -> Any:
     """``dataloader`` rebuilt for this replica (Lightning's own re-instantiation, which keeps the
-    user's DataLoader arguments): with :func:`replica_sampler` for training, with an
-    :class:`EvaluationShare` for evaluation (``mode``: Lightning's ``RunningStage``); or unchanged."""
+    user's DataLoader arguments): for evaluation (``mode``: Lightning's ``RunningStage``) with an
+    :class:`EvaluationShare`, for training with the order of :func:`.resume_data.training_loader`; or
+    unchanged."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
-    if mode is not None and mode.evaluating:
-        if not splittable(dataloader, num_replicas):
-            return dataloader
-        size, drop_last = dataloader.batch_size, dataloader.drop_last
-        assert size is not None  # a plain BatchSampler has one
-        dataset = cast(Sized, dataloader.dataset)  # splittable: a map-style dataset, so it has a length
-        rebuilt = internals.update_dataloader(dataloader, SequentialSampler(dataset), mode=mode)
-        share = EvaluationShare(len(dataset), size, drop_last, num_replicas, replica)
-        # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
-        object.__setattr__(rebuilt, "batch_sampler", share)
-        return rebuilt
-    sampler = replica_sampler(dataloader, num_replicas, replica)
-    if sampler is None:
+    if mode is None or not mode.evaluating:
+        return training_loader(dataloader, None, num_replicas, replica, mode)
+    if not splittable(dataloader, num_replicas):
         return dataloader
-    return internals.update_dataloader(dataloader, sampler, mode=mode)
+    size, drop_last = dataloader.batch_size, dataloader.drop_last
+    assert size is not None  # a plain BatchSampler has one
+    dataset = cast(Sized, dataloader.dataset)  # splittable: a map-style dataset, so it has a length
+    rebuilt = internals.update_dataloader(dataloader, SequentialSampler(dataset), mode=mode)
+    share = EvaluationShare(len(dataset), size, drop_last, num_replicas, replica)
+    # the DataLoader forbids setting its batch sampler after construction; its iterators only read it
+    object.__setattr__(rebuilt, "batch_sampler", share)
+    return rebuilt
 
 
 def stage_dataloader(dataloader: Any, trainer: Any, layout: Layout, rank: int, meta_group: Any) -> Any:
@@ -78,10 +77,14 @@ def stage_dataloader(dataloader: Any, trainer: Any, layout: Layout, rank: int, m
     the batch itself, in the first stage's order (a sampler drawing from a process's random state
     would differ between them; see :mod:`lightning_pipe.runtime.sampling`, over ``meta_group``), and
     with replicas each replica loads its own part of every step (predict runs every sample on every
-    replica)."""
+    replica). Training reads the run's order from where a resumed checkpoint left off."""
     replica = layout.replica_of(rank)
-    if layout.replicas > 1 and trainer is not None and not trainer.predicting:
-        dataloader = split_over_replicas(dataloader, layout.replicas, replica, trainer.state.stage)
+    if trainer is not None and not trainer.predicting and isinstance(dataloader, DataLoader):
+        mode = trainer.state.stage
+        if mode is None or not mode.evaluating:
+            dataloader = training_loader(dataloader, trainer, layout.replicas, replica, mode)
+        elif layout.replicas > 1:
+            dataloader = split_over_replicas(dataloader, layout.replicas, replica, mode)
     ranks = layout.pipeline_ranks(replica)
     return share_order(dataloader, meta_group, ranks[0], ranks)
 

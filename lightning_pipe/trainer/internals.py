@@ -46,6 +46,13 @@ def batches_that_stepped(trainer: Any) -> int:
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
+def pending_loader_states(trainer: Any) -> list[Any]:
+    """The training loaders' states a checkpoint handed to the fit loop, not yet given to the loaders
+    (``fit_loop._combined_loader_states_to_load``): whether a resumed checkpoint holds a data position,
+    known when the loaders are built, before Lightning gives it to them. Checked with Lightning 2.6."""
+    return list(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None) or [])
+
+
 def configure_optimizers(returned: Any) -> list[Any]:
     """The optimizers in what ``configure_optimizers`` returned, read as the Trainer reads any of its
     forms (``lightning.pytorch.core.optimizer._configure_optimizers``); the Trainer offers no public

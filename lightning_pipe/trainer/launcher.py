@@ -40,14 +40,16 @@ class Gathering:
     """How a worker's whole weights are put together for the main process.
 
     Attributes:
-        group: the group of this rank's pipeline that gathers the stages (None: the default group).
-        ranks: global ranks of this pipeline's stages; rank 0 gathers where it is one, else the first.
+        group: a group of rank 0 and every sender, where rank 0 gathers the stages (None: the default
+            group); the other ranks take no part.
+        senders: global ranks of replica 0's stages, whose weights rank 0 gathers wherever it sits:
+            they are the checkpoint's, and under ``replicas_sync="elastic"`` the replicas differ.
         whole: False for a module built on the meta device (it may not fit one process): nothing is
             sent back.
     """
 
     group: Any = None
-    ranks: Sequence[int] = (0,)
+    senders: Sequence[int] = (0,)
     whole: bool = True
 
 
@@ -79,12 +81,13 @@ def _collect_whole_weights(
         local = {k: full_tensor(v).detach().cpu() for k, v in original(*args, **kwargs).items()}
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return local
-        # one rank of each pipeline gathers its stages, rank 0 in its own (which need not hold the first
-        # stage where ranks are placed by speed); only rank 0's result is sent back
-        group, ranks = gathered_how.group, list(gathered_how.ranks)
-        dst = 0 if 0 in ranks else ranks[0]
-        gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-        dist.gather_object(local, gathered, dst=dst, group=group)
+        # rank 0 gathers replica 0's stages, wherever rank 0 and they sit (rank_order); only rank 0's
+        # result is sent back, so the other ranks' is whatever they hold
+        group, senders, rank = gathered_how.group, gathered_how.senders, dist.get_rank()
+        if rank != 0 and rank not in senders:
+            return local
+        gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(local if rank in senders else {}, gathered, dst=0, group=group)
         merged: dict[str, Any] = {}
         for part in gathered or [local]:
             merged.update(part)

@@ -42,9 +42,10 @@ def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None)
         for flag in found.values():
             local += flag.to(local.device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        if local.item() > 0 and not any(flag.item() > 0 for flag in found.values()):
-            target = next(iter(found)) if found else device
-            found[target] = torch.ones((), dtype=torch.float32, device=device)
+        if not found:  # an optimizer with nothing to step (a frozen stage) still takes the verdict
+            found[device] = local.clamp(max=1.0)
+        elif local.item() > 0 and not any(flag.item() > 0 for flag in found.values()):
+            found[next(iter(found))] = torch.ones((), dtype=torch.float32, device=device)
 
     # a patch: neither GradScaler nor Lightning's MixedPrecision has a hook between unscale_ and step
     scaler.unscale_ = unscale_across_stages  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.reductions import combine, reduction
 from lightning_pipe.trainer import internals
 
@@ -65,7 +66,8 @@ class _Logged:
 class StepRecorder:
     """Collects the loss and logged values of one batch's micro-batches on the last stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, items: float = 0.0) -> None:
+        self.items = items  # what the batch's means average over: its samples, or what loss_weight counts
         self._loss_sum: Tensor | None = None  # on the loss's device: no GPU sync per micro-batch
         self._loss_weight = 0.0
         self.logged: dict[str, _Logged] = {}
@@ -97,6 +99,7 @@ class StepRecorder:
             arguments = dict(bound.arguments)
             arguments.pop("self")
             name, value = arguments.pop("name"), arguments.pop("value")
+        refuse_held(value, f"The value logged as {name!r}")  # a block container's read of another stage's block
         scalar = _as_scalar(value)
         if scalar is None:  # e.g. a torchmetrics Metric: its state lives on this rank; log it here once
             self.passthrough.append(((name, value), arguments))
@@ -131,8 +134,9 @@ class StepRecorder:
         self._loss_weight += weight
 
     def summary(self) -> dict[str, Any]:
-        """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)]}``. The
-        only place that reads the sums back from the device."""
+        """Plain, picklable means: ``{"loss": float | None, "logs": [(name, mean, kwargs)], "items": N}``
+        (``N``: the batch's items, the means' weight against other replicas'). The only place that
+        reads the sums back from the device."""
         loss = None
         if self._loss_sum is not None:
             loss = float(self._loss_sum) / self._loss_weight if self._loss_weight else float("nan")
@@ -142,7 +146,7 @@ class StepRecorder:
             if entry.batch_size is not None:
                 kwargs["batch_size"] = entry.batch_size
             logs.append((name, entry.result(), kwargs))
-        return {"loss": loss, "logs": logs}
+        return {"loss": loss, "logs": logs, "items": self.items}
 
     def portable(self) -> dict[str, Any]:
         """The sums so far as plain numbers, to be absorbed by another rank's recorder (see

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_weights
+from lightning_pipe.runtime.block_reads import refuse_held
+from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_shares
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
@@ -80,6 +82,7 @@ class PipelineSteps:
         self._sharing: SummarySharing | None = None  # the last stage's summaries, on every rank
         self._last_loss = float("nan")
         self._pending_loss: float | None = None  # asynchronous: a drained batch's loss, the next step returns it
+        self._warned_drain = False  # asynchronous: a drain that changes the weights was told once
 
     @property
     def device(self) -> torch.device:
@@ -203,6 +206,7 @@ class PipelineSteps:
         def step(i: int) -> None:
             with recorder.capture(module, weights[i], keep):
                 output = getattr(module, hook)(micro[i], *rest, **kwargs)
+            refuse_held(output, f"What {hook} returned")  # a block container's read of another stage's block
             outputs[i] = output
             return None
 
@@ -269,8 +273,8 @@ class PipelineSteps:
             kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro))
         )
         loss_weight = cast("LossWeight | None", self.config.loss_weight)  # PipelineConfig made "samples" None
-        weights = microbatch_weights(micro, loss_weight if counted else None)
-        return module, micro, keys, weights, StepRecorder()
+        weights, items = microbatch_shares(micro, loss_weight if counted else None)
+        return module, micro, keys, weights, StepRecorder(items)
 
     def _checks_values(self, batch_idx: int) -> bool:
         return checks_values(self.config.check_data, batch_idx)
@@ -278,7 +282,8 @@ class PipelineSteps:
     # ------------------------------------------------------------------ summaries
     def summary(self, recorder: StepRecorder | None, samples: int | None = None) -> dict[str, Any]:
         """The last stage's step summary (None: a padding step's, empty); with replicas, combined
-        over them (the global batch's): in evaluation weighted by each replica's ``samples``."""
+        over them (the global batch's): in evaluation weighted by each replica's items (its ``samples``,
+        or what ``loss_weight`` counts), logged with the global batch's samples."""
         summary = recorder.summary() if recorder is not None else EMPTY
         if self.placement.num_replicas > 1:
             summary = combine_over_replicas(summary, self._dp_group, self.device, samples)
@@ -308,6 +313,10 @@ class PipelineSteps:
         """Before a collective of another kind (evaluation, a checkpoint): this rank's summary
         broadcast, then an asynchronous schedule's work in flight."""
         self.finish_pending()
+        why = self.pipeline.inexact_drain()
+        if why is not None and not self._warned_drain:
+            self._warned_drain = True
+            rank_zero_warn(why)
         self.pipeline.drain(self._precision.train_step_context)
 
 

@@ -24,7 +24,7 @@ store it once) is satisfied by any one of its names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, read_state_dict
 from lightning_pipe.weights.hf import PRETRAINED_FILES, PretrainedFiles, pretrained_file, safetensors_shapes
+from lightning_pipe.weights.hf_conversion import Conversion, conversion_of
 from lightning_pipe.weights.names import NameMap, Rename, check_rename, mismatch_hint, name_map
 
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
@@ -156,10 +157,52 @@ def _open_safetensors(path: Path) -> WeightSource:
 
 @dataclass
 class ModelSpec:
-    """The whole model's tensor names and shapes, and which names are one tensor."""
+    """The whole model's tensor names and shapes, which names are one tensor, and where a Hugging
+    Face model's task head is (see :class:`HeadOf`)."""
 
     shapes: dict[str, tuple[int, ...]]
     aliases: dict[str, list[str]]  # name -> every name of the same tensor (itself included)
+    head: HeadOf | None = None
+    conversion: Conversion | None = None  # how transformers converts a save_pretrained directory's names
+
+
+@dataclass(frozen=True)
+class HeadOf:
+    """A Hugging Face model with a task head (``BertForSequenceClassification``): ``model`` is its
+    path's prefix in the module (``"model."``), ``base`` its base model's (``"model.bert."``).
+    Tensors under ``model`` but not under ``base`` are the head's: a checkpoint of the base model
+    (or of another head on it) lacks them, and ``from_pretrained`` initialises them."""
+
+    model: str
+    base: str
+
+    def holds(self, name: str) -> bool:
+        return name.startswith(self.model) and not name.startswith(self.base)
+
+    def absent_part(self, name: str, loaded: Collection[str]) -> bool:
+        """Whether ``name`` lies in a direct part of the base model of which the file holds nothing
+        while it holds others (BERT's pooler, which a masked-LM checkpoint's model does not build),
+        which ``from_pretrained`` initialises too; a part the file holds in part (some of the blocks)
+        does not fit."""
+        if not name.startswith(self.base):
+            return False
+        part = self.base + name[len(self.base) :].split(".")[0] + "."
+        return not any(n.startswith(part) for n in loaded) and any(n.startswith(self.base) for n in loaded)
+
+
+def head_of(module: nn.Module) -> HeadOf | None:
+    """Where the outermost Hugging Face model in ``module`` keeps its base model, when it has a head
+    around it (told by ``base_model_prefix``, as transformers tells it); None otherwise."""
+    for path, model in module.named_modules():
+        prefix = getattr(type(model), "base_model_prefix", None)
+        if not isinstance(prefix, str) or not prefix or not hasattr(model, "config"):
+            continue
+        base = getattr(model, prefix, None)
+        if not isinstance(base, nn.Module) or base is model:
+            return None
+        at = f"{path}." if path else ""
+        return HeadOf(at, f"{at}{prefix}.")
+    return None
 
 
 def model_spec(module: nn.Module) -> ModelSpec:
@@ -168,7 +211,28 @@ def model_spec(module: nn.Module) -> ModelSpec:
     groups: dict[int, list[str]] = {}
     for name, t in state.items():
         groups.setdefault(id(t), []).append(name)
-    return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, {n: groups[id(t)] for n, t in state.items()})
+    aliases = {n: groups[id(t)] for n, t in state.items()}
+    return ModelSpec({k: tuple(v.shape) for k, v in state.items()}, aliases, head_of(module), conversion_of(module))
+
+
+def converted(source: WeightSource, conversion: Conversion) -> WeightSource:
+    """``source`` (a ``save_pretrained`` directory) named and read as ``from_pretrained`` loads it,
+    where transformers converts its names (see :mod:`lightning_pipe.weights.hf_conversion`);
+    unchanged where it does not. A converted tensor's shape is known once built (checked as it is
+    copied)."""
+    keys = list(source.shapes)
+    if not conversion.converts(keys):
+        return source
+    plan = conversion.plan(keys)
+    shapes = {name: source.shapes[srcs[0][0]] if srcs[0][1] is None else None for name, srcs in plan.items()}
+    read = source.read
+    built = sum(srcs[0][1] is not None for srcs in plan.values())
+    renamed = sum(srcs[0][1] is None and srcs[0][0] != n[len(conversion.prefix) :] for n, srcs in plan.items())
+    hint = (
+        f"transformers converts this directory's names when it loads them ({built} tensors built by its converters, "
+        f"{renamed} renamed); they were converted the same way. "
+    )
+    return replace(source, shapes=shapes, read=lambda name: conversion.build(name, plan[name], read), hint=hint)
 
 
 def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = None) -> WeightSource:
@@ -176,7 +240,7 @@ def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = N
     else by the one prefix that makes them all fit, or by ``rename`` (see
     :mod:`lightning_pipe.weights.names`). Raises ``ValueError`` when several prefixes fit."""
     names: NameMap = name_map(list(source.shapes), spec.aliases, rename, where=str(source.path))
-    hint = mismatch_hint(names, list(source.shapes), list(spec.shapes))
+    hint = source.hint + mismatch_hint(names, list(source.shapes), list(spec.shapes))
     if all(f == m for f, m in names.names.items()) and len(names.names) == len(source.shapes):
         return replace(source, hint=hint)
     back = {m: f for f, m in names.names.items()}
@@ -185,8 +249,34 @@ def match_names(source: WeightSource, spec: ModelSpec, rename: Rename | None = N
     return replace(source, shapes=shapes, read=lambda n: read(back[n]), hint=hint)
 
 
-def check_names(source: WeightSource, spec: ModelSpec) -> None:
-    """Fail, listing the names, when the file and the model disagree on names or shapes."""
+@dataclass(frozen=True)
+class HeadFit:
+    """What :func:`check_names` let pass as ``from_pretrained`` does: the head's tensors the file
+    lacks, and a part of the base model it lacks whole (they keep the module's own initialisation),
+    and those of another head that it holds (left unread)."""
+
+    initialised: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+    def line(self, path: Path) -> str:
+        """One line, as transformers words it, or empty when the file fitted whole."""
+        parts = []
+        if self.initialised:
+            parts.append(
+                f"{_count(self.initialised, 'tensor')} of the model not in the checkpoint at {path} keep their new "
+                f"initialisation (train them before use): {self.initialised}"
+            )
+        if self.unused:
+            parts.append(f"{_count(self.unused, 'tensor')} of another head in it are not used: {self.unused}")
+        return "lightning-pipe: " + "; ".join(parts) + "." if parts else ""
+
+
+def check_names(source: WeightSource, spec: ModelSpec) -> HeadFit:
+    """Fail, listing the names, when the file and the model disagree on names or shapes. As
+    ``from_pretrained``, a Hugging Face model's head may be missing from a checkpoint of its base
+    model (it keeps its initialisation) and another head's tensors may be left unused, provided the
+    shapes agree and the file holds the base model (whole, or lacking whole parts, such as BERT's
+    pooler); returns those names."""
     extra = sorted(set(source.shapes) - set(spec.shapes))
     missing = sorted(n for n in spec.shapes if not any(a in source.shapes for a in spec.aliases[n]))
     wrong = sorted(
@@ -194,6 +284,12 @@ def check_names(source: WeightSource, spec: ModelSpec) -> None:
         for n in spec.shapes
         if (shape := source.shapes.get(n)) is not None and shape != spec.shapes[n]
     )
+    head = spec.head
+    fit = HeadFit()
+    if head is not None and not wrong and missing + extra:
+        loaded = [n for n in spec.shapes if n not in set(missing)]
+        if all(head.holds(n) or head.absent_part(n, loaded) for n in missing) and all(head.holds(n) for n in extra):
+            fit, missing, extra = HeadFit(missing, extra), [], []
     problems = []
     if missing:
         problems.append(f"{_count(missing, 'name')} of the model not in the file: {_listed(missing)}")
@@ -208,6 +304,7 @@ def check_names(source: WeightSource, spec: ModelSpec) -> None:
             + ". "
             + (source.hint or "Names are those of the unsplit LightningModule's state_dict (e.g. 'layers.0.weight').")
         )
+    return fit
 
 
 def _count(items: list[str], noun: str) -> str:
@@ -227,7 +324,9 @@ def load_local(module: nn.Module, source: WeightSource, spec: ModelSpec) -> int:
         for name, t in module.state_dict(keep_vars=True).items():
             if id(t) in copied or t.is_meta:
                 continue
-            stored = next(a for a in spec.aliases.get(name, [name]) if a in source.shapes)
+            stored = next((a for a in spec.aliases.get(name, [name]) if a in source.shapes), None)
+            if stored is None:  # a head the file lacks (check_names let it pass): its own initialisation
+                continue
             value = source.read(stored)
             if tuple(value.shape) != tuple(t.shape):  # shapes a file's index does not give
                 raise ValueError(
@@ -252,8 +351,11 @@ def load_stage_weights(
     ``report`` is given one line saying how many tensors came from where (the caller decides where
     it shows: Lightning's setup lines)."""
     check_rename(rename)
-    source = match_names(open_weights(path), spec, rename)
-    check_names(source, spec)
+    source = open_weights(path)
+    if spec.conversion is not None and source.files is not None and rename is None:
+        source = converted(source, spec.conversion)
+    source = match_names(source, spec, rename)
+    fit = check_names(source, spec)
     copied = load_local(module, source, spec)
     files = ""
     if source.files is not None:
@@ -264,15 +366,21 @@ def load_stage_weights(
             f"lightning-pipe: rank 0 loaded {copied} of the {len(source.shapes)} tensors in {source.path}{files} "
             "(its stage's and those outside the Sequential; the other ranks read theirs)"
         )
+        if fit.line(source.path):
+            report(fit.line(source.path))
     return copied
 
 
 __all__ = [
     "FILE_SUFFIXES",
+    "HeadFit",
+    "HeadOf",
     "ModelSpec",
     "WeightSource",
     "check_names",
     "check_weights_argument",
+    "converted",
+    "head_of",
     "load_local",
     "load_stage_weights",
     "match_names",

@@ -50,6 +50,38 @@ def test_damaged_metadata_and_shards_written_without_processes_are_refused(tmp_p
         read(tmp_path, names=["layers.2.bias"])
 
 
+def test_a_folder_that_is_not_a_checkpoint_is_refused_saying_what_a_checkpoint_folder_holds(tmp_path: Path) -> None:
+    """``fit(ckpt_path=)`` (the strategy's load, which hands a path that is not a pipeline checkpoint
+    to Lightning's loader) and ``read`` (consolidation, ``weights=``): a folder without ``meta.pt``
+    is named as such, with what a checkpoint folder holds and the checkpoints found inside it;
+    one with stage files but no ``meta.pt`` as an incomplete save."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from lightning_pipe.trainer.checkpoint_hooks import load_checkpoint
+
+    def resume(path: Path) -> None:
+        load_checkpoint(TinyNet(), path, None, lambda p, _: TorchCheckpointIO().load_checkpoint(p))
+
+    folder = tmp_path / "run"
+    (folder / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    write_shard(folder / "checkpoints" / "last.ckpt", 0, TinyNet().state_dict(), None, tag={"token": "t"})
+    write_meta(folder / "checkpoints" / "last.ckpt", {"epoch": 0}, 1, {"token": "t"})
+    (folder / "epoch=0-step=3.ckpt").write_bytes(b"")
+    holds = r"is a folder, not a checkpoint: a lightning-pipe checkpoint is a folder holding meta.pt and one stage-"
+    found = r"Checkpoints in it: epoch=0-step=3.ckpt, checkpoints/last.ckpt\. Give the path of a checkpoint"
+    for refused in (resume, read):
+        with pytest.raises(FileNotFoundError, match=rf"{re.escape(str(folder))} {holds}.* {found}"):
+            refused(folder)
+    (folder / "checkpoints" / "last.ckpt" / "meta.pt").unlink()
+    with pytest.raises(
+        FileNotFoundError, match=r"last.ckpt is an incomplete checkpoint: it has stage-00000.pt but no "
+    ):
+        resume(folder / "checkpoints" / "last.ckpt")
+    with pytest.raises(FileNotFoundError, match=r"empty is a folder, not a checkpoint: .*stage.*\.ckpt file\. Give"):
+        (tmp_path / "empty").mkdir()
+        resume(tmp_path / "empty")
+
+
 def test_damaged_bytes_stop_consolidation_resume_and_weights_naming_the_file(tmp_path: Path) -> None:
     saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     fit_pipeline(TinyNet(optimizer="adam"), 2, chunks=3, max_steps=2, enable_checkpointing=True, callbacks=[saves])

@@ -35,6 +35,13 @@ def test_merged_order_is_the_unsplit_modules(lists: list[list[str]]) -> None:
     )
 
 
+def test_named_layers_merge_in_their_numbers_order() -> None:
+    """A Sequential built from an ``OrderedDict`` (torchvision's ``encoder_layer_<i>``) under an
+    interleaved schedule: layer 10 after layer 9, not after layer 1."""
+    named = lambda *layers: [f"layers.encoder_layer_{i}.{k}" for i in layers for k in ("weight", "bias")]  # noqa: E731
+    assert merge_orders([named(0, 1, 10, 11), named(2, 3, 8, 9)]) == named(0, 1, 2, 3, 8, 9, 10, 11)
+
+
 def test_parameters_outside_the_sequential_stay_around_it() -> None:
     lists = [["embed.weight", *_names(0, 3), "head.weight"], ["embed.weight", *_names(1, 2), "head.weight"]]
     assert merge_orders(lists) == ["embed.weight", *_names(0, 1, 2, 3), "head.weight"]

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
+from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.placement import (
     BETTER_BY,
@@ -126,14 +128,31 @@ def test_the_chosen_order_predicts_no_worse_than_the_default(schedule: str, virt
     assert predicted(order) <= predicted(())
 
 
-def test_bad_rank_orders_are_refused_naming_the_fix() -> None:
-    check_rank_order(None)
-    check_rank_order([1, 0, 3, 2], 4)
-    for bad in ([0, 0], [1, 2], "01", [0, True], [0.0, 1.0]):
-        with pytest.raises(ValueError, match=r"rank_order=.*give each global rank"):
-            check_rank_order(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="of 4 processes once"):
+def test_bad_rank_orders_are_refused_saying_what_is_wrong_and_naming_the_fix() -> None:
+    assert check_rank_order(None) is None
+    assert check_rank_order([1, 0, 3, 2], 4) == [1, 0, 3, 2]
+    for bad, wrong in [
+        ([0, 0], "names rank 0 more than once and leaves out rank 1"),
+        ([1, 2], "names rank 2 outside 0..1 and leaves out rank 0"),
+        ("01", "not a list of global ranks"),
+        (3, "not a list of global ranks"),
+        ([0, True], "True is a truth value, not a global rank"),
+        ([0.0, 1.0], r"0.0 \(float\) is not a global rank \(an integer\)"),
+        (np.array([[0, 1]]), r"array\(\[0, 1\]\) \(ndarray\) is not a global rank \(an integer\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"rank_order=.*\): {wrong}; give each global rank"):
+            check_rank_order(bad)
+    with pytest.raises(ValueError, match="names 2 ranks for 4 processes; give each global rank of 4 processes once"):
         check_rank_order([1, 0], 4)
+
+
+def test_a_rank_order_of_numpy_or_torch_integers_is_taken_as_python_integers() -> None:
+    """Such as ``rank_order=np.argsort(speeds)``: the config holds a list of Python integers (it is
+    printed in reports and saved in checkpoints' hyperparameters)."""
+    for order in ([np.int64(1), np.int64(0)], np.array([1, 0]), (np.int32(1), np.int32(0)), torch.tensor([1, 0])):
+        config = PipelineStrategy(rank_order=order).config  # type: ignore[arg-type]
+        assert config.rank_order == [1, 0] and all(type(r) is int for r in config.rank_order), order
+        assert check_rank_order(order, 2) == [1, 0]
 
 
 def test_the_order_is_described_stage_by_stage() -> None:

@@ -104,3 +104,27 @@ def test_augmentation_is_a_function_of_the_sample_and_the_epoch() -> None:
     first = [a[i][0] for i in range(8)]
     a.set_epoch(2)
     assert any(not torch.equal(a[i][0], first[i]) for i in range(8))
+
+
+def test_the_recipes_training_loader_is_one_the_pipeline_steers() -> None:
+    """VGG's and BERT's data modules (``TrainValData``): the pipeline replaces their ``EpochShuffle`` by its
+    own order (the same permutation: the seed and the epoch), splits it over replicas and resumes it in the
+    middle of an epoch; the epoch still reaches the dataset's ``set_epoch`` (VGG's crops)."""
+    from lightning_pipe.recipes import EpochShuffle, TrainValData
+    from lightning_pipe.runtime.replica_data import ReplicaOrder, not_steered
+
+    class Epochs(torch.utils.data.TensorDataset):
+        epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    data = TrainValData()
+    data.batch_size, data.num_workers, data.train = 4, 0, Epochs(torch.arange(20))
+    loader = data.train_dataloader()
+    assert not_steered(loader) is None
+    user = loader.sampler
+    assert isinstance(user, EpochShuffle)
+    order = ReplicaOrder(data.train, 1, 0, True, user.seed, replaced=user)
+    order.set_epoch(3)
+    assert data.train.epoch == 3 and list(order) == list(user)  # EpochShuffle's own order for the epoch

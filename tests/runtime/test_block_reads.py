@@ -1,7 +1,8 @@
 """A block container's model that reads the output of a block another stage runs (blocks' outputs
 pooled after the loop, a probe loss on an intermediate block, Hugging Face's recorded hidden
 states, attentions and router logits) is refused on the stage that would read wrong values, before
-its backward; a model that reads only the hidden state it passes on runs as before."""
+any backward, with gradients or without; a model that reads only the hidden state it passes on runs as
+before."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.virtual import split_stages
+from lightning_pipe.runtime.block_reads import HeldBlockRead, HeldOutput, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit
 
 HELD_READ = r"depends on the output of block {}, which another pipeline stage runs: this stage runs only blocks 2..3"
@@ -29,7 +31,9 @@ class Block(nn.Module):
 class ReadingNet(nn.Module):
     """A loop over 4 blocks whose loss reads, besides the last block's output, ``reads``: ``"pool"``
     every block's output averaged after the loop, ``"probe"`` block 1's output, ``"skip"`` block 0's
-    output added into block 3's input, ``None`` nothing else."""
+    output added into block 3's input, ``"statistic"`` a detached statistic of block 0's output,
+    ``"item"`` the same as a Python number, ``"written"`` block 0's output copied into a buffer,
+    ``None`` nothing else."""
 
     def __init__(self, reads: str | None) -> None:
         super().__init__()
@@ -52,6 +56,14 @@ class ReadingNet(nn.Module):
             loss = loss + self.head(torch.stack(outputs).mean(0)).pow(2).mean()
         if self.reads == "probe":
             loss = loss + outputs[1].pow(2).mean()
+        if self.reads == "statistic":
+            loss = loss * outputs[0].detach().std()
+        if self.reads == "item":
+            loss = loss * outputs[0].abs().mean().item()
+        if self.reads == "written":
+            buffer = torch.zeros_like(hidden)
+            buffer.copy_(outputs[0])
+            loss = loss + buffer.mean()
         return loss
 
 
@@ -72,29 +84,46 @@ def _drive(host: BlockStage, received: Any, last: bool = True) -> BlockDrive:
     return host.hook
 
 
-@pytest.mark.parametrize("reads, block", [("pool", "[01]"), ("probe", "1")])
-def test_a_loss_on_an_earlier_stages_block_output_is_refused_before_the_backward_changes_anything(
-    reads: str, block: str
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "evaluation"])
+@pytest.mark.parametrize("reads, block", [("pool", "[01]"), ("probe", "1"), ("statistic", "0")])
+def test_a_loss_on_an_earlier_stages_block_output_is_refused_before_the_backward(
+    reads: str, block: str, grad: bool
 ) -> None:
+    """The loss carries where it came from, with gradients or without, detached or not: the stage
+    refuses it (``refuse_held``) before any backward."""
     model = ReadingNet(reads)
     host = _last_stage(model, "blocks")
-    received = torch.randn(5, 6, requires_grad=True)
-    _drive(host, received)
-    loss = model(torch.randn(5, 3))
-    with pytest.raises(RuntimeError, match=HELD_READ.format(block)):
-        loss.backward()
+    _drive(host, torch.randn(5, 6, requires_grad=grad))
+    with torch.set_grad_enabled(grad):
+        loss = model(torch.randn(5, 3))
+    assert isinstance(loss, HeldOutput)
+    with pytest.raises(HeldBlockRead, match="The step's loss " + HELD_READ.format(block)):
+        refuse_held(loss, "The step's loss")
+
+
+@pytest.mark.parametrize(
+    "reads, what",
+    [
+        ("item", r"reads into Python \(item\) a value that"),
+        ("written", r"writes \(copy_\) into another tensor a value that"),
+    ],
+)
+def test_a_read_that_leaves_the_tensor_is_refused_at_once(reads: str, what: str) -> None:
+    model = ReadingNet(reads)
+    host = _last_stage(model, "blocks")
+    _drive(host, torch.randn(5, 6))
+    with torch.no_grad(), pytest.raises(HeldBlockRead, match=f"The step {what} " + HELD_READ.format(0)):
+        model(torch.randn(5, 3))
 
 
 def test_a_middle_stage_that_feeds_a_skipped_blocks_output_into_its_blocks_is_refused() -> None:
-    """Block 0's output added into block 3's input, on the stage of blocks 2..3 of 3 stages' 2..3:
-    what it sends on depends on a block it does not run."""
+    """Block 0's output added into block 3's input, on the stage of blocks 2..3: refused when block
+    3 is called, before what the stage sends on or its loss exists."""
     model = ReadingNet("skip")
     host = _last_stage(model, "blocks")
-    received = torch.randn(5, 6, requires_grad=True)
-    _drive(host, received)
-    loss = model(torch.randn(5, 3))
-    with pytest.raises(RuntimeError, match=HELD_READ.format(0)):
-        loss.backward()
+    _drive(host, torch.randn(5, 6, requires_grad=True))
+    with pytest.raises(HeldBlockRead, match="What block 3 is called with " + HELD_READ.format(0)):
+        model(torch.randn(5, 3))
 
 
 def test_a_model_that_reads_only_the_hidden_state_gets_its_gradients_unchanged() -> None:
@@ -104,7 +133,9 @@ def test_a_model_that_reads_only_the_hidden_state_gets_its_gradients_unchanged()
     received = torch.randn(5, 6, requires_grad=True)
     _drive(host, received)
     x = torch.randn(5, 3)
-    model(x).backward()
+    loss = model(x)
+    assert type(loss) is torch.Tensor
+    loss.backward()
     hidden = received.detach().requires_grad_(True)
     out = hidden
     for i in (2, 3):
@@ -113,15 +144,6 @@ def test_a_model_that_reads_only_the_hidden_state_gets_its_gradients_unchanged()
     torch.testing.assert_close(received.grad, hidden.grad)
     for i in (2, 3):
         torch.testing.assert_close(model.blocks[i].linear.weight.grad, unsplit.blocks[i].linear.weight.grad)
-
-
-def test_a_read_without_gradients_is_left_alone() -> None:
-    """Evaluation builds no graph: nothing to check, nothing raised (the training step refuses)."""
-    model = ReadingNet("pool")
-    host = _last_stage(model, "blocks")
-    _drive(host, torch.randn(5, 6))
-    with torch.no_grad():
-        assert torch.isfinite(model(torch.randn(5, 3)))
 
 
 transformers = pytest.importorskip("transformers")
@@ -172,7 +194,7 @@ def test_the_moe_load_balancing_loss_over_other_stages_routers_is_refused(build:
     model = build(router_logits=True)
     host = _last_stage(model, "model.layers")
     _drive(host, torch.randn(2, 8, 64))
-    with pytest.raises(RuntimeError, match=r"records router_logits .*load-balancing loss.*output_router_logits=False"):
+    with pytest.raises(RuntimeError, match=r"router logits .*load-balancing loss.*output_router_logits=False"):
         model(input_ids=ids, labels=ids, use_cache=False)
     host.hook = None
     _drive(host, torch.randn(2, 8, 64))

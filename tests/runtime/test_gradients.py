@@ -55,14 +55,18 @@ def test_replica_buckets_split_by_size_and_dtype(world_of_one: Topology) -> None
             assert torch.equal(p.grad, g)
 
 
-def test_parameters_outside_the_sequential_get_a_gradient_on_every_stage(world_of_one: Topology) -> None:
-    """Summed over the stages (here one); a stage whose piece of forward did not use them gets
-    zeros rather than None, so every stage's optimizer steps them alike."""
-    inside, outside = _params((3,), (2, 2))
-    gradients = StageGradients([outside], [], world_of_one.pp_group, 2, counts_shared=True)
-    gradients.keep({inside: torch.ones(3), outside: None})
+def test_parameters_outside_the_sequential_keep_no_gradient_where_no_stage_got_one(world_of_one: Topology) -> None:
+    """Summed over the stages (here one): a stage whose piece of forward did not use one adds zeros,
+    but one that no stage got a gradient for (frozen, or unused) keeps None, as in plain training,
+    so the optimizer leaves it alone (weight decay included). The same for a tied weight."""
+    inside, used, unused, tied, frozen_tie = _params((3,), (2, 2), (2,), (2,), (3,))
+    ties = [(world_of_one.pp_group, tied, True), (world_of_one.pp_group, frozen_tie, True)]
+    gradients = StageGradients([used, unused], ties, world_of_one.pp_group, 2, counts_shared=True)
+    gradients.keep({inside: torch.ones(3), used: torch.full((2, 2), 2.0), unused: None, tied: torch.ones(2)})
     gradients.hand_over(1.0)
-    assert torch.equal(inside.grad, torch.ones(3)) and torch.equal(outside.grad, torch.zeros(2, 2))
+    assert torch.equal(inside.grad, torch.ones(3)) and torch.equal(used.grad, torch.full((2, 2), 2.0))
+    assert torch.equal(tied.grad, torch.ones(2))
+    assert unused.grad is None and frozen_tie.grad is None
 
 
 def test_the_global_norm_counts_a_gradient_held_on_several_ranks_once(world_of_one: Topology) -> None:
