@@ -106,10 +106,17 @@ def _pipeline_fit(
     module = _fresh(model, event.scheduler)
 
     def fit(
-        target: L.LightningModule, devices: int, steps: int, callbacks: list, save: Any = None, **extra: Any
+        target: L.LightningModule,
+        devices: int,
+        steps: int,
+        callbacks: list,
+        save: Any = None,
+        epochs: int = -1,
+        **extra: Any,
     ) -> None:
+        """Trains to ``steps`` (max_steps) or, where ``steps`` is -1, to ``epochs`` (max_epochs)."""
         fit_pipeline(
-            target, devices, loader, max_steps=steps, max_epochs=-1, callbacks=callbacks + ([save] if save else []),
+            target, devices, loader, max_steps=steps, max_epochs=epochs, callbacks=callbacks + ([save] if save else []),
             **rule, **options, **extra,
         )  # fmt: skip
 
@@ -122,19 +129,24 @@ def _pipeline_fit(
             target = module if i == len(worlds) - 1 else _fresh(model, event.scheduler)
             fit(target, devices, steps, first if i == 0 else [], **_saves(watched, every_n_train_steps=1))
         return module
+    # the resumes stop by epochs (max_epochs=1, then 2); only "stop_mid" stops and resumes by max_steps
     if interrupt == "resume_epoch":
-        saved = folder / "ckpt"
-        fit(_fresh(model, event.scheduler), layout.devices, STEPS_PER_EPOCH, first, **_saves(saved, save_last=True))
-        fit(module, layout.devices, STEPS, [], ckpt_path=str(saved / "last.ckpt"))
+        saved, epochs = folder / "ckpt", STEPS // STEPS_PER_EPOCH
+        fit(_fresh(model, event.scheduler), layout.devices, -1, first, epochs=1, **_saves(saved, save_last=True))
+        fit(module, layout.devices, -1, [], epochs=epochs, ckpt_path=str(saved / "last.ckpt"))
     elif interrupt in ("resume_mid", "stop_mid"):
-        saved, at = folder / "ckpt", STEPS_PER_EPOCH + 1
+        saved, at, epochs = folder / "ckpt", STEPS_PER_EPOCH + 1, STEPS // STEPS_PER_EPOCH
         straight = _fresh(model, event.scheduler)
-        steps = STEPS if interrupt == "resume_mid" else at
-        fit(straight, layout.devices, steps, first, **_saves(saved, every_n_train_steps=at))
-        (path,) = saved.glob(f"*step={at}*")
-        fit(module, layout.devices, STEPS, [], ckpt_path=str(path))
-        if interrupt == "resume_mid":  # the run that saved went on: it must be the uninterrupted run too
+        if interrupt == "resume_mid":  # the run that saves goes on: it must be the uninterrupted run too
+            fit(straight, layout.devices, -1, first, epochs=epochs, **_saves(saved, every_n_train_steps=at))
             also.append(straight)
+        else:
+            fit(straight, layout.devices, at, first, **_saves(saved, every_n_train_steps=at))
+        (path,) = saved.glob(f"*step={at}*")
+        if interrupt == "resume_mid":
+            fit(module, layout.devices, -1, [], epochs=epochs, ckpt_path=str(path))
+        else:
+            fit(module, layout.devices, STEPS, [], ckpt_path=str(path))
     elif interrupt == "save_every_step":
         fit(module, layout.devices, STEPS, first, **_saves(folder / "ckpt", every_n_train_steps=1))
     elif interrupt == "validate_mid":
