@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.conformance.axes import Cell, Event, Layout, Model, refusal
 from tests.conformance.models import BATCH, build, data, strategy_options
 from tests.models import fit_plain, plain_trainer
-from tests.pipeline import fit_pipeline, pipeline_trainer
+from tests.pipeline import fit_pipeline
+from tests.pipeline import pipeline_trainer as _pipeline_trainer
 
 STEPS, STEPS_PER_EPOCH = 6, 3
 #: weights against plain Lightning (float noise of another order of sums); against the same schedule
@@ -50,6 +51,21 @@ class _Started(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         (self.folder / "started").touch()
+
+
+def _fresh_port() -> None:
+    """Lightning's launcher leaves its port in MASTER_PORT, and a cell starts several runs: each gets a
+    free port, as the tests' ``fresh_main_port`` fixture gives each test one."""
+    import os
+
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    os.environ["MASTER_PORT"] = str(find_free_network_port())
+
+
+def pipeline_trainer(devices: int, **options: Any) -> L.Trainer:
+    _fresh_port()
+    return _pipeline_trainer(devices, **options)
 
 
 def _initial(model: Model, scheduler: bool) -> dict[str, torch.Tensor]:
@@ -115,6 +131,7 @@ def _pipeline_fit(
         **extra: Any,
     ) -> None:
         """Trains to ``steps`` (max_steps) or, where ``steps`` is -1, to ``epochs`` (max_epochs)."""
+        _fresh_port()
         fit_pipeline(
             target, devices, loader, max_steps=steps, max_epochs=epochs, callbacks=callbacks + ([save] if save else []),
             **rule, **options, **extra,
