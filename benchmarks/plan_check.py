@@ -80,7 +80,7 @@ def main() -> None:
                 times = run(args.model, args.steps, args.warmup, folder, **chosen[i].strategy_arguments())
             measured[i].append(statistics.median(times))
     rows = [
-        "| rank | schedule | v | chunks | balance | checkpoint | predicted ms | measured ms | measured / predicted |",
+        "| rank | schedule | v | chunks | balance | recompute | predicted ms | measured ms | measured / predicted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     fastest = min(statistics.median(v) for v in measured.values())

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -43,6 +43,7 @@ from lightning_pipe.observe.stage_metrics import StageMetrics
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import traits
+from lightning_pipe.schedules.text import TEXT_SUFFIXES
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
 
@@ -57,10 +58,6 @@ STRATEGY_KEYS = tuple(
     f.name for f in dataclasses.fields(PipelineConfig) if f.name not in ("init", "rename", "plan_all_layouts")
 ) + ("checkpoint",)
 LOGGERS = ("csv", "tensorboard")
-# Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
-# stage's values, averaged over the replicas, and Lightning drops sync_dist for a strategy that is not
-# `is_distributed` (the pipeline's is not, so that Lightning never swaps in its own sampler)
-SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
 # top-level keys that are not in config.yaml: what `lightning-pipe plan` adds
 INTERNAL_KEYS = ("plan_only",)
 # Trainer arguments the command line sets itself, and how to set them instead
@@ -234,6 +231,9 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         args.get("loss_weight"), DictConfig
     ):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
         args["loss_weight"] = instantiate(args["loss_weight"])
+    schedule = args.get("schedule")
+    if isinstance(schedule, str) and schedule.endswith(TEXT_SUFFIXES) and Path(schedule).is_file():
+        args["schedule"] = str(Path(schedule).resolve())  # a schedule text's path, the same from every process
     if "balance" in args and not isinstance(args["balance"], str):
         args["balance"] = [int(n) for n in args["balance"]]
     if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
@@ -280,10 +280,22 @@ def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -
     for key in node:
         if key in valid or key in hidden or (prefix == "trainer." and key in SET_BY_THE_COMMAND):
             continue
-        close = difflib.get_close_matches(str(key), valid, n=1)
-        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        hint = _hint(prefix, str(key), valid)
         problems.append(f"unknown key {prefix}{key!s}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
     return problems
+
+
+def _hint(prefix: str, name: str, valid: Sequence[str]) -> str:
+    """`` (did you mean <key>?)`` for an unknown key, naming only keys a user can write: a strategy or Trainer
+    argument given at the top level (``plan=auto``) is sent to its node (``strategy.plan``), and otherwise the
+    closest of ``valid`` (which holds no internal key such as the planner's ``plan_only``)."""
+    if not prefix:
+        if name in STRATEGY_KEYS:
+            return f" (did you mean strategy.{name}?)"
+        if name in inspect.signature(L.Trainer.__init__).parameters and name not in SET_BY_THE_COMMAND:
+            return f" (did you mean trainer.{name}?)"
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def instantiate_recipe(cfg: DictConfig, part: str) -> Any:
@@ -435,9 +447,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
             data.prepare_data()
         except (OSError, RuntimeError, ValueError) as error:
             raise SystemExit(f"lightning-pipe: {error}") from error
-    if cfg.strategy.name == "pipeline":
-        warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
-    callbacks: list[L.Callback] = [SamplesPerSecond()]
+    callbacks: list[L.Callback] = [SamplesPerSecond(), *progress_bar(trainer_cfg)]
     summary: RunSummary | None = None
     if cfg.get("plan_only", False):
         callbacks.append(PlanOnly(output))
@@ -474,6 +484,13 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, float]:
     if summary is not None and summary.text is not None:  # this process ran global rank 0
         print(summary.text, flush=True)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def progress_bar(trainer_cfg: dict[str, Any]) -> list[L.Callback]:
+    """Lightning's TQDM progress bar, chosen here: where ``rich`` is installed (the ``hf`` extra brings it)
+    Lightning would pick its rich bar, which writes ``Epoch 2/-2`` for a run bounded by steps (``max_epochs:
+    -1``). None where ``trainer.enable_progress_bar=false`` (Lightning refuses a bar then)."""
+    return [TQDMProgressBar()] if trainer_cfg.get("enable_progress_bar", True) else []
 
 
 def failure_sentence(error: BaseException, rank: int) -> Any:
@@ -541,7 +558,9 @@ def check_overrides(args: Sequence[str]) -> None:
         if head == "hydra" or "/" in key or "." in rest:
             continue
         if not rest:
-            prefix, name, valid = "", head, [*_top_level_keys(), *INTERNAL_KEYS]
+            if head in INTERNAL_KEYS:
+                continue
+            prefix, name, valid = "", head, _top_level_keys()
         elif head == "strategy":
             files = (Path(CONFIG_DIR) / "strategy").glob("*.yaml")
             in_files = {str(k) for f in files for k in OmegaConf.load(f)} - {"defaults"}  # Hydra's list, not a key
@@ -555,8 +574,7 @@ def check_overrides(args: Sequence[str]) -> None:
         else:
             continue
         if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            hint = _hint(prefix, name, valid)
             problems.append(f"unknown key {prefix}{name}{hint}. Valid keys: {', '.join(sorted(valid))}.")
     if problems:
         raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))

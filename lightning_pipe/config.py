@@ -9,6 +9,7 @@ strategy needs the strategy object to learn or to change them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import CHECKPOINT_MODES
 from lightning_pipe.runtime.topology import check_layout_arguments
 from lightning_pipe.runtime.xpipe import PREDICTORS
-from lightning_pipe.schedules import VIRTUAL_STAGES, check_virtual_stages, get_schedule, traits
+from lightning_pipe.schedules import check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
 
@@ -43,7 +44,10 @@ class PipelineConfig:
             ``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"`` (ZB-V's V with DeepSeek's F&B pairs;
             chunks >= 2 x processes), ``"chimera"`` (two pipelines in opposite
             directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
-            ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``, ``"wpipe"``).
+            ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``, ``"wpipe"``), or your own schedule as text: the
+            path of a ``.csv`` or ``.txt`` file, or the text itself (a string with a newline or a comma), one line
+            of actions per rank (see :mod:`lightning_pipe.schedules.text`). A text schedule is synchronous,
+            validated here; its stages per rank and micro-batches are the text's (``chunks`` must agree).
         chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
             ``chunks`` is split into as many micro-batches as it has samples.
         balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
@@ -165,12 +169,14 @@ class PipelineConfig:
     rank_order: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.schedule, os.PathLike):  # a schedule text's path
+            object.__setattr__(self, "schedule", os.fspath(self.schedule))
         check_arguments(self)
         object.__setattr__(self, "rank_order", check_rank_order(self.rank_order))  # numpy's integers as Python's
         if self.loss_weight == "samples":
             object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:
-            object.__setattr__(self, "virtual_stages", VIRTUAL_STAGES.get(self.schedule, 1))
+            object.__setattr__(self, "virtual_stages", traits(self.schedule).virtual_stages)
 
     @property
     def checkpoint(self) -> str:
@@ -182,8 +188,12 @@ class PipelineConfig:
         return dataclasses.replace(self, **changes)
 
     def num_microbatches(self, num_stages: int) -> int:
-        """Micro-batches per batch for a pipeline of ``num_stages``: ``chunks``, or twice the stages."""
-        return self.chunks if self.chunks is not None else 2 * num_stages
+        """Micro-batches per batch for a pipeline of ``num_stages``: ``chunks``, or a schedule text's
+        count, or twice the stages."""
+        if self.chunks is not None:
+            return self.chunks
+        text = traits(self.schedule).text
+        return text.num_microbatches if text is not None else 2 * num_stages
 
 
 def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
@@ -209,6 +219,7 @@ def check_arguments(config: PipelineConfig) -> None:
     """Reject bad ``PipelineStrategy`` arguments, naming the valid values."""
     schedule, chunks, balance, recompute = config.schedule, config.chunks, config.balance, config.recompute
     get_schedule(schedule)
+    check_text_schedule(config)
     check_weights_argument(config.weights)
     check_rename(config.rename)
     if config.init is not None and not callable(config.init):
@@ -269,6 +280,24 @@ def check_arguments(config: PipelineConfig) -> None:
     if config.start_method not in START_METHODS:
         raise ValueError(
             f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."
+        )
+
+
+def check_text_schedule(config: PipelineConfig) -> None:
+    """A schedule handed in as text fixes the micro-batches and the schedule: ``chunks`` must agree,
+    and the planner, which chooses a schedule, cannot run it."""
+    text = traits(config.schedule).text
+    if text is None:
+        return
+    if config.chunks is not None and config.chunks != text.num_microbatches:
+        raise ValueError(
+            f"PipelineStrategy(chunks={config.chunks}): the schedule text {text.name!r} runs "
+            f"{text.num_microbatches} micro-batches per batch. Give chunks={text.num_microbatches} or leave it unset."
+        )
+    if config.plan is not None:
+        raise ValueError(
+            f"PipelineStrategy(plan={config.plan!r}) chooses the schedule, and schedule= hands one in as text "
+            f"({text.name!r}). Leave plan unset to run the text, or give a schedule's name to plan."
         )
 
 

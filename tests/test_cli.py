@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -151,6 +153,20 @@ def test_virtual_stages_reach_the_strategy() -> None:
         build_strategy(_compose(["strategy=gpipe", "strategy.virtual_stages=2"]).strategy, 2)
 
 
+def test_a_schedule_text_file_reaches_the_strategy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_pipe.cli import preflight
+
+    monkeypatch.chdir(tmp_path)
+    Path("mine.csv").write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    strategy = build_strategy(_compose(["strategy.schedule=mine.csv"]).strategy, 2)[0]
+    assert (strategy.schedule_name, strategy.virtual_stages) == (str(tmp_path / "mine.csv"), 1)
+    assert strategy.config.num_microbatches(2) == 2
+    with pytest.raises(SystemExit, match=r"schedule='other.csv': no such file"):
+        preflight(["strategy.schedule=other.csv"])
+    with pytest.raises(SystemExit, match=r"the schedule text 'mine.csv' runs 2 micro-batches per batch"):
+        preflight(["strategy.schedule=mine.csv", "strategy.chunks=4"])
+
+
 def test_a_bad_value_names_it() -> None:
     cfg = _compose(["strategy.schedule=zigzag"])
     with pytest.raises(ValueError, match="'zigzag'"):
@@ -164,6 +180,7 @@ UNREAD_KEYS = [
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or "
                               r"logger=tensorboard"),
+    ("+plan=auto", r"unknown key plan \(did you mean strategy.plan\?\): nothing reads it\. Valid keys: (?!.*plan_)"),
     ("+checkpoints=true", (r"unknown key checkpoints \(did you mean checkpoint\?\).*"
                            r"Valid keys: checkpoint, logger, recipe, resume, seed, strategy, timeline, trainer.$")),
 ]  # fmt: skip
@@ -223,10 +240,27 @@ def test_logger_choice(tmp_path: Path) -> None:
         make_logger("wandb", tmp_path)
 
 
-def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path) -> None:
+def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``logger=tensorboard``: the run's event file in its folder holds the recipe's values, every stage's
-    metrics and (``timeline=true``) the timeline picture."""
+    metrics and (``timeline=true``) the timeline picture. The progress bar is TQDM's even where ``rich`` is
+    installed (the ``hf`` extra brings it), whose bar Lightning would choose and which shows ``Epoch 2/-2``."""
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.trainer.connectors import callback_connector
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    made: list[L.Trainer] = []
+
+    class Recorded(L.Trainer):
+        @functools.wraps(L.Trainer.__init__)  # the command checks its keys against the signature
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(L, "Trainer", Recorded)
+    monkeypatch.setattr(callback_connector, "_RICH_AVAILABLE", importlib.util.find_spec("rich") is not None)
 
     cfg = _compose(["logger=tensorboard", "timeline=true", *SMALL["bert_mlm"], *QUICK, "strategy.start_method=fork",
                     "strategy.chunks=2", "trainer.max_steps=2"])  # fmt: skip
@@ -239,6 +273,7 @@ def test_tensorboard_gets_the_metrics_stage_metrics_and_timeline(tmp_path: Path)
         assert tag in tags["scalars"], tags
     assert tags["images"] == ["pipeline/timeline"]
     assert (tmp_path / "timeline.svg").is_file() and not (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
+    assert type(made[0].progress_bar_callback) is TQDMProgressBar
 
 
 @pytest.mark.parametrize("recipe", ["vgg19_cifar100", "bert_mlm"])
@@ -453,7 +488,12 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
                               ("trainer.max_step=3", r"unknown key trainer.max_step \(did you mean "
                                                      r"trainer.max_steps\?\)"),
                               ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
-                              ("strategy.defaults=[]", r"unknown key strategy.defaults\.")):  # fmt: skip
+                              ("strategy.defaults=[]", r"unknown key strategy.defaults\."),
+                              # a strategy or Trainer argument at the top level is sent to its node, and the
+                              # planner's internal plan_only key is never suggested
+                              ("plan=auto", r"unknown key plan \(did you mean strategy.plan\?\)"),
+                              ("max_steps=3", r"unknown key max_steps \(did you mean trainer.max_steps\?\)"),
+                              ("plan_onl=true", r"unknown key plan_onl\. Valid keys: (?!.*plan_only)")):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["lightning-pipe", "seed=1", override])
         with pytest.raises(SystemExit, match=message):
             cli.main()

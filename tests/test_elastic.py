@@ -423,6 +423,10 @@ def test_four_stages_lose_a_node_inside_a_save_and_finish_on_two_from_the_newest
     assert [n[2] for n in report["lost_nodes"]] == [[2, 3]] and report["seconds_lost"] > 0
     assert "lightning-pipe elastic: restart 1: lost" in output and "resumed from step 8" in output
     assert "newer than the given ckpt_path" in output
+    # the survivors' failure messages name the lost ranks alone (rank 0 named ranks 1, 2 and 3 before the
+    # heartbeat, and rank 1, finding the store gone with rank 0's process, blamed rank 0 as gone)
+    assert "lightning-pipe: rank 2 (stage 2 of 4), rank 3 (stage 3 of 4) stopped without reporting" in output
+    assert "rank 1 (stage 1 of 4) stopped without" not in output and "(stage 0 of 4) is gone" not in output
     metrics = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
     assert "elastic/resumed_step" in metrics.splitlines()[0]
     torch.manual_seed(0)

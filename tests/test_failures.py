@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,10 @@ class FakeStore:
     def get(self, key: str) -> bytes:
         return self.values[key].encode()
 
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = str(int(self.values.get(key, "0")) + amount)
+        return int(self.values[key])
+
 
 def _name(rank: int) -> str:
     return f"rank {rank} (stage {rank} of 3)"
@@ -65,7 +70,41 @@ def test_without_a_note_the_silent_ranks_are_named(monkeypatch: pytest.MonkeyPat
         def set(self, key: str, value: str) -> None:
             raise ConnectionError("store unreachable")
 
-    assert "rank 0 (stage 0 of 3) is gone" in explain(Gone({}), 1, 3, _name, RuntimeError("Connection reset by peer"))
+    text = explain(Gone({}), 1, 3, _name, RuntimeError("Connection reset by peer"))
+    assert "the rendezvous store in rank 0 (stage 0 of 3)'s process does not answer: that process has ended" in text
+
+
+def test_a_lost_node_is_named_and_the_living_ranks_are_not() -> None:
+    """4 ranks, ranks 2 and 3 on a node that is lost: rank 0 loses its connection first. Rank 1 is alive but
+    has not failed yet (it waits on rank 0); only ranks 2 and 3 stopped beating. Before the heartbeat rank 0
+    named ranks 1, 2 and 3."""
+    from lightning_pipe.trainer.failures import gone_ranks
+
+    before, after = [10, 12, None, None], [16, 18, None, None]  # 2 and 3 never beat since the wait began
+    assert gone_ranks(0, [True, False, False, False], before, after) == [2, 3]
+    assert gone_ranks(0, [True, False, False, False], [10, 12, 7, 7], [16, 18, 7, 7]) == [2, 3]  # stood still
+    assert gone_ranks(1, [True, True, False, False], before, after) == [2, 3]  # rank 1's own view
+    assert gone_ranks(0, [True, True, False, True], [10, 12, 7, 7], [16, 18, 7, 7]) == [2]  # 3 reported
+    # no heartbeat anywhere (a store without it): every rank that reported nothing, as the best guess
+    assert gone_ranks(0, [True, False, False, False], [None] * 4, [None] * 4) == [1, 2, 3]
+
+
+def test_the_heartbeat_beats_until_its_process_group_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_pipe.trainer.failures as failures
+
+    monkeypatch.setattr(failures, "_BEAT_S", 0.02)
+    store, current = FakeStore({}), [None]
+    current[0] = store
+    beat = failures.Heartbeat(store, 3, current=lambda: current[0]).start()
+    time.sleep(0.3)
+    counted = int(store.values["lightning_pipe/alive/3"])
+    assert counted >= 3
+    current[0] = None  # the process group destroyed: the thread ends and drops the store
+    beat._thread.join(2)
+    assert not beat._thread.is_alive() and beat._store is None
+    assert failures.first_line(RuntimeError("Connection reset by peer\nException raised from recvBytes\nframe #0")) == (
+        "Connection reset by peer"
+    )
 
 
 def _run(*args: Any, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -113,9 +152,15 @@ def test_a_killed_stage_ends_every_process_and_is_named(tmp_path: Path, devices:
     assert result.returncode != 0
     name = f"rank {rank} (stage {rank} of {devices})"
     if rank == 0:  # the process holding the rendezvous store is gone; the others say so
-        assert f"lightning-pipe: {name} is gone" in result.stderr, result.stderr[-3000:]
+        assert f"lightning-pipe: the rendezvous store in {name}'s process does not answer" in result.stderr, (
+            result.stderr[-3000:]
+        )
     else:  # the script launcher names a dead child itself, or the survivors do
         launcher = (
             f"[rank: {rank}] Child process with PID" in result.stderr and "terminated with code -9" in result.stderr
         )
         assert launcher or f"{name} stopped without reporting an error" in result.stderr, result.stderr[-3000:]
+        # a survivor names the dead rank alone: not the living ranks that had not failed yet (before each rank
+        # beat a counter in the store, a rank still waiting on a peer was named too)
+        named = re.findall(r"lightning-pipe: (.*?) stopped without reporting an error", result.stderr)
+        assert all(n == name for n in named), named

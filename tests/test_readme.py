@@ -108,6 +108,7 @@ def test_the_bring_your_own_model_example_runs_as_written(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in result.stderr + result.stdout
     assert "lightning-pipe: 2 stages (2 processes), layers per stage [2, 2]" in result.stderr
+    assert "bos_token_id must be" not in result.stderr and "eos_token_id must be" not in result.stderr  # config
 
 
 def four_device_example() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 
+from lightning_pipe.trainer.signals import STOPPED_STATUS
 from tests.models import TinyNet, loader
 from tests.pipeline import pipeline_trainer
 
@@ -84,9 +86,32 @@ def _sigterm_rounds(tmp_path: Path, rounds: int, concurrent: int) -> None:
             stopped = [
                 (out / f"stopped-{r}").read_text() if (out / f"stopped-{r}").is_file() else None for r in range(2)
             ]
-            if job.wait(5) != 0 or stopped != ["SIGTERMException"] * 2:
+            if job.wait(5) != STOPPED_STATUS or stopped != ["SIGTERMException"] * 2:
                 failures.append(f"job {i}: exit status {job.returncode}, stopped with {stopped}; {out / 'stderr'}")
+                continue
+            # one line, from rank 0, says where it stopped and what it saved
+            lines = [line for line in (out / "stderr").read_text().splitlines() if "stopped by SIGTERM" in line]
+            said = re.fullmatch(SUMMARY, lines[0]) if len(lines) == 1 else None
+            if (
+                said is None
+                or (said["path"] and not Path(said["path"]).exists())
+                or (
+                    said["path"] is None and int(said["steps"]) >= 2  # saved every 2 steps
+                )
+            ):
+                failures.append(f"job {i}: the summary lines {lines} do not tell what was saved; {out / 'stderr'}")
+            # nothing a user cannot act on: Lightning's sync_dist advice for val_loss (moot under the pipeline)
+            # and torch's LeafSpec deprecation that Lightning's CombinedLoader raised once per rank
+            noise = [w for w in ("sync_dist=True", "LeafSpec") if w in (out / "stderr").read_text()]
+            if noise:
+                failures.append(f"job {i}: warnings {noise} in {out / 'stderr'}")
     assert not failures, "\n".join(failures)
+
+
+SUMMARY = (
+    r"lightning-pipe: stopped by SIGTERM during (training|validation) after (?P<steps>\d+) steps \(epoch \d+\); "
+    r"(the last checkpoint saved is (?P<path>\S+) \(resume from it\)|no checkpoint was saved .*); exit status 143\."
+)
 
 
 def test_sigterm_ends_a_two_stage_job(tmp_path: Path) -> None:

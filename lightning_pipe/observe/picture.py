@@ -24,7 +24,8 @@ import torch.distributed as dist
 from lightning_pipe.observe.image_logging import log_image
 from lightning_pipe.observe.timeline_image import timeline_image
 from lightning_pipe.runtime.timeline import Span, Timeline
-from lightning_pipe.schedules import SCHEDULES, VIRTUAL_STAGES, build, is_async, simulate
+from lightning_pipe.schedules import SCHEDULES, build, is_async, simulate, traits
+from lightning_pipe.schedules.text import is_schedule_text
 from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
 from lightning_pipe.trainer import internals
 
@@ -127,7 +128,8 @@ class TimelinePicture(pl.Callback):
             panels.append(predicted)
         step_seconds = max(b.end for b in measured)
         which = "the last training step" if self.step == -1 else f"training step {self.step}"
-        panels.append((f"{name}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
+        label = traits(name).label if is_schedule_text(name) else name  # a schedule text: its file's name
+        panels.append((f"{label}: measured, {which} ({step_seconds * 1e3:.1f} ms)", measured))
         self.svg = timeline_svg(panels, unit="s")
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,23 +143,27 @@ class TimelinePicture(pl.Callback):
         """The schedule the run used, simulated with each stage's measured median F, B and W times (a
         schedule that splits the backward plays B and W apart, the others their sum); None for the
         asynchronous schedules, whose step runs across batches."""
-        if name not in SCHEDULES or is_async(name):
+        if (name not in SCHEDULES and not is_schedule_text(name)) or is_async(name):
             return None
         costs = stage_costs(self.spans)
         microbatches = len(
             {s.microbatch for spans in self.spans.values() for s in spans if s.name == "F" and s.stage == 0}
         )
         ranks = int(getattr(strategy, "num_stages", len(self.spans)))
-        virtual = int(getattr(strategy, "virtual_stages", 1)) if name in VIRTUAL_STAGES else 1
+        virtual = int(getattr(strategy, "virtual_stages", 1)) if traits(name).virtual_stages > 1 else 1
         if not microbatches or sorted(costs) != list(range(ranks * virtual)):
             return None
         rendezvous = (
             dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
         )  # as the strategy ran it
-        schedule = build(name, ranks, microbatches, virtual, rendezvous=rendezvous)
+        try:
+            schedule = build(name, ranks, microbatches, virtual, rendezvous=rendezvous)
+        except ValueError:  # a schedule text for other micro-batches than this step ran
+            return None
         simulation = simulate(schedule, stage_costs=[costs[s] for s in range(ranks * virtual)], rendezvous=rendezvous)
         times = "forward, backward (B) and weight-gradient (W)" if schedule.split_backward else "forward and backward"
-        return f"{name}: predicted from each stage's median {times} times", simulated_bars(simulation)
+        label = traits(name).label if is_schedule_text(name) else name
+        return f"{label}: predicted from each stage's median {times} times", simulated_bars(simulation)
 
 
 __all__ = ["TimelinePicture"]

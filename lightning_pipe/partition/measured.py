@@ -32,9 +32,9 @@ from lightning_pipe.partition.speeds import (
     check_speeds_for_world,
     free_bytes,
     position_values,
-    probe_seconds,
+    probe_timings,
     relative,
-    speeds_from_seconds,
+    speeds_from_timings,
     stage_values,
 )
 from lightning_pipe.schedules import stage_positions
@@ -117,11 +117,11 @@ def agreed_resources(
     world_size: int,
     speeds: bool = True,
     memory: bool = False,
-    probe: Callable[[torch.device], float] = probe_seconds,
+    probe: Callable[[torch.device], Sequence[float]] = probe_timings,
 ) -> RankResources:
-    """Every rank's speed (``speeds``: ``given`` per global rank, else timed with ``probe`` on each
-    rank at once) and free memory (``memory``), gathered to every rank with ``gather``; every rank
-    calls it. A world of one process measures nothing."""
+    """Every rank's speed (``speeds``: ``given`` per global rank, else timed with ``probe``'s repeats on
+    each rank at once, ranks within the repeats' spread counting as equal) and free memory (``memory``),
+    gathered to every rank with ``gather``; every rank calls it. A world of one process measures nothing."""
     if world_size < 2 or gather is None:
         return RankResources()
     if given is not None:
@@ -135,7 +135,7 @@ def agreed_resources(
     if given is not None and speeds:
         found = relative(given)
     elif timed:
-        found = relative(speeds_from_seconds([e[0] for e in everyone]))
+        found = relative(speeds_from_timings([e[0] for e in everyone]))
     return RankResources(found, [e[1] for e in everyone] if memory else None, timed)
 
 

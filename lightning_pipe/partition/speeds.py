@@ -2,14 +2,15 @@
 device less work (HetPipe's idea, for one pipeline's contiguous split).
 
 Pure arithmetic first (numbers in, layer counts out, tested without processes), then the two
-measurements a rank takes of itself (:func:`probe_seconds`, :func:`free_bytes`). Nothing here is
+measurements a rank takes of itself (:func:`probe_timings`, :func:`free_bytes`). Nothing here is
 distributed: the caller gathers every rank's numbers and hands them in.
 
 A speed is relative: a stage of cost ``c`` (seconds as the profiling rank measured them) takes
 ``c / speed`` on its rank. The split minimises the slowest stage's ``sum of costs / speed``
 exactly (the same dynamic programme as :func:`~lightning_pipe.partition.balance.balance_by_cost`);
 with memory, each stage's bytes over its rank's free bytes. Where every rank is as fast (within
-:data:`EQUAL_WITHIN`, the probe's own noise on a shared host), the split is today's, unchanged.
+:data:`EQUAL_WITHIN`, or within the spread of the probe's repeats on a noisy host: see
+:func:`speeds_from_timings`), the split is today's, unchanged.
 """
 
 from __future__ import annotations
@@ -72,6 +73,38 @@ def speeds_from_seconds(seconds: Sequence[float]) -> list[float]:
     return [fastest / s for s in seconds]
 
 
+def _quartiles(times: Sequence[float]) -> tuple[float, float, float]:
+    """Lower quartile, median and upper quartile of ``times`` (one value: itself three times)."""
+    if len(times) < 2:
+        return (float(times[0]),) * 3
+    low, median, high = statistics.quantiles(times, n=4, method="inclusive")
+    return low, median, high
+
+
+def speeds_from_timings(timings: Sequence[Sequence[float]], within: float = EQUAL_WITHIN) -> list[float]:
+    """Relative speeds (the fastest 1.0) from each rank's repeated probe seconds, robust to a noisy host.
+
+    Each rank's time is the median of its repeats, and ranks the measurement cannot tell apart count as
+    equal: taken from the fastest, a rank joins the group of the first (fastest) rank of a group when its
+    lower quartile is within ``within`` of that rank's upper quartile, that is when the two spreads
+    overlap (give or take ``within``, the spread between two idle, equal devices). Every rank of a
+    group gets the group's median time. So two equal cores, one of them briefly shared with another
+    process during the probe, come out equal, and only a difference larger than the noise moves work."""
+    stats = [_quartiles(times) for times in timings]
+    by_time = sorted(range(len(timings)), key=lambda r: stats[r][1])
+    groups: list[list[int]] = []
+    for rank in by_time:
+        if groups and stats[rank][0] <= (1.0 + within) * stats[groups[-1][0]][2]:
+            groups[-1].append(rank)
+        else:
+            groups.append([rank])
+    seconds = [0.0] * len(timings)
+    for group in groups:
+        for rank in group:
+            seconds[rank] = statistics.median(stats[r][1] for r in group)
+    return speeds_from_seconds(seconds)
+
+
 def position_values(per_rank: Sequence[float], stages: int, replicas: int, order: Sequence[int] = ()) -> list[float]:
     """Per pipeline position, the least of its replicas' values (position ``p`` is held by the ranks
     of slots ``p x replicas ..``, rank ``order[slot]``, by default rank ``slot``; see
@@ -120,13 +153,15 @@ def bottleneck(costs: Sequence[float], balance: Sequence[int], speeds: Sequence[
     return out
 
 
-def probe_seconds(device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of a fixed workload on ``device``: matrix products as one layer's forward
-    and backward run them (three per iteration), long enough (60 to 80 ms a repeat on one core of
-    the project's test machine) that a core shared with another process shows its share, not one
-    uninterrupted time slice. Leaves the random state as it was (its inputs have their own generator)."""
+def probe_timings(device: torch.device, repeats: int = 9) -> list[float]:
+    """Seconds of each of ``repeats`` runs of a fixed workload on ``device`` (after a warm-up): matrix
+    products as one layer's forward and backward run them (three per iteration), long enough (half of
+    the 80 iterations that took 60 to 80 ms on one core of the project's test machine) that a core shared
+    with another process shows its share, not one uninterrupted time slice, and repeated so that
+    :func:`speeds_from_timings` sees the noise. Leaves the random state as it was (its inputs have their
+    own generator)."""
     cuda = device.type == "cuda"
-    size, iterations = (4096, 8) if cuda else (256, 80)
+    size, iterations = (4096, 4) if cuda else (256, 40)
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device)
     w = torch.randn(size, size, generator=generator).to(device)
@@ -144,7 +179,7 @@ def probe_seconds(device: torch.device, repeats: int = 5) -> float:
             torch.cuda.synchronize(device)
         if rep > 0:  # the first is a warm-up
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -164,5 +199,6 @@ def free_bytes(device: torch.device) -> int | None:
 
 __all__ = [
     "EQUAL_WITHIN", "all_equal", "balance_by_speed", "bottleneck", "check_rank_speeds", "check_speeds_for_world",
-    "free_bytes", "position_values", "probe_seconds", "relative", "speeds_from_seconds", "stage_values",
+    "free_bytes", "position_values", "probe_timings", "relative", "speeds_from_seconds", "speeds_from_timings",
+    "stage_values",
 ]  # fmt: skip

@@ -58,6 +58,7 @@ def split_stages(
     for s in sorted(mine, key=lambda s: split_of(s, num_split)):  # the layers in their order, whatever their names
         held.update(stage_layers(layers, balance, split_of(s, num_split)))
     host = make(held, min(mine), num_stages)
+    host.held = (tuple(sorted({split_of(s, num_split) for s in mine})), num_split)  # what errors name
     return host, stages
 
 

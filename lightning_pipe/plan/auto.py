@@ -10,7 +10,6 @@ runs the same first choice.
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.costs import Profile
@@ -27,8 +27,6 @@ from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
 from lightning_pipe.plan.report import link_line
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import traits
-
-log = logging.getLogger(__name__)
 
 
 def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Link | None:
@@ -180,7 +178,7 @@ def plan_layers(
     speeds = resources.speeds
     fixed = layout.order if config.rank_order is not None else None  # else the speeds place the ranks
     if inputs.is_source and speeds is not None:
-        log.info("lightning-pipe plan: %s", resources.describe())
+        rank_zero_info(f"lightning-pipe plan: {resources.describe()}")
     # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)
     free = resources.known_free
     budget: int | list[int] | None = None
@@ -208,7 +206,10 @@ def apply_plan(
         rank_order=list(best.rank_order) or None,  # a given order was planned as given
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
-        log.info("lightning-pipe plan: %s; best of %d layouts:\n%s", link_line(link), len(ranked), format_plans(ranked))
+        # with Lightning's own setup lines (shown without any logging set-up), as the layout line
+        rank_zero_info(
+            f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}"
+        )
     return planned, profiles[best.microbatch_size], ranked
 
 

@@ -18,7 +18,9 @@ Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes sha
 ``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
 stages per rank (``interleaved_1f1b`` and ``interleaved_zero_bubble`` with ``v`` in 2..4, ``zbv`` and
 ``dualpipev`` with 2) split the layers into ``S x v`` stages placed as the runtime places them;
-DualPipeV is a candidate from ``chunks = 2 x processes`` on.
+DualPipeV is a candidate from ``chunks = 2 x processes`` on; Chimera (each stage on two ranks) on an even
+number of stages from 4 on, without replicas (on 2 each process holds the whole model: see
+:attr:`~lightning_pipe.schedules.traits.ScheduleTraits.planned_from`).
 
 Candidates whose largest rank exceeds the memory budget are ranked after those that fit. Only
 the synchronous schedules are candidates: the asynchronous ones train with delayed gradients,
@@ -248,6 +250,8 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
             continue  # one stage: every schedule runs the micro-batches one after another; 1F1B holds the fewest
         if traits(schedule).even_stages and stages % 2:
             continue  # pairs process i with process stages - 1 - i
+        if stages < traits(schedule).planned_from:
+            continue  # Chimera on 2 processes: see ScheduleTraits.planned_from
         counts = stage_counts(schedule, list(virtual))
         out += [(schedule, v) for v in counts if stages * v <= layers]
     return out
@@ -441,7 +445,7 @@ def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
         "schedule",
         "chunks",
         "balance",
-        "checkpoint",
+        "recompute",
         "SxR",
         "step ms",
         "reduce ms",

@@ -20,13 +20,13 @@ _REPRODUCIBLE_BALANCES = ("uniform", "parameters")
 
 
 def describe(c: Candidate) -> str:
-    """One candidate in words: schedule, layout, chunks, balance, checkpoint mode."""
+    """One candidate in words: schedule, layout, chunks, balance, recompute mode (strategy.recompute)."""
     virtual = f" (v={c.virtual_stages})" if c.schedule in VIRTUAL_STAGES else ""
     stages = f"{c.depth} stage" + ("s" if c.depth != 1 else "")
     replicas = f" x {c.replicas} replicas" if c.replicas > 1 else ""
     return (
         f"{c.schedule}{virtual} on {stages}{replicas}, chunks {c.chunks}, balance {c.balance_mode} "
-        f"{list(c.balance)}, checkpoint {c.checkpoint}"
+        f"{list(c.balance)}, recompute {c.checkpoint}"
     )
 
 

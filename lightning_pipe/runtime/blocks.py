@@ -71,6 +71,15 @@ class BlockShell:
         self.arguments = argument_names(block)
 
 
+def held_stages(held: tuple[tuple[int, ...], int]) -> str:
+    """How an error names the stages a process's module holds, ``((0, 2), 4)``: ``pipeline stages 0 and 2 of
+    4``. The count is the split's, as the layout line gives it (Chimera's copies run the same split stages)."""
+    stages, of = held
+    if len(stages) == 1:
+        return f"pipeline stage {stages[0]} of {of}"
+    return f"pipeline stages {', '.join(map(str, stages[:-1]))} and {stages[-1]} of {of}"
+
+
 class LoopedContainer(nn.Module, ABC):
     """What a model's loop over its blocks needs of the container standing in for its
     ``nn.ModuleList``: a length, iteration, indexing and slicing, each index answered by
@@ -117,6 +126,8 @@ class BlockStage(LoopedContainer):
             self.add_module(key, block)
         self.stage = stage
         self.num_stages = num_stages
+        #: the split stages this module holds and their count, for errors (see :func:`held_stages`)
+        self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self._shells = shells
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
@@ -143,7 +154,7 @@ class BlockStage(LoopedContainer):
         if held is not None and self.num_stages == 1:
             return held
         raise RuntimeError(
-            f"This module holds only pipeline stage {self.stage} of {self.num_stages} (blocks "
+            f"This module holds {held_stages(self.held)} (blocks "
             f"{self.bounds[0]}..{self.bounds[1] - 1}); it runs inside the Trainer's steps. To use the whole model "
             "outside the Trainer, load a consolidated checkpoint."
         )

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.block_reads import refuse_held
-from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, layer_parameter_names
+from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -38,6 +38,8 @@ class StageModule(nn.Sequential):
         super().__init__(layers)
         self.stage = stage
         self.num_stages = num_stages
+        #: the split stages this module holds and their count, for errors (see :func:`held_stages`)
+        self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self.hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
         self._param_names = layer_parameter_names(self._modules)
@@ -50,7 +52,7 @@ class StageModule(nn.Sequential):
             return self.hook(value)
         if self.num_stages > 1:
             raise RuntimeError(
-                f"This module holds only pipeline stage {self.stage} of {self.num_stages}; it runs inside the "
+                f"This module holds {held_stages(self.held)}; it runs inside the "
                 "Trainer's steps. To use the whole model outside the Trainer, load a consolidated checkpoint."
             )
         return self.run_layers(value, use_checkpoint=False)

@@ -36,6 +36,7 @@ from lightning_pipe.schedules.simulate import (
     simulate,
 )
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
+from lightning_pipe.schedules.text import ScheduleTextError, format_schedule, load_schedule, parse_schedule
 from lightning_pipe.schedules.traits import DEFAULT_SCHEDULE, TRAITS, ScheduleTraits, stage_positions, traits
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
@@ -66,9 +67,18 @@ def build(
     schedule = (
         t.make(num_ranks, num_microbatches, virtual_stages) if t.interleaved else t.make(num_ranks, num_microbatches)
     )
-    if rendezvous and name in REGROUPED_FOR_RENDEZVOUS:
+    if rendezvous and (name in REGROUPED_FOR_RENDEZVOUS or (t.text is not None and not _finishes(schedule))):
         return for_rendezvous(schedule)
     return schedule
+
+
+def _finishes(schedule: Schedule) -> bool:
+    """Whether ``schedule`` finishes where point-to-point calls rendezvous, as written."""
+    try:
+        simulate(schedule, rendezvous=True)
+    except DeadlockError:
+        return False
+    return True
 
 
 def check_virtual_stages(name: str, virtual_stages: int) -> None:
@@ -76,6 +86,11 @@ def check_virtual_stages(name: str, virtual_stages: int) -> None:
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise ValueError(f"virtual_stages={virtual_stages!r}: give an integer >= 1 (stages per process).")
     t = traits(name)
+    if t.text is not None and virtual_stages != t.virtual_stages:
+        raise ValueError(
+            f"virtual_stages={virtual_stages}: the schedule text {t.text.name!r} computes {t.virtual_stages} stage(s) "
+            "on each line (rank). Leave virtual_stages unset, or give that number."
+        )
     if t.interleaved and virtual_stages < 2:
         raise ValueError(
             f"schedule={name!r} with virtual_stages={virtual_stages}: interleaving needs at least 2 stages "
@@ -117,6 +132,7 @@ __all__ = [
     "InvalidScheduleError",
     "RendezvousError",
     "Schedule",
+    "ScheduleTextError",
     "ScheduleTraits",
     "Simulation",
     "build",
@@ -126,6 +142,7 @@ __all__ = [
     "drain_actions",
     "dualpipev",
     "for_rendezvous",
+    "format_schedule",
     "forward_only",
     "forward_only_like",
     "get_schedule",
@@ -133,7 +150,9 @@ __all__ = [
     "interleaved_1f1b",
     "interleaved_zero_bubble",
     "is_async",
+    "load_schedule",
     "one_f_one_b",
+    "parse_schedule",
     "peak_in_flight",
     "peak_in_flight_per_rank",
     "pipedream",

@@ -21,6 +21,7 @@ from lightning_pipe.schedules import (
     validate,
 )
 from lightning_pipe.schedules.chimera import chimera_forward
+from lightning_pipe.schedules.text import forward_like_text
 
 
 class ScheduleRefused(ValueError):
@@ -36,7 +37,7 @@ def runnable_schedule(
     rendezvous) with its communication regrouped where it needs it."""
     p, v = stages, virtual_stages
     under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
-    least = traits(training).min_chunks
+    least, text = traits(training).min_chunks, traits(training).text
     if name != "forward" and least is not None and num_microbatches < least(p):
         try:
             build(name, p, num_microbatches, v)
@@ -45,6 +46,8 @@ def runnable_schedule(
     try:
         if name != "forward":
             schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
+        elif text is not None:  # evaluation on the text's stages, any count
+            schedule = forward_like_text(text, num_microbatches, rendezvous)
         elif training == "chimera":  # evaluation through one of its two pipelines
             schedule = chimera_forward(p, num_microbatches)
         elif training in VIRTUAL_STAGES:  # evaluation on the training layout (ZB-V's order: any count)

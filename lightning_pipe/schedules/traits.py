@@ -8,6 +8,7 @@ one row here (and its action lists in its family's module).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,14 +18,16 @@ from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
 from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.sync import gpipe, one_f_one_b
+from lightning_pipe.schedules.text import ScheduleTextError, is_schedule_text, load_schedule
 from lightning_pipe.schedules.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
 
 #: The schedule ``PipelineStrategy`` runs unless told otherwise.
 DEFAULT_SCHEDULE = "1f1b"
 
 #: Where a process's stages lie: every ``p``-th stage (``"loop"``), a V (``"v"``: stages ``r`` and
-#: ``2p - 1 - r``), or Chimera's mirrored copies (``"mirror"``: stage ``p + k`` on process ``p - 1 - k``).
-PLACEMENTS = ("loop", "v", "mirror")
+#: ``2p - 1 - r``), Chimera's mirrored copies (``"mirror"``: stage ``p + k`` on process ``p - 1 - k``),
+#: or where a schedule text computes them (``"text"``).
+PLACEMENTS = ("loop", "v", "mirror", "text")
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,22 @@ class ScheduleTraits:
     even_stages: bool = False
     #: ranked by the planner (``plan="auto"``, ``lightning-pipe plan``)
     planned: bool = True
+    #: the fewest pipeline stages the planner ranks it for (Chimera: 4; on 2 processes each holds the whole
+    #: model, and the pair's sum of every gradient and the whole model's optimizer step cost more than the
+    #: bubble it removes: measured slower than 1F1B on 2 processes, though its prediction ranked it first)
+    planned_from: int = 1
     #: ``ranks -> the fewest micro-batches it runs`` (DualPipeV: one per stage), None: any
     min_chunks: Callable[[int], int] | None = None
     #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
     #: to run at once (:attr:`~lightning_pipe.schedules.actions.Schedule.overlapped`)
     overlaps: bool = False
+    #: a schedule handed in as text (:mod:`.text`): its one schedule, for its ranks and micro-batches only
+    text: Schedule | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name the schedule: its name, or a text's file name."""
+        return f"text {self.text.name!r}" if self.text is not None else self.name
 
 
 TRAITS: dict[str, ScheduleTraits] = {
@@ -118,6 +132,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             block_containers=False,
             replicas=False,
             even_stages=True,
+            planned_from=4,
         ),
         ScheduleTraits(
             "pipedream", pipedream, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False
@@ -139,17 +154,72 @@ assert {n for n, t in TRAITS.items() if t.asynchronous} == set(ASYNC_SCHEDULES),
 
 
 def traits(name: str) -> ScheduleTraits:
-    """The traits of schedule ``name``; the error lists the valid names."""
-    try:
+    """The traits of schedule ``name`` (a built-in's, or a schedule text's or its path's: see
+    :func:`text_traits`); the error lists the valid names."""
+    if name in TRAITS:
         return TRAITS[name]
-    except KeyError:
-        raise ValueError(f"Unknown pipeline schedule {name!r}. Valid schedules: {', '.join(sorted(TRAITS))}.") from None
+    if is_schedule_text(name):
+        return text_traits(name)
+    raise ValueError(
+        f"Unknown pipeline schedule {name!r}. Valid schedules: {', '.join(sorted(TRAITS))}, or your own as text: "
+        f"the path of a .csv or .txt file, or the text itself (one line of actions per rank)."
+    )
+
+
+def text_traits(spec: str) -> ScheduleTraits:
+    """A schedule text's traits: synchronous; its stages where it computes them, as many on each
+    rank; its backward split where it has W; its own micro-batch count only. Refuses, before any
+    process runs it, a text that training cannot run."""
+    return _text_traits(spec, load_schedule(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
+    where = f"schedule text {schedule.name!r}"
+    if schedule.forward_only:
+        raise ScheduleTextError(f"{where} has no backward (B or I): a training schedule runs each forward's backward")
+    if schedule.chains > 1:
+        raise ScheduleTextError(
+            f"{where} sends its micro-batches through {schedule.chains} chains of stages, Chimera's mirrored "
+            "pipelines, whose copies of each stage the built-in keeps in step: use schedule='chimera'"
+        )
+    held = [len(schedule.stages_of(r)) for r in range(schedule.num_ranks)]
+    if len(set(held)) > 1:
+        raise ScheduleTextError(
+            f"{where}: its lines (ranks) compute {held} stages; the layers are split into ranks x stages per rank, "
+            "so give every line the same number of stages"
+        )
+    return ScheduleTraits(
+        name=spec,
+        make=functools.partial(_text_schedule, schedule),
+        split_backward=schedule.split_backward,
+        virtual_stages=held[0],
+        placement="text",
+        planned=False,
+        min_chunks=lambda _ranks: schedule.num_microbatches,
+        overlaps=bool(schedule.overlapped),
+        text=schedule,
+    )
+
+
+def _text_schedule(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Schedule:
+    if (num_ranks, num_microbatches) != (schedule.num_ranks, schedule.num_microbatches):
+        raise ScheduleTextError(
+            f"schedule text {schedule.name!r} is written for {schedule.num_ranks} pipeline stages (lines) and "
+            f"{schedule.num_microbatches} micro-batches; asked for {num_ranks} and {num_microbatches}. Give "
+            f"stages={schedule.num_ranks} and chunks={schedule.num_microbatches} (with a short last batch, "
+            "drop_last=True in the DataLoader), or write the text for this run."
+        )
+    return schedule
 
 
 def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:
     """For each stage of schedule ``name`` (``num_ranks x virtual_stages``; a mirrored schedule's
     ``2 x num_ranks``, two copies of ``num_ranks``), the pipeline position (rank) that holds it."""
-    placement = traits(name).placement
+    t = traits(name)
+    placement = t.placement
+    if t.text is not None:
+        return list(_text_schedule(t.text, num_ranks, t.text.num_microbatches).stage_to_rank)
     if placement == "v":
         return zbv_stage_to_rank(num_ranks)
     if placement == "mirror":
@@ -163,4 +233,13 @@ def stage_counts(name: str, candidates: list[int]) -> list[int]:
     return list(candidates) if t.interleaved else [t.virtual_stages]
 
 
-__all__ = ["DEFAULT_SCHEDULE", "PLACEMENTS", "TRAITS", "ScheduleTraits", "stage_counts", "stage_positions", "traits"]
+__all__ = [
+    "DEFAULT_SCHEDULE",
+    "PLACEMENTS",
+    "TRAITS",
+    "ScheduleTraits",
+    "stage_counts",
+    "stage_positions",
+    "text_traits",
+    "traits",
+]

@@ -6,8 +6,11 @@ reset by peer``, NCCL's collective timeouts) that names neither the rank nor the
 rendezvous store every rank already shares (torch.distributed's default ``TCPStore``) carries a
 short note instead: a rank that fails with its own exception writes ``rank r (stage s): Type:
 text`` there before it goes down; a rank that fails on communication waits a moment for such a
-note and raises an error quoting it. When no note comes (a process killed outright), the ranks
-that reported nothing are named as the likely dead.
+note and raises an error quoting it. When no note comes (a process killed outright, a node lost),
+the ranks that are gone are named: every rank beats a counter in the store (:class:`Heartbeat`, from
+a thread, so a rank blocked in a collective still beats), and a rank whose counter stood still over
+the wait, and that reported no lost connection either, is gone. A rank that is alive but not yet
+failed (waiting on a peer that waits on the lost ones) is not blamed.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -27,7 +31,9 @@ log = logging.getLogger(__name__)
 
 _NOTE = "lightning_pipe/failed/"
 _LOST = "lightning_pipe/lost/"
+_ALIVE = "lightning_pipe/alive/"
 _WAIT_S = 3.0
+_BEAT_S = 0.5  # well inside _WAIT_S: a living rank beats several times while another waits for notes
 _MARKERS = (
     "Connection reset by peer",
     "Connection closed by peer",
@@ -73,10 +79,81 @@ def report(error: BaseException, rank: int, describe_rank: Callable[[int], str])
     return PeerFailure(explain(store, rank, dist.get_world_size(), describe_rank, error))
 
 
+class Heartbeat:
+    """Adds 1 to this rank's counter in the store every ``_BEAT_S`` seconds, from a daemon thread, for as
+    long as ``store`` is the default process group's: :func:`explain` tells a gone rank (its counter
+    stands still) from a living one that has not failed yet. Ends by itself once the process group is
+    destroyed (then it drops the store, which in rank 0's process holds the server)."""
+
+    def __init__(self, store: Any, rank: int, current: Callable[[], Any] = lambda: _store()) -> None:
+        self._store, self._key, self._current = store, f"{_ALIVE}{rank}", current
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning-pipe-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            while self._current() is self._store:
+                self._store.add(self._key, 1)
+                if self._stop.wait(_BEAT_S):
+                    break
+        except Exception:  # the store went away (its host ended): nothing more to beat
+            pass
+        self._store = None
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def start_heartbeat(rank: int) -> None:
+    """Start this rank's :class:`Heartbeat` on the default process group's store (once per process group)."""
+    global _heartbeat
+    store = _store()
+    if store is None or (_heartbeat is not None and _heartbeat._store is store):
+        return
+    if _heartbeat is not None:
+        _heartbeat.stop()
+    _heartbeat = Heartbeat(store, rank).start()
+
+
+def _beats(store: Any, world_size: int) -> list[int | None]:
+    """Every rank's heartbeat count (None: it never beat)."""
+    return [int(store.get(f"{_ALIVE}{r}")) if store.check([f"{_ALIVE}{r}"]) else None for r in range(world_size)]
+
+
+def gone_ranks(
+    rank: int, reported: Sequence[bool], before: Sequence[int | None], after: Sequence[int | None]
+) -> list[int]:
+    """The ranks to name as gone, seen from ``rank`` after waiting for the others' notes: those that neither
+    reported a lost connection (``reported``) nor beat during the wait (``before`` and ``after``: their
+    heartbeat counts at its start and end). Where no rank beats at all (no heartbeat running), every rank
+    that reported nothing is named, as the best guess left."""
+    beating = any(b is not None for b in after)
+    return [
+        r
+        for r in range(len(reported))
+        if r != rank and not reported[r] and not (beating and after[r] is not None and after[r] != before[r])
+    ]
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The error's first line: a gloo or NCCL error's text goes on with pages of C++ frames."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else "")[:limit]
+
+
 def explain(store: Any, rank: int, world_size: int, describe_rank: Callable[[int], str], error: BaseException) -> str:
-    """The note of the rank that failed first, or the ranks that went silent."""
+    """The note of the rank that failed first, or the ranks that are gone."""
+    lost = f"{describe_rank(rank)} lost its connection to it: {type(error).__name__}: {first_line(error)}"
     try:
         store.set(f"{_LOST}{rank}", "1")
+        before = _beats(store, world_size)
         deadline = time.monotonic() + _WAIT_S
         while True:
             for other in range(world_size):
@@ -86,17 +163,19 @@ def explain(store: Any, rank: int, world_size: int, describe_rank: Callable[[int
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        silent = [r for r in range(world_size) if r != rank and not store.check([f"{_LOST}{r}"])]
-    except Exception:  # the store lives in rank 0's process: it went down with it
+        reported = [store.check([f"{_LOST}{r}"]) for r in range(world_size)]
+        gone = gone_ranks(rank, reported, before, _beats(store, world_size))
+    except Exception:  # the store does not answer: the process that holds it (rank 0's) has ended
         return (
-            f"{describe_rank(0)} is gone (the rendezvous store in its process does not answer); "
-            f"{describe_rank(rank)} lost its connection: {type(error).__name__}: {str(error)[:300]}"
+            f"the rendezvous store in {describe_rank(0)}'s process does not answer: that process has ended (it may "
+            f"have failed on a lost connection too, and its message names the ranks that are gone); "
+            f"{describe_rank(rank)} lost its connection: {type(error).__name__}: {first_line(error)}"
         )
-    who = ", ".join(describe_rank(r) for r in silent) or "another rank"
-    return (
-        f"{who} stopped without reporting an error (killed, out of memory, or crashed outside Python?); "
-        f"{describe_rank(rank)} lost its connection to it: {type(error).__name__}: {str(error)[:300]}"
-    )
+    if not gone:
+        return f"no rank is gone (every other one still runs, or lost its connection too); {lost}"
+    who = ", ".join(describe_rank(r) for r in gone)
+    why = "killed, out of memory, its node lost, or crashed outside Python?"
+    return f"{who} stopped without reporting an error ({why}); {lost}"
 
 
 def note(exception: BaseException, rank: int, describe_rank: Callable[[int], str]) -> None:
@@ -112,7 +191,10 @@ def note(exception: BaseException, rank: int, describe_rank: Callable[[int], str
         log.error(message)
 
 
-__all__ = ["PeerFailure", "explain", "is_communication_error", "note", "report"]
+__all__ = [
+    "Heartbeat", "PeerFailure", "explain", "first_line", "gone_ranks", "is_communication_error", "note", "report",
+    "start_heartbeat",
+]  # fmt: skip
 
 
 def after_failure(failure: BaseException | None, teardown: Callable[[], None]) -> None:

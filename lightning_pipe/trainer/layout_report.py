@@ -13,6 +13,8 @@ from typing import Any
 
 from lightning_pipe.partition.placement import describe_order
 from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.schedules.text import is_schedule_text
+from lightning_pipe.schedules.traits import text_traits
 
 
 def _plural(count: int, noun: str) -> str:
@@ -50,7 +52,8 @@ def layout_line(
     shape += f" x {_plural(replicas, 'replica')} ({_plural(processes * replicas, 'process')})" if replicas > 1 else ""
     if virtual == 1 and replicas == 1:
         shape += f" ({_plural(processes, 'process')})"
-    parts = [shape, f"layers per stage {list(balance)}", f"schedule {schedule}", _plural(chunks, "chunk")]
+    name = text_traits(schedule).label if is_schedule_text(schedule) else schedule
+    parts = [shape, f"layers per stage {list(balance)}", f"schedule {name}", _plural(chunks, "chunk")]
     if global_batch is not None:
         parts.append(f"global batch {global_batch}")
     line = "lightning-pipe: " + ", ".join(parts)

@@ -3,7 +3,9 @@
 Every rank checks its split in the strategy's setup, after the processes have started and joined
 the process group: a mistake found there costs the start of every process and is raised once per
 rank. What the module and the arguments alone decide (the schedule's layout, more stages than
-layers, a process left without parameters, a schedule that a block container cannot run) is
+layers, a process left without parameters, a schedule that a block container cannot run, weight
+versions or sharded weights for a model that trains parameters outside its split layers or ties
+weights across stages) is
 checked here first, on the process that launches the others, so that it fails in a second with
 one error. What needs measuring (``plan="auto"``, ``balance="time"``/``"memory"``) or a module
 whose layers ``configure_model()`` builds is left to the setup.
@@ -16,12 +18,13 @@ from torch import nn
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential, layer_owners, resolve_balance
 from lightning_pipe.partition.costs import MEASURED_BALANCES
-from lightning_pipe.partition.ends import end_parameters, find_ends
+from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends
+from lightning_pipe.partition.split import tied_parameters
 from lightning_pipe.runtime.elastic_average import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.schedules import stage_positions
+from lightning_pipe.schedules import is_async, stage_positions
 from lightning_pipe.trainer.assemble import check_held_parameters, for_this_world, refuse_for_blocks
-from lightning_pipe.trainer.compatibility import check_chimera_layout
+from lightning_pipe.trainer.compatibility import check_async, check_chimera_layout, check_shard
 
 
 def builds_layers_later(module: nn.Module) -> bool:
@@ -49,9 +52,30 @@ def check_before_launch(module: nn.Module | None, config: PipelineConfig, layout
     positions = stage_positions(config.schedule, layout.stages, virtual)
     num_split = layout.stages * virtual
     check_chimera_layout(config.schedule, layout.stages, layout.replicas)
+    tied = False  # weights tied across stages: known here where the balance is
     if len(layers) < num_split or config.balance not in MEASURED_BALANCES:
         ends = find_ends(module, layers)
         balance = config.balance if config.balance not in MEASURED_BALANCES else "uniform"
         resolved = resolve_balance(balance, layers, num_split, end_parameters(ends))
         owners = layer_owners(layers, end_parameters(ends))
         check_held_parameters(module, layers, ends, resolved, positions, num_split, owners)
+        tied = config.balance not in MEASURED_BALANCES and bool(
+            tied_parameters(extended(layers, ends), resolved, end_stages(len(layers), ends, num_split))
+        )
+    _check_versions(module, layers, config, layout, tied)
+
+
+def _check_versions(
+    module: nn.Module, layers: nn.Sequential | nn.ModuleList, config: PipelineConfig, layout: Layout, tied: bool
+) -> None:
+    """The refusals of :func:`~lightning_pipe.trainer.assemble.build_pipeline` that the module decides: weight
+    versions (the asynchronous schedules) and sharded weights kept for the split layers only, while the model
+    trains parameters outside them (a block container's embeddings and head), or ties weights across stages."""
+    inside = {id(p) for p in layers.parameters()}
+    outside = [p for p in module.parameters() if id(p) not in inside]
+    blocks = None if isinstance(layers, nn.Sequential) else config.module  # the messages name the container
+    if config.data_parallel == "shard" and layout.replicas > 1:
+        check_shard(config.schedule, outside, tied, blocks)
+    if is_async(config.schedule):
+        chunks = config.num_microbatches(layout.stages)
+        check_async(config.schedule, module, outside, tied, layout.stages, chunks, None, blocks)

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from lightning_pipe.trainer import internals
+from lightning_pipe.trainer import failures, internals, step_results
 
 default_timeout = timedelta(minutes=30)
 
@@ -94,6 +94,8 @@ class ProcessStrategy(ParallelStrategy):
         internals.init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        failures.start_heartbeat(self.global_rank)  # tells a lost rank from a living one when a peer fails
+        step_results.quiet_moot_warnings()  # on every rank, before Lightning sets the data up
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not dist.is_initialized():

@@ -15,7 +15,10 @@ point every stage reaches: the start of each step (training, validation, test, p
 rank 0's request is broadcast from rank 0 without waiting (over gloo, so never a GPU sync), and
 read one step later: no stage waits for another at a step's start. There every stage raises
 Lightning's ``SIGTERMException`` together and
-the Trainer ends the run as usual (``on_exception`` callbacks, loggers, teardown). A process that
+the Trainer ends the run as usual (``on_exception`` callbacks, loggers, teardown). The exception carries
+the exit status ``128 + SIGTERM`` (143, as a process ended by the signal reports; Lightning's own has
+none, so a script stopped this way would exit with 0 and a scheduler would take it for a success), and
+at teardown rank 0 prints one line saying where the run stopped and which checkpoint it last saved. A process that
 has not reached that point ``GRACE_SECONDS`` after its signal (a peer died, or the signal reached
 only a later stage) exits with status ``128 + SIGTERM``; a second SIGTERM ends it at once.
 """
@@ -38,6 +41,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_pipe.trainer import internals
 
 GRACE_SECONDS = 10.0
+STAGES = {"train": "training", "sanity_check": "the sanity check", "validate": "validation", "test": "testing",
+          "predict": "prediction"}  # fmt: skip
+#: the exit status of a run stopped by SIGTERM: what a process ended by the signal reports
+STOPPED_STATUS = 128 + int(signal.SIGTERM)
 
 
 class PipelineSignalConnector(internals.signal_connector_class()):  # type: ignore[misc]
@@ -110,7 +117,16 @@ class PipelineSignalConnector(internals.signal_connector_class()):  # type: igno
         if self._deadline is not None:
             self._deadline.cancel()
         self.received_sigterm = True
-        raise SIGTERMException()
+        raise SIGTERMException(STOPPED_STATUS)
+
+    def teardown(self) -> None:
+        """After the ``on_exception`` callbacks (a ``ModelCheckpoint(save_on_exception=True)`` has saved by
+        then): rank 0 says where a run stopped by SIGTERM stopped and what it saved."""
+        super().teardown()
+        trainer = self.trainer
+        if self.received_sigterm and trainer.global_rank == 0:
+            stage = STAGES.get(trainer.state.stage.value if trainer.state.stage is not None else "", "the run")
+            _say(stop_summary(stage, trainer.global_step, trainer.current_epoch, last_checkpoint(trainer)))
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -118,6 +134,30 @@ class PipelineSignalConnector(internals.signal_connector_class()):  # type: igno
         state["_posted"] = None
         state["_group"] = None
         return state
+
+
+def last_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The newest checkpoint file the Trainer's ``ModelCheckpoint`` callbacks have written (None: none)."""
+    paths = [
+        path
+        for callback in trainer.checkpoint_callbacks
+        for path in (getattr(callback, "last_model_path", ""), getattr(callback, "best_model_path", ""))
+        if path and os.path.exists(path)  # a file, or a pipeline checkpoint's folder
+    ]
+    return max(paths, key=os.path.getmtime) if paths else None
+
+
+def stop_summary(stage: str, step: int, epoch: int, checkpoint: str | None) -> str:
+    """The one line a run stopped by SIGTERM ends with."""
+    saved = (
+        f"the last checkpoint saved is {checkpoint} (resume from it)"
+        if checkpoint
+        else "no checkpoint was saved (a ModelCheckpoint callback, or checkpoint=true on the command line, saves them)"
+    )
+    return (
+        f"lightning-pipe: stopped by SIGTERM during {stage} after {step} steps (epoch {epoch}); {saved}; "
+        f"exit status {STOPPED_STATUS}."
+    )
 
 
 def _say(message: str) -> None:

@@ -13,6 +13,7 @@ plain Lightning's.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,22 @@ from torch import Tensor
 from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.reductions import combine, reduction
 from lightning_pipe.trainer import internals
+
+#: Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
+#: stage's values, averaged over the replicas, and Lightning drops ``sync_dist`` for a strategy that is not
+#: ``is_distributed`` (the pipeline's is not, so that Lightning never swaps in its own sampler)
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
+#: torch 2.13's deprecation of ``LeafSpec``, which Lightning's own ``CombinedLoader`` (around every DataLoader
+#: of a fit) triggers once in every process: Lightning's to change, nothing a user can act on
+LEAF_SPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def quiet_moot_warnings() -> None:
+    """Leave out, in this process, the two warnings above: one that does not apply under the pipeline and
+    one that Lightning's own code raises on every rank."""
+    warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
+    warnings.filterwarnings("ignore", message=LEAF_SPEC, category=FutureWarning, module=r"lightning\.pytorch\.")
+
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}

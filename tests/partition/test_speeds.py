@@ -21,9 +21,10 @@ from lightning_pipe.partition.speeds import (
     check_speeds_for_world,
     free_bytes,
     position_values,
-    probe_seconds,
+    probe_timings,
     relative,
     speeds_from_seconds,
+    speeds_from_timings,
     stage_values,
 )
 from lightning_pipe.schedules import stage_positions
@@ -113,9 +114,9 @@ def test_resources_are_gathered_from_every_rank() -> None:
     def gather(mine: tuple | None) -> list[tuple | None]:
         if mine is None:  # the start line before the probe
             return [None, None]
-        return [mine, (None if mine[0] is None else 2 * mine[0], mine[1])]  # rank 1 takes twice as long
+        return [mine, (None if mine[0] is None else [2 * t for t in mine[0]], mine[1])]  # rank 1: twice as long
 
-    found = agreed_resources(gather, cpu, None, 2, speeds=True, memory=True, probe=lambda device: 0.25)
+    found = agreed_resources(gather, cpu, None, 2, speeds=True, memory=True, probe=lambda device: [0.25, 0.26, 0.25])
     assert found.speeds == [1.0, 0.5] and found.measured and found.free is not None and len(found.free) == 2
     assert "rank 1 0.50" in found.describe() and "measured by a probe" in found.describe()
     given = agreed_resources(gather, cpu, [2.0, 4.0], 2, probe=lambda device: pytest.fail("the speeds were given"))
@@ -127,10 +128,32 @@ def test_resources_are_gathered_from_every_rank() -> None:
     assert "equal within 10%" in RankResources([1.0, 0.95]).describe()
 
 
+def test_speeds_from_repeated_timings_count_differences_within_the_noise_as_equal() -> None:
+    """The probe's statistic, on made-up timings: each rank's median, ranks whose spreads overlap (give or
+    take 10%) equal, so a noisy host does not move stages; a difference beyond the noise still does."""
+    # two equal cores, one shared with another process for a while: medians 0.10 and 0.17 s (which the
+    # median alone calls 0.58x), but the spreads overlap: equal
+    noisy = [
+        [0.10, 0.10, 0.11, 0.10, 0.19, 0.20, 0.10, 0.18, 0.10],
+        [0.17, 0.10, 0.18, 0.10, 0.17, 0.19, 0.11, 0.17, 0.10],
+    ]
+    assert speeds_from_seconds([0.10, 0.17])[1] < 0.6 and speeds_from_timings(noisy) == [1.0, 1.0]
+    assert speeds_from_timings(noisy[::-1]) == [1.0, 1.0]  # and the same the other way round
+    # a steady rank twice as slow: 0.5, whatever its place
+    steady = [[0.10, 0.11, 0.10, 0.10, 0.12], [0.20, 0.21, 0.20, 0.22, 0.20]]
+    assert speeds_from_timings(steady) == pytest.approx([1.0, 0.5])
+    assert speeds_from_timings(steady[::-1]) == pytest.approx([0.5, 1.0])
+    # within 10% without noise: equal; two classes of two ranks each: each class its median's speed
+    assert speeds_from_timings([[0.100] * 3, [0.105] * 3]) == [1.0, 1.0]
+    classes = [[0.10, 0.10, 0.10], [0.20, 0.20, 0.21], [0.10, 0.10, 0.10], [0.21, 0.20, 0.20]]
+    assert speeds_from_timings(classes) == pytest.approx([1.0, 0.5, 1.0, 0.5])
+    assert speeds_from_timings([[0.3], [0.1]]) == pytest.approx([1 / 3, 1.0])  # one repeat: its value
+
+
 def test_the_probe_takes_time_and_leaves_the_random_state_alone() -> None:
     state = torch.random.get_rng_state()
-    seconds = probe_seconds(torch.device("cpu"), repeats=2)
-    assert seconds > 0.0 and torch.equal(state, torch.random.get_rng_state())
+    seconds = probe_timings(torch.device("cpu"), repeats=2)
+    assert len(seconds) == 2 and min(seconds) > 0.0 and torch.equal(state, torch.random.get_rng_state())
     free = free_bytes(torch.device("cpu"))
     assert free is None or free > 0
 

@@ -111,6 +111,7 @@ def test_the_recipes_training_loader_is_one_the_pipeline_steers() -> None:
     own order (the same permutation: the seed and the epoch), splits it over replicas and resumes it in the
     middle of an epoch; the epoch still reaches the dataset's ``set_epoch`` (VGG's crops)."""
     from lightning_pipe.recipes import EpochShuffle, TrainValData
+
     from lightning_pipe.runtime.replica_data import ReplicaOrder, not_steered
 
     class Epochs(torch.utils.data.TensorDataset):

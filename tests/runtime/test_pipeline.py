@@ -202,6 +202,24 @@ def test_callers_share_one_timeline_keeping_what_each_needs(world_of_one: Topolo
         pipeline.close()
 
 
+@pytest.mark.parametrize(
+    "schedule, virtual, balance, message",
+    [
+        ("chimera", 1, [2, 2], "pipeline stages 0 and 1 of 2"),  # the copies run the split's 2 stages
+        ("interleaved_1f1b", 2, [1, 1, 1, 1], "pipeline stages 0 and 2 of 4"),
+        ("1f1b", 1, [2, 2], "pipeline stage 0 of 2"),
+    ],
+)
+def test_the_module_of_a_process_names_its_stages_as_the_layout_line_counts_them(
+    schedule: str, virtual: int, balance: list[int], message: str
+) -> None:
+    """Called outside the Trainer's steps, the module of process 0 on 2 processes says which stages it holds
+    (Chimera's said "stage 0 of 4" while the layout line gives 2 stages)."""
+    host, _ = split_stages(Net(depth=4).layers, balance, stage_positions(schedule, 2, virtual), 0)
+    with pytest.raises(RuntimeError, match=rf"This module holds {message}; it runs inside the Trainer's steps"):
+        host(torch.randn(2, 6))
+
+
 def test_pipedream_2bw_applies_each_batch_gradient_one_step_late(world_of_one: Topology) -> None:
     """W(t+1) = W(t) - lr * grad f(W(t-1)) on one stage: the gradient handed over at step t is
     batch t-1's, computed on the weights batch t-1's forward used."""

@@ -1,0 +1,171 @@
+"""Schedules as text: every built-in schedule's action lists read back as written, a hand-written
+text gets a built-in's traits, and a text that cannot run is refused naming the line and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.schedules import (
+    REGROUPED_FOR_RENDEZVOUS,
+    TRAITS,
+    ScheduleTextError,
+    build,
+    format_schedule,
+    load_schedule,
+    one_f_one_b,
+    parse_schedule,
+    render,
+    simulate,
+    stage_positions,
+    traits,
+    validate,
+)
+from lightning_pipe.schedules.__main__ import main
+from lightning_pipe.schedules.runnable import ScheduleRefused, runnable_schedule
+from lightning_pipe.schedules.text import forward_like_text
+
+GRID = [(ranks, m) for ranks in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8)]
+
+ONE_F_ONE_B = """# 1F1B on 2 processes and 4 micro-batches, by hand
+0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3
+F0@s1 B0@s1 F1@s1 B1@s1 F2@s1 B2@s1 F3@s1 B3@s1
+"""
+
+
+def _built(name: str) -> list:
+    """Schedule ``name`` on the grid (and its stage counts), with and without NCCL's regrouping."""
+    t = traits(name)
+    counts = (2, 3) if t.interleaved else (t.virtual_stages,)
+    built = []
+    for (ranks, m), v, rendezvous in ((c, v, r) for c in GRID for v in counts for r in (False, True)):
+        if name == "chimera" and m < 2:  # chain 1's stages compute nothing: no line could say where they live
+            continue
+        try:
+            built.append(build(name, ranks, m, v, rendezvous=rendezvous))
+        except ValueError:  # a count the schedule refuses
+            continue
+    return built
+
+
+@pytest.mark.parametrize("name", sorted(TRAITS))
+def test_every_built_in_schedule_round_trips_through_its_text(name: str) -> None:
+    schedules = _built(name)
+    assert len(schedules) >= 8, "the grid built too few of this schedule"
+    for schedule in schedules:
+        text = format_schedule(schedule)
+        assert parse_schedule(text, schedule.name) == schedule, text
+        if not traits(name).asynchronous and not (schedule.num_stages > 1 and name in REGROUPED_FOR_RENDEZVOUS):
+            # without its communication, the reader places it as the built-in schedules do
+            assert parse_schedule(format_schedule(schedule, compute_only=True), schedule.name) == schedule
+
+
+def test_text_is_torchs_csv_cells_one_line_per_rank() -> None:
+    text = format_schedule(build("zero_bubble", 2, 2), compute_only=True)
+    assert text == "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n"
+    assert parse_schedule(text).split_backward
+
+
+def test_a_hand_written_1f1b_is_the_built_in_one_and_has_its_traits() -> None:
+    schedule = load_schedule(ONE_F_ONE_B)  # torch's cells on one line, ours on the other, a comment
+    built = one_f_one_b(2, 4)
+    assert schedule.actions == built.actions and schedule.stage_to_rank == built.stage_to_rank
+    t = traits(ONE_F_ONE_B)
+    assert (t.asynchronous, t.split_backward, t.virtual_stages, t.planned) == (False, False, 1, False)
+    assert build(ONE_F_ONE_B, 2, 4) is schedule
+    assert simulate(schedule).bubble_fraction == simulate(built).bubble_fraction
+    assert render(schedule).splitlines()[0] == render(built).splitlines()[0]
+    with pytest.raises(ScheduleTextError, match="written for 2 pipeline stages .*asked for 4"):
+        stage_positions(ONE_F_ONE_B, 4, 1)  # a run with another depth, refused when its layout is known
+    config = PipelineConfig(schedule=ONE_F_ONE_B)
+    assert (config.num_microbatches(2), config.virtual_stages) == (4, 1)
+    with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 3"):
+        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch
+
+
+def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) -> None:
+    path = tmp_path / "v.csv"  # a V: stages 0 and 3 on process 0, 1 and 2 on process 1, split backward
+    path.write_text(
+        "0F0,0F1,3F0,3I0,3W0,3F1,3I1,3W1,0I0,0W0,0I1,0W1\n1F0,2F0,1F1,2F1,2I0,2W0,1I0,1W0,2I1,2W1,1I1,1W1\n"
+    )
+    t = traits(str(path))
+    assert (t.virtual_stages, t.split_backward, t.label) == (2, True, "text 'v.csv'")
+    assert stage_positions(str(path), 2, 2) == [0, 1, 1, 0]
+    as_written = build(str(path), 2, 2, 2)
+    assert build(str(path), 2, 2, 2, rendezvous=True).actions != as_written.actions  # deadlocks under NCCL as written
+    for rendezvous in (False, True):  # regrouped under NCCL where it needs it, and evaluation on any count
+        validate(build(str(path), 2, 2, 2, rendezvous=rendezvous), rendezvous=rendezvous)
+        evaluation = runnable_schedule(str(path), "forward", 2, 3, 2, rendezvous)
+        assert evaluation.forward_only and evaluation.stage_to_rank == (0, 1, 1, 0)
+    assert forward_like_text(t.text, 1).num_microbatches == 1  # type: ignore[arg-type]
+    config = PipelineConfig(schedule=path)  # a Path too
+    assert (config.schedule, config.virtual_stages, config.num_microbatches(2)) == (str(path), 2, 2)
+    path.write_text(ONE_F_ONE_B)  # edited: read again
+    assert (traits(str(path)).virtual_stages, PipelineConfig(schedule=path).num_microbatches(2)) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("0F0,0X0\n", r"line 1: '0X0' is not an action"),
+        ("\n# rank 0\n0F0,0B0\n0F1,0B1\n", r"line 4: stage 0 is computed on line 3 too"),
+        ("0F0,0B0\n2F0,2B0\n", r"stage\(s\) \[1\] computed on no line"),
+        ("0F0,0B0,0F1,0B1\n\n1B0,1F0,1F1,1B1\n", r"line 3 \(rank 1\), position 0 \(B0@s1\): backward before its"),
+        ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", r"missing \['B1@s0'\]"),
+        (
+            "0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1SEND_B0,1B0\n",
+            r"line 2 \(rank 1\), position 2 \(SEND_B0@s1\): sends before B0@s1 produced it",
+        ),
+        ("0F0,0B-1\n1F0,1B0\n", r"line 1: RECV_B-1@s0 is work of the batch before .* asynchronous ones are built in"),
+        ("0F-1,0B-1\n", r"line 1: F-1@s0 is work of the batch before"),
+        ("0F0\n1F0\n", r"no backward"),
+        ("0F0,1F0,1B0,0B0\n2F0,2B0\n", r"compute \[2, 1\] stages; .* the same number of stages"),
+        ("0F0,3F1,3B1,0B0\n2F1,1F0,1B0,2B1\n", r"2 chains of stages, Chimera's .* use schedule='chimera'"),
+        ("+0F0,0B0\n", r"line 1: \+F0@s0 joins no compute before it"),
+        (
+            "0F0,0F1,+0B1,0B0\n",
+            r"line 1 \(rank 0\), overlapped unit F1@s0 B1@s0: one micro-batch's forward and backward",
+        ),
+        ("nowhere/my.csv", r"no such file"),
+    ],
+)
+def test_a_text_that_cannot_run_is_refused_naming_the_line(text: str, match: str) -> None:
+    with pytest.raises(ScheduleTextError, match=match):
+        PipelineConfig(schedule=text)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"chunks": 3}, r"runs 4 micro-batches per batch. Give chunks=4"),
+        ({"virtual_stages": 2}, r"computes 1 stage\(s\) on each line"),
+        ({"plan": "auto"}, r"plan='auto'\) chooses the schedule"),
+        ({"pipemare_warmup": 10}, r"is synchronous"),
+        ({"xpipe_predictor": "adam"}, r"xpipe"),
+    ],
+)
+def test_a_text_schedule_is_synchronous_and_fixes_its_chunks(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PipelineConfig(schedule=ONE_F_ONE_B, **options)
+
+
+def test_an_unknown_name_says_a_schedule_can_be_text() -> None:
+    with pytest.raises(ValueError, match=r"Valid schedules: .*1f1b.*or your own as text: the path of a \.csv"):
+        traits("zigzag")
+
+
+def test_the_command_checks_a_file_and_prints_its_timeline(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    main(["--write", "interleaved_1f1b", "2", "2"])
+    written = capsys.readouterr().out
+    assert parse_schedule(written) == parse_schedule(format_schedule(build("interleaved_1f1b", 2, 2, 2)))
+    (tmp_path / "mine.txt").write_text(written)
+    main([str(tmp_path / "mine.txt")])
+    assert capsys.readouterr().out.endswith(
+        "mine.txt: 4 stages, 2 micro-batches, bubble 20.0%, peak micro-batches held per stage 2, 2, 2, 1\n"
+    )
+    (tmp_path / "bad.txt").write_text(written.replace("2B1", "2B0", 1))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "bad.txt")])
+    assert "schedule text 'bad.txt'" in capsys.readouterr().err

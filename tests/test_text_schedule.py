@@ -1,0 +1,40 @@
+"""A schedule handed in as text trains like plain training: a hand-written order with two stages
+per process in a V and a split backward, evaluated on the text's stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lightning_pipe.observe.picture import TimelinePicture
+from lightning_pipe.schedules import build, load_schedule
+from tests.models import TinyNet, fit_plain, loader
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
+
+# Stages 0 and 3 on process 0, 1 and 2 on process 1; every forward first, then each micro-batch's
+# input gradient (I, or B) and, at the end of each stage, the weight gradients (W); cells apart by
+# commas on one line, by spaces on the other.
+V_BY_HAND = """# my own schedule: 2 processes, 4 stages in a V, 4 micro-batches
+0F0,0F1,0F2,0F3, 3F0,3I0,3F1,3I1,3F2,3I2,3F3,3I3, 3W0,3W1,3W2,3W3, 0I0,0I1,0I2,0I3, 0W0,0W1,0W2,0W3
+1F0 2F0 1F1 2F1 1F2 2F2 1F3 2F3  2B0 1B0 2B1 1B1 2B2 1B2 2B3 1B3  2W0 2W1 2W2 2W3 1W0 1W1 1W2 1W3
+"""
+
+
+def test_a_hand_written_schedule_file_trains_as_plain_training(tmp_path: Path) -> None:
+    path = tmp_path / "my_schedule.csv"
+    path.write_text(V_BY_HAND)
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=8))  # two layers on each of the 4 stages
+    fit_plain(reference)
+    # chunks and virtual_stages come from the text; the last batch of 4 samples still splits into 4
+    picture = tmp_path / "timeline.svg"
+    trainer = fit_pipeline(
+        piped, 2, schedule=str(path), val_data=loader(n=20, batch_size=8, seed=5), callbacks=[TimelinePicture(picture)]
+    )
+    assert_same_weights(reference, piped)
+    assert (trainer.strategy.virtual_stages, trainer.strategy.chunks) == (2, None)
+    assert load_schedule(V_BY_HAND).actions != build("zbv", 2, 4, 2).actions  # not a built-in's order
+    svg = picture.read_text()  # the last step, measured, under the text's simulated prediction
+    assert 'data-title="text &#x27;my_schedule.csv&#x27;: predicted from' in svg
+    assert 'data-title="text &#x27;my_schedule.csv&#x27;: measured, the last training step' in svg
