@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conformance.axes import CELL_VARIABLE, Cell, all_cells, by_id, open_defect, selected
+from tests.conformance.axes import (
+    CELL_VARIABLE,
+    SEED_VARIABLE,
+    Cell,
+    all_cells,
+    by_id,
+    default_seed,
+    open_defect,
+    selected,
+)
 from tests.conformance.runner import run_cell
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,7 +38,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_cell(cell: Cell, tmp_path: Path) -> None:
     outcome = run_cell(cell, tmp_path)
     print(outcome)
-    replay = f"replay: {CELL_VARIABLE}={cell.id} python -m pytest tests/conformance/test_matrix.py"
+    replay = (
+        f"replay: {CELL_VARIABLE}={cell.id} python -m pytest tests/conformance/test_matrix.py "
+        f"(this run's sample: {SEED_VARIABLE}={default_seed()})"
+    )
     assert outcome.status in ("pass", "refused"), f"{outcome}\n{replay}"
 
 
