@@ -16,6 +16,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The conformance matrix's sample seed (tests/conformance): set it again to replay the sample."""
+    from tests.conformance.axes import CELL_VARIABLE, SEED_VARIABLE, default_seed
+
+    return (
+        f"conformance matrix: seed {default_seed()} (replay: {SEED_VARIABLE}={default_seed()}; "
+        f"one cell: {CELL_VARIABLE}=schedule/event/layout/model)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

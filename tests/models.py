@@ -418,8 +418,8 @@ class SkewedNet(TinyNet):
 
 
 class RecordSplit(L.Callback):
-    """Writes each rank's split, profile and training step times (``on_train_batch_*``) to
-    ``<folder>/rank<k>.pt``."""
+    """Writes each rank's split, profile, placement (the layout's rank order and the rank's position)
+    and training step times (``on_train_batch_*``) to ``<folder>/rank<k>.pt``."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -448,6 +448,7 @@ class RecordSplit(L.Callback):
         record["plan"] = strategy.plan_candidates
         record["resources"] = strategy.rank_resources
         record["chunks"], record["schedule"] = strategy.chunks, strategy.schedule_name
+        record["order"], record["position"] = strategy.layout.order, strategy.stage
         torch.save(record, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
 
 

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module, sequential_input
+from lightning_pipe.partition.speeds import position_values
 from lightning_pipe.trainer.data import configured_optimizers
 from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, WrappedNet, loader
 from tests.pipeline import fit_pipeline
@@ -307,10 +308,16 @@ def test_time_balance_follows_the_measured_profile(tmp_path: Path) -> None:
     assert profile is not None and profile == records[1]["profile"] and len(profile.layers) == 14
     speeds = records[0]["resources"].speeds  # each rank's speed, timed by the probe on every rank
     assert speeds is not None and len(speeds) == 2 and speeds[0] == 1.0 and records[1]["resources"].speeds == speeds
+    # the ranks are placed by speed (the faster may hold either stage): the split weighs each stage by the
+    # speed of the rank the run placed there, as every rank recorded it
+    order = records[0]["order"]
+    assert records[1]["order"] == order and sorted(r["position"] for r in records) == [0, 1]
     assert (
         records[0]["balance"]
         == records[1]["balance"]
-        == profile.balance("time", 2, in_flight_microbatches("1f1b", 2, 16), speeds=speeds)
+        == profile.balance(
+            "time", 2, in_flight_microbatches("1f1b", 2, 16), speeds=position_values(speeds, 2, 1, order)
+        )
     )
 
 

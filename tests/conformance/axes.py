@@ -1,0 +1,329 @@
+"""The conformance matrix's axes and cells, as values (no torch, no processes).
+
+A cell is one schedule x one lifecycle event x one layout x one model. Every axis is a tuple below;
+schedules are the rows of the traits table, so a new schedule, event, layout or model joins every
+cell by being added to its axis. What a schedule's traits refuse is predicted here from the traits
+alone (:func:`refusal`): the runner checks the run is refused before training, with that sentence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lightning_pipe.schedules.traits import TRAITS, ScheduleTraits
+
+#: every schedule the strategy runs, in the table's order
+SCHEDULES: tuple[str, ...] = tuple(TRAITS)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happens to a fit. ``rule`` changes the update rule (plain Lightning runs it too);
+    ``interrupt`` must not change the weights: the run with it is compared with the run without."""
+
+    name: str
+    #: Trainer options that change the update rule (the oracle runs them as well)
+    rule: dict = field(default_factory=dict, hash=False, compare=False)
+    #: "resume_epoch" (save at an epoch end, resume), "resume_mid" (save mid-epoch, run on; resume from
+    #: that save), "stop_mid" (max_steps stops mid-epoch, resume), "save_every_step", "validate_mid",
+    #: or None
+    interrupt: str | None = None
+    #: an LR scheduler stepping every step
+    scheduler: bool = False
+    #: predict and test after the fit, against one process's predict and test on the fitted weights
+    predict_test: bool = False
+
+
+EVENTS: tuple[Event, ...] = (
+    Event("fit_predict_test", predict_test=True),
+    Event("resume_epoch", interrupt="resume_epoch"),
+    Event("resume_mid", interrupt="resume_mid"),
+    Event("stop_mid_resume", interrupt="stop_mid"),
+    Event("save_every_step", interrupt="save_every_step"),
+    Event("validate_mid", interrupt="validate_mid"),
+    Event("accumulate", rule={"accumulate_grad_batches": 2}),
+    Event("clip_norm", rule={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+    Event("clip_value", rule={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    Event("lr_every_step", scheduler=True),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the stages run. ``devices`` processes as ``stages`` x replicas; ``restart_on`` a list of
+    world sizes the run is restarted on (elastic, from the newest checkpoint of the watched folder)."""
+
+    name: str
+    devices: int
+    stages: int | None = None
+    data_parallel: str = "replicate"
+    rank_order: tuple[int, ...] | None = None
+    virtual_stages: int | None = None
+    replicas_sync: str | None = None
+    restart_on: tuple[int, ...] = ()
+    #: the training data shuffled (each replica's share drawn by the sampler's seed)
+    shuffle: bool = False
+
+    @property
+    def replicas(self) -> int:
+        return self.devices // (self.stages or self.devices)
+
+    @property
+    def positions(self) -> int:
+        return self.stages or self.devices
+
+    @property
+    def elastic(self) -> bool:
+        return bool(self.restart_on)
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("p2", 2),
+    Layout("p3", 3),
+    Layout("2x2_replicate", 4, stages=2),
+    Layout("2x2_shard", 4, stages=2, data_parallel="shard"),
+    Layout("permuted", 2, rank_order=(1, 0)),
+    Layout("avgpipe_permuted", 4, stages=2, rank_order=(1, 0, 3, 2), replicas_sync="elastic"),
+    Layout("virtual3", 2, virtual_stages=3),
+    Layout("elastic_shrink", 4, stages=2, restart_on=(2,), shuffle=True),
+    Layout("elastic_grow", 4, stages=2, restart_on=(2, 4), shuffle=True),
+)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model users bring. ``module``: a block container the pipeline splits (``module=``)."""
+
+    name: str
+    module: str | None = None
+    tied: bool = False
+    outside: bool = False  # trainable parameters outside the split Sequential (no ``module=``)
+    token_count: bool = False
+
+
+MODELS: tuple[Model, ...] = (
+    Model("sequential"),
+    Model("blocks", module="blocks"),
+    Model("tied", tied=True),
+    Model("frozen", module="blocks"),  # a frozen norm outside the container, AdamW with weight decay
+    Model("outside", outside=True),
+    Model("zero_token", token_count=True),
+)
+
+AXES = {"schedule": SCHEDULES, "event": EVENTS, "layout": LAYOUTS, "model": MODELS}
+
+
+@dataclass(frozen=True)
+class Cell:
+    schedule: str
+    event: Event
+    layout: Layout
+    model: Model
+
+    @property
+    def id(self) -> str:
+        return f"{self.schedule}/{self.event.name}/{self.layout.name}/{self.model.name}"
+
+    @property
+    def traits(self) -> ScheduleTraits:
+        return TRAITS[self.schedule]
+
+
+def refusal(cell: Cell) -> str | None:
+    """The sentences (a regular expression, any of them) the strategy must refuse ``cell`` with before
+    training, as the schedule's traits say; None where the traits allow the cell."""
+    t, layout, model = cell.traits, cell.layout, cell.model
+    sentences = []
+    if layout.virtual_stages is not None and not t.interleaved:
+        sentences.append(r"virtual_stages")
+    if t.even_stages and layout.positions % 2:
+        sentences.append(r"even number")
+    if layout.replicas > 1 and not t.replicas:
+        sentences.append(r"replica")
+    if model.module is not None and not t.block_containers:
+        sentences.append(r"block container")
+    if model.tied and t.refuses_ties:
+        sentences.append(r"tied")
+    if (model.outside or model.module is not None) and t.asynchronous:  # their stashes hold the split only
+        sentences.append(r"trainable parameters outside")
+    if layout.replicas > 1 and layout.data_parallel == "shard":
+        if t.asynchronous:
+            sentences.append(r"weight versions, which sharded weights do not have")
+        if model.module is not None or model.outside:  # the parts outside the split would not be sharded
+            sentences.append(r"trainable parameters outside")
+        if model.tied:  # refused before launch, a V too (ZB-V and DualPipeV trained them wrong under shard)
+            sentences.append(r"tied across stages")
+    if layout.replicas_sync == "elastic" and t.asynchronous:
+        sentences.append(r"elastic averaging runs with the synchronous schedules")
+    if t.asynchronous and cell.event.rule.get("accumulate_grad_batches", 1) > 1:
+        sentences.append(r"accumulate_grad_batches must be 1")
+    return "|".join(sentences) or None
+
+
+def open_defect(cell: Cell) -> str | None:
+    """Why ``cell`` is known to fail today (found by the matrix, not yet fixed), or None; the test
+    marks it ``xfail(strict=True)``, so the fix makes it fail until its line here goes."""
+    if refusal(cell) == r"accumulate_grad_batches must be 1":
+        return "an asynchronous schedule refuses accumulate_grad_batches > 1 at its first training step, not before"
+    if refusal(cell) is not None:
+        return None
+    t, layout = cell.traits, cell.layout
+    if t.asynchronous and cell.event.rule.get("gradient_clip_algorithm") == "value":
+        return "an asynchronous schedule with gradient_clip_algorithm='value' raises at its first clip"
+    if (t.predicts_weights or t.predicts_ahead) and cell.event.interrupt == "stop_mid":
+        return "PipeMare and XPipe resumed to max_steps are not exact (stopped and resumed by epochs they are)"
+    if layout.replicas_sync == "elastic" and layout.rank_order and cell.event.interrupt in RESUMES:
+        return "AvgPipe under a permuted rank_order does not resume exactly (2.5e-2; in rank order it does)"
+    if layout.elastic and cell.model.token_count:
+        return "an elastic restart under token_count does not keep the update (1.2e-2 from the uninterrupted run)"
+    return None
+
+
+#: the events that save, stop and resume
+RESUMES = ("resume_epoch", "resume_mid", "stop_mid")
+
+
+def excluded(cell: Cell) -> str | None:
+    """Why a combination is no cell at all (not a refusal: nothing to run), or None."""
+    if cell.layout.elastic and cell.event.interrupt in RESUMES:
+        return "an elastic layout is itself a resume"
+    if cell.layout.elastic and cell.traits.asynchronous:
+        return "no oracle: an asynchronous rule's delays and batch change with the world"
+    return None
+
+
+def all_cells() -> list[Cell]:
+    """The full matrix: every combination of the axes that is a cell."""
+    cells = [Cell(*values) for values in itertools.product(SCHEDULES, EVENTS, LAYOUTS, MODELS)]
+    return [c for c in cells if excluded(c) is None]
+
+
+def _values(cell: Cell) -> list[tuple[str, str]]:
+    return [
+        ("schedule", cell.schedule),
+        ("event", cell.event.name),
+        ("layout", cell.layout.name),
+        ("model", cell.model.name),
+    ]
+
+
+def _pairs(cell: Cell) -> set[tuple]:
+    return set(itertools.combinations(_values(cell), 2))
+
+
+def cost(cell: Cell) -> float:
+    """Rough processes x fits of a cell, to keep the sample cheap."""
+    if refusal(cell) is not None:
+        return 0.2
+    fits = 1 + (1 if cell.event.interrupt in ("resume_epoch", "resume_mid", "stop_mid") else 0)
+    fits += len(cell.layout.restart_on)
+    return cell.layout.devices * fits
+
+
+def sample(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
+    """Cells that run (the traits allow them) and cover every axis value at least once, each chosen
+    for the most values and then pairs not yet covered per unit of cost, ties broken by ``seed``;
+    then one refused cell per refusal sentence."""
+    pool = list(cells if cells is not None else all_cells())
+    random.Random(seed).shuffle(pool)
+    running = [c for c in pool if refusal(c) is None]
+    values_left = {v for c in running for v in _values(c)}
+    pairs_seen: set[tuple] = set()
+    chosen: list[Cell] = []
+    while values_left:
+        best = max(
+            (c for c in running if c not in chosen),
+            key=lambda c, left=values_left, seen=pairs_seen: (
+                len(set(_values(c)) & left),
+                len(_pairs(c) - seen) / cost(c),
+            ),
+        )
+        chosen.append(best)
+        values_left -= set(_values(best))
+        pairs_seen |= _pairs(best)
+    sentences: set[str] = set()
+    for c in pool:
+        new = set((refusal(c) or "").split("|")) - {""} - sentences
+        if new:
+            sentences |= new
+            chosen.append(c)
+    return chosen
+
+
+def pairs(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
+    """Cells that cover every pair of axis values that some running cell has (greedy, ties broken by
+    ``seed``), then one refused cell per refusal sentence: between the sample and the full matrix."""
+    pool = list(cells if cells is not None else all_cells())
+    random.Random(seed).shuffle(pool)
+    running = {c: (_pairs(c), cost(c)) for c in pool if refusal(c) is None}
+    left = set().union(*(p for p, _ in running.values()))
+    chosen: list[Cell] = []
+    while left:
+        best = max(running, key=lambda c, left=left: len(running[c][0] & left) / running[c][1])
+        chosen.append(best)
+        left -= running[best][0]
+    return chosen + [c for c in sample(seed, pool) if refusal(c) is not None]
+
+
+#: the round-5 defects that fall inside the axes, as cells (always in the default run)
+KNOWN: tuple[str, ...] = (
+    "xpipe/resume_epoch/p2/sequential",
+    "xpipe/validate_mid/p2/sequential",
+    "xpipe/save_every_step/p2/sequential",
+    "pipemare/validate_mid/p2/sequential",
+    "1f1b/fit_predict_test/avgpipe_permuted/sequential",
+    "1f1b/fit_predict_test/p2/frozen",
+    "1f1b/fit_predict_test/elastic_shrink/sequential",
+)
+
+
+def by_id(ids: Iterable[str]) -> list[Cell]:
+    """The cells named ``schedule/event/layout/model``; an unknown name says what the axes hold."""
+    axes = {
+        "schedule": {s: s for s in SCHEDULES},
+        "event": {e.name: e for e in EVENTS},
+        "layout": {layout.name: layout for layout in LAYOUTS},
+        "model": {m.name: m for m in MODELS},
+    }
+    cells = []
+    for text in ids:
+        parts = text.strip().split("/")
+        if len(parts) != 4 or any(p not in axes[a] for p, a in zip(parts, axes)):
+            raise ValueError(
+                f"cell {text!r}: give schedule/event/layout/model, each one of: "
+                + "; ".join(f"{a}: {', '.join(values)}" for a, values in axes.items())
+            )
+        cells.append(Cell(*(axes[a][p] for p, a in zip(parts, axes))))
+    return cells
+
+
+SEED_VARIABLE, CELL_VARIABLE = "LIGHTNING_PIPE_MATRIX_SEED", "LIGHTNING_PIPE_MATRIX_CELLS"
+#: ``pairs``: run the pairwise cover instead of the sample (``--runslow`` runs every cell)
+MODE_VARIABLE = "LIGHTNING_PIPE_MATRIX"
+
+
+def default_seed() -> int:
+    """The sample's seed: ``$LIGHTNING_PIPE_MATRIX_SEED``, else the day's number (it rotates daily and
+    is the same in every process of one run, as pytest-xdist's workers need)."""
+    given = os.environ.get(SEED_VARIABLE)
+    return int(given) if given else int(time.time() // 86400)
+
+
+def selected(full: bool) -> tuple[int, list[Cell]]:
+    """The cells this run checks: ``$LIGHTNING_PIPE_MATRIX_CELLS`` (comma-separated ids) if set, else
+    the full matrix (``full``), the pairwise cover (``$LIGHTNING_PIPE_MATRIX=pairs``) or the seed's
+    sample, each with :data:`KNOWN` first."""
+    seed = default_seed()
+    named = os.environ.get(CELL_VARIABLE)
+    if named:
+        return seed, by_id(named.split(","))
+    if full:
+        return seed, all_cells()
+    known = by_id(KNOWN)
+    chosen = pairs(seed) if os.environ.get(MODE_VARIABLE) == "pairs" else sample(seed)
+    return seed, known + [c for c in chosen if c not in known]

@@ -1,0 +1,164 @@
+"""The model axis's models and their data: each trains, validates, tests and predicts, and its data
+repeats one batch of 12 samples, so that plain Lightning resumes exactly even in the middle of an
+epoch (it replays an epoch's batches from the start)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipe import token_count
+from tests.conformance.axes import Model
+from tests.models import CLASSES, HIDDEN, IN, dataset
+
+BATCH, REPEATS, VOCAB, LENGTH = 12, 3, 11, 4
+
+
+class _Steps(L.LightningModule):
+    """Loss, validation, test and predict from ``self(x)`` and ``self.loss``; Adam, or AdamW with
+    weight decay; an optional StepLR stepping every step."""
+
+    def __init__(self, lr: float = 0.01, weight_decay: float = 0.0, scheduler: bool = False) -> None:
+        super().__init__()
+        self.lr, self.weight_decay, self.scheduler = lr, weight_decay, scheduler
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        if self.weight_decay:
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                self.parameters(), lr=self.lr, weight_decay=self.weight_decay
+            )
+        else:
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class SequentialNet(_Steps):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        blocks = [nn.Sequential(nn.Linear(IN if i == 0 else HIDDEN, HIDDEN), nn.Tanh()) for i in range(7)]
+        self.layers = nn.Sequential(*blocks, nn.Linear(HIDDEN, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class BlocksNet(_Steps):
+    """A forward that loops over an ``nn.ModuleList`` (split with ``module="blocks"``), with an input
+    projection, a norm and a head outside it; ``frozen``: the norm is frozen and AdamW decays."""
+
+    def __init__(self, frozen: bool = False, **kwargs: Any) -> None:
+        super().__init__(weight_decay=0.1 if frozen else 0.0, **kwargs)
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(6)])
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        if frozen:
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(self.norm(hidden))
+
+
+class OutsideNet(_Steps):
+    """Trainable parameters outside the split ``nn.Sequential`` on both ends."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(6)])
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.tanh(self.embed(x))))
+
+
+class TokenNet(_Steps):
+    """Tokens in, a logit per token out; ``tied``: the head's weight is the embedding's. Labels of
+    -100 are left out of the loss (the token mean)."""
+
+    def __init__(self, tied: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        embed = nn.Embedding(VOCAB, HIDDEN)
+        head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        if tied:
+            head.weight = embed.weight
+        middle = [m for _ in range(3) for m in (nn.Linear(HIDDEN, HIDDEN), nn.Tanh())]
+        self.layers = nn.Sequential(embed, nn.Tanh(), *middle, head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(ids)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        ids, labels = batch
+        return F.cross_entropy(self(ids).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+def build(model: Model, scheduler: bool = False) -> L.LightningModule:
+    """A fresh ``model`` (its initial weights come from the caller's seed)."""
+    if model.module is not None:
+        return BlocksNet(frozen=model.name == "frozen", scheduler=scheduler)
+    if model.outside:
+        return OutsideNet(scheduler=scheduler)
+    if model.tied or model.token_count:
+        return TokenNet(tied=model.tied, scheduler=scheduler)
+    return SequentialNet(scheduler=scheduler)
+
+
+def strategy_options(model: Model) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if model.module is not None:
+        options["module"] = model.module
+    if model.token_count:
+        options["loss_weight"] = token_count(labels=1, shift=False)
+    return options
+
+
+def data(model: Model, batch_size: int = BATCH, shuffle: bool = False) -> DataLoader:
+    """``REPEATS`` copies of one batch of 12 samples, in batches of ``batch_size`` (a replica's share).
+    The token models' rows 0-5 of the 12 have no label (-100): the first micro-batch of every split
+    the layouts make has no token; rows 6 and 7 miss one each, so micro-batches differ in tokens
+    while two replicas (even and odd rows) hold the same number, as their averaged token means
+    (DDP's rule, see docs/usage.md) equal plain training's only then."""
+    if model.tied or model.token_count:
+        g = torch.Generator().manual_seed(4)
+        ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
+        labels = (ids * 3 + 1) % VOCAB
+        if model.token_count:  # replicas (even and odd rows) keep as many tokens each: their means' mean is plain's
+            labels[: BATCH // 2] = -100
+            labels[BATCH // 2 : BATCH // 2 + 2, 0] = -100
+        tensors = (ids, labels)
+    else:
+        tensors = dataset(BATCH, seed=0).tensors
+    repeated = TensorDataset(*(t.repeat(REPEATS, *[1] * (t.dim() - 1)) for t in tensors))
+    return DataLoader(repeated, batch_size=batch_size, shuffle=shuffle)

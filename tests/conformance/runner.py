@@ -1,0 +1,276 @@
+"""Runs one conformance cell and judges it against its oracle.
+
+The oracles: plain one-process Lightning on the same batches for a synchronous schedule; for an
+asynchronous one, the same schedule run without the event (a drain, a save, a resume, a placement
+must not change its weights); for an elastic layout, the uninterrupted run on the first world. A
+cell the traits refuse must be refused before its first training step, with the sentence
+:func:`~tests.conformance.axes.refusal` names.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tests.conformance.axes import Cell, Event, Layout, Model, refusal
+from tests.conformance.models import BATCH, build, data, strategy_options
+from tests.models import fit_plain, plain_trainer
+from tests.pipeline import fit_pipeline
+from tests.pipeline import pipeline_trainer as _pipeline_trainer
+
+STEPS, STEPS_PER_EPOCH = 6, 3
+#: weights against plain Lightning (float noise of another order of sums); against the same schedule
+PLAIN, SAME = {"rtol": 1e-4, "atol": 1e-6}, {"rtol": 1e-6, "atol": 1e-7}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``status``: "pass", "refused" (as the traits say, before training) or "fail"; ``detail`` says why."""
+
+    cell: str
+    status: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.cell}: {self.status} ({self.detail})"
+
+
+class _Started(L.Callback):
+    """Leaves ``<folder>/started`` at the first training step of any process."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        (self.folder / "started").touch()
+
+
+def _fresh_port() -> None:
+    """Lightning's launcher leaves its port in MASTER_PORT, and a cell starts several runs: each gets a
+    free port, as the tests' ``fresh_main_port`` fixture gives each test one."""
+    import os
+
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    os.environ["MASTER_PORT"] = str(find_free_network_port())
+
+
+def pipeline_trainer(devices: int, **options: Any) -> L.Trainer:
+    _fresh_port()
+    return _pipeline_trainer(devices, **options)
+
+
+def _initial(model: Model, scheduler: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return build(model, scheduler).state_dict()
+
+
+def _fresh(model: Model, scheduler: bool) -> L.LightningModule:
+    module = build(model, scheduler)
+    module.load_state_dict(_initial(model, scheduler))
+    return module
+
+
+def _options(schedule: str, layout: Layout, model: Model) -> dict[str, Any]:
+    from lightning_pipe.schedules.traits import TRAITS
+
+    t = TRAITS[schedule]
+    chunks = max(layout.positions, t.min_chunks(layout.positions) if t.min_chunks else 1, 2)
+    options: dict[str, Any] = dict(schedule=schedule, chunks=chunks, **strategy_options(model))
+    if layout.stages is not None:
+        options.update(stages=layout.stages, data_parallel=layout.data_parallel)
+    if layout.rank_order is not None:
+        options["rank_order"] = list(layout.rank_order)
+    if layout.virtual_stages is not None:
+        options["virtual_stages"] = layout.virtual_stages
+    if layout.replicas_sync is not None:
+        options.update(replicas_sync=layout.replicas_sync, replicas_sync_period=1)
+    if t.predicts_ahead:
+        options["xpipe_predictor"] = "adam"  # the models train with Adam: the predictor that reads its state
+    return options
+
+
+def _saves(folder: Path, **kwargs: Any) -> dict[str, Any]:
+    return {"enable_checkpointing": True, "save": ModelCheckpoint(dirpath=folder, save_top_k=-1, **kwargs)}
+
+
+def _pipeline_fit(
+    schedule: str,
+    event: Event,
+    layout: Layout,
+    model: Model,
+    folder: Path,
+    interrupt: str | None,
+    first: list,
+    also: list | None = None,
+) -> L.LightningModule:
+    """The cell's pipeline run(s); the trained module. ``first`` gets the callbacks of the first fit;
+    ``also`` the other modules whose weights must be the same (the run that saved mid-epoch and went on)."""
+    also = [] if also is None else also
+    folder.mkdir(parents=True, exist_ok=True)
+    options = _options(schedule, layout, model)
+    loader = data(model, BATCH // layout.replicas, shuffle=layout.shuffle)
+    rule = dict(event.rule)
+    module = _fresh(model, event.scheduler)
+
+    def fit(
+        target: L.LightningModule,
+        devices: int,
+        steps: int,
+        callbacks: list,
+        save: Any = None,
+        epochs: int = -1,
+        **extra: Any,
+    ) -> None:
+        """Trains to ``steps`` (max_steps) or, where ``steps`` is -1, to ``epochs`` (max_epochs)."""
+        _fresh_port()
+        fit_pipeline(
+            target, devices, loader, max_steps=steps, max_epochs=epochs, callbacks=callbacks + ([save] if save else []),
+            **rule, **options, **extra,
+        )  # fmt: skip
+
+    if layout.elastic:
+        watched = folder / "elastic"
+        options["elastic"] = str(watched)
+        worlds = (layout.devices, *layout.restart_on)
+        stops = [STEPS * (i + 1) // len(worlds) for i in range(len(worlds))]
+        for i, (devices, steps) in enumerate(zip(worlds, stops)):
+            target = module if i == len(worlds) - 1 else _fresh(model, event.scheduler)
+            fit(target, devices, steps, first if i == 0 else [], **_saves(watched, every_n_train_steps=1))
+        return module
+    # the resumes stop by epochs (max_epochs=1, then 2); only "stop_mid" stops and resumes by max_steps
+    if interrupt == "resume_epoch":
+        saved, epochs = folder / "ckpt", STEPS // STEPS_PER_EPOCH
+        fit(_fresh(model, event.scheduler), layout.devices, -1, first, epochs=1, **_saves(saved, save_last=True))
+        fit(module, layout.devices, -1, [], epochs=epochs, ckpt_path=str(saved / "last.ckpt"))
+    elif interrupt in ("resume_mid", "stop_mid"):
+        saved, at, epochs = folder / "ckpt", STEPS_PER_EPOCH + 1, STEPS // STEPS_PER_EPOCH
+        straight = _fresh(model, event.scheduler)
+        if interrupt == "resume_mid":  # the run that saves goes on: it must be the uninterrupted run too
+            fit(straight, layout.devices, -1, first, epochs=epochs, **_saves(saved, every_n_train_steps=at))
+            also.append(straight)
+        else:
+            fit(straight, layout.devices, at, first, **_saves(saved, every_n_train_steps=at))
+        (path,) = saved.glob(f"*step={at}*")
+        if interrupt == "resume_mid":
+            fit(module, layout.devices, -1, [], epochs=epochs, ckpt_path=str(path))
+        else:
+            fit(module, layout.devices, STEPS, [], ckpt_path=str(path))
+    elif interrupt == "save_every_step":
+        fit(module, layout.devices, STEPS, first, **_saves(folder / "ckpt", every_n_train_steps=1))
+    elif interrupt == "validate_mid":
+        fit(module, layout.devices, STEPS, first, val_data=data(model, BATCH // layout.replicas), val_check_interval=2)
+    else:
+        fit(module, layout.devices, STEPS, first)
+    return module
+
+
+_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def _plain(event: Event, model: Model) -> dict[str, torch.Tensor]:
+    key = ("plain", event.name if event.rule or event.scheduler else "", model.name)
+    if key not in _CACHE:
+        module = _fresh(model, event.scheduler)
+        fit_plain(module, data(model), max_steps=STEPS, max_epochs=-1, **event.rule)
+        _CACHE[key] = module.state_dict()
+    return _CACHE[key]
+
+
+def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder: Path) -> dict[str, torch.Tensor]:
+    """The same schedule without the event's interruption (and, for a permuted placement, in rank order)."""
+    layout = replace(layout, name=layout.name + "-straight", rank_order=None, restart_on=())
+    if layout.devices == 2 and layout.stages is None:
+        layout = replace(layout, name="p2")
+    key = ("straight", schedule, event.name if event.rule or event.scheduler else "", layout, model.name)
+    if key not in _CACHE:
+        _CACHE[key] = _pipeline_fit(schedule, event, layout, model, folder / "straight", None, []).state_dict()
+    return _CACHE[key]
+
+
+def _differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tolerance: dict) -> str | None:
+    if list(expected) != list(got):
+        return f"state_dict names differ: {sorted(set(expected) ^ set(got))}"
+    worst = {
+        name: (got[name] - expected[name]).abs().max().item()
+        for name in expected
+        if not torch.allclose(got[name], expected[name], **tolerance)
+    }
+    if not worst:
+        return None
+    name = max(worst, key=worst.__getitem__)
+    return f"{len(worst)} of {len(expected)} tensors differ, most {name} by {worst[name]:.2e}"
+
+
+def _predict_and_test(cell: Cell, module: L.LightningModule) -> str | None:
+    """The pipeline's predictions and test loss on the fitted weights equal one process's."""
+    layout = replace(cell.layout, restart_on=())
+    options = _options(cell.schedule, layout, cell.model)
+    alone = copy.deepcopy(module)
+    loader = data(cell.model, BATCH // layout.replicas)
+    expected = torch.cat(plain_trainer().predict(alone, data(cell.model)))  # type: ignore[arg-type]
+    predicted = pipeline_trainer(layout.devices, **options).predict(module, loader)
+    if predicted is None or not torch.allclose(torch.cat(predicted), expected, rtol=1e-4, atol=1e-6):
+        return "predictions differ from one process's on the fitted weights"
+    plain_loss = plain_trainer().test(alone, data(cell.model), verbose=False)[0]["test_loss"]
+    piped_loss = pipeline_trainer(layout.devices, **options).test(module, loader, verbose=False)[0]["test_loss"]
+    if abs(piped_loss - plain_loss) > 1e-5 * abs(plain_loss):
+        return f"test_loss {piped_loss} against one process's {plain_loss}"
+    return None
+
+
+def run_cell(cell: Cell, folder: Path) -> Outcome:
+    """Runs ``cell`` in ``folder`` and judges it."""
+    sentence, t = refusal(cell), cell.traits
+    interrupt = cell.event.interrupt
+    if t.asynchronous and interrupt is None and (cell.event.rule or cell.event.scheduler):
+        interrupt = "resume_epoch"  # no one-process rule here: the event's run must resume as it runs on
+    try:
+        also: list = []
+        module = _pipeline_fit(
+            cell.schedule, cell.event, cell.layout, cell.model, folder, interrupt, [_Started(folder)], also
+        )
+    except Exception as error:  # a refusal, or the cell's failure
+        started = (folder / "started").exists()
+        text = f"{error}\n{''.join(traceback.format_exception(error))}"
+        raised = re.findall(r"^(?:[\w.]+(?:Error|Exception)): .*$", text, flags=re.MULTILINE)
+        first = (raised[-1] if raised else repr(error))[:300]  # the innermost (a process's own) error
+        if sentence is None:
+            return Outcome(cell.id, "fail", f"raised {'after' if started else 'before'} training: {first}")
+        if started:
+            return Outcome(cell.id, "fail", f"refused after training started: {first}")
+        if not re.search(sentence, text, flags=re.IGNORECASE):
+            return Outcome(cell.id, "fail", f"refused, but not with /{sentence}/: {first}")
+        return Outcome(cell.id, "refused", first)
+    if sentence is not None:
+        return Outcome(cell.id, "fail", f"ran to the end although the traits refuse it (/{sentence}/)")
+
+    problems = []
+    got = module.state_dict()
+    if t.asynchronous or cell.layout.elastic or cell.layout.replicas_sync == "elastic":
+        # the same schedule straight through, on the first world, in rank order (AvgPipe is no plain rule)
+        expected = _straight(cell.schedule, cell.event, cell.layout, cell.model, folder)
+        tolerance, oracle = SAME, "uninterrupted" if cell.layout.elastic else "straight, in rank order"
+    else:
+        expected, tolerance, oracle = _plain(cell.event, cell.model), PLAIN, "plain Lightning"
+    skip_weights = t.asynchronous and interrupt is None and cell.layout.rank_order is None
+    if not skip_weights:
+        difference = _differences(expected, got, tolerance)
+        if difference:
+            problems.append(f"weights against {oracle}: {difference}")
+        for other in also:
+            if difference := _differences(expected, other.state_dict(), tolerance):
+                problems.append(f"the run that saved mid-epoch and went on, against {oracle}: {difference}")
+    if cell.event.predict_test and (problem := _predict_and_test(cell, module)):
+        problems.append(problem)
+    if problems:
+        return Outcome(cell.id, "fail", "; ".join(problems))
+    return Outcome(cell.id, "pass", f"against {oracle}" + (" (predict/test only)" if skip_weights else ""))
