@@ -171,6 +171,35 @@ def test_saves_and_validations_leave_the_weights_the_rule_gives(
     assert not torch.allclose(ScheduledNet().layers[2].weight, plain.layers[2].weight)  # it trained
 
 
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_a_run_stopped_by_max_steps_resumes_to_the_uninterrupted_weights(tmp_path: Path, schedule: str) -> None:
+    """PipeMare and XPipe run their backwards on the weights of their moment, so where training stops
+    by ``max_steps`` in the middle of an epoch the pipeline drains after the last update, as the run
+    going on would have run those backwards in its next step. Epochs of 6 batches: stopped at 5 (the
+    pipeline full), resumed and stopped at 7 (its last step from an empty pipeline), resumed to 8,
+    against 8 steps at once; before the fix the stops drained before their update (2.3e-6 and 2.4e-5 off)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import ScheduledNet
+
+    options: dict = dict(schedule=schedule, chunks=2, gradient_clip_val=1.0)
+    torch.manual_seed(0)
+    straight = ScheduledNet(lr=0.1)
+    stopped = ScheduledNet(lr=0.1)
+    stopped.load_state_dict(straight.state_dict())
+    fit_pipeline(straight, 2, max_steps=8, **options)
+    path = None
+    for steps in (5, 7, 8):
+        saves = ModelCheckpoint(dirpath=tmp_path / str(steps), save_last=True, save_top_k=0, every_n_train_steps=1)
+        fit_pipeline(
+            stopped, 2, ckpt_path=path, max_steps=steps, enable_checkpointing=True, callbacks=[saves], **options
+        )
+        path = str(tmp_path / str(steps) / "last.ckpt")
+    assert_same_weights(straight, stopped, rtol=0, atol=1e-7)
+    torch.manual_seed(0)
+    assert not torch.allclose(ScheduledNet().layers[2].weight, straight.layers[2].weight)  # it trained
+
+
 def test_a_drain_that_changes_pipemares_weights_is_told_once(tmp_path: Path) -> None:
     """3 stages, 1 chunk: stage 0's backwards trail their forwards by two updates, which a drain in the
     middle of an epoch cannot give them; rank 0 says so once, with what makes drains exact."""

@@ -152,7 +152,8 @@ class PipelineSteps:
                 "accumulate_grad_batches must be 1 (raise `chunks` for larger batches instead)."
             )
         with as_misconfiguration():
-            sync = self.pipeline.train_step(keys, step, context, pause_after=self._async_sync_point(trainer, batch_idx))
+            epoch_end, stop = self._async_pauses(trainer, batch_idx)
+            sync = self.pipeline.train_step(keys, step, context, pause_after=epoch_end, stop_after=stop)
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = self.summary(recorder) if self.placement.is_last_stage else None
@@ -180,12 +181,12 @@ class PipelineSteps:
             self._last_loss = summary["loss"]
 
     @staticmethod
-    def _async_sync_point(trainer: pl.Trainer, batch_idx: int) -> bool:
-        """Whether training pauses after this step (epoch end, ``max_steps``): drain now."""
+    def _async_pauses(trainer: pl.Trainer, batch_idx: int) -> tuple[bool, bool]:
+        """Whether an epoch ends after this step (the rule drains before its update), and whether
+        training stops after it in the middle of an epoch (``max_steps``: drained after the update)."""
         loop = trainer.fit_loop.epoch_loop
-        if loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
-            return True
-        return 0 < trainer.max_steps <= trainer.global_step + 1
+        epoch_end = loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
+        return epoch_end, not epoch_end and 0 < trainer.max_steps <= trainer.global_step + 1
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, hook: str, args: tuple, kwargs: dict) -> Any:

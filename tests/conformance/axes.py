@@ -175,8 +175,6 @@ def open_defect(cell: Cell) -> str | None:
     t, layout = cell.traits, cell.layout
     if t.asynchronous and cell.event.rule.get("gradient_clip_algorithm") == "value":
         return "an asynchronous schedule with gradient_clip_algorithm='value' raises at its first clip"
-    if (t.predicts_weights or t.predicts_ahead) and cell.event.interrupt == "stop_mid":
-        return "PipeMare and XPipe resumed to max_steps are not exact (stopped and resumed by epochs they are)"
     if layout.replicas_sync == "elastic" and layout.rank_order and cell.event.interrupt in RESUMES:
         return "AvgPipe under a permuted rank_order does not resume exactly (2.5e-2; in rank order it does)"
     if layout.elastic and cell.model.token_count:
