@@ -168,8 +168,6 @@ def refusal(cell: Cell) -> str | None:
 def open_defect(cell: Cell) -> str | None:
     """Why ``cell`` is known to fail today (found by the matrix, not yet fixed), or None; the test
     marks it ``xfail(strict=True)``, so the fix makes it fail until its line here goes."""
-    if refusal(cell) == r"accumulate_grad_batches must be 1":
-        return "an asynchronous schedule refuses accumulate_grad_batches > 1 at its first training step, not before"
     if refusal(cell) is not None:
         return None
     layout = cell.layout
