@@ -393,7 +393,7 @@ class StagePipeline:
         Under elastic averaging (a collective over the replicas too): ``{"elastic": ...}``, the center and
         every replica's own weights and optimizer state."""
         if self.elastic is not None:
-            return {"elastic": self.elastic.state_dict(self.placement.stage, self.num_stages)}
+            return {"elastic": self.elastic.state_dict(self.placement.stage, self.num_stages, self.placement.replica)}
         if self.asynchronous is None:
             return None
         state = self.asynchronous.state_dict()

@@ -171,8 +171,6 @@ def open_defect(cell: Cell) -> str | None:
     if refusal(cell) is not None:
         return None
     layout = cell.layout
-    if layout.replicas_sync == "elastic" and layout.rank_order and cell.event.interrupt in RESUMES:
-        return "AvgPipe under a permuted rank_order does not resume exactly (2.5e-2; in rank order it does)"
     if layout.elastic and cell.model.token_count:
         return "an elastic restart under token_count does not keep the update (1.2e-2 from the uninterrupted run)"
     return None
@@ -271,6 +269,7 @@ KNOWN: tuple[str, ...] = (
     "xpipe/save_every_step/p2/sequential",
     "pipemare/validate_mid/p2/sequential",
     "1f1b/fit_predict_test/avgpipe_permuted/sequential",
+    "gpipe/resume_epoch/avgpipe_permuted/sequential",
     "1f1b/fit_predict_test/p2/frozen",
     "1f1b/fit_predict_test/elastic_shrink/sequential",
 )
