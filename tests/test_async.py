@@ -85,9 +85,12 @@ def test_every_backward_uses_the_version_of_its_forward(tmp_path: Path, schedule
 
 
 # ---------------------------------------------------------------------------- the update rule
-def _reference(model: torch.nn.Module, batches: list, lr: float, delays: dict[str, int]) -> None:
+def _reference(
+    model: torch.nn.Module, batches: list, lr: float, delays: dict[str, int], clip_value: float | None = None
+) -> None:
     """Single process: W_s(t+1) = W_s(t) - lr * grad_s f_{t - d_s}(W(t - d_s)); with d = 1 everywhere
-    this is PipeDream-2BW's W(t+1) = W(t) - lr * grad f(W(t-1))."""
+    this is PipeDream-2BW's W(t+1) = W(t) - lr * grad f(W(t-1)). ``clip_value``: each applied
+    gradient's elements clamped to it."""
     params = dict(model.named_parameters())
     history: list[dict[str, torch.Tensor]] = []
     for t, (x, y) in enumerate(batches):
@@ -97,7 +100,8 @@ def _reference(model: torch.nn.Module, batches: list, lr: float, delays: dict[st
             for name, p in params.items():
                 source = t - delays[name]
                 if source >= 0:
-                    p -= lr * history[source][name]
+                    grad = history[source][name]
+                    p -= lr * (grad if clip_value is None else grad.clamp(-clip_value, clip_value))
 
 
 def _stage_delays(schedule: str, stages: int, chunks: int, model: TinyNet) -> dict[str, int]:
@@ -127,6 +131,26 @@ def test_weights_follow_the_delayed_update_rule(schedule: str, stages: int, chun
     _reference(reference, batches, 0.1, _stage_delays(schedule, stages, chunks, reference))
     fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, max_steps=steps)
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
+
+
+def test_clipping_by_value_clamps_each_applied_gradient() -> None:
+    """gradient_clip_algorithm="value" clips, at each update, the delayed gradient applied then (per
+    element, so each stage its own); the first updates, with no gradient due yet, have nothing to clip
+    (they raised in torch's clip_grad_value_ before)."""
+    torch.manual_seed(0)
+    piped = TinyNet(lr=0.1)
+    piped.optimizer = "plain-sgd"
+    reference, unclipped = TinyNet(), TinyNet()
+    reference.load_state_dict(piped.state_dict())
+    unclipped.load_state_dict(piped.state_dict())
+    batches = [b for _, b in zip(range(5), iter(_cycle(loader())))]
+    delays = _stage_delays("pipedream", 2, 2, reference)
+    _reference(reference, batches, 0.1, delays, clip_value=0.01)
+    _reference(unclipped, batches, 0.1, delays)
+    fit_pipeline(piped, 2, schedule="pipedream", chunks=2, max_steps=5, gradient_clip_val=0.01,
+                 gradient_clip_algorithm="value")  # fmt: skip
+    assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(unclipped.layers[0].weight, piped.layers[0].weight, atol=1e-4)  # it clipped
 
 
 ASYNCHRONOUS = [name for name, row in TRAITS.items() if row.asynchronous]
@@ -169,6 +193,35 @@ def test_saves_and_validations_leave_the_weights_the_rule_gives(
     assert_same_weights(plain, drained, rtol=0, atol=1e-7)
     torch.manual_seed(0)
     assert not torch.allclose(ScheduledNet().layers[2].weight, plain.layers[2].weight)  # it trained
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_a_run_stopped_by_max_steps_resumes_to_the_uninterrupted_weights(tmp_path: Path, schedule: str) -> None:
+    """PipeMare and XPipe run their backwards on the weights of their moment, so where training stops
+    by ``max_steps`` in the middle of an epoch the pipeline drains after the last update, as the run
+    going on would have run those backwards in its next step. Epochs of 6 batches: stopped at 5 (the
+    pipeline full), resumed and stopped at 7 (its last step from an empty pipeline), resumed to 8,
+    against 8 steps at once; before the fix the stops drained before their update (2.3e-6 and 2.4e-5 off)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import ScheduledNet
+
+    options: dict = dict(schedule=schedule, chunks=2, gradient_clip_val=1.0)
+    torch.manual_seed(0)
+    straight = ScheduledNet(lr=0.1)
+    stopped = ScheduledNet(lr=0.1)
+    stopped.load_state_dict(straight.state_dict())
+    fit_pipeline(straight, 2, max_steps=8, **options)
+    path = None
+    for steps in (5, 7, 8):
+        saves = ModelCheckpoint(dirpath=tmp_path / str(steps), save_last=True, save_top_k=0, every_n_train_steps=1)
+        fit_pipeline(
+            stopped, 2, ckpt_path=path, max_steps=steps, enable_checkpointing=True, callbacks=[saves], **options
+        )
+        path = str(tmp_path / str(steps) / "last.ckpt")
+    assert_same_weights(straight, stopped, rtol=0, atol=1e-7)
+    torch.manual_seed(0)
+    assert not torch.allclose(ScheduledNet().layers[2].weight, straight.layers[2].weight)  # it trained
 
 
 def test_a_drain_that_changes_pipemares_weights_is_told_once(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies.launchers import multiprocessing, subprocess_script
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_pipe import PipelineStrategy
@@ -109,4 +110,26 @@ def test_a_rank_order_for_another_world_is_refused_before_starting_any_process(m
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(TinyNet(), loader())
+    assert torch.distributed.is_initialized() is False
+
+
+def test_accumulation_under_an_asynchronous_schedule_is_refused_before_starting_any_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Trainer's ``accumulate_grad_batches`` reaches the launching process's check (it was refused
+    at the first training step, after every process had started)."""
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", started)
+    monkeypatch.setattr(multiprocessing._MultiProcessingLauncher, "launch", started)
+    for start_method in ("popen", "spawn"):
+        trainer = L.Trainer(
+            strategy=PipelineStrategy(schedule="pipedream", start_method=start_method), accelerator="cpu",
+            devices=2, accumulate_grad_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches must be 1, got 2"):
+            trainer.fit(TinyNet(), loader())
+    check_before_launch(TinyNet(), PipelineConfig(), Layout(2, 1), accumulate_grad_batches=2)  # synchronous: fine
     assert torch.distributed.is_initialized() is False

@@ -135,10 +135,13 @@ class ElasticAverage:
             offset += n
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, stage: int, stages: int) -> dict[str, Any]:
+    def state_dict(self, stage: int, stages: int, replica: int) -> dict[str, Any]:
         """The center by name, the step count, and every replica's own weights and (positional) optimizer
-        state, gathered on every replica of the stage (a collective over them: every rank calls it)."""
+        state, gathered on every replica of the stage (a collective over them: every rank calls it), each
+        marked with its ``replica`` (the placement's index, which a permuted ``rank_order`` makes differ
+        from the rank in the group)."""
         own = {
+            "replica": replica,
             "weights": {n: p.detach().cpu().clone() for n, p in zip(self.names, self.params)},
             "optimizers": [_to_cpu(o.state_dict()) for o in self.optimizers],
         }
@@ -167,7 +170,10 @@ class ElasticAverage:
         mine = saved["stages"].get(stage)
         replicas = dist.get_world_size(self.group)
         same = mine is not None and mine["stages"] == stages and mine["replicas"] == replicas
-        self._restore = mine["own"][replica] if same else None
+        if same:  # by the saved replica index (older checkpoints: by position, the rank in the group)
+            self._restore = {o.get("replica", i): o for i, o in enumerate(mine["own"])}.get(replica)
+        else:
+            self._restore = None
 
     def center_on_loaded_weights(self) -> None:
         """The resumed checkpoint holds no center (saved under ``replicas_sync="allreduce"``, such as

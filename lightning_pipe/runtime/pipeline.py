@@ -180,6 +180,8 @@ class StagePipeline:
             self.asynchronous = AsyncPipeline(
                 options.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
             )
+        self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
+        self._update_hooks: list[Any] = []
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
@@ -261,19 +263,26 @@ class StagePipeline:
         self.agreement.post(keys, content, source)
 
     def train_step(
-        self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext, pause_after: bool = False
+        self,
+        keys: Sequence[Hashable],
+        step: StepFn,
+        context: Context = nullcontext,
+        pause_after: bool = False,
+        stop_after: bool = False,
     ) -> bool:
         """Run one batch of ``len(keys)`` micro-batches (``keys[i]``: micro-batch ``i``'s input
         shapes, alike on every stage) through the training schedule; ``step(i)`` runs the user's
         step for micro-batch ``i``. The gradients are kept for :meth:`hand_over_gradients`.
 
         An asynchronous schedule runs this batch's forwards and the backwards due now, and drains
-        where the pipeline cannot stay full (``pause_after``: training pauses after this step, for
-        an epoch's end or the last step). Returns whether the pipeline started or drained in this
+        where the pipeline cannot stay full: before this step's update where the rule drains
+        (``pause_after``: an epoch ends after this step), after it where training merely stops
+        (``stop_after``: ``max_steps``, in the middle of an epoch), as a run going on would have run
+        those backwards in its next step. Returns whether the pipeline started or drains in this
         step, so a rank reading the step's results at once waits for no work still in flight
         (always, for synchronous schedules)."""
         if self.asynchronous is not None:
-            return self._async_step(self.asynchronous, keys, step, context, pause_after)
+            return self._async_step(self.asynchronous, keys, step, context, pause_after, stop_after)
         if self.elastic is not None:
             self.elastic.restore()  # after a resume: this replica's own weights and optimizer state
         schedule = self.schedule(self.options.schedule, len(keys))
@@ -293,7 +302,13 @@ class StagePipeline:
         return True
 
     def _async_step(
-        self, run: AsyncPipeline, keys: Sequence[Hashable], step: StepFn, context: Context, pause_after: bool
+        self,
+        run: AsyncPipeline,
+        keys: Sequence[Hashable],
+        step: StepFn,
+        context: Context,
+        pause_after: bool,
+        stop_after: bool,
     ) -> bool:
         """This batch's forwards and the backwards due now; the gradient kept for this step's
         update is that of an earlier batch."""
@@ -304,9 +319,11 @@ class StagePipeline:
             t = run.train_step(m, {first + i: key for i, key in enumerate(keys)}, self._calls(step))
             self._check_agreement()
             isolated = run.isolated(m)
-            settled = fresh or isolated or pause_after
+            settled = fresh or isolated or pause_after or stop_after
             if isolated or pause_after:  # a step from an empty pipeline too: a drain before it must not move this one
                 run.drain(Callbacks(timeline=self.timeline))
+            elif stop_after:  # the optimizer's step post-hook drains, so a resumed run equals one that went on
+                self._drain_after_update = context
         params = dict(self.host.named_parameters())
         self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
         return settled
@@ -348,7 +365,21 @@ class StagePipeline:
         if self.elastic is not None:
             self.elastic.attach(optimizers)
         if self.asynchronous is not None and self.asynchronous.pipemare is not None:
-            self.asynchronous.pipemare.attach(optimizers)
+            self.asynchronous.pipemare.attach(optimizers)  # first: its post-hook ends the update
+        self._remove_update_hooks()
+        if self.asynchronous is not None:
+            self._update_hooks = [o.register_step_post_hook(self._after_update) for o in optimizers]
+
+    def _after_update(self, *_: Any) -> None:
+        """A stop by ``max_steps`` in the middle of an epoch drains here, after the step's update."""
+        context, self._drain_after_update = self._drain_after_update, None
+        if context is not None:
+            self.drain(context)
+
+    def _remove_update_hooks(self) -> None:
+        for handle in self._update_hooks:
+            handle.remove()
+        self._update_hooks = []
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
@@ -362,7 +393,7 @@ class StagePipeline:
         Under elastic averaging (a collective over the replicas too): ``{"elastic": ...}``, the center and
         every replica's own weights and optimizer state."""
         if self.elastic is not None:
-            return {"elastic": self.elastic.state_dict(self.placement.stage, self.num_stages)}
+            return {"elastic": self.elastic.state_dict(self.placement.stage, self.num_stages, self.placement.replica)}
         if self.asynchronous is None:
             return None
         state = self.asynchronous.state_dict()
@@ -412,6 +443,7 @@ class StagePipeline:
             self.asynchronous.pipemare.detach()
         if self.elastic is not None:
             self.elastic.detach()
+        self._remove_update_hooks()
         deferred_conv.uninstall_split(self._fused)
         self._fused = []
         self.gradients.close()

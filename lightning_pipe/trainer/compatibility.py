@@ -105,6 +105,16 @@ def check_chimera_layout(schedule: str, stages: int, replicas: int) -> None:
         )
 
 
+def check_async_accumulation(schedule: str, accumulate_grad_batches: int) -> None:
+    """An asynchronous schedule applies one batch's gradient per optimizer step (its delays count steps)."""
+    if is_async(schedule) and accumulate_grad_batches != 1:
+        raise MisconfigurationException(
+            f"schedule={schedule!r} applies one batch's gradient per optimizer step; "
+            f"accumulate_grad_batches must be 1, got {accumulate_grad_batches} (raise `chunks` for larger batches "
+            "instead)."
+        )
+
+
 def check_async(
     schedule: str,
     module: nn.Module,

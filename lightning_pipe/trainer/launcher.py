@@ -112,15 +112,16 @@ class _Serialized(bytes):
 
 
 class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: ignore[misc]
-    """Lightning's multiprocessing launcher, gathering rank 0's results; ``before(module)`` runs on the
-    launching process before any worker starts (what can be refused there, is)."""
+    """Lightning's multiprocessing launcher, gathering rank 0's results; ``before(module,
+    accumulate_grad_batches=...)`` runs on the launching process before any worker starts (what can be
+    refused there, is)."""
 
     def __init__(
         self,
         strategy: pl.strategies.Strategy,
         start_method: str,
         gathering: Callable[[], Gathering],
-        before: Callable[[Any], None] | None = None,
+        before: Callable[..., None] | None = None,
         arguments: Arguments | None = None,
     ) -> None:
         self._inner = internals.multiprocessing_launcher(
@@ -135,7 +136,7 @@ class PipelineMultiProcessingLauncher(internals.launcher_class()):  # type: igno
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if self._before is not None and trainer is not None:
-            self._before(trainer.lightning_module)
+            self._before(trainer.lightning_module, accumulate_grad_batches=trainer.accumulate_grad_batches)
         if self._arguments is not None and trainer is not None:
             args, kwargs = self._arguments(trainer, function, args, kwargs)
         results = self._inner.launch(function, *args, trainer=trainer, **kwargs)
@@ -152,12 +153,12 @@ def launcher_for(
     strategy: Any,
     start_method: str,
     gathering: Callable[[], Gathering],
-    before: Callable[[Any], None] | None = None,
+    before: Callable[..., None] | None = None,
     arguments: Arguments | None = None,
 ) -> Any:
     """Lightning's script launcher, Hydra-aware, for ``"popen"``; else its multiprocessing launcher,
     which gathers the whole model back (``gathering``: where from, once the processes are set up).
-    ``before(module)``: run on the launching process before it starts any other;
+    ``before(module, accumulate_grad_batches=...)``: run on the launching process before it starts any other;
     ``arguments(trainer, function, args, kwargs)``: the Trainer function's arguments, changed
     (elastic runs resume from the newest checkpoint), in every process that runs it."""
     if start_method == "popen":
@@ -201,14 +202,14 @@ def child_overrides(task: Sequence[str], hydra: Sequence[str]) -> list[str]:
 
 class PipelineScriptLauncher(internals.launcher_class()):  # type: ignore[misc]
     """Lightning's script launcher (``start_method="popen"``) with :func:`hydra_child_command`;
-    ``before(module)`` runs on the launching process before it starts the others."""
+    ``before(module, accumulate_grad_batches=...)`` runs on the launching process before it starts the others."""
 
     def __init__(
         self,
         cluster_environment: Any,
         num_processes: int,
         num_nodes: int,
-        before: Callable[[Any], None] | None = None,
+        before: Callable[..., None] | None = None,
         arguments: Arguments | None = None,
     ) -> None:
         self._inner = internals.script_launcher(cluster_environment, num_processes, num_nodes, hydra_child_command)
@@ -225,7 +226,7 @@ class PipelineScriptLauncher(internals.launcher_class()):  # type: ignore[misc]
             and trainer is not None
             and not self._inner.cluster_environment.creates_processes_externally
         ):
-            self._before(trainer.lightning_module)
+            self._before(trainer.lightning_module, accumulate_grad_batches=trainer.accumulate_grad_batches)
         if self._arguments is not None and trainer is not None:
             args, kwargs = self._arguments(trainer, function, args, kwargs)
         return self._inner.launch(function, *args, trainer=trainer, **kwargs)

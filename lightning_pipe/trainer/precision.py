@@ -54,12 +54,21 @@ def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None)
 
 class _GlobalNormClipping:
     """Lightning's clip-by-norm hook (``Precision.clip_grad_by_norm``, the method Lightning's own
-    ``FSDPPrecision`` overrides) with the norm taken over every stage's gradients."""
+    ``FSDPPrecision`` overrides) with the norm taken over every stage's gradients; its clip-by-value
+    hook on the stage's gradients there are."""
 
     _lightning_pipe_clip: Callable[[list[Any], int | float], Any]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._lightning_pipe_clip(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Per element, so each stage clips its own gradients; a stage with none at this update (an
+        asynchronous schedule's first updates, before any batch's gradient is due) has nothing to clip,
+        where ``torch.nn.utils.clip_grad_value_`` would raise."""
+        grads = [p for p in self.main_params(optimizer) if p.grad is not None]  # type: ignore[attr-defined]
+        if grads:
+            torch.nn.utils.clip_grad_value_(grads, clip_value=clip_val)
 
 
 _CLIPPING: dict[type, type] = {}

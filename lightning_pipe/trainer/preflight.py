@@ -24,7 +24,12 @@ from lightning_pipe.runtime.elastic_average import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import is_async, stage_positions
 from lightning_pipe.trainer.assemble import check_held_parameters, for_this_world, refuse_for_blocks
-from lightning_pipe.trainer.compatibility import check_async, check_chimera_layout, check_shard
+from lightning_pipe.trainer.compatibility import (
+    check_async,
+    check_async_accumulation,
+    check_chimera_layout,
+    check_shard,
+)
 
 
 def builds_layers_later(module: nn.Module) -> bool:
@@ -33,10 +38,14 @@ def builds_layers_later(module: nn.Module) -> bool:
     return hook is not None and getattr(hook, "__qualname__", "").split(".")[0] not in ("LightningModule", "ModelHooks")
 
 
-def check_before_launch(module: nn.Module | None, config: PipelineConfig, layout: Layout) -> None:
+def check_before_launch(
+    module: nn.Module | None, config: PipelineConfig, layout: Layout, accumulate_grad_batches: int = 1
+) -> None:
     """Raise what the split of ``module`` into ``layout`` would raise on every rank, where the module and
-    the arguments decide it. Nothing is split, built or measured here."""
+    the arguments decide it (and the Trainer's ``accumulate_grad_batches``, which an asynchronous schedule
+    refuses). Nothing is split, built or measured here."""
     config = for_this_world(config, layout.world_size, layout.replicas)  # an elastic restart's own
+    check_async_accumulation(config.schedule, accumulate_grad_batches)
     resolve_alpha(config.replicas_sync, layout.replicas, config.replicas_sync_alpha)  # elastic averaging needs replicas
     if module is None or config.plan == "auto":
         return

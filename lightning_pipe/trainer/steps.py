@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
@@ -29,7 +28,7 @@ from lightning_pipe.runtime.microbatch import batch_size, merge, signature, spli
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
 from lightning_pipe.runtime.topology import Topology
-from lightning_pipe.trainer.compatibility import as_misconfiguration
+from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async_accumulation
 from lightning_pipe.trainer.data import is_padding
 from lightning_pipe.trainer.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
 
@@ -146,13 +145,10 @@ class PipelineSteps:
         """One step of an asynchronous schedule: this batch's forwards and the backwards due now;
         the gradient applied by this step's optimizer update is that of an earlier batch."""
         trainer = module.trainer
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                f"schedule={self.config.schedule!r} applies one batch's gradient per optimizer step; "
-                "accumulate_grad_batches must be 1 (raise `chunks` for larger batches instead)."
-            )
+        check_async_accumulation(self.config.schedule, trainer.accumulate_grad_batches)  # changed by a callback
         with as_misconfiguration():
-            sync = self.pipeline.train_step(keys, step, context, pause_after=self._async_sync_point(trainer, batch_idx))
+            epoch_end, stop = self._async_pauses(trainer, batch_idx)
+            sync = self.pipeline.train_step(keys, step, context, pause_after=epoch_end, stop_after=stop)
         # Logged values reach the other ranks a step late, so that no rank waits between steps;
         # where the pipeline starts or drains anyway, they are shared at once.
         summary = self.summary(recorder) if self.placement.is_last_stage else None
@@ -180,12 +176,12 @@ class PipelineSteps:
             self._last_loss = summary["loss"]
 
     @staticmethod
-    def _async_sync_point(trainer: pl.Trainer, batch_idx: int) -> bool:
-        """Whether training pauses after this step (epoch end, ``max_steps``): drain now."""
+    def _async_pauses(trainer: pl.Trainer, batch_idx: int) -> tuple[bool, bool]:
+        """Whether an epoch ends after this step (the rule drains before its update), and whether
+        training stops after it in the middle of an epoch (``max_steps``: drained after the update)."""
         loop = trainer.fit_loop.epoch_loop
-        if loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
-            return True
-        return 0 < trainer.max_steps <= trainer.global_step + 1
+        epoch_end = loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches
+        return epoch_end, not epoch_end and 0 < trainer.max_steps <= trainer.global_step + 1
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, hook: str, args: tuple, kwargs: dict) -> Any:
