@@ -92,6 +92,7 @@ class ReplicaOrder(DistributedSampler):
         self.replaced = replaced
         self._resume: tuple[int, int, int] | None = None  # epoch, its seed, global samples already read
         self._drawn: tuple[int, int] = (-1, seed)  # the epoch last iterated and the seed of its order
+        self._grouping: tuple[int, int, int] | None = None  # see regroup
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -115,9 +116,64 @@ class ReplicaOrder(DistributedSampler):
         self._drawn = (self.epoch, seed)
         order = self.order(self.epoch, seed)
         rest = order[start:]
+        regrouped, rest = self._regrouped(rest, start)
         padding = -len(rest) % self.num_replicas  # as DistributedSampler pads: from the epoch's first samples
         rest += (order * math.ceil(padding / max(len(order), 1)))[:padding]
-        return iter(rest[self.rank :: self.num_replicas])
+        return iter(regrouped + rest[self.rank :: self.num_replicas])
+
+    def regroup(self, replicas: int, accumulate: int, batch: int) -> None:
+        """Read every update as ``replicas`` replicas read it (the first start of an elastic run, which
+        this start, accumulating ``accumulate`` batches of ``batch``, continues with the same global batch).
+
+        The replicas' gradients, like the accumulated batches', are averaged with equal weights, each the
+        gradient of its own batch's mean: with a ``loss_weight`` (token means) the update depends on which
+        samples share a batch, not only on the global batch. Replica ``r`` of ``d`` here reads, as its
+        ``k``-th batch of an update, the batch that the first start's batch number ``k d + r`` of that
+        update was (its replicas' batches, replica-major within each of its accumulated batches)."""
+        self._grouping = (replicas, accumulate, batch)
+
+    def _regrouped(self, rest: list[int], start: int) -> tuple[list[int], list[int]]:
+        """This replica's samples of ``rest`` as :meth:`regroup` groups them, and the samples left to read
+        as usual: all of them without a regrouping or where it does not apply (an epoch resumed within an
+        update, a first start whose batches do not fill this start's updates), and an epoch's last part
+        update where its batches would not be the first start's (padded, or not filling the batches)."""
+        if self._grouping is None:
+            return [], rest
+        first, accumulate, batch = self._grouping
+        replicas = self.num_replicas
+        update = replicas * accumulate * batch
+        if first == replicas or update % (first * batch) or start % update:
+            return [], rest
+        whole = len(rest) - len(rest) % update
+        mine = self._read_as_first(rest[:whole], self.rank) or []  # whole updates always line up
+        tail = rest[whole:]
+        if not tail or len(tail) % first:  # the first start padded its last batches: read as usual
+            return mine, tail
+        parts = [self._read_as_first(tail, replica) for replica in range(replicas)]
+        if any(part is None or len(part) != len(tail) // replicas for part in parts):
+            return mine, tail
+        return mine + (parts[self.rank] or []), []
+
+    def _read_as_first(self, samples: list[int], replica: int) -> list[int] | None:
+        """``replica``'s batches of ``samples`` (whole updates, or an epoch's last part of one) where each is
+        the first start's batch it stands for; None where a part update's batches do not line up."""
+        first, accumulate, batch = self._grouping or (1, 1, 1)
+        update = self.num_replicas * accumulate * batch
+        read: list[int] = []
+        for base in range(0, len(samples), update):
+            sizes = []
+            for k in range(accumulate):
+                block, of = divmod(k * self.num_replicas + replica, first)
+                begin = base + block * first * batch + of
+                group = (
+                    samples[begin : min(begin + first * batch, len(samples)) : first] if begin < len(samples) else []
+                )
+                sizes.append(len(group))
+                read += group
+            filled = [n for n in sizes if n]
+            if any(n != batch for n in filled[:-1]):  # a short batch before another would merge with it
+                return None
+        return read
 
     def position(self, samples: int, complete: bool = False) -> dict[str, Any]:
         """What a checkpoint keeps: the epoch's order (its seed: a resumed epoch keeps the saved one), the

@@ -60,6 +60,7 @@ from lightning_pipe.plan.elastic import (
 )
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import traits
+from lightning_pipe.trainer.resume_data import regroup_orders
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,8 @@ class ElasticState(Callback):
         self._started = 0.0
         self._trainer: pl.Trainer | None = None
         self._nodes: list[list[Any]] = []
+        #: the replicas whose batches each update keeps (the first start's: see ReplicaOrder.regroup)
+        self._grouping: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -271,7 +274,7 @@ class ElasticState(Callback):
             return {}
         stages, replicas, accumulate = self._layout()
         return {"stages": stages, "replicas": replicas, "accumulate": accumulate, "nodes": self._nodes,
-                "saved_at": time.time()}  # fmt: skip
+                "grouping": self._grouping or replicas, "saved_at": time.time()}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.previous = dict(state_dict) or None
@@ -284,14 +287,20 @@ class ElasticState(Callback):
         progress, restarted = self._progress, restart_count() > 0
         previous, saved = self._start_before()
         if previous is None:
+            self._grouping = self._layout()[1]
             self._write_progress(trainer)
             return
         stages, replicas, accumulate = self._layout()
         old_replicas = int(previous.get("replicas", replicas))  # unknown (a checkpoint of a run without elastic):
         old_accumulate = int(previous.get("accumulate", accumulate))  # taken as this start's
         kept, why = restart_accumulation(old_accumulate, old_replicas, replicas, self.schedule, self.accumulates)
+        self._grouping = replicas
         if kept is not None:
             trainer.accumulate_grad_batches = accumulate = kept
+            # the global batch is kept: so is each update, read in the first start's batches (token means)
+            self._grouping = int(previous.get("grouping", old_replicas))
+            if self._grouping != replicas:
+                regroup_orders(trainer.train_dataloader, self._grouping, accumulate)
         if old_replicas != replicas and saved:  # the checkpoint's batch counts, in its replicas' batches
             _rescale_epoch_progress(trainer, old_replicas, replicas)
         notes = [why] if why is not None else []
@@ -345,7 +354,8 @@ class ElasticState(Callback):
             return
         stages, replicas, accumulate = self._layout()
         progress = {"run": _run_id(), "step": trainer.global_step, "time": time.time(), "started": self._started,
-                    "stages": stages, "replicas": replicas, "accumulate": accumulate, "nodes": self._nodes}  # fmt: skip
+                    "stages": stages, "replicas": replicas, "accumulate": accumulate, "nodes": self._nodes,
+                    "grouping": self._grouping or replicas}  # fmt: skip
         self.folder.mkdir(parents=True, exist_ok=True)
         part = self.folder / f"{PROGRESS}.partial"
         part.write_text(json.dumps(progress))

@@ -14,7 +14,7 @@ the DataLoader, a resume that is not exact says so once, on rank 0.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -58,6 +58,22 @@ def training_loader(
     batch = dataloader.batch_size or 1
     keep_position(dataloader, order, (lambda: _trained(trainer)) if trainer is not None else None, batch * num_replicas)
     return dataloader
+
+
+def regroup_orders(loaders: Any, replicas: int, accumulate: int) -> None:
+    """Have every training loader in ``loaders`` (the Trainer's: one, or a list or dict of them) that the
+    pipeline steers read each update as ``replicas`` replicas did (see :meth:`ReplicaOrder.regroup`)."""
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        for loader in loaders:
+            regroup_orders(loader, replicas, accumulate)
+        return
+    if not isinstance(loaders, DataLoader):
+        return
+    sampler = getattr(loaders.batch_sampler, "sampler", None) if loaders.batch_sampler is not None else loaders.sampler
+    if isinstance(sampler, ReplicaOrder):
+        sampler.regroup(replicas, accumulate, loaders.batch_size or 1)
 
 
 def _trained(trainer: Any) -> tuple[int, bool]:
@@ -122,4 +138,4 @@ def _say_what_is_not_exact(trainer: Any, dataloader: DataLoader, why: str | None
     )
 
 
-__all__ = ["EXACT", "keep_position", "training_loader"]
+__all__ = ["EXACT", "keep_position", "regroup_orders", "training_loader"]

@@ -168,11 +168,7 @@ def refusal(cell: Cell) -> str | None:
 def open_defect(cell: Cell) -> str | None:
     """Why ``cell`` is known to fail today (found by the matrix, not yet fixed), or None; the test
     marks it ``xfail(strict=True)``, so the fix makes it fail until its line here goes."""
-    if refusal(cell) is not None:
-        return None
-    layout = cell.layout
-    if layout.elastic and cell.model.token_count:
-        return "an elastic restart under token_count does not keep the update (1.2e-2 from the uninterrupted run)"
+    del cell  # none is open today: a line per defect, ``if <its cells>: return "<why>"``, until its fix
     return None
 
 
@@ -272,6 +268,7 @@ KNOWN: tuple[str, ...] = (
     "gpipe/resume_epoch/avgpipe_permuted/sequential",
     "1f1b/fit_predict_test/p2/frozen",
     "1f1b/fit_predict_test/elastic_shrink/sequential",
+    "1f1b/fit_predict_test/elastic_shrink/zero_token",
 )
 
 

@@ -141,3 +141,33 @@ def test_a_saved_epoch_that_ended_resumes_at_the_next_one() -> None:
         order = ReplicaOrder(dataset(20), 1, 0, True, 3)
         assert order.resume({"epoch": 4, "seed": 3, "shuffle": True, "size": 20, **state}) is None
         assert order.epoch == 5 and list(order) == order.order(5, 3)
+
+
+@pytest.mark.parametrize("first, replicas, accumulate", [(2, 1, 2), (2, 1, 4), (4, 2, 2), (1, 2, 1)])
+def test_a_restart_on_other_replicas_reads_each_update_in_the_first_starts_batches(
+    first: int, replicas: int, accumulate: int
+) -> None:
+    """An elastic restart from ``first`` replicas (accumulating ``replicas x accumulate / first``) to
+    ``replicas`` accumulating ``accumulate``: every update's batches hold the same samples as the first
+    start's (equal-weight means of token means depend on them), an epoch's last part update included."""
+    batch, size = 3, 60  # updates of replicas x accumulate x 3 samples; 60 leaves a part update for (2, 1, 4)
+    first_accumulate = replicas * accumulate // first
+
+    def batches(d: int, a: int, regroup: bool) -> list[list[frozenset[int]]]:
+        """Each update's batches, as sets of samples (their order within an update does not count)."""
+        reads = []
+        for r in range(d):
+            order = ReplicaOrder(dataset(size), d, r, True, 5)
+            if regroup:
+                order.regroup(first, a, batch)
+            samples = list(order)
+            reads.append([samples[i : i + batch] for i in range(0, len(samples), batch)])
+        updates = -(-len(reads[0]) // a)
+        return [
+            sorted((frozenset(b) for read in reads for b in read[u * a : (u + 1) * a]), key=min) for u in range(updates)
+        ]
+
+    expected = batches(first, first_accumulate, False)
+    assert batches(replicas, accumulate, True) == expected
+    if first != replicas:  # without regrouping the batches differ (what made token means drift)
+        assert batches(replicas, accumulate, False) != expected
