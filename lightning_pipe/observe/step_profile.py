@@ -110,21 +110,26 @@ class StepProfile(pl.Callback):
             self._last_end = end
             return  # a step without the pipeline's backward (skipped by the user): nothing to split
         sums = dict.fromkeys(("compute", "wait", "post", "step"), 0.0)
-        for _, spans in runs:
+        first_start, handed = runs[0][0], marks.get("handed", marks["backward"])
+        # an asynchronous rule may run the executor again in the hand-over or the optimizer step: each run's
+        # time counts in the executor's parts, not in the window it ran in
+        later = {"hand_over": 0.0, "optimizer": 0.0}
+        for start, spans in runs:
             for span in spans:
                 part = "compute" if span.name in COMPUTE else span.name
                 if part in sums:
                     sums[part] += span.seconds
-        first_start, handed = runs[0][0], marks.get("handed", marks["backward"])
+                if span.name == "step" and start >= marks["backward"]:
+                    later["hand_over" if start < handed else "optimizer"] += span.seconds
         row = {
             "compute": sums["compute"],
             "wait": sums["wait"],
             "post": sums["post"],
             "executor_other": sums["step"] - sums["compute"] - sums["wait"] - sums["post"],
             "before_executor": first_start - marks["start"],
-            "after_executor": marks["backward"] - first_start - sums["step"],
-            "hand_over": handed - marks["backward"],
-            "optimizer": end - handed,
+            "after_executor": marks["backward"] - first_start - (sums["step"] - sum(later.values())),
+            "hand_over": handed - marks["backward"] - later["hand_over"],
+            "optimizer": end - handed - later["optimizer"],
         }
         if self._last_end is not None:
             row["between"] = marks["start"] - self._last_end
