@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
-from lightning_pipe.partition.placement import describe_order, measured_order
+from lightning_pipe.partition.placement import BalanceTarget, describe_order, measured_order
 from lightning_pipe.partition.profile import agreed_profile, profile_module
 from lightning_pipe.partition.speeds import (
     EQUAL_WITHIN,
@@ -156,31 +156,6 @@ def split_resources(
     return per_stage(resources.speeds), per_stage(resources.known_free)
 
 
-@dataclass(frozen=True)
-class BalanceTarget:
-    """What a measured split is for: the balance, the schedule and the layout that run it.
-
-    Attributes:
-        balance: ``"time"`` or ``"memory"``.
-        schedule: the schedule's name (it decides the micro-batches each stage keeps in flight).
-        recompute: the recompute mode (``"never"``, ``"except_last"``, ``"always"``).
-        num_stages: processes per pipeline.
-        num_microbatches: micro-batches per step.
-        virtual: stages per process (the split is into ``num_stages x virtual`` stages).
-        replicas: replicas per pipeline position.
-        order: which rank holds which slot (None: placed by the measured speeds or free memory).
-    """
-
-    balance: str
-    schedule: str
-    recompute: str
-    num_stages: int
-    num_microbatches: int
-    virtual: int = 1
-    replicas: int = 1
-    order: Sequence[int] | None = None
-
-
 def measured_balance(
     target: BalanceTarget,
     module: Any,
@@ -218,9 +193,7 @@ def measured_balance(
     order = t.order
     if order is None:
         values = resources.placed_by(t.balance)
-        order = measured_order(
-            profile, values, t.balance, t.schedule, t.recompute, t.num_stages, t.replicas, t.virtual, in_flight, owners
-        )
+        order = measured_order(profile, values, t, in_flight, owners)
     speeds, capacities = split_resources(resources, t.schedule, t.num_stages, t.replicas, t.virtual, order)
     counts = profile.balance(t.balance, len(in_flight), in_flight, t.recompute, owners, speeds, capacities)
     if inputs.is_source:
@@ -234,5 +207,5 @@ def measured_balance(
 
 
 __all__ = [
-    "BalanceTarget", "MeasureInputs", "RankResources", "agreed_resources", "measured_balance", "split_resources",
+    "MeasureInputs", "RankResources", "agreed_resources", "measured_balance", "split_resources",
 ]  # fmt: skip

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
-from lightning_pipe.partition.placement import measured_order
+from lightning_pipe.partition.placement import BalanceTarget, measured_order
 from lightning_pipe.partition.speeds import all_equal, position_values, stage_values
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import (
@@ -340,7 +340,10 @@ def _settings(entry: tuple[int, int, int, Profile, int], search: _Search) -> Ite
             Layout(stages, replicas).placed(search.rank_order).order
             if search.rank_order is not None
             else measured_order(
-                profile, search.rank_speeds, "time", schedule, "never", stages, replicas, v, split_in_flight
+                profile,
+                search.rank_speeds,
+                BalanceTarget("time", schedule, "never", stages, chunks, v, replicas),
+                split_in_flight,
             )
         )
         held = holder_speeds(search.rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies too)
