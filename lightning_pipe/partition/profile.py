@@ -129,7 +129,7 @@ def _bytes(tensors: tuple[Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure_layers(
+def measure_layers(  # noqa: PLR0913  the measuring knobs (warmup, repeats, context) are keywords callers name
     layers: nn.Sequential | nn.ModuleList,
     value: Any,
     device: torch.device,
@@ -248,7 +248,7 @@ def _inputs(tensors: tuple[Tensor, ...], flags: tuple[bool, ...]) -> tuple[Tenso
     return tuple(t.detach().requires_grad_(flag and t.is_floating_point()).clone() for t, flag in zip(tensors, flags))
 
 
-def _split_backward(
+def _split_backward(  # noqa: PLR0913  measure_layers' own measuring knobs, passed on
     layer: nn.Module,
     tensors: tuple[Tensor, ...],
     flags: tuple[bool, ...],
@@ -328,7 +328,7 @@ def _rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
 
-def profile_module(
+def profile_module(  # noqa: PLR0913  the measuring knobs (warmup, repeats, context) are keywords callers name
     module: Any,
     layers: nn.Sequential | nn.ModuleList,
     batch: Callable[[], Any],

@@ -415,7 +415,7 @@ def _rank(entries: Iterable[tuple[int, int, int, Profile, int]], search: _Search
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
 
-def plan(
+def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and the tests name them
     profiles: Mapping[int, Profile],
     num_stages: int,
     link: Link,
@@ -469,7 +469,7 @@ def needed_sizes(world_size: int, batch_size: int, limit: int = 32) -> list[int]
     return sorted(sizes, reverse=True)
 
 
-def plan_layouts(
+def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and the tests name them
     profiles: Mapping[int, Profile],
     world_size: int,
     batch_size: int,

@@ -96,7 +96,7 @@ class StageGradients:
             are summed in buckets as the replicas' are averaged, while the backward runs.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  built by StagePipeline.__init__ (typed config's refactor)
         self,
         shared: Sequence[nn.Parameter],
         ties: Sequence[Tie],
