@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
 from lightning_pipe.partition.placement import BalanceTarget, describe_order, measured_order
-from lightning_pipe.partition.profile import agreed_profile, profile_module
+from lightning_pipe.partition.profile import Timing, agreed_profile, profile_module
 from lightning_pipe.partition.speeds import (
     EQUAL_WITHIN,
     all_equal,
@@ -182,7 +182,7 @@ def measured_balance(
             inputs.batch,
             t.num_microbatches,
             inputs.device,
-            inputs.context,
+            Timing(context=inputs.context),
             memory=t.balance == "memory",
             optimizers=inputs.optimizers,
         )
