@@ -133,3 +133,38 @@ def test_accumulation_under_an_asynchronous_schedule_is_refused_before_starting_
             trainer.fit(TinyNet(), loader())
     check_before_launch(TinyNet(), PipelineConfig(), Layout(2, 1), accumulate_grad_batches=2)  # synchronous: fine
     assert torch.distributed.is_initialized() is False
+
+
+def test_the_preflight_is_the_splits_own_decision_run_dry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launching process runs split_module's :func:`decide_split` without measuring (the two
+    cannot disagree): a given balance is decided as the split decides it, ties included; a measured
+    one is left to the setup, where the same function takes the measured counts."""
+    from lightning_pipe.trainer import assemble, preflight
+
+    seen: list[assemble.SplitDecision] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> assemble.SplitDecision:
+        seen.append(assemble.decide_split(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(preflight, "decide_split", recorded)
+    check_before_launch(TiedNet(), PipelineConfig(), Layout(2, 1))
+    (dry,) = seen
+    assert (dry.positions, dry.num_split, dry.balance) == ([0, 1], 2, [3, 2])
+    assert dry.tied == [{0: "0.weight", 1: "4.weight"}]  # the embedding is the head's weight
+
+    check_before_launch(TiedNet(), PipelineConfig(balance="time"), Layout(2, 1))
+    assert seen[-1].balance is None and seen[-1].tied is None  # measured in the setup
+
+    asked: list[tuple[int, list[bool]]] = []
+    net = TiedNet()
+    measured = assemble.decide_split(
+        net,
+        net.layers,
+        PipelineConfig(balance="time"),
+        Layout(2, 1),
+        lambda n, owners: asked.append((n, owners)) or [1, 4],
+    )
+    assert asked == [(2, [True, False, True, False, True])]  # the split's stages and which layers hold parameters
+    assert (measured.positions, measured.balance) == ([0, 1], [1, 4])
+    assert measured.tied == [{0: "0.weight", 1: "4.weight"}]  # named by the layer's index

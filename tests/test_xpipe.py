@@ -114,7 +114,7 @@ def test_options_and_their_errors() -> None:
 
 
 # ---------------------------------------------------------------------------- the update rule, end to end
-def _reference_xpipe(
+def _reference_xpipe(  # noqa: C901  the by-hand reference of XPipe's rule, one algorithm as the docstring states it
     model: TinyNet, batches: list, stages: int, chunks: int, make: Callable[[list], torch.optim.Optimizer], how: str
 ) -> None:
     """Single process, by hand: XPipe's rule with the delays of the schedule.

@@ -307,7 +307,7 @@ def _reset_seeded(
             reset(unit, skip, only, initializer, exempt, where)
 
 
-def initialize(
+def initialize(  # noqa: PLR0913  what to initialise where (fresh, local, outside); a record is follow-up work
     module: nn.Module,
     layers: Blocks,
     fresh: Sequence[int],

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.costs import Profile, in_flight_microbatches
-from lightning_pipe.partition.placement import describe_order, measured_order
-from lightning_pipe.partition.profile import agreed_profile, profile_module
+from lightning_pipe.partition.placement import BalanceTarget, describe_order, measured_order
+from lightning_pipe.partition.profile import Timing, agreed_profile, profile_module
 from lightning_pipe.partition.speeds import (
     EQUAL_WITHIN,
     all_equal,
@@ -157,58 +157,52 @@ def split_resources(
 
 
 def measured_balance(
-    schedule: str,
-    balance: str,
-    checkpoint: str,
-    num_stages: int,
-    num_microbatches: int,
-    virtual: int,
+    target: BalanceTarget,
     module: Any,
     layers: nn.Sequential | nn.ModuleList,
     inputs: MeasureInputs,
     profile: Profile | None = None,
     owners: Sequence[bool] | None = None,
     resources: RankResources | None = None,
-    replicas: int = 1,
-    order: Sequence[int] | None = None,
 ) -> tuple[list[int], Profile, tuple[int, ...]]:
-    """Layer counts per stage for the measured ``balance`` (``"time"`` or ``"memory"``), the
-    profile they come from (``profile`` when given for these layers, else measured) and the rank
-    order they are for (``order`` when given, else :func:`~lightning_pipe.partition.placement.measured_order`'s); with
-    ``virtual`` stages per process the split is into processes x ``virtual`` stages, each stage
+    """Layer counts per stage for the measured balance of ``target``, the profile they come from
+    (``profile`` when given for these layers, else measured) and the rank order they are for
+    (``target.order`` when given, else :func:`~lightning_pipe.partition.placement.measured_order`'s);
+    with several stages per process the split is into processes x virtual stages, each stage
     holding the micro-batches its schedule keeps in flight there. ``owners``: which layers hold a
     parameter (every stage gets one where they allow it). ``resources``: every rank's speed and free
-    memory (:func:`agreed_resources`; ``replicas`` per pipeline position), which weight the stages."""
-    in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches, virtual)
+    memory (:func:`agreed_resources`), which weight the stages."""
+    t = target
+    in_flight = in_flight_microbatches(t.schedule, t.num_stages, t.num_microbatches, t.virtual)
 
     def measure() -> Profile:
         return profile_module(
             module,
             layers,
             inputs.batch,
-            num_microbatches,
+            t.num_microbatches,
             inputs.device,
-            inputs.context,
-            memory=balance == "memory",
+            Timing(context=inputs.context),
+            memory=t.balance == "memory",
             optimizers=inputs.optimizers,
         )
 
     if profile is None or len(profile.layers) != len(layers):
         profile = agreed_profile(inputs.is_source, inputs.broadcast, measure)
     resources = resources or RankResources()
+    order = t.order
     if order is None:
-        values = resources.placed_by(balance)
-        order = measured_order(
-            profile, values, balance, schedule, checkpoint, num_stages, replicas, virtual, in_flight, owners
-        )
-    speeds, capacities = split_resources(resources, schedule, num_stages, replicas, virtual, order)
-    counts = profile.balance(balance, len(in_flight), in_flight, checkpoint, owners, speeds, capacities)
+        values = resources.placed_by(t.balance)
+        order = measured_order(profile, values, t, in_flight, owners)
+    speeds, capacities = split_resources(resources, t.schedule, t.num_stages, t.replicas, t.virtual, order)
+    counts = profile.balance(t.balance, len(in_flight), in_flight, t.recompute, owners, speeds, capacities)
     if inputs.is_source:
-        log.info("lightning-pipe: balance=%s, %s", balance, profile.report(counts, in_flight, checkpoint))
+        log.info("lightning-pipe: balance=%s, %s", t.balance, profile.report(counts, in_flight, t.recompute))
         if resources.speeds is not None or resources.free is not None:
             log.info("lightning-pipe: %s", resources.describe())
         if order:
-            log.info("lightning-pipe: ranks placed by %s: %s", balance, describe_order(order, num_stages, replicas))
+            placed = describe_order(order, t.num_stages, t.replicas)
+            log.info("lightning-pipe: ranks placed by %s: %s", t.balance, placed)
     return counts, profile, tuple(order)
 
 

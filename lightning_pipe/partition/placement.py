@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_pipe.partition.costs import Profile
@@ -152,22 +153,44 @@ def position_load(
     return out
 
 
+@dataclass(frozen=True)
+class BalanceTarget:
+    """What a measured split is for: the balance, the schedule and the layout that run it.
+
+    Attributes:
+        balance: ``"time"`` or ``"memory"``.
+        schedule: the schedule's name (it decides the micro-batches each stage keeps in flight).
+        recompute: the recompute mode (``"never"``, ``"except_last"``, ``"always"``).
+        num_stages: processes per pipeline.
+        num_microbatches: micro-batches per step.
+        virtual: stages per process (the split is into ``num_stages x virtual`` stages).
+        replicas: replicas per pipeline position.
+        order: which rank holds which slot (None: placed by the measured speeds or free memory).
+    """
+
+    balance: str
+    schedule: str
+    recompute: str
+    num_stages: int
+    num_microbatches: int
+    virtual: int = 1
+    replicas: int = 1
+    order: Sequence[int] | None = None
+
+
 def measured_order(
     profile: Profile,
     values: Sequence[float] | None,
-    balance: str,
-    schedule: str,
-    checkpoint: str,
-    stages: int,
-    replicas: int,
-    virtual: int,
+    target: BalanceTarget,
     in_flight: Sequence[int],
     owners: Sequence[bool] | None = None,
 ) -> tuple[int, ...]:
-    """Which rank holds which position for a measured split (:func:`place_ranks`): ranks grouped by
-    their ``values``, speeds (``"time"``) or free bytes (``"memory"``), the groups ordered by the
-    slowest (or fullest) position each order's split would have; ``()``: the default layout."""
-    positions = stage_positions(schedule, stages, virtual)
+    """Which rank holds which position for a measured split of ``target`` (:func:`place_ranks`): ranks
+    grouped by their ``values``, speeds (``"time"``) or free bytes (``"memory"``), the groups ordered
+    by the slowest (or fullest) position each order's split would have; ``()``: the default layout.
+    ``in_flight``: per split stage, the micro-batches it holds at once."""
+    balance, checkpoint, stages, virtual = target.balance, target.recompute, target.num_stages, target.virtual
+    positions = stage_positions(target.schedule, stages, virtual)
     num_split = stages * virtual
 
     def score(per_position: list[float]) -> float:
@@ -177,7 +200,7 @@ def measured_order(
         load = position_load(profile, balance, counts, positions, in_flight, checkpoint)
         return max(x / v for x, v in zip(load, per_position))
 
-    return place_ranks(values, stages, replicas, score)
+    return place_ranks(values, stages, target.replicas, score)
 
 
 def describe_order(order: Sequence[int], stages: int, replicas: int) -> str:
@@ -191,6 +214,15 @@ def describe_order(order: Sequence[int], stages: int, replicas: int) -> str:
 
 
 __all__ = [
-    "BETTER_BY", "EVERY_ORDER_UP_TO", "check_rank_order", "classes", "describe_order", "group_orders",
-    "groups_by_value", "measured_order", "place_ranks", "position_load",
+    "BETTER_BY",
+    "EVERY_ORDER_UP_TO",
+    "BalanceTarget",
+    "check_rank_order",
+    "classes",
+    "describe_order",
+    "group_orders",
+    "groups_by_value",
+    "measured_order",
+    "place_ranks",
+    "position_load",
 ]  # fmt: skip

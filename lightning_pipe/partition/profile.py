@@ -129,18 +129,26 @@ def _bytes(tensors: tuple[Tensor, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How each measurement runs: ``warmup`` runs, then the median of ``repeats``, each in ``context``
+    (the precision's training-step context: autocast under mixed precision)."""
+
+    warmup: int = 1
+    repeats: int = 3
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+
 def measure_layers(
     layers: nn.Sequential | nn.ModuleList,
     value: Any,
     device: torch.device,
-    warmup: int = 1,
-    repeats: int = 3,
-    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    timing: Timing = Timing(),
     optimizers: dict[int, tuple[type, dict[str, Any]]] | None = None,
     calls: Sequence[BlockCall] | None = None,
     initializer: Initializer | None = None,
 ) -> list[LayerCost]:
-    """Forward and backward seconds (median of ``repeats`` after ``warmup``) and bytes of each layer
+    """Forward and backward seconds (as ``timing`` says) and bytes of each layer
     for the micro-batch activation ``value`` entering the first layer; with ``optimizers`` (see
     :func:`user_optimizers`) also its optimizer state and update time. A layer's input requires a
     gradient where it would in the pipeline: where ``value`` does, or after a layer with trainable
@@ -164,13 +172,13 @@ def measure_layers(
         saved = 0
         output: tuple[Tensor, ...] = ()
         params = list(layer.parameters())
-        for rep in range(warmup + repeats):
+        for rep in range(timing.warmup + timing.repeats):
             # a fresh non-leaf copy: layers may work in place on their input (ReLU(inplace=True))
             inputs = _inputs(tensors, flags)
             meter = SavedActivationMeter(params)
             _synchronize(device)
             start = time.perf_counter()
-            with context(), meter.hooks():
+            with timing.context(), meter.hooks():
                 out = call(from_tuple(inputs, was_tuple))
             _synchronize(device)
             middle = time.perf_counter()
@@ -181,16 +189,14 @@ def measure_layers(
                 torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
             _synchronize(device)
             end = time.perf_counter()
-            if rep >= warmup:
+            if rep >= timing.warmup:
                 forwards.append(middle - start)
                 backwards.append(end - middle)
-        input_backward, weight_backward = _split_backward(
-            layer, tensors, flags, was_tuple, device, warmup, repeats, context, call
-        )
+        input_backward, weight_backward = _split_backward(layer, tensors, flags, was_tuple, device, timing, call)
         for p in params:
             p.grad = None
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-        state_bytes, update = _update_cost(params, layer_optimizers, device, repeats)
+        state_bytes, update = _update_cost(params, layer_optimizers, device, timing.repeats)
         costs.append(
             LayerCost(
                 forward=statistics.median(forwards),
@@ -254,9 +260,7 @@ def _split_backward(
     flags: tuple[bool, ...],
     was_tuple: bool,
     device: torch.device,
-    warmup: int,
-    repeats: int,
-    context: Callable[[], AbstractContextManager[Any]],
+    timing: Timing,
     call: Callable[[Any], Any] | None = None,
 ) -> tuple[float, float]:
     """Median seconds of B and W of ``layer``'s backward split as the zero-bubble schedules split
@@ -269,10 +273,10 @@ def _split_backward(
     inputs_b: list[float] = []
     weights: list[float] = []
     try:
-        for rep in range(warmup + repeats):
+        for rep in range(timing.warmup + timing.repeats):
             inputs = _inputs(tensors, flags)
             with fused_linear.accumulating():
-                with context():
+                with timing.context():
                     out = call(from_tuple(inputs, was_tuple))
                 needing = [t for t in as_tuple(out)[0] if t.requires_grad]
                 _synchronize(device)
@@ -285,7 +289,7 @@ def _split_backward(
                 weight_store.run(works)
                 _synchronize(device)
                 end = time.perf_counter()
-            if rep >= warmup:
+            if rep >= timing.warmup:
                 inputs_b.append(middle - start)
                 weights.append(end - middle if works else 0.0)
     finally:
@@ -334,22 +338,20 @@ def profile_module(
     batch: Callable[[], Any],
     num_microbatches: int,
     device: torch.device,
-    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    timing: Timing = Timing(),
     memory: bool = True,
-    warmup: int = 1,
-    repeats: int = 3,
     optimizers: Callable[[], Sequence[Any]] = tuple,
 ) -> Profile:
     """The profile of ``layers`` (the Sequential of ``module``, or a block container its forward loops
     over: see :func:`block_calls`) on ``device`` for the first micro-batch of the batch ``batch()``
-    gives. Random states (including those the batch's draw consumes) and buffers are as before when
-    it returns."""
+    gives, each layer timed as ``timing`` says. Random states (including those the batch's draw
+    consumes) and buffers are as before when it returns."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.random.fork_rng(devices=_rng_devices(device)):
         micro = split(batch(), num_microbatches)[0]
         settings = user_optimizers(optimizers) if memory else {}
         if not isinstance(layers, nn.Sequential):  # a block container the model's forward loops over
-            costs, value = _profile_blocks(module, layers, micro, device, context, settings, warmup, repeats)
+            costs, value = _profile_blocks(module, layers, micro, device, timing, settings)
         else:
             if has_meta_tensors(module):
                 # built on the meta device (configure_model): the step runs there up to the Sequential,
@@ -357,13 +359,13 @@ def profile_module(
                 value = _random_like(sequential_input(module, layers, _to_meta(micro)), device)
             else:
                 value = sequential_input(module, layers, micro)
-            costs = measure_layers(layers, value, device, warmup, repeats, context, settings)
+            costs = measure_layers(layers, value, device, timing, settings)
     with torch.no_grad():
         for name, b in module.named_buffers():
             if name in buffers:
                 b.copy_(buffers[name])
     size = as_tuple(value)[0][0].shape[0] if as_tuple(value)[0][0].dim() > 0 else 1
-    return Profile(tuple(costs), size, str(device), repeats)
+    return Profile(tuple(costs), size, str(device), timing.repeats)
 
 
 @dataclass
@@ -504,10 +506,8 @@ def _profile_blocks(
     container: nn.Sequential | nn.ModuleList,
     microbatch: Any,
     device: torch.device,
-    context: Callable[[], AbstractContextManager[Any]],
+    timing: Timing,
     optimizers: dict[int, tuple[type, dict[str, Any]]],
-    warmup: int,
-    repeats: int,
 ) -> tuple[list[LayerCost], Any]:
     """Each block measured on the arguments the model's forward gave it, and the ends' costs on the
     first and last block (see :mod:`lightning_pipe.partition.ends`); and the first block's input."""
@@ -517,8 +517,8 @@ def _profile_blocks(
     recorder = block_calls(module, path, container, microbatch, device)
     initializer = Initializer(module)
     first = recorder.calls[0].hidden
-    costs = measure_layers(container, first, device, warmup, repeats, context, optimizers, recorder.calls, initializer)
-    pre, post = _ends_cost(recorder, find_ends(module, container), device, warmup, repeats, context, initializer)
+    costs = measure_layers(container, first, device, timing, optimizers, recorder.calls, initializer)
+    pre, post = _ends_cost(recorder, find_ends(module, container), device, timing, initializer)
     for p in module.parameters():
         p.grad = None
     return _with_ends(costs, pre, post), recorder.calls[0].hidden
@@ -528,9 +528,7 @@ def _ends_cost(
     recorder: _Recorder,
     ends: Any,
     device: torch.device,
-    warmup: int,
-    repeats: int,
-    context: Callable[[], AbstractContextManager[Any]],
+    timing: Timing,
     initializer: Initializer,
 ) -> tuple[tuple[float, float, int], tuple[float, float, int]]:
     """(forward s, backward s, parameter bytes) of what the first stage runs before its first block
@@ -552,18 +550,18 @@ def _ends_cost(
         real = _on_device(head, device, {}, initializer)[0]
         post_bytes += sum(p.numel() * p.element_size() for p in real.parameters())
         forwards, backwards = [], []
-        for rep in range(warmup + repeats):
+        for rep in range(timing.warmup + timing.repeats):
             assert hidden is not None  # a model with a head after the blocks
             x = hidden.detach().to(device).requires_grad_(True)
             _synchronize(device)
             start = time.perf_counter()
-            with context():
+            with timing.context():
                 out = real(x)
             _synchronize(device)
             middle = time.perf_counter()
             out.backward(torch.ones_like(out))
             _synchronize(device)
-            if rep >= warmup:
+            if rep >= timing.warmup:
                 forwards.append(middle - start)
                 backwards.append(time.perf_counter() - middle)
         for p in real.parameters():

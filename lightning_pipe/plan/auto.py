@@ -111,7 +111,7 @@ def plan_layers(
     world is ranked for the same global batch (DataLoader batch x the layout's replicas), each
     replica reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches
     larger than the DataLoader's batch cannot be measured from it and are left out)."""
-    from lightning_pipe.partition.profile import profile_module
+    from lightning_pipe.partition.profile import Timing, profile_module
     from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
@@ -139,13 +139,14 @@ def plan_layers(
 
     def profiles() -> dict[int, Profile]:
         found: dict[int, Profile] = {}
-        first = profile_module(module, layers, batch, 1, device, inputs.context, optimizers=inputs.optimizers)
+        timing = Timing(context=inputs.context)
+        first = profile_module(module, layers, batch, 1, device, timing, optimizers=inputs.optimizers)
         per_replica = batch_size(cache[0])
         found[first.microbatch_size] = first
         for size in sizes(per_replica):
             if size not in found:
                 profile = profile_module(
-                    module, layers, batch, -(-per_replica // size), device, inputs.context, optimizers=inputs.optimizers
+                    module, layers, batch, -(-per_replica // size), device, timing, optimizers=inputs.optimizers
                 )
                 found[profile.microbatch_size] = profile
         return found

@@ -30,12 +30,12 @@ Trainer's loop, logging, sharing the loss) is not in the prediction.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.costs import Profile
-from lightning_pipe.partition.placement import measured_order
+from lightning_pipe.partition.placement import BalanceTarget, measured_order
 from lightning_pipe.partition.speeds import all_equal, position_values, stage_values
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import (
@@ -43,6 +43,7 @@ from lightning_pipe.schedules import (
     TRAITS,
     VIRTUAL_STAGES,
     DeadlockError,
+    Schedule,
     build,
     peak_in_flight,
     simulate,
@@ -257,18 +258,139 @@ def _variants(schedules: Sequence[str], stages: int, layers: int, virtual: Seque
     return out
 
 
-def _rank(
-    entries: Iterable[tuple[int, int, int, Profile, int]],
-    link: Link,
-    memory_budget: Budget,
-    schedules: Sequence[str],
-    balances: Sequence[str],
-    checkpoints: Sequence[str],
-    virtual: Sequence[int],
-    rendezvous: bool,
-    rank_speeds: Sequence[float] | None = None,
-    rank_order: Sequence[int] | None = None,
-) -> list[Candidate]:
+@dataclass(frozen=True)
+class _Search:
+    """What the ranking tries and under which conditions (see :func:`plan`)."""
+
+    link: Link
+    memory_budget: Budget
+    schedules: Sequence[str]
+    balances: Sequence[str]
+    checkpoints: Sequence[str]
+    virtual: Sequence[int]
+    rendezvous: bool
+    rank_speeds: Sequence[float] | None = None
+    rank_order: Sequence[int] | None = None
+
+    @property
+    def given_speeds(self) -> tuple[float, ...]:
+        return tuple(float(v) for v in self.rank_speeds) if self.rank_speeds is not None else ()
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        """Bytes free per global rank, where the budget is given per rank."""
+        budget = self.memory_budget
+        return tuple(int(b) for b in budget) if budget is not None and not isinstance(budget, int) else ()
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One layout, micro-batch count and schedule (with its stages per rank), as the runtime would
+    place it: what every balance and recompute mode of it shares."""
+
+    stages: int
+    replicas: int
+    chunks: int
+    profile: Profile
+    replica_batch: int
+    schedule: str
+    virtual: int
+    plan_schedule: Schedule  # as the strategy builds it (regrouped for NCCL where needed)
+    ranks: list[int]  # the rank of each stage (Chimera's copies included)
+    in_flight: list[int]  # per stage of ``ranks``
+    split_in_flight: list[int]  # per split stage, over its copies
+    order: tuple[int, ...]  # which rank holds which slot
+    held: list[float] | None  # per stage of ``ranks``, its holder's speed
+    budgets: list[int] | None  # per position
+    speeds: list[float] | None  # per split stage, its slower holder's speed (Chimera's copies sit on two ranks)
+    capacities: list[float] | None  # per split stage, its rank's budget
+
+    @property
+    def split(self) -> int:
+        """The layers' stages; Chimera runs each of them twice (copies)."""
+        return self.stages * self.virtual
+
+    @property
+    def copies(self) -> int:
+        return len(self.ranks) // self.split
+
+    def balance(self, mode: str, checkpoint: str) -> tuple[int, ...]:
+        """Layers per split stage under balance ``mode`` and recompute mode ``checkpoint``."""
+        in_flight = self.split_in_flight
+        return tuple(_split(self.profile, mode, self.split, in_flight, checkpoint, self.speeds, self.capacities))
+
+
+def _settings(entry: tuple[int, int, int, Profile, int], search: _Search) -> Iterator[_Setting]:
+    """Every schedule (and stages per rank) that runs on ``entry``'s layout and micro-batch count."""
+    stages, replicas, chunks, profile, replica_batch = entry
+    for schedule, v in _variants(search.schedules, stages, len(profile.layers), search.virtual):
+        try:  # as the strategy builds it: regrouped for NCCL where the schedule needs it
+            plan_schedule = build(schedule, stages, chunks, v, rendezvous=search.rendezvous)
+        except ValueError:
+            continue  # micro-batch counts interleaving cannot round, or NCCL cannot run
+        ranks = stage_ranks(schedule, stages, v)
+        if len(ranks) // (stages * v) > 1 and replicas > 1:
+            continue  # Chimera does not combine with data-parallel replicas
+        peaks = peak_in_flight(plan_schedule)
+        in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
+        split = stages * v  # the layers' stages; Chimera runs each of them twice (copies)
+        split_in_flight = [sum(in_flight[s + c * split] for c in range(len(ranks) // split)) for s in range(split)]
+        # the order the runtime's balance="time" would choose (``()``: the default layout), or the given one
+        order = (
+            Layout(stages, replicas).placed(search.rank_order).order
+            if search.rank_order is not None
+            else measured_order(
+                profile,
+                search.rank_speeds,
+                BalanceTarget("time", schedule, "never", stages, chunks, v, replicas),
+                split_in_flight,
+            )
+        )
+        held = holder_speeds(search.rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies too)
+        budgets = position_budgets(search.memory_budget, stages, replicas, order)  # per position (of one pipeline)
+        # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
+        speeds = None if held is None else stage_values(held, list(range(len(ranks))), split)
+        capacities = None if budgets is None else stage_values([float(b) for b in budgets], ranks, split)
+        yield _Setting(
+            stages, replicas, chunks, profile, replica_batch, schedule, v, plan_schedule, ranks, in_flight,
+            split_in_flight, order, held, budgets, speeds, capacities,
+        )  # fmt: skip
+
+
+def _predict(setting: _Setting, mode: str, balance: tuple[int, ...], checkpoint: str, search: _Search) -> Candidate:
+    """The candidate of ``setting`` split by ``balance``: its simulated step, all-reduce and memory;
+    raises :class:`DeadlockError` where the schedule cannot run with this backend."""
+    s, link, split, copies = setting, search.link, setting.split, setting.copies
+    profile, ranks, held = s.profile, s.ranks, s.held
+    costs = [
+        cost
+        for c in range(copies)
+        for cost in stage_seconds(profile, balance, checkpoint, s.chunks, link, ranks[:split], _copy(held, c, split))
+    ]
+    simulation = simulate(s.plan_schedule, stage_costs=costs, rendezvous=search.rendezvous)
+    summed_over = 2 if copies > 1 else s.replicas  # Chimera's pair sums its gradients, replicas average theirs
+    grads = _per_rank(_per_stage(profile, balance, "gradient_bytes") * copies, ranks, s.stages)
+    reduce = [link.all_reduce_seconds(int(g), summed_over) for g in grads]
+    updates = _per_rank(
+        [u for c in range(copies) for u in stage_updates(profile, balance, _copy(held, c, split))], ranks, s.stages
+    )
+    tail = max(r + u for r, u in zip(reduce, updates))
+    per_stage = [
+        float(m)
+        for c in range(copies)
+        for m in profile.stage_bytes(balance, s.in_flight[c * split : (c + 1) * split], checkpoint)
+    ]
+    memory = tuple(int(m) for m in _per_rank(per_stage, ranks, s.stages))
+    fits = s.budgets is None or all(m <= b for m, b in zip(memory, s.budgets))
+    return Candidate(
+        s.schedule, s.chunks, mode, balance, checkpoint, simulation.makespan + tail,
+        simulation.bubble_fraction, memory, fits, tuple(costs), s.stages, s.replicas, s.virtual,
+        profile.microbatch_size, max(reduce), s.replica_batch, search.rendezvous, link, search.given_speeds,
+        s.order, search.free,
+    )  # fmt: skip
+
+
+def _rank(entries: Iterable[tuple[int, int, int, Profile, int]], search: _Search) -> list[Candidate]:
     """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries,
     ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles; they
     also place the ranks (:func:`~lightning_pipe.partition.placement.measured_order`, for the time
@@ -276,81 +398,24 @@ def _rank(
     every rank, or per global rank (then each position's is its smallest rank's, and the memory
     split gives a smaller device less)."""
     found: dict[tuple, Candidate] = {}
-    given_speeds = tuple(float(v) for v in rank_speeds) if rank_speeds is not None else ()
-    free = (
-        tuple(int(b) for b in memory_budget) if memory_budget is not None and not isinstance(memory_budget, int) else ()
-    )
-    for stages, replicas, chunks, profile, replica_batch in entries:
-        for schedule, v in _variants(schedules, stages, len(profile.layers), virtual):
-            try:  # as the strategy builds it: regrouped for NCCL where the schedule needs it
-                plan_schedule = build(schedule, stages, chunks, v, rendezvous=rendezvous)
-            except ValueError:
-                continue  # micro-batch counts interleaving cannot round, or NCCL cannot run
-            ranks = stage_ranks(schedule, stages, v)
-            split = stages * v  # the layers' stages; Chimera runs each of them twice (copies)
-            copies = len(ranks) // split
-            if copies > 1 and replicas > 1:
-                continue  # Chimera does not combine with data-parallel replicas
-            peaks = peak_in_flight(plan_schedule)
-            in_flight = [peaks.get(s, 0) for s in range(len(ranks))]
-            split_in_flight = [sum(in_flight[s + c * split] for c in range(copies)) for s in range(split)]
-            summed_over = 2 if copies > 1 else replicas  # Chimera's pair sums its gradients, replicas average theirs
-            # the order the runtime's balance="time" would choose (``()``: the default layout), or the given one
-            order = (
-                Layout(stages, replicas).placed(rank_order).order
-                if rank_order is not None
-                else measured_order(
-                    profile, rank_speeds, "time", schedule, "never", stages, replicas, v, split_in_flight
-                )
-            )
-            held = holder_speeds(rank_speeds, stages, replicas, ranks, order)  # per stage of ranks (copies included)
-            # the split weighs each stage by its slower holder (Chimera's two copies sit on two ranks)
-            speeds = None if held is None else stage_values(held, list(range(len(ranks))), split)
-            budgets = position_budgets(memory_budget, stages, replicas, order)  # per position (rank of one pipeline)
-            capacities = None if budgets is None else stage_values([float(b) for b in budgets], ranks, split)
-            for checkpoint in checkpoints:
-                if chunks == 1 and checkpoint == "except_last":
+    for entry in entries:
+        for s in _settings(entry, search):
+            for checkpoint in search.checkpoints:
+                if s.chunks == 1 and checkpoint == "except_last":
                     continue  # the same as "never" with one micro-batch
-                for mode in balances:
-                    balance = tuple(_split(profile, mode, split, split_in_flight, checkpoint, speeds, capacities))
-                    key = (stages, replicas, schedule, v, chunks, balance, checkpoint, order)
+                for mode in search.balances:
+                    balance = s.balance(mode, checkpoint)
+                    key = (s.stages, s.replicas, s.schedule, s.virtual, s.chunks, balance, checkpoint, s.order)
                     if key in found:
                         continue
-                    costs = [
-                        cost
-                        for c in range(copies)
-                        for cost in stage_seconds(
-                            profile, balance, checkpoint, chunks, link, ranks[:split], _copy(held, c, split)
-                        )
-                    ]
                     try:
-                        simulation = simulate(plan_schedule, stage_costs=costs, rendezvous=rendezvous)
+                        found[key] = _predict(s, mode, balance, checkpoint, search)
                     except DeadlockError:
                         break  # the schedule cannot run with this backend and micro-batch count
-                    grads = _per_rank(_per_stage(profile, balance, "gradient_bytes") * copies, ranks, stages)
-                    reduce = [link.all_reduce_seconds(int(g), summed_over) for g in grads]
-                    updates = _per_rank(
-                        [u for c in range(copies) for u in stage_updates(profile, balance, _copy(held, c, split))],
-                        ranks, stages,
-                    )  # fmt: skip
-                    tail = max(r + u for r, u in zip(reduce, updates))
-                    per_stage = [
-                        float(m)
-                        for c in range(copies)
-                        for m in profile.stage_bytes(balance, in_flight[c * split : (c + 1) * split], checkpoint)
-                    ]
-                    memory = tuple(int(m) for m in _per_rank(per_stage, ranks, stages))
-                    fits = budgets is None or all(m <= b for m, b in zip(memory, budgets))
-                    found[key] = Candidate(
-                        schedule, chunks, mode, balance, checkpoint, simulation.makespan + tail,
-                        simulation.bubble_fraction, memory, fits, tuple(costs), stages, replicas, v,
-                        profile.microbatch_size, max(reduce), replica_batch, rendezvous, link, given_speeds,
-                        order, free,
-                    )  # fmt: skip
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
 
 
-def plan(
+def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and the tests name them
     profiles: Mapping[int, Profile],
     num_stages: int,
     link: Link,
@@ -376,9 +441,10 @@ def plan(
     gives a slower rank less; the speeds also choose which rank holds which stage, unless ``rank_order``
     gives it (see :func:`~lightning_pipe.partition.placement.measured_order`)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
-    return _rank(
-        entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
+    search = _Search(
+        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
     )
+    return _rank(entries, search)
 
 
 def layouts(world_size: int, batch_size: int) -> list[tuple[int, int]]:
@@ -403,7 +469,7 @@ def needed_sizes(world_size: int, batch_size: int, limit: int = 32) -> list[int]
     return sorted(sizes, reverse=True)
 
 
-def plan_layouts(
+def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and the tests name them
     profiles: Mapping[int, Profile],
     world_size: int,
     batch_size: int,
@@ -427,9 +493,10 @@ def plan_layouts(
             size = microbatch_size(batch_size, replicas, chunks)
             if size in profiles:
                 entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
-    return _rank(
-        entries, link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
+    search = _Search(
+        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
     )
+    return _rank(entries, search)
 
 
 def _schedule_label(c: Candidate) -> str:

@@ -24,7 +24,7 @@ from lightning_pipe.schedules import Schedule
 def stage_copies(
     placement: Placement, group: Callable[[list[int]], Any], host: nn.Module, tied: Iterable[nn.Parameter]
 ) -> Copies:
-    """This rank's :data:`~lightning_pipe.runtime.gradients.Copies`: the pair's group (every rank
+    """This rank's :class:`~lightning_pipe.runtime.gradients.Copies`: the pair's group (every rank
     creates every pair's, in the same order, as ``torch.distributed.new_group`` requires), the
     trainable parameters of ``host`` that are not ``tied``, and whether this rank counts them in the
     global norm (the pair's first does)."""
@@ -36,7 +36,7 @@ def stage_copies(
             mine = pair_group
     skip = {id(p) for p in tied}
     params = [p for p in host.parameters() if p.requires_grad and id(p) not in skip]
-    return mine, params, placement.stage < d // 2
+    return Copies(mine, params, placement.stage < d // 2)
 
 
 def reaching(schedule: Schedule, stages: Mapping[int, nn.Module]) -> dict[int, int]:

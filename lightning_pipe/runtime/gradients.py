@@ -12,7 +12,7 @@ replicas, the average over the replicas of the stage. Clipping by the global nor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,27 @@ from lightning_pipe.runtime.topology import Layout
 #: Gradients kept aside per parameter (None: the parameter got no gradient).
 Pending = dict[nn.Parameter, Tensor | None]
 
-#: A weight tied across stages on this rank: the group of the stages holding a copy, the local
-#: copy, and whether this rank counts it in the global norm (the lowest stage of the tie does).
-Tie = tuple[Any, nn.Parameter, bool]
 
-#: Chimera's second copy of this rank's stages on another rank: the pair's group, the parameters
-#: whose gradients the pair sums (not the tied ones, which their tie sums over every holder), and
-#: whether this rank counts them in the global norm (one of the pair does).
-Copies = tuple[Any, list[nn.Parameter], bool]
+class Tie(NamedTuple):
+    """A weight tied across stages on this rank."""
+
+    #: the process group of the stages holding a copy
+    group: Any
+    #: this rank's copy
+    param: nn.Parameter
+    #: whether this rank counts it in the global norm (the lowest stage of the tie does)
+    counted: bool
+
+
+class Copies(NamedTuple):
+    """Chimera's second copy of this rank's stages, on another rank."""
+
+    #: the pair's process group
+    group: Any
+    #: the parameters whose gradients the pair sums (not the tied ones, which their tie sums over every holder)
+    params: list[nn.Parameter]
+    #: whether this rank counts them in the global norm (one of the pair does)
+    counted: bool
 
 
 def tie_groups(
@@ -44,7 +57,7 @@ def tie_groups(
     local_params: Mapping[str, nn.Parameter],
     new_group: Callable[[list[int]], Any] = dist.new_group,
 ) -> list[Tie]:
-    """This rank's :data:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
+    """This rank's :class:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
     holds (``local_params``: this rank's parameters by every name that reaches them). Every rank
     takes part in creating every tie's group, one per replica, as ``torch.distributed.new_group``
     requires (``new_group`` may hand out groups created before)."""
@@ -53,7 +66,7 @@ def tie_groups(
         for r in range(layout.replicas):
             group = new_group([layout.rank(s, r) for s in sorted(tie)])
             if stage in tie and r == replica:
-                found.append((group, local_params[tie[stage]], stage == min(tie)))
+                found.append(Tie(group, local_params[tie[stage]], stage == min(tie)))
     return found
 
 
@@ -72,18 +85,18 @@ class StageGradients:
 
     Args:
         shared: parameters outside the split Sequential (on every stage), in a fixed order.
-        ties: weights tied across stages held by this stage (see :data:`Tie`).
+        ties: weights tied across stages held by this stage (see :class:`Tie`).
         pp_group: the pipeline's stages (None: the default group), where ``shared`` is summed.
         num_stages: stages of the pipeline.
         counts_shared: whether this rank counts ``shared`` in the global norm (one stage does).
         norm_group: the ranks over which the global norm is summed (None: the default group).
         dp_group: the replicas of this stage (None: no data parallelism); their gradients are
             averaged in buckets of about ``bucket_bytes``.
-        copies: Chimera's other copy of this rank's stages (see :data:`Copies`); the pair's gradients
+        copies: Chimera's other copy of this rank's stages (see :class:`Copies`); the pair's gradients
             are summed in buckets as the replicas' are averaged, while the backward runs.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  built by StagePipeline.__init__ (typed config's refactor)
         self,
         shared: Sequence[nn.Parameter],
         ties: Sequence[Tie],
@@ -109,7 +122,7 @@ class StageGradients:
         self._reducing = False
         self.copies = copies
         if copies is not None:
-            self.reducer = ReplicaReducer(copies[1], copies[0], bucket_bytes, mean=False)
+            self.reducer = ReplicaReducer(copies.params, copies.group, bucket_bytes, mean=False)
 
     def overlap(self, params: Sequence[nn.Parameter]) -> None:
         """Average over the replicas while the backward runs (see
@@ -183,7 +196,8 @@ class StageGradients:
         """Sum the gradients of a weight tied across stages over the stages that hold a copy, so
         the copies (equal from the start) take equal updates. A weight that no copy got a gradient
         for (frozen, or unused) keeps none, as in plain training."""
-        for group, param, _ in self.ties:
+        for tie in self.ties:
+            group, param = tie.group, tie.param
             grad = pending.get(param)
             got = torch.tensor([float(grad is not None)], device=param.device)
             dist.all_reduce(got, group=group)
@@ -213,9 +227,9 @@ class StageGradients:
         Parameters outside the Sequential and weights tied across stages hold the same gradient on
         several ranks and count once."""
         once = {id(p) for p in self.shared} if not self.counts_shared else set()
-        once |= {id(p) for _, p, counted in self.ties if not counted}
-        if self.copies is not None and not self.copies[2]:
-            once |= {id(p) for p in self.copies[1]}
+        once |= {id(tie.param) for tie in self.ties if not tie.counted}
+        if self.copies is not None and not self.copies.counted:
+            once |= {id(p) for p in self.copies.params}
         grads = [p.grad for p in parameters if p.grad is not None]
         counted = [p.grad for p in parameters if p.grad is not None and id(p) not in once]
         square = torch.zeros((), dtype=torch.float32, device=device)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -229,6 +230,24 @@ class EvaluationShare(BatchSampler):
         return batch_idx >= self.real_batches
 
 
+def _contribute(
+    summary: dict[str, Any], how: list[str], weight: float, has_loss: bool, flat: Tensor, extremes: Tensor
+) -> None:
+    """This replica's part of the sums (``flat``: the loss and each logged value with its weight; a
+    replica with samples but nothing counted, weight 0, adds no mean) and of the ``extremes``."""
+    if weight > 0:
+        flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
+    for i, (_, value, kwargs) in enumerate(summary["logs"]):
+        if how[i] in ("max", "min"):
+            extremes[i] = value if how[i] == "max" else -value
+        elif how[i] == "sum":
+            flat[2 + 2 * i], flat[3 + 2 * i] = value, 1.0
+        else:
+            logged = float(kwargs.get("batch_size", weight))
+            if logged > 0:
+                flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
+
+
 #: A step summary with nothing in it: a replica's padding step
 EMPTY: dict[str, Any] = {"loss": None, "logs": []}
 
@@ -276,18 +295,8 @@ def combine_over_replicas(
     # max and min go through one MAX all-reduce (a min as the max of the negated values); a
     # replica without samples adds -inf there and nothing to the sums
     extremes = torch.full((len(structure),), -math.inf, dtype=torch.float64, device=device)
-    if samples is None or samples > 0:  # a replica with samples but nothing counted (weight 0) adds no mean
-        if weight > 0:
-            flat[0], flat[1] = (summary["loss"] if has_loss else 0.0) * weight, weight
-        for i, (_, value, kwargs) in enumerate(summary["logs"]):
-            if how[i] in ("max", "min"):
-                extremes[i] = value if how[i] == "max" else -value
-            elif how[i] == "sum":
-                flat[2 + 2 * i], flat[3 + 2 * i] = value, 1.0
-            else:
-                logged = float(kwargs.get("batch_size", weight))
-                if logged > 0:
-                    flat[2 + 2 * i], flat[3 + 2 * i] = value * logged, logged
+    if samples is None or samples > 0:
+        _contribute(summary, how, weight, has_loss, flat, extremes)
     dist.all_reduce(flat, group=group)
     if any(h in ("max", "min") for h in how):
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)

@@ -34,7 +34,7 @@ def produces(action: Action, num_stages: int) -> list[Action]:
     return []
 
 
-def with_communication(
+def with_communication(  # noqa: PLR0913  the Schedule's own fields, which it builds
     name: str,
     compute: Sequence[Sequence[Action]],
     num_stages: int,

@@ -85,125 +85,177 @@ def _regroup(schedule: Schedule, defer: bool) -> list[tuple[Action, ...]]:
     ``defer``, a step whose next compute's input is already on its way posts only the sends whose
     receive is already posted, and the others one step later, so that the compute does not wait
     for a peer still busy with its own."""
-    n = schedule.chain_length
-    costs = _SPLIT_COSTS if schedule.split_backward else _COSTS
-    ranks = [
-        _Rank(
-            order=(order := schedule.compute(r)),
-            inbound=[x for a in order for x in needs(a, n) if not schedule.is_local(x)],
-            gaps=[[] for _ in range(len(order) + 1)],
-        )
-        for r in range(schedule.num_ranks)
-    ]
-    posted: dict[Action, float] = {}  # remote sends posted so far, and when
-    headers_out: dict[Action, float] = {}  # remote activation sends whose shape header went out
-    received: set[Action] = set()  # remote receives posted so far
-    where: dict[Action, tuple[int, _Group]] = {}
-    completed: dict[Action, float] = {}  # remote receives whose group completed, and when
+    play = _Regrouping(schedule, defer)
+    while not play.finished():
+        if not play.step():
+            raise play.stuck()
+    return play.lists()
 
-    def post_gap(rank: int) -> bool:
-        state = ranks[rank]
-        k = state.pointer
+
+@dataclass
+class _Regrouping:
+    """The state of one regrouping: each rank's place in its compute order, its clock and queue of
+    posted groups, and what was posted and received so far. Its phases: a rank at a gap between two
+    computes posts that gap's group (:meth:`post_gap`), or runs its next compute
+    (:meth:`run_compute`); after either, groups at the heads of their queues meet (:meth:`resolve`)."""
+
+    schedule: Schedule
+    defer: bool
+
+    def __post_init__(self) -> None:
+        schedule, n = self.schedule, self.schedule.chain_length
+        self.n = n
+        self.costs = _SPLIT_COSTS if schedule.split_backward else _COSTS
+        self.ranks = [
+            _Rank(
+                order=(order := schedule.compute(r)),
+                inbound=[x for a in order for x in needs(a, n) if not schedule.is_local(x)],
+                gaps=[[] for _ in range(len(order) + 1)],
+            )
+            for r in range(schedule.num_ranks)
+        ]
+        self.posted: dict[Action, float] = {}  # remote sends posted so far, and when
+        self.headers_out: dict[Action, float] = {}  # remote activation sends whose shape header went out
+        self.received: set[Action] = set()  # remote receives posted so far
+        self.where: dict[Action, tuple[int, _Group]] = {}
+        self.completed: dict[Action, float] = {}  # remote receives whose group completed, and when
+
+    @staticmethod
+    def _done(state: _Rank) -> bool:
+        return state.pointer == len(state.order) and not state.at_gap
+
+    def finished(self) -> bool:
+        return all(self._done(s) for s in self.ranks)
+
+    def step(self) -> bool:
+        """Move the earliest rank (by its clock) that can move one step, then let groups meet;
+        False where none can."""
+        for rank in sorted(range(len(self.ranks)), key=lambda r: (self.ranks[r].clock, r)):
+            state = self.ranks[rank]
+            if self._done(state):
+                continue
+            if (state.at_gap and self.post_gap(rank)) or (
+                not state.at_gap and state.pointer < len(state.order) and self.run_compute(rank)
+            ):
+                self.resolve()
+                return True
+        return False
+
+    def _split_sends(self, state: _Rank, wanted: list[Action]) -> tuple[list[Action], list[Action], list[Action]]:
+        """The gap's sends to post now, those moved to the next step (``defer``), and its hand-overs."""
+        k, n = state.pointer, self.n
         sends = produces(state.order[k - 1], n) if k > 0 else []
-        wanted = needs(state.order[k], n) if k < len(state.order) else []
-        local = [a for a in sends + wanted if schedule.is_local(a)]
-        fresh = [a for a in sends if not schedule.is_local(a)]
+        local = [a for a in sends + wanted if self.schedule.is_local(a)]
+        fresh = [a for a in sends if not self.schedule.is_local(a)]
         sends = state.deferred + fresh
-        wanted = [a for a in wanted if not schedule.is_local(a) and a not in received]
+        remote = [a for a in wanted if not self.schedule.is_local(a) and a not in self.received]
         later: list[Action] = []
-        if defer and wanted and all(a.matching() in posted for a in wanted):
-            later = [a for a in fresh if a.matching() not in received]
+        if self.defer and remote and all(a.matching() in self.posted for a in remote):
+            later = [a for a in fresh if a.matching() not in self.received]
             sends = [a for a in sends if a not in later]
+        return sends, later, local
+
+    def post_gap(self, rank: int) -> bool:
+        """Post the group before ``rank``'s next compute: the sends of the compute just done, the
+        receives the next one needs and those a peer already sent; False where the rank waits for
+        the shape header of what the next compute needs."""
+        state = self.ranks[rank]
+        k = state.pointer
+        wanted = needs(state.order[k], self.n) if k < len(state.order) else []
+        sends, later, local = self._split_sends(state, wanted)
+        wanted = [a for a in wanted if not self.schedule.is_local(a) and a not in self.received]
         for a in sends:  # their headers go out before the rank waits for any (as the executor does)
-            headers_out.setdefault(a, state.clock)
-        headers = [headers_out.get(a.matching()) for a in wanted if a.kind is ActionKind.RECV_ACTIVATION]
+            self.headers_out.setdefault(a, state.clock)
+        headers = [self.headers_out.get(a.matching()) for a in wanted if a.kind is ActionKind.RECV_ACTIVATION]
         if any(t is None for t in headers):
-            return False  # waits for the shape header of what the next compute needs
-        extra = [a for a in state.inbound if a not in received and a not in wanted and a.matching() in posted]
+            return False
+        extra = [a for a in state.inbound if a not in self.received and a not in wanted and a.matching() in self.posted]
         ops = sends + wanted + extra
         state.gaps[k] = sends + local + wanted + extra
         if ops:
             post = max([state.clock, *(t for t in headers if t is not None)])
             state.clock = post
-            group = _Group(ops, post)
-            state.queue.append(group)
-            for a in ops:
-                where[a] = (rank, group)
-                if a.kind.is_send:
-                    posted[a] = post
-                else:
-                    received.add(a)
+            self._queue(rank, ops, post)
         state.deferred = later
         state.at_gap = False
         return True
 
-    def run_compute(rank: int) -> bool:
-        state = ranks[rank]
+    def _queue(self, rank: int, ops: list[Action], post: float) -> None:
+        group = _Group(ops, post)
+        self.ranks[rank].queue.append(group)
+        for a in ops:
+            self.where[a] = (rank, group)
+            if a.kind.is_send:
+                self.posted[a] = post
+            else:
+                self.received.add(a)
+
+    def run_compute(self, rank: int) -> bool:
+        """Run ``rank``'s next compute once its remote inputs arrived."""
+        state = self.ranks[rank]
         action = state.order[state.pointer]
-        waits = [completed.get(a) for a in needs(action, n) if not schedule.is_local(a)]
+        waits = [self.completed.get(a) for a in needs(action, self.n) if not self.schedule.is_local(a)]
         if any(t is None for t in waits):
             return False
         start = max([state.clock, *(t for t in waits if t is not None)])
-        state.clock = start + costs[action.kind]
+        state.clock = start + self.costs[action.kind]
         state.pointer += 1
         state.at_gap = True
         return True
 
-    def resolve() -> None:
+    def resolve(self) -> None:
+        """Let the groups at the heads of the ranks' queues meet until none can."""
         changed = True
         while changed:
             changed = False
-            for _rank, state in enumerate(ranks):
-                if not state.queue:
-                    continue
-                head = state.queue[0]
-                for op in head.ops:
-                    if op in head.done:
-                        continue
-                    peer = where.get(op.matching())
-                    if peer is None or ranks[peer[0]].queue[:1] != [peer[1]]:
-                        continue
-                    t = max(head.post_time, peer[1].post_time)
-                    head.done[op] = t
-                    peer[1].done[op.matching()] = t
-                    changed = True
-                if len(head.done) == len(head.ops):
-                    finish = max(head.done.values())
-                    for op in head.ops:
-                        if op.kind.is_recv:
-                            completed[op] = finish
-                    state.queue.pop(0)
-                    if state.queue:
-                        state.queue[0].post_time = max(state.queue[0].post_time, finish)
-                    changed = True
+            for state in self.ranks:
+                if state.queue:
+                    changed = self._progress_head(state) or changed
 
-    def finished(state: _Rank) -> bool:
-        return state.pointer == len(state.order) and not state.at_gap
-
-    while not all(finished(s) for s in ranks):
-        for rank in sorted(range(len(ranks)), key=lambda r: (ranks[r].clock, r)):
-            state = ranks[rank]
-            if finished(state):
+    def _progress_head(self, state: _Rank) -> bool:
+        """Match what the head group of ``state``'s queue can with its peers' heads, and retire it
+        once all of it completed (its receives completing then)."""
+        head = state.queue[0]
+        changed = False
+        for op in head.ops:
+            if op in head.done:
                 continue
-            if (state.at_gap and post_gap(rank)) or (
-                not state.at_gap and state.pointer < len(state.order) and run_compute(rank)
-            ):
-                resolve()
-                break
-        else:
-            stuck = [
-                f"rank {r} at {s.order[s.pointer] if s.pointer < len(s.order) else 'end'}" for r, s in enumerate(ranks)
-            ]
-            raise RendezvousError(
-                f"schedule {schedule.name!r} cannot be regrouped to run where point-to-point calls rendezvous "
-                f"(NCCL): {'; '.join(stuck)}"
-            )
-    lists: list[tuple[Action, ...]] = []
-    for state in ranks:
-        actions: list[Action] = []
-        for k, gap in enumerate(state.gaps):
-            actions += sorted(gap, key=lambda a: not a.kind.is_send)  # sends first, as the executor posts them
-            if k < len(state.order):
-                actions.append(state.order[k])
-        lists.append(tuple(actions))
-    return lists
+            peer = self.where.get(op.matching())
+            if peer is None or self.ranks[peer[0]].queue[:1] != [peer[1]]:
+                continue
+            t = max(head.post_time, peer[1].post_time)
+            head.done[op] = t
+            peer[1].done[op.matching()] = t
+            changed = True
+        if len(head.done) == len(head.ops):
+            finish = max(head.done.values())
+            for op in head.ops:
+                if op.kind.is_recv:
+                    self.completed[op] = finish
+            state.queue.pop(0)
+            if state.queue:
+                state.queue[0].post_time = max(state.queue[0].post_time, finish)
+            changed = True
+        return changed
+
+    def stuck(self) -> RendezvousError:
+        """Where each rank waits."""
+        stuck = [
+            f"rank {r} at {s.order[s.pointer] if s.pointer < len(s.order) else 'end'}" for r, s in enumerate(self.ranks)
+        ]
+        return RendezvousError(
+            f"schedule {self.schedule.name!r} cannot be regrouped to run where point-to-point calls rendezvous "
+            f"(NCCL): {'; '.join(stuck)}"
+        )
+
+    def lists(self) -> list[tuple[Action, ...]]:
+        """Each rank's compute order with its decided groups between the computes (sends first)."""
+        lists: list[tuple[Action, ...]] = []
+        for state in self.ranks:
+            actions: list[Action] = []
+            for k, gap in enumerate(state.gaps):
+                actions += sorted(gap, key=lambda a: not a.kind.is_send)  # sends first, as the executor posts them
+                if k < len(state.order):
+                    actions.append(state.order[k])
+            lists.append(tuple(actions))
+        return lists

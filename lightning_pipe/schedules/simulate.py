@@ -17,8 +17,9 @@ not split its backward, B is the whole backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs
@@ -92,6 +93,250 @@ def split_costs(schedule: Schedule, backward_cost: float, weight_cost: float | N
     return backward_cost, 0.0
 
 
+class _Step(Enum):
+    """What one step of a rank's list did."""
+
+    ADVANCED = "advanced"  # the action ran or was posted: the rank's pointer moved on
+    WAITING = "waiting"  # the action waits on another rank: nothing changed
+    SENT_AHEAD = "sent ahead"  # (gloo) the group's sends went out while the rank waits for a header
+
+
+@dataclass
+class _Play:
+    """The state of one simulation: where each rank stands in its list, its clock and the
+    communication it posted. Each phase of the play is one method: a rank runs a compute
+    (:meth:`compute`), hands over within the rank (:meth:`hand_over`), posts a communication group
+    (:meth:`post`, or :meth:`send_ahead` while it waits for a shape header); then sends and receives
+    are matched (:meth:`match_at_heads` under NCCL's rendezvous, :meth:`match_anywhere` under gloo's)
+    and finished groups retire."""
+
+    schedule: Schedule
+    cost: Callable[[Action], float]
+    rendezvous: bool
+    overlap: float | None
+
+    def __post_init__(self) -> None:
+        ranks = range(self.schedule.num_ranks)
+        self.ranks = ranks
+        self.lists = self.schedule.actions
+        self.pointer = [0 for _ in ranks]
+        self.clock = [0.0 for _ in ranks]
+        self.busy = [0.0 for _ in ranks]
+        self.queues: list[list[_Group]] = [[] for _ in ranks]
+        self.posted_sends: dict[tuple[int, Action], float] = {}
+        self.where: dict[tuple[int, Action], _Group] = {}
+        self.completed: dict[tuple[int, Action], float] = {}
+        self.starts: dict[tuple[int, Action], float] = {}
+        self.early: list[set[Action]] = [set() for _ in ranks]  # sends of the group at the pointer, posted ahead
+        self.group_at = [{start: self._parts(group) for start, group in comm_groups(actions)} for actions in self.lists]
+        self.unit_of: list[dict[Action, tuple[Action, ...]]] = [
+            {a: unit for unit in units for a in unit} if self.overlap is not None else {}
+            for units in (self.schedule.overlapped or [()] * self.schedule.num_ranks)
+        ]
+
+    def _parts(self, group: list[Action]) -> tuple[list[Action], list[Action]]:
+        """A communication group's actions with another rank, and its hand-overs within the rank."""
+        local = [op for op in group if self.schedule.is_local(op)]
+        return ([op for op in group if op not in local] if local else group), local
+
+    def _peer(self, op: Action) -> tuple[int, Action]:
+        """The matching action of ``op``, keyed by the rank that posts it."""
+        return self.schedule.rank_of(op.peer_stage()), op.matching()
+
+    def advance(self, rank: int) -> bool:
+        """Run ``rank``'s list as far as it can go now; whether anything changed."""
+        moved = False
+        while self.pointer[rank] < len(self.lists[rank]):
+            index = self.pointer[rank]
+            action = self.lists[rank][index]
+            step = self.compute(rank, action) if action.kind.is_compute else self.post(rank, index)
+            if step is _Step.WAITING:
+                return moved
+            if step is _Step.SENT_AHEAD:
+                return True
+            moved = True
+        return moved
+
+    def compute(self, rank: int, action: Action) -> _Step:
+        """Run ``action`` once the receives it (or its overlapped unit) consumes completed."""
+        unit = self.unit_of[rank].get(action)
+        if unit is not None and action is not unit[0]:  # ran within its unit's block
+            self.starts[(rank, action)] = self.starts[(rank, unit[0])]
+            self.pointer[rank] += 1
+            return _Step.ADVANCED
+        members = unit if unit is not None else (action,)
+        waits = [self.completed.get((rank, need)) for a in members for need in _needs_of(self.schedule, a)]
+        done = [w for w in waits if w is not None]
+        if len(done) < len(waits):
+            return _Step.WAITING
+        start = max([self.clock[rank], *done])
+        self.starts[(rank, action)] = start
+        took = self.cost(action) if unit is None else self.overlap * sum(self.cost(a) for a in unit)  # type: ignore[operator]
+        self.clock[rank] = start + took
+        self.busy[rank] += took
+        self.pointer[rank] += 1
+        return _Step.ADVANCED
+
+    def hand_over(self, rank: int, local: list[Action], post: float) -> bool:
+        """Complete the group's sends and receives between two stages of ``rank`` (sends first, as
+        the executor posts them); False where a receive's send comes later on this rank (never:
+        validate names it)."""
+        sent = {op for op in local if op.kind.is_send}
+        for op in local:
+            if op.kind.is_recv and op.matching() not in sent and (rank, op.matching()) not in self.completed:
+                return False
+        for op in local:
+            self.completed[(rank, op)] = post
+        return True
+
+    def post(self, rank: int, index: int) -> _Step:
+        """Post the communication group at ``index`` of ``rank``'s list: its hand-overs complete at
+        once; its other actions queue as one group, once the shape header of every activation it
+        receives was sent."""
+        remote, local = self.group_at[rank][index]
+        post = self.clock[rank]
+        if local and not self.hand_over(rank, local, post):
+            return _Step.WAITING
+        early = self.early[rank]
+        ops = [op for op in remote if op not in early] if early else remote
+        if not ops:
+            self.pointer[rank] += len(local) + len(early)
+            self.early[rank] = set()
+            return _Step.ADVANCED
+        for op in ops:  # shape headers of sends go out before the rank waits for any header
+            if op.kind.is_send:
+                self.posted_sends.setdefault((rank, op), post)
+        receives = [self._peer(op) for op in ops if op.kind is ActionKind.RECV_ACTIVATION]  # gradient shapes are known
+        if any(peer not in self.posted_sends for peer in receives):
+            return self.send_ahead(rank, ops, post)
+        post = max([post, *(self.posted_sends[peer] for peer in receives)])
+        self.clock[rank] = post
+        self._queue(rank, list(ops), post)
+        self.pointer[rank] += len(ops) + len(local) + len(early)
+        self.early[rank] = set()
+        return _Step.ADVANCED
+
+    def send_ahead(self, rank: int, ops: list[Action], post: float) -> _Step:
+        """While ``rank`` waits for a shape header: under gloo, the group's sends go out as a group
+        of their own; under NCCL's rendezvous the rank just waits."""
+        sends = [] if self.rendezvous else [o for o in ops if o.kind.is_send]
+        if not sends:
+            return _Step.WAITING
+        self._queue(rank, sends, post)
+        self.early[rank].update(sends)
+        return _Step.SENT_AHEAD
+
+    def _queue(self, rank: int, ops: list[Action], post: float) -> None:
+        group = _Group(rank, ops, post)
+        self.queues[rank].append(group)
+        for op in ops:
+            self.where[(rank, op)] = group
+
+    def resolve(self) -> bool:
+        """Complete the sends and receives whose peers are posted; whether any completed."""
+        if not self.rendezvous:
+            return self.match_anywhere()
+        return self.match_at_heads()
+
+    def match_anywhere(self) -> bool:
+        """gloo: each posted send and receive completes once its peer is posted, whatever else
+        its rank posted before; a group retires when all of its actions completed."""
+        moved = False
+        for rank in self.ranks:
+            for group in list(self.queues[rank]):
+                for op in group.ops:
+                    if op in group.done:
+                        continue
+                    peer_key = self._peer(op)
+                    peer_group = self.where.get(peer_key)
+                    if peer_group is None:
+                        continue
+                    t = max(group.post_time, peer_group.post_time)
+                    group.done[op] = t
+                    peer_group.done[peer_key[1]] = t
+                    self.completed[(rank, op)] = t  # each receive is waited for on its own
+                    self.completed[peer_key] = t
+                    moved = True
+        return self._retire_complete() or moved
+
+    def _retire_complete(self) -> bool:
+        moved = False
+        for rank in self.ranks:
+            for group in list(self.queues[rank]):
+                if len(group.done) == len(group.ops):
+                    for op in group.ops:
+                        self.completed[(rank, op)] = group.done[op]
+                    self.queues[rank].remove(group)
+                    moved = True
+        return moved
+
+    def match_at_heads(self) -> bool:
+        """NCCL's rendezvous: a send and its receive complete only while both of their groups are
+        at the head of their rank's queue; repeated until nothing changes."""
+        moved = False
+        changed = True
+        while changed:
+            changed = False
+            for rank in self.ranks:
+                if self.queues[rank]:
+                    changed = self._progress_head(rank) or changed
+            moved = moved or changed
+        return moved
+
+    def _progress_head(self, rank: int) -> bool:
+        """Match what the head group of ``rank``'s queue can, and retire it once all of it completed."""
+        head = self.queues[rank][0]
+        if head.active_time is None:
+            head.active_time = head.post_time
+        changed = False
+        for op in head.ops:
+            if op in head.done:
+                continue
+            peer_key = self._peer(op)
+            peer_group = self.where.get(peer_key)
+            if peer_group is None or not self.queues[peer_key[0]] or self.queues[peer_key[0]][0] is not peer_group:
+                continue
+            if peer_group.active_time is None:
+                peer_group.active_time = peer_group.post_time
+            t = max(head.active_time, peer_group.active_time)
+            head.done[op] = t
+            peer_group.done[peer_key[1]] = t
+            changed = True
+        if len(head.done) == len(head.ops):
+            self._retire_head(rank, head)
+            changed = True
+        return changed
+
+    def _retire_head(self, rank: int, head: _Group) -> None:
+        """Complete ``head``'s actions and activate the next group of the rank's queue."""
+        assert head.active_time is not None  # set when it became the head
+        finish = max(head.done.values(), default=head.active_time)
+        for op in head.ops:
+            self.completed[(rank, op)] = head.done[op]
+        self.queues[rank].pop(0)
+        if self.queues[rank]:
+            nxt = self.queues[rank][0]
+            nxt.active_time = max(nxt.post_time, finish)
+
+    def finished(self) -> bool:
+        return all(self.pointer[r] == len(self.lists[r]) and not self.queues[r] for r in self.ranks)
+
+    def deadlock(self) -> DeadlockError:
+        """Where each rank is stuck."""
+        stuck = [
+            f"rank {r} at {self.lists[r][self.pointer[r]] if self.pointer[r] < len(self.lists[r]) else 'end'}"
+            + (f" with {len(self.queues[r])} unfinished communication group(s)" if self.queues[r] else "")
+            for r in self.ranks
+        ]
+        return DeadlockError(f"schedule {self.schedule.name!r} deadlocks: " + "; ".join(stuck))
+
+    def makespan(self) -> float:
+        """When the last compute or communication of any rank ends."""
+        makespan = max(self.clock) if self.clock else 0.0
+        sends_done = [max((t for (r, _), t in self.completed.items() if r == rank), default=0.0) for rank in self.ranks]
+        return max([makespan, *sends_done])
+
+
 def simulate(
     schedule: Schedule,
     forward_cost: float = 1.0,
@@ -115,185 +360,25 @@ def simulate(
     as listed."""
     backward_cost, weight_cost = split_costs(schedule, backward_cost, weight_cost)
     per_stage = tuple(tuple(float(c) for c in costs) for costs in stage_costs) if stage_costs is not None else None
-    ranks = range(schedule.num_ranks)
-    lists = schedule.actions
-    pointer = [0 for _ in ranks]
-    clock = [0.0 for _ in ranks]
-    busy = [0.0 for _ in ranks]
-    queues: list[list[_Group]] = [[] for _ in ranks]
-    posted_sends: dict[tuple[int, Action], float] = {}
-    where: dict[tuple[int, Action], _Group] = {}
-    completed: dict[tuple[int, Action], float] = {}
-    starts: dict[tuple[int, Action], float] = {}
-    early: list[set[Action]] = [set() for _ in ranks]  # sends of the group at the pointer, posted ahead
-
-    def parts(group: list[Action]) -> tuple[list[Action], list[Action]]:
-        local = [op for op in group if schedule.is_local(op)]
-        return ([op for op in group if op not in local] if local else group), local
-
-    group_at = [{start: parts(group) for start, group in comm_groups(actions)} for actions in lists]
-    unit_of: list[dict[Action, tuple[Action, ...]]] = [
-        {a: unit for unit in units for a in unit} if overlap is not None else {}
-        for units in (schedule.overlapped or [()] * schedule.num_ranks)
-    ]
 
     def cost(action: Action) -> float:
         if per_stage is not None:
             return _stage_cost(per_stage[action.stage], action, schedule.split_backward)
         return _cost(action, forward_cost, backward_cost, weight_cost)
 
-    def advance(rank: int) -> bool:
-        moved = False
-        while pointer[rank] < len(lists[rank]):
-            index = pointer[rank]
-            action = lists[rank][index]
-            if action.kind.is_compute:
-                unit = unit_of[rank].get(action)
-                if unit is not None and action is not unit[0]:  # ran within its unit's block
-                    starts[(rank, action)] = starts[(rank, unit[0])]
-                    pointer[rank] += 1
-                    moved = True
-                    continue
-                members = unit if unit is not None else (action,)
-                waits = [completed.get((rank, need)) for a in members for need in _needs_of(schedule, a)]
-                done = [w for w in waits if w is not None]
-                if len(done) < len(waits):
-                    return moved
-                start = max([clock[rank], *done])
-                starts[(rank, action)] = start
-                took = cost(action) if unit is None else overlap * sum(cost(a) for a in unit)  # type: ignore[operator]
-                clock[rank] = start + took
-                busy[rank] += took
-                pointer[rank] += 1
-                moved = True
-                continue
-            remote, local = group_at[rank][index]
-            post = clock[rank]
-            if local:
-                sent = {op for op in local if op.kind.is_send}  # posted first, as the executor does
-                for op in local:
-                    if op.kind.is_recv and op.matching() not in sent and (rank, op.matching()) not in completed:
-                        return moved  # sent later on this same rank: never (validate names it)
-                for op in local:
-                    completed[(rank, op)] = post
-            ops = [op for op in remote if op not in early[rank]] if early[rank] else remote
-            if not ops:
-                pointer[rank] += len(local) + len(early[rank])
-                early[rank] = set()
-                moved = True
-                continue
-            for op in ops:  # shape headers of sends go out before the rank waits for any header
-                if op.kind.is_send:
-                    posted_sends.setdefault((rank, op), post)
-            headers: list[float] = []
-            for op in ops:
-                if op.kind is ActionKind.RECV_ACTIVATION:  # gradient shapes are known locally
-                    peer = (schedule.rank_of(op.peer_stage()), op.matching())
-                    if peer not in posted_sends:
-                        sends = [] if rendezvous else [o for o in ops if o.kind.is_send]
-                        if sends:  # gloo: the sends go out as a group of their own while the rank waits
-                            group = _Group(rank, sends, post)
-                            queues[rank].append(group)
-                            for o in sends:
-                                where[(rank, o)] = group
-                            early[rank].update(sends)
-                            moved = True
-                        return moved
-                    headers.append(posted_sends[peer])
-            post = max([post, *headers])
-            clock[rank] = post
-            group = _Group(rank, list(ops), post)
-            queues[rank].append(group)
-            for op in ops:
-                where[(rank, op)] = group
-            pointer[rank] += len(ops) + len(local) + len(early[rank])
-            early[rank] = set()
-            moved = True
-        return moved
-
-    def resolve_unordered() -> bool:
-        moved = False
-        for rank in ranks:
-            for group in list(queues[rank]):
-                for op in group.ops:
-                    if op in group.done:
-                        continue
-                    peer_key = (schedule.rank_of(op.peer_stage()), op.matching())
-                    peer_group = where.get(peer_key)
-                    if peer_group is None:
-                        continue
-                    t = max(group.post_time, peer_group.post_time)
-                    group.done[op] = t
-                    peer_group.done[peer_key[1]] = t
-                    completed[(rank, op)] = t  # each receive is waited for on its own
-                    completed[peer_key] = t
-                    moved = True
-        for rank in ranks:
-            for group in list(queues[rank]):
-                if len(group.done) == len(group.ops):
-                    for op in group.ops:
-                        completed[(rank, op)] = group.done[op]
-                    queues[rank].remove(group)
-                    moved = True
-        return moved
-
-    def resolve() -> bool:
-        if not rendezvous:
-            return resolve_unordered()
-        moved = False
-        changed = True
-        while changed:
-            changed = False
-            for rank in ranks:
-                if not queues[rank]:
-                    continue
-                head = queues[rank][0]
-                if head.active_time is None:
-                    head.active_time = head.post_time
-                for op in head.ops:
-                    if op in head.done:
-                        continue
-                    peer_key = (schedule.rank_of(op.peer_stage()), op.matching())
-                    peer_group = where.get(peer_key)
-                    if peer_group is None or not queues[peer_key[0]] or queues[peer_key[0]][0] is not peer_group:
-                        continue
-                    if peer_group.active_time is None:
-                        peer_group.active_time = peer_group.post_time
-                    t = max(head.active_time, peer_group.active_time)
-                    head.done[op] = t
-                    peer_group.done[peer_key[1]] = t
-                    changed = True
-                if len(head.done) == len(head.ops):
-                    finish = max(head.done.values(), default=head.active_time)
-                    for op in head.ops:
-                        completed[(rank, op)] = head.done[op]
-                    queues[rank].pop(0)
-                    if queues[rank]:
-                        nxt = queues[rank][0]
-                        nxt.active_time = max(nxt.post_time, finish)
-                    changed = True
-            moved = moved or changed
-        return moved
-
+    play = _Play(schedule, cost, rendezvous, overlap)
     while True:
         progress = False
-        for rank in ranks:
-            progress = advance(rank) or progress
-        progress = resolve() or progress
-        finished = all(pointer[r] == len(lists[r]) and not queues[r] for r in ranks)
-        if finished:
+        for rank in play.ranks:
+            progress = play.advance(rank) or progress
+        progress = play.resolve() or progress
+        if play.finished():
             break
         if not progress:
-            stuck = [
-                f"rank {r} at {lists[r][pointer[r]] if pointer[r] < len(lists[r]) else 'end'}"
-                + (f" with {len(queues[r])} unfinished communication group(s)" if queues[r] else "")
-                for r in ranks
-            ]
-            raise DeadlockError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
-    makespan = max(clock) if clock else 0.0
-    sends_done = [max((t for (r, _), t in completed.items() if r == rank), default=0.0) for rank in ranks]
-    makespan = max([makespan, *sends_done])
-    return Simulation(schedule, makespan, tuple(busy), starts, forward_cost, backward_cost, weight_cost, per_stage)
+            raise play.deadlock()
+    return Simulation(
+        schedule, play.makespan(), tuple(play.busy), play.starts, forward_cost, backward_cost, weight_cost, per_stage
+    )
 
 
 def _needs_of(schedule: Schedule, action: Action) -> list[Action]:

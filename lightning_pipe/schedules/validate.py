@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 from lightning_pipe.schedules.comm import needs
@@ -24,6 +25,25 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     first in the rank's list); and the whole
     schedule finishes under the strict communication model of :mod:`.simulate` (NCCL's rendezvous;
     with ``rendezvous`` false, gloo's, where sends and receives proceed independently)."""
+    _check_layout(schedule)
+    seen: Counter[Action] = Counter()
+    sends: set[Action] = set()
+    recvs: set[Action] = set()
+    for rank, actions in enumerate(schedule.actions):
+        _check_rank(schedule, rank, actions, seen, sends, recvs)
+    _check_coverage(seen, _expected(schedule))
+    _check_overlapped(schedule)
+    unmatched = [a for a in sends if a.matching() not in recvs] + [a for a in recvs if a.matching() not in sends]
+    if unmatched:
+        raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
+    try:
+        simulate(schedule, rendezvous=rendezvous)
+    except DeadlockError as err:
+        raise InvalidScheduleError(str(err)) from err
+
+
+def _check_layout(schedule: Schedule) -> None:
+    """Every stage on a rank of the schedule, the stages in equal chains, each micro-batch on a chain."""
     p, m = schedule.num_stages, schedule.num_microbatches
     if len(schedule.stage_to_rank) != p:
         raise InvalidScheduleError(f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {p} stages")
@@ -37,61 +57,86 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
         or any(not 0 <= c < schedule.chains for c in schedule.chain_of)
     ):
         raise InvalidScheduleError(f"{p} stages in {schedule.chains} chains, micro-batch chains {schedule.chain_of}")
+
+
+def _expected(schedule: Schedule) -> Counter[Action]:
+    """Each compute action the schedule must run once: every micro-batch's F (B, W) on its chain's stages."""
     expected: Counter[Action] = Counter()
-    for i in range(m):
+    for i in range(schedule.num_microbatches):
         for s in schedule.chain_stages(i):
             expected[Action(ActionKind.FORWARD, s, i)] += 1
             if not schedule.forward_only:
                 expected[Action(ActionKind.BACKWARD, s, i)] += 1
                 if schedule.split_backward:
                     expected[Action(ActionKind.WEIGHT, s, i)] += 1
-    seen: Counter[Action] = Counter()
-    sends: set[Action] = set()
-    recvs: set[Action] = set()
-    for rank, actions in enumerate(schedule.actions):
-        done: set[Action] = set()
-        posted: set[Action] = set()
-        for index, action in enumerate(actions):
-            where = f"rank {rank}, position {index} ({action})"
-            if not 0 <= action.stage < p or not 0 <= action.microbatch < m:
-                raise InvalidScheduleError(f"{where}: stage or micro-batch out of range")
-            if schedule.rank_of(action.stage) != rank:
-                raise InvalidScheduleError(
-                    f"{where}: stage {action.stage} lives on rank {schedule.rank_of(action.stage)}"
-                )
-            if action.kind.is_compute:
-                seen[action] += 1
-                if (
-                    action.kind is ActionKind.BACKWARD
-                    and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done
-                ):
-                    raise InvalidScheduleError(f"{where}: backward before its forward")
-                if (
-                    action.kind is ActionKind.WEIGHT
-                    and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done
-                ):
-                    raise InvalidScheduleError(f"{where}: weight gradient before its input gradient (B)")
-                for need in needs(action, schedule.chain_length):
-                    if need not in posted:
-                        raise InvalidScheduleError(f"{where}: runs before receiving {need}")
-                done.add(action)
-                continue
-            if action.kind.is_send:
-                producer = _producer(action)
-                if producer not in done:
-                    raise InvalidScheduleError(f"{where}: sends before {producer} produced it")
-                if action in sends:
-                    raise InvalidScheduleError(f"{where}: sent twice")
-                sends.add(action)
-            else:
-                if action in recvs:
-                    raise InvalidScheduleError(f"{where}: received twice")
-                if schedule.is_local(action) and action.matching() not in sends:
-                    raise InvalidScheduleError(
-                        f"{where}: receives from stage {action.peer_stage()} on the same rank before it sent"
-                    )
-                recvs.add(action)
-            posted.add(action)
+    return expected
+
+
+def _check_rank(
+    schedule: Schedule,
+    rank: int,
+    actions: Sequence[Action],
+    seen: Counter[Action],
+    sends: set[Action],
+    recvs: set[Action],
+) -> None:
+    """Walk ``rank``'s list in order: each action on a stage of the rank, each compute after what it
+    consumes, each send after what it sends; counts the computes into ``seen`` and the communication
+    into ``sends`` and ``recvs``."""
+    done: set[Action] = set()
+    posted: set[Action] = set()
+    for index, action in enumerate(actions):
+        where = f"rank {rank}, position {index} ({action})"
+        if not 0 <= action.stage < schedule.num_stages or not 0 <= action.microbatch < schedule.num_microbatches:
+            raise InvalidScheduleError(f"{where}: stage or micro-batch out of range")
+        if schedule.rank_of(action.stage) != rank:
+            raise InvalidScheduleError(f"{where}: stage {action.stage} lives on rank {schedule.rank_of(action.stage)}")
+        if action.kind.is_compute:
+            seen[action] += 1
+            _check_compute(schedule, action, where, done, posted)
+            done.add(action)
+            continue
+        if action.kind.is_send:
+            _check_send(action, where, done, sends)
+        else:
+            _check_receive(schedule, action, where, sends, recvs)
+        posted.add(action)
+
+
+def _check_compute(schedule: Schedule, action: Action, where: str, done: set[Action], posted: set[Action]) -> None:
+    """A backward after its forward, a W after its B, and each after the receives it consumes."""
+    if action.kind is ActionKind.BACKWARD and Action(ActionKind.FORWARD, action.stage, action.microbatch) not in done:
+        raise InvalidScheduleError(f"{where}: backward before its forward")
+    if action.kind is ActionKind.WEIGHT and Action(ActionKind.BACKWARD, action.stage, action.microbatch) not in done:
+        raise InvalidScheduleError(f"{where}: weight gradient before its input gradient (B)")
+    for need in needs(action, schedule.chain_length):
+        if need not in posted:
+            raise InvalidScheduleError(f"{where}: runs before receiving {need}")
+
+
+def _check_send(action: Action, where: str, done: set[Action], sends: set[Action]) -> None:
+    """A send after the compute that produces it, once."""
+    producer = _producer(action)
+    if producer not in done:
+        raise InvalidScheduleError(f"{where}: sends before {producer} produced it")
+    if action in sends:
+        raise InvalidScheduleError(f"{where}: sent twice")
+    sends.add(action)
+
+
+def _check_receive(schedule: Schedule, action: Action, where: str, sends: set[Action], recvs: set[Action]) -> None:
+    """A receive once, and from a stage of the same rank only after that stage sent."""
+    if action in recvs:
+        raise InvalidScheduleError(f"{where}: received twice")
+    if schedule.is_local(action) and action.matching() not in sends:
+        raise InvalidScheduleError(
+            f"{where}: receives from stage {action.peer_stage()} on the same rank before it sent"
+        )
+    recvs.add(action)
+
+
+def _check_coverage(seen: Counter[Action], expected: Counter[Action]) -> None:
+    """The computes run are exactly the expected ones."""
     if seen != expected:
         missing = sorted((expected - seen).elements(), key=str)
         extra = sorted((seen - expected).elements(), key=str)
@@ -99,14 +144,6 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
             f"compute actions do not cover each micro-batch once: missing {[str(a) for a in missing]}, "
             f"extra {[str(a) for a in extra]}"
         )
-    _check_overlapped(schedule)
-    unmatched = [a for a in sends if a.matching() not in recvs] + [a for a in recvs if a.matching() not in sends]
-    if unmatched:
-        raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
-    try:
-        simulate(schedule, rendezvous=rendezvous)
-    except DeadlockError as err:
-        raise InvalidScheduleError(str(err)) from err
 
 
 def _check_overlapped(schedule: Schedule) -> None:

@@ -48,7 +48,13 @@ from lightning_pipe.partition.ends import (
     stand_in_ends,
 )
 from lightning_pipe.partition.materialize import has_meta_tensors, materialize
-from lightning_pipe.partition.measured import MeasureInputs, RankResources, agreed_resources, measured_balance
+from lightning_pipe.partition.measured import (
+    BalanceTarget,
+    MeasureInputs,
+    RankResources,
+    agreed_resources,
+    measured_balance,
+)
 from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
@@ -135,7 +141,7 @@ class ModuleSplit:
         )  # fmt: skip
 
 
-def split_module(
+def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables positionally (typed config's refactor)
     module: Any,
     config: PipelineConfig,
     layout: Layout,
@@ -148,11 +154,13 @@ def split_module(
 ) -> ModuleSplit:
     """Replace the Sequential by this rank's stage, under the same attribute and layer names.
 
-    Measuring (``plan="auto"``, ``balance="time"/"memory"``) moves the run's first batch with
-    ``to_device``, runs in the precision's ``context`` on ``device`` and gives every rank rank 0's
-    numbers with ``broadcast``. ``previous``: what an earlier setup of the run decided. ``layout``:
-    the world's stages x replicas, which a measured split or the planner may place anew (on unequal
-    devices, which rank holds which stage); the split's placement holds the layout that runs."""
+    Its steps: the plan (``plan="auto"``), the split's decision (:func:`decide_split`, which the
+    launching process also runs as a dry run before the launch), then this rank's stages built and put
+    in place (:func:`_keep_stages`). Measuring (``plan="auto"``, ``balance="time"/"memory"``) moves the
+    run's first batch with ``to_device``, runs in the precision's ``context`` on ``device`` and gives every
+    rank rank 0's numbers with ``broadcast``. ``previous``: what an earlier setup of the run decided.
+    ``layout``: the world's stages x replicas, which a measured split or the planner may place anew (on
+    unequal devices, which rank holds which stage); the split's placement holds the layout that runs."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     config = for_this_world(config, layout.world_size, layout.replicas)
     inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
@@ -167,36 +175,159 @@ def split_module(
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
         config, profile, candidates = apply_plan(config, layout, module, layers, inputs, rank_zero_info)
         layout = layout.placed(config.rank_order)
+    resources = previous.resources if previous is not None else None  # measured once a run, as the profile
+    measured = _Measurement(module, layers, config, layout, inputs, profile, resources)
+    decision = decide_split(module, layers, config, layout, measured.balance)
+    assert decision.balance is not None  # with a measurement, every balance is known
+    placement = Placement(measured.layout, rank, tuple(decision.positions), device, backend)
+    split, held_split, deferred_build = _keep_stages(module, name, layers, config, decision, placement)
+    if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
+        layout = measured.layout
+        chunks = config.num_microbatches(layout.stages)
+        rank_zero_info(
+            describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
+        )
+    held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)
+    return ModuleSplit(
+        config,
+        placement,
+        name,
+        split,
+        decision.balance,
+        deferred_build,
+        measured.profile,
+        candidates,
+        held_ends,
+        measured.resources,
+    )
+
+
+@dataclass(frozen=True)
+class SplitDecision:
+    """What splitting a module's layers into a layout decides before anything is built or moved.
+
+    Attributes:
+        positions: the process (pipeline position) of each split stage.
+        num_split: the split's stages (processes x virtual stages; Chimera runs copies of them).
+        ends: the model's ends (its embeddings, see :mod:`lightning_pipe.partition.ends`), held by
+            the end stages.
+        owners: which layers hold a parameter.
+        balance: layers per split stage; None where a measured balance decides it in the setup.
+        tied: the weights tied across split stages (stage -> name in the layers); None where the
+            balance is not known yet.
+    """
+
+    positions: list[int]
+    num_split: int
+    ends: Any
+    owners: list[bool]
+    balance: list[int] | None
+    tied: list[dict[int, str]] | None
+
+
+def decide_split(
+    module: nn.Module,
+    layers: nn.Sequential | nn.ModuleList,
+    config: PipelineConfig,
+    layout: Layout,
+    measure: Callable[[int, list[bool]], list[int]] | None = None,
+) -> SplitDecision:
+    """What :func:`split_module` decides and refuses for ``layers`` of ``module``, without building or
+    moving anything: the schedule's layout (a block container's limits, Chimera's), the balance, a
+    process left without parameters, the ties. ``measure``: ``(split stages, owners) -> layers per stage``
+    for a measured balance (``balance="time"/"memory"``, the setup's). Without it, a dry run (the
+    launching process's preflight): a measured balance is left to the setup, which refuses more stages
+    than layers as the dry run does here."""
     if not isinstance(layers, nn.Sequential):
         refuse_for_blocks(config)
-    virtual = config.virtual_stages
-    assert virtual is not None
+    virtual = config.virtual_stages or 1  # PipelineConfig resolves it
     positions = stage_positions(config.schedule, layout.stages, virtual)
     num_split = layout.stages * virtual  # Chimera's 2 x stages run copies of these
     check_chimera_layout(config.schedule, layout.stages, layout.replicas)
     ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
-    resources = previous.resources if previous is not None else None  # measured once a run, as the profile
-    if config.balance in MEASURED_BALANCES and num_split > 1:
-        p, timed = layout.stages, config.balance == "time"  # every rank's speed (time) or free memory
-        if resources is None:
-            resources = agreed_resources(inputs.gather, device, config.rank_speeds, layout.world_size, timed, not timed)
-        fixed = layout.order if config.rank_order is not None else None  # else placed by the ranks' speeds
-        balance, profile, order = measured_balance(
-            config.schedule, str(config.balance), config.recompute, p, config.num_microbatches(p), virtual,
-            module, layers, inputs, profile, owners, resources, layout.replicas, fixed,
-        )  # fmt: skip
-        layout = layout.placed(order)
-    elif config.balance in MEASURED_BALANCES:
-        balance = [len(layers)]
-    else:
-        balance = resolve_balance(config.balance, layers, num_split, end_parameters(ends))
-    placement = Placement(layout, rank, tuple(positions), device, backend)
+    balance = _balance(layers, config, num_split, ends, owners, measure)
+    if balance is None:
+        return SplitDecision(positions, num_split, ends, owners, None, None)
     check_held_parameters(module, layers, ends, balance, positions, num_split, owners)
+    tied = tied_parameters(extended(layers, ends), balance, end_stages(len(layers), ends, num_split))
+    return SplitDecision(positions, num_split, ends, owners, balance, tied)
+
+
+def _balance(
+    layers: nn.Sequential | nn.ModuleList,
+    config: PipelineConfig,
+    num_split: int,
+    ends: Any,
+    owners: list[bool],
+    measure: Callable[[int, list[bool]], list[int]] | None,
+) -> list[int] | None:
+    """Layers per split stage: the given balance resolved, or measured with ``measure`` (one stage
+    holds every layer); None for a measured balance without ``measure``, after refusing more stages
+    than layers as the measured split would."""
+    if config.balance not in MEASURED_BALANCES:
+        return resolve_balance(config.balance, layers, num_split, end_parameters(ends))
+    if measure is None:
+        if len(layers) < num_split:
+            resolve_balance("uniform", layers, num_split, end_parameters(ends))  # raises: more stages than layers
+        return None
+    if num_split == 1:
+        return [len(layers)]
+    return measure(num_split, owners)
+
+
+@dataclass
+class _Measurement:
+    """The measured balance's step of :func:`split_module` (``balance="time"/"memory"``): every rank's
+    speed or free memory, the profile and the rank order they place (the layout that runs), kept for
+    the run; ``profile`` and ``resources``: an earlier setup's (or the planner's profile)."""
+
+    module: Any
+    layers: nn.Sequential | nn.ModuleList
+    config: PipelineConfig
+    layout: Layout
+    inputs: MeasureInputs
+    profile: Profile | None
+    resources: RankResources | None
+
+    def balance(self, num_split: int, owners: list[bool]) -> list[int]:
+        """Layers per stage of ``num_split``, measured; places the ranks (:attr:`layout`)."""
+        config, layout, p = self.config, self.layout, self.layout.stages
+        timed = config.balance == "time"  # every rank's speed (time) or free memory
+        if self.resources is None:
+            self.resources = agreed_resources(
+                self.inputs.gather, self.inputs.device, config.rank_speeds, layout.world_size, timed, not timed
+            )
+        fixed = layout.order if config.rank_order is not None else None  # else placed by the ranks' speeds
+        virtual = config.virtual_stages or 1  # PipelineConfig resolves it
+        target = BalanceTarget(
+            str(config.balance), config.schedule, config.recompute, p, config.num_microbatches(p), virtual,
+            layout.replicas, fixed,
+        )  # fmt: skip
+        balance, self.profile, order = measured_balance(
+            target, self.module, self.layers, self.inputs, self.profile, owners, self.resources
+        )
+        self.layout = layout.placed(order)
+        return balance
+
+
+def _keep_stages(
+    module: Any,
+    name: str,
+    layers: nn.Sequential | nn.ModuleList,
+    config: PipelineConfig,
+    decision: SplitDecision,
+    placement: Placement,
+) -> tuple[StageSplit, list[int], bool]:
+    """Keep this rank's stages of ``decision`` in ``module``: materialised where the module was built on
+    the meta device, under the Sequential's attribute, the rest released, ``weights=`` loaded. Returns
+    the stages, the split stages held (Chimera: copies of them) and whether the module was built on the
+    meta device."""
+    balance, positions, num_split, ends = decision.balance, decision.positions, decision.num_split, decision.ends
+    assert balance is not None and decision.tied is not None
     with_ends = extended(layers, ends)
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
-    tied = tied_parameters(with_ends, balance, end_stages(len(layers), ends, num_split))
-    ties = ties_by_position([in_module(tie, paths) for tie in tied], positions, num_split)
+    ties = ties_by_position([in_module(tie, paths) for tie in decision.tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
     deferred_build = has_meta_tensors(module)
@@ -206,29 +337,14 @@ def split_module(
     local += local_end_indices(len(layers), ends, held_split, num_split)
     foreign = foreign_parameters(module, with_ends, local)  # by identity, before materialising makes new tensors
     if deferred_build:
-        materialize(module, with_ends, local, device, init=config.init)
+        materialize(module, with_ends, local, placement.device, init=config.init)
     place(module, name, stage)
     stand_in_ends(module, ends, first=0 in held_split)
     release_elsewhere(module, with_ends, local, stage)
     release_parameters(foreign)
     if spec is not None and config.weights is not None:
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
-    if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
-        chunks = config.num_microbatches(layout.stages)
-        rank_zero_info(describe_layout(module.trainer, layout, balance, positions, config.schedule, chunks))
-    held_ends = held_end_parameters(ends, held_split, num_split)
-    return ModuleSplit(
-        config,
-        placement,
-        name,
-        StageSplit(stage, stages, ties),
-        balance,
-        deferred_build,
-        profile,
-        candidates,
-        held_ends,
-        resources,
-    )
+    return StageSplit(stage, stages, ties), held_split, deferred_build
 
 
 def for_this_world(config: PipelineConfig, world_size: int, replicas: int | None = None) -> PipelineConfig:
@@ -376,4 +492,12 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
         return StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
 
 
-__all__ = ["ModuleSplit", "build_pipeline", "measure_inputs", "pipeline_options", "split_module"]
+__all__ = [
+    "ModuleSplit",
+    "SplitDecision",
+    "build_pipeline",
+    "decide_split",
+    "measure_inputs",
+    "pipeline_options",
+    "split_module",
+]

@@ -16,20 +16,12 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition import find_sequential, layer_owners, resolve_balance
-from lightning_pipe.partition.costs import MEASURED_BALANCES
-from lightning_pipe.partition.ends import end_parameters, end_stages, extended, find_ends
-from lightning_pipe.partition.split import tied_parameters
+from lightning_pipe.partition import find_sequential
 from lightning_pipe.runtime.elastic_average import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.schedules import is_async, stage_positions
-from lightning_pipe.trainer.assemble import check_held_parameters, for_this_world, refuse_for_blocks
-from lightning_pipe.trainer.compatibility import (
-    check_async,
-    check_async_accumulation,
-    check_chimera_layout,
-    check_shard,
-)
+from lightning_pipe.schedules import is_async
+from lightning_pipe.trainer.assemble import decide_split, for_this_world
+from lightning_pipe.trainer.compatibility import check_async, check_async_accumulation, check_shard
 
 
 def builds_layers_later(module: nn.Module) -> bool:
@@ -55,23 +47,9 @@ def check_before_launch(
         if builds_layers_later(module):
             return  # the layers may not exist before configure_model(): the setup checks them
         raise
-    if not isinstance(layers, nn.Sequential):
-        refuse_for_blocks(config)
-    virtual = config.virtual_stages or 1
-    positions = stage_positions(config.schedule, layout.stages, virtual)
-    num_split = layout.stages * virtual
-    check_chimera_layout(config.schedule, layout.stages, layout.replicas)
-    tied = False  # weights tied across stages: known here where the balance is
-    if len(layers) < num_split or config.balance not in MEASURED_BALANCES:
-        ends = find_ends(module, layers)
-        balance = config.balance if config.balance not in MEASURED_BALANCES else "uniform"
-        resolved = resolve_balance(balance, layers, num_split, end_parameters(ends))
-        owners = layer_owners(layers, end_parameters(ends))
-        check_held_parameters(module, layers, ends, resolved, positions, num_split, owners)
-        tied = config.balance not in MEASURED_BALANCES and bool(
-            tied_parameters(extended(layers, ends), resolved, end_stages(len(layers), ends, num_split))
-        )
-    _check_versions(module, layers, config, layout, tied)
+    decision = decide_split(module, layers, config, layout)  # split_module's own steps, as a dry run
+    # weights tied across stages: known where the balance is (not a measured one)
+    _check_versions(module, layers, config, layout, bool(decision.tied))
 
 
 def _check_versions(

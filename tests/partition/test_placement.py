@@ -17,6 +17,7 @@ from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
 from lightning_pipe.partition.placement import (
     BETTER_BY,
+    BalanceTarget,
     check_rank_order,
     classes,
     describe_order,
@@ -77,10 +78,11 @@ def test_a_heavy_last_layer_goes_to_the_faster_rank() -> None:
     """Seven layers of 1 s and a last one of 8 s over a fast (1.0) and a slow (0.25) rank: on the slow
     rank the last layer alone takes 32 s; swapped, the split is 3 layers (12 s) and 4 + 8 s (12 s)."""
     profile, in_flight = _profile([1.0] * 7 + [8.0]), in_flight_microbatches("1f1b", 2, 4)
-    assert measured_order(profile, [1.0, 0.25], "time", "1f1b", "never", 2, 1, 1, in_flight) == (1, 0)
+    time = BalanceTarget("time", "1f1b", "never", num_stages=2, num_microbatches=4)
+    assert measured_order(profile, [1.0, 0.25], time, in_flight) == (1, 0)
     # equal layers: either order splits as well, so the default stays
-    assert measured_order(_profile([1.0] * 8), [1.0, 0.25], "time", "1f1b", "never", 2, 1, 1, in_flight) == ()
-    assert measured_order(profile, [1.0, 0.95], "time", "1f1b", "never", 2, 1, 1, in_flight) == ()
+    assert measured_order(_profile([1.0] * 8), [1.0, 0.25], time, in_flight) == ()
+    assert measured_order(profile, [1.0, 0.95], time, in_flight) == ()
 
 
 def test_the_larger_memory_takes_the_first_stage_where_it_holds_more_micro_batches() -> None:
@@ -90,9 +92,10 @@ def test_the_larger_memory_takes_the_first_stage_where_it_holds_more_micro_batch
     profile = _profile([1.0] * 8, activation=100, static=10)
     in_flight = in_flight_microbatches("1f1b", 4, 8)
     assert in_flight == [4, 3, 2, 1]
-    order = measured_order(profile, [1e3, 1e3, 1e3, 8e3], "memory", "1f1b", "never", 4, 1, 1, in_flight)
+    memory = BalanceTarget("memory", "1f1b", "never", num_stages=4, num_microbatches=8)
+    order = measured_order(profile, [1e3, 1e3, 1e3, 8e3], memory, in_flight)
     assert order == (3, 0, 1, 2)
-    assert measured_order(profile, [8e3, 1e3, 1e3, 1e3], "memory", "1f1b", "never", 4, 1, 1, in_flight) == ()
+    assert measured_order(profile, [8e3, 1e3, 1e3, 1e3], memory, in_flight) == ()
 
 
 def test_an_order_must_be_better_by_a_margin_to_move_ranks() -> None:
@@ -124,7 +127,7 @@ def test_the_chosen_order_predicts_no_worse_than_the_default(schedule: str, virt
         assert sum(load) == pytest.approx(sum(profile.time_costs()) * len(positions) // num_split)
         return max(x / v for x, v in zip(load, per_position))
 
-    order = measured_order(profile, speeds, "time", schedule, "never", stages, 1, virtual, in_flight)
+    order = measured_order(profile, speeds, BalanceTarget("time", schedule, "never", stages, 4, virtual), in_flight)
     assert predicted(order) <= predicted(())
 
 

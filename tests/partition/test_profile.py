@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pipe.partition.costs import LayerCost, Profile, in_flight_microbatches
-from lightning_pipe.partition.profile import agreed_profile, measure_layers, profile_module, sequential_input
+from lightning_pipe.partition.profile import Timing, agreed_profile, measure_layers, profile_module, sequential_input
 from lightning_pipe.partition.speeds import position_values
 from lightning_pipe.trainer.data import configured_optimizers
 from tests.models import HIDDEN, IN, DeferredNet, RecordSplit, SkewedNet, TinyNet, WaitingLayer, WrappedNet, loader
@@ -97,7 +97,7 @@ def test_time_balance_splits_a_virtual_layout_into_every_stage(tmp_path: Path) -
 
 def test_measured_costs_follow_the_layers() -> None:
     layers = nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0), nn.Tanh())
-    costs = measure_layers(layers, torch.randn(4, HIDDEN), torch.device("cpu"), warmup=1, repeats=3)
+    costs = measure_layers(layers, torch.randn(4, HIDDEN), torch.device("cpu"), timing=Timing(warmup=1, repeats=3))
     heavy, light, tanh = costs
     # each layer's own wait is inside its times, a lower bound whatever the machine's load (which
     # one measures longer is compared in test_measured_times_follow_the_work, a slow test)
@@ -112,8 +112,10 @@ def test_split_backward_is_measured_as_b_and_w() -> None:
     """B (input gradient, weight-gradient work deferred) and W (that work) of each layer, as the
     zero-bubble schedules run them; a layer that defers nothing has W = 0."""
     layers = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Conv1d(4, 4, 3, padding=1))
-    linear, relu = measure_layers(layers[:2], torch.randn(64, 256), torch.device("cpu"), warmup=1, repeats=5)
-    (conv,) = measure_layers(layers[2:], torch.randn(8, 4, 64), torch.device("cpu"), warmup=1, repeats=5)
+    linear, relu = measure_layers(
+        layers[:2], torch.randn(64, 256), torch.device("cpu"), timing=Timing(warmup=1, repeats=5)
+    )
+    (conv,) = measure_layers(layers[2:], torch.randn(8, 4, 64), torch.device("cpu"), timing=Timing(warmup=1, repeats=5))
     for cost in (linear, conv):
         b, w = cost.split_backward
         assert b > 0 and w > 0  # the deferred weight work is timed apart
@@ -151,7 +153,7 @@ def test_the_first_layer_on_data_computes_no_input_gradient() -> None:
     ran = {}
     for name, value in (("on data", x), ("after outside", x.clone().requires_grad_())):
         with _Products() as recorder:
-            costs = measure_layers(layers, value, torch.device("cpu"), warmup=0, repeats=1)
+            costs = measure_layers(layers, value, torch.device("cpu"), timing=Timing(warmup=0, repeats=1))
         ran[name] = recorder.products
         assert costs[0].weight_backward > 0 and costs[1].input_backward is not None  # B and W measured
     assert ("aten.mm", (8, 48)) not in ran["on data"]  # no input-gradient product for the first layer
@@ -331,23 +333,21 @@ def test_measured_times_follow_the_work() -> None:
         nn.Sequential(WaitingLayer(4.0), WaitingLayer(1.0)),
         torch.randn(4, HIDDEN),
         torch.device("cpu"),
-        warmup=1,
-        repeats=3,
+        timing=Timing(warmup=1, repeats=3),
     )
     assert heavy.forward > light.forward and heavy.backward > light.backward
     (linear,) = measure_layers(
         nn.Sequential(nn.Linear(256, 256)),
         torch.randn(64, 256).requires_grad_(),
         torch.device("cpu"),
-        warmup=1,
-        repeats=5,
+        timing=Timing(warmup=1, repeats=5),
     )
     b, w = linear.split_backward
     assert 0.1 < (b + w) / linear.backward < 10
     layers = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
     x = torch.randn(128, 1024)
-    on_data = measure_layers(layers, x, torch.device("cpu"), warmup=1, repeats=5)
-    after_outside = measure_layers(layers, x.requires_grad_(), torch.device("cpu"), warmup=1, repeats=5)
+    on_data = measure_layers(layers, x, torch.device("cpu"), timing=Timing(warmup=1, repeats=5))
+    after_outside = measure_layers(layers, x.requires_grad_(), torch.device("cpu"), timing=Timing(warmup=1, repeats=5))
     assert on_data[0].input_backward < 0.5 * on_data[1].input_backward
     assert after_outside[0].input_backward > 0.5 * after_outside[1].input_backward
 

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_pipe.partition.costs import LayerCost
-from lightning_pipe.partition.profile import _with_ends, block_calls, profile_module
+from lightning_pipe.partition.profile import Timing, _with_ends, block_calls, profile_module
 from lightning_pipe.trainer.data import configured_optimizers
 from tests.hf_models import LLAMA_TINY, DeferredLlama, HFModule, llama
 
@@ -60,7 +60,7 @@ def test_the_ends_are_counted_on_the_end_blocks() -> None:
         lambda: (ids, ids),
         1,
         torch.device("cpu"),
-        repeats=1,
+        Timing(repeats=1),
         optimizers=lambda: configured_optimizers(module),
     )
     assert len(profile.layers) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.gradients import StageGradients, Tie, swap_grads, tie_groups
 from lightning_pipe.runtime.topology import Layout, Topology
 
 
@@ -60,7 +60,7 @@ def test_parameters_outside_the_sequential_keep_no_gradient_where_no_stage_got_o
     but one that no stage got a gradient for (frozen, or unused) keeps None, as in plain training,
     so the optimizer leaves it alone (weight decay included). The same for a tied weight."""
     inside, used, unused, tied, frozen_tie = _params((3,), (2, 2), (2,), (2,), (3,))
-    ties = [(world_of_one.pp_group, tied, True), (world_of_one.pp_group, frozen_tie, True)]
+    ties = [Tie(world_of_one.pp_group, tied, True), Tie(world_of_one.pp_group, frozen_tie, True)]
     gradients = StageGradients([used, unused], ties, world_of_one.pp_group, 2, counts_shared=True)
     gradients.keep({inside: torch.ones(3), used: torch.full((2, 2), 2.0), unused: None, tied: torch.ones(2)})
     gradients.hand_over(1.0)
@@ -74,7 +74,7 @@ def test_the_global_norm_counts_a_gradient_held_on_several_ranks_once(world_of_o
     for p in (weight, shared, tied):
         p.grad = torch.full_like(p, 2.0)
     expected = torch.sqrt(torch.tensor(9 * 4.0))  # the weight's alone: shared and tied counted by another stage
-    ties = [(world_of_one.pp_group, tied, False)]
+    ties = [Tie(world_of_one.pp_group, tied, False)]
     gradients = StageGradients(
         [shared], ties, world_of_one.pp_group, 2, counts_shared=False, norm_group=world_of_one.pp_group
     )
@@ -99,4 +99,6 @@ def test_each_tie_gets_a_group_per_replica_and_the_lowest_stage_counts_it() -> N
     found = tie_groups(ties, layout, stage=3, replica=1, local_params=named, new_group=new_group)
     assert asked == [[0, 6], [1, 7]]  # stage 0 and 3 of replica 0, then of replica 1
     assert found == [("group[1, 7]", stage[0].weight, False)]
+    assert found[0] == Tie(group="group[1, 7]", param=stage[0].weight, counted=False)  # read by name
     assert tie_groups(ties, layout, 0, 0, named, new_group)[0][2] is True
+    assert tie_groups(ties, layout, 0, 0, named, new_group)[0].counted is True
