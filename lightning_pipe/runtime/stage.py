@@ -29,7 +29,7 @@ from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+RECOMPUTE_MODES = ("always", "except_last", "never")
 
 
 class StageModule(nn.Sequential):
@@ -130,7 +130,7 @@ def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
         return microbatch != num_microbatches - 1
     if mode == "never":
         return False
-    raise ValueError(f"Unknown checkpoint mode {mode!r}. Valid: {', '.join(CHECKPOINT_MODES)}.")
+    raise ValueError(f"Unknown checkpoint mode {mode!r}. Valid: {', '.join(RECOMPUTE_MODES)}.")
 
 
 #: Runs the user's step for a micro-batch. On the first stage its return value is ignored (the
