@@ -160,7 +160,7 @@ class StagePipeline:
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
         self.runners = {
-            s: StageRunner(m, checkpoint=options.recompute, versions=versions, host=self.host)
+            s: StageRunner(m, recompute=options.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
         }
         refusal = carrying_refusal(options.schedule)
