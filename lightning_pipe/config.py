@@ -445,6 +445,9 @@ class PipelineConfig:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             return getattr(object.__getattribute__(self, group), name)
 
+    def __dir__(self) -> list[str]:
+        return [*super().__dir__(), *argument_groups(type(self))]
+
     def check(self) -> None:
         """What spans groups: a text schedule and the planner, measured speeds and the balance, elastic averaging
         and the layout and schedule, the asynchronous rules' options and the schedule."""
