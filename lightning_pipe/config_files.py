@@ -71,7 +71,8 @@ def docs_table(config: type = PipelineConfig) -> str:
 def yaml_comment(argument: Argument) -> str:
     values, default = argument.values, argument.default
     said = plain(values) if isinstance(values, str) else " | ".join(_yaml(v) for v in values)
-    said += plain(argument.more).replace(", or", " | or").replace("; or", " | or")
+    more = plain(argument.more)
+    said += " | or" + more[4:] if more.startswith((", or", "; or")) else more  # after the values: one more
     if argument.recipe:
         said += f" (null: the recipe's choice, else {plain(argument.unset) if default is None else _yaml(default)})"
     elif default is None and argument.unset:
