@@ -33,7 +33,7 @@ from hydra.utils import get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, not_a_checkpoint
 from lightning_pipe.config import DEPRECATED, PartitionConfig, cli_keys
@@ -231,12 +231,8 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
     schedule = args.get("schedule")
     if isinstance(schedule, str) and schedule.endswith(TEXT_SUFFIXES) and Path(schedule).is_file():
         args["schedule"] = str(Path(schedule).resolve())  # a schedule text's path, the same from every process
-    if "balance" in args and not isinstance(args["balance"], str):
-        args["balance"] = [int(n) for n in args["balance"]]
-    if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
-        args["rank_speeds"] = [float(n) for n in args["rank_speeds"]]
-    if "rank_order" in args and not isinstance(args["rank_order"], (str, int, float)):
-        args["rank_order"] = [int(n) for n in args["rank_order"]]
+    # lists (balance, rank_speeds, rank_order) as Python's: the config checks their items
+    args = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v for k, v in args.items()}
     return PipelineStrategy(**args), devices
 
 
