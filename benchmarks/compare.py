@@ -36,7 +36,7 @@ all steps, and the median of per-round ratios), and the ratio to the ideal pipel
 single-process run of the same micro-batches (``plain_micro`` or ``pipe_1stage``) x (m + p - 1) /
 (p m). Per rank, where lightning-pipe's step time goes (forward, backward, posting and waiting for
 communication, outside the executor). For the MLP, the peak bytes of activations each stage saves
-for the backward under GPipe and 1F1B with each checkpoint mode, beside the closed forms. Writes
+for the backward under GPipe and 1F1B with each recompute mode, beside the closed forms. Writes
 ``results.json`` and ``throughput.svg`` to ``--out``.
 
 GPU mode (``--device cuda``): the same with NCCL (``--share-gpu``: lightning-pipe's two ranks on
@@ -272,7 +272,7 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
     for schedule in ("gpipe", "1f1b"):
         for mode in ("never", "except_last", "always"):
             with tempfile.TemporaryDirectory() as folder:
-                fit_isolated(model, f"pipe_{schedule}", steps, [_Meter(folder)], checkpoint=mode)
+                fit_isolated(model, f"pipe_{schedule}", steps, [_Meter(folder)], recompute=mode)
                 peaks[f"{schedule}/{mode}"] = [json.loads(Path(folder, f"peak{r}.json").read_text()) for r in range(p)]
     per_microbatch = [peaks["gpipe/never"][s] / m for s in range(p)]
     layers = build_module(model).layers
@@ -288,7 +288,7 @@ def measure_memory(model: str, steps: int = 3) -> dict[str, Any]:
         "ratio_1f1b_to_gpipe_stage0": peaks["1f1b/never"][0] / peaks["gpipe/never"][0],
         "bound_p_over_m": p / m,
         "stage_input_bytes_per_microbatch": input_bytes,
-        # with checkpoint="always" a stage keeps its micro-batches' inputs; anything beyond is what
+        # with recompute="always" a stage keeps its micro-batches' inputs; anything beyond is what
         # the step computes outside the Sequential (on the last stage: the logits the loss keeps)
         "always_bytes_beyond_stage_inputs": {
             k: [peaks[k][s] - held * input_bytes[s] for s, held in enumerate(counts)]

@@ -70,7 +70,7 @@ def main() -> None:
         ranked = torch.load(os.path.join(folder, "plan.pt"), weights_only=False)
     print(f"{len(ranked)} layouts ranked; plan='auto' ran #1 at {1e3 * statistics.median(auto_times):.1f} ms/step")
     chosen = list(ranked[: args.top])
-    others = [c for c in ranked[args.top :] if c.chunks in (1, 8) and c.checkpoint == "never"][:2]
+    others = [c for c in ranked[args.top :] if c.chunks in (1, 8) and c.recompute == "never"][:2]
     chosen += others
     measured: dict[int, list[float]] = {i: [] for i in range(len(chosen))}
     for round_ in range(args.rounds):
@@ -88,7 +88,7 @@ def main() -> None:
         m = statistics.median(measured[i])
         rows.append(
             f"| {ranked.index(c) + 1} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.balance_mode} "
-            f"{list(c.balance)} | {c.checkpoint} | {1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} "
+            f"{list(c.balance)} | {c.recompute} | {1e3 * c.step_seconds:.1f} | {1e3 * m:.1f} "
             f"({', '.join(f'{1e3 * t:.1f}' for t in measured[i])}) | {m / c.step_seconds:.2f} |"
         )
     print("\n".join(rows))

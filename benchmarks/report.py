@@ -79,7 +79,7 @@ def tables(results: dict) -> str:
         memory = entry.get("activation_memory")
         if memory:
             out.append("Peak bytes of activations saved for the backward, per stage:\n")
-            out.append("| schedule / checkpoint | stage 0 | stage 1 |")
+            out.append("| schedule / recompute | stage 0 | stage 1 |")
             out.append("|---|---:|---:|")
             for key, peaks in memory["peak_bytes"].items():
                 out.append(f"| {key} | {peaks[0]:,} | {peaks[1]:,} |")
@@ -89,7 +89,7 @@ def tables(results: dict) -> str:
                 f"1F1B {memory['microbatches_held']['1f1b/never']} vs "
                 f"{memory['closed_form_microbatches']['1f1b/never']}. 1F1B / GPipe on stage 0: "
                 f"{memory['ratio_1f1b_to_gpipe_stage0']:.3f} (bound p/m = {memory['bound_p_over_m']:.3f}). With "
-                "checkpoint='always' the bytes beyond the held micro-batches' stage inputs "
+                "recompute='always' the bytes beyond the held micro-batches' stage inputs "
                 f"({memory['stage_input_bytes_per_microbatch']} bytes each) are "
                 f"{memory['always_bytes_beyond_stage_inputs']}.\n"
             )

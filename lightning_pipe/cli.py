@@ -12,7 +12,6 @@ anything starts (:func:`check_keys`).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import logging
@@ -34,15 +33,15 @@ from hydra.utils import get_object, instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, not_a_checkpoint
-from lightning_pipe.config import PipelineConfig
+from lightning_pipe.config import DEPRECATED, PartitionConfig, cli_keys
 from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.observe.stage_metrics import StageMetrics
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
 from lightning_pipe.runtime.microbatch import batch_size
-from lightning_pipe.schedules import traits
+from lightning_pipe.schedules import TRAITS, traits
 from lightning_pipe.schedules.text import TEXT_SUFFIXES
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
@@ -52,11 +51,8 @@ log = logging.getLogger(__name__)
 # what Lightning's script launcher sets in the environment for the processes of a run
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
-#: PipelineConfig's arguments that a command line can give (callables and the planner's internal
-#: switch cannot), and ``checkpoint``, the deprecated former name of ``recompute``
-STRATEGY_KEYS = tuple(
-    f.name for f in dataclasses.fields(PipelineConfig) if f.name not in ("init", "rename", "plan_all_layouts")
-) + ("checkpoint",)
+#: PipelineConfig's arguments that a command line can give (not the callables): one per field of the config
+STRATEGY_KEYS = cli_keys()
 LOGGERS = ("csv", "tensorboard")
 # top-level keys that are not in config.yaml: what `lightning-pipe plan` adds
 INTERNAL_KEYS = ("plan_only",)
@@ -219,8 +215,9 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         if str(devices) != "1":
             log.warning(
                 "strategy=none: training without the pipeline, in one process on one device; trainer.devices=%s "
-                "applies to the pipeline strategies (strategy=1f1b, gpipe, pipedream, pipedream_2bw, pipemare).",
+                "applies to the pipeline strategies (strategy=%s).",
                 devices,
+                ", ".join(TRAITS),
             )
         return "auto", 1
     if cfg.name != "pipeline":
@@ -234,12 +231,8 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
     schedule = args.get("schedule")
     if isinstance(schedule, str) and schedule.endswith(TEXT_SUFFIXES) and Path(schedule).is_file():
         args["schedule"] = str(Path(schedule).resolve())  # a schedule text's path, the same from every process
-    if "balance" in args and not isinstance(args["balance"], str):
-        args["balance"] = [int(n) for n in args["balance"]]
-    if "rank_speeds" in args and not isinstance(args["rank_speeds"], (str, int, float)):
-        args["rank_speeds"] = [float(n) for n in args["rank_speeds"]]
-    if "rank_order" in args and not isinstance(args["rank_order"], (str, int, float)):
-        args["rank_order"] = [int(n) for n in args["rank_order"]]
+    # lists (balance, rank_speeds, rank_order) as Python's: the config checks their items
+    args = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v for k, v in args.items()}
     return PipelineStrategy(**args), devices
 
 
@@ -294,6 +287,8 @@ def _hint(prefix: str, name: str, valid: Sequence[str]) -> str:
             return f" (did you mean strategy.{name}?)"
         if name in inspect.signature(L.Trainer.__init__).parameters and name not in SET_BY_THE_COMMAND:
             return f" (did you mean trainer.{name}?)"
+    if prefix == "strategy." and name in DEPRECATED:
+        return f" (renamed: {prefix}{DEPRECATED[name]})"
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
@@ -349,7 +344,7 @@ def check_tied_weights(cfg: DictConfig, model: L.LightningModule, devices: Any) 
         attribute, layers = find_sequential(model, cfg.strategy.get("module"))
         # null: the recipe's choice (its strategy_defaults), else PipelineConfig's, as build_strategy gives it
         chosen = getattr(model, "strategy_defaults", None) or {}
-        balance = cfg.strategy.balance or chosen.get("balance") or PipelineConfig.balance
+        balance = cfg.strategy.balance or chosen.get("balance") or PartitionConfig.balance
         balance = balance if isinstance(balance, str) else [int(n) for n in balance]
         ties = tied_parameters(layers, resolve_balance(balance, layers, devices))
     except (ValueError, TypeError):

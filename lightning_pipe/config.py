@@ -1,32 +1,44 @@
 """Every ``PipelineStrategy`` argument as one frozen value, checked once where the user wrote it.
 
+Each argument is written once, here: a field of one of the groups below (torchtitan's way: a frozen
+dataclass per concern, a docstring under each field, each group with its own ``check()``), with its
+default, its values and what ``None`` means in the field's metadata (:func:`option`).
+``PipelineStrategy(**kwargs)`` takes the flat keywords (:func:`split_arguments`) and shows them in its
+signature (:func:`strategy_signature`); the command line's keys, ``conf/strategy/pipeline.yaml`` and
+docs/usage.md's table come from the same fields (:mod:`lightning_pipe.config_files`).
+
 The strategy, the planner and the pipeline read the same :class:`PipelineConfig`; nothing
-changes it in place. ``plan="auto"`` gets a new one from the planner (``dataclasses.replace``),
+changes it in place. ``plan="auto"`` gets a new one from the planner (:meth:`PipelineConfig.replace`),
 so the values a run uses are always the ones that were checked, and no module below the
 strategy needs the strategy object to learn or to change them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import inspect
 import os
+import textwrap
+import typing
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.partition.speeds import check_rank_speeds
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
-from lightning_pipe.runtime.elastic_average import check_replicas_sync
+from lightning_pipe.runtime.elastic_average import REPLICAS_SYNC, check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
-from lightning_pipe.runtime.stage import CHECKPOINT_MODES
-from lightning_pipe.runtime.topology import check_layout_arguments
+from lightning_pipe.runtime.stage import RECOMPUTE_MODES
+from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, check_layout_arguments
 from lightning_pipe.runtime.xpipe import PREDICTORS
-from lightning_pipe.schedules import check_virtual_stages, get_schedule, traits
+from lightning_pipe.schedules import TRAITS, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
 
@@ -34,169 +46,566 @@ PLANS = (None, "auto")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: The strategy's registered names and their start methods, as Lightning names its DDP variants.
 VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
+#: Former names of arguments, still taken with a ``DeprecationWarning``: former name -> name
+DEPRECATED = {"checkpoint": "recompute"}
+
+
+def option(
+    default: Any = None,
+    *,
+    values: Sequence[Any] | str = (),
+    more: str = "",
+    unset: str = "",
+    cli: bool = True,
+    recipe: bool = False,
+    internal: bool = False,
+) -> Any:
+    """A config field with what the signature, the YAML, the command line and the docs table say of it.
+
+    ``values``: the allowed values (a tuple, the default marked among them) or a text saying them; ``more``:
+    text after the tuple; ``unset``: what ``None`` becomes; ``cli=False``: no command-line key (callables);
+    ``recipe``: null in the YAML, so a recipe's choice applies; ``internal``: no ``PipelineStrategy`` argument.
+    The field's docstring (the string under it) says what it means."""
+    meta = {"values": values, "more": more, "unset": unset, "cli": cli and not internal, "recipe": recipe}
+    return field(default=default, metadata={**meta, "internal": internal})
+
+
+def _check(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
+    if not ok:
+        raise error(message)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
-    """The arguments of a pipeline run (names and meanings as ``PipelineStrategy``'s).
+class StepsConfig:
+    """How each training step runs: the schedule, its micro-batches and what each keeps."""
 
-    Attributes:
-        schedule: micro-batch order: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
-            (ZB-H1: each backward split into the input gradient and, later, the weight gradient),
-            ``"interleaved_zero_bubble"``, ``"zbv"``, ``"dualpipev"`` (ZB-V's V with DeepSeek's F&B pairs;
-            chunks >= 2 x processes), ``"chimera"`` (two pipelines in opposite
-            directions, each stage kept twice), or an asynchronous one (``"pipedream"``,
-            ``"pipedream_2bw"``, ``"pipemare"``, ``"xpipe"``, ``"wpipe"``), or your own schedule as text: the
-            path of a ``.csv`` or ``.txt`` file, or the text itself (a string with a newline or a comma), one line
-            of actions per rank (see :mod:`lightning_pipe.schedules.text`). A text schedule is synchronous,
-            validated here; its stages per rank and micro-batches are the text's (``chunks`` must agree).
-        chunks: micro-batches per batch (None: twice the number of stages). A batch smaller than
-            ``chunks`` is split into as many micro-batches as it has samples.
-        balance: how layers are assigned to stages: ``"uniform"`` (equal layer counts),
-            ``"parameters"`` (equal parameter counts), ``"time"`` / ``"memory"`` (the least slowest /
-            largest stage, from a profile measured on the device before the split, identical on every
-            rank; kept in ``strategy.profile``) or a list of layer counts per stage.
-        recompute: activation recomputation: ``"always"``, ``"except_last"`` (every micro-batch but
-            the last) or ``"never"``.
-        module: what to split: the name or dotted path of an ``nn.Sequential`` that the model calls
-            (needed when the module has several top-level ones), or the dotted path of an
-            ``nn.ModuleList`` of blocks that the model's ``forward`` loops over, the model unchanged
-            (``"model.transformer.h"``; see :mod:`lightning_pipe.runtime.blocks`).
-        init: for a module built on the meta device, ``init(module)`` initialises one module's own
-            tensors, called on every module, children before parents, seeded per layer (default: a
-            Hugging Face ``PreTrainedModel``'s own ``_init_weights``, else ``reset_parameters()``;
-            see :mod:`lightning_pipe.partition.materialize`).
-        rename: for ``weights``: a mapping of file-name prefixes to module-name prefixes, or a
-            callable file name -> module name (None leaves a tensor out), where the file's names
-            differ from the module's by more than one common prefix (see :mod:`lightning_pipe.weights.names`).
-        gradient_accumulation_fusion: in training steps, the backward of each plain ``nn.Linear``
-            adds its weight gradient into ``.grad`` within the matrix product instead of computing
-            each micro-batch's gradient apart and adding it (same gradients, less memory traffic;
-            see :mod:`lightning_pipe.runtime.fused_linear`).
-        virtual_stages: stages per process for ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
-            (>= 2, default 2), ``"zbv"`` and ``"dualpipev"`` (2); the layers are split into processes x virtual_stages
-            stages by ``balance``. None becomes the schedule's default here, so a ``replace`` that
-            changes the schedule must give its ``virtual_stages`` too.
-        check_data: when the stages compare a checksum of the batch they loaded (they compare its
-            shapes every step): ``True`` every step, an integer ``N`` every ``N`` steps and at the
-            first step of each epoch and evaluation loop, ``False`` never (see
-            :mod:`lightning_pipe.runtime.agreement`).
-        weights: full weights to start from (``.pt``/``.pth`` state_dict, Lightning ``.ckpt``,
-            ``.safetensors``, a ``save_pretrained`` directory or a lightning-pipe checkpoint
-            directory); each rank reads only its
-            stage's tensors (see :mod:`lightning_pipe.weights`).
-        plan: ``"auto"`` to let the planner choose ``schedule`` (among the synchronous ones),
-            ``virtual_stages``, ``chunks``, ``balance`` and ``recompute`` from a profile of the layers
-            and the measured point-to-point link, before the split (see :mod:`lightning_pipe.plan.planner`);
-            ``stages`` (and so the replicas) stays as given. None: as given.
-        stages: pipeline depth p (None: one stage per process). The world (devices x nodes) must be
-            p x d: d replicas of the pipeline train together, each on its own part of every step.
-        data_parallel: how the replicas of a stage share it: ``"replicate"`` (whole copies, gradients
-            averaged over the replicas) or ``"shard"`` (FSDP2 over the replicas).
-        start_method: how processes start, as in ``DDPStrategy``: ``"popen"`` (scripts and the CLI),
-            ``"spawn"`` or ``"fork"`` (notebooks and tests).
-        plan_all_layouts: with ``plan="auto"``, rank every stages x replicas of the world too
-            (``lightning-pipe plan`` prints them; the run keeps its own layout).
-        pipemare_warmup: PipeMare's learning-rate rescheduling for the asynchronous schedules: stage
-            ``i`` steps with ``lr * tau_i ** -(1 - min(k / K, 1))`` at update ``k``, back to the user's
-            ``lr`` after ``K = pipemare_warmup`` updates (``tau_i``: the stage's update delay). None:
-            1000 under ``"pipemare"``, off under ``"pipedream"``/``"pipedream_2bw"``; 0: off (see
-            :mod:`lightning_pipe.runtime.pipemare`).
-        pipemare_correction: PipeMare's discrepancy correction: each backward runs on the weights
-            predicted for its forward's moment from a velocity of the updates. None or True: on under
-            ``"pipemare"`` (it needs ``recompute="never"``); False: backwards on the current weights
-            (under activation checkpointing, the recomputed activations too).
-        pipemare_decay: ``D`` in the correction's velocity decay ``gamma_i = D ** (1 / tau_i)``, in
-            (0, 1): how much of the velocity is left after one delay of ``tau_i`` updates. None: 0.1
-            (:data:`lightning_pipe.runtime.pipemare.DEFAULT_DECAY`). Larger values average the
-            updates over more steps.
-        xpipe_predictor: how ``schedule="xpipe"`` predicts the weights its forwards and backwards
-            run on, ``s`` updates ahead: ``"update"`` (the optimizer's last update times ``s``; any
-            optimizer), ``"adam"`` (from Adam's moments) or ``"momentum"`` (from SGD's momentum
-            buffer). None: ``"update"`` (see :mod:`lightning_pipe.runtime.xpipe`).
-        loss_weight: how many items each micro-batch's loss averages over, ``loss_weight(micro_batch)
-            -> number``: each micro-batch's loss (and each mean it logs) is weighted by its share of
-            the batch's count, so the gradient is the batch's mean over those items. None or
-            ``"samples"``: the micro-batch's size. Language models whose loss is a mean over the valid
-            tokens give :func:`lightning_pipe.token_count` (see :mod:`lightning_pipe.runtime.loss_weights`).
-        elastic: resume by itself after torchrun's elastic agent restarts the run (a lost node): ``True``
-            watches the ``ModelCheckpoint`` callbacks' ``dirpath``, a path watches that folder; each
-            (re)start resumes from the newest complete checkpoint there, under the layout that fits the
-            new world, keeping the global batch (see :mod:`lightning_pipe.trainer.elastic`). False: off.
-        replicas_sync: how the replicas of a stage (``data_parallel="replicate"``) stay together:
-            ``"allreduce"`` (their gradients averaged every step: they train as one model on the global
-            batch) or ``"elastic"`` (AvgPipe's elastic averaging: each steps on its own batches, and every
-            ``replicas_sync_period`` steps replicas and a center variable pull towards each other by
-            ``replicas_sync_alpha``; see :mod:`lightning_pipe.runtime.elastic_average`).
-        replicas_sync_period: optimizer steps between two elastic averagings (None: 4).
-        replicas_sync_alpha: the elastic coefficient, in (0, 1), with replicas x alpha <= 1 (None: 0.9 / replicas).
-        rank_speeds: for ``balance="time"`` and ``plan="auto"`` on unequal devices: one relative speed per
-            process, global rank 0 first (``[1.0, 0.5]``: rank 1 runs at half the speed of rank 0); each
-            stage's measured seconds are divided by its rank's speed, so a slower rank gets less work.
-            None: every rank times a fixed probe on its own device before the split (see
-            :mod:`lightning_pipe.partition.speeds`).
-        rank_order: which global rank holds which pipeline position: the ranks of stage 0's replicas
-            first, then stage 1's (``[0, 2, 1, 3]`` on 2 stages x 2 replicas: ranks 0 and 2 hold stage
-            0). None: chosen from the ranks' speeds (``balance="time"``, ``plan="auto"``) or free memory
-            (``balance="memory"``) where they differ, so that a stage's replicas are equally fast;
-            otherwise rank ``r`` holds stage ``r // replicas`` (see :mod:`lightning_pipe.partition.placement`).
-    """
-
-    schedule: str = "1f1b"
-    chunks: int | None = None
-    balance: BalanceSpec = "uniform"
-    recompute: str = "never"
-    module: str | None = None
-    init: Callable[[nn.Module], None] | None = None
-    rename: Rename | None = None
-    gradient_accumulation_fusion: bool = True
-    virtual_stages: int | None = None
-    check_data: bool | int = True
-    weights: str | Path | None = None
-    plan: str | None = None
-    stages: int | None = None
-    data_parallel: str = "replicate"
-    start_method: str = "popen"
-    plan_all_layouts: bool = False
-    pipemare_warmup: int | None = None
-    pipemare_correction: bool | None = None
-    pipemare_decay: float | None = None
-    xpipe_predictor: str | None = None
-    loss_weight: LossWeight | str | None = None
-    elastic: bool | str | Path = False
-    replicas_sync: str = "allreduce"
-    replicas_sync_period: int | None = None
-    replicas_sync_alpha: float | None = None
-    rank_speeds: Sequence[float] | None = None
-    rank_order: Sequence[int] | None = None
+    schedule: str = option(
+        "1f1b",
+        values=tuple(TRAITS),
+        more="; or your own schedule as text: the path of a `.csv` or `.txt` file, or the text itself, one line of "
+        "actions per process ([docs/schedules.md](schedules.md#your-own-schedule))",
+    )
+    """micro-batch order. GPipe and 1F1B flush after every batch and have the bubble `(p-1)/(m+p-1)`; 1F1B holds at
+    most `p - s` micro-batches' activations on stage `s` instead of `m`. Interleaved 1F1B, ZB-H1 (each backward split
+    into the input gradient and, later, the weight gradient), interleaved zero bubble, ZB-V, DualPipeV (ZB-V's V with
+    DeepSeek's F&B pairs; chunks >= 2 x processes) and Chimera (two pipelines in opposite directions, each stage kept
+    twice): see below. The asynchronous schedules (PipeDream, PipeDream-2BW, PipeMare, XPipe, WPipe) never flush (see
+    below). A schedule text is synchronous, validated before training; its stages per process and its micro-batches
+    are the text's (`chunks` must agree)."""
+    chunks: int | None = option(values="int >= 1", unset="`2 * stages`, or a schedule text's count")
+    """micro-batches per batch. A batch smaller than `chunks` (an epoch's last batch) is split into as many as it has
+    samples; uneven splits are fine."""
+    virtual_stages: int | None = option(
+        values="int",
+        unset='the schedule\'s, 2 for `"interleaved_1f1b"`, `"interleaved_zero_bubble"`, `"zbv"` and '
+        '`"dualpipev"`, else 1',
+    )
+    """stages per process: the Sequential is split into processes x `virtual_stages` stages by `balance`.
+    `"interleaved_1f1b"` and `"interleaved_zero_bubble"` take any value >= 2, `"zbv"` and `"dualpipev"` exactly 2, the
+    other schedules 1. `None` becomes the schedule's here, so a `replace` that changes the schedule must give its
+    `virtual_stages` too."""
+    recompute: str = option("never", values=RECOMPUTE_MODES)
+    """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated).
+    Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
+    so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
+    normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
+    micro-batch (as in torchgpipe without `deferred_batch_norm`, which is not offered here yet): with more than one
+    micro-batch per batch, a model with BatchNorm trains differently from plain whole-batch training."""
+    gradient_accumulation_fusion: bool = option(True, values=(True, False))
+    """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
+    gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
+    it (same gradients, less memory traffic; see below)."""
+    loss_weight: LossWeight | str | None = option(
+        values='`"samples"` (the micro-batch\'s size), or a callable `micro_batch -> count` such as '
+        '`lightning_pipe.token_count(labels="labels", ignore_index=-100, shift=True)`',
+        unset="the micro-batch's size",
+        recipe=True,
+    )
+    """what each micro-batch's loss averages over: its loss and the means it logs are weighted by its share `n_i / N`
+    of the batch's count (in validation and test with replicas, each replica's means by its batch's count too: the
+    global batch's token mean, as plain Lightning on batches of replicas x `batch_size`). Give `token_count` for a loss
+    that is a mean over valid tokens (see "What happens to your module"). On the command line:
+    `strategy.loss_weight=samples` or `strategy.loss_weight={_target_:lightning_pipe.token_count,labels:2,shift:false}`;
+    the LM recipes set `token_count` themselves."""
+    check_data: bool | int = option(True, values="`True` (default), int N >= 1, `False`")
+    """when the stages compare a checksum of the batch each loaded (64 sampled elements per tensor, carried in the
+    comparison of shapes that runs every step): every step, every N steps and the first of each epoch and evaluation
+    loop, or never (shapes only). See "When something goes wrong"."""
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, os.PathLike):  # a schedule text's path
             object.__setattr__(self, "schedule", os.fspath(self.schedule))
-        check_arguments(self)
-        object.__setattr__(self, "rank_order", check_rank_order(self.rank_order))  # numpy's integers as Python's
-        object.__setattr__(self, "rank_speeds", check_rank_speeds(self.rank_speeds))  # numpy's floats as Python's
+        self.check()
         if self.loss_weight == "samples":
             object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", traits(self.schedule).virtual_stages)
 
+    def check(self) -> None:
+        schedule, chunks = self.schedule, self.chunks
+        get_schedule(schedule)
+        text = traits(schedule).text
+        _check(
+            text is None or chunks is None or chunks == text.num_microbatches,
+            f"PipelineStrategy(chunks={chunks}): the schedule text {text.name if text else ''!r} runs "
+            f"{text.num_microbatches if text else 0} micro-batches per batch. Give chunks="
+            f"{text.num_microbatches if text else 0} or leave it unset.",
+        )
+        if self.virtual_stages is not None:
+            check_virtual_stages(schedule, self.virtual_stages)
+        _check(
+            chunks is None or _positive_int(chunks),
+            f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an "
+            "integer >= 1.",
+        )
+        _check(
+            self.recompute in RECOMPUTE_MODES,
+            f"PipelineStrategy(recompute={self.recompute!r}): unknown mode. Valid: {', '.join(RECOMPUTE_MODES)}.",
+        )
+        _check(
+            not traits(schedule).predicts_ahead or self.recompute == "never",
+            f"PipelineStrategy(schedule={schedule!r}, recompute={self.recompute!r}): each forward runs on weights "
+            "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
+            "recompute='never'.",
+        )
+        check_data = self.check_data
+        _check(
+            isinstance(check_data, bool) or _positive_int(check_data),
+            f"PipelineStrategy(check_data={check_data!r}): give True (compare a checksum of the stages' batches "
+            "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only).",
+        )
+        check_loss_weight(self.loss_weight)
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """What is split into stages, and how its layers are assigned to them."""
+
+    module: str | None = option(
+        values="attribute name or dotted path", unset="the module's one `nn.Sequential`", recipe=True
+    )
+    """what to split: an `nn.Sequential` that the model calls (needed when the module has several top-level ones), or
+    an `nn.ModuleList` of blocks that the model's `forward` loops over, the model unchanged (`"model.transformer.h"`;
+    see "Bring your own model")."""
+    balance: BalanceSpec = option(
+        "uniform", values=BALANCE_MODES, more=", or a list of layer counts per stage", recipe=True
+    )
+    """how the Sequential's layers are assigned to stages, contiguously: equal layer counts, equal parameter counts,
+    or the least slowest / largest stage from a profile measured on the device before the split (identical on every
+    rank; kept in `strategy.profile`; see below)."""
+    plan: str | None = option(values=PLANS)
+    """let the planner choose the layout's options: `schedule` (among the synchronous ones), `virtual_stages`,
+    `chunks`, `balance` and `recompute` from a profile of the layers and the measured point-to-point link, before the
+    split (see below); `stages` (and so the replicas) stays as given."""
+    plan_all_layouts: bool = option(False, internal=True)
+    """with `plan="auto"`, rank every stages x replicas of the world too (`lightning-pipe plan` prints them; the run
+    keeps its own layout)."""
+
+    def check(self) -> None:
+        balance = self.balance
+        if isinstance(balance, str):
+            _check(
+                balance in BALANCE_MODES,
+                f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
+                "or a list of layer counts per stage.",
+            )
+        else:
+            _check(
+                isinstance(balance, (list, tuple))
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in balance),
+                f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer "
+                "counts per stage.",
+            )
+        _check(
+            self.plan in PLANS,
+            f"PipelineStrategy(plan={self.plan!r}): valid values are None (use the arguments as given) and 'auto'.",
+        )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Where the stages run: the pipeline's depth, how its replicas share a stage, which rank holds which stage."""
+
+    stages: int | None = option(values="int", unset="one stage per process")
+    """pipeline depth p. The world (devices x nodes) must be p x d: d replicas of the pipeline train together, each on
+    its own part of every step (see below). A `stages` that does not divide the world fails before training, naming
+    both numbers."""
+    data_parallel: str = option("replicate", values=DATA_PARALLEL_MODES)
+    """how the d replicas share a stage: whole copies with averaged gradients, or FSDP2 shards (see below)."""
+    rank_speeds: Sequence[float] | None = option(
+        values="a list of positive numbers, one per process, global rank 0 first",
+        unset="each rank times a probe on its own device",
+    )
+    """for `balance="time"` and `plan="auto"` on unequal devices: each stage's measured seconds are divided by the
+    speed of the rank holding it, so a slower rank gets less work (`[1.0, 0.5]`: rank 1 at half the speed of rank 0).
+    On several processes without it, every rank times the same probe (9 repeats) before the split; speeds within 10%,
+    or within the spread of the repeats, count as equal. See
+    [Balance](balance.md#unequal-devices-every-ranks-own-speed)."""
+    rank_order: Sequence[int] | None = option(
+        values="a list of global ranks, each once: the ranks of stage 0's replicas first, then stage 1's"
+    )
+    """which rank holds which pipeline position (`[0, 2, 1, 3]` on 2 stages x 2 replicas: ranks 0 and 2 hold stage 0).
+    `None`: where the ranks' speeds (`balance="time"`, `plan="auto"`) or free memory (`balance="memory"`) differ by
+    more than 10%, ranks of equal speed are grouped into the same stage and the stages ordered by the predicted step;
+    otherwise rank `r` holds stage `r // replicas`. The planner prints its choice as `strategy.rank_order=[...]`. See
+    [Balance](balance.md#which-rank-holds-which-stage)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+        object.__setattr__(self, "rank_order", check_rank_order(self.rank_order))  # numpy's integers as Python's
+        object.__setattr__(self, "rank_speeds", check_rank_speeds(self.rank_speeds))  # numpy's floats as Python's
+
+    def check(self) -> None:
+        check_layout_arguments(self.stages, self.data_parallel)
+        check_rank_speeds(self.rank_speeds)
+        check_rank_order(self.rank_order)
+
+
+@dataclass(frozen=True)
+class ReplicasConfig:
+    """How the replicas of a stage stay together."""
+
+    replicas_sync: str = option("allreduce", values=REPLICAS_SYNC)
+    """how the replicas of a stage stay together (`data_parallel="replicate"`): their gradients averaged every step
+    (they train as one model on the global batch), or AvgPipe's elastic averaging (each steps on its own batches;
+    every `replicas_sync_period` steps replicas and a center variable pull towards each other; synchronous schedules
+    only; see [Layout](layout.md#replicas_sync-gradients-every-step-or-elastic-averaging))."""
+    replicas_sync_period: int | None = option(values="int >= 1", unset="4")
+    """optimizer steps between two averagings (`replicas_sync="elastic"`)."""
+    replicas_sync_alpha: float | None = option(values="float in (0, 1), replicas x alpha <= 1", unset="0.9 / replicas")
+    """the elastic coefficient (`replicas_sync="elastic"`)."""
+
+    def check(self) -> None:
+        check_replicas_sync(self.replicas_sync, self.replicas_sync_period, self.replicas_sync_alpha)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True)
+class AsynchronousConfig:
+    """The options of the asynchronous schedules' rules (PipeMare's and XPipe's)."""
+
+    pipemare_warmup: int | None = option(
+        values="int K >= 0", unset='1000 under `"pipemare"`, off under the PipeDream schedules'
+    )
+    """PipeMare's learning-rate rescheduling for the asynchronous schedules: stage i's step size starts at
+    `lr / tau_i` and returns to yours over K optimizer updates (`lr * tau_i ** -(1 - min(k / K, 1))` at update k);
+    0 turns it off (see below)."""
+    pipemare_correction: bool | None = option(values=(None, True, False), unset='on under `"pipemare"`')
+    """PipeMare's discrepancy correction: each backward runs on the weights predicted for its forward's moment from a
+    velocity of the updates (`"pipemare"` only; needs `recompute="never"`). `False`: backwards on the current
+    weights."""
+    pipemare_decay: float | None = option(values="float D in (0, 1)", unset="0.1")
+    """the velocity decay D of PipeMare's correction: `gamma_i = D ** (1 / tau_i)` (`"pipemare"` with the correction
+    on): how much
+    of the velocity is left after one delay of `tau_i` updates; larger values average the updates over more steps."""
+    xpipe_predictor: str | None = option(values=PREDICTORS, unset='`"update"` under `"xpipe"`')
+    """how `"xpipe"` predicts the weights its forwards and backwards run on: `tau_i` updates ahead, the optimizer's
+    last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
+    [Schedules](schedules.md#xpipe-weights-predicted-ahead))."""
+
+    def check(self) -> None:
+        warmup, correction, decay, predictor = (
+            self.pipemare_warmup,
+            self.pipemare_correction,
+            self.pipemare_decay,
+            self.xpipe_predictor,
+        )
+        _check(
+            warmup is None or (isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0),
+            f"PipelineStrategy(pipemare_warmup={warmup!r}): give the number of optimizer updates K >= 0 over which "
+            "the learning-rate rescheduling returns to your learning rate (0: off, None: the schedule's default).",
+        )
+        _check(
+            correction is None or isinstance(correction, bool),
+            f"PipelineStrategy(pipemare_correction={correction!r}): give True, False or None.",
+        )
+        _check(
+            decay is None or (not isinstance(decay, bool) and isinstance(decay, (int, float)) and 0.0 < decay < 1.0),
+            f"PipelineStrategy(pipemare_decay={decay!r}): give the velocity's decay over one delay, a number "
+            "strictly between 0 and 1 (None: 0.1).",
+        )
+        _check(
+            predictor is None or predictor in PREDICTORS,
+            f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights; valid: "
+            f"{', '.join(PREDICTORS)}. Use schedule='xpipe' with one of those, or leave xpipe_predictor unset.",
+        )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True)
+class LoadingConfig:
+    """Where the stages' weights come from, and how a module built on the meta device is initialised."""
+
+    weights: str | Path | None = option(values="path")
+    """full weights to start from: a `state_dict` saved with `torch.save` (`.pt`/`.pth`), a Lightning `.ckpt`, a
+    `.safetensors` file, a lightning-pipe checkpoint directory or a directory written by Hugging Face `save_pretrained`
+    (sharded or not); each rank reads only its stage (see below). Hydra: `strategy.weights=PATH`."""
+    init: Callable[[nn.Module], None] | None = option(values="callable `init(module) -> None`", cli=False)
+    """for a module built in `configure_model()`: initialises one module's own tensors, called on every module,
+    children before parents, seeded per layer; replaces the default (`PreTrainedModel._init_weights`, else
+    `reset_parameters()`)."""
+    rename: Rename | None = option(values="mapping or callable", cli=False)
+    """for `weights=`: file-name prefixes to module-name prefixes (`{"transformer.": "backbone."}`), or a callable
+    file name -> module name (`None` leaves a tensor out)."""
+
+    def check(self) -> None:
+        check_weights_argument(self.weights)
+        check_rename(self.rename)
+        _check(
+            self.init is None or callable(self.init),
+            f"PipelineStrategy(init={self.init!r}): give a callable init(module) -> None that sets the module's own "
+            "tensors.",
+            TypeError,
+        )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the processes start, and start again after a lost node."""
+
+    start_method: str = option("popen", values=START_METHODS)
+    """how processes start, as in `DDPStrategy`: `"popen"` for scripts and the command line, `"spawn"` or `"fork"` in
+    notebooks and tests."""
+    elastic: bool | str | Path = option(False, values="`False` (default), `True`, a folder")
+    """resume by itself when torchrun's elastic agent restarts the run after a lost node: from the newest complete
+    checkpoint of the `ModelCheckpoint`'s `dirpath` (`True`) or of the folder, under the layout that fits the new
+    world, keeping the global batch (see [Elastic runs](elastic.md))."""
+
+    def check(self) -> None:
+        _check(
+            isinstance(self.elastic, (bool, str, Path)) and self.elastic != "",
+            f"PipelineStrategy(elastic={self.elastic!r}): give True (watch the ModelCheckpoint callbacks' dirpath), "
+            "the folder of the checkpoints to resume from, or False (off).",
+        )
+        _check(
+            self.start_method in START_METHODS,
+            f"PipelineStrategy(start_method={self.start_method!r}): valid values are {', '.join(START_METHODS)}.",
+        )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclass(frozen=True, init=False)
+class PipelineConfig:
+    """The arguments of a pipeline run, by concern; ``PipelineConfig(schedule="gpipe", chunks=4)`` takes them flat.
+
+    Each group checks its own fields when it is made; :meth:`check` then checks what spans groups. A flat
+    name reads through its group (``config.schedule`` is ``config.steps.schedule``).
+    """
+
+    steps: StepsConfig = field(default_factory=StepsConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
+    asynchronous: AsynchronousConfig = field(default_factory=AsynchronousConfig)
+    loading: LoadingConfig = field(default_factory=LoadingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __init__(self, **values: Any) -> None:
+        """Groups by their names (``steps=StepsConfig(...)``) or arguments by theirs (``schedule="gpipe"``)."""
+        groups = {f.name: f for f in dataclasses.fields(self)}
+        leaves = argument_groups(type(self))
+        unknown = [name for name in values if name not in groups and name not in leaves]
+        if unknown:
+            raise TypeError(unknown_arguments(type(self).__name__, unknown, [*groups, *leaves]))
+        for name in groups:
+            given = {leaf: value for leaf, value in values.items() if leaves.get(leaf) == name}
+            value = values.get(name)
+            if value is None:
+                value = _group_type(type(self), name)(**given)
+            elif given:
+                value = dataclasses.replace(value, **given)
+            object.__setattr__(self, name, value)
+        self.check()
+
+    if typing.TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any: ...  # the flat names (config.schedule), read through their group
+
+    else:
+
+        def __getattr__(self, name: str) -> Any:
+            group = argument_groups(type(self)).get(name)
+            if group is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return getattr(object.__getattribute__(self, group), name)
+
+    def __dir__(self) -> list[str]:
+        return [*super().__dir__(), *argument_groups(type(self))]
+
+    def check(self) -> None:
+        """What spans groups: a text schedule and the planner, measured speeds and the balance, elastic averaging
+        and the layout and schedule, the asynchronous rules' options and the schedule."""
+        check_text_schedule(self)
+        if self.rank_speeds is not None and self.balance != "time" and self.plan != "auto":
+            raise ValueError(
+                f"PipelineStrategy(rank_speeds={self.rank_speeds!r}, balance={self.balance!r}): the speeds weight the "
+                "measured split, balance='time' (or plan='auto'). Give balance='time', or leave rank_speeds unset."
+            )
+        check_elastic_averaging(self)
+        check_pipemare_options(self)
+
     @property
     def checkpoint(self) -> str:
         """The former name of :attr:`recompute` (activation recomputation), kept for reading."""
-        return self.recompute
+        return str(self.recompute)
 
     def replace(self, **changes: Any) -> PipelineConfig:
-        """A copy with ``changes``, checked like the original."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (flat names or groups), checked like the original."""
+        leaves = argument_groups(type(self))
+        groups: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        groups.update({name: value for name, value in changes.items() if name not in leaves})  # unknown: refused
+        for name in set(groups):
+            given = {leaf: value for leaf, value in changes.items() if leaves.get(leaf) == name}
+            if given:
+                groups[name] = dataclasses.replace(groups[name], **given)
+        return type(self)(**groups)
 
     def num_microbatches(self, num_stages: int) -> int:
         """Micro-batches per batch for a pipeline of ``num_stages``: ``chunks``, or a schedule text's
         count, or twice the stages."""
         if self.chunks is not None:
-            return self.chunks
+            return int(self.chunks)
         text = traits(self.schedule).text
         return text.num_microbatches if text is not None else 2 * num_stages
+
+
+def _group_type(config: type, name: str) -> type[Any]:
+    return dict(_group_types(config))[name]
+
+
+_GROUPS: dict[type, tuple[tuple[str, type], ...]] = {}  # a config class's groups: (name, type), in order
+_LEAVES: dict[type, dict[str, str]] = {}  # a config class's arguments: name -> group name
+
+
+def _group_types(config: type) -> tuple[tuple[str, type], ...]:
+    if config not in _GROUPS:
+        hints = typing.get_type_hints(config)
+        _GROUPS[config] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(config))
+    return _GROUPS[config]
+
+
+def argument_groups(config: type = PipelineConfig) -> dict[str, str]:
+    """Every argument's name -> the name of its group in ``config``."""
+    if config not in _LEAVES:
+        _LEAVES[config] = {f.name: name for name, group in _group_types(config) for f in dataclasses.fields(group)}
+    return _LEAVES[config]
+
+
+class Argument(NamedTuple):
+    """One argument as the signature, the YAML, the command line and the docs table show it."""
+
+    name: str
+    group: str
+    default: Any
+    annotation: Any
+    doc: str
+    values: Sequence[Any] | str
+    more: str
+    unset: str
+    cli: bool
+    recipe: bool
+
+
+def arguments(config: type = PipelineConfig, internal: bool = False) -> Iterator[Argument]:
+    """The arguments of ``config``, group by group (``internal``: with the fields that are no argument)."""
+    for name, group in _group_types(config):
+        hints, docs = typing.get_type_hints(group), field_docs(group)
+        for f in dataclasses.fields(group):
+            meta: Mapping[str, Any] = f.metadata
+            if meta.get("internal") and not internal:
+                continue
+            yield Argument(
+                f.name,
+                name,
+                f.default,
+                hints.get(f.name, f.type),
+                docs.get(f.name, ""),
+                meta.get("values", ()),
+                meta.get("more", ""),
+                meta.get("unset", ""),
+                meta.get("cli", True),
+                meta.get("recipe", False),
+            )
+
+
+_DOCS: dict[type, dict[str, str]] = {}
+
+
+def field_docs(group: type) -> dict[str, str]:
+    """The string under each field of ``group`` (torchtitan's field docstrings), read from its source."""
+    if group in _DOCS:
+        return _DOCS[group]
+    docs = _DOCS[group] = {}
+    for cls in reversed(group.__mro__[:-1]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        except (OSError, TypeError):  # made without a source file (dataclasses.make_dataclass)
+            continue
+        assert isinstance(body, ast.ClassDef)
+        for statement, after in zip(body.body, body.body[1:]):
+            named = isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+            if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                assert isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                docs[statement.target.id] = inspect.cleandoc(str(after.value.value))
+    return docs
+
+
+def cli_keys(config: type = PipelineConfig) -> tuple[str, ...]:
+    """The arguments a command line gives as ``strategy.<key>`` (not the callables)."""
+    return tuple(a.name for a in arguments(config) if a.cli)
+
+
+def unknown_arguments(owner: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
+    """``owner(name=...)``: no such argument, with the close matches to ``name``."""
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=3)
+        parts.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+    return f"{owner}() got unexpected keyword arguments: {', '.join(parts)}. Valid: {', '.join(valid)}."
+
+
+def split_arguments(
+    values: Mapping[str, Any], others: Sequence[str], config: type[PipelineConfig] = PipelineConfig
+) -> tuple[PipelineConfig, dict[str, Any]]:
+    """``PipelineStrategy(**values)``: the config from its arguments (a former name warns), and the
+    arguments named in ``others`` (the process strategy's); any other name raises a ``TypeError``."""
+    names = [a.name for a in arguments(config)]
+    unknown = [k for k in values if k not in names and k not in others and k not in DEPRECATED]
+    if unknown:
+        raise TypeError(unknown_arguments("PipelineStrategy", unknown, [*names, *others]))
+    mine = {k: v for k, v in values.items() if k in names}
+    mine["recompute"] = recompute_mode(mine.pop("recompute", None), values.get("checkpoint"))
+    return config(**mine), {k: v for k, v in values.items() if k in others}
+
+
+def strategy_signature(
+    base: Callable[..., Any], config: type[PipelineConfig] = PipelineConfig, self: bool = False
+) -> inspect.Signature:
+    """``PipelineStrategy``'s signature: every argument of ``config`` with its default (keyword-only), then
+    ``base``'s own (the process strategy's)."""
+    own = [
+        inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY, default=a.default, annotation=a.annotation)
+        for a in arguments(config)
+    ]
+    rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(base).parameters.values()]
+    first = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if self else []
+    return inspect.Signature([*first, *own, *(p for p in rest if p.name != "self")], return_annotation=None)
 
 
 def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
@@ -213,91 +622,16 @@ def recompute_mode(recompute: str | None, checkpoint: str | None) -> str:
         f"PipelineStrategy(checkpoint={checkpoint!r}) is deprecated: write recompute={checkpoint!r} (activation "
         "recomputation; checkpoint= will be removed in a later release).",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return checkpoint
 
 
-def check_arguments(config: PipelineConfig) -> None:
-    """Reject bad ``PipelineStrategy`` arguments, naming the valid values."""
-    schedule, chunks, balance, recompute = config.schedule, config.chunks, config.balance, config.recompute
-    get_schedule(schedule)
-    check_text_schedule(config)
-    check_weights_argument(config.weights)
-    check_rename(config.rename)
-    if config.init is not None and not callable(config.init):
-        raise TypeError(
-            f"PipelineStrategy(init={config.init!r}): give a callable init(module) -> None that sets the module's own "
-            "tensors."
-        )
-    check_layout_arguments(config.stages, config.data_parallel)
-    if config.virtual_stages is not None:
-        check_virtual_stages(schedule, config.virtual_stages)
-    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise ValueError(
-            f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an "
-            "integer >= 1."
-        )
-    if isinstance(balance, str):
-        if balance not in BALANCE_MODES:
-            raise ValueError(
-                f"PipelineStrategy(balance={balance!r}): unknown balance. Valid: {', '.join(BALANCE_MODES)}, "
-                "or a list of layer counts per stage."
-            )
-    elif not isinstance(balance, (list, tuple)) or not all(
-        isinstance(n, int) and not isinstance(n, bool) for n in balance
-    ):
-        raise ValueError(
-            f"PipelineStrategy(balance={balance!r}): give one of {', '.join(BALANCE_MODES)}, or a list of layer counts "
-            "per stage."
-        )
-    if recompute not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"PipelineStrategy(recompute={recompute!r}): unknown mode. Valid: {', '.join(CHECKPOINT_MODES)}."
-        )
-    if config.plan not in PLANS:
-        raise ValueError(
-            f"PipelineStrategy(plan={config.plan!r}): valid values are None (use the arguments as given) and 'auto'."
-        )
-    check_data = config.check_data
-    if not isinstance(check_data, int) or (not isinstance(check_data, bool) and check_data < 1):
-        raise ValueError(
-            f"PipelineStrategy(check_data={check_data!r}): give True (compare a checksum of the stages' batches "
-            "every step), an integer N >= 1 (every N steps and the first of each epoch) or False (shapes only)."
-        )
-    check_pipemare_options(config)
-    check_elastic_averaging(config)
-    check_rank_speeds(config.rank_speeds)
-    check_rank_order(config.rank_order)
-    if config.rank_speeds is not None and balance != "time" and config.plan != "auto":
-        raise ValueError(
-            f"PipelineStrategy(rank_speeds={config.rank_speeds!r}, balance={balance!r}): the speeds weight the "
-            "measured split, balance='time' (or plan='auto'). Give balance='time', or leave rank_speeds unset."
-        )
-    check_loss_weight(config.loss_weight)
-    if not isinstance(config.elastic, (bool, str, Path)) or config.elastic == "":
-        raise ValueError(
-            f"PipelineStrategy(elastic={config.elastic!r}): give True (watch the ModelCheckpoint callbacks' dirpath), "
-            "the folder of the checkpoints to resume from, or False (off)."
-        )
-    if config.start_method not in START_METHODS:
-        raise ValueError(
-            f"PipelineStrategy(start_method={config.start_method!r}): valid values are {', '.join(START_METHODS)}."
-        )
-
-
 def check_text_schedule(config: PipelineConfig) -> None:
-    """A schedule handed in as text fixes the micro-batches and the schedule: ``chunks`` must agree,
-    and the planner, which chooses a schedule, cannot run it."""
+    """A schedule handed in as text fixes the schedule: the planner, which chooses one, cannot run it (its
+    micro-batches are checked with ``chunks``, in :meth:`StepsConfig.check`)."""
     text = traits(config.schedule).text
-    if text is None:
-        return
-    if config.chunks is not None and config.chunks != text.num_microbatches:
-        raise ValueError(
-            f"PipelineStrategy(chunks={config.chunks}): the schedule text {text.name!r} runs "
-            f"{text.num_microbatches} micro-batches per batch. Give chunks={text.num_microbatches} or leave it unset."
-        )
-    if config.plan is not None:
+    if text is not None and config.plan is not None:
         raise ValueError(
             f"PipelineStrategy(plan={config.plan!r}) chooses the schedule, and schedule= hands one in as text "
             f"({text.name!r}). Leave plan unset to run the text, or give a schedule's name to plan."
@@ -307,7 +641,6 @@ def check_text_schedule(config: PipelineConfig) -> None:
 def check_elastic_averaging(config: PipelineConfig) -> None:
     """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
     layout's replica count is checked once known, in :func:`~lightning_pipe.runtime.elastic_average.resolve_alpha`)."""
-    check_replicas_sync(config.replicas_sync, config.replicas_sync_period, config.replicas_sync_alpha)
     if config.replicas_sync != "elastic":
         return
     if config.data_parallel != "replicate":
@@ -325,23 +658,15 @@ def check_elastic_averaging(config: PipelineConfig) -> None:
 
 
 def check_pipemare_options(config: PipelineConfig) -> None:
-    """PipeMare's switches: rescheduling for the asynchronous schedules, correction for ``pipemare``;
-    XPipe's predictor."""
+    """PipeMare's switches against the schedule: rescheduling for the asynchronous schedules, correction for
+    ``pipemare``; XPipe's predictor for ``xpipe`` (each value's own range: :meth:`AsynchronousConfig.check`)."""
     warmup, correction, schedule = config.pipemare_warmup, config.pipemare_correction, config.schedule
-    if warmup is not None:
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(
-                f"PipelineStrategy(pipemare_warmup={warmup!r}): give the number of optimizer updates K >= 0 over which "
-                "the learning-rate rescheduling returns to your learning rate (0: off, None: the schedule's default)."
-            )
-        if warmup > 0 and not traits(schedule).asynchronous:
-            raise ValueError(
-                f"PipelineStrategy(pipemare_warmup={warmup}) rescales the step size of asynchronous schedules, whose "
-                f"gradients arrive late; schedule={schedule!r} is synchronous. Use schedule='pipemare', 'pipedream' "
-                "or 'pipedream_2bw', or leave pipemare_warmup unset."
-            )
-    if correction is not None and not isinstance(correction, bool):
-        raise ValueError(f"PipelineStrategy(pipemare_correction={correction!r}): give True, False or None.")
+    if warmup and not traits(schedule).asynchronous:
+        raise ValueError(
+            f"PipelineStrategy(pipemare_warmup={warmup}) rescales the step size of asynchronous schedules, whose "
+            f"gradients arrive late; schedule={schedule!r} is synchronous. Use schedule='pipemare', 'pipedream' "
+            "or 'pipedream_2bw', or leave pipemare_warmup unset."
+        )
     if correction and not traits(schedule).predicts_weights:
         raise ValueError(
             f"PipelineStrategy(pipemare_correction=True) predicts the forward's weights for backwards that run on "
@@ -356,34 +681,18 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             + ". Use schedule='pipemare', or leave pipemare_correction unset."
         )
     decay = config.pipemare_decay
-    if decay is not None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-            raise ValueError(
-                f"PipelineStrategy(pipemare_decay={decay!r}): give the velocity's decay over one delay, a number "
-                "strictly between 0 and 1 (None: 0.1)."
-            )
-        if not traits(schedule).predicts_weights or correction is False:
-            raise ValueError(
-                f"PipelineStrategy(pipemare_decay={decay}) sets the velocity of PipeMare's discrepancy correction, "
-                f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
-                "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
-            )
-    predictor = config.xpipe_predictor
-    if predictor is not None and (predictor not in PREDICTORS or not traits(schedule).predicts_ahead):
+    if decay is not None and (not traits(schedule).predicts_weights or correction is False):
         raise ValueError(
-            f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights"
-            + (
-                f"; valid: {', '.join(PREDICTORS)}"
-                if predictor not in PREDICTORS
-                else f"; schedule={schedule!r} does not"
-            )
-            + ". Use schedule='xpipe' with one of those, or leave xpipe_predictor unset."
+            f"PipelineStrategy(pipemare_decay={decay}) sets the velocity of PipeMare's discrepancy correction, "
+            f"which is off here (schedule={schedule!r}, pipemare_correction={correction!r}). Use "
+            "schedule='pipemare' with the correction on, or leave pipemare_decay unset."
         )
-    if traits(schedule).predicts_ahead and config.recompute != "never":
+    predictor = config.xpipe_predictor
+    if predictor is not None and not traits(schedule).predicts_ahead:
         raise ValueError(
-            f"PipelineStrategy(schedule={schedule!r}, recompute={config.recompute!r}): each forward runs on weights "
-            "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
-            "recompute='never'."
+            f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights; "
+            f"schedule={schedule!r} does not. Use schedule='xpipe' with one of {', '.join(PREDICTORS)}, or leave "
+            "xpipe_predictor unset."
         )
     if traits(schedule).predicts_weights and correction is not False and config.recompute != "never":
         raise ValueError(
@@ -404,13 +713,30 @@ def register_variants(strategy: Callable[..., Any], registry: Any) -> None:
 
 
 __all__ = [
+    "DEPRECATED",
     "PLANS",
     "START_METHODS",
     "VARIANTS",
+    "Argument",
+    "AsynchronousConfig",
+    "LaunchConfig",
+    "LayoutConfig",
+    "LoadingConfig",
+    "PartitionConfig",
     "PipelineConfig",
-    "check_arguments",
+    "ReplicasConfig",
+    "StepsConfig",
+    "argument_groups",
+    "arguments",
     "check_elastic_averaging",
     "check_pipemare_options",
+    "check_text_schedule",
+    "cli_keys",
+    "field_docs",
+    "option",
     "recompute_mode",
     "register_variants",
+    "split_arguments",
+    "strategy_signature",
+    "unknown_arguments",
 ]

@@ -10,11 +10,11 @@ Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+import inspect
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,8 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.config import PipelineConfig, recompute_mode, register_variants
-from lightning_pipe.partition.split import BalanceSpec
+from lightning_pipe.config import register_variants, split_arguments, strategy_signature
 from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
@@ -38,7 +37,8 @@ from lightning_pipe.trainer.precision import across_stages
 from lightning_pipe.trainer.preflight import check_before_launch
 from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
-from lightning_pipe.weights.names import Rename
+
+_PROCESS_ARGUMENTS = tuple(p for p in inspect.signature(ProcessStrategy.__init__).parameters if p != "self")
 
 
 def _argument(name: str) -> property:  # one of the run's arguments (after plan="auto", the planner's choice)
@@ -59,46 +59,10 @@ class PipelineStrategy(ProcessStrategy):
 
     strategy_name = "pipeline"
 
-    def __init__(
-        self,
-        schedule: str = "1f1b",
-        chunks: int | None = None,
-        balance: BalanceSpec = "uniform",
-        recompute: str | None = None,
-        module: str | None = None,
-        checkpoint: str | None = None,
-        init: Callable[[nn.Module], None] | None = None,
-        rename: Rename | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        gradient_accumulation_fusion: bool = True,
-        virtual_stages: int | None = None,
-        check_data: bool | int = True,
-        weights: str | Path | None = None,
-        plan: str | None = None,
-        stages: int | None = None,
-        data_parallel: str = "replicate",
-        pipemare_warmup: int | None = None,
-        pipemare_correction: bool | None = None,
-        pipemare_decay: float | None = None,
-        xpipe_predictor: str | None = None,
-        loss_weight: Callable[[Any], Any] | str | None = None,
-        elastic: bool | str | Path = False,
-        replicas_sync: str = "allreduce",
-        replicas_sync_period: int | None = None,
-        replicas_sync_alpha: float | None = None,
-        rank_speeds: Sequence[float] | None = None,
-        rank_order: Sequence[int] | None = None,
-        **processes: Any,
-    ) -> None:
-        self.config = PipelineConfig(schedule=schedule, chunks=chunks, balance=balance,
-            recompute=recompute_mode(recompute, checkpoint), module=module, init=init, rename=rename,
-            gradient_accumulation_fusion=gradient_accumulation_fusion, virtual_stages=virtual_stages,
-            check_data=check_data, weights=weights, plan=plan, stages=stages, data_parallel=data_parallel,
-            start_method=start_method, pipemare_warmup=pipemare_warmup, pipemare_correction=pipemare_correction,
-            pipemare_decay=pipemare_decay, xpipe_predictor=xpipe_predictor, loss_weight=loss_weight, elastic=elastic,
-            replicas_sync=replicas_sync, replicas_sync_period=replicas_sync_period,
-            replicas_sync_alpha=replicas_sync_alpha, rank_speeds=rank_speeds, rank_order=rank_order,
-        )  # fmt: skip
+    def __init__(self, **arguments: Any) -> None:
+        """Every argument of :class:`PipelineConfig`, by its flat name, and ``ProcessStrategy``'s (the signature
+        lists them: ``help(PipelineStrategy)``)."""
+        self.config, processes = split_arguments(arguments, _PROCESS_ARGUMENTS)
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)
         self._split: ModuleSplit | None = None  # what splitting the module decided, kept for the run
@@ -295,6 +259,10 @@ class PipelineStrategy(ProcessStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """``"pipeline"``, ``"pipeline_notebook"`` (fork), ``"pipeline_spawn"`` (:data:`.config.VARIANTS`)."""
         register_variants(cls, strategy_registry)
+
+
+PipelineStrategy.__signature__ = strategy_signature(ProcessStrategy.__init__)  # type: ignore[attr-defined]
+PipelineStrategy.__init__.__signature__ = strategy_signature(ProcessStrategy.__init__, self=True)  # type: ignore[attr-defined]
 
 
 __all__ = ["PipelineStrategy"]

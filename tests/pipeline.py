@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe.config import arguments
 from tests.models import loader, trainer_kwargs
 
 
@@ -18,12 +19,7 @@ def pipeline_trainer(
 ) -> L.Trainer:
     """A Trainer with ``PipelineStrategy`` on ``devices`` CPU processes; keyword arguments go to the
     strategy when they are its own and to the Trainer otherwise."""
-    strategy_keys = {
-        "schedule", "chunks", "balance", "checkpoint", "module", "gradient_accumulation_fusion", "check_data",
-        "weights", "stages", "data_parallel", "plan", "virtual_stages", "pipemare_warmup", "pipemare_correction",
-        "pipemare_decay", "xpipe_predictor", "loss_weight", "elastic", "replicas_sync", "replicas_sync_period",
-        "replicas_sync_alpha", "rank_speeds", "rank_order",
-    }  # fmt: skip
+    strategy_keys = {argument.name for argument in arguments()}  # every argument of PipelineConfig's groups
     strategy_args = {k: v for k, v in strategy_and_trainer.items() if k in strategy_keys}
     trainer_args = {k: v for k, v in strategy_and_trainer.items() if k not in strategy_keys}
     strategy = PipelineStrategy(start_method=start_method, **strategy_args)

@@ -34,7 +34,7 @@ EPOCH = {"max_steps": -1}
 
 
 @pytest.mark.parametrize(
-    "stages, chunks, checkpoint",
+    "stages, chunks, recompute",
     [
         (2, 2, "never"),
         (2, 4, "always"),
@@ -42,12 +42,12 @@ EPOCH = {"max_steps": -1}
         (4, 8, "never"),
     ],
 )
-def test_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str) -> None:
+def test_weights_equal_plain_training(stages: int, chunks: int, recompute: str) -> None:
     """Six SGD-momentum steps (the models' default), chunks = D and 2D."""
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=2 * stages))  # a Linear on every stage
     fit_plain(reference)
-    fit_pipeline(piped, stages, schedule="chimera", chunks=chunks, checkpoint=checkpoint)
+    fit_pipeline(piped, stages, schedule="chimera", chunks=chunks, recompute=recompute)
     assert_same_weights(reference, piped)
 
 
@@ -139,7 +139,7 @@ def test_parameters_outside_the_sequential_and_tied_weights(stages: int) -> None
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())
     fit_plain(reference)
-    fit_pipeline(piped, stages, schedule="chimera", chunks=stages, checkpoint="except_last")
+    fit_pipeline(piped, stages, schedule="chimera", chunks=stages, recompute="except_last")
     assert_same_weights(reference, piped)
     # TiedNet ties its first and last layer (on processes 0 and D-1, each of which holds both copies)
     reference, piped = twins(TiedNet())

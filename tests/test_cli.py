@@ -101,7 +101,7 @@ def test_every_option_composes_and_instantiates(group: str) -> None:
 
 
 def test_overrides_reach_the_strategy() -> None:
-    cfg = _compose(["strategy=gpipe", "strategy.chunks=8", "strategy.balance=[3,1]", "strategy.checkpoint=always"])
+    cfg = _compose(["strategy=gpipe", "strategy.chunks=8", "strategy.balance=[3,1]", "strategy.recompute=always"])
     strategy, _ = build_strategy(cfg.strategy, 2)
     assert (strategy.schedule_name, strategy.chunks, strategy.balance, strategy.recompute) == (
         "gpipe",
@@ -175,7 +175,7 @@ def test_a_bad_value_names_it() -> None:
 
 UNREAD_KEYS = [
     ("+strategy.chunk=4", (r"unknown key strategy.chunk \(did you mean strategy.chunks\?\): nothing reads it. "
-                           r"Valid keys: balance, check_data, checkpoint, chunks, ")),
+                           r"Valid keys: balance, check_data, chunks, data_parallel, ")),
     ("+recipe.loss=mse", r"unknown key recipe.loss: nothing reads it. Valid keys: data, model, name."),
     ("+trainer.max_step=3", r"unknown key trainer.max_step \(did you mean trainer.max_steps\?\).*gradient_clip_val"),
     ("+trainer.logger=false", r"trainer.logger is set by lightning-pipe: choose it with logger=csv or "
@@ -365,6 +365,7 @@ def test_strategy_none_says_what_runs(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lightning_pipe.cli"):
         assert build_strategy(cfg.strategy, cfg.trainer.devices) == ("auto", 1)
     assert "one process on one device; trainer.devices=2" in caplog.text
+    assert "strategy=gpipe, 1f1b," in caplog.text and "dualpipev" in caplog.text and "wpipe" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lightning_pipe.cli"):
         build_strategy(cfg.strategy, 1)
@@ -517,6 +518,9 @@ def test_a_misspelt_key_is_named_with_its_close_key_before_hydra_answers(monkeyp
                                                      r"trainer.max_steps\?\)"),
                               ("chekpoint=true", r"unknown key chekpoint \(did you mean checkpoint\?\)"),
                               ("strategy.defaults=[]", r"unknown key strategy.defaults\."),
+                              # the former name of recompute, which the command line no longer takes
+                              ("strategy.checkpoint=always", r"unknown key strategy.checkpoint \(renamed: "
+                                                             r"strategy.recompute\)"),
                               # a strategy or Trainer argument at the top level is sent to its node, and the
                               # planner's internal plan_only key is never suggested
                               ("plan=auto", r"unknown key plan \(did you mean strategy.plan\?\)"),

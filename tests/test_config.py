@@ -15,6 +15,20 @@ def test_defaults_and_the_schedules_own_stages_per_process() -> None:
     assert PipelineConfig(schedule="interleaved_1f1b", virtual_stages=3, chunks=5).num_microbatches(3) == 5
 
 
+def test_the_groups_hold_the_arguments_and_flat_names_read_through_them() -> None:
+    config = PipelineConfig(schedule="gpipe", chunks=4, stages=2, replicas_sync="elastic", start_method="fork")
+    assert (config.steps.schedule, config.steps.chunks, config.layout.stages) == ("gpipe", 4, 2)
+    assert (config.replicas.replicas_sync, config.launch.start_method) == ("elastic", "fork")
+    assert (config.schedule, config.chunks, config.stages) == ("gpipe", 4, 2) and "chunks" in dir(config)
+    assert PipelineConfig(steps=config.steps, layout=config.layout) == config.replace(
+        replicas_sync="allreduce", start_method="popen"
+    )
+    with pytest.raises(AttributeError, match="no attribute 'chunk'"):
+        config.chunk  # noqa: B018
+    with pytest.raises(TypeError, match=r"'chunk' \(did you mean 'chunks'\?\)"):
+        PipelineConfig(chunk=4)
+
+
 def test_a_config_cannot_change_and_a_replacement_is_checked_again() -> None:
     config = PipelineConfig(schedule="gpipe")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -1,13 +1,11 @@
-"""Each strategy argument is defined once, in ``PipelineConfig``: the command line's strategy files and the
-arguments table of docs/usage.md name the same arguments with the same defaults."""
+"""Each strategy argument is defined once, in ``PipelineConfig``'s fields: the signature, the command line's keys,
+its strategy files and the arguments table of docs/usage.md come from them."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib.util
 import inspect
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +13,20 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from lightning_pipe import config_files
 from lightning_pipe.cli import CONFIG_DIR, STRATEGY_KEYS, build_strategy, check_keys
-from lightning_pipe.config import PipelineConfig
+from lightning_pipe.config import PipelineConfig, arguments, cli_keys, option, split_arguments, strategy_signature
+from lightning_pipe.schedules import TRAITS
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.trainer.processes import ProcessStrategy
 from tests.test_cli import _compose
 
-ROOT = Path(__file__).resolve().parents[1]
 STRATEGY_DIR = Path(CONFIG_DIR) / "strategy"
 BASE = STRATEGY_DIR / "pipeline.yaml"
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
-# null in the base file where PipelineConfig's default is a value that the command line computes
-COMPUTED = {
-    "recompute": "PipelineStrategy's recompute=None is 'never'; null lets checkpoint=, its former name, be given alone",
-    "balance": "the recipe's strategy_defaults (balance='parameters'), else PipelineConfig's 'uniform'",
-}
+DEFAULTS = {a.name: a.default for a in arguments()}
+# null in the base file: the recipe's choice (its strategy_defaults), else PipelineConfig's default
+RECIPE = {a.name for a in arguments() if a.recipe}
 SCHEDULE_FILES = sorted(p.stem for p in STRATEGY_DIR.glob("*.yaml") if p.stem not in ("pipeline", "none"))
-# PipelineConfig's fields that are no PipelineStrategy argument: `lightning-pipe plan` sets it
-NOT_ARGUMENTS = {"plan_all_layouts"}
 
 
 def _yaml(path: Path) -> dict[str, Any]:
@@ -40,17 +35,92 @@ def _yaml(path: Path) -> dict[str, Any]:
     return value
 
 
+def test_the_yaml_and_the_docs_table_are_as_the_config_writes_them() -> None:
+    for path, now, then in config_files.written():
+        assert now == then, f"{path}: run python -m lightning_pipe.config_files"
+    assert config_files.main(["--check"]) == 0
+    assert sorted(TRAITS) == SCHEDULE_FILES  # a strategy file per schedule
+    comment = BASE.read_text().split("\nschedule: ", 1)[1].split("\n", 1)[0]
+    assert all(f" {name} |" in comment for name in TRAITS), comment  # dualpipev, xpipe and wpipe too
+
+
 def test_the_base_file_holds_every_argument_once_with_pipeline_configs_default() -> None:
     base = _yaml(BASE)
     assert set(base) == {"name", *STRATEGY_KEYS}  # every argument the command line takes, and nothing else
-    assert set(STRATEGY_KEYS) - {"checkpoint"} <= set(DEFAULTS)
-    assert base.pop("name") == "pipeline" and base.pop("checkpoint") is None  # the deprecated name of recompute
+    assert set(STRATEGY_KEYS) == set(DEFAULTS) - {"init", "rename"}  # the callables: Python only
+    assert base.pop("name") == "pipeline"
     for key, value in base.items():
-        expected = None if key in COMPUTED else DEFAULTS[key]
+        expected = None if key in RECIPE else DEFAULTS[key]
         assert value == expected, f"conf/strategy/pipeline.yaml: {key}: {value!r}, PipelineConfig: {DEFAULTS[key]!r}"
     # as the command line reads it, without a recipe's choices: PipelineStrategy()'s own configuration
     strategy, _ = build_strategy(_compose(["strategy=pipeline"]).strategy, 2)
     assert strategy.config == PipelineConfig()
+
+
+def test_the_signature_shows_every_argument_with_its_default_and_refuses_others() -> None:
+    parameters = inspect.signature(PipelineStrategy).parameters
+    assert {name: parameters[name].default for name in DEFAULTS} == DEFAULTS
+    assert list(parameters)[: len(DEFAULTS)] == list(DEFAULTS)  # then ProcessStrategy's: accelerator, timeout, ...
+    assert {"accelerator", "timeout"} <= set(parameters) and "checkpoint" not in parameters  # the former name
+    assert next(iter(inspect.signature(PipelineStrategy.__init__).parameters)) == "self"
+    assert "plan_all_layouts" not in parameters  # `lightning-pipe plan`'s switch, no argument
+    with pytest.raises(TypeError, match=r"'chunk' \(did you mean 'chunks'\?\)"):
+        PipelineStrategy(chunk=4)
+    with pytest.raises(TypeError, match="'plan_all_layouts'"):
+        PipelineStrategy(plan_all_layouts=True)
+    strategy = PipelineStrategy(schedule="gpipe", chunks=4, stages=2, timeout=None)
+    assert (strategy.config.steps.schedule, strategy.config.chunks, strategy.config.layout.stages) == ("gpipe", 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """A group that a later version might add."""
+
+    warmup_batches: int = option(0, values="int >= 0")
+    """batches to run before the first step that counts."""
+
+    def check(self) -> None:
+        if self.warmup_batches < 0:
+            raise ValueError(f"warmup_batches={self.warmup_batches}: give 0 or more.")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ConfigWithWarmup(PipelineConfig):
+    warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
+
+
+def test_an_argument_added_to_the_config_appears_everywhere_it_is_shown() -> None:
+    """One field, written once, is an argument of the signature, a key of the command line and of its YAML,
+    a row of the docs table, and routed to its group by name."""
+    signature = strategy_signature(ProcessStrategy.__init__, ConfigWithWarmup)
+    assert signature.parameters["warmup_batches"].default == 0
+    assert signature.parameters["warmup_batches"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "warmup_batches" in cli_keys(ConfigWithWarmup) and "warmup_batches" not in cli_keys()
+    yaml = OmegaConf.create(config_files.yaml_text(ConfigWithWarmup))
+    assert yaml.warmup_batches == 0 and "# batches to run before the first step that counts: int >= 0" in (
+        config_files.yaml_text(ConfigWithWarmup)
+    )
+    assert (
+        "| `warmup_batches` | int >= 0 (default `0`) | batches to run before the first step that counts. |"
+        in config_files.docs_table(ConfigWithWarmup).splitlines()
+    )
+    config, processes = split_arguments(
+        {"warmup_batches": 3, "chunks": 2, "timeout": None}, ["timeout"], ConfigWithWarmup
+    )
+    assert (config.warmup.warmup_batches, config.warmup_batches, config.chunks, processes) == (
+        3,
+        3,
+        2,
+        {"timeout": None},
+    )
+    assert config.replace(warmup_batches=5).warmup_batches == 5 and config.warmup_batches == 3
+    with pytest.raises(ValueError, match="warmup_batches=-1"):
+        ConfigWithWarmup(warmup_batches=-1)
+    with pytest.raises(TypeError, match="did you mean 'warmup_batches'"):
+        ConfigWithWarmup(warmup_batch=1)
 
 
 @pytest.mark.parametrize("option", SCHEDULE_FILES)
@@ -65,7 +135,7 @@ def test_each_schedule_file_composes_to_arguments_the_strategy_accepts(option: s
     config = strategy.config
     assert {key: getattr(config, key) for key in own} == own
     for key, value in _yaml(BASE).items():
-        if key not in own and key not in ("name", "checkpoint", *COMPUTED):
+        if key not in own and key not in ("name", *RECIPE):
             assert getattr(config, key) == (
                 value if value is not None else getattr(PipelineConfig(schedule=option), key)
             )
@@ -84,33 +154,3 @@ def test_the_recipes_choose_balance_by_parameters_unless_the_run_sets_it(recipe:
     assert (config.balance, config.num_microbatches(2)) == ("parameters", 4)
     given = _compose([f"recipe={recipe}", "strategy.balance=uniform", *small]).strategy
     assert build_strategy(given, 2, model.strategy_defaults)[0].config.balance == "uniform"
-
-
-def _arguments_table() -> dict[str, str]:
-    """docs/usage.md's arguments table: each row's argument and its values cell."""
-    lines = (ROOT / "docs" / "usage.md").read_text().splitlines()
-    start = lines.index("| argument | values | meaning |")
-    table = {}
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        name, values = (cell.strip() for cell in line.strip("|").split(" | ")[:2])
-        match = re.match(r"`(\w+)`", name)
-        assert match, line
-        table[match.group(1)] = values
-    return table
-
-
-def test_the_arguments_table_lists_every_argument_with_pipeline_configs_default() -> None:
-    table = _arguments_table()
-    arguments = [
-        p.name
-        for p in inspect.signature(PipelineStrategy.__init__).parameters.values()
-        if p.name not in ("self", "checkpoint") and p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]  # checkpoint: in recompute's row, as its former name
-    assert sorted(table) == sorted(arguments) == sorted(set(DEFAULTS) - NOT_ARGUMENTS)
-    for name, values in table.items():
-        # `"never"` (default) or (default `None`: what it becomes)
-        stated = re.findall(r"`([^`]+)` \(default[):]", values) + re.findall(r"\(default `([^`]+)`", values)
-        assert len(stated) == 1, f"docs/usage.md, {name}: state the default once, as `value` (default): {values}"
-        assert ast.literal_eval(stated[0]) == DEFAULTS[name], f"docs/usage.md, {name}: {stated[0]}"

@@ -54,7 +54,7 @@ def test_weights_equal_plain_training(stages: int, chunks: int, recompute: str) 
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=4 * stages))  # a Linear on every one of the 2 x stages stages
     fit_plain(reference, _data())
-    fit_pipeline(piped, stages, _data(), schedule="dualpipev", chunks=chunks, checkpoint=recompute)
+    fit_pipeline(piped, stages, _data(), schedule="dualpipev", chunks=chunks, recompute=recompute)
     assert_same_weights(reference, piped)
 
 
@@ -78,7 +78,7 @@ def test_parameters_outside_the_sequential_and_tied_weights() -> None:
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())
     fit_plain(reference, _data())
-    fit_pipeline(piped, 2, _data(), schedule="dualpipev", chunks=4, checkpoint="except_last")
+    fit_pipeline(piped, 2, _data(), schedule="dualpipev", chunks=4, recompute="except_last")
     assert_same_weights(reference, piped)
     # TiedNet ties its first and last layer: both on process 0, the two ends of the V
     reference, piped = twins(TiedNet())
@@ -112,7 +112,7 @@ def test_a_block_container_trains_like_plain_training() -> None:
     torch.manual_seed(0)
     reference, piped = twins(_LoopNet())
     fit_plain(reference, _data())
-    fit_pipeline(piped, 2, _data(), schedule="dualpipev", chunks=4, module="blocks", checkpoint="always")
+    fit_pipeline(piped, 2, _data(), schedule="dualpipev", chunks=4, module="blocks", recompute="always")
     assert_same_weights(reference, piped)
 
 

@@ -29,10 +29,6 @@ pytestmark = pytest.mark.timeout(120)
             r"zero_bubble",
         ),
         ({"recompute": "sometimes"}, r"recompute='sometimes'.*Valid: always, except_last, never"),
-        (
-            {"checkpoint": "sometimes"},
-            r"recompute='sometimes'.*Valid: always, except_last, never",
-        ),  # the deprecated name
         ({"chunks": 0}, r"chunks=0.*integer >= 1"),
         ({"chunks": 2.5}, r"chunks=2.5.*integer >= 1"),
         ({"balance": "speed"}, r"balance='speed'.*Valid: uniform, parameters, time, memory"),

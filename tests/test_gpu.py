@@ -57,7 +57,7 @@ def test_two_stages_sharing_a_gpu_train_as_plain_training(schedule: str, chunks:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=8))
     fit_plain(reference, _data())
-    _fit_on_one_gpu(piped, 2, schedule=schedule, chunks=chunks, checkpoint=recompute)
+    _fit_on_one_gpu(piped, 2, schedule=schedule, chunks=chunks, recompute=recompute)
     _close(reference, piped)
 
 

@@ -56,7 +56,7 @@ def _parity(
     [
         ("gpt2", 2, {"schedule": "1f1b"}),
         ("llama_gqa_tied", 2, {"schedule": "zero_bubble", "optimizer": "adamw"}),
-        ("llama_gqa_untied", 4, {"schedule": "1f1b", "checkpoint": "always"}),
+        ("llama_gqa_untied", 4, {"schedule": "1f1b", "recompute": "always"}),
         ("vit", 2, {"schedule": "interleaved_1f1b"}),
         ("gpt2", 4, {"schedule": "1f1b", "stages": 2}),
     ],
@@ -78,7 +78,7 @@ def test_the_parity_grid(name: str, devices: int, schedule: str, optimizer: str)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [{"checkpoint": "always"}, {"stages": 2}], ids=["always", "2x2"])
+@pytest.mark.parametrize("options", [{"recompute": "always"}, {"stages": 2}], ids=["always", "2x2"])
 def test_the_parity_grid_recomputation_and_replicas(name: str, options: dict) -> None:
     _parity(name, 4 if "stages" in options else 2, schedule="1f1b", **options)
 

@@ -31,21 +31,21 @@ DEFAULT_GRID = {
 GRID = [
     pytest.param(*case, marks=() if case in DEFAULT_GRID else pytest.mark.slow, id="-".join(map(str, case)))
     for case in [
-        (schedule, stages, chunks, checkpoint)
+        (schedule, stages, chunks, recompute)
         for schedule in ("gpipe", "1f1b")
         for stages in (2, 4)
         for chunks in (4, 3)
-        for checkpoint in ("never", "always", "except_last")
+        for recompute in ("never", "always", "except_last")
     ]
 ]
 
 
-@pytest.mark.parametrize("schedule, stages, chunks, checkpoint", GRID)
-def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, checkpoint: str) -> None:
+@pytest.mark.parametrize("schedule, stages, chunks, recompute", GRID)
+def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, recompute: str) -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference)
-    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint)
+    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, recompute=recompute)
     assert_same_weights(reference, piped)
 
 
@@ -149,17 +149,17 @@ def test_activation_shapes_that_change_between_batches() -> None:
     torch.manual_seed(0)
     reference, piped = twins(MaskedNet())
     fit_plain(reference, variable_length_loader(), max_steps=5)
-    fit_pipeline(piped, 2, variable_length_loader(), schedule="1f1b", chunks=3, max_steps=5, checkpoint="except_last")
+    fit_pipeline(piped, 2, variable_length_loader(), schedule="1f1b", chunks=3, max_steps=5, recompute="except_last")
     assert_same_weights(reference, piped)
 
 
-def test_checkpointing_recomputes_the_same_dropout_masks() -> None:
+def test_recomputation_draws_the_same_dropout_masks() -> None:
     torch.manual_seed(0)
     always, never = twins(TinyNet(dropout=0.5))
     torch.manual_seed(1)
-    fit_pipeline(always, 2, schedule="1f1b", chunks=4, checkpoint="always")
+    fit_pipeline(always, 2, schedule="1f1b", chunks=4, recompute="always")
     torch.manual_seed(1)
-    fit_pipeline(never, 2, schedule="1f1b", chunks=4, checkpoint="never")
+    fit_pipeline(never, 2, schedule="1f1b", chunks=4, recompute="never")
     assert_same_weights(always, never, rtol=1e-6, atol=1e-7)
 
 
@@ -310,7 +310,7 @@ def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -
     )
     reference, piped = twins(model)
     fit_plain(reference)
-    fit_pipeline(piped, 2, balance=[1, 4], chunks=3, checkpoint="except_last")
+    fit_pipeline(piped, 2, balance=[1, 4], chunks=3, recompute="except_last")
     assert_same_weights(reference, piped)
 
 

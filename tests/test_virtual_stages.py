@@ -33,7 +33,7 @@ def _val() -> torch.utils.data.DataLoader:
 
 
 @pytest.mark.parametrize(
-    "schedule, stages, chunks, checkpoint",
+    "schedule, stages, chunks, recompute",
     [
         ("interleaved_1f1b", 2, 4, "never"),
         ("interleaved_1f1b", 2, 3, "always"),  # chunks not a multiple of the processes: one round
@@ -47,11 +47,11 @@ def _val() -> torch.utils.data.DataLoader:
         ("interleaved_zero_bubble", 4, 8, "never"),
     ],
 )
-def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, checkpoint: str) -> None:
+def test_weights_equal_plain_training(schedule: str, stages: int, chunks: int, recompute: str) -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=4 * stages))  # a Linear on every one of the 2 x stages stages
     fit_plain(reference)
-    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, checkpoint=checkpoint)
+    fit_pipeline(piped, stages, schedule=schedule, chunks=chunks, recompute=recompute)
     assert_same_weights(reference, piped)
 
 
@@ -59,7 +59,7 @@ def test_interleaved_zero_bubble_with_three_stages_per_process() -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=12))
     fit_plain(reference)
-    fit_pipeline(piped, 2, schedule="interleaved_zero_bubble", virtual_stages=3, chunks=4, checkpoint="except_last")
+    fit_pipeline(piped, 2, schedule="interleaved_zero_bubble", virtual_stages=3, chunks=4, recompute="except_last")
     assert_same_weights(reference, piped)
 
 
@@ -80,7 +80,7 @@ def test_parameters_outside_the_sequential_and_tied_weights(schedule: str) -> No
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())
     fit_plain(reference)
-    fit_pipeline(piped, 2, schedule=schedule, chunks=4, checkpoint="except_last")
+    fit_pipeline(piped, 2, schedule=schedule, chunks=4, recompute="except_last")
     assert_same_weights(reference, piped)
     # TiedNet ties its first and last layer: on one process under ZB-V, across two under interleaving
     reference, piped = twins(TiedNet())

@@ -11,13 +11,13 @@ from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 
 @pytest.mark.parametrize(
-    "stages, chunks, checkpoint", [(2, 4, "never"), (2, 3, "always"), (4, 4, "always"), (4, 3, "never")]
+    "stages, chunks, recompute", [(2, 4, "never"), (2, 3, "always"), (4, 4, "always"), (4, 3, "never")]
 )
-def test_zero_bubble_weights_equal_plain_training(stages: int, chunks: int, checkpoint: str) -> None:
+def test_zero_bubble_weights_equal_plain_training(stages: int, chunks: int, recompute: str) -> None:
     torch.manual_seed(0)
     reference, piped = twins(TinyNet())
     fit_plain(reference)
-    fit_pipeline(piped, stages, schedule="zero_bubble", chunks=chunks, checkpoint=checkpoint)
+    fit_pipeline(piped, stages, schedule="zero_bubble", chunks=chunks, recompute=recompute)
     assert_same_weights(reference, piped)
 
 
@@ -25,7 +25,7 @@ def test_zero_bubble_with_parameters_outside_the_sequential() -> None:
     torch.manual_seed(0)
     reference, piped = twins(WrappedNet())
     fit_plain(reference)
-    fit_pipeline(piped, 2, schedule="zero_bubble", chunks=4, checkpoint="except_last")
+    fit_pipeline(piped, 2, schedule="zero_bubble", chunks=4, recompute="except_last")
     assert_same_weights(reference, piped)
 
 

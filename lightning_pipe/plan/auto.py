@@ -196,7 +196,7 @@ def apply_plan(
     inputs: MeasureInputs,
     say: Callable[[str], None] = print,
 ) -> tuple[PipelineConfig, Profile, list[Candidate]]:
-    """``plan="auto"``: ``config`` with the schedule, chunks, checkpoint mode, virtual stages and
+    """``plan="auto"``: ``config`` with the schedule, chunks, recompute mode, virtual stages and
     balance of the planner's first choice (the same on every rank) for the run's own stages x
     replicas, which stay fixed (the global batch is the DataLoader's batch x replicas, see
     docs/planner.md); with the profile of that choice's micro-batch size and the ranked candidates.
@@ -205,7 +205,7 @@ def apply_plan(
     ranked, link, profiles = plan_layers(config, layout, module, layers, inputs, say)
     best = next(c for c in ranked if (c.depth, c.replicas) == (layout.stages, layout.replicas))
     planned = config.replace(
-        schedule=best.schedule, chunks=best.chunks, recompute=best.checkpoint,
+        schedule=best.schedule, chunks=best.chunks, recompute=best.recompute,
         virtual_stages=best.virtual_stages, balance=list(best.balance),
         rank_order=list(best.rank_order) or None,  # a given order was planned as given
     )  # fmt: skip

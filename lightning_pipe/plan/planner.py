@@ -1,4 +1,4 @@
-"""Choose stages x replicas, the schedule, ``chunks``, ``balance`` and ``checkpoint`` mode from measurements.
+"""Choose stages x replicas, the schedule, ``chunks``, ``balance`` and ``recompute`` mode from measurements.
 
 Pure: it takes a profile of the layers per micro-batch size (so each micro-batch size is measured,
 not extrapolated) and the measured point-to-point link, and predicts for every combination:
@@ -84,7 +84,7 @@ class Candidate:
     chunks: int
     balance_mode: str  # the first balance mode that gave this split
     balance: tuple[int, ...]  # layers per stage (stages x virtual_stages of them)
-    checkpoint: str
+    recompute: str  # activation recomputation: "always", "except_last" or "never"
     step_seconds: float
     bubble: float
     stage_bytes: tuple[int, ...]  # peak bytes per rank of one pipeline (its stages together)
@@ -113,7 +113,7 @@ class Candidate:
             "schedule": self.schedule,
             "chunks": self.chunks,
             "balance": list(self.balance),
-            "recompute": self.checkpoint,
+            "recompute": self.recompute,
         }
         if self.schedule in VIRTUAL_STAGES:
             args["virtual_stages"] = self.virtual_stages
@@ -526,7 +526,7 @@ def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
             _schedule_label(c),
             str(c.chunks),
             f"{c.balance_mode} {list(c.balance)}",
-            c.checkpoint,
+            c.recompute,
             f"{c.depth}x{c.replicas}",
             f"{1e3 * c.step_seconds:.2f}",
             f"{1e3 * c.all_reduce_seconds:.2f}",

@@ -26,7 +26,7 @@ def describe(c: Candidate) -> str:
     replicas = f" x {c.replicas} replicas" if c.replicas > 1 else ""
     return (
         f"{c.schedule}{virtual} on {stages}{replicas}, chunks {c.chunks}, balance {c.balance_mode} "
-        f"{list(c.balance)}, recompute {c.checkpoint}"
+        f"{list(c.balance)}, recompute {c.recompute}"
     )
 
 
@@ -71,7 +71,7 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
         f"strategy={c.schedule}",
         f"strategy.chunks={c.chunks}",
         f"strategy.balance={balance}",
-        f"strategy.recompute={c.checkpoint}",
+        f"strategy.recompute={c.recompute}",
     ]
     if c.schedule in VIRTUAL_STAGES:
         out.append(f"strategy.virtual_stages={c.virtual_stages}")
@@ -90,7 +90,7 @@ def distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
     cannot matter): the best of each such group stands for it."""
     seen, kept = set(), []
     for c in candidates:
-        key = (c.schedule, c.virtual_stages, c.chunks, c.checkpoint, c.depth, c.replicas, round(c.step_seconds, 7),
+        key = (c.schedule, c.virtual_stages, c.chunks, c.recompute, c.depth, c.replicas, round(c.step_seconds, 7),
                round(c.bubble, 6), c.stage_bytes)  # fmt: skip
         if key not in seen:
             seen.add(key)

@@ -195,7 +195,7 @@ class BlockDrive:
         bounds: the stage's blocks, ``start`` to ``stop`` (exclusive) in the unsplit container.
         received: the hidden state from the previous stage (None on the first stage).
         stops: whether the pass ends at block ``stop`` (every stage but the last).
-        use_checkpoint: recompute each block in the backward.
+        recompute: recompute each block in the backward.
         params: the weight version to run on (asynchronous schedules), by the host's names.
         carry: the router logits received for earlier blocks and recorded by this stage's.
         refusal: why this run cannot carry router logits (the schedule), None where it can.
@@ -206,7 +206,7 @@ class BlockDrive:
         bounds: tuple[int, int],
         received: Any,
         stops: bool,
-        use_checkpoint: bool,
+        recompute: bool,
         params: dict[str, Tensor] | None,
         carry: Carry | None = None,
         refusal: str | None = None,
@@ -214,7 +214,7 @@ class BlockDrive:
         self.start, self.stop = bounds
         self.received = received
         self.stops = stops
-        self.use_checkpoint = use_checkpoint
+        self.recompute = recompute
         self.params = params
         self.entered = False
         self.captured: Any | None = None
@@ -371,7 +371,7 @@ class _Local(_Entry):
 
         recorded = recorded_list()
         before = len(recorded) if recorded is not None else 0
-        if not drive.use_checkpoint:
+        if not drive.recompute:
             output = run(*args, **kwargs)
         else:
             output = torch_checkpoint(

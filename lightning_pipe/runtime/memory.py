@@ -4,7 +4,7 @@
 for a backward while it is alive (a tensor saved by several operations counts once; each
 micro-batch's slice of a batch counts for its own bytes; parameters and tensors sharing their
 memory do not count), and keeps the peak. It is what the benchmarks use to
-compare schedules and checkpoint modes; it is off unless a stage runner is given one.
+compare schedules and recompute modes; it is off unless a stage runner is given one.
 """
 
 from __future__ import annotations

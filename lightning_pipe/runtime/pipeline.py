@@ -105,76 +105,28 @@ class StagePipeline:
         model: nn.Module,
         shared: Sequence[nn.Parameter] = (),
     ) -> None:
-        self.options = options
-        self.placement = placement
-        self.host = split.host
-        self.stages = split.stages
-        self.topology = topology
+        self.options, self.placement, self.topology = options, placement, topology
+        self.host, self.stages = split.host, split.stages
         self.num_stages = placement.num_stages
         self.num_microbatches = options.num_microbatches
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self.timeline: Timeline | None = None  # see enable_timeline
-        replicas = placement.num_replicas
-        self.sharded = options.sharded and replicas > 1
+        self.sharded = options.sharded and placement.num_replicas > 1
         self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
-        named = dict(model.named_parameters(remove_duplicate=False))
-        ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)
-        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
-        # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
-        mirrored = traits(options.schedule).mirrored
-        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
-        self.gradients = StageGradients(
-            shared,
-            ties,
-            topology.pp_group,
-            self.num_stages,
-            counts_shared=placement.stage == 0,
-            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
-            dp_group=topology.dp_group
-            if replicas > 1 and not self.sharded and not options.replicas_sync_alpha
-            else None,
-            copies=copies,
-        )
-        self.transport = Transport(
-            stage_ranks=placement.stage_ranks,
-            device=placement.device,
-            group=None,
-            meta_group=topology.meta_group,
-            batched=placement.backend == "nccl",
-            through_host=placement.through_host,
-        )
-        asynchronous = is_async(options.schedule)
-        versions = WeightVersions(self.host) if asynchronous else None
+        self.gradients = self._stage_gradients(split.ties, model, shared)
+        self.transport = self._transport()
+        versions = WeightVersions(self.host) if is_async(options.schedule) else None
         self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
-        split_backward = not asynchronous and self.schedule(options.schedule, self.num_microbatches).split_backward
-        self._fused: list[nn.Module] = []
-        if self.shards is not None:
-            pass  # FSDP2 accumulates the micro-batches' gradients itself
-        elif split_backward:  # W is these layers' deferred work
-            self._fused = deferred_conv.install_split(self.host)
-        elif options.gradient_accumulation_fusion:
-            self._fused = fused_linear.install(self.host)
+        split_backward = versions is None and self.schedule(options.schedule, self.num_microbatches).split_backward
+        self._fused = self._fuse_weight_gradients(split_backward)
         if versions is None and self.shards is None and not split_backward:
             # the readiness hooks fire in B, while deferred weight gradients are complete only after
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
-        self.runners = {
-            s: StageRunner(m, checkpoint=options.recompute, versions=versions, host=self.host)
-            for s, m in self.stages.items()
-        }
-        refusal = carrying_refusal(options.schedule)
-        for runner in self.runners.values():
-            runner.carry_refusal = refusal
+        self.runners = self._runners(versions)
         self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
-        self.elastic: ElasticAverage | None = (
-            None  # replicas_sync="elastic": no gradient all-reduce, a pull every period
-        )
-        if options.replicas_sync_alpha > 0 and replicas > 1:
-            trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            self.elastic = ElasticAverage(
-                trainable, topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha
-            )
+        self.elastic = self._elastic_average(model)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
             self.asynchronous = AsyncPipeline(
@@ -182,6 +134,73 @@ class StagePipeline:
             )
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ the steps of building it
+    def _stage_gradients(
+        self, tied: list[dict[int, str]], model: nn.Module, shared: Sequence[nn.Parameter]
+    ) -> StageGradients:
+        """Where this stage's gradients go: weights tied across stages, the parameters outside the
+        split (checked to agree first), Chimera's other copy, the replicas, the norm for clipping."""
+        placement, topology, options = self.placement, self.topology, self.options
+        named = dict(model.named_parameters(remove_duplicate=False))
+        ties = tie_groups(tied, placement.layout, placement.stage, placement.replica, named, topology.group)
+        check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
+        # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
+        mirrored = traits(options.schedule).mirrored
+        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
+        all_reduced = placement.num_replicas > 1 and not self.sharded and not options.replicas_sync_alpha
+        return StageGradients(
+            shared,
+            ties,
+            topology.pp_group,
+            self.num_stages,
+            counts_shared=placement.stage == 0,
+            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
+            dp_group=topology.dp_group if all_reduced else None,
+            copies=copies,
+        )
+
+    def _transport(self) -> Transport:
+        """Point-to-point to the neighbouring stages, batched under NCCL."""
+        placement = self.placement
+        return Transport(
+            stage_ranks=placement.stage_ranks,
+            device=placement.device,
+            group=None,
+            meta_group=self.topology.meta_group,
+            batched=placement.backend == "nccl",
+            through_host=placement.through_host,
+        )
+
+    def _fuse_weight_gradients(self, split_backward: bool) -> list[nn.Module]:
+        """The layers whose backward adds the micro-batches' weight gradients itself: a split backward's
+        deferred work (W), or the fused ``nn.Linear`` accumulation; none under FSDP2, which accumulates."""
+        if self.shards is not None:
+            return []
+        if split_backward:
+            return deferred_conv.install_split(self.host)
+        return fused_linear.install(self.host) if self.options.gradient_accumulation_fusion else []
+
+    def _runners(self, versions: WeightVersions | None) -> dict[int, StageRunner]:
+        """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them."""
+        runners = {
+            s: StageRunner(m, recompute=self.options.recompute, versions=versions, host=self.host)
+            for s, m in self.stages.items()
+        }
+        refusal = carrying_refusal(self.options.schedule)
+        for runner in runners.values():
+            runner.carry_refusal = refusal
+        return runners
+
+    def _elastic_average(self, model: nn.Module) -> ElasticAverage | None:
+        """``replicas_sync="elastic"``: no gradient all-reduce, a pull between the replicas every period."""
+        options = self.options
+        if not options.replicas_sync_alpha > 0 or self.placement.num_replicas <= 1:
+            return None
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        return ElasticAverage(
+            trainable, self.topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha
+        )
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which

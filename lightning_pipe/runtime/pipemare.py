@@ -46,7 +46,7 @@ optimizer's step, ``delta <- gamma * delta - (1 - gamma) * w_k`` before it and
 ``delta += (1 - gamma) * w_{k+1}`` after it (rounding of order ``(1 - gamma) * ulp(w)``).
 The asynchronous schedules refuse ``accumulate_grad_batches`` other than 1, so an update
 follows every batch. Activation checkpointing recomputes a forward inside its own saved-tensor
-hooks, on the weights of the backward's moment, so discrepancy correction refuses ``checkpoint``
+hooks, on the weights of the backward's moment, so discrepancy correction refuses ``recompute``
 other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
 """
 

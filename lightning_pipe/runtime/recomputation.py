@@ -1,6 +1,6 @@
 """A recomputed forward must not change a stage's state a second time.
 
-Activation recomputation (``checkpoint="always"``/``"except_last"``) runs a micro-batch's forward
+Activation recomputation (``recompute="always"``/``"except_last"``) runs a micro-batch's forward
 again during its backward. Layers that update buffers in training would count that micro-batch
 twice: BatchNorm's ``num_batches_tracked`` would end at twice plain training's and its running
 mean and variance would move twice per micro-batch. So the forward records which buffers it

@@ -29,7 +29,7 @@ from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+RECOMPUTE_MODES = ("always", "except_last", "never")
 
 
 class StageModule(nn.Sequential):
@@ -56,7 +56,7 @@ class StageModule(nn.Sequential):
                 f"This module holds {held_stages(self.held)}; it runs inside the "
                 "Trainer's steps. To use the whole model outside the Trainer, load a consolidated checkpoint."
             )
-        return self.run_layers(value, use_checkpoint=False)
+        return self.run_layers(value, recompute=False)
 
     @contextmanager
     def routed(self, hook: Callable[[Any], Any]) -> Iterator[None]:
@@ -71,15 +71,15 @@ class StageModule(nn.Sequential):
     def run_layers(
         self,
         value: Any,
-        use_checkpoint: bool,
+        recompute: bool,
         params: dict[str, Tensor] | None = None,
     ) -> Any:
-        """The stage's layers on ``value``; with ``use_checkpoint`` their activations are recomputed
+        """The stage's layers on ``value``; with ``recompute`` their activations are recomputed
         in the backward, with the RNG state of the forward, so dropout draws the same mask, and
         leaving the buffers the forward updated (BatchNorm's running statistics) as they were, so
         each micro-batch counts once. With ``params`` (names as in ``named_parameters``) the layers
         run on those tensors instead of their own parameters (a stashed weight version)."""
-        if not use_checkpoint:
+        if not recompute:
             return self._chain(self._guard(value), params)
         tensors, was_tuple = as_tuple(value)
 
@@ -122,7 +122,7 @@ def _modifies_input(layer: nn.Module | None) -> bool:
     return bool(getattr(layer, "inplace", False))
 
 
-def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
+def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
     """torchgpipe's modes: ``always``, ``except_last`` (all but the last micro-batch), ``never``."""
     if mode == "always":
         return True
@@ -130,7 +130,7 @@ def uses_checkpoint(mode: str, microbatch: int, num_microbatches: int) -> bool:
         return microbatch != num_microbatches - 1
     if mode == "never":
         return False
-    raise ValueError(f"Unknown checkpoint mode {mode!r}. Valid: {', '.join(CHECKPOINT_MODES)}.")
+    raise ValueError(f"Unknown recompute mode {mode!r}. Valid: {', '.join(RECOMPUTE_MODES)}.")
 
 
 #: Runs the user's step for a micro-batch. On the first stage its return value is ignored (the
@@ -152,7 +152,7 @@ class StageRunner:
     def __init__(
         self,
         module: StageModule | BlockStage,
-        checkpoint: str = "never",
+        recompute: str = "never",
         versions: WeightVersions | None = None,
         host: StageModule | BlockStage | None = None,
     ) -> None:
@@ -162,7 +162,7 @@ class StageRunner:
         self.host = host if host is not None else module
         self.stage = module.stage
         self.num_stages = module.num_stages
-        self.checkpoint = checkpoint
+        self.recompute = recompute  # activation recomputation: "always", "except_last" or "never"
         self.versions = versions  # asynchronous schedules: micro-batch g of batch b runs on version b
         self.completed: dict[int, dict[str, Tensor | None]] = {}  # batch -> its gradient on this stage
         self.trace: list[tuple[str, int, int]] | None = None  # (kind, micro-batch, version) when tracing
@@ -220,7 +220,7 @@ class StageRunner:
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None
     ) -> Sent | None:
         training = torch.is_grad_enabled()
-        use_ckpt = training and uses_checkpoint(self.checkpoint, microbatch % num_microbatches, num_microbatches)
+        recompute = training and recomputes(self.recompute, microbatch % num_microbatches, num_microbatches)
         self._microbatches = num_microbatches
         params = None
         if self.versions is not None and training:
@@ -234,7 +234,7 @@ class StageRunner:
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
             value = from_tuple(tuple(leaves), was_tuple)
         if isinstance(self.module, BlockStage):
-            return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params, step)
+            return self._forward_blocks(microbatch, num_microbatches, received, leaves, recompute, params, step)
         module = self.module  # a StageModule from here on
         if self.is_last:
             calls = 0
@@ -247,7 +247,7 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return module.run_layers(argument if received is None else value, use_ckpt, params)
+                return module.run_layers(argument if received is None else value, recompute, params)
 
             loss = self._run_step(step, microbatch % num_microbatches, inject)
             if calls == 0:
@@ -259,7 +259,7 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(module.run_layers(argument, use_ckpt, params))
+                captured.append(module.run_layers(argument, recompute, params))
                 raise StageExit
 
             with suppress(StageExit):
@@ -268,7 +268,7 @@ class StageRunner:
                 raise RuntimeError(self._not_called())
             output = captured[0]
         else:
-            output = self.module.run_layers(value, use_ckpt, params)
+            output = self.module.run_layers(value, recompute, params)
         tensors_out, was_tuple_out = as_tuple(output)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
@@ -280,7 +280,7 @@ class StageRunner:
         num_microbatches: int,
         received: Received | None,
         leaves: list[Tensor],
-        use_ckpt: bool,
+        recompute: bool,
         params: dict[str, Tensor] | None,
         step: StepFn | None,
     ) -> Sent | None:
@@ -294,7 +294,7 @@ class StageRunner:
         value = None if received is None else from_tuple(tuple(hidden), received[2])
         carry = Carry(self.module.bounds[0], carried)
         drive = BlockDrive(
-            self.module.bounds, value, not self.is_last, use_ckpt, params, carry, refusal=self.carry_refusal
+            self.module.bounds, value, not self.is_last, recompute, params, carry, refusal=self.carry_refusal
         )
         loss = None
         try:

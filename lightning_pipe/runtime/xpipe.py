@@ -28,7 +28,7 @@ The predictor works with any torch optimizer:
 
 Before the optimizer has a state for a weight (its first update), every predictor gives ``w_t``.
 Activation checkpointing would recompute a forward on the refreshed prediction, so ``xpipe``
-refuses ``checkpoint`` other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
+refuses ``recompute`` other than ``"never"`` (checked in :mod:`lightning_pipe.config`).
 """
 
 from __future__ import annotations

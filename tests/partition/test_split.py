@@ -52,7 +52,7 @@ def test_stage_keeps_original_names_and_runs_like_the_slice() -> None:
     stage = StageModule(stage_layers(seq, balance, 1), stage=1, num_stages=2)
     assert [n for n, _ in stage.named_parameters()] == ["3.weight", "3.bias", "4.weight", "4.bias"]
     x = torch.randn(2, 4)
-    assert torch.equal(stage.run_layers(x, use_checkpoint=False), seq[4](seq[3](x)))
+    assert torch.equal(stage.run_layers(x, recompute=False), seq[4](seq[3](x)))
 
 
 def test_balance_by_parameters() -> None:

@@ -126,7 +126,7 @@ def test_the_table_stays_aligned_for_long_names() -> None:
         for text, entry in (
             ("schedule", label),
             ("balance", f"{c.balance_mode} {list(c.balance)}"),
-            ("recompute", c.checkpoint),  # named as the strategy.recompute= its command writes
+            ("recompute", c.recompute),  # named as the strategy.recompute= its command writes
         ):
             start = header.index(text)
             assert row[start : start + len(entry)] == entry and row[start - 1] == " ", (text, row)

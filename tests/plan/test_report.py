@@ -68,7 +68,7 @@ def test_the_printed_overrides_run_the_candidate() -> None:
     seen: set[tuple[str, object]] = set()
     for c in _ranked():  # a few candidates that between them show every value of each key
         features = {("schedule", c.schedule), ("balance", c.balance_mode), ("layout", (c.depth, c.replicas)),
-                    ("virtual", c.virtual_stages), ("checkpoint", c.checkpoint)}  # fmt: skip
+                    ("virtual", c.virtual_stages), ("recompute", c.recompute)}  # fmt: skip
         if not features <= seen:
             chosen.append(c)
             seen |= features
@@ -82,7 +82,7 @@ def test_the_printed_overrides_run_the_candidate() -> None:
         cfg = _compose(shlex.split(line))
         strategy, devices = build_strategy(cfg.strategy, cfg.trainer.devices)
         got = (strategy.schedule_name, strategy.chunks, strategy.recompute, strategy.virtual_stages)
-        assert got == (c.schedule, c.chunks, c.checkpoint, c.virtual_stages), line
+        assert got == (c.schedule, c.chunks, c.recompute, c.virtual_stages), line
         if c.balance_mode in ("uniform", "parameters"):
             assert strategy.balance == c.balance_mode, line
         else:  # a measured split is given as its layer counts: a new run would measure again

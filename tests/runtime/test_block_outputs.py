@@ -66,7 +66,7 @@ def _stage(stage: int) -> tuple[BiasNet, BlockStage]:
 
 def test_the_stage_that_made_the_value_refuses_at_the_next_stages_first_block() -> None:
     model, host = _stage(0)
-    host.hook = BlockDrive(host.bounds, None, stops=True, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, None, stops=True, recompute=False, params=None)
     with pytest.raises(BlockOutputsRefused) as refused:
         model(torch.randn(4, 3))
     message = str(refused.value)
@@ -85,7 +85,7 @@ def test_a_block_passed_only_its_hidden_state_and_values_from_outside_crosses_as
 
 def test_a_later_stage_whose_loop_fails_after_another_stages_block_says_why() -> None:
     model, host = _stage(1)
-    drive = BlockDrive(host.bounds, torch.zeros(4, 6), stops=False, use_checkpoint=False, params=None)
+    drive = BlockDrive(host.bounds, torch.zeros(4, 6), stops=False, recompute=False, params=None)
     host.hook = drive
     with pytest.raises(ValueError, match="unpack") as failed:
         model(torch.randn(4, 3))

@@ -80,7 +80,7 @@ def _last_stage(model: nn.Module, path: str, stage: int = 1, num_stages: int = 2
 
 
 def _drive(host: BlockStage, received: Any, last: bool = True) -> BlockDrive:
-    host.hook = BlockDrive(host.bounds, received, stops=not last, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, received, stops=not last, recompute=False, params=None)
     return host.hook
 
 

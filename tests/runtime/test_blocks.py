@@ -125,7 +125,7 @@ def test_a_middle_stage_starts_on_the_received_state_and_stops_at_the_next_stage
     assert len(host) == 6 and [n for n, _ in host.named_children()] == ["2", "3"]
     x = torch.randn(4, 3)
     received = torch.randn(4, 6)
-    host.hook = BlockDrive(host.bounds, received, stops=True, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, received, stops=True, recompute=False, params=None)
     with pytest.raises(StageExit):
         model(x)
     drive = host.hook
@@ -143,7 +143,7 @@ def test_a_middle_stage_starts_on_the_received_state_and_stops_at_the_next_stage
 def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> None:
     model, host = _host(0)
     x = torch.randn(4, 3)
-    host.hook = BlockDrive(host.bounds, None, stops=True, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, None, stops=True, recompute=False, params=None)
     with pytest.raises(RuntimeError, match=r"never reached the pipelined blocks 0..1"):
         host.hook.check(is_last=False)
     with pytest.raises(StageExit):
@@ -159,7 +159,7 @@ def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> 
 
 def test_other_stages_blocks_show_their_plain_attributes_only() -> None:
     _, host = _host(1)
-    host.hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, recompute=False, params=None)
     assert host[0].attention_type == "full" and host[1].attention_type == "sliding"
     assert isinstance(host[2].linear, nn.Linear)  # a held block: its modules
     with pytest.raises(AttributeError, match=r"Block 0 is held by another pipeline stage; only its plain attributes"):
@@ -182,7 +182,7 @@ def test_a_block_called_with_its_hidden_state_as_a_keyword_receives_it() -> None
     host, _ = split_stages(model.blocks, [2, 2], positions, 1)
     model.blocks = host  # type: ignore[assignment]
     received = torch.randn(2, 6)
-    host.hook = BlockDrive(host.bounds, received, stops=False, use_checkpoint=False, params=None)
+    host.hook = BlockDrive(host.bounds, received, stops=False, recompute=False, params=None)
     out = model(torch.randn(2, 3))
     expected = received
     for i in (2, 3):

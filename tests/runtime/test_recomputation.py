@@ -84,8 +84,8 @@ def _batch_norm_net() -> TinyNet:
 def test_recomputation_leaves_running_statistics_as_a_pipeline_without_it(schedule: str, mode: str) -> None:
     data = loader(n=60, batch_size=12)  # whole batches: no micro-batch of one sample
     never, recomputed = twins(_batch_norm_net())
-    fit_pipeline(never, 2, data, schedule=schedule, chunks=3, checkpoint="never", max_steps=6)
-    fit_pipeline(recomputed, 2, data, schedule=schedule, chunks=3, checkpoint=mode, max_steps=6)
+    fit_pipeline(never, 2, data, schedule=schedule, chunks=3, recompute="never", max_steps=6)
+    fit_pipeline(recomputed, 2, data, schedule=schedule, chunks=3, recompute=mode, max_steps=6)
     assert int(recomputed.layers[1].num_batches_tracked) == int(recomputed.layers[6].num_batches_tracked) == 6 * 3
     assert_same_weights(never, recomputed)  # parameters and buffers: running means, variances, counts
     if mode != "always":
@@ -93,7 +93,7 @@ def test_recomputation_leaves_running_statistics_as_a_pipeline_without_it(schedu
 
     plain, single = twins(_batch_norm_net())  # one micro-batch per batch: what plain training does
     fit_plain(plain, data, max_steps=6)
-    fit_pipeline(single, 2, data, schedule=schedule, chunks=1, checkpoint="always", max_steps=6)
+    fit_pipeline(single, 2, data, schedule=schedule, chunks=1, recompute="always", max_steps=6)
     assert int(single.layers[1].num_batches_tracked) == int(plain.layers[1].num_batches_tracked) == 6
     assert_same_weights(plain, single)
 
@@ -130,13 +130,13 @@ def test_a_hugging_face_resnet_counts_each_micro_batch_once_under_recomputation(
         batch_size=12,
     )
     never, always = twins(TinyResNet())
-    fit_pipeline(never, 2, images, chunks=3, checkpoint="never", max_steps=4)
-    fit_pipeline(always, 2, images, chunks=3, checkpoint="always", max_steps=4)
+    fit_pipeline(never, 2, images, chunks=3, recompute="never", max_steps=4)
+    fit_pipeline(always, 2, images, chunks=3, recompute="always", max_steps=4)
     counts = [int(b) for name, b in always.named_buffers() if name.endswith("num_batches_tracked")]
     assert len(counts) == 6 and set(counts) == {4 * 3}
     assert_same_weights(never, always)
 
     plain, single = twins(TinyResNet())
     fit_plain(plain, images, max_steps=4)
-    fit_pipeline(single, 2, images, chunks=1, checkpoint="always", max_steps=4)
+    fit_pipeline(single, 2, images, chunks=1, recompute="always", max_steps=4)
     assert_same_weights(plain, single)

@@ -18,11 +18,11 @@ class _Flatten(nn.Module):
         return x.flatten(1)
 
 
-def _runner(layers: nn.Sequential, checkpoint: str) -> StageRunner:
+def _runner(layers: nn.Sequential, recompute: str) -> StageRunner:
     stage = StageModule(OrderedDict((str(i), layer) for i, layer in enumerate(layers)), stage=1, num_stages=3)
     fused_linear.install(stage)
     deferred_conv.install(stage)
-    return StageRunner(stage, checkpoint=checkpoint)
+    return StageRunner(stage, recompute=recompute)
 
 
 def _reference(layers: nn.Sequential, xs: list[torch.Tensor], gs: list[torch.Tensor]) -> tuple[list, dict]:
@@ -35,13 +35,13 @@ def _reference(layers: nn.Sequential, xs: list[torch.Tensor], gs: list[torch.Ten
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_b_leaves_the_linear_weight_gradients_to_w(checkpoint: str, fuse: bool) -> None:
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_b_leaves_the_linear_weight_gradients_to_w(recompute: str, fuse: bool) -> None:
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Tanh(), nn.Identity(), nn.Linear(5, 3))
     xs, gs = [torch.randn(6, 4) for _ in range(3)], [torch.randn(6, 3) for _ in range(3)]
     input_grads, expected = _reference(layers, xs, gs)
-    runner = _runner(layers, checkpoint)
+    runner = _runner(layers, recompute)
     with fused_linear.accumulating(fuse), torch.enable_grad():
         for i, x in enumerate(xs):
             runner.forward(i, 3, ([x.clone()], (True,), False, ()))

@@ -8,7 +8,7 @@ from torch import nn
 from lightning_pipe.partition import stage_layers
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.stage import StageModule, StageRunner, uses_checkpoint
+from lightning_pipe.runtime.stage import StageModule, StageRunner, recomputes
 from lightning_pipe.schedules import gpipe, one_f_one_b
 
 
@@ -22,7 +22,7 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _run_pipeline(
-    seq: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, checkpoint: str, schedule=gpipe
+    seq: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, recompute: str, schedule=gpipe
 ) -> StageModule:
     stage = StageModule(stage_layers(seq, [len(seq)], 0), 0, 1)
     xs, ys = x.chunk(chunks), y.chunk(chunks)
@@ -31,7 +31,7 @@ def _run_pipeline(
         out = stage(xs[i])  # what the user's forward does
         return nn.functional.mse_loss(out, ys[i]) * (len(xs[i]) / len(x))
 
-    runner = StageRunner(stage, checkpoint=checkpoint)
+    runner = StageRunner(stage, recompute=recompute)
     executor = Executor(Transport([0], torch.device("cpu")), {0: runner}, rank=0)
     executor.run(schedule(1, len(xs)), [None] * len(xs), Callbacks(step))
     return stage
@@ -41,34 +41,34 @@ def test_single_stage_gradients_equal_plain_autograd() -> None:
     x, y = torch.randn(10, 4), torch.randn(10, 2)
     reference = _net()
     nn.functional.mse_loss(reference(x), y).backward()
-    for checkpoint in ("never", "always", "except_last"):
+    for recompute in ("never", "always", "except_last"):
         for schedule in (gpipe, one_f_one_b):
-            stage = _run_pipeline(_net(), x, y, chunks=5, checkpoint=checkpoint, schedule=schedule)
+            stage = _run_pipeline(_net(), x, y, chunks=5, recompute=recompute, schedule=schedule)
             for a, b in zip(_grads(stage), _grads(reference)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_recomputes_the_same_dropout_mask() -> None:
+def test_recomputation_draws_the_same_dropout_mask() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     nets = [_net(0.5) for _ in range(3)]
     torch.manual_seed(1)
-    never = _grads(_run_pipeline(nets[0], x, y, chunks=4, checkpoint="never"))
+    never = _grads(_run_pipeline(nets[0], x, y, chunks=4, recompute="never"))
     torch.manual_seed(1)
-    always = _grads(_run_pipeline(nets[1], x, y, chunks=4, checkpoint="always"))
+    always = _grads(_run_pipeline(nets[1], x, y, chunks=4, recompute="always"))
     for a, b in zip(never, always):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.manual_seed(2)
-    other = _grads(_run_pipeline(nets[2], x, y, chunks=4, checkpoint="never"))
+    other = _grads(_run_pipeline(nets[2], x, y, chunks=4, recompute="never"))
     assert any(not torch.equal(a, b) for a, b in zip(never, other))  # the masks matter
 
 
-def test_checkpoint_modes() -> None:
-    assert [uses_checkpoint("except_last", i, 3) for i in range(3)] == [True, True, False]
-    assert all(uses_checkpoint("always", i, 3) for i in range(3))
-    assert not any(uses_checkpoint("never", i, 3) for i in range(3))
+def test_recompute_modes() -> None:
+    assert [recomputes("except_last", i, 3) for i in range(3)] == [True, True, False]
+    assert all(recomputes("always", i, 3) for i in range(3))
+    assert not any(recomputes("never", i, 3) for i in range(3))
 
 
-def test_checkpoint_always_keeps_only_stage_inputs() -> None:
+def test_recompute_always_keeps_only_stage_inputs() -> None:
     """With recomputation a micro-batch leaves no intermediate activation saved for backward."""
     seq = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     x = torch.randn(6, 16)
@@ -84,7 +84,7 @@ def test_checkpoint_always_keeps_only_stage_inputs() -> None:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            stage.run_layers(x, use_checkpoint=(mode == "always")).sum()
+            stage.run_layers(x, recompute=(mode == "always")).sum()
         return total
 
     saved["never"], saved["always"] = count("never"), count("always")
@@ -132,9 +132,9 @@ def test_recomputation_leaves_batch_norm_statistics_as_the_forward_left_them() -
     must count once, as without recomputation (momentum=None, a cumulative average, included)."""
     x, y = torch.randn(12, 4), torch.randn(12, 2)
     for schedule in (gpipe, one_f_one_b):
-        never = _run_pipeline(_batch_norm_net(), x, y, chunks=3, checkpoint="never", schedule=schedule)
+        never = _run_pipeline(_batch_norm_net(), x, y, chunks=3, recompute="never", schedule=schedule)
         for mode in ("always", "except_last"):
-            recomputed = _run_pipeline(_batch_norm_net(), x, y, chunks=3, checkpoint=mode, schedule=schedule)
+            recomputed = _run_pipeline(_batch_norm_net(), x, y, chunks=3, recompute=mode, schedule=schedule)
             assert int(recomputed.get_submodule("1").num_batches_tracked) == 3
             for name, value in _buffers(never).items():
                 torch.testing.assert_close(_buffers(recomputed)[name], value, rtol=0, atol=0, msg=f"{mode}: {name}")
@@ -143,7 +143,7 @@ def test_recomputation_leaves_batch_norm_statistics_as_the_forward_left_them() -
 
     reference = _batch_norm_net()  # one micro-batch per batch: the same as plain training
     nn.functional.mse_loss(reference(x), y).backward()
-    single = _run_pipeline(_batch_norm_net(), x, y, chunks=1, checkpoint="always")
+    single = _run_pipeline(_batch_norm_net(), x, y, chunks=1, recompute="always")
     for name, value in _buffers(reference).items():
         torch.testing.assert_close(_buffers(single)[name], value, msg=name)
     for a, b in zip(_grads(single), _grads(reference)):
