@@ -16,6 +16,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per core up to 4; each multi-process test starts 2 to 4 processes itself."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     """The conformance matrix's sample seed (tests/conformance): set it again to replay the sample."""
     from tests.conformance.axes import CELL_VARIABLE, SEED_VARIABLE, default_seed
