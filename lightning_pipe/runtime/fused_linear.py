@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from lightning_pipe import torch_internals
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
 from lightning_pipe.runtime.weight_store import defer_or_run
@@ -141,9 +142,9 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
     for layer in module.modules():
         if not eligible(layer):
             continue
-        installed = layer.__dict__.get("forward")
+        installed = torch_internals.instance_forward(layer)
         if installed is None:
-            layer.forward = forward(layer)
+            torch_internals.set_forward(layer, forward(layer))
         elif not isinstance(installed, forward):
             continue
         layers.append(layer)
@@ -153,8 +154,8 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
 def uninstall_forward(layers: list[nn.Module], forward: type) -> None:
     """Give the layers back their own forward."""
     for layer in layers:
-        if isinstance(layer.__dict__.get("forward"), forward):
-            del layer.forward
+        if isinstance(torch_internals.instance_forward(layer), forward):
+            torch_internals.set_forward(layer, None)
 
 
 def install(module: nn.Module) -> list[nn.Module]:

@@ -10,7 +10,7 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
@@ -176,6 +176,11 @@ class StageRunner:
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
         self.carry_refusal: str | None = None
+
+    @property
+    def weights_due(self) -> Mapping[int, list[WeightWork]]:
+        """Per micro-batch, the weight-gradient work B deferred that W has not run yet (benchmarks count its bytes)."""
+        return self._weights_due
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""

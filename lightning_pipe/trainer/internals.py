@@ -10,7 +10,8 @@ that moves one of these fails here, in one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
@@ -71,6 +72,31 @@ def update_dataloader(dataloader: Any, sampler: Any, mode: Any = None) -> Any:
     return _update_dataloader(dataloader, sampler, mode=mode)
 
 
+@contextmanager
+def routed_log(module: Any, log: Callable[..., None]) -> Iterator[None]:
+    """While open, ``module.log(...)`` calls ``log`` instead (an instance attribute over
+    ``LightningModule.log``, deleted after): a micro-batch's step must not reach Lightning's logging,
+    and Lightning has no hook to route ``self.log``. Checked with Lightning 2.6."""
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+@contextmanager
+def sent_state_dict(module: Any, state_dict: Callable[..., Any]) -> Iterator[None]:
+    """While open, ``module.state_dict()`` gives ``state_dict()`` (an instance attribute over
+    ``nn.Module.state_dict``, deleted after): Lightning's spawn launcher sends the parent process
+    what the module's ``state_dict`` gives (``_MultiProcessingLauncher._collect_rank_zero_results``),
+    and for a pipeline that must be the whole model. Checked with Lightning 2.6 and torch 2.13."""
+    module.state_dict = state_dict
+    try:
+        yield
+    finally:
+        del module.state_dict
+
+
 def metric_sync_off(metric: Any) -> None:
     """Stop a torchmetrics ``Metric`` logged with ``self.log`` from syncing over processes when it
     computes: ``sync_on_compute = False`` and its ``_to_sync``, which Lightning's logging sets from
@@ -112,6 +138,33 @@ def scaler_device(scaler: torch.amp.GradScaler) -> torch.device:
     """The device of the scaler's scale tensor (``GradScaler._scale``), where its flags live when it
     found none; ``get_scale()`` gives a number only. Checked with torch 2.13."""
     return scaler._scale.device  # type: ignore[union-attr]
+
+
+def replace_unscale(scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None]) -> None:
+    """Make ``scaler.unscale_`` call ``unscale`` (an instance attribute over ``GradScaler.unscale_``;
+    ``unscale`` calls the original it took before): the stages agree on the inf/NaN verdict between
+    ``unscale_`` and ``step``, and neither GradScaler nor Lightning's ``MixedPrecision`` has a hook
+    there. Checked with torch 2.13 and Lightning 2.6."""
+    scaler.unscale_ = unscale  # type: ignore[method-assign, assignment]
+
+
+_EXTENDED: dict[tuple[type, type], type] = {}
+
+
+def extend_class(instance: Any, mixin: type) -> None:
+    """Make ``instance`` (of class ``C``) an instance of a subclass of ``(mixin, C)``, made once per
+    class (``instance.__class__ = ...``): the Trainer chose the precision plugin's class from
+    ``precision=``, so an override of its hooks must come as a subclass of whichever class that is;
+    isinstance checks still hold. Nothing when it already is one. Checked with Lightning 2.6."""
+    cls = type(instance)
+    if issubclass(cls, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _EXTENDED:
+        _EXTENDED[key] = type(
+            f"{mixin.__name__.strip('_')}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__}
+        )
+    instance.__class__ = _EXTENDED[key]
 
 
 # -------------------------------------------------------------------------- processes and signals
@@ -173,6 +226,26 @@ def set_signal_connector(trainer: Any, connector: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------- the launchers
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """``strategy._launcher = launcher``: the launcher the Trainer starts the processes with, which a
+    strategy sets in its ``_configure_launcher`` (see :class:`LauncherHook`). Lightning's strategies
+    set it there themselves; the attribute has no public setter. Checked with Lightning 2.6."""
+    strategy._launcher = launcher
+
+
+class LauncherHook:
+    """A strategy's launcher, made by its public ``make_launcher()`` (mixed in before Lightning's
+    ``Strategy``): the Trainer asks a strategy for its launcher through ``_configure_launcher``, once
+    its cluster environment is set (``_AcceleratorConnector``). Checked with Lightning 2.6."""
+
+    def make_launcher(self) -> Any:
+        """The launcher the Trainer starts this strategy's processes with."""
+        raise NotImplementedError
+
+    def _configure_launcher(self) -> None:
+        set_launcher(self, self.make_launcher())
 
 
 def launcher_class() -> type:
@@ -238,21 +311,27 @@ def script_launcher(
 
 
 __all__ = [
+    "LauncherHook",
     "batches_that_stepped",
     "configure_optimizers",
     "data_source",
     "default_process_group_backend",
     "default_store",
     "evaluation_loaders",
+    "extend_class",
     "init_dist_connection",
     "launcher_class",
     "metric_sync_off",
     "multiprocessing_launcher",
     "optimizer_to_device",
     "optimizers_to_device",
+    "replace_unscale",
+    "routed_log",
     "scaler_device",
     "scaler_found_infs",
     "script_launcher",
+    "sent_state_dict",
+    "set_launcher",
     "set_signal_connector",
     "signal_connector",
     "signal_connector_class",

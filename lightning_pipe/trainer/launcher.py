@@ -94,11 +94,8 @@ def _collect_whole_weights(
         return merged
 
     # Lightning sends back what the module's state_dict gives: for this call, the whole model
-    module.state_dict = full_state_dict  # type: ignore[assignment]
-    try:
+    with internals.sent_state_dict(module, full_state_dict):
         output = lightning()
-    finally:
-        del module.state_dict
     if output is not None and output.trainer_results is not None:
         # Tensors put on the queue are shared through file descriptors that vanish with the worker.
         buffer = io.BytesIO()

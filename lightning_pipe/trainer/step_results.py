@@ -99,12 +99,8 @@ class StepRecorder:
             if keep:
                 self._record(module, weight, args, kwargs)
 
-        # a patch: Lightning has no hook to route self.log, and these calls must not reach it per micro-batch
-        module.log = log  # type: ignore[method-assign]
-        try:
+        with internals.routed_log(module, log):  # these calls must not reach Lightning per micro-batch
             yield
-        finally:
-            del module.log
 
     def _record(self, module: pl.LightningModule, weight: float, args: tuple, kwargs: dict) -> None:
         # runs for every micro-batch: the usual self.log(name, value, **options) skips binding the
