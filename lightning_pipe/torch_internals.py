@@ -29,6 +29,19 @@ def module_slots(parent: nn.Module) -> list[tuple[str, nn.Module | None]]:
     return list(parent._modules.items())
 
 
+def filled_slots(parent: nn.Module) -> dict[str, nn.Module]:
+    """:func:`module_slots` without the empty ones, in order, as ``nn.Sequential`` runs them: every
+    child under each of its names (``named_children()`` gives a child once). Checked with torch 2.13."""
+    return {name: child for name, child in parent._modules.items() if child is not None}
+
+
+def child_slot(parent: nn.Module, name: str) -> nn.Module | None:
+    """The direct child of ``parent`` in slot ``name`` (``nn.Module._modules.get``); None when there
+    is none or the slot is empty. ``get_submodule`` raises for a missing one and ``getattr`` also finds
+    parameters and buffers; this runs for every block call of every micro-batch. Checked with torch 2.13."""
+    return parent._modules.get(name)
+
+
 def instance_forward(layer: nn.Module) -> Any | None:
     """The forward set on this one module (``layer.__dict__["forward"]``, see :func:`set_forward`);
     None when it runs its class's. Checked with torch 2.13."""
@@ -173,6 +186,8 @@ def optimizers_over_nothing(built: list[Optimizer], emptied: list[Optimizer]) ->
 
 __all__ = [
     "backward_hooks",
+    "child_slot",
+    "filled_slots",
     "fsdp_post_backward",
     "hf_active_output_collector",
     "hf_forced_hidden_states_calls",
