@@ -48,7 +48,6 @@ from lightning_pipe.schedules import (
     simulate,
     traits,
 )
-from lightning_pipe.schedules.interleaved import ROUNDED
 from lightning_pipe.schedules.traits import stage_counts, stage_positions
 
 PLAN_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.planned)
@@ -433,7 +432,7 @@ def plan_layouts(
 
 
 def _schedule_label(c: Candidate) -> str:
-    return f"{c.schedule} v{c.virtual_stages}" if c.schedule in ROUNDED else c.schedule
+    return f"{c.schedule} v{c.virtual_stages}" if traits(c.schedule).interleaved else c.schedule
 
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
