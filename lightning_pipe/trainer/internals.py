@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 # ---------------------------------------------------------------------------------------- the loops
@@ -188,7 +189,7 @@ def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) 
     _init_dist_connection(cluster_environment, backend, **kwargs)
 
 
-def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+def sync_ddp_if_available(tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: Any) -> torch.Tensor:
     """``DDPStrategy.reduce``'s reduction (``lightning.fabric.utilities.distributed._sync_ddp_if_available``:
     sum or mean over ``group``, the tensor itself without a process group). Checked with Lightning 2.6."""
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available

@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.sharding import full_tensor
 from lightning_pipe.trainer import internals
@@ -48,7 +49,7 @@ class Gathering:
             sent back.
     """
 
-    group: Any = None
+    group: ProcessGroup | None = None
     senders: Sequence[int] = (0,)
     whole: bool = True
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_pipe.trainer import internals
@@ -25,7 +26,7 @@ from lightning_pipe.trainer import internals
 _SYNCED: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # the scalers already patched
 
 
-def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None) -> None:
+def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: ProcessGroup | None = None) -> None:
     """After ``scaler.unscale_(optimizer)`` finds infs on this stage, agree over all stages (max of
     the flags) before ``scaler.step`` and ``scaler.update`` read them. Idempotent."""
     if scaler in _SYNCED:

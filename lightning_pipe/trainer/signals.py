@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.trainer import internals
 
@@ -57,7 +58,7 @@ class PipelineSignalConnector(internals.signal_connector_class()):  # type: igno
         self.requested = False
         self._deadline: threading.Timer | None = None
         self._posted: tuple[Any, torch.Tensor] | None = None  # the last step's broadcast of rank 0's flag
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
 
     def register_signal_handlers(self) -> None:
         self.requested = False
