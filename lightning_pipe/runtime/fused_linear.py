@@ -33,11 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_pipe import torch_internals
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
 from lightning_pipe.runtime.weight_store import defer_or_run
-from lightning_pipe.torch_internals import backward_hooks, post_accumulate_grad_hooks
+from lightning_pipe.torch_internals import backward_hooks, instance_forward, post_accumulate_grad_hooks, set_forward
 
 _active = False
 _fuse = True
@@ -142,9 +141,9 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
     for layer in module.modules():
         if not eligible(layer):
             continue
-        installed = torch_internals.instance_forward(layer)
+        installed = instance_forward(layer)
         if installed is None:
-            torch_internals.set_forward(layer, forward(layer))
+            set_forward(layer, forward(layer))
         elif not isinstance(installed, forward):
             continue
         layers.append(layer)
@@ -154,8 +153,8 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
 def uninstall_forward(layers: list[nn.Module], forward: type) -> None:
     """Give the layers back their own forward."""
     for layer in layers:
-        if isinstance(torch_internals.instance_forward(layer), forward):
-            torch_internals.set_forward(layer, None)
+        if isinstance(instance_forward(layer), forward):
+            set_forward(layer, None)
 
 
 def install(module: nn.Module) -> list[nn.Module]:

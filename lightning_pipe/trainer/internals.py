@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
@@ -206,13 +207,20 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def signal_connector_class() -> type:
-    """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be (its
-    ``_sigterm_notifier_fn`` is what :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
-    overrides); the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
-    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+class _SigtermHook(_SignalConnector):
+    def _sigterm_notifier_fn(self, signum: Any, frame: Any) -> None:
+        self.on_sigterm(signum, frame)
 
-    return _SignalConnector
+    def on_sigterm(self, signum: Any, frame: Any) -> None:
+        super()._sigterm_notifier_fn(signum, frame)
+
+
+def signal_connector_class() -> type:
+    """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be, whose SIGTERM
+    handler (``_sigterm_notifier_fn``, registered by ``register_signal_handlers``) calls the public
+    ``on_sigterm(signum, frame)`` that :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
+    overrides; the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
+    return _SigtermHook
 
 
 def signal_connector(trainer: Any) -> Any:

@@ -64,7 +64,7 @@ class PipelineSignalConnector(internals.signal_connector_class()):  # type: igno
         self.requested = False
         super().register_signal_handlers()
 
-    def _sigterm_notifier_fn(self, signum: Any, _: FrameType | None) -> None:
+    def on_sigterm(self, signum: Any, _: FrameType | None) -> None:
         rank = self.trainer.global_rank
         if self.requested:
             _exit_now(f"[rank: {rank}] A second SIGTERM: exiting now.", 128 + int(signum))
