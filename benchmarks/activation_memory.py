@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from step_time import MLP
-from sync_schedules import _work_bytes
+from sync_schedules import work_bytes
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.runtime.memory import SavedActivationMeter
@@ -62,7 +62,7 @@ class ActivationPeak(L.Callback):
             out = method(*args)
             if name == "forward" and torch.is_grad_enabled():
                 self.increments.append(self.meter.current - before)
-            self.peak_with_work = max(self.peak_with_work, self.meter.current + _work_bytes(runners))
+            self.peak_with_work = max(self.peak_with_work, self.meter.current + work_bytes(runners))
             return out
 
         return run

@@ -51,11 +51,11 @@ from lightning_pipe.schedules import build, simulate
 COMPUTE = ("F", "B", "W")
 
 
-def _work_bytes(runners: list[StageRunner]) -> int:
+def work_bytes(runners: list[StageRunner]) -> int:
     """Bytes of the tensors the deferred weight-gradient work of every runner keeps for W."""
     seen: set[tuple[int, int]] = set()  # as the meter counts: a tensor's own bytes, once
     for runner in runners:
-        for works in runner._weights_due.values():
+        for works in runner.weights_due.values():
             for work in works:
                 for arg in getattr(work, "args", ()):
                     if isinstance(arg, Tensor) and not isinstance(arg, torch.nn.Parameter):
@@ -85,7 +85,7 @@ class Record(L.Callback):
     ) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             out = method(*args)
-            self.peak = max(self.peak, meter.peak, meter.current + _work_bytes(runners))
+            self.peak = max(self.peak, meter.peak, meter.current + work_bytes(runners))
             return out
 
         return run

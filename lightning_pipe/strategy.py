@@ -49,7 +49,7 @@ def _decided(name: str, doc: str) -> property:  # what splitting the module deci
     return property(lambda self: getattr(self._split, name) if self._split is not None else None, doc=doc)
 
 
-class PipelineStrategy(ProcessStrategy):
+class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     """Pipeline model parallelism: one stage of the module's ``nn.Sequential`` per process.
 
     The arguments are checked once and kept in ``strategy.config`` (:class:`~lightning_pipe.config.PipelineConfig`
@@ -116,11 +116,11 @@ class PipelineStrategy(ProcessStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return stage_dataloader(dataloader, trainer, self.layout, self.global_rank, self._topology, self._rng.at_data)
 
-    def _configure_launcher(self) -> None:
+    def make_launcher(self) -> Any:
         assert self.cluster_environment is not None
         before = partial(check_before_launch, config=self.config, layout=self.layout)  # a bad world fails here
         go = elastic.resumer(self.config.elastic)  # elastic runs: fit from the newest checkpoint
-        self._launcher = launcher_for(self, self.config.start_method, self._gathering, before, go)
+        return launcher_for(self, self.config.start_method, self._gathering, before, go)
 
     def _gathering(self) -> Gathering:
         assert self._topology is not None, "every rank is set up before a worker's results are collected"

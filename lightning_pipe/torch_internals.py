@@ -29,6 +29,37 @@ def module_slots(parent: nn.Module) -> list[tuple[str, nn.Module | None]]:
     return list(parent._modules.items())
 
 
+def filled_slots(parent: nn.Module) -> dict[str, nn.Module]:
+    """:func:`module_slots` without the empty ones, in order, as ``nn.Sequential`` runs them: every
+    child under each of its names (``named_children()`` gives a child once). Checked with torch 2.13."""
+    return {name: child for name, child in parent._modules.items() if child is not None}
+
+
+def child_slot(parent: nn.Module, name: str) -> nn.Module | None:
+    """The direct child of ``parent`` in slot ``name`` (``nn.Module._modules.get``); None when there
+    is none or the slot is empty. ``get_submodule`` raises for a missing one and ``getattr`` also finds
+    parameters and buffers; this runs for every block call of every micro-batch. Checked with torch 2.13."""
+    return parent._modules.get(name)
+
+
+def instance_forward(layer: nn.Module) -> Any | None:
+    """The forward set on this one module (``layer.__dict__["forward"]``, see :func:`set_forward`);
+    None when it runs its class's. Checked with torch 2.13."""
+    return layer.__dict__.get("forward")
+
+
+def set_forward(layer: nn.Module, forward: Callable[..., Any] | None) -> None:
+    """Give ``layer`` the instance forward ``forward`` (``layer.forward = forward``, which
+    ``nn.Module.__call__`` runs in place of its class's), or with None its class's again
+    (``del layer.forward``). One layer changes while its class stays (``type(layer) is nn.Linear``
+    holds, its state dict is the same); a forward hook runs around the forward, never instead of
+    it. Checked with torch 2.13."""
+    if forward is not None:
+        layer.forward = forward
+    elif "forward" in layer.__dict__:
+        del layer.forward
+
+
 def hf_init_weights(owner: nn.Module, module: nn.Module) -> None:
     """Initialise ``module``'s tensors with ``owner._init_weights`` (``owner``: its enclosing
     ``PreTrainedModel``). The public ``init_weights()`` / ``initialize_weights()`` walk the whole
@@ -155,14 +186,18 @@ def optimizers_over_nothing(built: list[Optimizer], emptied: list[Optimizer]) ->
 
 __all__ = [
     "backward_hooks",
+    "child_slot",
+    "filled_slots",
     "fsdp_post_backward",
     "hf_active_output_collector",
     "hf_forced_hidden_states_calls",
     "hf_init_weights",
+    "instance_forward",
     "lightning_wrapped_batch_sampler",
     "module_slots",
     "optimizers_over_nothing",
     "post_accumulate_grad_hooks",
     "private_reset_parameters",
+    "set_forward",
     "version",
 ]

@@ -102,7 +102,7 @@ def test_the_heartbeat_beats_until_its_process_group_ends(monkeypatch: pytest.Mo
     assert int(store.values["lightning_pipe/alive/3"]) >= 3
     current[0] = None  # the process group destroyed: the thread ends and drops the store
     beat._thread.join(2)
-    assert not beat._thread.is_alive() and beat._store is None
+    assert not beat._thread.is_alive() and beat.store is None
     assert failures.first_line(RuntimeError("Connection reset by peer\nException raised from recvBytes\nframe #0")) == (
         "Connection reset by peer"
     )

@@ -5,6 +5,11 @@ import Lightning, nothing below the strategy imports it, and no two modules impo
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
+import importlib
+import inspect
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,27 +213,158 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _own_names(trees: list[ast.Module]) -> set[str]:
-    """The underscored attributes the package defines: its classes' members and what its methods
-    set on ``self`` or ``cls`` (a module's own names are not attributes of other objects)."""
-    own: set[str] = set()
+def _defined_names(trees: list[ast.Module]) -> set[str]:
+    """The attributes ``trees`` define: their classes' members and what their methods set on
+    ``self`` or ``cls`` (or by name with ``super().__setattr__``/``object.__setattr__``)."""
+    found: set[str] = set()
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 for member in node.body:
                     if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                        own.add(member.name)
+                        found.add(member.name)
                     elif isinstance(member, (ast.Assign, ast.AnnAssign)):
                         targets = member.targets if isinstance(member, ast.Assign) else [member.target]
-                        own |= {t.id for t in targets if isinstance(t, ast.Name)}
+                        found |= {t.id for t in targets if isinstance(t, ast.Name)}
             elif (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.ctx, ast.Store)
                 and isinstance(node.value, ast.Name)
                 and node.value.id in ("self", "cls")
             ):
-                own.add(node.attr)
-    return {name for name in own if _private(name)}
+                found.add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "__setattr__"
+                and node.args
+                and isinstance(node.args[-2] if len(node.args) >= 2 else None, ast.Constant)
+            ):
+                found.add(str(node.args[-2].value))  # type: ignore[attr-defined]
+    return found
+
+
+#: Whose classes' names are not the package's own, however the package's classes name theirs.
+FOREIGN_PACKAGES = ("torch", "lightning")
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """What each name a module imports stands for, as a dotted path (``nn`` -> ``torch.nn``)."""
+    found: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _resolve(node: ast.AST, aliases: dict[str, str]) -> object | None:
+    """The object a name (``nn.Module``), or a call of one without arguments
+    (``internals.launcher_class()``, a base class the internals give), stands for; None if unknown."""
+    call = isinstance(node, ast.Call) and not node.args and not node.keywords
+    parts: list[str] = []
+    target = node.func if call else node  # type: ignore[attr-defined]
+    while isinstance(target, ast.Attribute):
+        parts.insert(0, target.attr)
+        target = target.value
+    if not isinstance(target, ast.Name) or target.id not in aliases:
+        return None
+    path = [*aliases[target.id].split("."), *parts]
+    if path[0] not in (*FOREIGN_PACKAGES, "lightning_pipe"):
+        return None
+    for cut in range(len(path), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(path[:cut]))
+        except Exception:
+            continue
+        try:
+            for part in path[cut:]:
+                found = getattr(found, part)
+        except AttributeError:
+            return None
+        if call:
+            return found() if callable(found) and path[0] == "lightning_pipe" and "internals" in path else None
+        return found
+    return None
+
+
+def _foreign(cls: object) -> list[type]:
+    """The classes of torch and Lightning in ``cls``'s ancestry (``cls`` itself included)."""
+    if not isinstance(cls, type):
+        return []
+    return [c for c in cls.__mro__ if c.__module__.split(".")[0] in FOREIGN_PACKAGES]
+
+
+@functools.cache
+def _names_of(cls: type) -> frozenset[str]:
+    """The attributes a foreign class defines: its members and what its methods set on ``self``."""
+    names = set(vars(cls))
+    with contextlib.suppress(OSError, TypeError, SyntaxError, IndentationError):
+        names |= _defined_names([ast.parse(textwrap.dedent(inspect.getsource(cls)))])
+    return frozenset(names)
+
+
+@functools.cache
+def _methods_of(cls: type) -> frozenset[str]:
+    """The methods a foreign class defines (replacing one on an instance is a patch)."""
+    return frozenset(
+        n for n, v in vars(cls).items() if inspect.isroutine(v) or isinstance(v, (staticmethod, classmethod))
+    )
+
+
+class _Foreign:
+    """Which torch and Lightning classes the package names (as a base class, an annotation, a call),
+    per module and per class of its own, and the names those classes define."""
+
+    def __init__(self, trees: dict[str, ast.Module]) -> None:
+        self.classes: set[type] = set()
+        self.bases: dict[str, set[type]] = {}  # a class of the package, by name -> the foreign classes it extends
+        local: dict[str, list[tuple[ast.ClassDef, dict[str, str]]]] = {}
+        for tree in trees.values():
+            aliases = _aliases(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+                    self.classes.update(_foreign(_resolve(node, aliases)))
+                elif isinstance(node, ast.ClassDef):
+                    local.setdefault(node.name, []).append((node, aliases))
+        for name in local:
+            self.bases[name] = self._extends(name, local, set())
+        for extended in self.bases.values():
+            self.classes |= extended
+
+    def _extends(self, name: str, local: dict, seen: set[str]) -> set[type]:
+        found: set[type] = set()
+        for node, aliases in local.get(name, []):
+            for base in node.bases:
+                found.update(_foreign(_resolve(base, aliases)))
+                if isinstance(base, ast.Name) and base.id in local and base.id not in seen:
+                    found |= self._extends(base.id, local, seen | {name})
+        return found
+
+    def private(self) -> set[str]:
+        return {n for c in self.classes for n in _names_of(c) if _private(n)}
+
+    def methods(self) -> set[str]:
+        return {n for c in self.classes for n in _methods_of(c)}
+
+    def inherited_private(self, class_name: str) -> set[str]:
+        """The private names that ``class_name``'s torch or Lightning ancestors define."""
+        return {n for c in self.bases.get(class_name, ()) for n in _names_of(c) if _private(n)}
+
+
+@functools.cache
+def _package() -> tuple[dict[str, ast.Module], _Foreign]:
+    trees = {str(path.relative_to(ROOT)): ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    return trees, _Foreign(trees)
+
+
+def _own_names(trees: list[ast.Module], foreign: set[str] = frozenset()) -> set[str]:  # type: ignore[assignment]
+    """The underscored attributes the package defines (a module's own names are not attributes of
+    other objects), less those that torch's or Lightning's classes define too: ``x._launcher`` is
+    Lightning's however many of the package's classes set a ``_launcher`` of their own."""
+    return {name for name in _defined_names(trees) if _private(name)} - foreign
 
 
 def _foreign_private(tree: ast.Module, own: set[str]) -> list[str]:
@@ -270,16 +406,124 @@ def _foreign_private(tree: ast.Module, own: set[str]) -> list[str]:
     return found
 
 
+def _inherited_private(tree: ast.Module, foreign: _Foreign) -> list[str]:
+    """In each class of ``tree`` that extends a torch or Lightning class: each use on ``self`` or
+    ``cls`` of a private name that ancestor defines (``self._modules``, ``self._launcher = ...``)
+    and each override of one (``def _configure_launcher``)."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef) or not (theirs := foreign.inherited_private(node.name)):
+            continue
+        found += [
+            f"line {m.lineno}: {node.name}.{m.name}"
+            for m in node.body
+            if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name in theirs
+        ]
+        found += [
+            f"line {a.lineno}: {ast.unparse(a)}"
+            for a in ast.walk(node)
+            if isinstance(a, ast.Attribute)
+            and isinstance(a.value, ast.Name)
+            and a.value.id in ("self", "cls")
+            and a.attr in theirs
+        ]
+    return found
+
+
+#: Writes of a name that a torch or Lightning class has as a method, onto what is no such object:
+#: a field of the package's own record (``Window.step``), Lightning's documented way to set the rank
+#: its rank-zero utilities read. Checked by hand; a new one fails the check below until listed here.
+_NOT_PATCHES = frozenset({"window.step", "rank_zero_only.rank"})
+
+
+#: Objects whose attributes are the package's to set: its own (``self``, ``cls``), and an autograd
+#: Function's context (``ctx``), where torch has a Function keep what its backward needs.
+_STORE_ON = ("self", "cls", "ctx")
+
+
+def _patches(tree: ast.Module, methods: set[str]) -> list[str]:
+    """Each patch in ``tree`` of an object that is not the package's: a method of a torch or Lightning
+    class replaced or deleted on an instance (``module.log = ...``, ``del layer.forward``), directly or
+    with ``setattr``/``delattr``, or an instance's class changed (``x.__class__ = ...``)."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            targets = [ast.Attribute(node.args[0], node.args[1].value, ast.Store(), lineno=node.lineno)]
+        else:
+            continue
+        for t in targets:
+            if (
+                isinstance(t, ast.Attribute)
+                and not (isinstance(t.value, ast.Name) and t.value.id in _STORE_ON)
+                and (t.attr == "__class__" or t.attr in methods)
+                and ast.unparse(t) not in _NOT_PATCHES
+            ):
+                found.append(f"line {t.lineno}: {ast.unparse(t)}")
+    return found
+
+
 def test_only_the_internals_modules_reach_into_private_names() -> None:
     """Every module of the package: another package's private names (Lightning's, torch's, Hydra's,
     Hugging Face's ...) are reached only through ``trainer/internals.py`` (the Trainer's side) and
-    ``torch_internals.py`` (the core), one documented function per internal."""
-    trees = {str(path.relative_to(ROOT)): ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
-    own = _own_names(list(trees.values()))
+    ``torch_internals.py`` (the core), one documented function per internal. A name that torch's or
+    Lightning's classes define is theirs, even where a class of the package defines one too."""
+    trees, foreign = _package()
+    own = _own_names(list(trees.values()), foreign.private())
+    assert {"_launcher", "_trainer", "_optimizers", "_modules"} <= foreign.private()
+    assert not {"_launcher", "_trainer", "_optimizers"} & own
+    reaches = "trainer.strategy._launcher\nmodule._trainer\nstrategy._optimizers\n"
+    assert len(_foreign_private(ast.parse(reaches), own)) == 3  # the package's own _launcher admits none of them
     found = {
         path: hits for path, tree in trees.items() if path not in INTERNALS and (hits := _foreign_private(tree, own))
     }
     assert found == {}
+
+
+def test_the_package_classes_use_no_private_name_of_their_torch_or_lightning_ancestors() -> None:
+    """``self._modules`` in an ``nn.Module`` subclass, ``self._launcher = ...`` or an override of
+    ``_configure_launcher`` in a Lightning strategy are reaches into torch's and Lightning's private
+    names too: only the internals modules make them."""
+    trees, foreign = _package()
+    assert {"_modules", "_parameters"} <= foreign.inherited_private("StageModule")
+    assert {"_launcher", "_configure_launcher"} <= foreign.inherited_private("PipelineStrategy")
+    found = {
+        path: hits
+        for path, tree in trees.items()
+        if path not in INTERNALS and (hits := _inherited_private(tree, foreign))
+    }
+    assert found == {}
+
+
+def test_only_the_internals_modules_patch_torch_or_lightning_objects() -> None:
+    """Replacing a method of a torch or Lightning object on the instance (``LightningModule.log``,
+    ``nn.Module.state_dict``, ``GradScaler.unscale_``, a layer's ``forward``) or its class is
+    reaching into it as much as a private name: one documented function each, in the internals modules."""
+    trees, foreign = _package()
+    methods = foreign.methods()
+    assert {"log", "state_dict", "unscale_", "forward"} <= methods
+    found = {path: hits for path, tree in trees.items() if path not in INTERNALS and (hits := _patches(tree, methods))}
+    assert found == {}
+    patched = "module.log = log\ndel module.state_dict\nscaler.unscale_ = f\nplugin.__class__ = C\n"
+    patched += "setattr(layer, 'forward', f)\n"
+    kept = "ctx.parameters = p\nself.forward = f\nparam.grad = g\nwindow.step = 3\n"
+    assert [h.split(": ", 1)[1] for h in _patches(ast.parse(patched + kept), methods)] == [
+        "module.log",
+        "module.state_dict",
+        "scaler.unscale_",
+        "plugin.__class__",
+        "layer.forward",
+    ]
 
 
 def test_the_private_name_check_sees_what_it_must() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -15,6 +15,9 @@ from lightning_pipe.checkpoint import checksums, sharded
 from lightning_pipe.checkpoint.merged import merged_state_dict
 from lightning_pipe.checkpoint.optimizer_state import differing_hyperparameters
 from lightning_pipe.checkpoint.tags import foreign
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 META = "meta.pt"
 FORMAT = "lightning-pipe/1"
@@ -82,7 +85,7 @@ def write_sharded_stage(
     stage: int,
     state_dict: Mapping[str, Tensor],
     optimizer_states: list | None,
-    group: Any,
+    group: ProcessGroup | None,
     write_index: bool,
     extra: dict[str, Any] | None = None,
     tag: dict[str, Any] | None = None,

@@ -9,12 +9,15 @@ import json
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from lightning_pipe.checkpoint import checksums
 from lightning_pipe.checkpoint.tags import foreign
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 IN_DCP = "__in_dcp__"  # the index's placeholder for a tensor stored in the DCP directory
 _TAG = "save"  # the save tag's key in a DCP directory
@@ -28,7 +31,7 @@ def write_parts(
     directory: Path,
     state_dict: Mapping[str, Tensor],
     optimizer_states: list | None,
-    group: Any,
+    group: ProcessGroup | None,
     tag: dict[str, Any] | None,
 ) -> tuple[dict[str, Any], list | None]:
     """Write this replica's parts of the sharded tensors (DTensors) into ``directory``, with the

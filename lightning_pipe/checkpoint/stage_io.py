@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_pipe.checkpoint.files import (
     is_pipeline_checkpoint,
@@ -31,6 +31,9 @@ from lightning_pipe.checkpoint.merged import (
 from lightning_pipe.checkpoint.staging import prepare_staging, publish, staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 #: marks a checkpoint whose optimizer states are a plain Lightning run's: by position in the unsplit model
 PLAIN_OPTIMIZERS = "lightning_pipe_plain_optimizers"
 
@@ -46,7 +49,7 @@ class Writer:
     is_global_zero: bool
     broadcast: Callable[[Any], Any]
     barrier: Callable[[], None]
-    dp_group: Any = None  # set when the replicas hold shards (``data_parallel="shard"``)
+    dp_group: ProcessGroup | None = None  # set when the replicas hold shards (``data_parallel="shard"``)
     skip: frozenset[str] = frozenset()  # names this rank holds that another rank writes (Chimera's copies)
     # optimizer-state names of tensors this rank writes under another of their names: a weight tied
     # to another stage, whose first name is that of a copy written elsewhere (Chimera)

@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.trainer import internals
@@ -134,7 +135,7 @@ class StageMetrics(pl.Callback):
         self._in_batch = False
         self._last: float | None = None
         self._batches = 0
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._pending: tuple[Any, list[torch.Tensor], int, str] | None = None
         self._timeline: Any = None
 

@@ -49,7 +49,6 @@ from lightning_pipe.schedules import (
     simulate,
     traits,
 )
-from lightning_pipe.schedules.interleaved import ROUNDED
 from lightning_pipe.schedules.traits import stage_counts, stage_positions
 
 PLAN_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.planned)
@@ -500,7 +499,7 @@ def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the 
 
 
 def _schedule_label(c: Candidate) -> str:
-    return f"{c.schedule} v{c.virtual_stages}" if c.schedule in ROUNDED else c.schedule
+    return f"{c.schedule} v{c.virtual_stages}" if traits(c.schedule).interleaved else c.schedule
 
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 _SLOTS = 32  # micro-batch count, key hash, content checksum, then the batch's first shapes for the message
 _HEAD = 3
@@ -120,7 +121,7 @@ def mismatch_message(rows: Sequence[Sequence[int]], source: str = "the DataLoade
 class BatchAgreement:
     """Posts a step's fingerprint to the other stages of the pipeline and checks the answer."""
 
-    def __init__(self, group: Any, num_stages: int) -> None:
+    def __init__(self, group: ProcessGroup, num_stages: int) -> None:
         self.group = group
         self.num_stages = num_stages
         self._pending: tuple[Any, list[Tensor], Source] | None = None

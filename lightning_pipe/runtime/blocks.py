@@ -49,6 +49,7 @@ from lightning_pipe.runtime.block_reads import (
 from lightning_pipe.runtime.carried import CARRIED_KEY, Carry, recorded_list
 from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
 from lightning_pipe.runtime.recomputation import keep_buffers
+from lightning_pipe.torch_internals import child_slot, filled_slots
 
 
 class StageExit(BaseException):
@@ -141,7 +142,7 @@ class BlockStage(LoopedContainer):
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
         self.hook: BlockDrive | None = None
-        self._param_names = layer_parameter_names(self._modules)  # type: ignore[arg-type]
+        self._param_names = layer_parameter_names(filled_slots(self))
 
     def __len__(self) -> int:
         return len(self._shells)
@@ -159,7 +160,7 @@ class BlockStage(LoopedContainer):
     def entry(self, i: int) -> Any:
         if self.hook is not None:
             return self.hook.entry(self, i)
-        held = self._modules.get(str(i))
+        held = child_slot(self, str(i))
         if held is not None and self.num_stages == 1:
             return held
         raise RuntimeError(
@@ -177,7 +178,7 @@ class BlockStage(LoopedContainer):
 
     def block(self, index: int) -> nn.Module | None:
         """The block at ``index`` of the unsplit container, if this rank holds it."""
-        return self._modules.get(str(index))
+        return child_slot(self, str(index))
 
     def shell(self, index: int) -> BlockShell:
         return self._shells[index]

@@ -26,20 +26,19 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from lightning_pipe.schedules.traits import TRAITS, traits
 from lightning_pipe.torch_internals import hf_active_output_collector
 
 #: the recording carried between stages
 CARRIED_KEY = "router_logits"
 
-#: the schedules under which carried values were proven to train as plain training does
-CARRYING_SCHEDULES = frozenset(
-    {"gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
-)
+#: the schedules under which carried values were proven to train as plain training does (the traits' column)
+CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
 
 
 def carrying_refusal(schedule: str) -> str | None:
     """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can)."""
-    if schedule in CARRYING_SCHEDULES:
+    if traits(schedule).carries_records:
         return None
     return (
         f"schedule={schedule!r} does not carry them yet (only {', '.join(sorted(CARRYING_SCHEDULES))} do: their "

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.gradients import Copies
 from lightning_pipe.runtime.topology import Placement
@@ -22,7 +23,10 @@ from lightning_pipe.schedules import Schedule
 
 
 def stage_copies(
-    placement: Placement, group: Callable[[list[int]], Any], host: nn.Module, tied: Iterable[nn.Parameter]
+    placement: Placement,
+    group: Callable[[list[int]], ProcessGroup],
+    host: nn.Module,
+    tied: Iterable[nn.Parameter],
 ) -> Copies:
     """This rank's :class:`~lightning_pipe.runtime.gradients.Copies`: the pair's group (every rank
     creates every pair's, in the same order, as ``torch.distributed.new_group`` requires), the

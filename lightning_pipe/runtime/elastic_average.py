@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 #: ``replicas_sync`` values: gradients all-reduced every step, or elastic averaging every ``period`` steps.
 REPLICAS_SYNC = ("allreduce", "elastic")
@@ -90,7 +91,7 @@ class ElasticAverage:
         alpha: the elastic coefficient.
     """
 
-    def __init__(self, named: Mapping[str, nn.Parameter], group: Any, period: int, alpha: float) -> None:
+    def __init__(self, named: Mapping[str, nn.Parameter], group: ProcessGroup, period: int, alpha: float) -> None:
         self.names = list(named)
         self.params = [named[n] for n in self.names]
         self.group = group

@@ -9,11 +9,11 @@ stage (biases, norms). The tensors are flattened into one buffer, reduced, and c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 
 def add_grad(param: Tensor, grad: Tensor) -> None:
@@ -30,7 +30,7 @@ class FlatAllReduce:
     ``async_op``, overlapping what the caller does next); :meth:`wait` leaves the result in the
     tensors themselves."""
 
-    def __init__(self, tensors: Sequence[Tensor], group: Any = None, async_op: bool = True) -> None:
+    def __init__(self, tensors: Sequence[Tensor], group: ProcessGroup | None = None, async_op: bool = True) -> None:
         self.tensors = list(tensors)
         self.flat = torch.cat([t.reshape(-1) for t in self.tensors])
         self.work = dist.all_reduce(self.flat, group=group, async_op=async_op)

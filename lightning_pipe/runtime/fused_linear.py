@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from lightning_pipe.runtime.flat import add_grad
 from lightning_pipe.runtime.replica_grads import HOOK_TAG
 from lightning_pipe.runtime.weight_store import defer_or_run
-from lightning_pipe.torch_internals import backward_hooks, post_accumulate_grad_hooks
+from lightning_pipe.torch_internals import backward_hooks, instance_forward, post_accumulate_grad_hooks, set_forward
 
 _active = False
 _fuse = True
@@ -141,9 +141,9 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
     for layer in module.modules():
         if not eligible(layer):
             continue
-        installed = layer.__dict__.get("forward")
+        installed = instance_forward(layer)
         if installed is None:
-            layer.forward = forward(layer)
+            set_forward(layer, forward(layer))
         elif not isinstance(installed, forward):
             continue
         layers.append(layer)
@@ -153,8 +153,8 @@ def install_forward(module: nn.Module, eligible: Callable[[nn.Module], bool], fo
 def uninstall_forward(layers: list[nn.Module], forward: type) -> None:
     """Give the layers back their own forward."""
     for layer in layers:
-        if isinstance(layer.__dict__.get("forward"), forward):
-            del layer.forward
+        if isinstance(instance_forward(layer), forward):
+            set_forward(layer, None)
 
 
 def install(module: nn.Module) -> list[nn.Module]:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.flat import FlatAllReduce, add_grad
 from lightning_pipe.runtime.replica_grads import ReplicaReducer
@@ -55,7 +56,7 @@ def tie_groups(
     stage: int,
     replica: int,
     local_params: Mapping[str, nn.Parameter],
-    new_group: Callable[[list[int]], Any] = dist.new_group,
+    new_group: Callable[[list[int]], ProcessGroup] = dist.new_group,
 ) -> list[Tie]:
     """This rank's :class:`Tie` of each weight in ``ties`` (stage -> parameter name) that its stage
     holds (``local_params``: this rank's parameters by every name that reaches them). Every rank
@@ -100,11 +101,11 @@ class StageGradients:
         self,
         shared: Sequence[nn.Parameter],
         ties: Sequence[Tie],
-        pp_group: Any,
+        pp_group: ProcessGroup,
         num_stages: int,
         counts_shared: bool,
-        norm_group: Any = None,
-        dp_group: Any = None,
+        norm_group: ProcessGroup | None = None,
+        dp_group: ProcessGroup | None = None,
         bucket_bytes: int = 25 * 2**20,
         copies: Copies | None = None,
     ) -> None:

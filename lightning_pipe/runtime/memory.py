@@ -23,7 +23,7 @@ class _Saved:
         self.meter, self.key, self.tensor = meter, key, tensor
 
     def __del__(self) -> None:
-        self.meter._release(self.key)
+        self.meter.release(self.key)
 
 
 class SavedActivationMeter:
@@ -63,7 +63,8 @@ class SavedActivationMeter:
     pack = _pack
     unpack = _unpack
 
-    def _release(self, key: tuple[int, int]) -> None:
+    def release(self, key: tuple[int, int]) -> None:
+        """One saved hold on the tensor ``key`` ends (autograd dropped what ``pack`` gave it)."""
         entry = self._live.get(key)
         if entry is None:
             return

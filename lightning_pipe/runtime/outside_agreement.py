@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 #: (name, shape, dtype) of each parameter outside the split layers, in the order they are summed
 Signature = list[tuple[str, tuple[int, ...], str]]
@@ -56,7 +57,9 @@ def disagreement(signatures: Sequence[Signature]) -> str | None:
     )
 
 
-def check_outside_agreement(model: nn.Module, shared: Sequence[nn.Parameter], group: Any, num_stages: int) -> None:
+def check_outside_agreement(
+    model: nn.Module, shared: Sequence[nn.Parameter], group: ProcessGroup, num_stages: int
+) -> None:
     """Refuse, on every stage at once, before the first step, when the stages of ``group`` (a
     pipeline, its ranks in stage order) would sum different parameters (see the module docstring)."""
     if num_stages == 1:

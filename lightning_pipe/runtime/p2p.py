@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -92,8 +93,8 @@ class Transport:
         self,
         stage_ranks: Sequence[int],
         device: torch.device,
-        group: Any = None,
-        meta_group: Any = None,
+        group: ProcessGroup | None = None,
+        meta_group: ProcessGroup | None = None,
         batched: bool = False,
         through_host: bool = False,
     ) -> None:

@@ -57,7 +57,7 @@ from lightning_pipe.runtime.topology import Placement, Topology
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.xpipe import XPipe
 from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
-from lightning_pipe.schedules.interleaved import ROUNDED, valid_microbatches
+from lightning_pipe.schedules.interleaved import valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
 #: A context to run a verb's compute in (the precision's autocast, for example).
@@ -246,7 +246,7 @@ class StagePipeline:
     def microbatches_for(self, samples: int) -> int:
         """Micro-batches for a batch of ``samples``: ``chunks``, or for interleaving the most it can
         round (a short last batch)."""
-        if self.options.schedule not in ROUNDED:
+        if not traits(self.options.schedule).rounds:
             return self.num_microbatches
         return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, samples)))
 

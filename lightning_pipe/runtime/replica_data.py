@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -253,7 +254,7 @@ EMPTY: dict[str, Any] = {"loss": None, "logs": []}
 
 
 def combine_over_replicas(
-    summary: dict[str, Any], group: Any, device: torch.device, samples: int | None = None
+    summary: dict[str, Any], group: ProcessGroup, device: torch.device, samples: int | None = None
 ) -> dict[str, Any]:
     """The step summary's loss and logged values over the replicas in ``group`` (every replica's
     last stage, which computed them): means as below, values logged with ``reduce_fx`` ``"max"``,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.flat import FlatAllReduce
 
@@ -93,7 +94,7 @@ class ReplicaReducer:
     false, the sum (the two copies of a Chimera stage, each with its own micro-batches' gradient)."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 25 * 2**20, mean: bool = True
+        self, params: Sequence[nn.Parameter], group: ProcessGroup, bucket_bytes: int = 25 * 2**20, mean: bool = True
     ) -> None:
         self.group = group
         self.summed = not mean

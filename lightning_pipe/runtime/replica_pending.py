@@ -15,11 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 Pending = dict[int, dict[str, Tensor | None]]  # batch -> layer name -> gradient (None: no gradient)
 
 
-def gather_pending(pending: Mapping[int, Mapping[str, Tensor | None]], group: Any, count: int) -> list[Pending]:
+def gather_pending(
+    pending: Mapping[int, Mapping[str, Tensor | None]], group: ProcessGroup, count: int
+) -> list[Pending]:
     """Every replica's ``pending`` (this one's included), in replica order, on every replica of the
     ``group``. The replicas run the same schedule on the same stage, so they hold the same batches
     and names; a difference is a bug, reported rather than silently mixed."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_pipe.torch_internals import lightning_wrapped_batch_sampler
@@ -56,7 +57,7 @@ class SharedOrder:
     the wrapped sampler, so Lightning and the DataLoader see it as before.
     """
 
-    def __init__(self, inner: Any, group: Any, src: int, peers: Sequence[int]) -> None:
+    def __init__(self, inner: Any, group: ProcessGroup | None, src: int, peers: Sequence[int]) -> None:
         self.inner = inner
         self.group = group
         self.src = src
@@ -142,7 +143,7 @@ def _index_list(item: Any) -> list[int] | None:
     return None
 
 
-def share_order(dataloader: object, group: Any, src: int, peers: Sequence[int]) -> object:
+def share_order(dataloader: object, group: ProcessGroup | None, src: int, peers: Sequence[int]) -> object:
     """Make every stage of the pipeline (``peers``, first stage ``src``) iterate ``dataloader``'s
     indices in the first stage's order. Changes the DataLoader in place; returns it."""
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset) or len(peers) < 2:

@@ -10,7 +10,7 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
+from lightning_pipe.torch_internals import filled_slots
 
 RECOMPUTE_MODES = ("always", "except_last", "never")
 
@@ -43,10 +44,10 @@ class StageModule(nn.Sequential):
         self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self.hook: Callable[[Any], Any] | None = None
         # per layer: (name in this module, name inside the layer) of its parameters, for versions
-        self._param_names = layer_parameter_names(self._modules)
+        self._param_names = layer_parameter_names(filled_slots(self))
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
-        self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
+        self.modifies_input = len(self) > 0 and _modifies_input(next(iter(filled_slots(self).values())))
 
     def forward(self, value: Any) -> Any:
         if self.hook is not None:
@@ -104,7 +105,7 @@ class StageModule(nn.Sequential):
     def _chain(self, value: Any, params: dict[str, Tensor] | None) -> Any:
         if params is None:
             return nn.Sequential.forward(self, value)
-        for key, layer in self._modules.items():
+        for key, layer in filled_slots(self).items():
             own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
@@ -176,6 +177,11 @@ class StageRunner:
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
         self.carry_refusal: str | None = None
+
+    @property
+    def weights_due(self) -> Mapping[int, list[WeightWork]]:
+        """Per micro-batch, the weight-gradient work B deferred that W has not run yet (benchmarks count its bytes)."""
+        return self._weights_due
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""

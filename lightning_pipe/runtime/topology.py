@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 DATA_PARALLEL_MODES = ("replicate", "shard")
 
@@ -231,23 +232,22 @@ class Topology:
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
         gloo = dist.get_backend() == "gloo"
-        self.meta_group: Any = None
-        for replica in range(layout.replicas):
-            ranks = layout.pipeline_ranks(replica)
-            group = dist.new_group() if gloo and layout.replicas == 1 else dist.new_group(ranks, backend="gloo")
-            if replica == self.replica:
-                self.meta_group = group
+        meta_groups = [  # every rank creates every replica's, in the same order
+            dist.new_group() if gloo and layout.replicas == 1 else dist.new_group(ranks, backend="gloo")
+            for ranks in map(layout.pipeline_ranks, range(layout.replicas))
+        ]
+        self.meta_group: ProcessGroup = meta_groups[self.replica]
         self.pipeline_ranks = layout.pipeline_ranks(self.replica)
         self.meta_src = self.pipeline_ranks[0]
         first = layout.pipeline_ranks(0)
         if 0 in first:  # rank 0 is in replica 0: its pipeline's group
-            self.gather_group: Any = self.meta_group if self.replica == 0 else None
+            self.gather_group: ProcessGroup | None = self.meta_group if self.replica == 0 else None
         else:  # placed into another replica (rank_order): one more group, created by every rank
             group = dist.new_group(sorted({0, *first}), backend="gloo")
             self.gather_group = group if rank == 0 or self.replica == 0 else None
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
 
-    def group(self, ranks: Sequence[int]) -> Any:
+    def group(self, ranks: Sequence[int]) -> ProcessGroup:
         """The process group of ``ranks``, created on first use. Creating a group is collective:
         every rank asks for the same groups in the same order (a second setup, such as test after
         fit, creates none)."""

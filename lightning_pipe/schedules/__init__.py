@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
 from lightning_pipe.schedules.asynchronous import (
-    ASYNC_SCHEDULES,
     drain_actions,
     pipedream,
     pipedream_2bw,
@@ -37,7 +36,14 @@ from lightning_pipe.schedules.simulate import (
 )
 from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.text import ScheduleTextError, format_schedule, load_schedule, parse_schedule
-from lightning_pipe.schedules.traits import DEFAULT_SCHEDULE, TRAITS, ScheduleTraits, stage_positions, traits
+from lightning_pipe.schedules.traits import (
+    ASYNC_SCHEDULES,
+    DEFAULT_SCHEDULE,
+    TRAITS,
+    ScheduleTraits,
+    stage_positions,
+    traits,
+)
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 

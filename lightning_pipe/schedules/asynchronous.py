@@ -31,8 +31,6 @@ from dataclasses import replace
 from lightning_pipe.schedules.actions import Action, ActionKind, B, F, Schedule
 from lightning_pipe.schedules.comm import with_communication
 
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "pipemare", "xpipe", "wpipe")
-
 
 def lag(num_stages: int, stage: int) -> int:
     """How many micro-batches stage ``stage``'s backward trails its forward."""
@@ -159,7 +157,7 @@ def update_delay(name: str, num_stages: int, num_microbatches: int, stage: int) 
         return int(stage < wpipe_second_group(num_stages))
     if name in ("pipedream", "pipemare", "xpipe"):
         return math.ceil(lag(num_stages, stage) / num_microbatches)
-    raise ValueError(f"{name!r} is not an asynchronous schedule; valid: {', '.join(ASYNC_SCHEDULES)}")
+    raise ValueError(f"{name!r} is not an asynchronous schedule (see lightning_pipe.schedules.traits.ASYNC_SCHEDULES)")
 
 
 def versions_held(name: str, num_stages: int, num_microbatches: int, stage: int) -> int:

@@ -121,10 +121,6 @@ def interleaved_zero_bubble(num_ranks: int, num_microbatches: int, virtual_stage
     )
 
 
-#: The schedules whose micro-batches go through a rank's stages in rounds (see :func:`round_size`).
-ROUNDED = frozenset({"interleaved_1f1b", "interleaved_zero_bubble"})
-
-
 def valid_microbatches(num_ranks: int, num_microbatches: int) -> int:
     """The largest count ``<= num_microbatches`` that the interleaved schedules take (a short last
     batch runs in fewer micro-batches rather than failing mid-training)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, versions_held
+from lightning_pipe.schedules.asynchronous import versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
+from lightning_pipe.schedules.traits import TRAITS
 
 
 def render(
@@ -50,7 +51,7 @@ def render(
         + ", ".join(str(peaks.get(s, 0)) for s in range(schedule.num_stages))
     )
     base = schedule.name.split()[0]
-    if base in ASYNC_SCHEDULES:
+    if base in TRAITS and TRAITS[base].asynchronous:
         per_batch = schedule.num_microbatches if base == schedule.name else _per_batch(schedule)
         footer += ", weight versions per stage " + ", ".join(
             str(versions_held(base, schedule.num_stages, per_batch, s)) for s in range(schedule.num_stages)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import ASYNC_SCHEDULES, pipedream, pipedream_2bw, pipemare, wpipe, xpipe
+from lightning_pipe.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, wpipe, xpipe
 from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
 from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
@@ -48,6 +48,9 @@ class ScheduleTraits:
     interleaved: bool = False
     #: for an interleaved schedule, the one-stage-per-process schedule it interleaves
     single: str | None = None
+    #: its micro-batches go through a process's stages in rounds, so it takes only counts that
+    #: :func:`~lightning_pipe.schedules.interleaved.valid_microbatches` keeps (a short last batch runs in fewer)
+    rounds: bool = False
     #: where a process's stages lie (one of :data:`PLACEMENTS`)
     placement: str = "loop"
     #: each split stage runs twice, in two pipelines of opposite directions (Chimera): the schedule
@@ -77,6 +80,9 @@ class ScheduleTraits:
     planned_from: int = 1
     #: ``ranks -> the fewest micro-batches it runs`` (DualPipeV: one per stage), None: any
     min_chunks: Callable[[int], int] | None = None
+    #: carries values that blocks record (router logits) between stages as plain training keeps them: proven
+    #: for the schedules whose micro-batches pass the stages as one chain, with one weight version
+    carries_records: bool = False
     #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
     #: to run at once (:attr:`~lightning_pipe.schedules.actions.Schedule.overlapped`)
     overlaps: bool = False
@@ -92,17 +98,19 @@ class ScheduleTraits:
 TRAITS: dict[str, ScheduleTraits] = {
     t.name: t
     for t in (
-        ScheduleTraits("gpipe", gpipe),
-        ScheduleTraits("1f1b", one_f_one_b),
+        ScheduleTraits("gpipe", gpipe, carries_records=True),
+        ScheduleTraits("1f1b", one_f_one_b, carries_records=True),
         ScheduleTraits(
             "interleaved_1f1b",
             interleaved_1f1b,
             virtual_stages=2,
             interleaved=True,
             single="1f1b",
+            rounds=True,
             regroup_for_rendezvous=True,
+            carries_records=True,
         ),
-        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True),
+        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True, carries_records=True),
         ScheduleTraits(
             "interleaved_zero_bubble",
             interleaved_zero_bubble,
@@ -110,9 +118,19 @@ TRAITS: dict[str, ScheduleTraits] = {
             virtual_stages=2,
             interleaved=True,
             single="zero_bubble",
+            rounds=True,
             regroup_for_rendezvous=True,
+            carries_records=True,
         ),
-        ScheduleTraits("zbv", zbv, split_backward=True, virtual_stages=2, placement="v", regroup_for_rendezvous=True),
+        ScheduleTraits(
+            "zbv",
+            zbv,
+            split_backward=True,
+            virtual_stages=2,
+            placement="v",
+            regroup_for_rendezvous=True,
+            carries_records=True,
+        ),
         ScheduleTraits(
             "dualpipev",
             dualpipev,
@@ -122,6 +140,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             regroup_for_rendezvous=True,
             min_chunks=dualpipev_min_chunks,
             overlaps=True,
+            carries_records=True,
         ),
         ScheduleTraits(
             "chimera",
@@ -148,9 +167,8 @@ TRAITS: dict[str, ScheduleTraits] = {
     )
 }
 
-assert {n for n, t in TRAITS.items() if t.asynchronous} == set(ASYNC_SCHEDULES), (
-    "the async family and the table disagree"
-)
+#: The schedules that keep work in flight across optimizer steps (the ``asynchronous`` column).
+ASYNC_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.asynchronous)
 
 
 def traits(name: str) -> ScheduleTraits:
@@ -234,6 +252,7 @@ def stage_counts(name: str, candidates: list[int]) -> list[int]:
 
 
 __all__ = [
+    "ASYNC_SCHEDULES",
     "DEFAULT_SCHEDULE",
     "PLACEMENTS",
     "TRAITS",

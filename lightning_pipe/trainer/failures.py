@@ -94,6 +94,11 @@ class Heartbeat:
         self._thread.start()
         return self
 
+    @property
+    def store(self) -> Any:
+        """The store it beats on; None once it stopped beating there."""
+        return self._store
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -115,7 +120,7 @@ def start_heartbeat(rank: int) -> None:
     """Start this rank's :class:`Heartbeat` on the default process group's store (once per process group)."""
     global _heartbeat
     store = _store()
-    if store is None or (_heartbeat is not None and _heartbeat._store is store):
+    if store is None or (_heartbeat is not None and _heartbeat.store is store):
         return
     if _heartbeat is not None:
         _heartbeat.stop()

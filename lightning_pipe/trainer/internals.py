@@ -10,7 +10,8 @@ that moves one of these fails here, in one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
@@ -18,6 +19,8 @@ import torch
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 # ---------------------------------------------------------------------------------------- the loops
@@ -71,6 +74,31 @@ def update_dataloader(dataloader: Any, sampler: Any, mode: Any = None) -> Any:
     return _update_dataloader(dataloader, sampler, mode=mode)
 
 
+@contextmanager
+def routed_log(module: Any, log: Callable[..., None]) -> Iterator[None]:
+    """While open, ``module.log(...)`` calls ``log`` instead (an instance attribute over
+    ``LightningModule.log``, deleted after): a micro-batch's step must not reach Lightning's logging,
+    and Lightning has no hook to route ``self.log``. Checked with Lightning 2.6."""
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+@contextmanager
+def sent_state_dict(module: Any, state_dict: Callable[..., Any]) -> Iterator[None]:
+    """While open, ``module.state_dict()`` gives ``state_dict()`` (an instance attribute over
+    ``nn.Module.state_dict``, deleted after): Lightning's spawn launcher sends the parent process
+    what the module's ``state_dict`` gives (``_MultiProcessingLauncher._collect_rank_zero_results``),
+    and for a pipeline that must be the whole model. Checked with Lightning 2.6 and torch 2.13."""
+    module.state_dict = state_dict
+    try:
+        yield
+    finally:
+        del module.state_dict
+
+
 def metric_sync_off(metric: Any) -> None:
     """Stop a torchmetrics ``Metric`` logged with ``self.log`` from syncing over processes when it
     computes: ``sync_on_compute = False`` and its ``_to_sync``, which Lightning's logging sets from
@@ -114,6 +142,33 @@ def scaler_device(scaler: torch.amp.GradScaler) -> torch.device:
     return scaler._scale.device  # type: ignore[union-attr]
 
 
+def replace_unscale(scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None]) -> None:
+    """Make ``scaler.unscale_`` call ``unscale`` (an instance attribute over ``GradScaler.unscale_``;
+    ``unscale`` calls the original it took before): the stages agree on the inf/NaN verdict between
+    ``unscale_`` and ``step``, and neither GradScaler nor Lightning's ``MixedPrecision`` has a hook
+    there. Checked with torch 2.13 and Lightning 2.6."""
+    scaler.unscale_ = unscale  # type: ignore[method-assign, assignment]
+
+
+_EXTENDED: dict[tuple[type, type], type] = {}
+
+
+def extend_class(instance: Any, mixin: type) -> None:
+    """Make ``instance`` (of class ``C``) an instance of a subclass of ``(mixin, C)``, made once per
+    class (``instance.__class__ = ...``): the Trainer chose the precision plugin's class from
+    ``precision=``, so an override of its hooks must come as a subclass of whichever class that is;
+    isinstance checks still hold. Nothing when it already is one. Checked with Lightning 2.6."""
+    cls = type(instance)
+    if issubclass(cls, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _EXTENDED:
+        _EXTENDED[key] = type(
+            f"{mixin.__name__.strip('_')}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__}
+        )
+    instance.__class__ = _EXTENDED[key]
+
+
 # -------------------------------------------------------------------------- processes and signals
 
 
@@ -135,7 +190,7 @@ def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) 
     _init_dist_connection(cluster_environment, backend, **kwargs)
 
 
-def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+def sync_ddp_if_available(tensor: torch.Tensor, group: ProcessGroup | None, reduce_op: Any) -> torch.Tensor:
     """``DDPStrategy.reduce``'s reduction (``lightning.fabric.utilities.distributed._sync_ddp_if_available``:
     sum or mean over ``group``, the tensor itself without a process group). Checked with Lightning 2.6."""
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -152,13 +207,20 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def signal_connector_class() -> type:
-    """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be (its
-    ``_sigterm_notifier_fn`` is what :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
-    overrides); the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
-    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+class _SigtermHook(_SignalConnector):
+    def _sigterm_notifier_fn(self, signum: Any, frame: Any) -> None:
+        self.on_sigterm(signum, frame)
 
-    return _SignalConnector
+    def on_sigterm(self, signum: Any, frame: Any) -> None:
+        super()._sigterm_notifier_fn(signum, frame)
+
+
+def signal_connector_class() -> type:
+    """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be, whose SIGTERM
+    handler (``_sigterm_notifier_fn``, registered by ``register_signal_handlers``) calls the public
+    ``on_sigterm(signum, frame)`` that :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
+    overrides; the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
+    return _SigtermHook
 
 
 def signal_connector(trainer: Any) -> Any:
@@ -173,6 +235,26 @@ def set_signal_connector(trainer: Any, connector: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------- the launchers
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """``strategy._launcher = launcher``: the launcher the Trainer starts the processes with, which a
+    strategy sets in its ``_configure_launcher`` (see :class:`LauncherHook`). Lightning's strategies
+    set it there themselves; the attribute has no public setter. Checked with Lightning 2.6."""
+    strategy._launcher = launcher
+
+
+class LauncherHook:
+    """A strategy's launcher, made by its public ``make_launcher()`` (mixed in before Lightning's
+    ``Strategy``): the Trainer asks a strategy for its launcher through ``_configure_launcher``, once
+    its cluster environment is set (``_AcceleratorConnector``). Checked with Lightning 2.6."""
+
+    def make_launcher(self) -> Any:
+        """The launcher the Trainer starts this strategy's processes with."""
+        raise NotImplementedError
+
+    def _configure_launcher(self) -> None:
+        set_launcher(self, self.make_launcher())
 
 
 def launcher_class() -> type:
@@ -238,21 +320,27 @@ def script_launcher(
 
 
 __all__ = [
+    "LauncherHook",
     "batches_that_stepped",
     "configure_optimizers",
     "data_source",
     "default_process_group_backend",
     "default_store",
     "evaluation_loaders",
+    "extend_class",
     "init_dist_connection",
     "launcher_class",
     "metric_sync_off",
     "multiprocessing_launcher",
     "optimizer_to_device",
     "optimizers_to_device",
+    "replace_unscale",
+    "routed_log",
     "scaler_device",
     "scaler_found_infs",
     "script_launcher",
+    "sent_state_dict",
+    "set_launcher",
     "set_signal_connector",
     "signal_connector",
     "signal_connector_class",

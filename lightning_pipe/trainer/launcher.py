@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.sharding import full_tensor
 from lightning_pipe.trainer import internals
@@ -48,7 +49,7 @@ class Gathering:
             sent back.
     """
 
-    group: Any = None
+    group: ProcessGroup | None = None
     senders: Sequence[int] = (0,)
     whole: bool = True
 
@@ -94,11 +95,8 @@ def _collect_whole_weights(
         return merged
 
     # Lightning sends back what the module's state_dict gives: for this call, the whole model
-    module.state_dict = full_state_dict  # type: ignore[assignment]
-    try:
+    with internals.sent_state_dict(module, full_state_dict):
         output = lightning()
-    finally:
-        del module.state_dict
     if output is not None and output.trainer_results is not None:
         # Tensors put on the queue are shared through file descriptors that vanish with the worker.
         buffer = io.BytesIO()

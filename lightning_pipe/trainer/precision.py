@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_pipe.trainer import internals
@@ -25,7 +26,7 @@ from lightning_pipe.trainer import internals
 _SYNCED: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # the scalers already patched
 
 
-def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None) -> None:
+def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: ProcessGroup | None = None) -> None:
     """After ``scaler.unscale_(optimizer)`` finds infs on this stage, agree over all stages (max of
     the flags) before ``scaler.step`` and ``scaler.update`` read them. Idempotent."""
     if scaler in _SYNCED:
@@ -47,8 +48,7 @@ def sync_gradient_scaler(scaler: torch.amp.GradScaler, group: Any | None = None)
         elif local.item() > 0 and not any(flag.item() > 0 for flag in found.values()):
             found[next(iter(found))] = torch.ones((), dtype=torch.float32, device=device)
 
-    # a patch: neither GradScaler nor Lightning's MixedPrecision has a hook between unscale_ and step
-    scaler.unscale_ = unscale_across_stages  # type: ignore[method-assign]
+    internals.replace_unscale(scaler, unscale_across_stages)
     _SYNCED.add(scaler)
 
 
@@ -58,6 +58,10 @@ class _GlobalNormClipping:
     hook on the stage's gradients there are."""
 
     _lightning_pipe_clip: Callable[[list[Any], int | float], Any]
+
+    def clip_with(self, clip: Callable[[list[Any], int | float], Any]) -> None:
+        """Clip by norm with ``clip(parameters, max_norm)`` from now."""
+        self._lightning_pipe_clip = clip
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self._lightning_pipe_clip(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
@@ -71,19 +75,12 @@ class _GlobalNormClipping:
             torch.nn.utils.clip_grad_value_(grads, clip_value=clip_val)
 
 
-_CLIPPING: dict[type, type] = {}
-
-
 def clip_by_global_norm(plugin: Any, clip: Callable[[list[Any], int | float], Any]) -> None:
     """Make ``gradient_clip_val`` (norm) clip ``plugin``'s parameters with ``clip(parameters,
     max_norm)``. The Trainer chose the plugin's class from ``precision=``, so the override comes as
     a subclass of that class (isinstance checks still hold). Idempotent."""
-    cls = type(plugin)
-    if not issubclass(cls, _GlobalNormClipping):
-        if cls not in _CLIPPING:
-            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (_GlobalNormClipping, cls), {"__module__": __name__})
-        plugin.__class__ = _CLIPPING[cls]
-    plugin._lightning_pipe_clip = clip
+    internals.extend_class(plugin, _GlobalNormClipping)
+    plugin.clip_with(clip)
 
 
 def across_stages(plugin: Any, clip: Callable[[list[Any], int | float], Any]) -> None:

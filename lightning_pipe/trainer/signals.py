@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.trainer import internals
 
@@ -57,13 +58,13 @@ class PipelineSignalConnector(internals.signal_connector_class()):  # type: igno
         self.requested = False
         self._deadline: threading.Timer | None = None
         self._posted: tuple[Any, torch.Tensor] | None = None  # the last step's broadcast of rank 0's flag
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
 
     def register_signal_handlers(self) -> None:
         self.requested = False
         super().register_signal_handlers()
 
-    def _sigterm_notifier_fn(self, signum: Any, _: FrameType | None) -> None:
+    def on_sigterm(self, signum: Any, _: FrameType | None) -> None:
         rank = self.trainer.global_rank
         if self.requested:
             _exit_now(f"[rank: {rank}] A second SIGTERM: exiting now.", 128 + int(signum))

@@ -23,6 +23,7 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_pipe.runtime.block_reads import refuse_held
 from lightning_pipe.runtime.reductions import combine, reduction
@@ -99,12 +100,8 @@ class StepRecorder:
             if keep:
                 self._record(module, weight, args, kwargs)
 
-        # a patch: Lightning has no hook to route self.log, and these calls must not reach it per micro-batch
-        module.log = log  # type: ignore[method-assign]
-        try:
+        with internals.routed_log(module, log):  # these calls must not reach Lightning per micro-batch
             yield
-        finally:
-            del module.log
 
     def _record(self, module: pl.LightningModule, weight: float, args: tuple, kwargs: dict) -> None:
         # runs for every micro-batch: the usual self.log(name, value, **options) skips binding the
@@ -205,7 +202,7 @@ class StepRecorder:
             entry.kwargs = other["kwargs"]
 
 
-def gather_recorders(recorder: StepRecorder, ranks: Sequence[int], rank: int, group: Any) -> None:
+def gather_recorders(recorder: StepRecorder, ranks: Sequence[int], rank: int, group: ProcessGroup | None) -> None:
     """Where a step's losses are computed on several ranks (Chimera's two pipelines end on the first
     and the last process), the earlier ``ranks`` send their recorder's sums to the last, which
     absorbs them and shares the step's summary as usual."""
@@ -262,7 +259,7 @@ class SummaryBroadcaster:
     SLOTS = 64
     HEAD = 3  # kind of message, number of values, whether there is a loss
 
-    def __init__(self, src: int, group: Any, is_src: bool) -> None:
+    def __init__(self, src: int, group: ProcessGroup | None, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
         self._structure: list[tuple[str, dict[str, Any]]] | None = None
         self._sent_structure: list[tuple[str, dict[str, Any]]] | None = None
@@ -334,7 +331,7 @@ class SummarySharing:
     (:meth:`post_lagged`, :meth:`take_lagged`), so that no rank waits for the others between steps.
     """
 
-    def __init__(self, src: int, group: Any, is_src: bool) -> None:
+    def __init__(self, src: int, group: ProcessGroup | None, is_src: bool) -> None:
         self.src, self.group, self.is_src = src, group, is_src
         self._broadcasters: dict[str, SummaryBroadcaster] = {}
         self._unfinished: tuple[SummaryBroadcaster, Any] | None = None

@@ -3,6 +3,7 @@ and no module outside ``schedules/`` compares schedule names."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from lightning_pipe.schedules import (
     unroll,
     validate,
 )
+from lightning_pipe.schedules.interleaved import valid_microbatches
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_pipe"
 
@@ -78,3 +80,51 @@ def test_no_schedule_name_is_compared_outside_schedules() -> None:
     assert not found, "schedule names compared outside schedules/ (ask lightning_pipe.schedules.traits):\n" + "\n".join(
         found
     )
+
+
+def _name_collections(tree: ast.Module, module_level_only: bool) -> list[tuple[int, str]]:
+    """Each tuple, list or set written in ``tree`` that holds two or more schedule names."""
+    nodes = [
+        n.value
+        for n in tree.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None and "__all__" not in ast.unparse(n)
+    ]
+    found = []
+    for top in nodes if module_level_only else [tree]:
+        for node in ast.walk(top):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in TRAITS]
+                if len(names) >= 2:
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_set_of_schedule_names_is_kept_outside_the_table() -> None:
+    """A group of schedules (those that round their micro-batches, those that carry recorded values, the
+    asynchronous ones) is a column of the table, asked with ``traits(name).column``: no module outside
+    ``schedules/`` writes a collection of schedule names, and none in it keeps one as a constant but
+    ``traits.py``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "traits.py" and path.parent.name == "schedules":
+            continue
+        tree = ast.parse(path.read_text())
+        for number, text in _name_collections(tree, module_level_only=path.parent.name == "schedules"):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {text}")
+    assert found == []
+    # the check sees a constant like the interleaved module's former ROUNDED
+    former = ast.parse('ROUNDED = frozenset({"interleaved_1f1b", "interleaved_zero_bubble"})')
+    assert _name_collections(former, module_level_only=True) == [(1, "{'interleaved_1f1b', 'interleaved_zero_bubble'}")]
+
+
+def test_the_rounding_and_carrying_columns() -> None:
+    """``rounds``: the schedules that refuse a micro-batch count that does not fill their rounds, which the
+    pipeline lowers to one that does; ``carries_records``: every synchronous schedule with one chain."""
+    for name, t in TRAITS.items():
+        assert t.carries_records == (not t.asynchronous and not t.mirrored), name
+        if t.rounds:
+            with pytest.raises(ValueError, match="cannot be split into rounds"):
+                t.make(2, 5, 2)  # 5 micro-batches do not make equal rounds on 2 processes
+            assert valid_microbatches(2, 5) == 4
+            t.make(2, valid_microbatches(2, 5), 2)
+    assert {n for n, t in TRAITS.items() if t.rounds} == {"interleaved_1f1b", "interleaved_zero_bubble"}
