@@ -2,7 +2,8 @@
 
 The oracles: plain one-process Lightning on the same batches for a synchronous schedule; for an
 asynchronous one, the same schedule run without the event (a drain, a save, a resume, a placement
-must not change its weights); for an elastic layout, the uninterrupted run on the first world. A
+must not change its weights), and PipeDream's and 2BW's delayed rule written out in one process where
+the cell is a plain chain (:func:`_delayed_rule`); for an elastic layout, the uninterrupted run on the first world. A
 cell the traits refuse must be refused before its first training step, with the sentence
 :func:`~tests.conformance.axes.refusal` names.
 """
@@ -196,6 +197,45 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
     return _CACHE[key]
 
 
+def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torch.Tensor] | None:
+    """PipeDream's and PipeDream-2BW's rule in one process, where it is written for the cell: stage ``s``
+    applies at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s``
+    (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does
+    not step. None where the cell is not a plain chain of one stage per process (other rules, virtual
+    stages, AvgPipe, elastic restarts) or its model has parameters outside the layers."""
+    from lightning_pipe.partition import balance_uniform, stage_bounds
+    from lightning_pipe.schedules.asynchronous import update_delay
+    from lightning_pipe.schedules.traits import TRAITS
+
+    t = TRAITS[schedule]
+    plain_chain = layout.virtual_stages is None and layout.replicas_sync is None and not layout.elastic
+    if not (t.stashes_weights and plain_chain and model.name == "sequential"):
+        return None
+    key = ("delayed", schedule, layout.positions, model.name)
+    if key not in _CACHE:
+        module = _fresh(model, False)
+        chunks, stages = _options(schedule, layout, model)["chunks"], layout.positions
+        bounds = stage_bounds(balance_uniform(len(module.layers), stages))  # type: ignore[arg-type]
+        delays = {}
+        for name, _ in module.named_parameters():
+            index = int(name.split(".")[1])
+            stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
+            delays[name] = update_delay(schedule, stages, chunks, stage)
+        params = dict(module.named_parameters())
+        optimizer = module.configure_optimizers()
+        batches = [batch for _ in range(STEPS // STEPS_PER_EPOCH) for batch in data(model)]
+        history: list[dict[str, torch.Tensor]] = []
+        for step, batch in enumerate(batches[:STEPS]):
+            grads = torch.autograd.grad(module.loss(batch), list(params.values()))
+            history.append(dict(zip(params, grads)))
+            for name, p in params.items():
+                source = step - delays[name]
+                p.grad = history[source][name] if source >= 0 else None
+            optimizer.step()
+        _CACHE[key] = module.state_dict()
+    return _CACHE[key]
+
+
 def _differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tolerance: dict) -> str | None:
     if list(expected) != list(got):
         return f"state_dict names differ: {sorted(set(expected) ^ set(got))}"
@@ -262,6 +302,8 @@ def run_cell(cell: Cell, folder: Path) -> Outcome:
     else:
         expected, tolerance, oracle = _plain(cell.event, cell.model), PLAIN, "plain Lightning"
     skip_weights = t.asynchronous and interrupt is None and cell.layout.rank_order is None
+    if skip_weights and (reference := _delayed_rule(cell.schedule, cell.layout, cell.model)) is not None:
+        expected, tolerance, oracle, skip_weights = reference, PLAIN, "the rule's one-process reference", False
     if not skip_weights:
         difference = _differences(expected, got, tolerance)
         if difference:
