@@ -46,6 +46,7 @@ from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.outside_agreement import check_outside_agreement
+from lightning_pipe.runtime.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare
@@ -145,7 +146,13 @@ class StagePipeline:
             through_host=placement.through_host,
         )
         asynchronous = is_async(options.schedule)
-        versions = WeightVersions(self.host) if asynchronous else None
+        # parameters outside the split layers on this rank (the ones every stage holds, and a block
+        # container's embeddings or head on an end stage): versioned with the stage's layers
+        in_host = {id(p) for p in self.host.parameters()}
+        self.outside = {n: p for n, p in model.named_parameters() if id(p) not in in_host and p.requires_grad}
+        everywhere = {id(p) for p in shared}
+        self._everywhere = {n for n, p in self.outside.items() if id(p) in everywhere}
+        versions = WeightVersions(self.host, outside=self.outside) if asynchronous else None
         self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
         split_backward = not asynchronous and self.schedule(options.schedule, self.num_microbatches).split_backward
         self._fused: list[nn.Module] = []
@@ -166,6 +173,8 @@ class StagePipeline:
         refusal = carrying_refusal(options.schedule)
         for runner in self.runners.values():
             runner.carry_refusal = refusal
+            if versions is not None:
+                runner.model, runner.outside = model, tuple(self.outside)
         self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
         self.elastic: ElasticAverage | None = (
             None  # replicas_sync="elastic": no gradient all-reduce, a pull every period
@@ -182,6 +191,12 @@ class StagePipeline:
             )
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
+        # PipeMare's rescheduled step sizes differ by stage: the parameters every stage holds follow their user's
+        self.owners: OutsideOwners | None = None
+        pipemare = self.asynchronous.pipemare if self.asynchronous is not None else None
+        if pipemare is not None and pipemare.warmup > 0 and self.num_stages > 1:
+            named = {n: p for n, p in self.outside.items() if n in self._everywhere}
+            self.owners = OutsideOwners(named, placement.stage, self.num_stages, topology.pp_group)
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
@@ -193,8 +208,15 @@ class StagePipeline:
             return None
         delay = update_delay(options.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
         if ahead:  # XPipe: PipeMare's machinery, forwards and backwards on predicted weights
-            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup)
-        return PipeMare(self.host, delay, options.pipemare_warmup, options.pipemare_correction, options.pipemare_decay)
+            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup, self.outside)
+        return PipeMare(
+            self.host,
+            delay,
+            options.pipemare_warmup,
+            options.pipemare_correction,
+            options.pipemare_decay,
+            self.outside,
+        )
 
     # ------------------------------------------------------------------ what callers may read
     @property
@@ -324,8 +346,11 @@ class StagePipeline:
                 run.drain(Callbacks(timeline=self.timeline))
             elif stop_after:  # the optimizer's step post-hook drains, so a resumed run equals one that went on
                 self._drain_after_update = context
-        params = dict(self.host.named_parameters())
-        self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
+        params = {**dict(self.host.named_parameters()), **self.outside}
+        due = {params[name]: grad for name, grad in run.due(t, m).items()}
+        if self.owners is not None:
+            self.owners.note(due)
+        self.gradients.keep(due)
         return settled
 
     def evaluate(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext) -> None:
@@ -371,7 +396,10 @@ class StagePipeline:
             self._update_hooks = [o.register_step_post_hook(self._after_update) for o in optimizers]
 
     def _after_update(self, *_: Any) -> None:
-        """A stop by ``max_steps`` in the middle of an epoch drains here, after the step's update."""
+        """A stop by ``max_steps`` in the middle of an epoch drains here, after the step's update; under
+        PipeMare's rescheduling the stages first take the parameters every stage holds from their users."""
+        if self.owners is not None:
+            self.owners.hand_out()
         context, self._drain_after_update = self._drain_after_update, None
         if context is not None:
             self.drain(context)
@@ -397,6 +425,12 @@ class StagePipeline:
         if self.asynchronous is None:
             return None
         state = self.asynchronous.state_dict()
+        # the parameters every stage holds: each stage's own part, under its own name
+        stage, everywhere = self.placement.stage, self._everywhere
+        state["pending"] = {b: qualify(g, everywhere, stage) for b, g in state["pending"].items()}
+        if "pipemare" in state:
+            velocity = qualify(state["pipemare"]["velocity"], everywhere, stage)
+            state["pipemare"] = {**state["pipemare"], "velocity": velocity}
         count = self.placement.num_replicas
         if count > 1:
             replicas = gather_pending(state["pending"], self.topology.dp_group, count)
@@ -418,13 +452,14 @@ class StagePipeline:
             return
         if self.asynchronous is None or state is None:
             return
-        local = {name for name, _ in self.host.named_parameters()}
+        local = {name for name, _ in self.host.named_parameters()} | set(self.outside)
+        stage, everywhere = self.placement.stage, self._everywhere
         saved = pending_for(state, self.placement.replica, self.placement.num_replicas)
-        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in saved.items()}
+        pending = {b: unqualify(grads, local, everywhere, stage) for b, grads in saved.items()}
         mine: dict[str, Any] = {"step": state["step"], "pending": pending}
         if "pipemare" in state:
             saved = state["pipemare"]
-            mine["pipemare"] = {**saved, "velocity": {n: v for n, v in saved["velocity"].items() if n in local}}
+            mine["pipemare"] = {**saved, "velocity": unqualify(saved["velocity"], local, everywhere, stage)}
         self.asynchronous.load_state_dict(mine)
 
     def enable_timeline(self, keep: int | None = None) -> Timeline:

@@ -125,23 +125,11 @@ def check_async(
     scaler: Any,
     blocks: str | None = None,
 ) -> None:
-    """The asynchronous schedules stash versions of the split layers' weights and apply gradients late.
-    ``blocks``: the ``module=`` path when the split layers are a block container."""
-    outside = [p for p in shared if p.requires_grad]
-    if outside:
-        names = [n for n, p in module.named_parameters() if any(p is q for q in outside)]
-        if blocks is None:
-            raise MisconfigurationException(
-                f"schedule={schedule!r} stashes weight versions of the split nn.Sequential only, but "
-                f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
-                "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
-            )
-        raise MisconfigurationException(
-            f"schedule={schedule!r} stashes weight versions of {split_layers(blocks)} only, but "
-            f"{type(module).__name__} has trainable parameters outside those blocks ({', '.join(names[:4])}): "
-            f"{_BLOCKS_OUTSIDE}. Use a synchronous schedule ('1f1b', 'zero_bubble' or 'interleaved_1f1b'), or "
-            f"{_AS_SEQUENTIAL}."
-        )
+    """The asynchronous schedules stash (or predict) versions of each stage's weights and apply gradients
+    late. Parameters outside the split layers (``shared``: a block container's embeddings, final norm and
+    head, whose module is ``module=``'s ``blocks``; a Sequential's pre- and post-processing) take the
+    versions of the stage that uses them (:mod:`lightning_pipe.runtime.versions`): nothing to refuse
+    there. A weight tied across stages is refused where the stages' delays differ."""
     if tied and traits(schedule).refuses_ties:
         raise MisconfigurationException(
             f"schedule={schedule!r} applies gradients with a different delay on each stage, so the copies of a "
