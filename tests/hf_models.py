@@ -207,9 +207,9 @@ class BesideModule(L.LightningModule):
     Sequential of its own parts, which the steps call: every parameter reachable under two names,
     the embedding tied to the head across the first and last stage."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self, layers: int = 4, tied: bool = True) -> None:
         super().__init__()
-        self.hf = gpt2(layers)
+        self.hf = gpt2(layers, tied)
         self.layers = nn.Sequential(GPT2Embed(self.hf.transformer), *self.hf.transformer.h, GPT2Head(self.hf))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -27,8 +27,9 @@ def owners_from_flags(flags: Tensor, names: Sequence[str], known: Sequence[int |
         givers = [s for s in range(flags.shape[0]) if flags[s, i] > 0]
         if not givers:
             continue
-        if len(givers) > 1 or (owners[i] is not None and owners[i] != givers[0]):
-            seen = sorted({*givers, *([owners[i]] if owners[i] is not None else [])})
+        known_owner = owners[i]
+        if len(givers) > 1 or (known_owner is not None and known_owner != givers[0]):
+            seen = sorted({*givers, *([known_owner] if known_owner is not None else [])})
             raise RuntimeError(
                 f"The parameter {name!r} outside the split layers gets gradients on pipeline stages {seen}, which "
                 "PipeMare's learning-rate rescheduling steps with different step sizes, so its copies would not "

@@ -347,7 +347,7 @@ class StagePipeline:
             elif stop_after:  # the optimizer's step post-hook drains, so a resumed run equals one that went on
                 self._drain_after_update = context
         params = {**dict(self.host.named_parameters()), **self.outside}
-        due = {params[name]: grad for name, grad in run.due(t, m).items()}
+        due: dict[nn.Parameter, Tensor | None] = {params[name]: grad for name, grad in run.due(t, m).items()}
         if self.owners is not None:
             self.owners.note(due)
         self.gradients.keep(due)
