@@ -143,10 +143,14 @@ def test_measured_balances_split_the_blocks_and_train_as_plain(balance: str) -> 
     _parity("llama_gqa_untied", 2, balance=balance, layers=6)
 
 
-def test_chimera_on_a_block_container_is_refused_before_training() -> None:
-    build, path = MODELS["gpt2"]
-    with pytest.raises(Exception, match=r"names a block container, and schedule='chimera' runs copies"):
-        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, schedule="chimera")
+@pytest.mark.parametrize(
+    "name, devices",
+    [("llama_gqa_tied", 2), ("llama_gqa_untied", 4), pytest.param("gpt2", 4, marks=pytest.mark.slow)],
+)
+def test_chimera_copies_a_block_container_with_its_ends_and_trains_as_plain(name: str, devices: int) -> None:
+    """Chimera's two pipelines each run every split stage: the processes holding the first and last
+    stages hold the embeddings and the head (the tied one too) for both, and sum their gradients."""
+    _parity(name, devices, schedule="chimera", chunks=4)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "gpt2", pytest.param("bert_mlm", marks=pytest.mark.slow)])

@@ -124,7 +124,10 @@ class StagePipeline:
         check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
         mirrored = traits(options.schedule).mirrored
-        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
+        in_host = {id(p) for p in self.host.parameters()} | {id(p) for p in shared}
+        ends = [p for p in model.parameters() if id(p) not in in_host]  # a block container's, with their stage
+        tied_here = [p for _, p, _ in ties]
+        copies = stage_copies(placement, topology.group, self.host, tied_here, ends) if mirrored else None
         self.gradients = StageGradients(
             shared,
             ties,
