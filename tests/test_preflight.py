@@ -47,14 +47,13 @@ class BuiltLater(TinyNet):
         (TinyNet, PipelineConfig(schedule="chimera"), Layout(2, 2), r"chimera"),
         (TinyNet, PipelineConfig(module="body"), Layout(2, 1), r"TinyNet has no attribute 'body'"),
         (lambda: TinyNet(depth=3), PipelineConfig(balance="time"), Layout(4, 1), r"cannot split 3 layers into 4"),
-        # sharded weights for a block container whose model trains its ends outside it
-        (lambda: ReadsBlocksNet("pool"), PipelineConfig(module="blocks", data_parallel="shard"), Layout(2, 2),
-         r"data_parallel='shard'\) cannot run here: the module has trainable parameters outside the blocks"),
+        (TinyNet, PipelineConfig(schedule="pipedream", data_parallel="shard"), Layout(2, 2),
+         r"data_parallel='shard'\) cannot run here: schedule='pipedream' keeps weight versions"),
         (TiedNet, PipelineConfig(schedule="pipemare"), Layout(2, 1), r"copies of a weight tied across stages"),
         (TinyNet, PipelineConfig(schedule="pipedream_2bw", chunks=1), Layout(3, 1), r"needs chunks >= stages - 1"),
     ],
     ids=["too-many-stages", "stage-without-parameters", "balance-sum", "chimera-replicas", "bad-module", "measured",
-         "shard-blocks", "pipemare-tied", "2bw-chunks"],
+         "shard-async", "pipemare-tied", "2bw-chunks"],
 )  # fmt: skip
 def test_what_the_module_and_arguments_decide_is_refused(
     model: Any, config: PipelineConfig, layout: Layout, match: str
@@ -72,6 +71,7 @@ def test_a_valid_split_and_what_needs_the_launch_pass() -> None:
     check_before_launch(TiedNet(), PipelineConfig(schedule="pipedream_2bw"), Layout(2, 1))  # the same delay everywhere
     # the ends outside the blocks take the weight versions of the stage that uses them
     check_before_launch(ReadsBlocksNet("pool"), PipelineConfig(module="blocks", schedule="xpipe"), Layout(2, 1))
+    check_before_launch(ReadsBlocksNet("pool"), PipelineConfig(module="blocks", data_parallel="shard"), Layout(2, 2))
 
 
 def test_the_trainer_refuses_before_starting_any_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
-from lightning_pipe.runtime.sharding import ShardedStage
+from lightning_pipe.runtime.sharding import ShardedStage, outside_modules
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
@@ -117,7 +117,12 @@ class StagePipeline:
         self.timeline: Timeline | None = None  # see enable_timeline
         replicas = placement.num_replicas
         self.sharded = options.sharded and replicas > 1
-        self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
+        outside = outside_modules(model, self.host) if self.sharded else []  # sharded with the stage's layers
+        first_names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        shared_names = [first_names[id(p)] for p in shared]
+        self.shards = ShardedStage(self.host, topology.mesh["dp"], outside) if self.sharded else None
+        renamed = dict(model.named_parameters(remove_duplicate=False))
+        shared = [renamed[n] for n in shared_names]  # sharding replaced the modules' parameters
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         named = dict(model.named_parameters(remove_duplicate=False))
         ties = tie_groups(split.ties, placement.layout, placement.stage, placement.replica, named, topology.group)

@@ -43,35 +43,14 @@ def split_layers(blocks: str | None) -> str:
     return "the split nn.Sequential" if blocks is None else f"the blocks of the block container {blocks!r}"
 
 
-#: what a block container's model keeps outside its blocks, and the way to put it inside
-_BLOCKS_OUTSIDE = (
-    "a model that loops over its blocks keeps its embeddings, head and final norm outside them (the embeddings on "
-    "the first stage, the head on the last, the rest on every stage)"
-)
-_AS_SEQUENTIAL = "express the model as an nn.Sequential whose layers hold the embeddings and the head too"
-
-
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: str | None = None) -> None:
-    """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version.
-    ``blocks``: the ``module=`` path when the split layers are a block container."""
-    problems = []
+    """``data_parallel='shard'`` (FSDP2) keeps one weight version. Parameters outside the split layers
+    (``shared``; ``blocks``: the ``module=`` path when the split layers are a block container) and
+    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.sharding`)."""
     if is_async(schedule):
-        problems.append(f"schedule={schedule!r} keeps weight versions, which sharded weights do not have")
-    if any(p.requires_grad for p in shared):
-        problems.append(f"the module has trainable parameters outside {split_layers(blocks)}")
-        if blocks is not None:
-            problems[-1] += f" ({_BLOCKS_OUTSIDE})"
-    if tied:
-        problems.append("weights are tied across stages")
-    if problems:
-        fix = (
-            "Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied "
-            "weights)."
-            if blocks is None
-            else f"Use data_parallel='replicate', or {_AS_SEQUENTIAL} (with a synchronous schedule and untied weights)."
-        )
         raise MisconfigurationException(
-            "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems) + ". " + fix
+            f"PipelineStrategy(data_parallel='shard') cannot run here: schedule={schedule!r} keeps weight versions, "
+            "which sharded weights do not have. Use data_parallel='replicate' (or a synchronous schedule)."
         )
 
 
