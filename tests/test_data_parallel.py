@@ -264,6 +264,13 @@ def test_sharded_replicas_shard_the_parameters_outside_the_sequential_and_train_
     assert_same_weights(reference, piped)
 
 
+def test_sharded_replicas_sum_a_weight_tied_across_stages_shard_by_shard() -> None:
+    """The first and last layer share a weight; each stage shards its copy over its replicas (the same
+    rows on replica r of both), and the tie's gradients are summed over those shards."""
+    reference, piped = _twins_fit(TiedNet, token_loader, 12, 2, 4, stages=2, chunks=3, data_parallel="shard")
+    assert_same_weights(reference, piped)
+
+
 class _ShardRecord(L.Callback):
     """Per optimizer step: bytes this rank reduce-scatters or all-reduces over its stage's replicas;
     at the end: its optimizer state's elements and its stage's parameter elements (whole)."""
