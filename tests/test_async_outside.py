@@ -68,6 +68,8 @@ def _model(name: str, tied: bool | None = None) -> HFModule:
         pytest.param("llama_gqa_tied", "pipedream_2bw", 2, 2, marks=pytest.mark.slow),
         pytest.param("gpt2_untied", "wpipe", 2, 2, marks=pytest.mark.slow),
         pytest.param("gpt2_untied", "pipedream", 4, 1, marks=pytest.mark.slow),
+        pytest.param("llama_gqa_untied", "wpipe", 4, 3, marks=pytest.mark.slow),
+        pytest.param("llama_gqa_tied", "pipedream_2bw", 4, 3, marks=pytest.mark.slow),
     ],
 )
 def test_a_block_container_follows_the_delayed_update_rule(name: str, schedule: str, stages: int, chunks: int) -> None:
