@@ -49,11 +49,13 @@ class BuiltLater(TinyNet):
         (lambda: TinyNet(depth=3), PipelineConfig(balance="time"), Layout(4, 1), r"cannot split 3 layers into 4"),
         (TinyNet, PipelineConfig(schedule="pipedream", data_parallel="shard"), Layout(2, 2),
          r"data_parallel='shard'\) cannot run here: schedule='pipedream' keeps weight versions"),
+        (TiedNet, PipelineConfig(schedule="zbv", data_parallel="shard"), Layout(2, 2),
+         r"schedule='zbv' places the first and last stage on one process"),
         (TiedNet, PipelineConfig(schedule="pipemare"), Layout(2, 1), r"copies of a weight tied across stages"),
         (TinyNet, PipelineConfig(schedule="pipedream_2bw", chunks=1), Layout(3, 1), r"needs chunks >= stages - 1"),
     ],
     ids=["too-many-stages", "stage-without-parameters", "balance-sum", "chimera-replicas", "bad-module", "measured",
-         "shard-async", "pipemare-tied", "2bw-chunks"],
+         "shard-async", "shard-v-tied", "pipemare-tied", "2bw-chunks"],
 )  # fmt: skip
 def test_what_the_module_and_arguments_decide_is_refused(
     model: Any, config: PipelineConfig, layout: Layout, match: str

@@ -87,6 +87,24 @@ def outside_modules(model: nn.Module, stage: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
+def refuse_shared_units(modules: Sequence[nn.Module]) -> None:
+    """FSDP2 shards each module's parameters as one unit: a parameter two of ``modules`` hold (a weight
+    tied between two layers of this process, or between a layer and a module outside the split layers)
+    would be sharded twice, and its two units would train it wrong. Refused, naming the modules."""
+    seen: dict[int, int] = {}
+    for i, module in enumerate(modules):
+        for p in module.parameters():
+            j = seen.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"PipelineStrategy(data_parallel='shard') cannot shard this process's layers: a weight of shape "
+                    f"{list(p.shape)} is held by both {type(modules[j]).__name__} and {type(module).__name__} on this "
+                    "process (a weight tied between them), and FSDP2 would shard it in two units. Use "
+                    "data_parallel='replicate', or a schedule and balance that put the tied layers on different "
+                    "processes."
+                )
+
+
 class ShardedStage:
     """The FSDP2 layers of one stage (and ``outside``: see :func:`outside_modules`) and their per-step
     switches."""
@@ -95,6 +113,7 @@ class ShardedStage:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self.modules: list[Any] = []
+        refuse_shared_units([*stage.children(), *outside])
         for layer in [*stage.children(), *outside]:
             if isinstance(layer, FSDPModule):
                 self.modules.append(layer)
@@ -135,4 +154,4 @@ class ShardedStage:
             module.reshard()
 
 
-__all__ = ["ShardedStage", "full_tensor", "is_dtensor", "local", "outside_modules", "shard_like"]
+__all__ = ["ShardedStage", "full_tensor", "is_dtensor", "local", "outside_modules", "refuse_shared_units", "shard_like"]

@@ -46,11 +46,19 @@ def split_layers(blocks: str | None) -> str:
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: str | None = None) -> None:
     """``data_parallel='shard'`` (FSDP2) keeps one weight version. Parameters outside the split layers
     (``shared``; ``blocks``: the ``module=`` path when the split layers are a block container) and
-    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.sharding`)."""
+    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.sharding`),
+    unless the schedule puts both ends of a tie on one process (a V)."""
     if is_async(schedule):
         raise MisconfigurationException(
             f"PipelineStrategy(data_parallel='shard') cannot run here: schedule={schedule!r} keeps weight versions, "
             "which sharded weights do not have. Use data_parallel='replicate' (or a synchronous schedule)."
+        )
+    if tied and traits(schedule).placement == "v":
+        raise MisconfigurationException(
+            f"PipelineStrategy(data_parallel='shard') cannot run here: weights are tied across stages, and "
+            f"schedule={schedule!r} places the first and last stage on one process, where FSDP2 would shard the tied "
+            "weight in two units. Use data_parallel='replicate', or a schedule that places them on different processes "
+            "('1f1b', 'zero_bubble', 'interleaved_1f1b')."
         )
 
 
