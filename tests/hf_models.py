@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def gpt2(layers: int = 4) -> nn.Module:
+def gpt2(layers: int = 4, tied: bool = True) -> nn.Module:
     config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=96, n_positions=16, bos_token_id=0,
-                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     tie_word_embeddings=tied)  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -206,9 +207,9 @@ class BesideModule(L.LightningModule):
     Sequential of its own parts, which the steps call: every parameter reachable under two names,
     the embedding tied to the head across the first and last stage."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self, layers: int = 4, tied: bool = True) -> None:
         super().__init__()
-        self.hf = gpt2(layers)
+        self.hf = gpt2(layers, tied)
         self.layers = nn.Sequential(GPT2Embed(self.hf.transformer), *self.hf.transformer.h, GPT2Head(self.hf))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

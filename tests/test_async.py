@@ -300,13 +300,6 @@ def test_checkpoint_under_2bw_resumes_exactly(tmp_path: Path) -> None:
     assert_same_weights(straight, resumed)
 
 
-def test_parameters_outside_the_sequential_are_refused() -> None:
-    from tests.models import WrappedNet
-
-    with pytest.raises(Exception, match="trainable parameters outside it"):
-        fit_pipeline(WrappedNet(), 2, schedule="pipedream", chunks=2)
-
-
 def test_render_reports_weight_versions() -> None:
     from lightning_pipe.schedules import render
 

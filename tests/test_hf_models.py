@@ -130,9 +130,9 @@ def test_the_embeddings_live_on_the_end_stages_only(tmp_path: Path, name: str) -
     assert head in names[3] and embedding not in names[3]  # GPT-2's tie: the head's name for the same tensor
 
 
-def test_plan_auto_plans_a_block_container_without_chimera_and_trains_as_plain() -> None:
-    """The planner profiles the blocks as balance='time' does and ranks every synchronous schedule but
-    Chimera (whose copies block containers do not have); its choice trains as plain."""
+def test_plan_auto_plans_a_block_container_and_trains_as_plain() -> None:
+    """The planner profiles the blocks as balance='time' does and ranks the synchronous schedules (on 2
+    processes Chimera is not ranked: see its ``planned_from``); its choice trains as plain."""
     _parity("gpt2", 2, plan="auto", layers=6)
 
 
@@ -143,10 +143,19 @@ def test_measured_balances_split_the_blocks_and_train_as_plain(balance: str) -> 
     _parity("llama_gqa_untied", 2, balance=balance, layers=6)
 
 
-def test_chimera_on_a_block_container_is_refused_before_training() -> None:
-    build, path = MODELS["gpt2"]
-    with pytest.raises(Exception, match=r"names a block container, and schedule='chimera' runs copies"):
-        fit_pipeline(HFModule(build), 2, data_for("gpt2"), module=path, schedule="chimera")
+@pytest.mark.parametrize(
+    "name, devices",
+    [
+        ("llama_gqa_untied", 2),
+        pytest.param("llama_gqa_tied", 2, marks=pytest.mark.slow),
+        pytest.param("llama_gqa_untied", 4, marks=pytest.mark.slow),
+        pytest.param("gpt2", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_chimera_copies_a_block_container_with_its_ends_and_trains_as_plain(name: str, devices: int) -> None:
+    """Chimera's two pipelines each run every split stage: the processes holding the first and last
+    stages hold the embeddings and the head (the tied one too) for both, and sum their gradients."""
+    _parity(name, devices, schedule="chimera", chunks=4)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "gpt2", pytest.param("bert_mlm", marks=pytest.mark.slow)])

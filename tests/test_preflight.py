@@ -47,18 +47,15 @@ class BuiltLater(TinyNet):
         (TinyNet, PipelineConfig(schedule="chimera"), Layout(2, 2), r"chimera"),
         (TinyNet, PipelineConfig(module="body"), Layout(2, 1), r"TinyNet has no attribute 'body'"),
         (lambda: TinyNet(depth=3), PipelineConfig(balance="time"), Layout(4, 1), r"cannot split 3 layers into 4"),
-        # weight versions, and sharded weights, for a block container whose model trains its ends outside it
-        (lambda: ReadsBlocksNet("pool"), PipelineConfig(module="blocks", schedule="xpipe"), Layout(2, 1),
-         r"schedule='xpipe' stashes weight versions of the blocks of the block container 'blocks' only.*embed"),
-        (lambda: ReadsBlocksNet("pool"), PipelineConfig(module="blocks", schedule="pipedream"), Layout(2, 1),
-         r"schedule='pipedream' stashes weight versions of the blocks"),
-        (lambda: ReadsBlocksNet("pool"), PipelineConfig(module="blocks", data_parallel="shard"), Layout(2, 2),
-         r"data_parallel='shard'\) cannot run here: the module has trainable parameters outside the blocks"),
+        (TinyNet, PipelineConfig(schedule="pipedream", data_parallel="shard"), Layout(2, 2),
+         r"data_parallel='shard'\) cannot run here: schedule='pipedream' keeps weight versions"),
+        (TiedNet, PipelineConfig(schedule="zbv", data_parallel="shard"), Layout(2, 2),
+         r"schedule='zbv' places the first and last stage on one process"),
         (TiedNet, PipelineConfig(schedule="pipemare"), Layout(2, 1), r"copies of a weight tied across stages"),
         (TinyNet, PipelineConfig(schedule="pipedream_2bw", chunks=1), Layout(3, 1), r"needs chunks >= stages - 1"),
     ],
     ids=["too-many-stages", "stage-without-parameters", "balance-sum", "chimera-replicas", "bad-module", "measured",
-         "xpipe-blocks", "pipedream-blocks", "shard-blocks", "pipemare-tied", "2bw-chunks"],
+         "shard-async", "shard-v-tied", "pipemare-tied", "2bw-chunks"],
 )  # fmt: skip
 def test_what_the_module_and_arguments_decide_is_refused(
     model: Any, config: PipelineConfig, layout: Layout, match: str
@@ -74,6 +71,9 @@ def test_a_valid_split_and_what_needs_the_launch_pass() -> None:
     check_before_launch(None, PipelineConfig(), Layout(2, 1))
     check_before_launch(ReadsBlocksNet("pool"), PipelineConfig(module="blocks", schedule="zero_bubble"), Layout(2, 1))
     check_before_launch(TiedNet(), PipelineConfig(schedule="pipedream_2bw"), Layout(2, 1))  # the same delay everywhere
+    # the ends outside the blocks take the weight versions of the stage that uses them
+    check_before_launch(ReadsBlocksNet("pool"), PipelineConfig(module="blocks", schedule="xpipe"), Layout(2, 1))
+    check_before_launch(ReadsBlocksNet("pool"), PipelineConfig(module="blocks", data_parallel="shard"), Layout(2, 2))
 
 
 def test_the_trainer_refuses_before_starting_any_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,7 +115,7 @@ def plan_layers(
     from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
-    # a block container (the model's forward loops over its blocks) has no Chimera copies yet
+    # a block container (the model's forward loops over its blocks): the schedules that run one (all of today's)
     schedules = (
         PLAN_SCHEDULES
         if isinstance(layers, torch.nn.Sequential)

@@ -6,7 +6,9 @@ same parameters. Each copy gets the gradient of its own pipeline's micro-batches
 them before the optimizer step (like replicas, without the mean), so that both copies take the same
 update as plain training and stay equal. Weights tied across stages are summed by their tie
 (over every rank holding a copy) instead, and parameters outside the split Sequential over the
-pipeline, as under the other schedules.
+pipeline, as under the other schedules. A block container's ends go with their stage: the pair
+holding the first and last split stages holds the embeddings and the head, each copy used by its
+own pipeline's micro-batches, and sums their gradients as the stage's own.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ def stage_copies(
     group: Callable[[list[int]], ProcessGroup],
     host: nn.Module,
     tied: Iterable[nn.Parameter],
+    ends: Iterable[nn.Parameter] = (),
 ) -> Copies:
     """This rank's :class:`~lightning_pipe.runtime.gradients.Copies`: the pair's group (every rank
     creates every pair's, in the same order, as ``torch.distributed.new_group`` requires), the
-    trainable parameters of ``host`` that are not ``tied``, and whether this rank counts them in the
-    global norm (the pair's first does)."""
+    trainable parameters of ``host`` and ``ends`` (a block container's embeddings and head held with
+    the end stages) that are not ``tied``, and whether this rank counts them in the global norm (the
+    pair's first does)."""
     d, ranks = placement.num_stages, placement.pipeline_ranks
     mine: Any = None
     for i in range(d // 2):
@@ -39,7 +43,7 @@ def stage_copies(
         if placement.stage in (i, d - 1 - i):
             mine = pair_group
     skip = {id(p) for p in tied}
-    params = [p for p in host.parameters() if p.requires_grad and id(p) not in skip]
+    params = [p for p in [*host.parameters(), *ends] if p.requires_grad and id(p) not in skip]
     return Copies(mine, params, placement.stage < d // 2)
 
 

@@ -206,7 +206,7 @@ class StageGradients:
                 pending[param] = None
                 continue
             total = grad if grad is not None else torch.zeros_like(param)
-            dist.all_reduce(total, group=group)
+            dist.all_reduce(local(total), group=group)  # a sharded copy: replica r's rows, as on every stage
             pending[param] = total
 
     def _all_reduce_shared(self, pending: Pending) -> None:
@@ -220,7 +220,7 @@ class StageGradients:
         got = [pending.get(p) is not None for p in self.shared]
         grads = [g if (g := pending.get(p)) is not None else torch.zeros_like(p) for p in self.shared]
         flags = torch.tensor(got, dtype=self.shared[0].dtype, device=self.shared[0].device)
-        FlatAllReduce([*grads, flags], self.pp_group, async_op=False).wait()
+        FlatAllReduce([*map(local, grads), flags], self.pp_group, async_op=False).wait()  # shards: row by row
         pending.update((p, g if anywhere else None) for p, g, anywhere in zip(self.shared, grads, flags.tolist()))
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float, device: torch.device) -> Tensor:

@@ -46,11 +46,12 @@ from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.outside_agreement import check_outside_agreement
+from lightning_pipe.runtime.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
-from lightning_pipe.runtime.sharding import ShardedStage
+from lightning_pipe.runtime.sharding import ShardedStage, outside_modules
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timeline import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
@@ -111,12 +112,24 @@ class StagePipeline:
         self.num_microbatches = options.num_microbatches
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self.timeline: Timeline | None = None  # see enable_timeline
-        self.sharded = options.sharded and placement.num_replicas > 1
-        self.shards = ShardedStage(self.host, topology.mesh["dp"]) if self.sharded else None
+        replicas = placement.num_replicas
+        self.sharded = options.sharded and replicas > 1
+        outside = outside_modules(model, self.host) if self.sharded else []  # sharded with the stage's layers
+        first_names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        shared_names = [first_names[id(p)] for p in shared]
+        self.shards = ShardedStage(self.host, topology.mesh["dp"], outside) if self.sharded else None
+        renamed = dict(model.named_parameters(remove_duplicate=False))
+        shared = [renamed[n] for n in shared_names]  # sharding replaced the modules' parameters
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
         self.gradients = self._stage_gradients(split.ties, model, shared)
         self.transport = self._transport()
-        versions = WeightVersions(self.host) if is_async(options.schedule) else None
+        # parameters outside the split layers on this rank (the ones every stage holds, and a block
+        # container's embeddings or head on an end stage): versioned with the stage's layers
+        in_host = {id(p) for p in self.host.parameters()}
+        self.outside = {n: p for n, p in model.named_parameters() if id(p) not in in_host and p.requires_grad}
+        everywhere = {id(p) for p in shared}
+        self._everywhere = {n for n, p in self.outside.items() if id(p) in everywhere}
+        versions = WeightVersions(self.host, outside=self.outside) if is_async(options.schedule) else None
         self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
         split_backward = versions is None and self.schedule(options.schedule, self.num_microbatches).split_backward
         self._fused = self._fuse_weight_gradients(split_backward)
@@ -124,7 +137,7 @@ class StagePipeline:
             # the readiness hooks fire in B, while deferred weight gradients are complete only after
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
-        self.runners = self._runners(versions)
+        self.runners = self._runners(versions, model)
         self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
         self.elastic = self._elastic_average(model)
         self.asynchronous: AsyncPipeline | None = None
@@ -134,6 +147,12 @@ class StagePipeline:
             )
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
+        # PipeMare's rescheduled step sizes differ by stage: the parameters every stage holds follow their user's
+        self.owners: OutsideOwners | None = None
+        pipemare = self.asynchronous.pipemare if self.asynchronous is not None else None
+        if pipemare is not None and pipemare.warmup > 0 and self.num_stages > 1:
+            named = {n: p for n, p in self.outside.items() if n in self._everywhere}
+            self.owners = OutsideOwners(named, placement.stage, self.num_stages, topology.pp_group)
 
     # ------------------------------------------------------------------ the steps of building it
     def _stage_gradients(
@@ -146,8 +165,11 @@ class StagePipeline:
         ties = tie_groups(tied, placement.layout, placement.stage, placement.replica, named, topology.group)
         check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
-        mirrored = traits(options.schedule).mirrored
-        copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties]) if mirrored else None
+        copies = None
+        if traits(options.schedule).mirrored:
+            in_host = {id(p) for p in self.host.parameters()} | {id(p) for p in shared}
+            ends = [p for p in model.parameters() if id(p) not in in_host]  # a block container's, with their stage
+            copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties], ends)
         all_reduced = placement.num_replicas > 1 and not self.sharded and not options.replicas_sync_alpha
         return StageGradients(
             shared,
@@ -181,8 +203,9 @@ class StagePipeline:
             return deferred_conv.install_split(self.host)
         return fused_linear.install(self.host) if self.options.gradient_accumulation_fusion else []
 
-    def _runners(self, versions: WeightVersions | None) -> dict[int, StageRunner]:
-        """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them."""
+    def _runners(self, versions: WeightVersions | None, model: nn.Module) -> dict[int, StageRunner]:
+        """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them;
+        under weight versions the user's step reads the parameters outside the split from the version too."""
         runners = {
             s: StageRunner(m, recompute=self.options.recompute, versions=versions, host=self.host)
             for s, m in self.stages.items()
@@ -190,6 +213,8 @@ class StagePipeline:
         refusal = carrying_refusal(self.options.schedule)
         for runner in runners.values():
             runner.carry_refusal = refusal
+            if versions is not None:
+                runner.model, runner.outside = model, tuple(self.outside)
         return runners
 
     def _elastic_average(self, model: nn.Module) -> ElasticAverage | None:
@@ -212,8 +237,15 @@ class StagePipeline:
             return None
         delay = update_delay(options.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
         if ahead:  # XPipe: PipeMare's machinery, forwards and backwards on predicted weights
-            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup)
-        return PipeMare(self.host, delay, options.pipemare_warmup, options.pipemare_correction, options.pipemare_decay)
+            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup, self.outside)
+        return PipeMare(
+            self.host,
+            delay,
+            options.pipemare_warmup,
+            options.pipemare_correction,
+            options.pipemare_decay,
+            self.outside,
+        )
 
     # ------------------------------------------------------------------ what callers may read
     @property
@@ -343,8 +375,11 @@ class StagePipeline:
                 run.drain(Callbacks(timeline=self.timeline))
             elif stop_after:  # the optimizer's step post-hook drains, so a resumed run equals one that went on
                 self._drain_after_update = context
-        params = dict(self.host.named_parameters())
-        self.gradients.keep({params[name]: grad for name, grad in run.due(t, m).items()})
+        params = {**dict(self.host.named_parameters()), **self.outside}
+        due: dict[nn.Parameter, Tensor | None] = {params[name]: grad for name, grad in run.due(t, m).items()}
+        if self.owners is not None:
+            self.owners.note(due)
+        self.gradients.keep(due)
         return settled
 
     def evaluate(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext) -> None:
@@ -390,7 +425,10 @@ class StagePipeline:
             self._update_hooks = [o.register_step_post_hook(self._after_update) for o in optimizers]
 
     def _after_update(self, *_: Any) -> None:
-        """A stop by ``max_steps`` in the middle of an epoch drains here, after the step's update."""
+        """A stop by ``max_steps`` in the middle of an epoch drains here, after the step's update; under
+        PipeMare's rescheduling the stages first take the parameters every stage holds from their users."""
+        if self.owners is not None:
+            self.owners.hand_out()
         context, self._drain_after_update = self._drain_after_update, None
         if context is not None:
             self.drain(context)
@@ -416,6 +454,12 @@ class StagePipeline:
         if self.asynchronous is None:
             return None
         state = self.asynchronous.state_dict()
+        # the parameters every stage holds: each stage's own part, under its own name
+        stage, everywhere = self.placement.stage, self._everywhere
+        state["pending"] = {b: qualify(g, everywhere, stage) for b, g in state["pending"].items()}
+        if "pipemare" in state:
+            velocity = qualify(state["pipemare"]["velocity"], everywhere, stage)
+            state["pipemare"] = {**state["pipemare"], "velocity": velocity}
         count = self.placement.num_replicas
         if count > 1:
             replicas = gather_pending(state["pending"], self.topology.dp_group, count)
@@ -437,13 +481,14 @@ class StagePipeline:
             return
         if self.asynchronous is None or state is None:
             return
-        local = {name for name, _ in self.host.named_parameters()}
+        local = {name for name, _ in self.host.named_parameters()} | set(self.outside)
+        stage, everywhere = self.placement.stage, self._everywhere
         saved = pending_for(state, self.placement.replica, self.placement.num_replicas)
-        pending = {b: {n: g for n, g in grads.items() if n in local} for b, grads in saved.items()}
+        pending = {b: unqualify(grads, local, everywhere, stage) for b, grads in saved.items()}
         mine: dict[str, Any] = {"step": state["step"], "pending": pending}
         if "pipemare" in state:
             saved = state["pipemare"]
-            mine["pipemare"] = {**saved, "velocity": {n: v for n, v in saved["velocity"].items() if n in local}}
+            mine["pipemare"] = {**saved, "velocity": unqualify(saved["velocity"], local, everywhere, stage)}
         self.asynchronous.load_state_dict(mine)
 
     def enable_timeline(self, keep: int | None = None) -> Timeline:

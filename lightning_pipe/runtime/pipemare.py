@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.runtime.versions import stage_parameters
 from lightning_pipe.schedules import traits
 
 #: Optimizer updates over which the step size returns from ``alpha / tau_i`` to ``alpha`` (``K``).
@@ -168,12 +169,21 @@ class PipeMare:
         correction: whether backwards run on the predicted weights (else on the current ones).
         decay: ``D`` in ``gamma_i = D ** (1 / tau_i)`` (None: :data:`DEFAULT_DECAY`, as the
             strategy's ``pipemare_decay`` left unset).
+        outside: the trainable parameters outside the split layers on this rank, by their names in the
+            user's model: treated as the stage's own (see :func:`~lightning_pipe.runtime.versions.stage_parameters`).
     """
 
     def __init__(
-        self, module: nn.Module, delay: int, warmup: int, correction: bool, decay: float | None = None
+        self,
+        module: nn.Module,
+        delay: int,
+        warmup: int,
+        correction: bool,
+        decay: float | None = None,
+        outside: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
         self.module = module
+        self.named = stage_parameters(module, outside)
         self.delay = delay
         self.warmup = warmup
         self.correction = correction
@@ -183,7 +193,7 @@ class PipeMare:
         needs_velocity = correction and delay > 0
         self.velocity: dict[str, Tensor] = {
             name: torch.zeros_like(p, dtype=velocity_dtype(p.dtype), memory_format=torch.preserve_format)
-            for name, p in module.named_parameters()
+            for name, p in self.named.items()
             if needs_velocity and p.requires_grad
         }
         self._optimizers: list[Optimizer] = []
@@ -198,7 +208,7 @@ class PipeMare:
         Other saved tensors go through ``meter``'s hooks when one is counting them."""
         keep: Callable[[Tensor], Any] = meter.pack if meter is not None else (lambda tensor: tensor)
         restore: Callable[[Any], Any] = meter.unpack if meter is not None else (lambda saved: saved)
-        params = dict(self.module.named_parameters())
+        params = self.named
         by_storage = storage_spans(self.forward_weights(refresh=False) or params)
         update = self.updates
 
@@ -269,7 +279,7 @@ class PipeMare:
                 for group in optimizer.param_groups:
                     group["lr"] = group["lr"] * factor
         if self.velocity:
-            params = dict(self.module.named_parameters())
+            params = self.named
             with torch.no_grad():
                 for name, v in self.velocity.items():
                     v.mul_(self.gamma).add_(params[name].detach(), alpha=-(1.0 - self.gamma))
@@ -288,7 +298,7 @@ class PipeMare:
         if not self._velocity_open:
             return
         if self.velocity:
-            params = dict(self.module.named_parameters())
+            params = self.named
             with torch.no_grad():
                 for name, v in self.velocity.items():
                     v.add_(params[name].detach(), alpha=1.0 - self.gamma)

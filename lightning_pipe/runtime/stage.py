@@ -26,7 +26,7 @@ from lightning_pipe.runtime.carried import Carry
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
-from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.runtime.versions import WeightVersions, on_version
 from lightning_pipe.runtime.weight_store import WeightWork
 from lightning_pipe.torch_internals import filled_slots
 
@@ -177,6 +177,10 @@ class StageRunner:
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
         self.carry_refusal: str | None = None
+        #: asynchronous schedules: the user's model and the names in it of the parameters outside the
+        #: split layers that a weight version holds too, swapped for the version's while the step runs
+        self.model: nn.Module | None = None
+        self.outside: tuple[str, ...] = ()
 
     @property
     def weights_due(self) -> Mapping[int, list[WeightWork]]:
@@ -255,7 +259,7 @@ class StageRunner:
                     )
                 return module.run_layers(argument if received is None else value, recompute, params)
 
-            loss = self._run_step(step, microbatch % num_microbatches, inject)
+            loss = self._run_step(step, microbatch % num_microbatches, inject, params)
             if calls == 0:
                 raise RuntimeError(self._not_called())
             if loss is not None and training:
@@ -269,7 +273,7 @@ class StageRunner:
                 raise StageExit
 
             with suppress(StageExit):
-                self._run_step(step, microbatch % num_microbatches, capture)
+                self._run_step(step, microbatch % num_microbatches, capture, params)
             if not captured:
                 raise RuntimeError(self._not_called())
             output = captured[0]
@@ -304,7 +308,7 @@ class StageRunner:
         )
         loss = None
         try:
-            loss = self._run_step(step, microbatch % num_microbatches, drive)
+            loss = self._run_step(step, microbatch % num_microbatches, drive, params)
         except StageExit:
             pass
         except Exception as error:  # a loop that expected more than the hidden state from another stage's block
@@ -371,12 +375,17 @@ class StageRunner:
         """W of a split backward: the weight gradients B deferred, accumulated into ``.grad``."""
         weight_store.run(self._weights_due.pop(microbatch))
 
-    def _run_step(self, step: StepFn | None, microbatch: int, hook: Any) -> Tensor | None:
-        """The user's step for ``microbatch``, its call of the host going to ``hook``."""
+    def _run_step(
+        self, step: StepFn | None, microbatch: int, hook: Any, params: dict[str, Tensor] | None = None
+    ) -> Tensor | None:
+        """The user's step for ``microbatch``, its call of the host going to ``hook``; with ``params`` (a
+        weight version) the parameters outside the split layers run on the version's tensors too."""
         if step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
         with self.host.routed(hook):
-            return step(microbatch)
+            if params is None or self.model is None or not self.outside:
+                return step(microbatch)
+            return on_version(self.model, {n: params[n] for n in self.outside}, step, microbatch)
 
     def _not_called(self) -> str:
         return (

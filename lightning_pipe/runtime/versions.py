@@ -14,16 +14,58 @@ this stage is done.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
+
+
+def stage_parameters(module: nn.Module, outside: Mapping[str, nn.Parameter] | None = None) -> dict[str, nn.Parameter]:
+    """A stage's parameters by name: its layers' (their names in ``module``) and the trainable ones
+    outside the split layers that this rank holds (``outside``: their names in the user's model, which
+    never begin with a digit as a stage module's do)."""
+    named = dict(module.named_parameters())
+    clash = [n for n in outside or {} if n in named]
+    if clash:
+        raise ValueError(f"parameters outside the split layers named as the stage's own: {clash[:4]}")
+    return {**named, **(outside or {})}
+
+
+class _Step(nn.Module):
+    """Holds the user's model so that :func:`torch.func.functional_call` can swap its parameters for
+    one call of the step."""
+
+    def __init__(self, model: nn.Module, run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.run = run
+
+    def forward(self, *args: Any) -> Any:
+        return self.run(*args)
+
+
+def on_version(model: nn.Module, tensors: Mapping[str, Tensor], run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` (the user's step) with ``model``'s parameters named in ``tensors`` replaced by
+    those tensors (a weight version's) for the call, their ties too."""
+    if not tensors:
+        return run(*args)
+    swapped = {f"model.{name}": t for name, t in tensors.items()}
+    return functional_call(_Step(model, run), swapped, args, strict=False, tie_weights=True)
 
 
 class WeightVersions:
-    """Snapshots of a module's parameters, keyed by version (the batch index)."""
+    """Snapshots of a module's parameters (and ``outside``: see :func:`stage_parameters`), keyed by
+    version (the batch index)."""
 
-    def __init__(self, module: nn.Module, on_gradient: Callable[[int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        on_gradient: Callable[[int, str], None] | None = None,
+        outside: Mapping[str, nn.Parameter] | None = None,
+    ) -> None:
         self.module = module
+        self.named = stage_parameters(module, outside)
         self._versions: dict[int, dict[str, Tensor]] = {}
         self.on_gradient = on_gradient  # instrumentation: called with (version, name) as gradients arrive
         self.peak_bytes = 0
@@ -33,7 +75,7 @@ class WeightVersions:
         """Take the current parameters as ``version`` (no copy yet); with ``source`` (by parameter
         name), the tensors there instead (XPipe's predicted weights)."""
         snapshot: dict[str, Tensor] = {}
-        for name, param in self.module.named_parameters():
+        for name, param in self.named.items():
             held = param if source is None else source.get(name, param)
             alias = torch.empty(0, dtype=held.dtype, device=held.device)
             alias.set_(held.untyped_storage(), held.storage_offset(), held.size(), held.stride())
@@ -49,7 +91,7 @@ class WeightVersions:
         version uses to a copy, so the version keeps the values its forwards saw."""
         shared = {t.untyped_storage().data_ptr() for snapshot in self._versions.values() for t in snapshot.values()}
         with torch.no_grad():
-            for param in self.module.parameters():
+            for param in self.named.values():
                 if param.untyped_storage().data_ptr() in shared:
                     param.data = param.data.clone()
         self._note_peak()
@@ -80,7 +122,7 @@ class WeightVersions:
     def nbytes(self, gradients: bool = True) -> int:
         """Bytes held for versions beyond the parameters themselves: stashed weights whose memory
         the parameters no longer use, and (``gradients``) the gradients accumulated on versions."""
-        current = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        current = {p.untyped_storage().data_ptr() for p in self.named.values()}
         counted: set[int] = set()
         total = 0
         for snapshot in self._versions.values():
@@ -97,4 +139,4 @@ class WeightVersions:
         self._versions.clear()
 
 
-__all__ = ["WeightVersions"]
+__all__ = ["WeightVersions", "on_version", "stage_parameters"]

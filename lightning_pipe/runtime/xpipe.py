@@ -33,7 +33,7 @@ refuses ``recompute`` other than ``"never"`` (checked in :mod:`lightning_pipe.co
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -88,21 +88,29 @@ class XPipe(PipeMare):
         delay: ``s``, the stage's update delay from the schedule (``update_delay``).
         predictor: one of :data:`PREDICTORS`.
         warmup: PipeMare's learning-rate rescheduling ``K`` (0: off, the default under ``xpipe``).
+        outside: the trainable parameters outside the split layers on this rank (see :class:`PipeMare`).
     """
 
-    def __init__(self, module: nn.Module, delay: int, predictor: str = "update", warmup: int = 0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        delay: int,
+        predictor: str = "update",
+        warmup: int = 0,
+        outside: Mapping[str, nn.Parameter] | None = None,
+    ) -> None:
         if predictor not in PREDICTORS:
             raise ValueError(f"xpipe_predictor={predictor!r} is not a predictor; valid: {', '.join(PREDICTORS)}.")
         # the velocity of gamma = 0 is the last update, w_{k+1} - w_k; only "update" reads it
-        super().__init__(module, delay, warmup, correction=predictor == "update")
+        super().__init__(module, delay, warmup, correction=predictor == "update", outside=outside)
         self.gamma = 0.0
         self.predictor = predictor
         self.buffers: dict[str, Tensor] = {
             name: torch.empty_like(p, memory_format=torch.preserve_format)
-            for name, p in module.named_parameters()
+            for name, p in self.named.items()
             if delay > 0 and p.requires_grad
         }
-        self._params = dict(module.named_parameters())
+        self._params = self.named
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (its optimizer, its param group), by index
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:

@@ -148,7 +148,6 @@ TRAITS: dict[str, ScheduleTraits] = {
             placement="mirror",
             mirrored=True,
             regroup_for_rendezvous=True,
-            block_containers=False,
             replicas=False,
             even_stages=True,
             planned_from=4,

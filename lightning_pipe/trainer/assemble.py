@@ -480,7 +480,7 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     # Sequential) is the stage's own, not one outside the split layers
     shared = [p for n, p in sorted(module.named_parameters()) if id(p) not in held]
     tied = bool(split.split.ties)
-    beyond_layers = shared + split.held_ends  # neither sharded nor versioned with the stage's layers
+    beyond_layers = shared + split.held_ends  # outside the split layers: versioned and sharded with their stage
     blocks = split.attribute if isinstance(split.split.host, BlockStage) else None  # the messages name the container
     if config.data_parallel == "shard" and placement.num_replicas > 1:
         check_shard(config.schedule, beyond_layers, tied, blocks)

@@ -43,35 +43,22 @@ def split_layers(blocks: str | None) -> str:
     return "the split nn.Sequential" if blocks is None else f"the blocks of the block container {blocks!r}"
 
 
-#: what a block container's model keeps outside its blocks, and the way to put it inside
-_BLOCKS_OUTSIDE = (
-    "a model that loops over its blocks keeps its embeddings, head and final norm outside them (the embeddings on "
-    "the first stage, the head on the last, the rest on every stage)"
-)
-_AS_SEQUENTIAL = "express the model as an nn.Sequential whose layers hold the embeddings and the head too"
-
-
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: str | None = None) -> None:
-    """``data_parallel='shard'`` (FSDP2) shards the stage's layers only and keeps one weight version.
-    ``blocks``: the ``module=`` path when the split layers are a block container."""
-    problems = []
+    """``data_parallel='shard'`` (FSDP2) keeps one weight version. Parameters outside the split layers
+    (``shared``; ``blocks``: the ``module=`` path when the split layers are a block container) and
+    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.sharding`),
+    unless the schedule puts both ends of a tie on one process (a V)."""
     if is_async(schedule):
-        problems.append(f"schedule={schedule!r} keeps weight versions, which sharded weights do not have")
-    if any(p.requires_grad for p in shared):
-        problems.append(f"the module has trainable parameters outside {split_layers(blocks)}")
-        if blocks is not None:
-            problems[-1] += f" ({_BLOCKS_OUTSIDE})"
-    if tied:
-        problems.append("weights are tied across stages")
-    if problems:
-        fix = (
-            "Use data_parallel='replicate' (or a synchronous schedule, the layers inside the Sequential, untied "
-            "weights)."
-            if blocks is None
-            else f"Use data_parallel='replicate', or {_AS_SEQUENTIAL} (with a synchronous schedule and untied weights)."
-        )
         raise MisconfigurationException(
-            "PipelineStrategy(data_parallel='shard') cannot run here: " + "; ".join(problems) + ". " + fix
+            f"PipelineStrategy(data_parallel='shard') cannot run here: schedule={schedule!r} keeps weight versions, "
+            "which sharded weights do not have. Use data_parallel='replicate' (or a synchronous schedule)."
+        )
+    if tied and traits(schedule).placement == "v":
+        raise MisconfigurationException(
+            f"PipelineStrategy(data_parallel='shard') cannot run here: weights are tied across stages, and "
+            f"schedule={schedule!r} places the first and last stage on one process, where FSDP2 would shard the tied "
+            "weight in two units. Use data_parallel='replicate', or a schedule that places them on different processes "
+            "('1f1b', 'zero_bubble', 'interleaved_1f1b')."
         )
 
 
@@ -125,23 +112,11 @@ def check_async(
     scaler: Any,
     blocks: str | None = None,
 ) -> None:
-    """The asynchronous schedules stash versions of the split layers' weights and apply gradients late.
-    ``blocks``: the ``module=`` path when the split layers are a block container."""
-    outside = [p for p in shared if p.requires_grad]
-    if outside:
-        names = [n for n, p in module.named_parameters() if any(p is q for q in outside)]
-        if blocks is None:
-            raise MisconfigurationException(
-                f"schedule={schedule!r} stashes weight versions of the split nn.Sequential only, but "
-                f"{type(module).__name__} has trainable parameters outside it ({', '.join(names[:4])}). Move those "
-                "layers into the Sequential, or use a synchronous schedule ('gpipe' or '1f1b')."
-            )
-        raise MisconfigurationException(
-            f"schedule={schedule!r} stashes weight versions of {split_layers(blocks)} only, but "
-            f"{type(module).__name__} has trainable parameters outside those blocks ({', '.join(names[:4])}): "
-            f"{_BLOCKS_OUTSIDE}. Use a synchronous schedule ('1f1b', 'zero_bubble' or 'interleaved_1f1b'), or "
-            f"{_AS_SEQUENTIAL}."
-        )
+    """The asynchronous schedules stash (or predict) versions of each stage's weights and apply gradients
+    late. Parameters outside the split layers (``shared``: a block container's embeddings, final norm and
+    head, whose module is ``module=``'s ``blocks``; a Sequential's pre- and post-processing) take the
+    versions of the stage that uses them (:mod:`lightning_pipe.runtime.versions`): nothing to refuse
+    there. A weight tied across stages is refused where the stages' delays differ."""
     if tied and traits(schedule).refuses_ties:
         raise MisconfigurationException(
             f"schedule={schedule!r} applies gradients with a different delay on each stage, so the copies of a "

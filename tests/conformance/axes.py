@@ -149,14 +149,10 @@ def refusal(cell: Cell) -> str | None:
         sentences.append(r"block container")
     if model.tied and t.refuses_ties:
         sentences.append(r"tied")
-    if (model.outside or model.module is not None) and t.asynchronous:  # their stashes hold the split only
-        sentences.append(r"trainable parameters outside")
     if layout.replicas > 1 and layout.data_parallel == "shard":
         if t.asynchronous:
             sentences.append(r"weight versions, which sharded weights do not have")
-        if model.module is not None or model.outside:  # the parts outside the split would not be sharded
-            sentences.append(r"trainable parameters outside")
-        if model.tied:  # refused before launch, a V too (ZB-V and DualPipeV trained them wrong under shard)
+        if model.tied and t.placement == "v":  # both ends of the tie on one process: two FSDP2 units
             sentences.append(r"tied across stages")
     if layout.replicas_sync == "elastic" and t.asynchronous:
         sentences.append(r"elastic averaging runs with the synchronous schedules")

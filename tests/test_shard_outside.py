@@ -1,0 +1,71 @@
+"""``data_parallel="shard"`` (FSDP2) for the models users bring: a Hugging Face model through
+``module=`` keeps its embeddings, final norm and head outside the blocks. They are sharded with their
+stage's blocks over the same replicas (GPT-2's and tied Llama's embedding, tied to the head across
+the first and last stage, on both, its gradients summed shard by shard), and the run equals plain
+training on the global batch, and resumes from its sharded checkpoint under another layout."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.hf_models import MODELS, HFModule, data_for
+from tests.models import fit_plain
+from tests.pipeline import assert_same_weights, fit_pipeline
+
+
+@pytest.mark.parametrize(
+    "name, schedule",
+    [
+        ("gpt2", "zero_bubble"),  # the embedding tied to the head; position embeddings and final norm on every stage
+        # 1f1b: the resume test below trains GPT-2 under it, against plain training
+        pytest.param("llama_gqa_untied", "1f1b", marks=pytest.mark.slow),
+        pytest.param("gpt2", "1f1b", marks=pytest.mark.slow),
+        pytest.param("llama_gqa_tied", "1f1b", marks=pytest.mark.slow),
+        pytest.param("llama_gqa_tied", "zero_bubble", marks=pytest.mark.slow),
+        pytest.param("llama_gqa_untied", "zero_bubble", marks=pytest.mark.slow),
+    ],
+)
+def test_sharded_block_containers_train_as_plain_on_the_global_batch(name: str, schedule: str) -> None:
+    build, path = MODELS[name]
+    torch.manual_seed(0)
+    piped = HFModule(build)
+    reference, initial = copy.deepcopy(piped), copy.deepcopy(piped)
+    fit_plain(reference, data_for(name, batch_size=16))
+    sharded = dict(module=path, stages=2, data_parallel="shard", schedule=schedule)
+    fit_pipeline(piped, 4, data_for(name, batch_size=8), **sharded)
+    assert_same_weights(reference, piped)
+    head = "model.lm_head.weight"
+    assert not torch.allclose(initial.state_dict()[head], piped.state_dict()[head])
+
+
+def test_a_sharded_block_container_resumes_under_another_layout(tmp_path: Path) -> None:
+    """One epoch at 2 stages x 2 replicas (sharded), saved; the next on 4 stages of one replica:
+    the weights of two plain epochs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    build, path = MODELS["gpt2"]
+    torch.manual_seed(0)
+    initial = HFModule(build).state_dict()
+
+    def fresh() -> HFModule:
+        module = HFModule(build)
+        module.load_state_dict(initial)
+        return module
+
+    plain = fresh()
+    fit_plain(plain, data_for("gpt2", n=32, batch_size=16), max_steps=-1, max_epochs=2)
+    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    common = dict(module=path, max_steps=-1, enable_checkpointing=True)
+    fit_pipeline(fresh(), 4, data_for("gpt2", n=32, batch_size=8), stages=2, data_parallel="shard", max_epochs=1,
+                 callbacks=[saves], **common)  # fmt: skip
+    assert (tmp_path / "last.ckpt" / "stage-00000.dcp").is_dir()  # every replica's shards
+    resumed = fresh()
+    fit_pipeline(resumed, 4, data_for("gpt2", n=32, batch_size=16), max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
+                 **common)  # fmt: skip
+    assert_same_weights(plain, resumed)
