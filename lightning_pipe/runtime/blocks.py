@@ -20,9 +20,10 @@ What crosses a stage boundary is exactly the first argument a block is called wi
 state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
 the micro-batch on every stage, and a block must not return anything but the next hidden state that
 a later block needs (see the README's "Bring your own model"). A model that reads another stage's
-block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for the router logits
-a Hugging Face MoE model records for its load-balancing loss, which travel with the micro-batch
-beside the hidden state (:mod:`lightning_pipe.runtime.carried`).
+block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for what a Hugging Face
+model records of its blocks with hooks (router logits for an MoE load-balancing loss, hidden states,
+attention weights), which travels with the micro-batch beside the hidden state
+(:mod:`lightning_pipe.runtime.carried`).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from lightning_pipe.runtime.block_reads import (
     refuse_held,
     refuse_recorded_outputs,
 )
-from lightning_pipe.runtime.carried import CARRIED_KEY, Carry, recorded_list
-from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
+from lightning_pipe.runtime.carried import Carry, carried_recording, carrying_refused
+from lightning_pipe.runtime.forced_outputs import only_forced
 from lightning_pipe.runtime.recomputation import keep_buffers
 
 
@@ -197,8 +198,8 @@ class BlockDrive:
         stops: whether the pass ends at block ``stop`` (every stage but the last).
         use_checkpoint: recompute each block in the backward.
         params: the weight version to run on (asynchronous schedules), by the host's names.
-        carry: the router logits received for earlier blocks and recorded by this stage's.
-        refusal: why this run cannot carry router logits (the schedule), None where it can.
+        carry: the recorded values received for earlier blocks and recorded by this stage's.
+        refusal: why this run cannot carry recorded values (the schedule), None where it can.
     """
 
     def __init__(
@@ -297,16 +298,17 @@ class _Skipped(_Entry):
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
         recording = hf_recording()
-        if CARRIED_KEY in recording:
-            self._feed(bounds)
-            recording.remove(CARRIED_KEY)
+        carried = list(carried_recording())
+        if carried:
+            self._feed(bounds, carried)
+            recording = [k for k in recording if k not in carried]
         if recording and not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
-            refuse_forced_read(recording, self._index, bounds)
             refuse_recorded_outputs(self._index, bounds, recording)
         return held(self._hidden(args, kwargs)[0], self._index, bounds)
 
-    def _feed(self, bounds: tuple[int, int]) -> None:
-        """The model records router logits: give it those this block recorded on its stage."""
+    def _feed(self, bounds: tuple[int, int], keys: list[str]) -> None:
+        """The model records values of its blocks that cross stages: give it those this block
+        recorded on its stage."""
         drive = self._drive
         if drive.refusal is None and drive.carry.feed(self._index):
             return
@@ -315,11 +317,12 @@ class _Skipped(_Entry):
             "stages' forward did not record them)"
         )
         raise HeldBlockRead(
-            "The model records the router logits of every block for its MoE load-balancing loss "
-            f"(output_router_logits=True), but block {self._index} runs on another pipeline stage (this stage runs "
-            f"only blocks {bounds[0]}..{bounds[1] - 1}) and its router logits cannot reach this stage: {reason}. "
-            "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
-            "without its auxiliary loss, as it would without the pipeline with that setting."
+            carrying_refused(
+                keys,
+                reason,
+                f"block {self._index} runs on another pipeline stage "
+                f"(this stage runs only blocks {bounds[0]}..{bounds[1] - 1})",
+            )
         )
 
 
@@ -369,8 +372,7 @@ class _Local(_Entry):
         def run(*a: Any, **k: Any) -> Any:
             return functional_call(block, own, a, k) if own else block(*a, **k)
 
-        recorded = recorded_list()
-        before = len(recorded) if recorded is not None else 0
+        before = Carry.lengths()
         if not drive.use_checkpoint:
             output = run(*args, **kwargs)
         else:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
-from lightning_pipe.runtime.carried import Carry
+from lightning_pipe.runtime.carried import Carry, carrying_refused
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -174,7 +174,7 @@ class StageRunner:
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
-        #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
+        #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
 
     def reset(self) -> None:
@@ -287,7 +287,7 @@ class StageRunner:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
         the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`).
-        The router logits received for earlier blocks (after the hidden state) go to the model's
+        The values recorded by earlier blocks and received (after the hidden state) go to the model's
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
         hidden, carried = Carry.split(leaves, received[3] if received is not None else ())
@@ -316,12 +316,8 @@ class StageRunner:
         hidden_out, was_tuple_out = as_tuple(drive.captured)
         tensors_out, counts = carry.outgoing(hidden_out, self.module.bounds[1])
         if counts and self.carry_refusal is not None:
-            raise HeldBlockRead(
-                "The model records the router logits of every block for its MoE load-balancing loss "
-                f"(output_router_logits=True), and they cannot travel to the last stage: {self.carry_refusal}. "
-                "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
-                "without its auxiliary loss."
-            )
+            where = f"stage {self.stage}'s blocks record them for a later stage"
+            raise HeldBlockRead(carrying_refused(carry.keys(), self.carry_refusal, where))
         if training:
             self._saved[microbatch] = (leaves, tuple(tensors_out))
         return tuple(tensors_out), was_tuple_out, counts
