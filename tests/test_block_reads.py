@@ -65,6 +65,23 @@ def test_hf_hidden_states_pooled_over_the_last_layers_and_probed_train_and_evalu
     torch.testing.assert_close(predicted, torch.cat(plain_trainer().predict(reference, val)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "processes, options",
+    [(3, {"schedule": "1f1b"}), (2, {"schedule": "zbv"}), (2, {"schedule": "interleaved_1f1b", "virtual_stages": 2})],
+    ids=["3p-1f1b", "2p-zbv", "2p-interleaved"],
+)
+def test_hf_hidden_states_train_as_plain_over_more_stages(processes: int, options: dict) -> None:
+    """Through a middle stage (received values sent on with its own) and the V-shaped and interleaved
+    schedules (a process's two stages: what crosses between them too)."""
+    torch.manual_seed(0)
+    piped = BertLastFourCLS(layers=6, select=True)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for("gpt2"))
+    fit_pipeline(piped, processes, data_for("gpt2"), module="bert.encoder.layer", chunks=4, **options)
+    assert_same_weights(reference, piped)
+
+
 def test_hidden_states_are_refused_under_an_asynchronous_schedule_before_training() -> None:
     """PipeDream-2BW (two weight versions) does not carry recorded values yet: refused in the first
     forward, naming the schedules that do and the setting to turn off. (It runs a block container
