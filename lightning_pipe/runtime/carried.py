@@ -107,6 +107,21 @@ def entry_slots(code: int) -> list[bool]:
     return [bool(code >> i & 1) for i in range(code.bit_length() - 1)]
 
 
+def crossing_line(stage: int, tensors: Sequence[Tensor], codes: Sequence[int]) -> str:
+    """The line a run prints once, from the first micro-batch that carries recorded values: what
+    ``stage`` sends on beside the hidden state (``tensors``: all it sends; ``codes``: per block and
+    key, :func:`entry_code`), per key and in bytes per micro-batch."""
+    slots = [entry_slots(code) for code in codes]
+    carried = list(tensors[len(tensors) - sum(sum(s) for s in slots) :])
+    per_key = {k: sum(sum(s) for s in slots[i :: len(CARRIED_KEYS)]) for i, k in enumerate(CARRIED_KEYS)}
+    parts = [f"{k} ({n} tensor{'s' if n != 1 else ''})" for k, n in per_key.items() if n]
+    size = sum(t.numel() * t.element_size() for t in carried)
+    return (
+        f"lightning-pipe: stage {stage} sends on with each micro-batch, beside the hidden state, what the model records "
+        f"of blocks 0..{len(slots) // len(CARRIED_KEYS) - 1}: {', '.join(parts)}, {size} bytes"
+    )
+
+
 class Carry:
     """The carried values of one micro-batch on one stage (blocks ``start`` to ``stop``).
 
@@ -192,6 +207,7 @@ __all__ = [
     "carried_recording",
     "carrying_refusal",
     "carrying_refused",
+    "crossing_line",
     "entry_code",
     "entry_slots",
 ]

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
-from lightning_pipe.runtime.carried import Carry, carrying_refused
+from lightning_pipe.runtime.carried import Carry, carrying_refused, crossing_line
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -176,6 +177,7 @@ class StageRunner:
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
+        self._told_crossing = False
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -318,6 +320,9 @@ class StageRunner:
         if counts and self.carry_refusal is not None:
             where = f"stage {self.stage}'s blocks record them for a later stage"
             raise HeldBlockRead(carrying_refused(carry.keys(), self.carry_refusal, where))
+        if counts and not self._told_crossing:  # decided by the first micro-batch that records
+            self._told_crossing = True
+            rank_zero_info(crossing_line(self.stage, tensors_out, counts))
         if training:
             self._saved[microbatch] = (leaves, tuple(tensors_out))
         return tuple(tensors_out), was_tuple_out, counts

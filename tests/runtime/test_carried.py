@@ -2,6 +2,7 @@
 attention weights): its blocks' recorded values after the hidden state, with those received for
 earlier blocks, and back into the model's recording."""
 
+import pytest
 import torch
 
 from lightning_pipe.runtime.carried import (
@@ -10,6 +11,7 @@ from lightning_pipe.runtime.carried import (
     Carry,
     carrying_refusal,
     carrying_refused,
+    crossing_line,
     entry_code,
     entry_slots,
 )
@@ -76,3 +78,35 @@ def test_a_refusal_names_each_recording_and_the_setting_that_turns_it_off() -> N
     assert "router logits of every block for its MoE load-balancing loss" in message
     assert "block 0 runs elsewhere" in message and ": the reason." in message
     assert "output_hidden_states=False and output_router_logits=False" in message
+
+
+def test_the_bytes_a_stage_sends_for_mixtral_style_router_logits_at_32_layers_and_8_experts() -> None:
+    """What docs/models.md quotes: stage 0 of 2 of a 32-layer, 8-expert Mixtral (bf16), for a
+    micro-batch of 4096 tokens, sends beside its hidden state its 16 blocks' router logits, one
+    (tokens, experts) tensor each: 16 x 4096 x 8 x 2 bytes = 1 MiB. Measured on the tensors the
+    stage hands the transport (a narrow model: the router logits' size does not depend on the width)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_pipe.partition.virtual import split_stages
+    from lightning_pipe.runtime.stage import StageRunner
+
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=32,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=64,
+                                        output_router_logits=True)  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    host, _ = split_stages(model.model.layers, [16, 16], [0, 1], 0)
+    model.model.layers = host
+    ids = torch.randint(0, 32, (64, 64))  # 4096 tokens
+    runner = StageRunner(host)
+    with torch.no_grad():
+        sent = runner.forward(0, 1, None, lambda _: model(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert sent is not None
+    tensors, _, codes = sent
+    hidden, carried = tensors[0], tensors[1:]
+    assert hidden.shape == (64, 64, 16) and len(carried) == 16
+    assert all(t.shape == (4096, 8) and t.dtype == torch.bfloat16 for t in carried)
+    assert sum(t.numel() * t.element_size() for t in carried) == 16 * 4096 * 8 * 2 == 1 << 20
+    # the header: one integer per block and recorded key (4 keys), whatever the micro-batch's size
+    assert len(codes) == 16 * len(CARRIED_KEYS)
+    line = crossing_line(0, tensors, codes)
+    assert "router_logits (16 tensors), 1048576 bytes" in line and "blocks 0..15" in line
