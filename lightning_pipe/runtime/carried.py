@@ -117,8 +117,8 @@ def crossing_line(stage: int, tensors: Sequence[Tensor], codes: Sequence[int]) -
     parts = [f"{k} ({n} tensor{'s' if n != 1 else ''})" for k, n in per_key.items() if n]
     size = sum(t.numel() * t.element_size() for t in carried)
     return (
-        f"lightning-pipe: stage {stage} sends on with each micro-batch, beside the hidden state, what the model records "
-        f"of blocks 0..{len(slots) // len(CARRIED_KEYS) - 1}: {', '.join(parts)}, {size} bytes"
+        f"lightning-pipe: stage {stage} sends on with each micro-batch, beside the hidden state, what the model "
+        f"records of blocks 0..{len(slots) // len(CARRIED_KEYS) - 1}: {', '.join(parts)}, {size} bytes"
     )
 
 

@@ -10,7 +10,7 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
@@ -29,6 +29,7 @@ from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
+from lightning_pipe.skips import skip_scope, take_skips
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -48,6 +49,10 @@ class StageModule(nn.Sequential):
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(self._modules.values())))
+        #: skip connections (:mod:`lightning_pipe.skips`): the names stashed on earlier stages that reach
+        #: this one, and those that leave it for later stages (set at setup, from the layers' declarations)
+        self.skips_in: tuple[str, ...] = ()
+        self.skips_out: tuple[str, ...] = ()
 
     def forward(self, value: Any) -> Any:
         if self.hook is not None:
@@ -90,6 +95,34 @@ class StageModule(nn.Sequential):
         return torch_checkpoint(
             layers, *tensors, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(self)
         )
+
+    def run_stage(
+        self, value: Any, skips: Sequence[Tensor], use_checkpoint: bool, params: dict[str, Tensor] | None = None
+    ) -> tuple[Any, list[Tensor]]:
+        """:meth:`run_layers` with the stage's skip connections: ``skips`` (one per ``skips_in``) are
+        what its layers may pop; returns the output and the tensors of ``skips_out``. Recomputed in
+        the backward with the same skips in, where ``use_checkpoint``."""
+        if not self.skips_in and not self.skips_out:
+            return self.run_layers(value, use_checkpoint, params), []
+
+        def run(value: Any, skips: Sequence[Tensor]) -> tuple[Any, list[Tensor]]:
+            with skip_scope(dict(zip(self.skips_in, skips))) as scope:
+                output = self._chain(self._guard(value), params)
+            return output, take_skips(scope, self.skips_out, self.stage)
+
+        if not use_checkpoint:
+            return run(value, skips)
+        tensors, was_tuple = as_tuple(value)
+
+        def layers(*flat: Tensor) -> tuple[Any, ...]:
+            output, leaving = run(from_tuple(flat[: len(tensors)], was_tuple), flat[len(tensors) :])
+            return (output, *leaving)
+
+        result = torch_checkpoint(
+            layers, *tensors, *skips, use_reentrant=False, preserve_rng_state=True,
+            context_fn=lambda: keep_buffers(self),
+        )  # fmt: skip
+        return result[0], list(result[1:])
 
     def _guard(self, value: Any) -> Any:
         """A copy of the stage's input where the first layer changes it in place and it needs a
@@ -231,13 +264,16 @@ class StageRunner:
             if self.trace is not None:
                 self.trace.append(("F", microbatch, version))
         leaves: list[Tensor] = []
+        skips: list[Tensor] = []  # skip connections from earlier stages, after the hidden state
         if received is not None:
             tensors, flags, was_tuple, _ = received
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
-            value = from_tuple(tuple(leaves), was_tuple)
+            hidden = len(leaves) - len(getattr(self.module, "skips_in", ()))
+            value, skips = from_tuple(tuple(leaves[:hidden]), was_tuple), leaves[hidden:]
         if isinstance(self.module, BlockStage):
             return self._forward_blocks(microbatch, num_microbatches, received, leaves, use_ckpt, params, step)
         module = self.module  # a StageModule from here on
+        leaving: list[Tensor] = []
         if self.is_last:
             calls = 0
 
@@ -249,7 +285,7 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return module.run_layers(argument if received is None else value, use_ckpt, params)
+                return module.run_stage(argument if received is None else value, skips, use_ckpt, params)[0]
 
             loss = self._run_step(step, microbatch % num_microbatches, inject)
             if calls == 0:
@@ -261,17 +297,18 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(module.run_layers(argument, use_ckpt, params))
+                captured.append(module.run_stage(argument, (), use_ckpt, params))
                 raise StageExit
 
             with suppress(StageExit):
                 self._run_step(step, microbatch % num_microbatches, capture)
             if not captured:
                 raise RuntimeError(self._not_called())
-            output = captured[0]
+            output, leaving = captured[0]
         else:
-            output = self.module.run_layers(value, use_ckpt, params)
+            output, leaving = module.run_stage(value, skips, use_ckpt, params)
         tensors_out, was_tuple_out = as_tuple(output)
+        tensors_out = (*tensors_out, *leaving)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
         return tensors_out, was_tuple_out, ()

@@ -62,6 +62,7 @@ from lightning_pipe.runtime.pipemare import resolve
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
+from lightning_pipe.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.trainer.compatibility import (
     as_misconfiguration,
     check_async,
@@ -199,6 +200,9 @@ def split_module(
     ties = ties_by_position([in_module(tie, paths) for tie in tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
+    routes = skip_routes(list(layers), balance) if isinstance(layers, nn.Sequential) else []
+    if any(routes) and skips_refusal(config.schedule):
+        raise ValueError(skips_refusal(config.schedule))
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
@@ -215,7 +219,8 @@ def split_module(
         load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
     if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         chunks = config.num_microbatches(layout.stages)
-        rank_zero_info(describe_layout(module.trainer, layout, balance, positions, config.schedule, chunks))
+        line = describe_layout(module.trainer, layout, balance, positions, config.schedule, chunks)
+        rank_zero_info(line + routes_line(routes))
     held_ends = held_end_parameters(ends, held_split, num_split)
     return ModuleSplit(
         config,
