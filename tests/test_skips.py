@@ -70,3 +70,14 @@ def test_a_schedule_that_does_not_carry_skips_is_refused_at_setup() -> None:
     with pytest.raises(Exception, match=r"skip connections across stages .*schedule='chimera' does not carry yet"):
         fit_pipeline(model, 2, schedule="chimera", chunks=4)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.slow
+def test_skips_train_as_plain_with_sharded_replicas() -> None:
+    """2 stages x 2 replicas, FSDP2 shards: the skips cross within each replica's pipeline."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, loader(batch_size=24))
+    fit_pipeline(piped, 4, loader(batch_size=12), stages=2, chunks=3, data_parallel="shard")
+    assert_same_weights(reference, piped)
