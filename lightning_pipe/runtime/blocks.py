@@ -47,7 +47,7 @@ from lightning_pipe.runtime.block_reads import (
     refuse_held,
     refuse_recorded_outputs,
 )
-from lightning_pipe.runtime.carried import Carry, carried_recording, carrying_refused
+from lightning_pipe.runtime.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.forced_outputs import only_forced
 from lightning_pipe.runtime.recomputation import keep_buffers
 
@@ -200,6 +200,7 @@ class BlockDrive:
         params: the weight version to run on (asynchronous schedules), by the host's names.
         carry: the recorded values received for earlier blocks and recorded by this stage's.
         refusal: why this run cannot carry recorded values (the schedule), None where it can.
+        returned: what the previous stage's last block returned for later blocks (T5's position biases).
     """
 
     def __init__(
@@ -211,6 +212,7 @@ class BlockDrive:
         params: dict[str, Tensor] | None,
         carry: Carry | None = None,
         refusal: str | None = None,
+        returned: Returned | None = None,
     ) -> None:
         self.start, self.stop = bounds
         self.received = received
@@ -223,6 +225,10 @@ class BlockDrive:
         self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
         self.carry = carry if carry is not None else Carry(self.start, None)
         self.refusal = refusal
+        #: values the previous stage's last block returned for later blocks, and this stage's
+        self.returned_in = returned if returned is not None else Returned()
+        self.returned_out = Returned()
+        self.last_output: Any = None
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -304,7 +310,7 @@ class _Skipped(_Entry):
             recording = [k for k in recording if k not in carried]
         if recording and not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
             refuse_recorded_outputs(self._index, bounds, recording)
-        return held(self._hidden(args, kwargs)[0], self._index, bounds)
+        return self._drive.returned_in.standing_in(held(self._hidden(args, kwargs)[0], self._index, bounds))
 
     def _feed(self, bounds: tuple[int, int], keys: list[str]) -> None:
         """The model records values of its blocks that cross stages: give it those this block
@@ -337,7 +343,11 @@ class _Boundary(_Entry):
         if not self._drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before the blocks of this stage.")
         shell = self._host.shell(self._index)
-        self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
+        crossing = Returned.of(self._drive.last_output, args, kwargs) if self._drive.refusal is None else Returned()
+        self._drive.returned_out = crossing
+        self._drive.outputs.check_boundary(
+            self._index, shell.kind, shell.arguments, args, kwargs, {id(t) for t in crossing.tensors}
+        )
         self._drive.captured = self._hidden(args, kwargs)[0]
         refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
@@ -386,6 +396,7 @@ class _Local(_Entry):
             )
         drive.carry.record(self._index, before)
         drive.outputs.returned(self._index, output, args, kwargs)
+        drive.last_output = output
         return output
 
 

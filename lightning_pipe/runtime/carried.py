@@ -29,6 +29,7 @@ own keys) stay refused (:mod:`lightning_pipe.runtime.block_reads`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -122,6 +123,50 @@ def crossing_line(stage: int, tensors: Sequence[Tensor], codes: Sequence[int]) -
     )
 
 
+def split_codes(codes: Sequence[int], blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A received header's codes: those of the ``blocks`` earlier blocks (per key), and after them,
+    where a block returned values for later blocks (:class:`Returned`), ``(length, *positions)``."""
+    at = blocks * len(CARRIED_KEYS) if codes else 0
+    return tuple(codes[:at]), tuple(codes[at:])
+
+
+class Returned:
+    """Values the last block before a stage boundary returned beside its hidden state and the next
+    block is called with (T5's position biases: ``hidden, position_bias, _ = block(...)``): sent
+    after the hidden state and the recorded values, and returned on the next stages by every
+    stand-in of an earlier block in the block's structure (a tuple of ``length``, the received
+    tensors at ``positions``, None elsewhere), so the model's loop hands them on unchanged."""
+
+    def __init__(self, length: int = 0, positions: Sequence[int] = (), tensors: Sequence[Tensor] = ()) -> None:
+        self.length, self.positions, self.tensors = length, tuple(positions), list(tensors)
+
+    @classmethod
+    def received(cls, shape: Sequence[int], tensors: Sequence[Tensor]) -> Returned:
+        return cls(shape[0], shape[1:], tensors) if shape else cls()
+
+    @classmethod
+    def of(cls, output: Any, args: tuple, kwargs: dict) -> Returned:
+        """What of ``output`` (the last block's) the next block's call ``args``/``kwargs`` passes on."""
+        if not isinstance(output, (tuple, list)) or len(output) < 2:
+            return cls()
+        passed = {id(v) for v in (*args[1:], *kwargs.values()) if isinstance(v, Tensor)}
+        found = [(p, v) for p, v in enumerate(output[1:], start=1) if isinstance(v, Tensor) and id(v) in passed]
+        return cls(len(output), [p for p, _ in found], [v for _, v in found])
+
+    def standing_in(self, hidden: Any) -> Any:
+        """What a stand-in of an earlier block returns: ``hidden`` alone, or the block's structure."""
+        if not self.length:
+            return hidden
+        values: list[Any] = [None] * self.length
+        values[0] = hidden
+        for position, tensor in zip(self.positions, self.tensors):
+            values[position] = tensor
+        return tuple(values)
+
+    def codes(self) -> tuple[int, ...]:
+        return (self.length, *self.positions) if self.tensors else ()
+
+
 class Carry:
     """The carried values of one micro-batch on one stage (blocks ``start`` to ``stop``).
 
@@ -204,10 +249,12 @@ __all__ = [
     "CARRYING_SCHEDULES",
     "DESCRIBED",
     "Carry",
+    "Returned",
     "carried_recording",
     "carrying_refusal",
     "carrying_refused",
     "crossing_line",
     "entry_code",
     "entry_slots",
+    "split_codes",
 ]

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
-from lightning_pipe.runtime.carried import Carry, carrying_refused, crossing_line
+from lightning_pipe.runtime.carried import CARRIED_KEYS, Carry, Returned, carrying_refused, crossing_line, split_codes
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
@@ -329,11 +329,14 @@ class StageRunner:
         The values recorded by earlier blocks and received (after the hidden state) go to the model's
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
-        hidden, carried = Carry.split(leaves, received[3] if received is not None else ())
+        codes, shape = split_codes(received[3] if received is not None else (), self.module.bounds[0])
+        at = len(leaves) - max(len(shape) - 1, 0)  # the returned values (T5's position biases) come last
+        hidden, carried = Carry.split(leaves[:at], codes)
         value = None if received is None else from_tuple(tuple(hidden), received[2])
         carry = Carry(self.module.bounds[0], carried)
+        returned = Returned.received(shape, leaves[at:])
         drive = BlockDrive(
-            self.module.bounds, value, not self.is_last, use_ckpt, params, carry, refusal=self.carry_refusal
+            self.module.bounds, value, not self.is_last, use_ckpt, params, carry, self.carry_refusal, returned
         )
         loss = None
         try:
@@ -360,6 +363,9 @@ class StageRunner:
         if counts and not self._told_crossing:  # decided by the first micro-batch that records
             self._told_crossing = True
             rank_zero_info(crossing_line(self.stage, tensors_out, counts))
+        if drive.returned_out.tensors:  # after the recorded values' codes, one for each earlier block and key
+            counts = (*(counts or (1,) * self.module.bounds[1] * len(CARRIED_KEYS)), *drive.returned_out.codes())
+            tensors_out = [*tensors_out, *drive.returned_out.tensors]
         if training:
             self._saved[microbatch] = (leaves, tuple(tensors_out))
         return tuple(tensors_out), was_tuple_out, counts

@@ -110,3 +110,22 @@ def test_the_bytes_a_stage_sends_for_mixtral_style_router_logits_at_32_layers_an
     assert len(codes) == 16 * len(CARRIED_KEYS)
     line = crossing_line(0, tensors, codes)
     assert "router_logits (16 tensors), 1048576 bytes" in line and "blocks 0..15" in line
+
+
+def test_what_the_last_block_returns_for_the_next_crosses_in_its_structure() -> None:
+    """T5's ``hidden, position_bias, cross_bias = block(...)``: what the next block is called with
+    crosses; the stand-ins on the next stage return the block's structure."""
+    from lightning_pipe.runtime.carried import Returned, split_codes
+
+    hidden, bias, mask = torch.zeros(2, 3), torch.ones(1, 2, 3, 3), torch.zeros(1, 1, 3, 3)
+    output = (hidden, bias, None)
+    crossing = Returned.of(output, (hidden, mask, bias), {})  # the mask was computed before the loop: stays
+    assert crossing.tensors == [bias] and crossing.codes() == (3, 1)
+    assert Returned.of(hidden, (hidden,), {}).codes() == ()  # a block that returns its hidden state alone
+    codes = (1,) * 2 * len(CARRIED_KEYS) + crossing.codes()  # 2 earlier blocks, nothing recorded
+    blocks, shape = split_codes(codes, 2)
+    assert blocks == (1,) * 8 and shape == (3, 1)
+    received = Returned.received(shape, [bias])
+    standing = received.standing_in(hidden)
+    assert standing[0] is hidden and standing[1] is bias and standing[2] is None
+    assert Returned().standing_in(hidden) is hidden
