@@ -16,10 +16,12 @@ blocks under their original indices (so parameter names do not change), and the 
   takes the hidden state it is called with (what crosses the boundary) and ends the step there;
 - on the last stage the loop runs to its end, and what follows (final norm, head, loss) runs too.
 
-What crosses a stage boundary is exactly the first argument a block is called with (the hidden
-state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
-the micro-batch on every stage, and a block must not return anything but the next hidden state that
-a later block needs (see the README's "Bring your own model"). A model that reads another stage's
+What crosses a stage boundary is the first argument a block is called with (the hidden state: a
+tensor or a tuple of tensors) and, under the chain schedules, what the last block before the
+boundary returns beside it that the next block is called with (T5's position biases:
+:class:`~lightning_pipe.runtime.carried.Returned`; the stand-ins of earlier blocks on the next
+stages return it in the block's structure). The rest of a block's arguments must be recomputable
+from the micro-batch on every stage (see the README's "Bring your own model"). A model that reads another stage's
 block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for what a Hugging Face
 model records of its blocks with hooks (router logits for an MoE load-balancing loss, hidden states,
 attention weights), which travels with the micro-batch beside the hidden state
