@@ -270,9 +270,9 @@ FAMILIES: list[Family] = [
         T.T5ForConditionalGeneration,
         "model.encoder.block",
         compared=(
-            "its position biases cross stages after the hidden state; split by its encoder and by its decoder blocks, "
-            "2 stages x `1f1b` (default run), 4 stages x `1f1b` (encoder) and `zero_bubble` (decoder), 2 processes x "
-            "`zbv` (encoder) (slow)"
+            "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
+            "(default run), 4 stages x `1f1b` and 2 processes x `zbv` (slow); by its decoder blocks, 2 stages x "
+            "`1f1b` and 4 stages x `zero_bubble` (slow)"
         ),
     ),
 ]
