@@ -166,6 +166,15 @@ class Returned:
     def codes(self) -> tuple[int, ...]:
         return (self.length, *self.positions) if self.tensors else ()
 
+    def line(self, stage: int, block: int) -> str:
+        """The line a run prints once: what ``stage`` sends on for the next stage's first ``block``."""
+        size = sum(t.numel() * t.element_size() for t in self.tensors)
+        return (
+            f"lightning-pipe: stage {stage} sends on with each micro-batch, beside the hidden state, what block "
+            f"{block - 1} returns for block {block}: outputs {', '.join(map(str, self.positions))} of {self.length} "
+            f"({len(self.tensors)} tensor{'s' if len(self.tensors) != 1 else ''}), {size} bytes"
+        )
+
 
 class Carry:
     """The carried values of one micro-batch on one stage (blocks ``start`` to ``stop``).

@@ -211,6 +211,7 @@ class StageRunner:
         #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
         self._told_crossing = False
+        self._told_returned = False
 
     def reset(self) -> None:
         """Forget every micro-batch in flight."""
@@ -363,6 +364,9 @@ class StageRunner:
         if counts and not self._told_crossing:  # decided by the first micro-batch that records
             self._told_crossing = True
             rank_zero_info(crossing_line(self.stage, tensors_out, counts))
+        if drive.returned_out.tensors and not self._told_returned:
+            self._told_returned = True
+            rank_zero_info(drive.returned_out.line(self.stage, self.module.bounds[1]))
         if drive.returned_out.tensors:  # after the recorded values' codes, one for each earlier block and key
             counts = (*(counts or (1,) * self.module.bounds[1] * len(CARRIED_KEYS)), *drive.returned_out.codes())
             tensors_out = [*tensors_out, *drive.returned_out.tensors]

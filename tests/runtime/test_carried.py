@@ -129,3 +129,7 @@ def test_what_the_last_block_returns_for_the_next_crosses_in_its_structure() -> 
     standing = received.standing_in(hidden)
     assert standing[0] is hidden and standing[1] is bias and standing[2] is None
     assert Returned().standing_in(hidden) is hidden
+    line = crossing.line(0, 2)
+    assert (
+        "stage 0 sends on" in line and "what block 1 returns for block 2: outputs 1 of 3 (1 tensor), 72 bytes" in line
+    )
