@@ -136,8 +136,8 @@ def wav2vec2_classifier(layers: int = 4, **extra: Any) -> nn.Module:
     return transformers.Wav2Vec2ForSequenceClassification(_speech_config(transformers.Wav2Vec2Config, layers, **extra))
 
 
-def hubert_classifier(layers: int = 4) -> nn.Module:
-    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers))
+def hubert_classifier(layers: int = 4, **extra: Any) -> nn.Module:
+    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers, **extra))
 
 
 def t5(layers: int = 4) -> nn.Module:

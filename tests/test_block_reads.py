@@ -82,6 +82,17 @@ def test_hf_hidden_states_train_as_plain_over_more_stages(processes: int, option
     assert_same_weights(reference, piped)
 
 
+@pytest.mark.slow
+def test_hf_hidden_states_train_as_plain_with_replicas() -> None:
+    """2 stages x 2 replicas: each replica's pipeline carries its own micro-batches' hidden states."""
+    torch.manual_seed(0)
+    piped = BertLastFourCLS(layers=6, select=True)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for("gpt2", batch_size=16))
+    fit_pipeline(piped, 4, data_for("gpt2"), module="bert.encoder.layer", stages=2, chunks=2)
+    assert_same_weights(reference, piped)
+
+
 def test_hidden_states_are_refused_under_an_asynchronous_schedule_before_training() -> None:
     """PipeDream-2BW (two weight versions) does not carry recorded values yet: refused in the first
     forward, naming the schedules that do and the setting to turn off. (It runs a block container

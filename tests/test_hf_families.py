@@ -241,14 +241,15 @@ def test_a_classifier_whose_forward_records_hidden_states_it_drops_trains_as_pla
     parity(BY_NAME["Wav2Vec2 sequence classification"], 2, "1f1b")
 
 
-def test_a_classifier_that_sums_every_layers_hidden_state_trains_as_plain() -> None:
+@pytest.mark.parametrize(
+    "name", ["Wav2Vec2 sequence classification", pytest.param("HuBERT sequence classification", marks=pytest.mark.slow)]
+)
+def test_a_classifier_that_sums_every_layers_hidden_state_trains_as_plain(name: str) -> None:
     """``use_weighted_layer_sum=True``: the head reads every layer's hidden state, which transformers
     records whatever the call asks; they cross stages with the micro-batch (before: refused)."""
-    from tests.hf_families import wav2vec2_classifier
-
-    family = BY_NAME["Wav2Vec2 sequence classification"]
+    family = BY_NAME[name]
     torch.manual_seed(0)
-    piped = FamilyModule(lambda: wav2vec2_classifier(use_weighted_layer_sum=True))
+    piped = FamilyModule(lambda: family.build(4, use_weighted_layer_sum=True))
     reference = copy.deepcopy(piped)
     fit_plain(reference, family_data(family))
     fit_pipeline(piped, 2, family_data(family), module=family.module)
