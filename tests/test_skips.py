@@ -81,3 +81,19 @@ def test_skips_train_as_plain_with_sharded_replicas() -> None:
     fit_plain(reference, loader(batch_size=24))
     fit_pipeline(piped, 4, loader(batch_size=12), stages=2, chunks=3, data_parallel="shard")
     assert_same_weights(reference, piped)
+
+
+def test_an_undeclared_or_missing_stash_is_refused_when_the_stage_ends() -> None:
+    from lightning_pipe.skips import pop, skip_scope, stash, take_skips
+
+    with skip_scope({"a": torch.zeros(1)}) as scope:
+        stash("b", torch.ones(1))
+        with pytest.raises(RuntimeError, match=r"stashed 'b' again before a later layer popped it"):
+            stash("b", torch.ones(1))
+        with pytest.raises(RuntimeError, match=r"popped 'c', which no earlier layer stashed"):
+            pop("c")
+    assert [t.item() for t in take_skips(scope, ("a", "b"), 0)] == [0.0, 1.0]
+    with pytest.raises(RuntimeError, match=r"Stage 0's layers stashed \['b'\] without declaring them"):
+        take_skips(scope, ("a",), 0)
+    with pytest.raises(RuntimeError, match=r"declare @skippable\(stash=\['c'\]\) but did not stash them"):
+        take_skips(scope, ("a", "b", "c"), 0)
