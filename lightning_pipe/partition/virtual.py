@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
+from lightning_pipe.runtime.skips import skip_routes
 from lightning_pipe.runtime.stage import StageModule
-from lightning_pipe.skips import skip_routes
 
 Stage = StageModule | BlockStage
 

@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -27,9 +26,9 @@ from lightning_pipe.runtime.carried import CARRIED_KEYS, Carry, Returned, carryi
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
+from lightning_pipe.runtime.skips import skip_scope, take_skips
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.runtime.weight_store import WeightWork
-from lightning_pipe.skips import skip_scope, take_skips
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -210,6 +209,8 @@ class StageRunner:
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
+        #: where the lines that say what crosses beside the hidden state go (the Trainer's rank-0 info)
+        self.tell: Callable[[str], None] = lambda line: None
         self._told_crossing = False
         self._told_returned = False
 
@@ -363,10 +364,10 @@ class StageRunner:
             raise HeldBlockRead(carrying_refused(carry.keys(), self.carry_refusal, where))
         if counts and not self._told_crossing:  # decided by the first micro-batch that records
             self._told_crossing = True
-            rank_zero_info(crossing_line(self.stage, tensors_out, counts))
+            self.tell(crossing_line(self.stage, tensors_out, counts))
         if drive.returned_out.tensors and not self._told_returned:
             self._told_returned = True
-            rank_zero_info(drive.returned_out.line(self.stage, self.module.bounds[1]))
+            self.tell(drive.returned_out.line(self.stage, self.module.bounds[1]))
         if drive.returned_out.tensors:  # after the recorded values' codes, one for each earlier block and key
             counts = (*(counts or (1,) * self.module.bounds[1] * len(CARRIED_KEYS)), *drive.returned_out.codes())
             tensors_out = [*tensors_out, *drive.returned_out.tensors]

@@ -59,10 +59,10 @@ from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.pipemare import resolve
+from lightning_pipe.runtime.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
-from lightning_pipe.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.trainer.compatibility import (
     as_misconfiguration,
     check_async,
@@ -378,7 +378,10 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
-        return StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
+        pipeline = StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
+    for runner in pipeline.runners.values():
+        runner.tell = rank_zero_info  # what crosses beside the hidden state, once
+    return pipeline
 
 
 __all__ = ["ModuleSplit", "build_pipeline", "measure_inputs", "pipeline_options", "split_module"]
