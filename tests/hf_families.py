@@ -136,8 +136,8 @@ def wav2vec2_classifier(layers: int = 4, **extra: Any) -> nn.Module:
     return transformers.Wav2Vec2ForSequenceClassification(_speech_config(transformers.Wav2Vec2Config, layers, **extra))
 
 
-def hubert_classifier(layers: int = 4) -> nn.Module:
-    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers))
+def hubert_classifier(layers: int = 4, **extra: Any) -> nn.Module:
+    return transformers.HubertForSequenceClassification(_speech_config(transformers.HubertConfig, layers, **extra))
 
 
 def t5(layers: int = 4) -> nn.Module:
@@ -151,7 +151,8 @@ def t5(layers: int = 4) -> nn.Module:
 class Family:
     """One row of the model-family table: how to build a tiny model, where its blocks are, what its
     data looks like (``tokens``: labels = inputs; ``classes``: a class per sequence; ``images``),
-    and whether the pipeline trains it (``refused``: the reason the table gives)."""
+    and whether the pipeline trains it (``refused``: the reason the table gives; ``compared``: the
+    cases compared with plain training, for a family outside the grid)."""
 
     name: str
     build: Callable[..., nn.Module]
@@ -159,6 +160,7 @@ class Family:
     module: str
     data: str = "tokens"
     refused: str = ""
+    compared: str = ""
     converted: str = ""  # what transformers converts in a save_pretrained directory's names when it loads them
 
 
@@ -267,7 +269,11 @@ FAMILIES: list[Family] = [
         t5,
         T.T5ForConditionalGeneration,
         "model.encoder.block",
-        refused="its blocks pass position biases to later blocks beside the hidden state",
+        compared=(
+            "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
+            "(default run), 4 stages x `1f1b` and 2 processes x `zbv` (slow); by its decoder blocks, 2 stages x "
+            "`1f1b` and 4 stages x `zero_bubble` (slow)"
+        ),
     ),
 ]
 
@@ -325,6 +331,9 @@ def family_table() -> str:
         model = f.model.__name__
         if f.refused:
             rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
+            continue
+        if f.compared:
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | not run |")
             continue
         weights = f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
         if f.converted:

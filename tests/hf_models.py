@@ -103,21 +103,45 @@ MOE_MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
 
 class BertLastFourCLS(L.LightningModule):
     """A BERT classifier on the mean of the last 4 layers' [CLS] hidden states
-    (``output_hidden_states=True``), a common fine-tuning recipe."""
+    (``output_hidden_states``), a common fine-tuning recipe, with a probe loss on layer 1's [CLS];
+    ``select``: ask for those 5 hidden states only (``output_hidden_states=[1, -4, -3, -2, -1]``:
+    transformers records None for the others), and add a term on layer 0's attention weights
+    (``output_attentions``, eager attention)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 4, select: bool = False) -> None:
         super().__init__()
-        config = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        config = transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                          intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                         attention_probs_dropout_prob=0.0)  # fmt: skip
+                                         attention_probs_dropout_prob=0.0, attn_implementation="eager")  # fmt: skip
         self.bert = transformers.BertModel(config, add_pooling_layer=False)
         self.classifier = nn.Linear(64, 3)
+        self.probe = nn.Linear(64, 3)
+        self.select = select
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        asked: bool | list[int] = [1, -4, -3, -2, -1] if self.select else True
+        out = self.bert(input_ids=ids, output_hidden_states=asked, output_attentions=self.select)
+        hidden = out.hidden_states
+        cls = torch.stack([h[:, 0] for h in hidden[-4:]]).mean(0)
+        attended = out.attentions[0][:, :, 0, 0].mean() if self.select else torch.zeros(())
+        return self.classifier(cls), self.probe(hidden[1][:, 0]), attended
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        ids, labels = batch
+        logits, probed, attended = self(ids)
+        target = labels[:, 0] % 3
+        return (
+            nn.functional.cross_entropy(logits, target) + 0.5 * nn.functional.cross_entropy(probed, target) + attended
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, labels = batch
-        hidden = self.bert(input_ids=ids, output_hidden_states=True).hidden_states
-        cls = torch.stack([h[:, 0] for h in hidden[-4:]]).mean(0)
-        return nn.functional.cross_entropy(self.classifier(cls), labels[:, 0] % 3)
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_pipe.skips import pop, skippable, stash
+
 IN, HIDDEN, CLASSES = 6, 8, 3
 
 
@@ -609,3 +611,71 @@ class NamedLayersNet(TinyNet):
     def __init__(self, depth: int = 12) -> None:
         super().__init__(depth=depth)
         self.layers = nn.Sequential(OrderedDict((f"encoder_layer_{i}", layer) for i, layer in enumerate(self.layers)))
+
+
+@skippable(stash=["a"])
+class StashA(nn.Module):
+    """Stashes its output for the last layer (a U-Net's outer skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(IN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x))
+        stash("a", y)
+        return y
+
+
+@skippable(stash=["b"])
+class StashB(nn.Module):
+    """Stashes its output for layer 3 (an inner skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x))
+        stash("b", y)
+        return y
+
+
+@skippable(pop=["b"])
+class PopB(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x + pop("b")))
+
+
+@skippable(pop=["a"])
+class PopA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([x, pop("a")], dim=1))
+
+
+class SkipNet(TinyNet):
+    """A U-Net-shaped ``nn.Sequential`` with two skips declared the torchgpipe way: layer 0 stashes
+    ``a`` for layer 5, layer 1 stashes ``b`` for layer 3. Split in 2: both cross 0 -> 1; in 3: both
+    cross 0 -> 1, and ``a`` goes on through stage 1 to stage 2."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.layers = nn.Sequential(
+            StashA(), StashB(), nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), PopB(),
+            nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), PopA(),
+        )  # fmt: skip
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("skip_val_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])

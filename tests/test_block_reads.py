@@ -43,10 +43,71 @@ transformers = pytest.importorskip("transformers")
 from tests.hf_models import MOE_MODELS, BertLastFourCLS, HFModule, data_for  # noqa: E402
 
 
-def test_hf_output_hidden_states_pooled_over_the_last_layers_is_refused() -> None:
+def test_hf_hidden_states_pooled_over_the_last_layers_and_probed_train_and_evaluate_as_plain() -> None:
+    """BERT pooling the last 4 layers' [CLS] (``output_hidden_states``) with a probe loss on layer 1:
+    the hidden states of stage 0's blocks travel to the last stage with the micro-batch, their
+    gradients back (before: refused as a read of other stages' blocks). Only the 5 selected hidden
+    states are recorded; transformers records None for the others, and nothing is sent for those.
+    Block 0's attention weights cross too (a term of the loss). Validation and prediction read them too."""
     torch.manual_seed(0)
-    with pytest.raises(Exception, match=r"records hidden_states from every block .*output_hidden_states=False"):
-        fit_pipeline(BertLastFourCLS(), 2, data_for("gpt2"), module="bert.encoder.layer")
+    piped = BertLastFourCLS(layers=6, select=True)
+    reference = copy.deepcopy(piped)
+    start = piped.bert.encoder.layer[0].output.dense.weight.detach().clone()
+    fit_plain(reference, data_for("gpt2"))
+    fit_pipeline(piped, 2, data_for("gpt2"), module="bert.encoder.layer", chunks=2)
+    assert_same_weights(reference, piped)
+    assert not torch.equal(start, piped.bert.encoder.layer[0].output.dense.weight)  # the probe's gradient reached it
+    val = data_for("gpt2", n=16, seed=1)
+    plain = plain_trainer().validate(reference, val, verbose=False)[0]["val_loss"]
+    options = {"module": "bert.encoder.layer", "chunks": 2}
+    assert pipeline_trainer(2, **options).validate(piped, val, verbose=False)[0]["val_loss"] == pytest.approx(plain)
+    predicted = torch.cat(pipeline_trainer(2, **options).predict(piped, val))
+    torch.testing.assert_close(predicted, torch.cat(plain_trainer().predict(reference, val)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "processes, options",
+    [(3, {"schedule": "1f1b"}), (2, {"schedule": "zbv"}), (2, {"schedule": "interleaved_1f1b", "virtual_stages": 2})],
+    ids=["3p-1f1b", "2p-zbv", "2p-interleaved"],
+)
+def test_hf_hidden_states_train_as_plain_over_more_stages(processes: int, options: dict) -> None:
+    """Through a middle stage (received values sent on with its own) and the V-shaped and interleaved
+    schedules (a process's two stages: what crosses between them too)."""
+    torch.manual_seed(0)
+    piped = BertLastFourCLS(layers=6, select=True)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for("gpt2"))
+    fit_pipeline(piped, processes, data_for("gpt2"), module="bert.encoder.layer", chunks=4, **options)
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.slow
+def test_hf_hidden_states_train_as_plain_with_replicas() -> None:
+    """2 stages x 2 replicas: each replica's pipeline carries its own micro-batches' hidden states."""
+    torch.manual_seed(0)
+    piped = BertLastFourCLS(layers=6, select=True)
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, data_for("gpt2", batch_size=16))
+    fit_pipeline(piped, 4, data_for("gpt2"), module="bert.encoder.layer", stages=2, chunks=2)
+    assert_same_weights(reference, piped)
+
+
+def test_hidden_states_are_refused_under_an_asynchronous_schedule_before_training() -> None:
+    """PipeDream-2BW (two weight versions) does not carry recorded values yet: refused in the first
+    forward, naming the schedules that do and the setting to turn off. (It runs a block container
+    only where nothing outside the blocks trains: the embeddings and heads are frozen.)"""
+    torch.manual_seed(0)
+    model = BertLastFourCLS()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".layer." in name)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(Exception, match=r"hidden states of every block \(output_hidden_states=True\)") as info:
+        fit_pipeline(model, 2, data_for("gpt2"), module="bert.encoder.layer", schedule="pipedream_2bw")
+    message = str(info.value)
+    assert "schedule='pipedream_2bw' does not carry them yet" in message and "1f1b" in message
+    assert "output_hidden_states=False" in message
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def _gates(model: torch.nn.Module) -> dict[str, torch.Tensor]:

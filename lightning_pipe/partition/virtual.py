@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_pipe.partition.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks import BlockShell, BlockStage
+from lightning_pipe.runtime.skips import skip_routes
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage
@@ -52,6 +53,13 @@ def split_stages(
             s: make(stage_layers(layers, balance, split_of(s, num_split)), split_of(s, num_split), num_split)
             for s in mine
         }
+    if isinstance(layers, nn.Sequential):
+        routes = skip_routes(list(layers), balance)  # skip connections: what crosses each boundary
+        for s, module in stages.items():
+            split = split_of(s, num_split)
+            assert isinstance(module, StageModule)
+            module.skips_in = routes[split - 1] if split > 0 else ()
+            module.skips_out = routes[split] if split < num_split - 1 else ()
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: OrderedDict[str, nn.Module] = OrderedDict()

@@ -15,8 +15,10 @@ step:
 - a stage whose model fails after a stand-in of another stage's block returned (and before its own
   blocks ran) says so, with the model's own error.
 
-Supporting such blocks would mean sending every value a block returns for later ones beside the
-hidden state, and the stand-ins returning the same structure as the block: not built.
+What the last block before a boundary returns beside its hidden state and the next block is called
+with crosses under the chain schedules (:class:`lightning_pipe.runtime.carried.Returned`): the
+stand-ins of earlier blocks return it in the block's structure. The checks above remain for the
+other schedules and for values that the last block does not hand on.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from torch import Tensor, nn
 from lightning_pipe.runtime.block_reads import HeldBlockRead
 
 ALTERNATIVE = (
-    "Only a block's hidden state (its first argument) passes between pipeline stages, so blocks whose other outputs "
-    "feed later blocks (T5's position biases) cannot be split at a stage boundary. Express the model as an "
-    "nn.Sequential whose layers take and return a tuple of tensors (the hidden state and what later layers need: a "
-    "tuple crosses stages) and name it with PipelineStrategy(module=...), or train this model without the pipeline."
+    "Beside a block's hidden state (its first argument), what the last block before a stage boundary returns for "
+    "later blocks (T5's position biases) crosses stages under the chain schedules (gpipe, 1f1b, zero_bubble, "
+    "interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev) only, and a value an earlier block returned that the "
+    "last one does not hand on never does. Choose one of those schedules, or express the model as an nn.Sequential "
+    "whose layers take and return a tuple of tensors (the hidden state and what later layers need: a tuple crosses "
+    "stages) and name it with PipelineStrategy(module=...)."
 )
 
 
@@ -69,15 +73,20 @@ class BlockOutputs:
             if isinstance(value, Tensor) and id(value) not in given:
                 self._extra[id(value)] = (index, position, len(output), value)
 
-    def check_boundary(self, index: int, kind: str, names: list[str], args: tuple, kwargs: dict) -> None:
+    def check_boundary(
+        self, index: int, kind: str, names: list[str], args: tuple, kwargs: dict, crossing: set[int] | None = None
+    ) -> None:
         """The next stage's first block ``index`` is called with ``args``/``kwargs`` (the first positional
         one, or the hidden-state keyword, being what crosses): refuse when another of them is a tensor an
-        earlier block returned beside its hidden state."""
+        earlier block returned beside its hidden state and that does not cross (``crossing``: the ids of
+        those the last block returned, which do, :class:`~lightning_pipe.runtime.carried.Returned`)."""
         passed = [(names[i] if i < len(names) else f"argument {i}", v) for i, v in enumerate(args)][1:] if args else []
         hidden = names[0] if names else None
         passed += [(k, v) for k, v in kwargs.items() if args or k != hidden]
         for name, value in passed:
-            found = self._extra.get(id(value)) if isinstance(value, Tensor) else None
+            found = (
+                self._extra.get(id(value)) if isinstance(value, Tensor) and id(value) not in (crossing or ()) else None
+            )
             if found is not None and found[3] is value:
                 source, position, count = found[:3]
                 raise BlockOutputsRefused(

@@ -18,8 +18,9 @@ word. Two checks stop that before any weight changes, in training and evaluation
 - Hugging Face models (transformers 5) record hidden states, attentions and router logits with
   forward hooks on submodules of their blocks while a collector is active; a block held elsewhere
   does not run here, so its entries would be missing. A skipped block called while that collector
-  records anything raises at once, in training and evaluation alike; except the router logits of
-  an MoE model's load-balancing loss, which cross stages (:mod:`lightning_pipe.runtime.carried`).
+  records anything raises at once, in training and evaluation alike; except hidden states,
+  attention weights and an MoE model's router logits, which cross stages with the micro-batch
+  (:mod:`lightning_pipe.runtime.carried`) under the schedules that carry them.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def refuse_recorded_outputs(index: int, bounds: tuple[int, int], keys: list[str]
         f"The model records {', '.join(keys)} from every block with forward hooks ({' / '.join(flags)}=True, passed to "
         f"the call or set in the model's config), but block {index} runs on another pipeline stage and this stage "
         f"runs only {span}: what it records here would miss the other stages' blocks and the run would "
-        "train on wrong values. Under module= only the hidden state crosses a stage boundary. Set "
+        "train on wrong values. Under module= only the hidden state and the recorded hidden_states, attentions, "
+        "cross_attentions and router_logits cross a stage boundary. Set "
         f"{' and '.join(f'{f}=False' for f in flags)} (in the call and in model.config), or compute what you need "
         "inside the blocks of the last stage, or split an nn.Sequential whose layers pass all they need on."
     )

@@ -16,13 +16,16 @@ blocks under their original indices (so parameter names do not change), and the 
   takes the hidden state it is called with (what crosses the boundary) and ends the step there;
 - on the last stage the loop runs to its end, and what follows (final norm, head, loss) runs too.
 
-What crosses a stage boundary is exactly the first argument a block is called with (the hidden
-state: a tensor or a tuple of tensors). The rest of a block's arguments must be recomputable from
-the micro-batch on every stage, and a block must not return anything but the next hidden state that
-a later block needs (see the README's "Bring your own model"). A model that reads another stage's
-block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for the router logits
-a Hugging Face MoE model records for its load-balancing loss, which travel with the micro-batch
-beside the hidden state (:mod:`lightning_pipe.runtime.carried`).
+What crosses a stage boundary is the first argument a block is called with (the hidden state: a
+tensor or a tuple of tensors) and, under the chain schedules, what the last block before the
+boundary returns beside it that the next block is called with (T5's position biases:
+:class:`~lightning_pipe.runtime.carried.Returned`; the stand-ins of earlier blocks on the next
+stages return it in the block's structure). The rest of a block's arguments must be recomputable
+from the micro-batch on every stage (see the README's "Bring your own model"). A model that reads another stage's
+block's output is refused (:mod:`lightning_pipe.runtime.block_reads`), except for what a Hugging Face
+model records of its blocks with hooks (router logits for an MoE load-balancing loss, hidden states,
+attention weights), which travels with the micro-batch beside the hidden state
+(:mod:`lightning_pipe.runtime.carried`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ from lightning_pipe.runtime.block_reads import (
     refuse_held,
     refuse_recorded_outputs,
 )
-from lightning_pipe.runtime.carried import CARRIED_KEY, Carry, recorded_list
-from lightning_pipe.runtime.forced_outputs import only_forced, refuse_forced_read
+from lightning_pipe.runtime.carried import Carry, Returned, carried_recording, carrying_refused
+from lightning_pipe.runtime.forced_outputs import only_forced
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import child_slot, filled_slots
 
@@ -198,8 +201,9 @@ class BlockDrive:
         stops: whether the pass ends at block ``stop`` (every stage but the last).
         recompute: recompute each block in the backward.
         params: the weight version to run on (asynchronous schedules), by the host's names.
-        carry: the router logits received for earlier blocks and recorded by this stage's.
-        refusal: why this run cannot carry router logits (the schedule), None where it can.
+        carry: the recorded values received for earlier blocks and recorded by this stage's.
+        refusal: why this run cannot carry recorded values (the schedule), None where it can.
+        returned: what the previous stage's last block returned for later blocks (T5's position biases).
     """
 
     def __init__(
@@ -211,6 +215,7 @@ class BlockDrive:
         params: dict[str, Tensor] | None,
         carry: Carry | None = None,
         refusal: str | None = None,
+        returned: Returned | None = None,
     ) -> None:
         self.start, self.stop = bounds
         self.received = received
@@ -223,6 +228,10 @@ class BlockDrive:
         self.outputs = BlockOutputs()  # what blocks return beside their hidden state (refused at a boundary)
         self.carry = carry if carry is not None else Carry(self.start, None)
         self.refusal = refusal
+        #: values the previous stage's last block returned for later blocks, and this stage's
+        self.returned_in = returned if returned is not None else Returned()
+        self.returned_out = Returned()
+        self.last_output: Any = None
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -298,16 +307,17 @@ class _Skipped(_Entry):
         self._drive.outputs.skipped = (self._index, self._host.shell(self._index).kind)
         bounds = (self._drive.start, self._drive.stop)
         recording = hf_recording()
-        if CARRIED_KEY in recording:
-            self._feed(bounds)
-            recording.remove(CARRIED_KEY)
+        carried = list(carried_recording())
+        if carried:
+            self._feed(bounds, carried)
+            recording = [k for k in recording if k not in carried]
         if recording and not only_forced(recording):  # a recording nothing reads (Wav2Vec2's classifier) is no read
-            refuse_forced_read(recording, self._index, bounds)
             refuse_recorded_outputs(self._index, bounds, recording)
-        return held(self._hidden(args, kwargs)[0], self._index, bounds)
+        return self._drive.returned_in.standing_in(held(self._hidden(args, kwargs)[0], self._index, bounds))
 
-    def _feed(self, bounds: tuple[int, int]) -> None:
-        """The model records router logits: give it those this block recorded on its stage."""
+    def _feed(self, bounds: tuple[int, int], keys: list[str]) -> None:
+        """The model records values of its blocks that cross stages: give it those this block
+        recorded on its stage."""
         drive = self._drive
         if drive.refusal is None and drive.carry.feed(self._index):
             return
@@ -316,11 +326,12 @@ class _Skipped(_Entry):
             "stages' forward did not record them)"
         )
         raise HeldBlockRead(
-            "The model records the router logits of every block for its MoE load-balancing loss "
-            f"(output_router_logits=True), but block {self._index} runs on another pipeline stage (this stage runs "
-            f"only blocks {bounds[0]}..{bounds[1] - 1}) and its router logits cannot reach this stage: {reason}. "
-            "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
-            "without its auxiliary loss, as it would without the pipeline with that setting."
+            carrying_refused(
+                keys,
+                reason,
+                f"block {self._index} runs on another pipeline stage "
+                f"(this stage runs only blocks {bounds[0]}..{bounds[1] - 1})",
+            )
         )
 
 
@@ -335,7 +346,11 @@ class _Boundary(_Entry):
         if not self._drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before the blocks of this stage.")
         shell = self._host.shell(self._index)
-        self._drive.outputs.check_boundary(self._index, shell.kind, shell.arguments, args, kwargs)
+        crossing = Returned.of(self._drive.last_output, args, kwargs) if self._drive.refusal is None else Returned()
+        self._drive.returned_out = crossing
+        self._drive.outputs.check_boundary(
+            self._index, shell.kind, shell.arguments, args, kwargs, {id(t) for t in crossing.tensors}
+        )
         self._drive.captured = self._hidden(args, kwargs)[0]
         refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
@@ -370,8 +385,7 @@ class _Local(_Entry):
         def run(*a: Any, **k: Any) -> Any:
             return functional_call(block, own, a, k) if own else block(*a, **k)
 
-        recorded = recorded_list()
-        before = len(recorded) if recorded is not None else 0
+        before = Carry.lengths()
         if not drive.recompute:
             output = run(*args, **kwargs)
         else:
@@ -385,6 +399,7 @@ class _Local(_Entry):
             )
         drive.carry.record(self._index, before)
         drive.outputs.returned(self._index, output, args, kwargs)
+        drive.last_output = output
         return output
 
 

@@ -11,15 +11,16 @@ feature maps, BEiT's, DPT's and Segformer's segmentation and depth heads) or wer
 For the audio heads with ``use_weighted_layer_sum=False`` the recording reads no block's output: a
 stage that skips other stages' blocks records only its own, and what it records is thrown away.
 :mod:`lightning_pipe.runtime.block_reads` refuses any recording while a skipped block is called;
-:func:`only_forced` tells when the recording is only that forced one, so such a model trains.
-Every other forced recording stays refused (:func:`refuse_forced_read` names what to change).
+:func:`only_forced` tells when the recording is only that forced one, so such a model trains, and
+nothing is carried for it. Every other forced recording is a read: its hidden states cross stages
+under the schedules that carry recorded values (:mod:`lightning_pipe.runtime.carried`), and are
+refused under the others (:func:`forced_read` names the model's setting).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_pipe.runtime.block_reads import HeldBlockRead
 from lightning_pipe.torch_internals import hf_forced_hidden_states_calls
 
 
@@ -51,26 +52,16 @@ def forced_read(recording: list[str]) -> str:
     )
 
 
-def refuse_forced_read(recording: list[str], index: int, bounds: tuple[int, int]) -> None:
-    """Raise, naming the model's setting, if a forcing forward uses the hidden states it records
-    while block ``index``, which another stage runs, is skipped here."""
-    reason = forced_read(recording)
-    if reason:
-        raise HeldBlockRead(
-            f"{reason}, but block {index} runs on another pipeline stage and this stage runs only blocks "
-            f"{bounds[0]}..{bounds[1] - 1}: under module= only the hidden state crosses a stage boundary, so it would "
-            "read what the other stages' blocks were given and train on wrong values. (output_hidden_states=False "
-            "does not help: transformers records them for this model whatever the call asks.)"
-        )
+def forced_unread() -> bool:
+    """Whether the innermost forcing forward under way records hidden states that nothing reads."""
+    calls = hf_forced_hidden_states_calls()
+    return bool(calls) and not reads_hidden_states(*calls[0])
 
 
 def only_forced(recording: list[str]) -> bool:
     """Whether what the model records now (``hidden_states``, ``attentions`` ...) is only hidden
     states that the innermost forcing forward under way turned on and nothing reads."""
-    if recording != ["hidden_states"]:
-        return False
-    calls = hf_forced_hidden_states_calls()
-    return bool(calls) and not reads_hidden_states(*calls[0])
+    return recording == ["hidden_states"] and forced_unread()
 
 
-__all__ = ["forced_read", "only_forced", "reads_hidden_states", "refuse_forced_read"]
+__all__ = ["forced_read", "forced_unread", "only_forced", "reads_hidden_states"]

@@ -10,7 +10,7 @@ stage). :class:`StageRunner` does that for each micro-batch and keeps what the b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
@@ -22,10 +22,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime import weight_store
 from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
 from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
-from lightning_pipe.runtime.carried import Carry
+from lightning_pipe.runtime.carried import CARRIED_KEYS, Carry, Returned, carrying_refused, crossing_line, split_codes
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
+from lightning_pipe.runtime.skips import skip_scope, take_skips
 from lightning_pipe.runtime.versions import WeightVersions, on_version
 from lightning_pipe.runtime.weight_store import WeightWork
 from lightning_pipe.torch_internals import filled_slots
@@ -48,6 +49,10 @@ class StageModule(nn.Sequential):
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(filled_slots(self).values())))
+        #: skip connections (:mod:`lightning_pipe.skips`): the names stashed on earlier stages that reach
+        #: this one, and those that leave it for later stages (set at setup, from the layers' declarations)
+        self.skips_in: tuple[str, ...] = ()
+        self.skips_out: tuple[str, ...] = ()
 
     def forward(self, value: Any) -> Any:
         if self.hook is not None:
@@ -90,6 +95,34 @@ class StageModule(nn.Sequential):
         return torch_checkpoint(
             layers, *tensors, use_reentrant=False, preserve_rng_state=True, context_fn=lambda: keep_buffers(self)
         )
+
+    def run_stage(
+        self, value: Any, skips: Sequence[Tensor], recompute: bool, params: dict[str, Tensor] | None = None
+    ) -> tuple[Any, list[Tensor]]:
+        """:meth:`run_layers` with the stage's skip connections: ``skips`` (one per ``skips_in``) are
+        what its layers may pop; returns the output and the tensors of ``skips_out``. Recomputed in
+        the backward with the same skips in, where ``recompute``."""
+        if not self.skips_in and not self.skips_out:
+            return self.run_layers(value, recompute, params), []
+
+        def run(value: Any, skips: Sequence[Tensor]) -> tuple[Any, list[Tensor]]:
+            with skip_scope(dict(zip(self.skips_in, skips))) as scope:
+                output = self._chain(self._guard(value), params)
+            return output, take_skips(scope, self.skips_out, self.stage)
+
+        if not recompute:
+            return run(value, skips)
+        tensors, was_tuple = as_tuple(value)
+
+        def layers(*flat: Tensor) -> tuple[Any, ...]:
+            output, leaving = run(from_tuple(flat[: len(tensors)], was_tuple), flat[len(tensors) :])
+            return (output, *leaving)
+
+        result = torch_checkpoint(
+            layers, *tensors, *skips, use_reentrant=False, preserve_rng_state=True,
+            context_fn=lambda: keep_buffers(self),
+        )  # fmt: skip
+        return result[0], list(result[1:])
 
     def _guard(self, value: Any) -> Any:
         """A copy of the stage's input where the first layer changes it in place and it needs a
@@ -175,12 +208,16 @@ class StageRunner:
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
         # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
-        #: why this schedule cannot carry blocks' recorded router logits between stages (None: it can)
+        #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
         #: asynchronous schedules: the user's model and the names in it of the parameters outside the
         #: split layers that a weight version holds too, swapped for the version's while the step runs
         self.model: nn.Module | None = None
         self.outside: tuple[str, ...] = ()
+        #: where the lines that say what crosses beside the hidden state go (the Trainer's rank-0 info)
+        self.tell: Callable[[str], None] = lambda line: None
+        self._told_crossing = False
+        self._told_returned = False
 
     @property
     def weights_due(self) -> Mapping[int, list[WeightWork]]:
@@ -239,13 +276,16 @@ class StageRunner:
             if self.trace is not None:
                 self.trace.append(("F", microbatch, version))
         leaves: list[Tensor] = []
+        skips: list[Tensor] = []  # skip connections from earlier stages, after the hidden state
         if received is not None:
             tensors, flags, was_tuple, _ = received
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
-            value = from_tuple(tuple(leaves), was_tuple)
+            hidden = len(leaves) - len(getattr(self.module, "skips_in", ()))
+            value, skips = from_tuple(tuple(leaves[:hidden]), was_tuple), leaves[hidden:]
         if isinstance(self.module, BlockStage):
             return self._forward_blocks(microbatch, num_microbatches, received, leaves, recompute, params, step)
         module = self.module  # a StageModule from here on
+        leaving: list[Tensor] = []
         if self.is_last:
             calls = 0
 
@@ -257,7 +297,7 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return module.run_layers(argument if received is None else value, recompute, params)
+                return module.run_stage(argument if received is None else value, skips, recompute, params)[0]
 
             loss = self._run_step(step, microbatch % num_microbatches, inject, params)
             if calls == 0:
@@ -269,17 +309,18 @@ class StageRunner:
             captured: list[Any] = []
 
             def capture(argument: Any) -> Any:
-                captured.append(module.run_layers(argument, recompute, params))
+                captured.append(module.run_stage(argument, (), recompute, params))
                 raise StageExit
 
             with suppress(StageExit):
                 self._run_step(step, microbatch % num_microbatches, capture, params)
             if not captured:
                 raise RuntimeError(self._not_called())
-            output = captured[0]
+            output, leaving = captured[0]
         else:
-            output = self.module.run_layers(value, recompute, params)
+            output, leaving = module.run_stage(value, skips, recompute, params)
         tensors_out, was_tuple_out = as_tuple(output)
+        tensors_out = (*tensors_out, *leaving)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
         return tensors_out, was_tuple_out, ()
@@ -297,14 +338,17 @@ class StageRunner:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
         the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`).
-        The router logits received for earlier blocks (after the hidden state) go to the model's
+        The values recorded by earlier blocks and received (after the hidden state) go to the model's
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
-        hidden, carried = Carry.split(leaves, received[3] if received is not None else ())
+        codes, shape = split_codes(received[3] if received is not None else (), self.module.bounds[0])
+        at = len(leaves) - max(len(shape) - 1, 0)  # the returned values (T5's position biases) come last
+        hidden, carried = Carry.split(leaves[:at], codes)
         value = None if received is None else from_tuple(tuple(hidden), received[2])
         carry = Carry(self.module.bounds[0], carried)
+        returned = Returned.received(shape, leaves[at:])
         drive = BlockDrive(
-            self.module.bounds, value, not self.is_last, recompute, params, carry, refusal=self.carry_refusal
+            self.module.bounds, value, not self.is_last, recompute, params, carry, self.carry_refusal, returned
         )
         loss = None
         try:
@@ -326,12 +370,17 @@ class StageRunner:
         hidden_out, was_tuple_out = as_tuple(drive.captured)
         tensors_out, counts = carry.outgoing(hidden_out, self.module.bounds[1])
         if counts and self.carry_refusal is not None:
-            raise HeldBlockRead(
-                "The model records the router logits of every block for its MoE load-balancing loss "
-                f"(output_router_logits=True), and they cannot travel to the last stage: {self.carry_refusal}. "
-                "Otherwise set output_router_logits=False (in the call and in model.config): the model then trains "
-                "without its auxiliary loss."
-            )
+            where = f"stage {self.stage}'s blocks record them for a later stage"
+            raise HeldBlockRead(carrying_refused(carry.keys(), self.carry_refusal, where))
+        if counts and not self._told_crossing:  # decided by the first micro-batch that records
+            self._told_crossing = True
+            self.tell(crossing_line(self.stage, tensors_out, counts))
+        if drive.returned_out.tensors and not self._told_returned:
+            self._told_returned = True
+            self.tell(drive.returned_out.line(self.stage, self.module.bounds[1]))
+        if drive.returned_out.tensors:  # after the recorded values' codes, one for each earlier block and key
+            counts = (*(counts or (1,) * self.module.bounds[1] * len(CARRIED_KEYS)), *drive.returned_out.codes())
+            tensors_out = [*tensors_out, *drive.returned_out.tensors]
         if training:
             self._saved[microbatch] = (leaves, tuple(tensors_out))
         return tuple(tensors_out), was_tuple_out, counts

@@ -65,6 +65,7 @@ from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.pipemare import resolve
+from lightning_pipe.runtime.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
@@ -184,9 +185,9 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
     if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         layout = measured.layout
         chunks = config.num_microbatches(layout.stages)
-        rank_zero_info(
-            describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
-        )
+        line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
+        skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else []
+        rank_zero_info(line + routes_line(skips))
     held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)
     return ModuleSplit(
         config,
@@ -330,6 +331,9 @@ def _keep_stages(
     ties = ties_by_position([in_module(tie, paths) for tie in decision.tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
+    routes = skip_routes(list(layers), balance) if isinstance(layers, nn.Sequential) else []
+    if any(routes) and skips_refusal(config.schedule):
+        raise ValueError(skips_refusal(config.schedule))
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages
@@ -489,7 +493,10 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
-        return StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
+        pipeline = StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
+    for runner in pipeline.runners.values():
+        runner.tell = rank_zero_info  # what crosses beside the hidden state, once
+    return pipeline
 
 
 __all__ = [

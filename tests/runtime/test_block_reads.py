@@ -178,12 +178,15 @@ def test_hf_outputs_recorded_from_other_stages_blocks_are_refused_at_once(flag: 
     host = _last_stage(model, "encoder.layer")
     _drive(host, torch.randn(2, 8, 64))
     ids = torch.randint(1, 96, (2, 8))
-    key = flag.removeprefix("output_")
+    words = {"output_hidden_states": "hidden states", "output_attentions": "attention weights"}[flag]
+    # they cross stages with the micro-batch; a last stage that received none refuses
     with pytest.raises(
-        RuntimeError, match=rf"records {key}.* from every block .*block 0 runs on another pipeline stage .*{flag}=False"
+        RuntimeError,
+        match=rf"records the {words} of every block .*block 0 runs on another pipeline stage .*not received"
+        rf".*{flag}=False",
     ):
         model(input_ids=ids, **{flag: True})
-    with torch.no_grad(), pytest.raises(RuntimeError, match=rf"records {key}"):  # evaluation too
+    with torch.no_grad(), pytest.raises(RuntimeError, match=rf"records the {words}"):  # evaluation too
         model(input_ids=ids, **{flag: True})
     model(input_ids=ids)  # without the flag the loop runs
 

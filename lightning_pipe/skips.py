@@ -1,0 +1,7 @@
+"""Skip connections in a split ``nn.Sequential``, declared as torchgpipe does: ``@skippable(stash=[...],
+pop=[...])`` on the layers, :func:`stash` and :func:`pop` in their ``forward``. The mechanism lives in
+:mod:`lightning_pipe.runtime.skips`; this module is the name users import."""
+
+from lightning_pipe.runtime.skips import pop, skippable, stash
+
+__all__ = ["pop", "skippable", "stash"]
