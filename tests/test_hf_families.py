@@ -138,24 +138,6 @@ def test_t5_whose_blocks_pass_position_biases_on_trains_as_plain(module: str, pr
     assert_same_weights(reference, piped)
 
 
-@pytest.mark.parametrize(
-    "options, expected",
-    [
-        (
-            {"schedule": "pipedream_2bw"},
-            r"weight versions of the blocks of the block container 'model\.transformer\.h' only",
-        ),
-        ({"data_parallel": "shard", "stages": 2}, r"outside the blocks of the block container 'model\.transformer\.h'"),
-    ],
-    ids=["async", "shard"],
-)
-def test_refusals_for_a_block_container_speak_of_its_blocks(options: dict, expected: str) -> None:
-    family = BY_NAME["GPT-2"]
-    devices = 4 if "stages" in options else 2
-    with pytest.raises(Exception, match=expected):
-        fit_pipeline(FamilyModule(family.build), devices, family_data(family), module=family.module, **options)
-
-
 WEIGHTS_GRID = [f.name for f in FAMILIES if not f.refused and not f.compared]
 
 

@@ -45,7 +45,7 @@ def test_a_skip_connection_across_stages_trains_validates_and_predicts_as_plain(
 @pytest.mark.parametrize(
     "processes, options",
     [
-        (3, {"schedule": "1f1b", "checkpoint": "always"}),  # a relayed through stage 1; recomputed with its skips
+        (3, {"schedule": "1f1b", "recompute": "always"}),  # a relayed through stage 1; recomputed with its skips
         (2, {"schedule": "zbv"}),  # 4 stages on 2 processes: a V, a skip between a process's own stages
     ],
     ids=["3p-1f1b-recompute", "2p-zbv"],
