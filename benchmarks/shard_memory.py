@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe.runtime.sharding import local
+from lightning_pipe.runtime.replicas.sharding import local
 
 
 class CountBytes(L.Callback):

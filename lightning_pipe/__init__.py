@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_pipe.partition.materialize import init_like_pipeline
+    from lightning_pipe.partition.stages.materialize import init_like_pipeline
     from lightning_pipe.runtime.loss_weights import token_count
     from lightning_pipe.strategy import PipelineStrategy
 
@@ -29,7 +29,7 @@ __all__ = ["PipelineStrategy", "__version__", "init_like_pipeline", "token_count
 #: the package's names and the module each comes from, imported when first read
 _EXPORTS = {
     "PipelineStrategy": "lightning_pipe.strategy",
-    "init_like_pipeline": "lightning_pipe.partition.materialize",
+    "init_like_pipeline": "lightning_pipe.partition.stages.materialize",
     "token_count": "lightning_pipe.runtime.loss_weights",
 }
 

@@ -44,7 +44,7 @@ from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import TRAITS, traits
 from lightning_pipe.schedules.text import TEXT_SUFFIXES
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.trainer.launcher import PipelineMultiProcessingLauncher
+from lightning_pipe.trainer.launch.launcher import PipelineMultiProcessingLauncher
 
 log = logging.getLogger(__name__)
 

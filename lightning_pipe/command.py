@@ -54,6 +54,3 @@ def main() -> None:
     from lightning_pipe.cli import main as run_command
 
     run_command()
-
-
-__all__ = ["ANSWERS", "answer", "answers_alone", "main"]

@@ -30,14 +30,14 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from lightning_pipe.partition.placement import check_rank_order
-from lightning_pipe.partition.speeds import check_rank_speeds
-from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
-from lightning_pipe.runtime.elastic_average import REPLICAS_SYNC, check_replicas_sync
+from lightning_pipe.partition.solvers.rank_order import check_rank_order
+from lightning_pipe.partition.solvers.speeds import check_rank_speeds
+from lightning_pipe.partition.stages.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
+from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, check_replicas_sync
 from lightning_pipe.runtime.stage import RECOMPUTE_MODES
 from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, check_layout_arguments
-from lightning_pipe.runtime.xpipe import PREDICTORS
 from lightning_pipe.schedules import TRAITS, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
@@ -640,7 +640,8 @@ def check_text_schedule(config: PipelineConfig) -> None:
 
 def check_elastic_averaging(config: PipelineConfig) -> None:
     """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
-    layout's replica count is checked once known, in :func:`~lightning_pipe.runtime.elastic_average.resolve_alpha`)."""
+    layout's replica count is checked once known, in
+    :func:`~lightning_pipe.runtime.replicas.elastic_averaging.resolve_alpha`)."""
     if config.replicas_sync != "elastic":
         return
     if config.data_parallel != "replicate":
@@ -710,33 +711,3 @@ def register_variants(strategy: Callable[..., Any], registry: Any) -> None:
         if name not in registry:
             description = f"Pipeline model parallelism (lightning-pipe), start_method={start_method!r}"
             registry.register(name, strategy, description=description, start_method=start_method)
-
-
-__all__ = [
-    "DEPRECATED",
-    "PLANS",
-    "START_METHODS",
-    "VARIANTS",
-    "Argument",
-    "AsynchronousConfig",
-    "LaunchConfig",
-    "LayoutConfig",
-    "LoadingConfig",
-    "PartitionConfig",
-    "PipelineConfig",
-    "ReplicasConfig",
-    "StepsConfig",
-    "argument_groups",
-    "arguments",
-    "check_elastic_averaging",
-    "check_pipemare_options",
-    "check_text_schedule",
-    "cli_keys",
-    "field_docs",
-    "option",
-    "recompute_mode",
-    "register_variants",
-    "split_arguments",
-    "strategy_signature",
-    "unknown_arguments",
-]

@@ -121,6 +121,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-__all__ = ["BEGIN", "END", "docs_table", "main", "values_cell", "written", "yaml_comment", "yaml_text"]

@@ -2,6 +2,6 @@
 pop=[...])`` on the layers, :func:`stash` and :func:`pop` in their ``forward``. The mechanism lives in
 :mod:`lightning_pipe.runtime.skips`; this module is the name users import."""
 
-from lightning_pipe.runtime.skips import pop, skippable, stash
-
-__all__ = ["pop", "skippable", "stash"]
+from lightning_pipe.runtime.skips import pop as pop
+from lightning_pipe.runtime.skips import skippable as skippable
+from lightning_pipe.runtime.skips import stash as stash

@@ -5,7 +5,7 @@ hands it to the pipeline: ``setup`` splits the module (:mod:`lightning_pipe.trai
 the pipeline; ``training_step`` runs the whole schedule of a batch through it
 (:mod:`lightning_pipe.trainer.steps`), and ``backward`` hands the gradients it kept to the parameters
 (Lightning zeroes ``.grad`` in between). Launching, optimizers, loops and callbacks are
-Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning_pipe.trainer.processes`).
+Lightning's own; the processes are set up as in ``DDPStrategy`` (:mod:`lightning_pipe.trainer.launch.processes`).
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from torch.optim import Optimizer
 
 from lightning_pipe.config import register_variants, split_arguments, strategy_signature
 from lightning_pipe.runtime.pipeline import StagePipeline
-from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import elastic, failures, internals, nothing_to_train, random_states, signals
+from lightning_pipe.trainer import internals, nothing_to_train, random_states
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
-from lightning_pipe.trainer.data import stage_dataloader
-from lightning_pipe.trainer.launcher import Gathering, launcher_for
+from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
+from lightning_pipe.trainer.launch import failures, restarts, signals
+from lightning_pipe.trainer.launch.launcher import Gathering, launcher_for
+from lightning_pipe.trainer.launch.processes import ProcessStrategy
 from lightning_pipe.trainer.precision import across_stages
 from lightning_pipe.trainer.preflight import check_before_launch
-from lightning_pipe.trainer.processes import ProcessStrategy
 from lightning_pipe.trainer.steps import PipelineSteps
 
 _PROCESS_ARGUMENTS = tuple(p for p in inspect.signature(ProcessStrategy.__init__).parameters if p != "self")
@@ -53,7 +54,8 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     """Pipeline model parallelism: one stage of the module's ``nn.Sequential`` per process.
 
     The arguments are checked once and kept in ``strategy.config`` (:class:`~lightning_pipe.config.PipelineConfig`
-    documents each); ``processes`` are ``DDPStrategy``'s (:class:`~lightning_pipe.trainer.processes.ProcessStrategy`).
+    documents each); ``processes`` are ``DDPStrategy``'s
+    (:class:`~lightning_pipe.trainer.launch.processes.ProcessStrategy`).
     Layers built in ``configure_model()`` are built on the meta device; each rank materialises only its stage.
     """
 
@@ -119,7 +121,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     def make_launcher(self) -> Any:
         assert self.cluster_environment is not None
         before = partial(check_before_launch, config=self.config, layout=self.layout)  # a bad world fails here
-        go = elastic.resumer(self.config.elastic)  # elastic runs: fit from the newest checkpoint
+        go = restarts.resumer(self.config.elastic)  # elastic runs: fit from the newest checkpoint
         return launcher_for(self, self.config.start_method, self._gathering, before, go)
 
     def _gathering(self) -> Gathering:
@@ -131,7 +133,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     def layout(self) -> Layout:
         """Stages x replicas of the world (:func:`.elastic.layout`), placed as the split decided once it exists."""
         split = self._split
-        return split.placement.layout if split else elastic.layout(self.num_nodes * self.num_processes, self.config)
+        return split.placement.layout if split else restarts.layout(self.num_nodes * self.num_processes, self.config)
 
     num_stages = property(lambda self: self.layout.stages, doc="Pipeline depth: processes per pipeline.")
     num_replicas = property(lambda self: self.layout.replicas, doc="Replicas of the pipeline.")
@@ -217,7 +219,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         self.steps.finish_in_flight()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks why this one fails, or why they fail (:mod:`lightning_pipe.trainer.failures`)."""
+        """Tell the other ranks why this one fails, or why they fail (:mod:`lightning_pipe.trainer.launch.failures`)."""
         self._failure = exception
         failures.note(exception, self.global_rank, self.describe_rank)
 
@@ -263,6 +265,3 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
 
 PipelineStrategy.__signature__ = strategy_signature(ProcessStrategy.__init__)  # type: ignore[attr-defined]
 PipelineStrategy.__init__.__signature__ = strategy_signature(ProcessStrategy.__init__, self=True)  # type: ignore[attr-defined]
-
-
-__all__ = ["PipelineStrategy"]

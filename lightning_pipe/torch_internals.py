@@ -182,22 +182,3 @@ def optimizers_over_nothing(built: list[Optimizer], emptied: list[Optimizer]) ->
         yield
     finally:
         Optimizer.__init__ = original  # type: ignore[method-assign]
-
-
-__all__ = [
-    "backward_hooks",
-    "child_slot",
-    "filled_slots",
-    "fsdp_post_backward",
-    "hf_active_output_collector",
-    "hf_forced_hidden_states_calls",
-    "hf_init_weights",
-    "instance_forward",
-    "lightning_wrapped_batch_sampler",
-    "module_slots",
-    "optimizers_over_nothing",
-    "post_accumulate_grad_hooks",
-    "private_reset_parameters",
-    "set_forward",
-    "version",
-]

@@ -308,7 +308,7 @@ def test_render_reports_weight_versions() -> None:
 
 
 def test_a_batch_too_short_for_2bw_runs_isolated() -> None:
-    from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
+    from lightning_pipe.schedules.families.asynchronous import isolated_step, min_chunks
 
     assert [min_chunks("pipedream_2bw", p) for p in (1, 2, 4, 8)] == [1, 1, 3, 7]
     assert min_chunks("pipedream", 8) == 1

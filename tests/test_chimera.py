@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint
 from lightning_pipe.checkpoint import main as consolidate_main
-from lightning_pipe.runtime.replica_grads import ReplicaReducer
+from lightning_pipe.runtime.grads.replica_grads import ReplicaReducer
 from tests.models import (
     DeferredNet,
     LifecycleNet,

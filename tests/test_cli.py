@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_pipe.cli import CONFIG_DIR, build_strategy, run
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.trainer.launcher import child_overrides
+from lightning_pipe.trainer.launch.launcher import child_overrides
 
 pytestmark = pytest.mark.timeout(300)
 GROUPS = {

@@ -18,7 +18,7 @@ from lightning_pipe.cli import CONFIG_DIR, STRATEGY_KEYS, build_strategy, check_
 from lightning_pipe.config import PipelineConfig, arguments, cli_keys, option, split_arguments, strategy_signature
 from lightning_pipe.schedules import TRAITS
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.trainer.processes import ProcessStrategy
+from lightning_pipe.trainer.launch.processes import ProcessStrategy
 from tests.test_cli import _compose
 
 STRATEGY_DIR = Path(CONFIG_DIR) / "strategy"

@@ -304,7 +304,7 @@ class _ShardRecord(L.Callback):
         self.current = 0
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_pipe.runtime.sharding import local
+        from lightning_pipe.runtime.replicas.sharding import local
 
         optimizer = trainer.optimizers[0]
         state = sum(

@@ -31,7 +31,7 @@ from lightning_pipe.checkpoint.newest import candidates, newest_complete
 from lightning_pipe.checkpoint.staging import staging_path
 from lightning_pipe.checkpoint.tags import save_tag
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.trainer.elastic import ElasticState, layout, resume_arguments
+from lightning_pipe.trainer.launch.restarts import ElasticState, layout, resume_arguments
 from tests.models import TinyNet, dataset, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lightning_pipe.trainer.failures import PeerFailure, explain, is_communication_error
+from lightning_pipe.trainer.launch.failures import PeerFailure, explain, is_communication_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "fail_one_rank.py"
@@ -59,7 +59,7 @@ def test_a_peers_note_explains_a_lost_connection() -> None:
 
 
 def test_without_a_note_the_silent_ranks_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_pipe.trainer.failures as failures
+    import lightning_pipe.trainer.launch.failures as failures
 
     monkeypatch.setattr(failures, "_WAIT_S", 0.2)
     store = FakeStore({"lightning_pipe/lost/1": "1"})
@@ -78,7 +78,7 @@ def test_a_lost_node_is_named_and_the_living_ranks_are_not() -> None:
     """4 ranks, ranks 2 and 3 on a node that is lost: rank 0 loses its connection first. Rank 1 is alive but
     has not failed yet (it waits on rank 0); only ranks 2 and 3 stopped beating. Before the heartbeat rank 0
     named ranks 1, 2 and 3."""
-    from lightning_pipe.trainer.failures import gone_ranks
+    from lightning_pipe.trainer.launch.failures import gone_ranks
 
     before, after = [10, 12, None, None], [16, 18, None, None]  # 2 and 3 never beat since the wait began
     assert gone_ranks(0, [True, False, False, False], before, after) == [2, 3]
@@ -90,7 +90,7 @@ def test_a_lost_node_is_named_and_the_living_ranks_are_not() -> None:
 
 
 def test_the_heartbeat_beats_until_its_process_group_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_pipe.trainer.failures as failures
+    import lightning_pipe.trainer.launch.failures as failures
 
     monkeypatch.setattr(failures, "_BEAT_S", 0.02)
     store, current = FakeStore({}), [None]

@@ -92,7 +92,7 @@ def test_dualpipevs_units_run_their_forwards_on_a_second_cuda_stream(tmp_path: P
 
 
 def test_the_speed_probe_and_free_memory_read_the_gpu() -> None:
-    from lightning_pipe.partition.speeds import free_bytes, probe_timings
+    from lightning_pipe.partition.solvers.speeds import free_bytes, probe_timings
 
     device = torch.device("cuda", 0)
     seconds = probe_timings(device, repeats=2)

@@ -11,8 +11,8 @@ import safetensors
 import torch
 from torch import nn
 
-from lightning_pipe.partition.ends import extended, find_ends
-from lightning_pipe.partition.materialize import materialize
+from lightning_pipe.partition.stages.ends import extended, find_ends
+from lightning_pipe.partition.stages.materialize import materialize
 from lightning_pipe.weights import check_weights_argument, load_stage_weights, model_spec, open_weights
 
 transformers = pytest.importorskip("transformers")

@@ -96,7 +96,7 @@ def test_the_pipeline_and_what_it_is_built_from_never_import_lightning() -> None
     }
     assert {
         "lightning_pipe.runtime.executor",
-        "lightning_pipe.runtime.gradients",
+        "lightning_pipe.runtime.grads.gradients",
         "lightning_pipe.runtime.options",
     } <= below
     paths = {_module_name(f, ROOT, ""): f for f in files}

@@ -1,5 +1,5 @@
 """PipeMare: asynchronous 1F1B without weight stashing, with learning-rate rescheduling and
-discrepancy correction (see :mod:`lightning_pipe.runtime.pipemare`)."""
+discrepancy correction (see :mod:`lightning_pipe.runtime.asynchronous.pipemare`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import balance_uniform, stage_bounds
-from lightning_pipe.runtime.pipemare import (
+from lightning_pipe.runtime.asynchronous.pipemare import (
     DEFAULT_DECAY,
     PipeMare,
     lr_factor,
@@ -32,7 +32,7 @@ from lightning_pipe.schedules import (
     validate,
     versions_held,
 )
-from lightning_pipe.schedules.asynchronous import backward_gap, step_actions
+from lightning_pipe.schedules.families.asynchronous import backward_gap, step_actions
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 

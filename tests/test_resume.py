@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, WeightedRandomSampler
 
 from lightning_pipe.checkpoint import consolidate
-from lightning_pipe.runtime.replica_data import ReplicaOrder
-from lightning_pipe.trainer.resume_data import training_loader
+from lightning_pipe.trainer.dataloaders.replica_data import ReplicaOrder
+from lightning_pipe.trainer.dataloaders.resume_data import training_loader
 from tests.models import TinyNet, dataset, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 

@@ -1,4 +1,4 @@
-"""SIGTERM and a dying process end every process of a pipeline promptly (lightning_pipe/trainer/signals.py)."""
+"""SIGTERM and a dying process end every process of a pipeline promptly (lightning_pipe/trainer/launch/signals.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-from lightning_pipe.trainer.signals import STOPPED_STATUS
+from lightning_pipe.trainer.launch.signals import STOPPED_STATUS
 from tests.models import TinyNet, loader
 from tests.pipeline import pipeline_trainer
 

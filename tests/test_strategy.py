@@ -64,7 +64,7 @@ class _RecordFusion(L.Callback):
         self.folder = folder
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        from lightning_pipe.runtime.fused_linear import _Forward
+        from lightning_pipe.runtime.grads.fused_linear import _Forward
 
         linears = [m for m in pl_module.modules() if isinstance(m, torch.nn.Linear)]
         fused = [isinstance(m.__dict__.get("forward"), _Forward) for m in linears]

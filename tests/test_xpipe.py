@@ -1,5 +1,5 @@
 """XPipe: asynchronous 1F1B whose forwards and backwards run on weights predicted for the update
-that applies their gradient (see :mod:`lightning_pipe.runtime.xpipe`)."""
+that applies their gradient (see :mod:`lightning_pipe.runtime.asynchronous.xpipe`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.runtime.xpipe import XPipe, predict_adam, predict_from_update, predict_momentum
+from lightning_pipe.runtime.asynchronous.xpipe import XPipe, predict_adam, predict_from_update, predict_momentum
 from lightning_pipe.schedules import pipedream, render, unroll, update_delay, validate, versions_held, xpipe
-from lightning_pipe.schedules.asynchronous import backward_gap
+from lightning_pipe.schedules.families.asynchronous import backward_gap
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 from tests.test_pipemare import _stage_of

@@ -180,9 +180,3 @@ class Verifier:
             raise damaged(self.file, f"the tensor {describe(key)}, recorded when it was written, is missing") from None
         if not isinstance(value, Tensor) or tensor_checksum(value) != self._recorded[key]:
             raise damaged(self.file, mismatch(f"the tensor {describe(key)}"))
-
-
-__all__ = [
-    "VALUES", "Key", "Verifier", "canonical", "damaged", "describe", "file_checksum", "mismatch", "record",
-    "tensor_checksum", "values_checksum",
-]  # fmt: skip

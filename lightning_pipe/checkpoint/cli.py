@@ -18,6 +18,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     checkpoint = consolidate(args.checkpoint, args.output)
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors")
-
-
-__all__ = ["main"]

@@ -34,6 +34,3 @@ def consolidate(path: _PATH, output: _PATH | None = None, weights_only: bool | N
     if output is not None:
         torch.save(checkpoint, output)
     return checkpoint
-
-
-__all__ = ["consolidate"]

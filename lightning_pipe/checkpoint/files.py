@@ -215,17 +215,3 @@ def _load(file: Path, **kwargs: Any) -> Any:
             f"The checkpoint file {file} cannot be read ({type(error).__name__}: {error}); it is damaged or "
             "truncated (a save that did not finish?). Resume from another checkpoint."
         ) from error
-
-
-__all__ = [
-    "FORMAT",
-    "META",
-    "is_pipeline_checkpoint",
-    "not_a_checkpoint",
-    "read",
-    "read_state_dict",
-    "shard_name",
-    "write_meta",
-    "write_shard",
-    "write_sharded_stage",
-]

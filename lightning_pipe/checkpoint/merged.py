@@ -56,7 +56,7 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | 
 def merged_elastic_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """``replicas_sync="elastic"``: every stage's saved state as one (``{"elastic": ...}``): the step
     count, the center by name over all stages, and each stage's own entry (for a resume under the
-    same layout; see :mod:`lightning_pipe.runtime.elastic_average`)."""
+    same layout; see :mod:`lightning_pipe.runtime.replicas.elastic_averaging`)."""
     states = [(shard.get("extra") or {}).get("elastic") for shard in shards]
     if not states or any(state is None for state in states):
         return None
@@ -65,6 +65,3 @@ def merged_elastic_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] 
         center.update(state["center"])  # type: ignore[index]
     stages = {state["stage"]: state for state in states}  # type: ignore[index]
     return {"elastic": {"steps": states[0]["steps"], "center": center, "stages": stages}}  # type: ignore[index]
-
-
-__all__ = ["merged_async_state", "merged_elastic_state", "merged_optimizer_states", "merged_state_dict"]

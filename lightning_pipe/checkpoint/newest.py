@@ -83,6 +83,3 @@ def saved_at(path: str | Path) -> tuple[int, int] | None:
         return int(saved.get("global_step") or 0), int(saved.get("epoch") or 0)
     except Exception:
         return None
-
-
-__all__ = ["Found", "candidates", "newest_complete", "saved_at"]

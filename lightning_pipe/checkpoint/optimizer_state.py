@@ -216,15 +216,3 @@ def plain_state_by_name(
     aliases = {alias: name for stage in stages for alias, name in (stage.get("aliases") or {}).items()}
     state.update({alias: state[name] for alias, name in aliases.items() if name in state})
     return {"state": state, "param_groups": groups}
-
-
-__all__ = [
-    "differing_hyperparameters",
-    "merge_optimizer_states",
-    "merge_orders",
-    "optimizer_state_by_name",
-    "optimizer_state_by_position",
-    "parameter_names",
-    "plain_state_by_name",
-    "tie_aliases",
-]

@@ -40,7 +40,7 @@ def write_parts(
     it returns."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_pipe.runtime.sharding import is_dtensor
+    from lightning_pipe.runtime.replicas.sharding import is_dtensor
 
     tensors: dict[str, Any] = {}
 
@@ -174,6 +174,3 @@ def _tag(directory: Path) -> Any | None:
         return json.loads(found[_TAG])
     except Exception:
         return None
-
-
-__all__ = ["IN_DCP", "dcp_name", "fill", "part_checksums", "write_parts"]

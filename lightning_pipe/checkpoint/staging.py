@@ -40,6 +40,3 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-__all__ = ["prepare_staging", "publish", "staging_path"]

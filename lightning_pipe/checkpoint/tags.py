@@ -38,6 +38,3 @@ def foreign(file: Path, found: Mapping[str, Any] | None, meta: Path, tag: Mappin
         "directory mixes shards of different saves, and loading it would start from inconsistent weights. "
         "Put back the shard written with the rest of this checkpoint, or resume from another one."
     )
-
-
-__all__ = ["describe", "foreign", "save_tag"]

@@ -40,6 +40,3 @@ def log_image(loggers: Iterable[Any], tag: str, image: torch.Tensor, step: int) 
             continue
         took.append(logger)
     return took
-
-
-__all__ = ["log_image"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_pipe.observe.image_logging import log_image
 from lightning_pipe.observe.timeline_image import timeline_image
-from lightning_pipe.runtime.timeline import Span, Timeline
+from lightning_pipe.runtime.timings import Span, Timeline
 from lightning_pipe.schedules import SCHEDULES, build, is_async, simulate, traits
 from lightning_pipe.schedules.text import is_schedule_text
 from lightning_pipe.schedules.timeline_svg import measured_bars, simulated_bars, timeline_svg
@@ -164,6 +164,3 @@ class TimelinePicture(pl.Callback):
         times = "forward, backward (B) and weight-gradient (W)" if schedule.split_backward else "forward and backward"
         label = traits(name).label if is_schedule_text(name) else name
         return f"{label}: predicted from each stage's median {times} times", simulated_bars(simulation)
-
-
-__all__ = ["TimelinePicture"]

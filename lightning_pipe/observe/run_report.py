@@ -33,6 +33,3 @@ def summary_lines(
     rows += [("written" if i == 0 else "", path) for i, path in enumerate(written)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["lightning-pipe: run finished"] + [f"  {name:<{width}}  {value}" for name, value in rows])
-
-
-__all__ = ["summary_lines"]

@@ -47,7 +47,7 @@ _MIB = 1024.0 * 1024.0
 def busy_and_total(spans: Iterable[Any]) -> tuple[float, float]:
     """Seconds of one recorded step spent computing (its ``F``, ``B`` and ``W`` spans) and the
     step's seconds (its ``step`` span, the executor's whole run). Spans are objects with ``name``,
-    ``start`` and ``end``, as :class:`~lightning_pipe.runtime.timeline.Span`."""
+    ``start`` and ``end``, as :class:`~lightning_pipe.runtime.timings.Span`."""
     busy = total = 0.0
     for span in spans:
         if span.name in COMPUTE:
@@ -234,6 +234,3 @@ class StageMetrics(pl.Callback):
         self.metrics = stage_metrics([r.tolist() for r in rows], memory_name, self.prefix)
         for logger in trainer.loggers:
             logger.log_metrics(self.metrics, step=step)
-
-
-__all__ = ["StageMetrics", "Window", "bubble", "busy_and_total", "peak_memory", "stage_metrics"]

@@ -1,6 +1,6 @@
 """``StepProfile``: where each rank's training step goes, the pipeline's own time included.
 
-The executor's timeline (:class:`~lightning_pipe.runtime.timeline.Timeline`) says what happens
+The executor's timeline (:class:`~lightning_pipe.runtime.timings.Timeline`) says what happens
 inside one run of the schedule. A step is more than that: Lightning's loop fetches the batch (and
 the first stage's sampler sends its indices), the step splits it and posts the stages' agreement
 on what they loaded, the executor runs, the last stage's results are shared, the gradients are
@@ -173,6 +173,3 @@ def markdown(per_rank: Sequence[dict[str, float]], ranks: Sequence[int] | None =
         if all(part in m for m in per_rank):
             lines.append(f"| {part} | " + " | ".join(f"{1e3 * m[part]:.1f} ms" for m in per_rank) + " |")
     return "\n".join(lines)
-
-
-__all__ = ["CPU", "PARTS", "StepProfile", "markdown", "means"]

@@ -71,6 +71,3 @@ def timeline_image(panels: Sequence[tuple[str, Sequence[Bar]]], width: int = 960
         top += _panel_height(bars)
     image[height - 1, :] = torch.tensor(_INK, dtype=torch.uint8)
     return image
-
-
-__all__ = ["FILLS", "timeline_image"]

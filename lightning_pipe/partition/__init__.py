@@ -1,7 +1,8 @@
-"""Partitioning: balance solvers over cost lists and splitting a Sequential into stages."""
+"""Partitioning: the model split into stages. ``solvers/``: pure balance solvers over cost lists; ``stages/``:
+building the stage modules; ``measure/``: measuring layer costs and ranks on the device."""
 
-from lightning_pipe.partition.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
-from lightning_pipe.partition.split import (
+from lightning_pipe.partition.solvers.balance import balance_by_cost, balance_uniform, check_balance, stage_bounds
+from lightning_pipe.partition.stages.split import (
     BALANCE_MODES,
     check_stage_parameters,
     find_sequential,

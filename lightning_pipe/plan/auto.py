@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition.costs import Profile
-from lightning_pipe.partition.measured import MeasureInputs, agreed_resources
-from lightning_pipe.partition.profile import agreed_profile
+from lightning_pipe.partition.measure.measured import MeasureInputs, agreed_resources
+from lightning_pipe.partition.measure.profile import agreed_profile
+from lightning_pipe.partition.solvers.costs import Profile
 from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
 from lightning_pipe.plan.report import link_line
 from lightning_pipe.runtime.topology import Layout
@@ -111,7 +111,7 @@ def plan_layers(
     world is ranked for the same global batch (DataLoader batch x the layout's replicas), each
     replica reading ``global batch / replicas`` (what ``lightning-pipe plan`` prints; micro-batches
     larger than the DataLoader's batch cannot be measured from it and are left out)."""
-    from lightning_pipe.partition.profile import Timing, profile_module
+    from lightning_pipe.partition.measure.profile import Timing, profile_module
     from lightning_pipe.plan.planner import PLAN_SCHEDULES, chunk_candidates, needed_sizes, plan_layouts
     from lightning_pipe.runtime.microbatch import batch_size
 
@@ -212,6 +212,3 @@ def apply_plan(
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
         say(f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}")
     return planned, profiles[best.microbatch_size], ranked
-
-
-__all__ = ["agreed_plan", "apply_plan", "measure_link", "plan_layers"]

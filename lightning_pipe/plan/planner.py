@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_pipe.partition.balance import balance_by_cost, balance_uniform
-from lightning_pipe.partition.costs import Profile
-from lightning_pipe.partition.placement import BalanceTarget, measured_order
-from lightning_pipe.partition.speeds import all_equal, position_values, stage_values
+from lightning_pipe.partition.solvers.balance import balance_by_cost, balance_uniform
+from lightning_pipe.partition.solvers.costs import Profile
+from lightning_pipe.partition.solvers.rank_order import BalanceTarget, measured_order
+from lightning_pipe.partition.solvers.speeds import all_equal, position_values, stage_values
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import (
     DEFAULT_SCHEDULE,
@@ -207,7 +207,7 @@ def holder_speeds(
 ) -> list[float] | None:
     """The speed of the position holding each stage of ``ranks`` (the slowest of its replicas, the
     ranks placed by ``order``), from per-global-rank speeds; None where they all equal the profiling
-    rank's (:func:`~lightning_pipe.partition.speeds.all_equal`)."""
+    rank's (:func:`~lightning_pipe.partition.solvers.speeds.all_equal`)."""
     if rank_speeds is None:
         return None
     per_position = position_values(rank_speeds, stages, replicas, order)
@@ -392,7 +392,7 @@ def _predict(setting: _Setting, mode: str, balance: tuple[int, ...], checkpoint:
 def _rank(entries: Iterable[tuple[int, int, int, Profile, int]], search: _Search) -> list[Candidate]:
     """Every distinct candidate of the ``(stages, replicas, chunks, profile, replica batch)`` entries,
     ranked; ``rank_speeds``: per global rank, relative to the rank that measured the profiles; they
-    also place the ranks (:func:`~lightning_pipe.partition.placement.measured_order`, for the time
+    also place the ranks (:func:`~lightning_pipe.partition.solvers.rank_order.measured_order`, for the time
     split) unless ``rank_order`` fixes which rank holds which slot. ``memory_budget``: bytes for
     every rank, or per global rank (then each position's is its smallest rank's, and the memory
     split gives a smaller device less)."""
@@ -438,7 +438,7 @@ def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and 
     ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
     equal): each stage's compute is its profile's seconds / its rank's speed, and ``balance="time"``
     gives a slower rank less; the speeds also choose which rank holds which stage, unless ``rank_order``
-    gives it (see :func:`~lightning_pipe.partition.placement.measured_order`)."""
+    gives it (see :func:`~lightning_pipe.partition.solvers.rank_order.measured_order`)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
     search = _Search(
         link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
@@ -551,9 +551,3 @@ def chunk_candidates(batch_size: int, limit: int = 32) -> list[int]:
         counts.append(m)
         m *= 2
     return counts
-
-
-__all__ = [
-    "Candidate", "Link", "chunk_candidates", "format_plans", "holder_speeds", "layouts", "microbatch_size",
-    "needed_sizes", "plan", "plan_layouts", "stage_ranks", "stage_seconds", "stage_updates",
-]  # fmt: skip

@@ -8,8 +8,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_pipe.partition.placement import describe_order
-from lightning_pipe.partition.speeds import EQUAL_WITHIN, all_equal
+from lightning_pipe.partition.solvers.rank_order import describe_order
+from lightning_pipe.partition.solvers.speeds import EQUAL_WITHIN, all_equal
 from lightning_pipe.plan.planner import Candidate, Link, format_plans
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
 from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
@@ -140,6 +140,3 @@ def write_plan(candidates: Sequence[Candidate], stages: int, replicas: int, fold
     (folder / "plan.txt").write_text(text + "\n")
     (folder / "plan.svg").write_text(predicted_timelines(candidates, stages))
     return text
-
-
-__all__ = ["describe", "link_line", "overrides", "plan_text", "predicted_timelines", "speeds_line", "write_plan"]

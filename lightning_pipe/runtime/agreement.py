@@ -147,6 +147,3 @@ class BatchAgreement:
         seen = [row.tolist() for row in rows]
         if any(row != seen[0] for row in seen):
             raise RuntimeError(mismatch_message(seen, source() if callable(source) else source))
-
-
-__all__ = ["BatchAgreement", "checksum", "describe", "fingerprint", "mismatch_message"]

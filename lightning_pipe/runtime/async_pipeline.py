@@ -11,10 +11,10 @@ drains. Under PipeMare and XPipe a backward reads the weights of its own moment:
 step's update leaves their rule unchanged where each backward would have run in the next step
 anyway (``chunks >= stages - 1``), see :meth:`AsyncPipeline.inexact_drain`.
 
-Under PipeMare (:mod:`lightning_pipe.runtime.pipemare`) the versions are never stashed: they only
+Under PipeMare (:mod:`lightning_pipe.runtime.asynchronous.pipemare`) the versions are never stashed: they only
 gather each batch's gradient apart, while every forward and backward reads the stage's one copy
 of the weights (the backward through PipeMare's saved-tensor hooks). Under XPipe
-(:mod:`lightning_pipe.runtime.xpipe`) a batch's version aliases the prediction its forwards run on.
+(:mod:`lightning_pipe.runtime.asynchronous.xpipe`) a batch's version aliases the prediction its forwards run on.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 from lightning_pipe.runtime.executor import Callbacks, Executor
-from lightning_pipe.runtime.pipemare import PipeMare
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, traits, update_delay
-from lightning_pipe.schedules.asynchronous import isolated_step, lag, min_chunks
+from lightning_pipe.schedules.families.asynchronous import isolated_step, lag, min_chunks
 
 
 class AsyncPipeline:
@@ -50,7 +50,7 @@ class AsyncPipeline:
         self.pending: dict[int, dict[str, Tensor | None]] = {}  # batch -> gradient not yet applied
         self._schedules: dict[int, Schedule] = {}
         #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on; XPipe's
-        #: prediction (an :class:`~lightning_pipe.runtime.xpipe.XPipe`)
+        #: prediction (an :class:`~lightning_pipe.runtime.asynchronous.xpipe.XPipe`)
         self.pipemare = pipemare
         self.stashes = traits(name).stashes_weights  # PipeDream's and 2BW's versions keep their weights
         if pipemare is not None and (traits(name).predicts_weights or traits(name).predicts_ahead):

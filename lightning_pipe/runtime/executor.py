@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_pipe.runtime.overlap import OverlapHook, checked, one_after_another
 from lightning_pipe.runtime.p2p import Op, Transport
 from lightning_pipe.runtime.stage import StageRunner, StepFn
-from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
 from lightning_pipe.schedules.actions import comm_groups, overlap_spans
 

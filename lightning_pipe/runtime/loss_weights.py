@@ -125,6 +125,3 @@ def check_loss_weight(loss_weight: Any) -> None:
             "averages over (lightning_pipe.token_count(...) for language models), or None / 'samples' (the "
             "micro-batch's size)."
         )
-
-
-__all__ = ["LossWeight", "TokenCount", "check_loss_weight", "microbatch_shares", "microbatch_weights", "token_count"]

@@ -112,6 +112,3 @@ def as_tuple(value: Any) -> tuple[tuple[Tensor, ...], bool]:
 
 def from_tuple(tensors: tuple[Tensor, ...], was_tuple: bool) -> Any:
     return tensors if was_tuple else tensors[0]
-
-
-__all__ = ["as_tuple", "batch_size", "from_tuple", "merge", "signature", "split", "split_sizes", "tensors_of"]

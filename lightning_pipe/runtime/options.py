@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD
+from lightning_pipe.runtime.replicas.elastic_averaging import DEFAULT_PERIOD
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,14 @@ class PipelineOptions:
         virtual_stages: stages per process (1 but for the interleaved schedules and ZB-V).
         recompute: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
         gradient_accumulation_fusion: each plain ``nn.Linear`` adds its weight gradient into
-            ``.grad`` within its backward's matrix product (:mod:`lightning_pipe.runtime.fused_linear`).
+            ``.grad`` within its backward's matrix product (:mod:`lightning_pipe.runtime.grads.fused_linear`).
         sharded: the stage is sharded over its replicas with FSDP2 (only where there are replicas).
         pipemare_warmup: PipeMare's learning-rate rescheduling over this many updates (0: off).
         pipemare_correction: PipeMare's discrepancy correction on.
         pipemare_decay: the correction's velocity decay over one delay (None: PipeMare's default).
-        xpipe_predictor: how ``xpipe`` predicts the weights (see :mod:`lightning_pipe.runtime.xpipe`).
+        xpipe_predictor: how ``xpipe`` predicts the weights (see :mod:`lightning_pipe.runtime.asynchronous.xpipe`).
         replicas_sync_alpha: elastic averaging's coefficient between the replicas (0.0: their gradients are
-            all-reduced every step instead; see :mod:`lightning_pipe.runtime.elastic_average`).
+            all-reduced every step instead; see :mod:`lightning_pipe.runtime.replicas.elastic_averaging`).
         replicas_sync_period: optimizer steps between two elastic averagings.
     """
 
@@ -46,6 +46,3 @@ class PipelineOptions:
     xpipe_predictor: str = "update"
     replicas_sync_alpha: float = 0.0
     replicas_sync_period: int = DEFAULT_PERIOD
-
-
-__all__ = ["PipelineOptions"]

@@ -104,6 +104,3 @@ def unqualify(named: Mapping[str, Any], local: set[str], everywhere: set[str], s
     out = {n: v for n, v in named.items() if n in local and n not in everywhere}
     out.update((n, named[qualified(n, stage)]) for n in everywhere if qualified(n, stage) in named)
     return out
-
-
-__all__ = ["OutsideOwners", "owners_from_flags", "qualified", "qualify", "unqualify"]

@@ -70,6 +70,3 @@ def checked(hook: OverlapHook, forward: Callable[[], None], backward: Callable[[
             f"{HOOK_NAME} returned without calling {' and '.join(f'{m}()' for m in missing)}; "
             "call forward() and backward() once each."
         )
-
-
-__all__ = ["HOOK_NAME", "OverlapHook", "checked", "one_after_another", "overlap_hook"]

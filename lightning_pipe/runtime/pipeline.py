@@ -35,30 +35,30 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_pipe.runtime import deferred_conv, fused_linear
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
-from lightning_pipe.runtime.blocks import BlockStage
-from lightning_pipe.runtime.carried import carrying_refusal
-from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
-from lightning_pipe.runtime.elastic_average import ElasticAverage
+from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
+from lightning_pipe.runtime.asynchronous.versions import WeightVersions
+from lightning_pipe.runtime.asynchronous.xpipe import XPipe
+from lightning_pipe.runtime.blocks.carried import carrying_refusal
+from lightning_pipe.runtime.blocks.container import BlockStage
 from lightning_pipe.runtime.executor import Callbacks, Executor
-from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.grads import deferred_conv, fused_linear
+from lightning_pipe.runtime.grads.copies import loss_ranks, reaching, stage_copies
+from lightning_pipe.runtime.grads.gradients import StageGradients, swap_grads, tie_groups
+from lightning_pipe.runtime.grads.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.options import PipelineOptions
-from lightning_pipe.runtime.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.pipemare import PipeMare
-from lightning_pipe.runtime.replica_pending import gather_pending, mean_pending, pending_for
-from lightning_pipe.runtime.sharding import ShardedStage, outside_modules
+from lightning_pipe.runtime.replicas.elastic_averaging import ElasticAverage
+from lightning_pipe.runtime.replicas.pending import gather_pending, mean_pending, pending_for
+from lightning_pipe.runtime.replicas.sharding import ShardedStage, outside_modules
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
-from lightning_pipe.runtime.timeline import Timeline
+from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
-from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.runtime.xpipe import XPipe
 from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
-from lightning_pipe.schedules.interleaved import valid_microbatches
+from lightning_pipe.schedules.families.interleaved import valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
 #: A context to run a verb's compute in (the precision's autocast, for example).
@@ -75,7 +75,7 @@ class StageSplit:
         stages: the stages this rank holds, by their index in the split; with one stage per rank,
             the host itself.
         ties: weights tied across pipeline positions: position -> the parameter's name in the user's
-            model on that position (see :func:`lightning_pipe.partition.virtual.ties_by_position`).
+            model on that position (see :func:`lightning_pipe.partition.stages.virtual.ties_by_position`).
     """
 
     host: StageModule | BlockStage
@@ -440,13 +440,13 @@ class StagePipeline:
 
     def clip_grad_norm_(self, parameters: Sequence[nn.Parameter], max_norm: float) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the 2-norm taken over every stage's gradients
-        (see :meth:`lightning_pipe.runtime.gradients.StageGradients.clip_grad_norm_`)."""
+        (see :meth:`lightning_pipe.runtime.grads.gradients.StageGradients.clip_grad_norm_`)."""
         return self.gradients.clip_grad_norm_(parameters, max_norm, self.placement.device)
 
     def state_dict(self) -> dict[str, Any] | None:
         """An asynchronous schedule's state for a checkpoint (drain first); None for synchronous ones.
         With replicas (a collective over them: every rank calls it), ``pending`` is the replicas'
-        mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replica_pending`).
+        mean and ``replica_pending`` each replica's own (see :mod:`~lightning_pipe.runtime.replicas.pending`).
         Under elastic averaging (a collective over the replicas too): ``{"elastic": ...}``, the center and
         every replica's own weights and optimizer state."""
         if self.elastic is not None:
@@ -471,7 +471,7 @@ class StagePipeline:
         """Give this stage its share of an asynchronous schedule's saved state (every stage's, by
         parameter name): this replica's own unapplied gradients where the checkpoint has as many
         replicas, else the saved replicas' mean. Elastic averaging's state: see
-        :meth:`~lightning_pipe.runtime.elastic_average.ElasticAverage.load_state_dict`."""
+        :meth:`~lightning_pipe.runtime.replicas.elastic_averaging.ElasticAverage.load_state_dict`."""
         if self.elastic is not None:
             if state is None or "elastic" not in state:  # saved without elastic averaging
                 self.elastic.center_on_loaded_weights()
@@ -526,6 +526,3 @@ class StagePipeline:
 
     def _accumulation(self) -> AbstractContextManager[Any]:
         return fused_linear.accumulating(self.options.gradient_accumulation_fusion) if self._fused else nullcontext()
-
-
-__all__ = ["Context", "StagePipeline", "StageSplit"]

@@ -75,6 +75,3 @@ def keep_buffers(module: nn.Module) -> tuple[_Forward, _Recomputation]:
     the recomputation of ``module``'s forward leaves its buffers as it found them."""
     changed: list[Tensor] = []
     return _Forward(module, changed), _Recomputation(changed)
-
-
-__all__ = ["keep_buffers"]

@@ -172,16 +172,3 @@ def skips_refusal(schedule: str) -> str | None:
         "one chain, with one weight version). Choose one of those schedules, or a split (balance=[...]) that keeps "
         "each stash and its pop on one stage."
     )
-
-
-__all__ = [
-    "SKIPPING_SCHEDULES",
-    "pop",
-    "routes_line",
-    "skip_routes",
-    "skip_scope",
-    "skippable",
-    "skips_refusal",
-    "stash",
-    "take_skips",
-]

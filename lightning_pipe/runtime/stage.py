@@ -19,16 +19,29 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_pipe.runtime import weight_store
-from lightning_pipe.runtime.block_reads import HeldBlockRead, refuse_held
-from lightning_pipe.runtime.blocks import BlockDrive, BlockStage, StageExit, held_stages, layer_parameter_names
-from lightning_pipe.runtime.carried import CARRIED_KEYS, Carry, Returned, carrying_refused, crossing_line, split_codes
-from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.asynchronous.versions import WeightVersions, on_version
+from lightning_pipe.runtime.blocks.carried import (
+    CARRIED_KEYS,
+    Carry,
+    Returned,
+    carrying_refused,
+    crossing_line,
+    split_codes,
+)
+from lightning_pipe.runtime.blocks.container import (
+    BlockDrive,
+    BlockStage,
+    StageExit,
+    held_stages,
+    layer_parameter_names,
+)
+from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held
+from lightning_pipe.runtime.grads import weight_store
+from lightning_pipe.runtime.grads.weight_store import WeightWork
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.runtime.skips import skip_scope, take_skips
-from lightning_pipe.runtime.versions import WeightVersions, on_version
-from lightning_pipe.runtime.weight_store import WeightWork
 from lightning_pipe.torch_internals import filled_slots
 
 RECOMPUTE_MODES = ("always", "except_last", "never")
@@ -206,7 +219,7 @@ class StageRunner:
         self._microbatches = 1
         self.meter: SavedActivationMeter | None = None  # benchmarks: peak bytes saved for backward
         # PipeMare: saved-tensor hooks around a training forward that give its backward the weights
-        # of the backward's moment (see lightning_pipe.runtime.pipemare), given the meter if any
+        # of the backward's moment (see lightning_pipe.runtime.asynchronous.pipemare), given the meter if any
         self.saving: Callable[[SavedActivationMeter | None], AbstractContextManager[Any]] | None = None
         #: why this schedule cannot carry values recorded by blocks between stages (None: it can)
         self.carry_refusal: str | None = None
@@ -337,7 +350,7 @@ class StageRunner:
     ) -> Sent | None:
         """A block container's stage: the user's step runs here too, its loop over the blocks
         skipping other stages' blocks, starting this stage's on ``received`` and, on every stage but
-        the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks`).
+        the last, ending at the next stage's first block (see :mod:`lightning_pipe.runtime.blocks.container`).
         The values recorded by earlier blocks and received (after the hidden state) go to the model's
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
@@ -414,7 +427,7 @@ class StageRunner:
 
     def backward_input(self, microbatch: int, grads: list[Tensor] | None) -> list[Tensor] | None:
         """B of a split backward: the whole backward except the weight-gradient products that the
-        stage's layers defer (see :mod:`lightning_pipe.runtime.weight_store`), kept for W."""
+        stage's layers defer (see :mod:`lightning_pipe.runtime.grads.weight_store`), kept for W."""
         with weight_store.deferring() as works:
             input_grads = self.backward(microbatch, grads)
         self._weights_due[microbatch] = works

@@ -5,7 +5,7 @@ The world of ``p x d`` processes is a ``DeviceMesh`` with dims ``("pp", "dp")``:
 ranks. Their gradient all-reduce (the heavy, frequent collective) then stays inside a node, while
 the pipeline's point-to-point traffic is what crosses nodes. On unequal devices a layout may be
 *placed* (:meth:`Layout.placed`): its slots (stage x replica) are held by the ranks of an ``order``
-(see :mod:`lightning_pipe.partition.placement`), so that the replicas of a stage are equally fast.
+(see :mod:`lightning_pipe.partition.solvers.rank_order`), so that the replicas of a stage are equally fast.
 
 :class:`Layout` is the arithmetic alone (no processes, tested as such); :class:`Topology` adds
 the process groups of this rank, built once from the mesh.
@@ -119,7 +119,7 @@ class Placement:
         layout: stages x replicas of the world.
         rank: this process's global rank.
         positions: for each stage of the split (``stages x virtual_stages`` of them), the pipeline
-            position that holds it (see :func:`lightning_pipe.partition.virtual.stage_positions`).
+            position that holds it (see :func:`lightning_pipe.partition.stages.virtual.stage_positions`).
         device: this rank's device.
         backend: the default process group's backend (``"gloo"``, ``"nccl"``): how point-to-point
             messages are posted and whether tensors stage through host memory.
@@ -255,6 +255,3 @@ class Topology:
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key))
         return self._groups[key]
-
-
-__all__ = ["DATA_PARALLEL_MODES", "Layout", "Placement", "Topology", "check_layout_arguments", "describe_rank"]

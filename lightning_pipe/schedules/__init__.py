@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
-from lightning_pipe.schedules.asynchronous import (
+from lightning_pipe.schedules.families.asynchronous import (
     drain_actions,
     pipedream,
     pipedream_2bw,
@@ -21,9 +21,11 @@ from lightning_pipe.schedules.asynchronous import (
     versions_held,
     xpipe,
 )
-from lightning_pipe.schedules.chimera import chimera
-from lightning_pipe.schedules.dualpipe import dualpipev
-from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
+from lightning_pipe.schedules.families.chimera import chimera
+from lightning_pipe.schedules.families.dualpipe import dualpipev
+from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
+from lightning_pipe.schedules.families.sync import forward_only, forward_only_like, gpipe, one_f_one_b
+from lightning_pipe.schedules.families.zero_bubble import zbv, zero_bubble
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import (
@@ -34,7 +36,6 @@ from lightning_pipe.schedules.simulate import (
     peak_in_flight_per_rank,
     simulate,
 )
-from lightning_pipe.schedules.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.text import ScheduleTextError, format_schedule, load_schedule, parse_schedule
 from lightning_pipe.schedules.traits import (
     ASYNC_SCHEDULES,
@@ -45,7 +46,6 @@ from lightning_pipe.schedules.traits import (
     traits,
 )
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
-from lightning_pipe.schedules.zero_bubble import zbv, zero_bubble
 
 ScheduleFn = Callable[[int, int], Schedule]
 

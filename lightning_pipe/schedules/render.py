@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import versions_held
+from lightning_pipe.schedules.families.asynchronous import versions_held
 from lightning_pipe.schedules.simulate import peak_in_flight, simulate
 from lightning_pipe.schedules.traits import TRAITS
 

@@ -20,7 +20,7 @@ from lightning_pipe.schedules import (
     traits,
     validate,
 )
-from lightning_pipe.schedules.chimera import chimera_forward
+from lightning_pipe.schedules.families.chimera import chimera_forward
 from lightning_pipe.schedules.text import forward_like_text
 
 
@@ -72,6 +72,3 @@ def runnable_schedule(
             f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
         ) from err
     return schedule
-
-
-__all__ = ["ScheduleRefused", "runnable_schedule"]

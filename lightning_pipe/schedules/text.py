@@ -290,15 +290,3 @@ def _units(
             last = action
         units.append(mine)
     return units
-
-
-__all__ = [
-    "TEXT_SUFFIXES",
-    "ScheduleTextError",
-    "format_schedule",
-    "forward_like_text",
-    "is_schedule_text",
-    "load_schedule",
-    "parse_schedule",
-    "read_schedule_text",
-]

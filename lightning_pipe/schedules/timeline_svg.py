@@ -2,7 +2,7 @@
 
 Pure: bars in, SVG text out. Bars come from a schedule's simulation (:func:`simulated_bars`, the
 predicted timeline, in units of the forward time or in seconds) or from the spans the executor's
-:class:`~lightning_pipe.runtime.timeline.Timeline` recorded on each rank (:func:`measured_bars`).
+:class:`~lightning_pipe.runtime.timings.Timeline` recorded on each rank (:func:`measured_bars`).
 Forwards, backwards (and weight-gradient backwards ``W``, for schedules that split them) have
 their own colours; time a rank spends waiting for communication is drawn as a hatched red bar, so
 the bubble is visible where it is.
@@ -196,6 +196,3 @@ def timeline_svg(panels: Sequence[tuple[str, Sequence[Bar]]], unit: str = "s", w
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{total:.0f}" '
         f'viewBox="0 0 {width:.0f} {total:.0f}"><style>{style}</style>{defs}' + "".join(body + legend) + "</svg>\n"
     )
-
-
-__all__ = ["COLOURS", "Bar", "measured_bars", "nice_ticks", "simulated_bars", "timeline_svg", "title_lines"]

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_pipe.schedules.actions import Schedule
-from lightning_pipe.schedules.asynchronous import pipedream, pipedream_2bw, pipemare, wpipe, xpipe
-from lightning_pipe.schedules.chimera import chimera, chimera_stage_to_rank
-from lightning_pipe.schedules.dualpipe import dualpipev, dualpipev_min_chunks
-from lightning_pipe.schedules.interleaved import interleaved_1f1b, interleaved_zero_bubble
-from lightning_pipe.schedules.sync import gpipe, one_f_one_b
+from lightning_pipe.schedules.families.asynchronous import pipedream, pipedream_2bw, pipemare, wpipe, xpipe
+from lightning_pipe.schedules.families.chimera import chimera, chimera_stage_to_rank
+from lightning_pipe.schedules.families.dualpipe import dualpipev, dualpipev_min_chunks
+from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
+from lightning_pipe.schedules.families.sync import gpipe, one_f_one_b
+from lightning_pipe.schedules.families.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
 from lightning_pipe.schedules.text import ScheduleTextError, is_schedule_text, load_schedule
-from lightning_pipe.schedules.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
 
 #: The schedule ``PipelineStrategy`` runs unless told otherwise.
 DEFAULT_SCHEDULE = "1f1b"
@@ -49,7 +49,7 @@ class ScheduleTraits:
     #: for an interleaved schedule, the one-stage-per-process schedule it interleaves
     single: str | None = None
     #: its micro-batches go through a process's stages in rounds, so it takes only counts that
-    #: :func:`~lightning_pipe.schedules.interleaved.valid_microbatches` keeps (a short last batch runs in fewer)
+    #: :func:`~lightning_pipe.schedules.families.interleaved.valid_microbatches` keeps (a short last batch runs in fewer)
     rounds: bool = False
     #: where a process's stages lie (one of :data:`PLACEMENTS`)
     placement: str = "loop"
@@ -248,16 +248,3 @@ def stage_counts(name: str, candidates: list[int]) -> list[int]:
     """The stages per process schedule ``name`` can run, of ``candidates`` (for an interleaved one)."""
     t = traits(name)
     return list(candidates) if t.interleaved else [t.virtual_stages]
-
-
-__all__ = [
-    "ASYNC_SCHEDULES",
-    "DEFAULT_SCHEDULE",
-    "PLACEMENTS",
-    "TRAITS",
-    "ScheduleTraits",
-    "stage_counts",
-    "stage_positions",
-    "text_traits",
-    "traits",
-]

@@ -37,8 +37,15 @@ from lightning_pipe.partition import (
     resolve_balance,
     tied_parameters,
 )
-from lightning_pipe.partition.costs import MEASURED_BALANCES, Profile
-from lightning_pipe.partition.ends import (
+from lightning_pipe.partition.measure.measured import (
+    BalanceTarget,
+    MeasureInputs,
+    RankResources,
+    agreed_resources,
+    measured_balance,
+)
+from lightning_pipe.partition.solvers.costs import MEASURED_BALANCES, Profile
+from lightning_pipe.partition.stages.ends import (
     end_parameters,
     end_stages,
     extended,
@@ -47,24 +54,17 @@ from lightning_pipe.partition.ends import (
     local_end_indices,
     stand_in_ends,
 )
-from lightning_pipe.partition.materialize import has_meta_tensors, materialize
-from lightning_pipe.partition.measured import (
-    BalanceTarget,
-    MeasureInputs,
-    RankResources,
-    agreed_resources,
-    measured_balance,
-)
-from lightning_pipe.partition.split import stage_bounds
-from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
+from lightning_pipe.partition.stages.materialize import has_meta_tensors, materialize
+from lightning_pipe.partition.stages.split import stage_bounds
+from lightning_pipe.partition.stages.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
-from lightning_pipe.plan.elastic import restart_replicas_sync
-from lightning_pipe.runtime.blocks import BlockStage
-from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
-from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
+from lightning_pipe.plan.restart_layout import restart_replicas_sync
+from lightning_pipe.runtime.asynchronous.pipemare import resolve
+from lightning_pipe.runtime.blocks.container import BlockStage
+from lightning_pipe.runtime.grads.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
-from lightning_pipe.runtime.pipemare import resolve
+from lightning_pipe.runtime.replicas.elastic_averaging import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
@@ -76,8 +76,8 @@ from lightning_pipe.trainer.compatibility import (
     check_elastic_scaler,
     check_shard,
 )
-from lightning_pipe.trainer.data import configured_optimizers, first_batch
-from lightning_pipe.trainer.elastic import restart_count
+from lightning_pipe.trainer.dataloaders.loaders import configured_optimizers, first_batch
+from lightning_pipe.trainer.launch.restarts import restart_count
 from lightning_pipe.trainer.layout_report import describe_layout
 from lightning_pipe.trainer.random_states import layout_key
 from lightning_pipe.weights import load_stage_weights, model_spec
@@ -99,7 +99,7 @@ class ModuleSplit:
         profile: the measured layer costs (``balance="time"/"memory"``, ``plan="auto"``).
         candidates: ``plan="auto"``: the ranked layouts; the first one runs.
         held_ends: the parameters of a model's ends (its embeddings, see
-            :mod:`lightning_pipe.partition.ends`) that this rank's stages hold.
+            :mod:`lightning_pipe.partition.stages.ends`) that this rank's stages hold.
         resources: every rank's speed and free memory that weighted the measured split
             (``balance="time"/"memory"``; None where none was measured).
     """
@@ -210,7 +210,7 @@ class SplitDecision:
     Attributes:
         positions: the process (pipeline position) of each split stage.
         num_split: the split's stages (processes x virtual stages; Chimera runs copies of them).
-        ends: the model's ends (its embeddings, see :mod:`lightning_pipe.partition.ends`), held by
+        ends: the model's ends (its embeddings, see :mod:`lightning_pipe.partition.stages.ends`), held by
             the end stages.
         owners: which layers hold a parameter.
         balance: layers per split stage; None where a measured balance decides it in the setup.
@@ -497,14 +497,3 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     for runner in pipeline.runners.values():
         runner.tell = rank_zero_info  # what crosses beside the hidden state, once
     return pipeline
-
-
-__all__ = [
-    "ModuleSplit",
-    "SplitDecision",
-    "build_pipeline",
-    "decide_split",
-    "measure_inputs",
-    "pipeline_options",
-    "split_module",
-]

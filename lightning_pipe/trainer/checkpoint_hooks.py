@@ -22,7 +22,7 @@ from lightning_pipe.checkpoint import (
     plain_state_by_name,
     stage_io,
 )
-from lightning_pipe.runtime.sharding import is_dtensor, shard_like
+from lightning_pipe.runtime.replicas.sharding import is_dtensor, shard_like
 from lightning_pipe.trainer import internals, random_states
 
 
@@ -132,12 +132,3 @@ def _shard_state(value: Any, param: Tensor) -> Any:
     if isinstance(value, Tensor) and value.dim() > 0 and is_dtensor(param) and tuple(value.shape) == tuple(param.shape):
         return shard_like(value, param)
     return value
-
-
-__all__ = [
-    "load_checkpoint",
-    "load_model_state_dict",
-    "load_optimizer_state_dict",
-    "optimizer_state",
-    "save_checkpoint",
-]

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_pipe.schedules import is_async, traits
-from lightning_pipe.schedules.asynchronous import min_chunks
+from lightning_pipe.schedules.families.asynchronous import min_chunks
 from lightning_pipe.schedules.runnable import ScheduleRefused
 
 
@@ -46,7 +46,7 @@ def split_layers(blocks: str | None) -> str:
 def check_shard(schedule: str, shared: Sequence[nn.Parameter], tied: bool, blocks: str | None = None) -> None:
     """``data_parallel='shard'`` (FSDP2) keeps one weight version. Parameters outside the split layers
     (``shared``; ``blocks``: the ``module=`` path when the split layers are a block container) and
-    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.sharding`),
+    weights tied across stages are sharded with their stage (:mod:`lightning_pipe.runtime.replicas.sharding`),
     unless the schedule puts both ends of a tie on one process (a V)."""
     if is_async(schedule):
         raise MisconfigurationException(
@@ -115,7 +115,7 @@ def check_async(
     """The asynchronous schedules stash (or predict) versions of each stage's weights and apply gradients
     late. Parameters outside the split layers (``shared``: a block container's embeddings, final norm and
     head, whose module is ``module=``'s ``blocks``; a Sequential's pre- and post-processing) take the
-    versions of the stage that uses them (:mod:`lightning_pipe.runtime.versions`): nothing to refuse
+    versions of the stage that uses them (:mod:`lightning_pipe.runtime.asynchronous.versions`): nothing to refuse
     there. A weight tied across stages is refused where the stages' delays differ."""
     if tied and traits(schedule).refuses_ties:
         raise MisconfigurationException(
@@ -135,13 +135,3 @@ def check_async(
             f"schedule={schedule!r} applies gradients a step late, when the loss scale of "
             "precision='16-mixed' may have changed. Use precision='bf16-mixed' or a synchronous schedule."
         )
-
-
-__all__ = [
-    "as_misconfiguration",
-    "check_async",
-    "check_automatic_optimization",
-    "check_chimera_layout",
-    "check_shard",
-    "split_layers",
-]

@@ -218,7 +218,7 @@ class _SigtermHook(_SignalConnector):
 def signal_connector_class() -> type:
     """Lightning's ``_SignalConnector``, the class the Trainer's signal handling must be, whose SIGTERM
     handler (``_sigterm_notifier_fn``, registered by ``register_signal_handlers``) calls the public
-    ``on_sigterm(signum, frame)`` that :class:`lightning_pipe.trainer.signals.PipelineSignalConnector`
+    ``on_sigterm(signum, frame)`` that :class:`lightning_pipe.trainer.launch.signals.PipelineSignalConnector`
     overrides; the Trainer offers no way to change its SIGTERM handling. Checked with Lightning 2.6."""
     return _SigtermHook
 
@@ -317,33 +317,3 @@ def script_launcher(
     ``_call_children_scripts`` with ``subprocess_script._hydra_subprocess_cmd`` patched, the only
     place Lightning builds that command. Checked with Lightning 2.6 and Hydra 1.3."""
     return _HydraChildrenLauncher(cluster_environment, num_processes, num_nodes, child_command)
-
-
-__all__ = [
-    "LauncherHook",
-    "batches_that_stepped",
-    "configure_optimizers",
-    "data_source",
-    "default_process_group_backend",
-    "default_store",
-    "evaluation_loaders",
-    "extend_class",
-    "init_dist_connection",
-    "launcher_class",
-    "metric_sync_off",
-    "multiprocessing_launcher",
-    "optimizer_to_device",
-    "optimizers_to_device",
-    "replace_unscale",
-    "routed_log",
-    "scaler_device",
-    "scaler_found_infs",
-    "script_launcher",
-    "sent_state_dict",
-    "set_launcher",
-    "set_signal_connector",
-    "signal_connector",
-    "signal_connector_class",
-    "sync_ddp_if_available",
-    "update_dataloader",
-]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_pipe.partition.placement import describe_order
+from lightning_pipe.partition.solvers.rank_order import describe_order
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules.text import is_schedule_text
 from lightning_pipe.schedules.traits import text_traits
@@ -110,6 +110,3 @@ def describe_layout(
     if layout.is_placed:
         line += f"; ranks placed: {describe_order(layout.order, layout.stages, replicas)}"
     return line
-
-
-__all__ = ["describe_layout", "layout_line", "loader_batch_size", "shows_model_summary"]

@@ -40,6 +40,3 @@ def setup_optimizers(setup: Callable[[], None], device: torch.device) -> None:
             "any pipeline stage, so the model has nothing to train. Pass the parameters to train (those with "
             "requires_grad=True) to the optimizer."
         )
-
-
-__all__ = ["setup_optimizers"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential
-from lightning_pipe.runtime.elastic_average import resolve_alpha
+from lightning_pipe.runtime.replicas.elastic_averaging import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import is_async
 from lightning_pipe.trainer.assemble import decide_split, for_this_world

@@ -120,6 +120,3 @@ class ResumedRandom:
         elif self._reseed is not None:
             self._reseed()
         self._states, self._reseed = None, None
-
-
-__all__ = ["KEY", "ResumedRandom", "collect", "gathered", "layout_key", "reseed", "restore"]

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_pipe.runtime.block_reads import refuse_held
-from lightning_pipe.runtime.reductions import combine, reduction
+from lightning_pipe.runtime.blocks.reads import refuse_held
 from lightning_pipe.trainer import internals
+from lightning_pipe.trainer.reductions import combine, reduction
 
 #: Lightning's advice for values logged per epoch, moot under the pipeline: every rank already logs the last
 #: stage's values, averaged over the replicas, and Lightning drops ``sync_dist`` for a strategy that is not

@@ -22,14 +22,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.runtime.block_reads import refuse_held
+from lightning_pipe.runtime.blocks.reads import refuse_held
 from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_shares
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
-from lightning_pipe.runtime.replica_data import EMPTY, combine_over_replicas
 from lightning_pipe.runtime.topology import Topology
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async_accumulation
-from lightning_pipe.trainer.data import is_padding
+from lightning_pipe.trainer.dataloaders.loaders import is_padding
+from lightning_pipe.trainer.dataloaders.replica_data import EMPTY, combine_over_replicas
 from lightning_pipe.trainer.step_results import StepRecorder, SummarySharing, gather_recorders, replay, step_loss
 
 _LOADERS = {  # step kind -> (name in messages, Trainer attribute holding its DataLoader)
@@ -216,7 +216,7 @@ class PipelineSteps:
 
     def _padding_step(self, module: pl.LightningModule, hook: str, args: tuple) -> bool:
         """Whether this evaluation step only keeps this replica in step with replicas that have more
-        samples (see :class:`lightning_pipe.runtime.replica_data.EvaluationShare`)."""
+        samples (see :class:`lightning_pipe.trainer.dataloaders.replica_data.EvaluationShare`)."""
         if self.placement.num_replicas == 1 or hook == "predict_step" or module is None:
             return False
         batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
@@ -345,6 +345,3 @@ def _data_source(
     if every is not True and batch_idx > 0:  # check_data=N: the values were last compared N batches ago
         where += f", compared every {every} batches, so they may differ from batch {batch_idx - every + 1} on"
     return where
-
-
-__all__ = ["PipelineSteps", "checks_values"]

@@ -163,16 +163,3 @@ def _weight_map(index: Path) -> dict[str, Path]:
     if absent:
         raise ValueError(f"{index} names shards that are not in {index.parent}: {', '.join(absent)}")
     return files
-
-
-__all__ = [
-    "BIN",
-    "BIN_INDEX",
-    "PRETRAINED_FILES",
-    "SAFETENSORS",
-    "SAFETENSORS_INDEX",
-    "PretrainedFiles",
-    "check_length",
-    "pretrained_file",
-    "safetensors_shapes",
-]

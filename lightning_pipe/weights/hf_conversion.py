@@ -109,6 +109,3 @@ def conversion_of(module: nn.Module) -> Conversion | None:
             model.config,
         )
     return None
-
-
-__all__ = ["Conversion", "conversion_of"]

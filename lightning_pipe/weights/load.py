@@ -369,21 +369,3 @@ def load_stage_weights(
         if fit.line(source.path):
             report(fit.line(source.path))
     return copied
-
-
-__all__ = [
-    "FILE_SUFFIXES",
-    "HeadFit",
-    "HeadOf",
-    "ModelSpec",
-    "WeightSource",
-    "check_names",
-    "check_weights_argument",
-    "converted",
-    "head_of",
-    "load_local",
-    "load_stage_weights",
-    "match_names",
-    "model_spec",
-    "open_weights",
-]

@@ -151,6 +151,3 @@ def mismatch_hint(names: NameMap, file_names: Collection[str], model_names: Coll
         "'model.') is matched automatically; map other layouts with rename (a mapping of name prefixes, or a "
         "callable file_name -> module_name)."
     )
-
-
-__all__ = ["NameMap", "Rename", "apply_rename", "check_rename", "mismatch_hint", "name_map"]

@@ -204,7 +204,7 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     not step. None where the cell is not a plain chain of one stage per process (other rules, virtual
     stages, AvgPipe, elastic restarts) or its model has parameters outside the layers."""
     from lightning_pipe.partition import balance_uniform, stage_bounds
-    from lightning_pipe.schedules.asynchronous import update_delay
+    from lightning_pipe.schedules.families.asynchronous import update_delay
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.partition.costs import LayerCost, Profile
+from lightning_pipe.partition.solvers.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import (
     PLAN_SCHEDULES,
     Link,

@@ -9,7 +9,7 @@ import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 
-from lightning_pipe.partition.costs import LayerCost, Profile
+from lightning_pipe.partition.solvers.costs import LayerCost, Profile
 from lightning_pipe.plan.planner import Candidate, Link, needed_sizes, plan_layouts
 from lightning_pipe.plan.report import overrides, plan_text, predicted_timelines
 from lightning_pipe.schedules.timeline_svg import _LEFT, _TITLE_CHAR

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.observe import StageMetrics
 from lightning_pipe.observe.stage_metrics import Window, bubble, busy_and_total, peak_memory, stage_metrics
-from lightning_pipe.runtime.timeline import Span
+from lightning_pipe.runtime.timings import Span
 from tests.models import TinyNet, fit_plain
 from tests.pipeline import fit_pipeline
 

@@ -112,7 +112,7 @@ def test_the_recipes_training_loader_is_one_the_pipeline_steers() -> None:
     middle of an epoch; the epoch still reaches the dataset's ``set_epoch`` (VGG's crops)."""
     from lightning_pipe.recipes import EpochShuffle, TrainValData
 
-    from lightning_pipe.runtime.replica_data import ReplicaOrder, not_steered
+    from lightning_pipe.trainer.dataloaders.replica_data import ReplicaOrder, not_steered
 
     class Epochs(torch.utils.data.TensorDataset):
         epoch = -1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.partition.virtual import split_stages
+from lightning_pipe.partition.stages.virtual import split_stages
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_pipe.runtime.sharding import outside_modules, refuse_shared_units
+from lightning_pipe.runtime.replicas.sharding import outside_modules, refuse_shared_units
 
 
 def test_the_modules_holding_trainable_parameters_outside_the_stage_are_sharded_with_it() -> None:

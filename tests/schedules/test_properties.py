@@ -11,7 +11,7 @@ import random
 import pytest
 
 from lightning_pipe.schedules import SCHEDULES, closed_form_bubble, is_async, peak_in_flight, simulate, unroll, validate
-from lightning_pipe.schedules.asynchronous import isolated_step, min_chunks
+from lightning_pipe.schedules.families.asynchronous import isolated_step, min_chunks
 
 FULL = [(p, m) for p in range(1, 17) for m in range(1, 65)]
 CORNERS = [(1, 1), (1, 64), (16, 1), (16, 15), (16, 16), (16, 64), (2, 1), (7, 3)]
@@ -25,7 +25,7 @@ def _idle(schedule, *costs: float) -> list[float]:
 
 def _check_new(name: str, p: int, m: int) -> None:
     """The schedules with a split backward or several stages per rank, against their published
-    bubbles (see tests/schedules/test_zero_bubble.py for the sources)."""
+    bubbles (see tests/schedules/families/test_zero_bubble.py for the sources)."""
     if name == "zero_bubble":
         schedule = SCHEDULES[name](p, m)
         validate(schedule)
@@ -49,7 +49,7 @@ def _check_new(name: str, p: int, m: int) -> None:
 
 def _check_chimera(p: int, m: int) -> None:
     """Chimera: even stage counts only; the paper's bubble (D - 2) / (2N + D - 2) with equal forward
-    and backward costs for multiples of D (see tests/schedules/test_chimera.py)."""
+    and backward costs for multiples of D (see tests/schedules/families/test_chimera.py)."""
     if p % 2:
         with pytest.raises(ValueError, match="even number"):
             SCHEDULES["chimera"](p, m)
@@ -65,7 +65,7 @@ def _check_chimera(p: int, m: int) -> None:
 def _check_dualpipev(p: int, m: int) -> None:
     """DualPipeV: chunks >= 2p, refused below with the smallest valid value; DeepSeek's bubble
     (PP/2 - 1)(F&B + B - 3W), 2 (p - 1) with equal costs and F&B = F + B + W, p - 1 with its
-    computes one after another (see tests/schedules/test_dualpipe.py)."""
+    computes one after another (see tests/schedules/families/test_dualpipe.py)."""
     if m < 2 * p:
         with pytest.raises(ValueError, match=f"Use chunks={2 * p}"):
             SCHEDULES["dualpipev"](p, m)
@@ -93,7 +93,8 @@ def _check(name: str, p: int, m: int) -> None:
             validate(unroll(isolated_step(p, m), 1))
             return
         unrolled = unroll(SCHEDULES[name](p, m), 2)
-        # WPipe's G1 flushes each batch: the unrolled list joins two steps' groups there (tests/schedules/test_wpipe.py)
+        # WPipe's G1 flushes each batch: the unrolled list joins two steps' groups there
+        # (tests/schedules/families/test_wpipe.py)
         strict = name != "wpipe"
         validate(unrolled, rendezvous=strict)
         simulate(unrolled, rendezvous=strict)

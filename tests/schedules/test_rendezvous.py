@@ -52,7 +52,8 @@ def _check(name: str, p: int, m: int, v: int) -> None:
             return
         assert name != "zbv" and m % max(1, m // p), (name, p, m)  # no equal rounds
         return
-    # Chimera evaluates through one of its pipelines (schedules.chimera.chimera_forward), not in its training order
+    # Chimera evaluates through one of its pipelines (schedules.families.chimera.chimera_forward), not in its
+    # training order
     for schedule in (original,) if name == "chimera" else (original, forward_only_like(original)):
         try:
             regrouped = for_rendezvous(schedule)

@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.trainer.elastic import ElasticState
+from lightning_pipe.trainer.launch.restarts import ElasticState
 from tests.models import TinyNet, loader, trainer_kwargs
 
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

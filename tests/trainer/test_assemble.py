@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.runtime.asynchronous.pipemare import DEFAULT_WARMUP
 from lightning_pipe.runtime.options import PipelineOptions
-from lightning_pipe.runtime.pipemare import DEFAULT_WARMUP
 from lightning_pipe.runtime.topology import Layout, Placement
 from lightning_pipe.trainer.assemble import pipeline_options
 

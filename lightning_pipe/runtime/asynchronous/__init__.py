@@ -1,0 +1,2 @@
+"""Weights across steps for the asynchronous schedules: PipeDream's stashed versions, PipeMare's and XPipe's
+prediction."""
