@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,6 +199,57 @@ def test_no_import_circle_in_the_benchmarks() -> None:
 def test_the_cycle_finder_finds_a_circle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def _folders() -> list[Path]:
+    """The package and its subpackages (not what a checkout links into it: the recipes, Hydra's configuration)."""
+    return sorted(Path(d) for d, _, _ in os.walk(PACKAGE) if (Path(d) / "__init__.py").exists())
+
+
+def test_every_folder_says_its_concern_in_at_most_fifteen_modules() -> None:
+    """A folder holds one concern, which its ``__init__.py``'s docstring says, in no more than 15 modules."""
+    sizes = {str(d.relative_to(ROOT)): len(list(d.glob("*.py"))) for d in _folders()}
+    assert sizes["lightning_pipe/runtime"] > 1 and "lightning_pipe/runtime/grads" in sizes
+    assert {d: n for d, n in sizes.items() if n > 15} == {}
+    assert [d for d in sizes if not ast.get_docstring(ast.parse((ROOT / d / "__init__.py").read_text()))] == []
+
+
+def test_no_two_folders_import_each_other() -> None:
+    """Within each folder, its modules and its sub-folders (each taken whole) import each other one way only:
+    ``runtime/stage.py`` may import ``runtime/grads/``, but then nothing in ``runtime/grads/`` imports it back."""
+    files = [f for d in _folders() for f in d.glob("*.py")]
+    graph = _graph(ROOT, "", files, module_level_only=False)
+    circles = {}
+    for folder in _folders():
+        prefix = _module_name(folder / "__init__.py", ROOT, "") + "."
+        unit = {m: m[len(prefix) :].split(".")[0] for m in graph if m.startswith(prefix)}
+        units: dict[str, set[str]] = {u: set() for u in unit.values()}
+        for m, u in unit.items():
+            units[u] |= {unit[n] for n in graph[m] if n in unit and unit[n] != u}
+        if found := _cycle(units):
+            circles[prefix] = found
+    assert "lightning_pipe.runtime.grads.gradients" in graph
+    assert circles == {}
+
+
+def test_only_the_package_faces_list_names() -> None:
+    """The public names are listed in the package's face (``lightning_pipe.__all__``) and in the faces of the
+    folders whose names the API reference documents; a module that is implementation keeps no ``__all__``."""
+    listing = sorted(
+        str(f.relative_to(ROOT))
+        for d in _folders()
+        for f in d.glob("*.py")
+        if f.name != "__init__.py"
+        and "__all__"
+        in {
+            t.id
+            for node in ast.parse(f.read_text()).body
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
+    )
+    assert listing == []
 
 
 #: The only modules that reach into other packages' private names: Lightning's, Hydra's and torch's

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lightning_pipe.runtime.skips import routes_line, skip_routes, skips_refusal
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
 from tests.models import SkipNet, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
@@ -84,7 +84,7 @@ def test_skips_train_as_plain_with_sharded_replicas() -> None:
 
 
 def test_an_undeclared_or_missing_stash_is_refused_when_the_stage_ends() -> None:
-    from lightning_pipe.runtime.skips import skip_scope, take_skips
+    from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
     from lightning_pipe.skips import pop, stash
 
     with skip_scope({"a": torch.zeros(1)}) as scope:

@@ -2,7 +2,7 @@
 
 Activations travel with a small header (dtypes, shapes, which tensors need a gradient, whether
 the stage returned a tuple, and how many recorded values of each earlier block travel after the
-hidden state: :mod:`lightning_pipe.runtime.blocks.carried`) so a receiver can allocate buffers for shapes
+hidden state: :mod:`lightning_pipe.runtime.crossing.carried`) so a receiver can allocate buffers for shapes
 it has never seen. The header goes as its length, then its integers, so it has no fixed size: a
 64-layer MoE's router logits (one tensor per block) need no cap. A
 header goes once per *shape key* (the stage and the micro-batch's input shapes), which every rank

@@ -37,18 +37,18 @@ from torch import Tensor, nn
 
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.asynchronous.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions
 from lightning_pipe.runtime.asynchronous.xpipe import XPipe
-from lightning_pipe.runtime.blocks.carried import carrying_refusal
 from lightning_pipe.runtime.blocks.container import BlockStage
+from lightning_pipe.runtime.crossing.carried import carrying_refusal
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.grads import deferred_conv, fused_linear
 from lightning_pipe.runtime.grads.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.grads.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.grads.outside_agreement import check_outside_agreement
 from lightning_pipe.runtime.options import PipelineOptions
-from lightning_pipe.runtime.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.replicas.elastic_averaging import ElasticAverage

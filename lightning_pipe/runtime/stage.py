@@ -21,14 +21,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.activation_meter import SavedActivationMeter
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions, on_version
-from lightning_pipe.runtime.blocks.carried import (
-    CARRIED_KEYS,
-    Carry,
-    Returned,
-    carrying_refused,
-    crossing_line,
-    split_codes,
-)
 from lightning_pipe.runtime.blocks.container import (
     BlockDrive,
     BlockStage,
@@ -37,11 +29,19 @@ from lightning_pipe.runtime.blocks.container import (
     layer_parameter_names,
 )
 from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held
+from lightning_pipe.runtime.crossing.carried import (
+    CARRIED_KEYS,
+    Carry,
+    Returned,
+    carrying_refused,
+    crossing_line,
+    split_codes,
+)
+from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.runtime.recomputation import keep_buffers
-from lightning_pipe.runtime.skips import skip_scope, take_skips
 from lightning_pipe.torch_internals import filled_slots
 
 RECOMPUTE_MODES = ("always", "except_last", "never")

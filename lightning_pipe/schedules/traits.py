@@ -49,7 +49,8 @@ class ScheduleTraits:
     #: for an interleaved schedule, the one-stage-per-process schedule it interleaves
     single: str | None = None
     #: its micro-batches go through a process's stages in rounds, so it takes only counts that
-    #: :func:`~lightning_pipe.schedules.families.interleaved.valid_microbatches` keeps (a short last batch runs in fewer)
+    #: :func:`~lightning_pipe.schedules.families.interleaved.valid_microbatches` keeps (a short last batch
+    #: runs in fewer)
     rounds: bool = False
     #: where a process's stages lie (one of :data:`PLACEMENTS`)
     placement: str = "loop"

@@ -61,11 +61,11 @@ from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.plan.restart_layout import restart_replicas_sync
 from lightning_pipe.runtime.asynchronous.pipemare import resolve
 from lightning_pipe.runtime.blocks.container import BlockStage
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.runtime.grads.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.replicas.elastic_averaging import DEFAULT_PERIOD, resolve_alpha
-from lightning_pipe.runtime.skips import routes_line, skip_routes, skips_refusal
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pipe.partition.stages.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks.container import BlockShell, BlockStage
-from lightning_pipe.runtime.skips import skip_routes
+from lightning_pipe.runtime.crossing.skips import skip_routes
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage

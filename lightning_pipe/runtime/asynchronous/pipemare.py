@@ -170,7 +170,8 @@ class PipeMare:
         decay: ``D`` in ``gamma_i = D ** (1 / tau_i)`` (None: :data:`DEFAULT_DECAY`, as the
             strategy's ``pipemare_decay`` left unset).
         outside: the trainable parameters outside the split layers on this rank, by their names in the
-            user's model: treated as the stage's own (see :func:`~lightning_pipe.runtime.asynchronous.versions.stage_parameters`).
+            user's model: treated as the stage's own
+            (see :func:`~lightning_pipe.runtime.asynchronous.versions.stage_parameters`).
     """
 
     def __init__(

@@ -19,13 +19,13 @@ blocks under their original indices (so parameter names do not change), and the 
 What crosses a stage boundary is the first argument a block is called with (the hidden state: a
 tensor or a tuple of tensors) and, under the chain schedules, what the last block before the
 boundary returns beside it that the next block is called with (T5's position biases:
-:class:`~lightning_pipe.runtime.blocks.carried.Returned`; the stand-ins of earlier blocks on the next
+:class:`~lightning_pipe.runtime.crossing.carried.Returned`; the stand-ins of earlier blocks on the next
 stages return it in the block's structure). The rest of a block's arguments must be recomputable
 from the micro-batch on every stage (see the README's "Bring your own model"). A model that reads another stage's
 block's output is refused (:mod:`lightning_pipe.runtime.blocks.reads`), except for what a Hugging Face
 model records of its blocks with hooks (router logits for an MoE load-balancing loss, hidden states,
 attention weights), which travels with the micro-batch beside the hidden state
-(:mod:`lightning_pipe.runtime.blocks.carried`).
+(:mod:`lightning_pipe.runtime.crossing.carried`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_pipe.runtime.blocks.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.blocks.forced_outputs import only_forced
 from lightning_pipe.runtime.blocks.outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.blocks.reads import (
@@ -51,6 +50,7 @@ from lightning_pipe.runtime.blocks.reads import (
     refuse_held,
     refuse_recorded_outputs,
 )
+from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import child_slot, filled_slots
 

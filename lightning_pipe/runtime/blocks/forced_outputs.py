@@ -13,7 +13,7 @@ stage that skips other stages' blocks records only its own, and what it records 
 :mod:`lightning_pipe.runtime.blocks.reads` refuses any recording while a skipped block is called;
 :func:`only_forced` tells when the recording is only that forced one, so such a model trains, and
 nothing is carried for it. Every other forced recording is a read: its hidden states cross stages
-under the schedules that carry recorded values (:mod:`lightning_pipe.runtime.blocks.carried`), and are
+under the schedules that carry recorded values (:mod:`lightning_pipe.runtime.crossing.carried`), and are
 refused under the others (:func:`forced_read` names the model's setting).
 """
 

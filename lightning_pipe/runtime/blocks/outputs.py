@@ -16,7 +16,7 @@ step:
   blocks ran) says so, with the model's own error.
 
 What the last block before a boundary returns beside its hidden state and the next block is called
-with crosses under the chain schedules (:class:`lightning_pipe.runtime.blocks.carried.Returned`): the
+with crosses under the chain schedules (:class:`lightning_pipe.runtime.crossing.carried.Returned`): the
 stand-ins of earlier blocks return it in the block's structure. The checks above remain for the
 other schedules and for values that the last block does not hand on.
 """
@@ -79,7 +79,7 @@ class BlockOutputs:
         """The next stage's first block ``index`` is called with ``args``/``kwargs`` (the first positional
         one, or the hidden-state keyword, being what crosses): refuse when another of them is a tensor an
         earlier block returned beside its hidden state and that does not cross (``crossing``: the ids of
-        those the last block returned, which do, :class:`~lightning_pipe.runtime.blocks.carried.Returned`)."""
+        those the last block returned, which do, :class:`~lightning_pipe.runtime.crossing.carried.Returned`)."""
         passed = [(names[i] if i < len(names) else f"argument {i}", v) for i, v in enumerate(args)][1:] if args else []
         hidden = names[0] if names else None
         passed += [(k, v) for k, v in kwargs.items() if args or k != hidden]

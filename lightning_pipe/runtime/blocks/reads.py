@@ -20,7 +20,7 @@ word. Two checks stop that before any weight changes, in training and evaluation
   does not run here, so its entries would be missing. A skipped block called while that collector
   records anything raises at once, in training and evaluation alike; except hidden states,
   attention weights and an MoE model's router logits, which cross stages with the micro-batch
-  (:mod:`lightning_pipe.runtime.blocks.carried`) under the schedules that carry them.
+  (:mod:`lightning_pipe.runtime.crossing.carried`) under the schedules that carry them.
 """
 
 from __future__ import annotations

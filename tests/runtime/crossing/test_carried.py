@@ -5,7 +5,7 @@ earlier blocks, and back into the model's recording."""
 import pytest
 import torch
 
-from lightning_pipe.runtime.blocks.carried import (
+from lightning_pipe.runtime.crossing.carried import (
     CARRIED_KEYS,
     CARRYING_SCHEDULES,
     Carry,
@@ -115,7 +115,7 @@ def test_the_bytes_a_stage_sends_for_mixtral_style_router_logits_at_32_layers_an
 def test_what_the_last_block_returns_for_the_next_crosses_in_its_structure() -> None:
     """T5's ``hidden, position_bias, cross_bias = block(...)``: what the next block is called with
     crosses; the stand-ins on the next stage return the block's structure."""
-    from lightning_pipe.runtime.blocks.carried import Returned, split_codes
+    from lightning_pipe.runtime.crossing.carried import Returned, split_codes
 
     hidden, bias, mask = torch.zeros(2, 3), torch.ones(1, 2, 3, 3), torch.zeros(1, 1, 3, 3)
     output = (hidden, bias, None)

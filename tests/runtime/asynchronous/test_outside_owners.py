@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe.runtime.outside_owners import owners_from_flags, qualify, unqualify
+from lightning_pipe.runtime.asynchronous.outside_owners import owners_from_flags, qualify, unqualify
 
 
 def test_each_parameter_is_owned_by_the_one_stage_that_gives_it_a_gradient() -> None:

@@ -1,0 +1,1 @@
+"""What crosses a stage boundary besides the hidden state: recorded values and skip connections."""
