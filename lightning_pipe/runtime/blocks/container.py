@@ -41,7 +41,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_pipe.runtime.blocks.forced_outputs import only_forced
 from lightning_pipe.runtime.blocks.outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.blocks.reads import (
     HeldBlockRead,
@@ -51,6 +50,7 @@ from lightning_pipe.runtime.blocks.reads import (
     refuse_recorded_outputs,
 )
 from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
+from lightning_pipe.runtime.crossing.forced_outputs import only_forced
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import child_slot, filled_slots
 

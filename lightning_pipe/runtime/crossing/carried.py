@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pipe.runtime.blocks.forced_outputs import forced_read, forced_unread
+from lightning_pipe.runtime.crossing.forced_outputs import forced_read, forced_unread
 from lightning_pipe.schedules.traits import TRAITS, traits
 from lightning_pipe.torch_internals import hf_active_output_collector
 

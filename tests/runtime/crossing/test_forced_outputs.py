@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lightning_pipe.runtime.blocks.forced_outputs import forced_read, only_forced, reads_hidden_states
+from lightning_pipe.runtime.crossing.forced_outputs import forced_read, only_forced, reads_hidden_states
 
 
 def model(**config: Any) -> SimpleNamespace:
