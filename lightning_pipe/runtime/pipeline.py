@@ -41,6 +41,7 @@ from lightning_pipe.runtime.async_pipeline import AsyncPipeline
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.carried import carrying_refusal
 from lightning_pipe.runtime.copies import loss_ranks, reaching, stage_copies
+from lightning_pipe.runtime.delay_correction import delay_correction
 from lightning_pipe.runtime.elastic_average import ElasticAverage
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.gradients import StageGradients, swap_grads, tie_groups
@@ -129,8 +130,9 @@ class StagePipeline:
         self.elastic = self._elastic_average(model)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
+            correction = delay_correction(options, placement.num_replicas)
             self.asynchronous = AsyncPipeline(
-                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
+                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare(), correction
             )
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
@@ -444,6 +446,9 @@ class StagePipeline:
         if "pipemare" in state:
             saved = state["pipemare"]
             mine["pipemare"] = {**saved, "velocity": {n: v for n, v in saved["velocity"].items() if n in local}}
+        if "delay_correction" in state:
+            saved = state["delay_correction"]
+            mine["delay_correction"] = {**saved, "buffers": {n: v for n, v in saved["buffers"].items() if n in local}}
         self.asynchronous.load_state_dict(mine)
 
     def enable_timeline(self, keep: int | None = None) -> Timeline:
