@@ -113,13 +113,15 @@ def test_a_corrected_run_follows_its_rule_and_resumes_exactly(
 
 
 @pytest.mark.slow
-def test_nesterov_on_four_stages_follows_its_rule() -> None:
-    """4 stages, 2 micro-batches: PipeDream's delays 2, 1, 1, 0, each stage's look-ahead its own."""
+@pytest.mark.parametrize("schedule, chunks", [("pipedream", 2), ("wpipe", 3)])
+def test_nesterov_on_four_stages_follows_its_rule(schedule: str, chunks: int) -> None:
+    """4 stages: PipeDream's delays 2, 1, 1, 0 (2 micro-batches), WPipe's 1, 1, 0, 0; each stage's look-ahead
+    its own."""
     torch.manual_seed(0)
     initial = TinyNet().state_dict()
     reference, piped = _net(initial), _net(initial)
-    _reference(reference, _batches(9), 0.1, _delays("pipedream", 4, 2, reference), "nesterov", 0.9)
-    fit_pipeline(piped, 4, schedule="pipedream", chunks=2, max_steps=9, delay_correction="nesterov")
+    _reference(reference, _batches(9), 0.1, _delays(schedule, 4, chunks, reference), "nesterov", 0.9)
+    fit_pipeline(piped, 4, schedule=schedule, chunks=chunks, max_steps=9, delay_correction="nesterov")
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
 
 
