@@ -33,6 +33,7 @@ from torch import nn
 from lightning_pipe.partition.solvers.rank_order import check_rank_order
 from lightning_pipe.partition.solvers.speeds import check_rank_speeds
 from lightning_pipe.partition.stages.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, check_delay_correction
 from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, check_replicas_sync
@@ -291,7 +292,7 @@ class ReplicasConfig:
 
 @dataclass(frozen=True)
 class AsynchronousConfig:
-    """The options of the asynchronous schedules' rules (PipeMare's and XPipe's)."""
+    """The options of the asynchronous schedules' rules (PipeMare's and XPipe's, the delay corrections)."""
 
     pipemare_warmup: int | None = option(
         values="int K >= 0", unset='1000 under `"pipemare"`, off under the PipeDream schedules'
@@ -311,6 +312,15 @@ class AsynchronousConfig:
     """how `"xpipe"` predicts the weights its forwards and backwards run on: `tau_i` updates ahead, the optimizer's
     last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
     [Schedules](schedules.md#xpipe-weights-predicted-ahead))."""
+    delay_correction: str | None = option(values=(None, *CORRECTIONS), unset="off")
+    """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, Nesterov's
+    look-ahead stretched over each stage's delay (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; use plain SGD, the
+    correction carries the momentum), or `"error_feedback"`, the one-step delay's error fed back (`"pipedream_2bw"`);
+    see [Schedules](schedules.md#delay-corrections)."""
+    delay_correction_coefficient: float | None = option(
+        values="float in [0, 1)", unset='0.9 under `"nesterov"` (gamma), 0.5 under `"error_feedback"` (beta)'
+    )
+    """the delay correction's coefficient: Nesterov's momentum gamma, or the share beta of the error fed back."""
 
     def check(self) -> None:
         warmup, correction, decay, predictor = (
@@ -337,6 +347,11 @@ class AsynchronousConfig:
             predictor is None or predictor in PREDICTORS,
             f"PipelineStrategy(xpipe_predictor={predictor!r}) sets how schedule='xpipe' predicts its weights; valid: "
             f"{', '.join(PREDICTORS)}. Use schedule='xpipe' with one of those, or leave xpipe_predictor unset.",
+        )
+        _check(
+            self.delay_correction is None or self.delay_correction in CORRECTIONS,
+            f"PipelineStrategy(delay_correction={self.delay_correction!r}) is not a delay correction; valid: "
+            f"{', '.join(CORRECTIONS)} (or None: off).",
         )
 
     def __post_init__(self) -> None:
@@ -459,6 +474,7 @@ class PipelineConfig:
             )
         check_elastic_averaging(self)
         check_pipemare_options(self)
+        check_delay_correction(self.delay_correction, self.delay_correction_coefficient, self.schedule)
 
     @property
     def checkpoint(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_pipe.checkpoint.optimizer_state import merge_optimizer_states
+from lightning_pipe.runtime.asynchronous.delay_correction import merged_correction_state
 
 
 def merged_state_dict(shards: Iterable[Mapping[str, Any]]) -> dict[str, Tensor]:
@@ -50,6 +51,9 @@ def merged_async_state(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any] | 
         for state in states:
             velocity.update(state["pipemare"]["velocity"])
         merged["pipemare"] = {"updates": states[0]["pipemare"]["updates"], "velocity": velocity}
+    correction = merged_correction_state(states)
+    if correction is not None:
+        merged["delay_correction"] = correction
     return merged
 
 

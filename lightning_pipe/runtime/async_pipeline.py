@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_pipe.runtime.asynchronous.delay_correction import DelayCorrection
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.stage import StageRunner
@@ -35,7 +36,13 @@ class AsyncPipeline:
     """One rank's share of an asynchronous pipeline (stage ``runner.stage``)."""
 
     def __init__(
-        self, name: str, executor: Executor, runner: StageRunner, num_stages: int, pipemare: PipeMare | None = None
+        self,
+        name: str,
+        executor: Executor,
+        runner: StageRunner,
+        num_stages: int,
+        pipemare: PipeMare | None = None,
+        correction: DelayCorrection | None = None,
     ) -> None:
         if runner.versions is None:
             raise ValueError("an asynchronous pipeline needs a StageRunner with weight versions")
@@ -52,6 +59,8 @@ class AsyncPipeline:
         #: PipeMare's learning-rate rescheduling and discrepancy correction, where they are on; XPipe's
         #: prediction (an :class:`~lightning_pipe.runtime.asynchronous.xpipe.XPipe`)
         self.pipemare = pipemare
+        #: the delay correction of the applied gradients (``delay_correction``), where one is on
+        self.correction = correction
         self.stashes = traits(name).stashes_weights  # PipeDream's and 2BW's versions keep their weights
         if pipemare is not None and (traits(name).predicts_weights or traits(name).predicts_ahead):
             runner.saving = pipemare.saving
@@ -138,6 +147,8 @@ class AsyncPipeline:
                 if grad is None:
                     continue
                 total[name] = grad if name not in total else total[name] + grad
+        if self.correction is not None and total:
+            return self.correction.correct(total, delay)
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,6 +159,8 @@ class AsyncPipeline:
         state: dict[str, Any] = {"step": self.step, "pending": {b: dict(g) for b, g in self.pending.items()}}
         if self.pipemare is not None:
             state["pipemare"] = self.pipemare.state_dict()
+        if self.correction is not None:
+            state["delay_correction"] = self.correction.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -162,6 +175,13 @@ class AsyncPipeline:
                     "saved with"
                 )
             self.pipemare.load_state_dict(saved)
+        if self.correction is not None:
+            if state.get("delay_correction") is None:
+                raise ValueError(
+                    "the checkpoint has no delay-correction state: it was saved without delay_correction; resume it "
+                    "with the options it was saved with"
+                )
+            self.correction.load_state_dict(state["delay_correction"])
         self._in_flight = None
         self.versions.clear()
         self.runner.reset()

@@ -29,6 +29,9 @@ class PipelineOptions:
         pipemare_correction: PipeMare's discrepancy correction on.
         pipemare_decay: the correction's velocity decay over one delay (None: PipeMare's default).
         xpipe_predictor: how ``xpipe`` predicts the weights (see :mod:`lightning_pipe.runtime.asynchronous.xpipe`).
+        delay_correction: the correction of the gradients applied late (see
+            :mod:`lightning_pipe.runtime.asynchronous.delay_correction`; None: off) and its coefficient
+            (None: its default).
         replicas_sync_alpha: elastic averaging's coefficient between the replicas (0.0: their gradients are
             all-reduced every step instead; see :mod:`lightning_pipe.runtime.replicas.elastic_averaging`).
         replicas_sync_period: optimizer steps between two elastic averagings.
@@ -44,5 +47,7 @@ class PipelineOptions:
     pipemare_correction: bool = False
     pipemare_decay: float | None = None
     xpipe_predictor: str = "update"
+    delay_correction: str | None = None
+    delay_correction_coefficient: float | None = None
     replicas_sync_alpha: float = 0.0
     replicas_sync_period: int = DEFAULT_PERIOD

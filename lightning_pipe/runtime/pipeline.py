@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.runtime.agreement import BatchAgreement
 from lightning_pipe.runtime.async_pipeline import AsyncPipeline
+from lightning_pipe.runtime.asynchronous.delay_correction import delay_correction
 from lightning_pipe.runtime.asynchronous.outside_owners import OutsideOwners, qualify, unqualify
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions
@@ -142,8 +143,9 @@ class StagePipeline:
         self.elastic = self._elastic_average(model)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:
+            correction = delay_correction(options, placement.num_replicas)
             self.asynchronous = AsyncPipeline(
-                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare()
+                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare(), correction
             )
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
@@ -489,6 +491,9 @@ class StagePipeline:
         if "pipemare" in state:
             saved = state["pipemare"]
             mine["pipemare"] = {**saved, "velocity": unqualify(saved["velocity"], local, everywhere, stage)}
+        if "delay_correction" in state:
+            saved = state["delay_correction"]
+            mine["delay_correction"] = {**saved, "buffers": {n: v for n, v in saved["buffers"].items() if n in local}}
         self.asynchronous.load_state_dict(mine)
 
     def enable_timeline(self, keep: int | None = None) -> Timeline:

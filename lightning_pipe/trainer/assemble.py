@@ -470,6 +470,8 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
         pipemare_correction=correction,
         pipemare_decay=config.pipemare_decay,
         xpipe_predictor=config.xpipe_predictor or "update",
+        delay_correction=config.delay_correction,
+        delay_correction_coefficient=config.delay_correction_coefficient,
         replicas_sync_alpha=resolve_alpha(config.replicas_sync, placement.num_replicas, config.replicas_sync_alpha),
         replicas_sync_period=config.replicas_sync_period or DEFAULT_PERIOD,
     )
