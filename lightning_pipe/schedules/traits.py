@@ -59,6 +59,8 @@ class ScheduleTraits:
     mirrored: bool = False
     #: PipeDream's weight stashing: a batch's backwards run on the version its forwards used
     stashes_weights: bool = False
+    #: PipeDream-2BW: every stage applies its gradient one update late (the delay error feedback corrects)
+    one_step_delay: bool = False
     #: PipeMare: no stash; backwards on weights predicted for their forward (its techniques default on)
     predicts_weights: bool = False
     #: XPipe: forwards and backwards on the weights predicted for the update that applies their gradient
@@ -156,7 +158,9 @@ TRAITS: dict[str, ScheduleTraits] = {
         ScheduleTraits(
             "pipedream", pipedream, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False
         ),
-        ScheduleTraits("pipedream_2bw", pipedream_2bw, asynchronous=True, stashes_weights=True, planned=False),
+        ScheduleTraits(
+            "pipedream_2bw", pipedream_2bw, asynchronous=True, stashes_weights=True, one_step_delay=True, planned=False
+        ),
         ScheduleTraits(
             "pipemare", pipemare, asynchronous=True, predicts_weights=True, refuses_ties=True, planned=False
         ),

@@ -33,13 +33,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.schedules.traits import TRAITS
+
 #: The corrections by name.
 CORRECTIONS = ("nesterov", "error_feedback")
 #: Each correction's coefficient where ``delay_correction_coefficient`` is unset: Nesterov's momentum gamma,
 #: error feedback's beta.
 DEFAULT_COEFFICIENTS = {"nesterov": 0.9, "error_feedback": 0.5}
-#: The schedules each correction runs under.
-SCHEDULES_OF = {"nesterov": ("pipedream", "pipedream_2bw", "wpipe"), "error_feedback": ("pipedream_2bw",)}
+#: The schedules each correction runs under: Nesterov's under every rule that stashes weight versions (a fixed
+#: delay per stage), error feedback under the rule whose every stage is one update late (PipeDream-2BW).
+SCHEDULES_OF = {
+    "nesterov": tuple(name for name, t in TRAITS.items() if t.stashes_weights),
+    "error_feedback": tuple(name for name, t in TRAITS.items() if t.stashes_weights and t.one_step_delay),
+}
 
 
 def lookahead(gamma: float, delay: int) -> float:
@@ -154,4 +160,3 @@ def merged_correction_state(states: list[Mapping[str, Any]]) -> dict[str, Any] |
     for s in found:
         buffers.update(s["buffers"])  # type: ignore[index]
     return {**found[0], "buffers": buffers}  # type: ignore[dict-item]
-

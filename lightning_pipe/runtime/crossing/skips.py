@@ -35,6 +35,8 @@ from typing import TypeVar
 
 from torch import Tensor, nn
 
+from lightning_pipe.schedules.traits import TRAITS
+
 M = TypeVar("M", bound=type[nn.Module])
 
 #: the stashed tensors of the stage (or the plain forward) running now, by name
@@ -156,10 +158,9 @@ def routes_line(routes: Sequence[tuple[str, ...]]) -> str:
     return f"; skip connections crossing stages {'; '.join(parts)}" if parts else ""
 
 
-#: the schedules under which skip connections were proven to train as plain training does
-SKIPPING_SCHEDULES = frozenset(
-    {"gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
-)
+#: the schedules under which skip connections were proven to train as plain training does: those that carry
+#: blocks' recorded values (their micro-batches pass the stages as one chain, with one weight version)
+SKIPPING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
 
 
 def skips_refusal(schedule: str) -> str | None:
