@@ -33,6 +33,7 @@ from torch import nn
 from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.partition.speeds import check_rank_speeds
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.activation_policy import OffloadSpec, check_offload
 from lightning_pipe.runtime.elastic_average import REPLICAS_SYNC, check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import RECOMPUTE_MODES
@@ -115,6 +116,17 @@ class StepsConfig:
     normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
     micro-batch (as in torchgpipe without `deferred_batch_norm`, which is not offered here yet): with more than one
     micro-batch per batch, a model with BatchNorm trains differently from plain whole-batch training."""
+    offload: OffloadSpec = option(
+        False,
+        values='`False`, `True`, int k >= 0, a list with one of those per pipeline stage, or `"auto"`',
+    )
+    """saved activations moved to host memory between a micro-batch's forward and its backward (VPipe's swap):
+    each stage keeps `k` micro-batches' saved tensors on the device and the forwards beyond them put theirs in host
+    memory (pinned, copied on their own CUDA stream and brought back before the backward; host to host on CPU
+    processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage (processes
+    x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the last stage
+    (from the schedule) keep what the last stage holds, the others offload nothing. Exact: training equals training
+    without it. See [docs/memory.md](memory.md)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
@@ -172,6 +184,7 @@ class StepsConfig:
             "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
             "recompute='never'.",
         )
+        check_offload(self.offload)
         check_data = self.check_data
         _check(
             isinstance(check_data, bool) or _positive_int(check_data),
@@ -699,6 +712,17 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             f"PipelineStrategy(schedule='pipemare', recompute={config.recompute!r}): discrepancy correction gives each "
             "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "
             "recompute='never', or pipemare_correction=False."
+        )
+    _check_offload_schedule(config, correction)
+
+
+def _check_offload_schedule(config: PipelineConfig, correction: bool | None) -> None:
+    """PipeMare's correction swaps the weights in its own saved-tensor hooks, which offload's would replace."""
+    if traits(config.schedule).predicts_weights and correction is not False and config.offload not in (None, False):
+        raise ValueError(
+            f"PipelineStrategy(schedule='pipemare', offload={config.offload!r}): discrepancy correction gives each "
+            "backward its predicted weights through saved-tensor hooks, which offload cannot share. Use "
+            "offload=False, or pipemare_correction=False."
         )
 
 

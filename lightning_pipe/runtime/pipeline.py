@@ -184,7 +184,13 @@ class StagePipeline:
     def _runners(self, versions: WeightVersions | None) -> dict[int, StageRunner]:
         """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them."""
         runners = {
-            s: StageRunner(m, recompute=self.options.recompute, versions=versions, host=self.host)
+            s: StageRunner(
+                m,
+                recompute=self.options.recompute,
+                versions=versions,
+                host=self.host,
+                offload=self.options.offload[s] if s < len(self.options.offload) else None,
+            )
             for s, m in self.stages.items()
         }
         refusal = carrying_refusal(self.options.schedule)

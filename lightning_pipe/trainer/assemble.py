@@ -59,6 +59,7 @@ from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.plan.elastic import restart_replicas_sync
+from lightning_pipe.runtime.activation_policy import offload_per_stage
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
@@ -455,11 +456,15 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
     or the layout (micro-batches, virtual stages, PipeMare's switches) resolved here, once."""
     assert config.virtual_stages is not None  # PipelineConfig resolves it
     warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
+    num_microbatches = config.num_microbatches(placement.num_stages)
     return PipelineOptions(
         schedule=config.schedule,
-        num_microbatches=config.num_microbatches(placement.num_stages),
+        num_microbatches=num_microbatches,
         virtual_stages=config.virtual_stages,
         recompute=config.recompute,
+        offload=offload_per_stage(
+            config.offload, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
+        ),
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         sharded=config.data_parallel == "shard" and placement.num_replicas > 1,
         pipemare_warmup=warmup,

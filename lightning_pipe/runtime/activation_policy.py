@@ -1,0 +1,71 @@
+"""``offload=``: which stages move saved activations to host memory, and how many micro-batches they keep.
+
+The value names, per pipeline stage, how many micro-batches' saved tensors the stage keeps in
+device memory; the forwards beyond them go to host memory (:mod:`lightning_pipe.runtime.offload`).
+``False``/``None``: none offloaded; ``True``: every micro-batch offloaded (keep 0); an integer
+``k >= 0``: keep ``k``; a list: one of those per pipeline stage (processes x ``virtual_stages``);
+``"auto"``: from the schedule, every stage that holds more micro-batches in flight at its peak
+than the last stage keeps what the last stage holds, the others offload nothing (under 1F1B: stage
+``s`` of ``p`` holds ``p - s``, so every stage but the last keeps one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_pipe.schedules import build, peak_in_flight
+
+#: one stage's choice: off (None/False), all (True) or the micro-batches kept resident (int >= 0)
+StageOffload = bool | int | None
+OffloadSpec = StageOffload | str | Sequence[StageOffload]
+
+_HOW = (
+    "Give False (keep every activation), True (offload every micro-batch's saved tensors to host memory), an "
+    "integer k >= 0 (keep k micro-batches on the device, offload the rest), a list of those with one per pipeline "
+    "stage, or 'auto'."
+)
+
+
+def _stage_value(value: Any) -> bool:
+    return value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 0)
+
+
+def check_offload(value: Any) -> None:
+    """Refuse a value that no layout can take, saying how to fix it (the list's length is checked at setup)."""
+    if value == "auto" or _stage_value(value):
+        return
+    if isinstance(value, (list, tuple)) and value and all(_stage_value(v) for v in value):
+        return
+    raise ValueError(f"PipelineStrategy(offload={value!r}): {_HOW}")
+
+
+def _keep(value: Any) -> int | None:
+    if value is None or value is False:
+        return None
+    return 0 if value is True else int(value)
+
+
+def offload_per_stage(
+    value: OffloadSpec, schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[int | None, ...]:
+    """Per pipeline stage, the micro-batches it keeps resident (None: it offloads nothing)."""
+    check_offload(value)
+    num_stages = num_ranks * virtual_stages
+    if value == "auto":
+        peaks = peak_in_flight(build(schedule, num_ranks, num_microbatches, virtual_stages))
+        last = peaks.get(num_stages - 1, 1)
+        return tuple(last if peaks.get(s, 0) > last else None for s in range(num_stages))
+    assert not isinstance(value, str)
+    if isinstance(value, Sequence):
+        if len(value) != num_stages:
+            raise ValueError(
+                f"PipelineStrategy(offload={list(value)!r}) gives {len(value)} values but the pipeline has "
+                f"{num_stages} stages ({num_ranks} processes x {virtual_stages} per process). Give one per stage, "
+                "or a single value for all of them, or 'auto'."
+            )
+        return tuple(_keep(v) for v in value)
+    return (_keep(value),) * num_stages
+
+
+__all__ = ["OffloadSpec", "check_offload", "offload_per_stage"]
