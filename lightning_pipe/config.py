@@ -33,7 +33,14 @@ from torch import nn
 from lightning_pipe.partition.placement import check_rank_order
 from lightning_pipe.partition.speeds import check_rank_speeds
 from lightning_pipe.partition.split import BALANCE_MODES, BalanceSpec
-from lightning_pipe.runtime.activation_policy import OffloadSpec, check_offload
+from lightning_pipe.runtime.activation_policy import (
+    OffloadSpec,
+    RecomputeSpec,
+    check_offload,
+    check_recompute,
+    recomputes_nothing,
+    uniform_recompute,
+)
 from lightning_pipe.runtime.elastic_average import REPLICAS_SYNC, check_replicas_sync
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.stage import RECOMPUTE_MODES
@@ -109,8 +116,15 @@ class StepsConfig:
     `"interleaved_1f1b"` and `"interleaved_zero_bubble"` take any value >= 2, `"zbv"` and `"dualpipev"` exactly 2, the
     other schedules 1. `None` becomes the schedule's here, so a `replace` that changes the schedule must give its
     `virtual_stages` too."""
-    recompute: str = option("never", values=RECOMPUTE_MODES)
-    """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated).
+    recompute: RecomputeSpec = option(
+        "never",
+        values=RECOMPUTE_MODES,
+        more=', a list with one of those per pipeline stage, or `"auto"`',
+    )
+    """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated). A
+    list gives each pipeline stage (processes x `virtual_stages`) its mode; `"auto"` recomputes (`"always"`) on the
+    stages that hold more micro-batches in flight at their peak than the last stage (from the schedule), `"never"`
+    elsewhere (per-stage modes need an even or given `balance` and no `plan`).
     Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
     so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
     normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
@@ -174,12 +188,9 @@ class StepsConfig:
             f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an "
             "integer >= 1.",
         )
+        check_recompute(self.recompute)
         _check(
-            self.recompute in RECOMPUTE_MODES,
-            f"PipelineStrategy(recompute={self.recompute!r}): unknown mode. Valid: {', '.join(RECOMPUTE_MODES)}.",
-        )
-        _check(
-            not traits(schedule).predicts_ahead or self.recompute == "never",
+            not traits(schedule).predicts_ahead or recomputes_nothing(self.recompute),
             f"PipelineStrategy(schedule={schedule!r}, recompute={self.recompute!r}): each forward runs on weights "
             "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
             "recompute='never'.",
@@ -465,6 +476,7 @@ class PipelineConfig:
         """What spans groups: a text schedule and the planner, measured speeds and the balance, elastic averaging
         and the layout and schedule, the asynchronous rules' options and the schedule."""
         check_text_schedule(self)
+        check_stage_recompute(self)
         if self.rank_speeds is not None and self.balance != "time" and self.plan != "auto":
             raise ValueError(
                 f"PipelineStrategy(rank_speeds={self.rank_speeds!r}, balance={self.balance!r}): the speeds weight the "
@@ -651,6 +663,23 @@ def check_text_schedule(config: PipelineConfig) -> None:
         )
 
 
+def check_stage_recompute(config: PipelineConfig) -> None:
+    """A recompute mode per stage (a list, or ``"auto"``) next to what prices one mode for the whole model."""
+    if uniform_recompute(config.recompute) is not None:
+        return
+    if config.plan == "auto":
+        raise ValueError(
+            f"PipelineStrategy(plan='auto', recompute={config.recompute!r}): the planner chooses one recompute mode "
+            "for the whole model. Give one mode (such as 'never'), or leave plan unset to keep the per-stage modes."
+        )
+    if config.balance in ("time", "memory"):
+        raise ValueError(
+            f"PipelineStrategy(balance={config.balance!r}, recompute={config.recompute!r}): the measured balance "
+            "prices one recompute mode for the whole model. Give one mode, or balance='uniform', 'parameters' "
+            "or a list of layer counts."
+        )
+
+
 def check_elastic_averaging(config: PipelineConfig) -> None:
     """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
     layout's replica count is checked once known, in :func:`~lightning_pipe.runtime.elastic_average.resolve_alpha`)."""
@@ -707,7 +736,7 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             f"schedule={schedule!r} does not. Use schedule='xpipe' with one of {', '.join(PREDICTORS)}, or leave "
             "xpipe_predictor unset."
         )
-    if traits(schedule).predicts_weights and correction is not False and config.recompute != "never":
+    if traits(schedule).predicts_weights and correction is not False and not recomputes_nothing(config.recompute):
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', recompute={config.recompute!r}): discrepancy correction gives each "
             "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "

@@ -1,5 +1,6 @@
-"""``offload=``: saved activations moved to host memory between forward and backward (host to host on CPU
-processes) train exactly as keeping them, under the schedules whose stages hold many micro-batches."""
+"""``offload=`` and ``recompute=`` per stage: saved activations moved to host memory between forward and backward
+(host to host on CPU processes) train exactly as keeping them, under the schedules whose stages hold many
+micro-batches."""
 
 from __future__ import annotations
 
@@ -23,17 +24,23 @@ class RecordOffload(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runners = trainer.strategy.pipeline.runners  # type: ignore[attr-defined]
-        record = {s: (r.offload.keep, r.offload.peak_host_bytes) if r.offload else None for s, r in runners.items()}
+        record = {
+            s: (r.offload.keep if r.offload else None, r.offload.peak_host_bytes if r.offload else 0, r.recompute)
+            for s, r in runners.items()
+        }
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize(
     "schedule, offload, extra, keeps",
     [
-        ("1f1b", "auto", {}, [1, None]),  # stage 0 keeps one micro-batch, offloads the other
+        # stage 0 keeps one micro-batch and offloads the other; the last stage recomputes
+        ("1f1b", "auto", {"recompute": ["never", "always"]}, [1, None]),
         # split backward: W finds what B fetched back; recomputed micro-batches save only the checkpoint's inputs
         ("zero_bubble", True, {"recompute": "except_last"}, [0, 0]),
-        pytest.param("interleaved_1f1b", [0, 1, None, 2], {}, [0, 1, None, 2], marks=pytest.mark.slow),
+        pytest.param(
+            "interleaved_1f1b", [0, 1, None, 2], {"recompute": "auto"}, [0, 1, None, 2], marks=pytest.mark.slow
+        ),
         pytest.param("zbv", "auto", {}, None, marks=pytest.mark.slow),
         pytest.param("dualpipev", True, {}, [0, 0, 0, 0], marks=pytest.mark.slow),
     ],
@@ -49,7 +56,9 @@ def test_offload_weights_equal_plain_training(
     stages: dict[int, Any] = {}
     for rank in range(2):
         stages.update({int(s): v for s, v in json.loads((tmp_path / f"rank{rank}.json").read_text()).items()})
-    kept = [None if stages[s] is None else stages[s][0] for s in sorted(stages)]
     if keeps is not None:
-        assert kept == keeps
-    assert any(v is not None and v[1] > 0 for v in stages.values())  # something went to host memory
+        assert [stages[s][0] for s in sorted(stages)] == keeps
+    assert any(v[1] > 0 for v in stages.values())  # something went to host memory
+    recompute = extra.get("recompute", "never")
+    if isinstance(recompute, list):
+        assert [stages[s][2] for s in sorted(stages)] == recompute

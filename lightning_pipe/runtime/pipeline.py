@@ -183,13 +183,14 @@ class StagePipeline:
 
     def _runners(self, versions: WeightVersions | None) -> dict[int, StageRunner]:
         """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them."""
+        recompute, offload = self.options.recompute, self.options.offload
         runners = {
             s: StageRunner(
                 m,
-                recompute=self.options.recompute,
+                recompute=recompute if isinstance(recompute, str) else recompute[s],
                 versions=versions,
                 host=self.host,
-                offload=self.options.offload[s] if s < len(self.options.offload) else None,
+                offload=offload[s] if s < len(offload) else None,
             )
             for s, m in self.stages.items()
         }

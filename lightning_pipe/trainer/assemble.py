@@ -59,7 +59,7 @@ from lightning_pipe.partition.split import stage_bounds
 from lightning_pipe.partition.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.plan.elastic import restart_replicas_sync
-from lightning_pipe.runtime.activation_policy import offload_per_stage
+from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage, uniform_recompute
 from lightning_pipe.runtime.blocks import BlockStage
 from lightning_pipe.runtime.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.elastic_average import DEFAULT_PERIOD, resolve_alpha
@@ -301,8 +301,9 @@ class _Measurement:
             )
         fixed = layout.order if config.rank_order is not None else None  # else placed by the ranks' speeds
         virtual = config.virtual_stages or 1  # PipelineConfig resolves it
+        recompute = uniform_recompute(config.recompute) or "never"  # one mode here (config.check_stage_recompute)
         target = BalanceTarget(
-            str(config.balance), config.schedule, config.recompute, p, config.num_microbatches(p), virtual,
+            str(config.balance), config.schedule, recompute, p, config.num_microbatches(p), virtual,
             layout.replicas, fixed,
         )  # fmt: skip
         balance, self.profile, order = measured_balance(
@@ -461,7 +462,9 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
         schedule=config.schedule,
         num_microbatches=num_microbatches,
         virtual_stages=config.virtual_stages,
-        recompute=config.recompute,
+        recompute=recompute_per_stage(
+            config.recompute, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
+        ),
         offload=offload_per_stage(
             config.offload, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
         ),

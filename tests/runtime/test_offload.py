@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.runtime.activation_policy import offload_per_stage
+from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage
 from lightning_pipe.runtime.memory import SavedActivationMeter
 from lightning_pipe.runtime.offload import ActivationOffload
 from lightning_pipe.runtime.stage import StageModule, StageRunner
@@ -91,3 +91,26 @@ def test_offload_per_stage_values() -> None:
         offload_per_stage([1, 1], "1f1b", 4, 8, 1)
     with pytest.raises(ValueError, match="integer k >= 0"):
         offload_per_stage(-1, "1f1b", 2, 4, 1)
+
+
+def test_recompute_per_stage_values() -> None:
+    assert recompute_per_stage("always", "1f1b", 2, 4, 1) == ("always", "always")
+    assert recompute_per_stage(["never", "always"], "1f1b", 2, 4, 1) == ("never", "always")
+    assert recompute_per_stage("auto", "1f1b", 4, 8, 1) == ("always",) * 3 + ("never",)
+    assert recompute_per_stage("auto", "interleaved_1f1b", 2, 4, 2)[-1] == "never"
+    with pytest.raises(ValueError, match="one per stage"):
+        recompute_per_stage(["never"], "1f1b", 2, 4, 1)
+
+
+def test_bad_values_are_refused_before_training() -> None:
+    from lightning_pipe import PipelineStrategy
+
+    for bad in ({"offload": -1}, {"offload": "sometimes"}, {"offload": [1, "x"]}, {"recompute": ["never", "x"]}):
+        with pytest.raises(ValueError, match="Valid|Give False"):
+            PipelineStrategy(**bad)
+    with pytest.raises(ValueError, match="planner chooses one recompute mode"):
+        PipelineStrategy(recompute="auto", plan="auto")
+    with pytest.raises(ValueError, match="measured balance prices one recompute mode"):
+        PipelineStrategy(recompute=["never", "always"], balance="time")
+    with pytest.raises(ValueError, match="offload cannot share"):
+        PipelineStrategy(schedule="pipemare", offload=True)
