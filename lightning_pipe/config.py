@@ -140,7 +140,7 @@ class StepsConfig:
     processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage (processes
     x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the last stage
     (from the schedule) keep what the last stage holds, the others offload nothing. Exact: training equals training
-    without it. See [docs/memory.md](memory.md)."""
+    without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_pipe.runtime.stage import RECOMPUTE_MODES
-from lightning_pipe.schedules import build, peak_in_flight
+from lightning_pipe.schedules import build, peak_in_flight, stage_positions
 
 #: one stage's choice: off (None/False), all (True) or the micro-batches kept resident (int >= 0)
 StageOffload = bool | int | None
@@ -65,16 +65,16 @@ def recomputes_nothing(value: RecomputeSpec) -> bool:
 def _peaks(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[list[int], int]:
     """Per pipeline stage the micro-batches in flight at its peak, and the last stage's."""
     peaks = peak_in_flight(build(schedule, num_ranks, num_microbatches, virtual_stages))
-    num_stages = num_ranks * virtual_stages
+    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
     return [peaks.get(s, 0) for s in range(num_stages)], peaks.get(num_stages - 1, 1)
 
 
-def _per_stage(name: str, value: Sequence[Any], num_ranks: int, virtual_stages: int) -> None:
-    num_stages = num_ranks * virtual_stages
+def _per_stage(name: str, value: Sequence[Any], schedule: str, num_ranks: int, virtual_stages: int) -> None:
+    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
     if len(value) != num_stages:
         raise ValueError(
             f"PipelineStrategy({name}={list(value)!r}) gives {len(value)} values but the pipeline has "
-            f"{num_stages} stages ({num_ranks} processes x {virtual_stages} per process). Give one per stage, "
+            f"{num_stages} stages ({num_ranks} processes, schedule {schedule!r}). Give one per stage, "
             "or a single value for all of them, or 'auto'."
         )
 
@@ -84,13 +84,13 @@ def recompute_per_stage(
 ) -> tuple[str, ...]:
     """Per pipeline stage, its recompute mode."""
     check_recompute(value)
-    num_stages = num_ranks * virtual_stages
+    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
     if value == "auto":
         peaks, last = _peaks(schedule, num_ranks, num_microbatches, virtual_stages)
         return tuple("always" if peak > last else "never" for peak in peaks)
     if isinstance(value, str):
         return (value,) * num_stages
-    _per_stage("recompute", value, num_ranks, virtual_stages)
+    _per_stage("recompute", value, schedule, num_ranks, virtual_stages)
     return tuple(value)
 
 
@@ -118,13 +118,13 @@ def offload_per_stage(
 ) -> tuple[int | None, ...]:
     """Per pipeline stage, the micro-batches it keeps resident (None: it offloads nothing)."""
     check_offload(value)
-    num_stages = num_ranks * virtual_stages
+    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
     if value == "auto":
         peaks, last = _peaks(schedule, num_ranks, num_microbatches, virtual_stages)
         return tuple(last if peak > last else None for peak in peaks)
     assert not isinstance(value, str)
     if isinstance(value, Sequence):
-        _per_stage("offload", value, num_ranks, virtual_stages)
+        _per_stage("offload", value, schedule, num_ranks, virtual_stages)
         return tuple(_keep(v) for v in value)
     return (_keep(value),) * num_stages
 
