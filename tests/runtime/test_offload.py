@@ -30,15 +30,17 @@ def _one_f_one_b(in_flight: int) -> list[tuple[str, int]]:
     return order + [("B", i) for i in range(CHUNKS - in_flight, CHUNKS)]
 
 
-def _run(offload: int | None, split: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], StageRunner, int]:
+def _run(
+    offload: int | None, split: bool = False, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor], StageRunner, int]:
     """Gradients of the weights and of the inputs, the runner and its meter's peak."""
-    stage = _stage()
+    stage = _stage().to(device)
     runner = StageRunner(stage, offload=offload)
     meter = SavedActivationMeter(stage.parameters())
     runner.meter = meter
     torch.manual_seed(1)
-    inputs = [torch.randn(MICRO, IN) for _ in range(CHUNKS)]
-    grads = [torch.randn(MICRO, IN) for _ in range(CHUNKS)]
+    inputs = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
+    grads = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
     input_grads: list[torch.Tensor] = []
     for kind, i in _one_f_one_b(3):
         if kind == "F":
@@ -114,3 +116,14 @@ def test_bad_values_are_refused_before_training() -> None:
         PipelineStrategy(recompute=["never", "always"], balance="time")
     with pytest.raises(ValueError, match="offload cannot share"):
         PipelineStrategy(schedule="pipemare", offload=True)
+
+
+@pytest.mark.gpu
+def test_offload_on_a_gpu_copies_through_pinned_memory_on_its_own_stream() -> None:
+    weights, inputs, _, kept_peak = _run(None, device="cuda")
+    w, i, runner, peak = _run(0, device="cuda")
+    torch.cuda.synchronize()
+    for a, b in zip(w + i, weights + inputs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert runner.offload is not None and runner.offload.peak_host_bytes > 0 and peak < kept_peak
+    assert list(runner.offload._streams) == [torch.device("cuda", 0)]  # the copies ran on their own stream
