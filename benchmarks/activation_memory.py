@@ -69,18 +69,14 @@ class ActivationPeak(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         unit = sum(self.increments) / len(self.increments)
+        runners = list(trainer.strategy.pipeline.runners.values())  # type: ignore[attr-defined]
         record = {
             "stage_microbatch_mib": unit / 2**20,
             "peak_mib": self.meter.peak / 2**20,
-            "peak_stage_microbatches": self.meter.peak / unit,
+            "peak_stage_microbatches": self.meter.peak / unit if unit else None,  # None: every forward offloaded
             "peak_with_weight_work_mib": self.peak_with_work / 2**20,
             # offload=: the peak of saved tensors this process held in host memory instead (0 without offload)
-            "peak_host_mib": sum(
-                r.offload.peak_host_bytes
-                for r in trainer.strategy.pipeline.runners.values()
-                if r.offload is not None  # type: ignore[attr-defined]
-            )
-            / 2**20,
+            "peak_host_mib": sum(r.offload.peak_host_bytes for r in runners if r.offload is not None) / 2**20,
         }
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

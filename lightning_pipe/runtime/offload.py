@@ -18,13 +18,16 @@ but its inputs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_pipe.runtime.memory import SavedActivationMeter
+from lightning_pipe.torch_internals import version
 
 
 class _Packed:
@@ -77,11 +80,18 @@ class ActivationOffload:
         which still counts the parameters it would otherwise see)."""
         packed = self.held.setdefault(microbatch, [])
         ignored = self._ignored | (meter.ignored() if meter is not None else set())
+        # a tensor saved by several operations is copied once: the same tensor, still alive, unchanged
+        seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], _Packed]] = {}
 
         def pack(tensor: Tensor) -> object:
             if isinstance(tensor, nn.Parameter) or tensor.layout is not torch.strided or _storage(tensor) in ignored:
                 return meter.pack(tensor) if meter is not None else tensor
+            key = (tensor.data_ptr(), tensor.size(), tensor.stride(), tensor.dtype, version(tensor))
+            earlier = seen.get(key)
+            if earlier is not None and earlier[0]() is tensor:
+                return earlier[1]
             item = self._pack(tensor)
+            seen[key] = (weakref.ref(tensor), item)
             packed.append(item)
             return item
 

@@ -66,7 +66,8 @@ def test_offload_is_exact_and_its_bytes_leave_the_stage(split: bool) -> None:
         one = kept_peak // 3  # the stage holds 3 micro-batches at its peak without offload
         # what stayed resident: at most ``keep`` micro-batches' saved tensors, the rest went to host memory
         assert peak <= max(keep, 1) * one + one // 4, (keep, peak, kept_peak)
-        assert peak + offload.peak_host_bytes >= kept_peak  # nothing vanished: it moved
+        # nothing vanished, nothing copied twice (a tensor saved by two operations is copied once): it moved
+        assert peak + offload.peak_host_bytes == kept_peak
     assert kept_peak > 0
 
 
