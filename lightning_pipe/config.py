@@ -136,11 +136,11 @@ class StepsConfig:
     )
     """saved activations moved to host memory between a micro-batch's forward and its backward (VPipe's swap):
     each stage keeps `k` micro-batches' saved tensors on the device and the forwards beyond them put theirs in host
-    memory (pinned, copied on their own CUDA stream and brought back before the backward; host to host on CPU
-    processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage (processes
-    x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the last stage
-    (from the schedule) keep what the last stage holds, the others offload nothing. Exact: training equals training
-    without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
+    memory (pinned, copied on their own CUDA stream and brought back ahead of the backward, one at a time; host to
+    host on CPU processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage
+    (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
+    last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
+    Exact: training equals training without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding

@@ -7,10 +7,12 @@ micro-batches in flight at its peak than the last stage (from the schedule), ``"
 The value names, per pipeline stage, how many micro-batches' saved tensors the stage keeps in
 device memory; the forwards beyond them go to host memory (:mod:`lightning_pipe.runtime.offload`).
 ``False``/``None``: none offloaded; ``True``: every micro-batch offloaded (keep 0); an integer
-``k >= 0``: keep ``k``; a list: one of those per pipeline stage (processes x ``virtual_stages``);
-``"auto"``: from the schedule, every stage that holds more micro-batches in flight at its peak
-than the last stage keeps what the last stage holds, the others offload nothing (under 1F1B: stage
-``s`` of ``p`` holds ``p - s``, so every stage but the last keeps one).
+``k >= 0``: keep ``k`` (and one more comes back ahead of its backward, so ``k + 1`` at most on the
+device); a list: one of those per pipeline stage (processes x ``virtual_stages``); ``"auto"``: from
+the schedule, every stage that holds more micro-batches in flight at its peak than the last stage
+keeps one fewer than the last stage holds, so that it holds as many as the last stage, the others
+offload nothing (under 1F1B: stage ``s`` of ``p`` holds ``p - s``, so every stage but the last
+keeps none and holds one, the one brought back).
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def offload_per_stage(
     num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
     if value == "auto":
         peaks, last = _peaks(schedule, num_ranks, num_microbatches, virtual_stages)
-        return tuple(last if peak > last else None for peak in peaks)
+        # ``last - 1`` from their forwards, plus the one brought back ahead of its backward: ``last`` at once
+        return tuple(max(last - 1, 0) if peak > last else None for peak in peaks)
     assert not isinstance(value, str)
     if isinstance(value, Sequence):
         _per_stage("offload", value, schedule, num_ranks, virtual_stages)

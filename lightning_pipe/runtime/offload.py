@@ -7,8 +7,9 @@ of any micro-batch beyond them packs its saved tensors into host memory (the new
 whose backward comes last, waits longest), through torch's own mechanism, the saved-tensor hooks of
 ``torch.autograd.graph.save_on_cpu``. On a GPU the host copies are pinned and made on a dedicated
 CUDA stream, and a micro-batch's copies start back to the device before its backward needs them
-(:meth:`ActivationOffload.prefetch`, called for the next offloaded micro-batch when a backward
-starts). On CPU processes the same hooks copy host to host, so the mechanism runs, and is tested,
+(:meth:`ActivationOffload.prefetch_next`, called when a backward ends for the oldest offloaded
+micro-batch): so a stage holds ``keep`` micro-batches from their forwards, plus one on its way
+back. On CPU processes the same hooks copy host to host, so the mechanism runs, and is tested,
 everywhere; the values are copied exactly, so training equals training without it.
 
 Parameters (and whatever the meter is told to ignore: weight versions) are never copied. Tensors
@@ -33,10 +34,17 @@ from lightning_pipe.torch_internals import version
 class _Packed:
     """One saved tensor in host memory, and its copy back on the device once fetched."""
 
-    __slots__ = ("device", "fetched", "host", "nbytes", "owner")
+    __slots__ = ("device", "fetched", "host", "meter", "nbytes", "owner")
 
-    def __init__(self, owner: ActivationOffload, host: Tensor, device: torch.device, nbytes: int) -> None:
-        self.owner, self.host, self.device, self.nbytes = owner, host, device, nbytes
+    def __init__(
+        self,
+        owner: ActivationOffload,
+        host: Tensor,
+        device: torch.device,
+        nbytes: int,
+        meter: SavedActivationMeter | None,
+    ) -> None:
+        self.owner, self.host, self.device, self.nbytes, self.meter = owner, host, device, nbytes, meter
         self.fetched: Tensor | None = None
         owner.host_bytes += nbytes
         owner.peak_host_bytes = max(owner.peak_host_bytes, owner.host_bytes)
@@ -45,6 +53,8 @@ class _Packed:
         """Start (on ``stream``) or make the copy back to the device, once."""
         if self.fetched is not None:
             return
+        if self.meter is not None:  # back on the device until autograd drops it
+            self.meter.hold(self.nbytes)
         if stream is None:
             self.fetched = self.host.to(self.device, copy=True)  # host to host on a CPU process
             return
@@ -53,6 +63,8 @@ class _Packed:
 
     def __del__(self) -> None:
         self.owner.host_bytes -= self.nbytes
+        if self.meter is not None and self.fetched is not None:
+            self.meter.hold(-self.nbytes)
 
 
 class ActivationOffload:
@@ -76,8 +88,8 @@ class ActivationOffload:
 
     @contextmanager
     def hooks(self, microbatch: int, meter: SavedActivationMeter | None = None) -> Iterator[None]:
-        """Around ``microbatch``'s forward: its saved tensors go to host memory (uncounted by ``meter``,
-        which still counts the parameters it would otherwise see)."""
+        """Around ``microbatch``'s forward: its saved tensors go to host memory; ``meter`` counts them
+        again once they are back on the device for the backward (and sees the parameters as without offload)."""
         packed = self.held.setdefault(microbatch, [])
         ignored = self._ignored | (meter.ignored() if meter is not None else set())
         # a tensor saved by several operations is copied once: the same tensor, still alive, unchanged
@@ -90,7 +102,7 @@ class ActivationOffload:
             earlier = seen.get(key)
             if earlier is not None and earlier[0]() is tensor:
                 return earlier[1]
-            item = self._pack(tensor)
+            item = self._pack(tensor, meter)
             seen[key] = (weakref.ref(tensor), item)
             packed.append(item)
             return item
@@ -112,19 +124,19 @@ class ActivationOffload:
         """Never copy tensors sharing memory with ``tensors`` (stashed weight versions)."""
         self._ignored.update(_storage(t) for t in tensors)
 
-    def _pack(self, tensor: Tensor) -> _Packed:
+    def _pack(self, tensor: Tensor, meter: SavedActivationMeter | None) -> _Packed:
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type != "cuda":
             host = torch.empty(tensor.size(), dtype=tensor.dtype)
             host.copy_(tensor)
-            return _Packed(self, host, tensor.device, nbytes)
+            return _Packed(self, host, tensor.device, nbytes, meter)
         stream = self._stream(tensor.device)
         host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(stream)  # the device memory stays until the copy is done
-        return _Packed(self, host, tensor.device, nbytes)
+        return _Packed(self, host, tensor.device, nbytes, meter)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
@@ -138,10 +150,12 @@ class ActivationOffload:
         for item in self.held.get(microbatch, ()):
             item.fetch(None if item.device.type != "cuda" else self._stream(item.device))
 
-    def next_after(self, microbatch: int) -> int | None:
-        """The offloaded micro-batch whose backward is likely next after ``microbatch``'s (the oldest other)."""
-        others = [m for m in self.held if m != microbatch]
-        return min(others) if others else None
+    def prefetch_next(self) -> None:
+        """After a backward: start bringing back the oldest offloaded micro-batch, whose backward is
+        likely the next (a stage's backwards run in forward order), so its copies overlap the work
+        in between (on a GPU)."""
+        if self.held:
+            self.prefetch(min(self.held))
 
     def offloaded(self, microbatch: int) -> bool:
         return microbatch in self.held

@@ -371,11 +371,8 @@ class StageRunner:
         leaves, outputs = self._saved.pop(microbatch)
         if self.trace is not None:
             self._backward_of = microbatch
-        if self.offload is not None:  # this one's copies back now, the next one's meanwhile
+        if self.offload is not None:  # its copies back now, if they did not come back ahead
             self.offload.prefetch(microbatch)
-            following = self.offload.next_after(microbatch)
-            if following is not None:
-                self.offload.prefetch(following)
             self.offload.release(microbatch)
         if self.is_last:
             outputs.backward()
@@ -386,6 +383,8 @@ class StageRunner:
         if self.versions is not None and microbatch % self._microbatches == self._microbatches - 1:
             batch = microbatch // self._microbatches  # backwards run in order: the batch is complete
             self.completed[batch] = self.versions.gradient(batch)
+        if self.offload is not None:  # the next offloaded micro-batch's copies come back while the stage works on
+            self.offload.prefetch_next()
         if self.is_first:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]
