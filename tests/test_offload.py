@@ -62,3 +62,14 @@ def test_offload_weights_equal_plain_training(
     recompute = extra.get("recompute", "never")
     if isinstance(recompute, list):
         assert [stages[s][2] for s in sorted(stages)] == recompute
+
+
+def test_offload_in_a_block_container() -> None:
+    """The model's own loop over its blocks (``module="blocks"``): offload wraps the stage's whole step."""
+    from tests.test_dualpipev import _data, _LoopNet
+
+    torch.manual_seed(0)
+    reference, piped = twins(_LoopNet())
+    fit_plain(reference, _data())
+    fit_pipeline(piped, 2, _data(), schedule="1f1b", chunks=4, module="blocks", offload=True)
+    assert_same_weights(reference, piped)
