@@ -69,17 +69,29 @@ class ActivationPeak(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         unit = sum(self.increments) / len(self.increments)
+        runners = list(trainer.strategy.pipeline.runners.values())  # type: ignore[attr-defined]
         record = {
             "stage_microbatch_mib": unit / 2**20,
             "peak_mib": self.meter.peak / 2**20,
-            "peak_stage_microbatches": self.meter.peak / unit,
+            "peak_stage_microbatches": self.meter.peak / unit if unit else None,  # None: every forward offloaded
             "peak_with_weight_work_mib": self.peak_with_work / 2**20,
+            # offload=: the peak of saved tensors this process held in host memory instead (0 without offload)
+            "peak_host_mib": sum(r.offload.peak_host_bytes for r in runners if r.offload is not None) / 2**20,
         }
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+#: ``--variants``: the activation-memory settings compared (``offload=``, ``recompute=``)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "keep": {},
+    "offload": {"offload": True},
+    "offload_auto": {"offload": "auto"},
+    "recompute_auto": {"recompute": "auto"},
+}
+
+
 def measure(
-    schedule: str, stages: int, chunks: int, steps: int, width: int = 1024, batch: int = 256
+    schedule: str, stages: int, chunks: int, steps: int, width: int = 1024, batch: int = 256, **memory: Any
 ) -> list[dict[str, float]]:
     """Per process, what :class:`ActivationPeak` records over ``steps`` steps of the benchmark MLP."""
     torch.manual_seed(0)
@@ -89,7 +101,9 @@ def measure(
         trainer = L.Trainer(
             accelerator="cpu", devices=stages, max_steps=steps, max_epochs=-1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            strategy=PipelineStrategy(schedule=schedule, chunks=chunks, balance="parameters", start_method="fork"),
+            strategy=PipelineStrategy(
+                schedule=schedule, chunks=chunks, balance="parameters", start_method="fork", **memory
+            ),
             callbacks=[ActivationPeak(folder)],
         )  # fmt: skip
         trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch))
@@ -102,18 +116,23 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2, help="processes")
     parser.add_argument("--chunk-list", default="4,8,16")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--variants", default="keep", help=f"activation memory per stage: {', '.join(VARIANTS)}")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     for chunks in (int(c) for c in args.chunk_list.split(",")):
         for schedule in args.schedules.split(","):
-            ranks = measure(schedule, args.stages, chunks, args.steps)
-            rows.append({"schedule": schedule, "processes": args.stages, "chunks": chunks, "ranks": ranks})
-            peaks = [round(r["peak_stage_microbatches"], 2) for r in ranks]
-            print(json.dumps({"schedule": schedule, "chunks": chunks, "peak_stage_microbatches": peaks}), flush=True)
+            for variant in args.variants.split(","):
+                ranks = measure(schedule, args.stages, chunks, args.steps, **VARIANTS[variant])
+                row = {"schedule": schedule, "processes": args.stages, "chunks": chunks, "ranks": ranks}
+                rows.append({**row, "variant": variant})
+                peaks = [round(r["peak_mib"], 1) for r in ranks]
+                host = [round(r["peak_host_mib"], 1) for r in ranks]
+                print(json.dumps({**row, "variant": variant, "peak_mib": peaks, "host_mib": host, "ranks": None}))
     os.makedirs(args.out, exist_ok=True)
-    path = Path(args.out, f"activation_memory_{args.stages}_processes.json")
+    suffix = "" if args.variants == "keep" else "_" + args.variants.replace(",", "_")
+    path = Path(args.out, f"activation_memory_{args.stages}_processes{suffix}.json")
     path.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
 
 

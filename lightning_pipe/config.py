@@ -33,6 +33,14 @@ from torch import nn
 from lightning_pipe.partition.solvers.rank_order import check_rank_order
 from lightning_pipe.partition.solvers.speeds import check_rank_speeds
 from lightning_pipe.partition.stages.split import BALANCE_MODES, BalanceSpec
+from lightning_pipe.runtime.activation_policy import (
+    OffloadSpec,
+    RecomputeSpec,
+    check_offload,
+    check_recompute,
+    recomputes_nothing,
+    uniform_recompute,
+)
 from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, check_delay_correction
 from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
@@ -109,13 +117,31 @@ class StepsConfig:
     `"interleaved_1f1b"` and `"interleaved_zero_bubble"` take any value >= 2, `"zbv"` and `"dualpipev"` exactly 2, the
     other schedules 1. `None` becomes the schedule's here, so a `replace` that changes the schedule must give its
     `virtual_stages` too."""
-    recompute: str = option("never", values=RECOMPUTE_MODES)
-    """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated).
+    recompute: RecomputeSpec = option(
+        "never",
+        values=RECOMPUTE_MODES,
+        more=', a list with one of those per pipeline stage, or `"auto"`',
+    )
+    """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated). A
+    list gives each pipeline stage (processes x `virtual_stages`) its mode; `"auto"` recomputes (`"always"`) on the
+    stages that hold more micro-batches in flight at their peak than the last stage (from the schedule), `"never"`
+    elsewhere (per-stage modes need an even or given `balance` and no `plan`).
     Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
     so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
     normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
     micro-batch (as in torchgpipe without `deferred_batch_norm`, which is not offered here yet): with more than one
     micro-batch per batch, a model with BatchNorm trains differently from plain whole-batch training."""
+    offload: OffloadSpec = option(
+        False,
+        values='`False`, `True`, int k >= 0, a list with one of those per pipeline stage, or `"auto"`',
+    )
+    """saved activations moved to host memory between a micro-batch's forward and its backward (VPipe's swap):
+    each stage keeps `k` micro-batches' saved tensors on the device and the forwards beyond them put theirs in host
+    memory (pinned, copied on their own CUDA stream and brought back ahead of the backward, one at a time; host to
+    host on CPU processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage
+    (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
+    last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
+    Exact: training equals training without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
@@ -163,16 +189,14 @@ class StepsConfig:
             f"PipelineStrategy(chunks={chunks!r}): chunks is the number of micro-batches per batch and must be an "
             "integer >= 1.",
         )
+        check_recompute(self.recompute)
         _check(
-            self.recompute in RECOMPUTE_MODES,
-            f"PipelineStrategy(recompute={self.recompute!r}): unknown mode. Valid: {', '.join(RECOMPUTE_MODES)}.",
-        )
-        _check(
-            not traits(schedule).predicts_ahead or self.recompute == "never",
+            not traits(schedule).predicts_ahead or recomputes_nothing(self.recompute),
             f"PipelineStrategy(schedule={schedule!r}, recompute={self.recompute!r}): each forward runs on weights "
             "predicted when its step starts, but a recomputed forward would read a later prediction. Use "
             "recompute='never'.",
         )
+        check_offload(self.offload)
         check_data = self.check_data
         _check(
             isinstance(check_data, bool) or _positive_int(check_data),
@@ -467,6 +491,7 @@ class PipelineConfig:
         """What spans groups: a text schedule and the planner, measured speeds and the balance, elastic averaging
         and the layout and schedule, the asynchronous rules' options and the schedule."""
         check_text_schedule(self)
+        check_stage_recompute(self)
         if self.rank_speeds is not None and self.balance != "time" and self.plan != "auto":
             raise ValueError(
                 f"PipelineStrategy(rank_speeds={self.rank_speeds!r}, balance={self.balance!r}): the speeds weight the "
@@ -654,6 +679,23 @@ def check_text_schedule(config: PipelineConfig) -> None:
         )
 
 
+def check_stage_recompute(config: PipelineConfig) -> None:
+    """A recompute mode per stage (a list, or ``"auto"``) next to what prices one mode for the whole model."""
+    if uniform_recompute(config.recompute) is not None:
+        return
+    if config.plan == "auto":
+        raise ValueError(
+            f"PipelineStrategy(plan='auto', recompute={config.recompute!r}): the planner chooses one recompute mode "
+            "for the whole model. Give one mode (such as 'never'), or leave plan unset to keep the per-stage modes."
+        )
+    if config.balance in ("time", "memory"):
+        raise ValueError(
+            f"PipelineStrategy(balance={config.balance!r}, recompute={config.recompute!r}): the measured balance "
+            "prices one recompute mode for the whole model. Give one mode, or balance='uniform', 'parameters' "
+            "or a list of layer counts."
+        )
+
+
 def check_elastic_averaging(config: PipelineConfig) -> None:
     """``replicas_sync="elastic"``: whole replicas that each step on their own, synchronously (the
     layout's replica count is checked once known, in
@@ -711,11 +753,22 @@ def check_pipemare_options(config: PipelineConfig) -> None:
             f"schedule={schedule!r} does not. Use schedule='xpipe' with one of {', '.join(PREDICTORS)}, or leave "
             "xpipe_predictor unset."
         )
-    if traits(schedule).predicts_weights and correction is not False and config.recompute != "never":
+    if traits(schedule).predicts_weights and correction is not False and not recomputes_nothing(config.recompute):
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', recompute={config.recompute!r}): discrepancy correction gives each "
             "backward the weights predicted for its forward, but a recomputed forward reads the current ones. Use "
             "recompute='never', or pipemare_correction=False."
+        )
+    _check_offload_schedule(config, correction)
+
+
+def _check_offload_schedule(config: PipelineConfig, correction: bool | None) -> None:
+    """PipeMare's correction swaps the weights in its own saved-tensor hooks, which offload's would replace."""
+    if traits(config.schedule).predicts_weights and correction is not False and config.offload not in (None, False):
+        raise ValueError(
+            f"PipelineStrategy(schedule='pipemare', offload={config.offload!r}): discrepancy correction gives each "
+            "backward its predicted weights through saved-tensor hooks, which offload cannot share. Use "
+            "offload=False, or pipemare_correction=False."
         )
 
 

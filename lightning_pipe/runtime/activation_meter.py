@@ -37,6 +37,16 @@ class SavedActivationMeter:
         """Do not count tensors sharing memory with ``parameters`` (weights, weight versions)."""
         self._ignore.update(p.untyped_storage().data_ptr() for p in parameters)
 
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (fewer, when negative) held for a backward outside the hooks: saved
+        tensors brought back from host memory (:mod:`lightning_pipe.runtime.offload`)."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def ignored(self) -> set[int]:
+        """The storages not counted (parameters, weight versions), for other hooks that defer to this meter."""
+        return self._ignore
+
     @contextmanager
     def hooks(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):

@@ -21,7 +21,9 @@ class PipelineOptions:
         schedule: the training schedule's name (see :mod:`lightning_pipe.schedules`).
         num_microbatches: micro-batches per training batch (a short batch takes fewer).
         virtual_stages: stages per process (1 but for the interleaved schedules and ZB-V).
-        recompute: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``.
+        recompute: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``, or one per pipeline stage.
+        offload: per pipeline stage, the micro-batches whose saved activations it keeps in device memory,
+            the later ones going to host memory (None: all kept; :mod:`lightning_pipe.runtime.offload`).
         gradient_accumulation_fusion: each plain ``nn.Linear`` adds its weight gradient into
             ``.grad`` within its backward's matrix product (:mod:`lightning_pipe.runtime.grads.fused_linear`).
         sharded: the stage is sharded over its replicas with FSDP2 (only where there are replicas).
@@ -40,7 +42,8 @@ class PipelineOptions:
     schedule: str
     num_microbatches: int
     virtual_stages: int = 1
-    recompute: str = "never"
+    recompute: str | tuple[str, ...] = "never"
+    offload: tuple[int | None, ...] = ()
     gradient_accumulation_fusion: bool = True
     sharded: bool = False
     pipemare_warmup: int = 0

@@ -208,8 +208,15 @@ class StagePipeline:
     def _runners(self, versions: WeightVersions | None, model: nn.Module) -> dict[int, StageRunner]:
         """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them;
         under weight versions the user's step reads the parameters outside the split from the version too."""
+        recompute, offload = self.options.recompute, self.options.offload
         runners = {
-            s: StageRunner(m, recompute=self.options.recompute, versions=versions, host=self.host)
+            s: StageRunner(
+                m,
+                recompute=recompute if isinstance(recompute, str) else recompute[s],
+                versions=versions,
+                host=self.host,
+                offload=offload[s] if s < len(offload) else None,
+            )
             for s, m in self.stages.items()
         }
         refusal = carrying_refusal(self.options.schedule)

@@ -41,6 +41,7 @@ from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
+from lightning_pipe.runtime.offload import ActivationOffload
 from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import filled_slots
 
@@ -202,6 +203,7 @@ class StageRunner:
         recompute: str = "never",
         versions: WeightVersions | None = None,
         host: StageModule | BlockStage | None = None,
+        offload: int | None = None,
     ) -> None:
         self.module = module
         # the module in the user's LightningModule whose calls the step makes: the stage itself, or,
@@ -231,6 +233,10 @@ class StageRunner:
         self.tell: Callable[[str], None] = lambda line: None
         self._told_crossing = False
         self._told_returned = False
+        #: saved activations beyond ``offload`` resident micro-batches go to host memory (None: all stay)
+        self.offload = ActivationOffload(offload) if offload is not None else None
+        if self.offload is not None:
+            self.offload.ignore(module.parameters())
 
     @property
     def weights_due(self) -> Mapping[int, list[WeightWork]]:
@@ -241,6 +247,8 @@ class StageRunner:
         """Forget every micro-batch in flight."""
         self._saved.clear()
         self._weights_due.clear()
+        if self.offload is not None:
+            self.offload.reset()
 
     def enable_trace(self) -> list[tuple[str, int, int]]:
         """Record which weight version each forward used and which version each backward's
@@ -268,6 +276,8 @@ class StageRunner:
         runs the user's step for a micro-batch (needed on the first and last stages, and for block
         containers on every stage)."""
         saving = self.saving if self.saving is not None and torch.is_grad_enabled() else None
+        if saving is None and self._offloads():
+            saving = self._offloading(microbatch)
         if self.meter is None:
             with saving(None) if saving is not None else nullcontext():
                 return self._forward(microbatch, num_microbatches, received, step)
@@ -275,6 +285,21 @@ class StageRunner:
             self.meter.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
         with self.meter.hooks(), saving(self.meter) if saving is not None else nullcontext():
             return self._forward(microbatch, num_microbatches, received, step)
+
+    def _offloads(self) -> bool:
+        """Whether the next training forward's saved tensors go to host memory: the stage already
+        keeps ``offload`` micro-batches' on the device (one waiting for its W counts)."""
+        if self.offload is None or not torch.is_grad_enabled():
+            return False
+        resident = (self._saved.keys() | self._weights_due.keys()) - self.offload.held.keys()
+        return self.offload.chooses(len(resident))
+
+    def _offloading(self, microbatch: int) -> Callable[[SavedActivationMeter | None], AbstractContextManager[Any]]:
+        offload = self.offload
+        assert offload is not None
+        if self.versions is not None:
+            offload.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
+        return lambda meter: offload.hooks(microbatch, meter)
 
     def _forward(
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None
@@ -412,6 +437,9 @@ class StageRunner:
         leaves, outputs = self._saved.pop(microbatch)
         if self.trace is not None:
             self._backward_of = microbatch
+        if self.offload is not None:  # its copies back now, if they did not come back ahead
+            self.offload.prefetch(microbatch)
+            self.offload.release(microbatch)
         if self.is_last:
             outputs.backward()
         else:
@@ -421,6 +449,8 @@ class StageRunner:
         if self.versions is not None and microbatch % self._microbatches == self._microbatches - 1:
             batch = microbatch // self._microbatches  # backwards run in order: the batch is complete
             self.completed[batch] = self.versions.gradient(batch)
+        if self.offload is not None:  # the next offloaded micro-batch's copies come back while the stage works on
+            self.offload.prefetch_next()
         if self.is_first:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]

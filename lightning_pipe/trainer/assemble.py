@@ -59,6 +59,7 @@ from lightning_pipe.partition.stages.split import stage_bounds
 from lightning_pipe.partition.stages.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.plan.restart_layout import restart_replicas_sync
+from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage, uniform_recompute
 from lightning_pipe.runtime.asynchronous.pipemare import resolve
 from lightning_pipe.runtime.blocks.container import BlockStage
 from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
@@ -301,8 +302,9 @@ class _Measurement:
             )
         fixed = layout.order if config.rank_order is not None else None  # else placed by the ranks' speeds
         virtual = config.virtual_stages or 1  # PipelineConfig resolves it
+        recompute = uniform_recompute(config.recompute) or "never"  # one mode here (config.check_stage_recompute)
         target = BalanceTarget(
-            str(config.balance), config.schedule, config.recompute, p, config.num_microbatches(p), virtual,
+            str(config.balance), config.schedule, recompute, p, config.num_microbatches(p), virtual,
             layout.replicas, fixed,
         )  # fmt: skip
         balance, self.profile, order = measured_balance(
@@ -459,11 +461,17 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
     or the layout (micro-batches, virtual stages, PipeMare's switches) resolved here, once."""
     assert config.virtual_stages is not None  # PipelineConfig resolves it
     warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
+    num_microbatches = config.num_microbatches(placement.num_stages)
     return PipelineOptions(
         schedule=config.schedule,
-        num_microbatches=config.num_microbatches(placement.num_stages),
+        num_microbatches=num_microbatches,
         virtual_stages=config.virtual_stages,
-        recompute=config.recompute,
+        recompute=recompute_per_stage(
+            config.recompute, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
+        ),
+        offload=offload_per_stage(
+            config.offload, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
+        ),
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         sharded=config.data_parallel == "shard" and placement.num_replicas > 1,
         pipemare_warmup=warmup,

@@ -1,0 +1,130 @@
+"""Offload of saved activations to host memory, in one process: a middle stage run in 1F1B's order."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from torch import nn
+
+from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage
+from lightning_pipe.runtime.offload import ActivationOffload
+from lightning_pipe.runtime.stage import StageModule, StageRunner
+
+IN, WIDTH, MICRO, CHUNKS = 8, 64, 16, 6
+
+
+def _stage() -> StageModule:
+    torch.manual_seed(0)
+    layers = [nn.Linear(IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, IN)]
+    return StageModule(OrderedDict((str(i), layer) for i, layer in enumerate(layers)), stage=1, num_stages=4)
+
+
+def _one_f_one_b(in_flight: int) -> list[tuple[str, int]]:
+    """A stage's 1F1B order holding ``in_flight`` micro-batches at its peak."""
+    order = [("F", i) for i in range(in_flight)]
+    for i in range(CHUNKS - in_flight):
+        order += [("B", i), ("F", i + in_flight)]
+    return order + [("B", i) for i in range(CHUNKS - in_flight, CHUNKS)]
+
+
+def _run(
+    offload: int | None, split: bool = False, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor], StageRunner, int]:
+    """Gradients of the weights and of the inputs, the runner and its meter's peak."""
+    stage = _stage().to(device)
+    runner = StageRunner(stage, offload=offload)
+    meter = SavedActivationMeter(stage.parameters())
+    runner.meter = meter
+    torch.manual_seed(1)
+    inputs = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
+    grads = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
+    input_grads: list[torch.Tensor] = []
+    for kind, i in _one_f_one_b(3):
+        if kind == "F":
+            runner.forward(i, CHUNKS, ([inputs[i].clone()], (True,), False, ()))
+        elif split:
+            input_grads += runner.backward_input(i, [grads[i]]) or []
+            runner.backward_weight(i)
+        else:
+            input_grads += runner.backward(i, [grads[i]]) or []
+    return [p.grad.clone() for p in stage.parameters()], input_grads, runner, meter.peak
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_offload_is_exact_and_its_bytes_leave_the_stage(split: bool) -> None:
+    weights, inputs, _, kept_peak = _run(None, split)
+    for keep in (0, 1, 2):
+        w, i, runner, peak = _run(keep, split)
+        for a, b in zip(w + i, weights + inputs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same values, copied exactly
+        offload = runner.offload
+        assert offload is not None and not offload.held and offload.host_bytes == 0  # all released
+        assert offload.peak_host_bytes > 0
+        one = kept_peak // 3  # the stage holds 3 micro-batches at its peak without offload
+        # on the device: ``keep`` micro-batches' saved tensors from their forwards, and one brought back
+        assert peak == min(keep + 1, 3) * one, (keep, peak, kept_peak)
+        # the others went to host memory, each tensor once (a tensor saved by two operations is copied once)
+        assert offload.peak_host_bytes == (3 - keep) * one
+    assert kept_peak > 0
+
+
+def test_parameters_are_never_copied() -> None:
+    stage = _stage()
+    offload = ActivationOffload(0)
+    offload.ignore(stage.parameters())
+    with offload.hooks(0):
+        stage.run_layers(torch.randn(2, IN, requires_grad=True), recompute=False).sum().backward()
+    assert offload.peak_host_bytes > 0
+    weights = sum(p.numel() * p.element_size() for p in stage.parameters() if p.dim() == 2)
+    activations = offload.peak_host_bytes
+    assert activations < weights  # a 2-sample batch: only activations, no weight matrix was copied
+
+
+def test_offload_per_stage_values() -> None:
+    assert offload_per_stage(False, "1f1b", 4, 8, 1) == (None,) * 4
+    assert offload_per_stage(True, "1f1b", 2, 4, 1) == (0, 0)
+    assert offload_per_stage([2, None], "1f1b", 2, 4, 1) == (2, None)
+    # 1F1B: stage s holds 4 - s, the last 1
+    assert offload_per_stage("auto", "1f1b", 4, 8, 1) == (0, 0, 0, None)
+    assert offload_per_stage("auto", "gpipe", 2, 4, 1) == (None, None)  # every stage holds all 4
+    with pytest.raises(ValueError, match="one per stage"):
+        offload_per_stage([1, 1], "1f1b", 4, 8, 1)
+    with pytest.raises(ValueError, match="integer k >= 0"):
+        offload_per_stage(-1, "1f1b", 2, 4, 1)
+
+
+def test_recompute_per_stage_values() -> None:
+    assert recompute_per_stage("always", "1f1b", 2, 4, 1) == ("always", "always")
+    assert recompute_per_stage(["never", "always"], "1f1b", 2, 4, 1) == ("never", "always")
+    assert recompute_per_stage("auto", "1f1b", 4, 8, 1) == ("always",) * 3 + ("never",)
+    assert recompute_per_stage("auto", "interleaved_1f1b", 2, 4, 2)[-1] == "never"
+    with pytest.raises(ValueError, match="one per stage"):
+        recompute_per_stage(["never"], "1f1b", 2, 4, 1)
+
+
+def test_bad_values_are_refused_before_training() -> None:
+    from lightning_pipe import PipelineStrategy
+
+    for bad in ({"offload": -1}, {"offload": "sometimes"}, {"offload": [1, "x"]}, {"recompute": ["never", "x"]}):
+        with pytest.raises(ValueError, match="Valid|Give False"):
+            PipelineStrategy(**bad)
+    with pytest.raises(ValueError, match="planner chooses one recompute mode"):
+        PipelineStrategy(recompute="auto", plan="auto")
+    with pytest.raises(ValueError, match="measured balance prices one recompute mode"):
+        PipelineStrategy(recompute=["never", "always"], balance="time")
+    with pytest.raises(ValueError, match="offload cannot share"):
+        PipelineStrategy(schedule="pipemare", offload=True)
+
+
+@pytest.mark.gpu
+def test_offload_on_a_gpu_copies_through_pinned_memory_on_its_own_stream() -> None:
+    weights, inputs, _, kept_peak = _run(None, device="cuda")
+    w, i, runner, peak = _run(0, device="cuda")
+    torch.cuda.synchronize()
+    for a, b in zip(w + i, weights + inputs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert runner.offload is not None and runner.offload.peak_host_bytes > 0 and peak < kept_peak
+    assert list(runner.offload._streams) == [torch.device("cuda", 0)]  # the copies ran on their own stream
