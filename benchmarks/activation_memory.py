@@ -7,7 +7,7 @@ DeepSeek's table gives DualPipeV ``PP + 1`` micro-batches' activations per devic
 on ``PP / 2`` devices (ZB-V and 1F1B: ``PP``). This measures it on the benchmark MLP (8 blocks of
 width 1024 and a head, batch 256, ``balance="parameters"``), one CPU thread per process: every
 tensor autograd saves for a backward is counted while it lives
-(:class:`~lightning_pipe.runtime.activation_meter.SavedActivationMeter`), and the peak of a process is
+(:class:`~lightning_pipe.runtime.activations.meter.SavedActivationMeter`), and the peak of a process is
 divided by what one forward of one micro-batch adds on that process (the mean over its stages),
 so the figure is in "micro-batches of one stage". Tensors the split backward keeps from B until W
 (input-gradient work done, weight-gradient work pending) are reported beside it. Writes
@@ -36,7 +36,7 @@ from step_time import MLP
 from sync_schedules import work_bytes
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.stage import StageRunner
 
 

@@ -77,7 +77,7 @@ from workload import MODELS, STAGES, build_module, data, free_port
 
 from lightning_pipe import PipelineStrategy
 from lightning_pipe.partition import resolve_balance, stage_layers
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.schedules import (
     VIRTUAL_STAGES,
     stage_positions,

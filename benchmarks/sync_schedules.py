@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from step_time import MLP, StepTimer, workload_arguments
 
 from lightning_pipe import PipelineStrategy
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.stage import StageRunner
 from lightning_pipe.schedules import build, simulate
 

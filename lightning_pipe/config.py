@@ -33,7 +33,7 @@ from torch import nn
 from lightning_pipe.partition.solvers.rank_order import check_rank_order
 from lightning_pipe.partition.solvers.speeds import check_rank_speeds
 from lightning_pipe.partition.stages.split import BALANCE_MODES, BalanceSpec
-from lightning_pipe.runtime.activation_policy import (
+from lightning_pipe.runtime.activations.policy import (
     OffloadSpec,
     RecomputeSpec,
     check_offload,
@@ -41,11 +41,11 @@ from lightning_pipe.runtime.activation_policy import (
     recomputes_nothing,
     uniform_recompute,
 )
+from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
 from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, check_delay_correction
 from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
 from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, check_replicas_sync
-from lightning_pipe.runtime.stage import RECOMPUTE_MODES
 from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, check_layout_arguments
 from lightning_pipe.schedules import TRAITS, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument

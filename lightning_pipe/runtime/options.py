@@ -23,7 +23,7 @@ class PipelineOptions:
         virtual_stages: stages per process (1 but for the interleaved schedules and ZB-V).
         recompute: activation recomputation, ``"always"``, ``"except_last"`` or ``"never"``, or one per pipeline stage.
         offload: per pipeline stage, the micro-batches whose saved activations it keeps in device memory,
-            the later ones going to host memory (None: all kept; :mod:`lightning_pipe.runtime.offload`).
+            the later ones going to host memory (None: all kept; :mod:`lightning_pipe.runtime.activations.offload`).
         gradient_accumulation_fusion: each plain ``nn.Linear`` adds its weight gradient into
             ``.grad`` within its backward's matrix product (:mod:`lightning_pipe.runtime.grads.fused_linear`).
         sharded: the stage is sharded over its replicas with FSDP2 (only where there are replicas).

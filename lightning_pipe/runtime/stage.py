@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.offload import ActivationOffload
+from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES, keep_buffers
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions, on_version
 from lightning_pipe.runtime.blocks.container import (
     BlockDrive,
@@ -41,11 +43,7 @@ from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
-from lightning_pipe.runtime.offload import ActivationOffload
-from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import filled_slots
-
-RECOMPUTE_MODES = ("always", "except_last", "never")
 
 
 class StageModule(nn.Sequential):

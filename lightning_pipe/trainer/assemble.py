@@ -59,7 +59,7 @@ from lightning_pipe.partition.stages.split import stage_bounds
 from lightning_pipe.partition.stages.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
 from lightning_pipe.plan.restart_layout import restart_replicas_sync
-from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage, uniform_recompute
+from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage, uniform_recompute
 from lightning_pipe.runtime.asynchronous.pipemare import resolve
 from lightning_pipe.runtime.blocks.container import BlockStage
 from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal

@@ -94,7 +94,7 @@ def test_recompute_always_keeps_only_stage_inputs() -> None:
 
 def test_meter_counts_what_the_schedules_hold() -> None:
     """GPipe holds every micro-batch's activations at once, 1F1B on a single stage one at a time."""
-    from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+    from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     peaks = {}

@@ -33,7 +33,7 @@ from lightning_pipe.partition.stages.materialize import (
     has_meta_tensors,
     reset,
 )
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.blocks.container import LoopedContainer
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 

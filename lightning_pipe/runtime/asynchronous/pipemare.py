@@ -61,7 +61,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.asynchronous.versions import stage_parameters
 from lightning_pipe.schedules import traits
 

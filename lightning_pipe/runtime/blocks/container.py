@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.runtime.activations.recomputation import keep_buffers
 from lightning_pipe.runtime.blocks.outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.blocks.reads import (
     HeldBlockRead,
@@ -51,7 +52,6 @@ from lightning_pipe.runtime.blocks.reads import (
 )
 from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.crossing.forced_outputs import only_forced
-from lightning_pipe.runtime.recomputation import keep_buffers
 from lightning_pipe.torch_internals import child_slot, filled_slots
 
 

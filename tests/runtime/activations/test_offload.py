@@ -6,11 +6,11 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
 from torch import nn
 
-from lightning_pipe.runtime.activation_policy import offload_per_stage, recompute_per_stage
-from lightning_pipe.runtime.offload import ActivationOffload
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.offload import ActivationOffload
+from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage
 from lightning_pipe.runtime.stage import StageModule, StageRunner
 
 IN, WIDTH, MICRO, CHUNKS = 8, 64, 16, 6

@@ -5,7 +5,7 @@
 micro-batches in flight at its peak than the last stage (from the schedule), ``"never"`` elsewhere.
 
 The value names, per pipeline stage, how many micro-batches' saved tensors the stage keeps in
-device memory; the forwards beyond them go to host memory (:mod:`lightning_pipe.runtime.offload`).
+device memory; the forwards beyond them go to host memory (:mod:`lightning_pipe.runtime.activations.offload`).
 ``False``/``None``: none offloaded; ``True``: every micro-batch offloaded (keep 0); an integer
 ``k >= 0``: keep ``k`` (and one more comes back ahead of its backward, so ``k + 1`` at most on the
 device); a list: one of those per pipeline stage (processes x ``virtual_stages``); ``"auto"``: from
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_pipe.runtime.stage import RECOMPUTE_MODES
+from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
 from lightning_pipe.schedules import build, peak_in_flight, stage_positions
 
 #: one stage's choice: off (None/False), all (True) or the micro-batches kept resident (int >= 0)
@@ -130,15 +130,3 @@ def offload_per_stage(
         _per_stage("offload", value, schedule, num_ranks, virtual_stages)
         return tuple(_keep(v) for v in value)
     return (_keep(value),) * num_stages
-
-
-__all__ = [
-    "OffloadSpec",
-    "RecomputeSpec",
-    "check_offload",
-    "check_recompute",
-    "offload_per_stage",
-    "recompute_per_stage",
-    "recomputes_nothing",
-    "uniform_recompute",
-]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe.runtime.recomputation import keep_buffers
+from lightning_pipe.runtime.activations.recomputation import keep_buffers
 from tests.models import CLASSES, HIDDEN, TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 

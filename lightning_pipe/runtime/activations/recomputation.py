@@ -23,6 +23,9 @@ from torch import Tensor, nn
 
 from lightning_pipe.torch_internals import version
 
+#: ``recompute=``: every micro-batch, every one but the last, or none
+RECOMPUTE_MODES = ("always", "except_last", "never")
+
 #: buffers that ``torch.batch_norm`` updates in place without moving their version counter
 _STATISTICS = ("running_mean", "running_var")
 

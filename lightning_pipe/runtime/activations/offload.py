@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.runtime.activation_meter import SavedActivationMeter
+from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.torch_internals import version
 
 
@@ -170,6 +170,3 @@ class ActivationOffload:
 
 def _storage(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-__all__ = ["ActivationOffload"]

@@ -39,7 +39,7 @@ class SavedActivationMeter:
 
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` more (fewer, when negative) held for a backward outside the hooks: saved
-        tensors brought back from host memory (:mod:`lightning_pipe.runtime.offload`)."""
+        tensors brought back from host memory (:mod:`lightning_pipe.runtime.activations.offload`)."""
         self.current += nbytes
         self.peak = max(self.peak, self.current)
 
