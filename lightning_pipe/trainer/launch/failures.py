@@ -15,6 +15,7 @@ failed (waiting on a peer that waits on the lost ones) is not blamed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
@@ -99,8 +100,11 @@ class Heartbeat:
         """The store it beats on; None once it stopped beating there."""
         return self._store
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop beating; with ``wait``, wait up to that many seconds for the thread to end."""
         self._stop.set()
+        if wait and self._thread.is_alive():
+            self._thread.join(wait)
 
     def _run(self) -> None:
         try:
@@ -124,7 +128,14 @@ def start_heartbeat(rank: int) -> None:
         return
     if _heartbeat is not None:
         _heartbeat.stop()
+    else:  # a beat must not be under way while the interpreter ends: torch aborts the process if it then fails
+        atexit.register(_stop_at_exit)
     _heartbeat = Heartbeat(store, rank).start()
+
+
+def _stop_at_exit() -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop(wait=2.0)
 
 
 def _beats(store: Any, world_size: int) -> list[int | None]:
