@@ -13,11 +13,10 @@ import torch.nn.functional as F
 
 from lightning_pipe.checkpoint.merged import merged_async_state
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.partition import balance_uniform, stage_bounds
 from lightning_pipe.runtime.asynchronous.delay_correction import DelayCorrection, delay_correction, lookahead
-from lightning_pipe.schedules import update_delay
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
+from tests.test_async import _stage_delays
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,16 +49,6 @@ def _reference(
                 else:
                     c = g
                 p -= lr * c
-
-
-def _delays(schedule: str, stages: int, chunks: int, model: TinyNet) -> dict[str, int]:
-    bounds = stage_bounds(balance_uniform(len(model.layers), stages))
-    delays = {}
-    for name, _ in model.named_parameters():
-        index = int(name.split(".")[1])
-        stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
-        delays[name] = update_delay(schedule, stages, chunks, stage)
-    return delays
 
 
 def _batches(steps: int) -> list:
@@ -95,7 +84,7 @@ def test_a_corrected_run_follows_its_rule_and_resumes_exactly(
     initial = TinyNet().state_dict()
     steps = 8
     reference, uncorrected = _net(initial), _net(initial)
-    delays = _delays(schedule, stages, 2, reference)
+    delays = _stage_delays(schedule, stages, 2, reference)
     _reference(reference, _batches(steps), 0.1, delays, kind, coefficient)
     _reference(uncorrected, _batches(steps), 0.1, delays, None, coefficient)
     assert not torch.allclose(reference.layers[0].weight, uncorrected.layers[0].weight, atol=1e-4)  # it corrects
@@ -120,7 +109,7 @@ def test_nesterov_on_four_stages_follows_its_rule(schedule: str, chunks: int) ->
     torch.manual_seed(0)
     initial = TinyNet().state_dict()
     reference, piped = _net(initial), _net(initial)
-    _reference(reference, _batches(9), 0.1, _delays(schedule, 4, chunks, reference), "nesterov", 0.9)
+    _reference(reference, _batches(9), 0.1, _stage_delays(schedule, 4, chunks, reference), "nesterov", 0.9)
     fit_pipeline(piped, 4, schedule=schedule, chunks=chunks, max_steps=9, delay_correction="nesterov")
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
 

@@ -2,7 +2,7 @@
 
 The oracles: plain one-process Lightning on the same batches for a synchronous schedule; for an
 asynchronous one, the same schedule run without the event (a drain, a save, a resume, a placement
-must not change its weights), and PipeDream's and 2BW's delayed rule written out in one process where
+must not change its weights), and the stashing rules' delayed update written out in one process where
 the cell is a plain chain (:func:`_delayed_rule`); for an elastic layout, the uninterrupted run on the first world. A
 cell the traits refuse must be refused before its first training step, with the sentence
 :func:`~tests.conformance.axes.refusal` names.
@@ -26,6 +26,7 @@ from tests.conformance.models import BATCH, build, data, strategy_options
 from tests.models import fit_plain, plain_trainer
 from tests.pipeline import fit_pipeline
 from tests.pipeline import pipeline_trainer as _pipeline_trainer
+from tests.test_async import _stage_delays
 
 STEPS, STEPS_PER_EPOCH = 6, 3
 #: weights against plain Lightning (float noise of another order of sums); against the same schedule
@@ -198,13 +199,11 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
 
 
 def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torch.Tensor] | None:
-    """PipeDream's and PipeDream-2BW's rule in one process, where it is written for the cell: stage ``s``
+    """The rule of the schedules that stash weight versions (PipeDream, 2BW, WPipe) in one process, where it is written for the cell: stage ``s``
     applies at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s``
     (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does
     not step. None where the cell is not a plain chain of one stage per process (other rules, virtual
     stages, AvgPipe, elastic restarts) or its model has parameters outside the layers."""
-    from lightning_pipe.partition import balance_uniform, stage_bounds
-    from lightning_pipe.schedules.families.asynchronous import update_delay
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
@@ -215,12 +214,7 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     if key not in _CACHE:
         module = _fresh(model, False)
         chunks, stages = _options(schedule, layout, model)["chunks"], layout.positions
-        bounds = stage_bounds(balance_uniform(len(module.layers), stages))  # type: ignore[arg-type]
-        delays = {}
-        for name, _ in module.named_parameters():
-            index = int(name.split(".")[1])
-            stage = next(s for s, (a, b) in enumerate(bounds) if a <= index < b)
-            delays[name] = update_delay(schedule, stages, chunks, stage)
+        delays = _stage_delays(schedule, stages, chunks, module)  # type: ignore[arg-type]
         params = dict(module.named_parameters())
         optimizer = module.configure_optimizers()
         batches = [batch for _ in range(STEPS // STEPS_PER_EPOCH) for batch in data(model)]
