@@ -20,7 +20,12 @@ def _placement(stages: int, replicas: int = 1) -> Placement:
 def test_the_defaults_are_resolved_for_the_layout() -> None:
     options = pipeline_options(PipelineConfig(), _placement(3))
     assert options == PipelineOptions(
-        schedule="1f1b", num_microbatches=6, virtual_stages=1, recompute="never", gradient_accumulation_fusion=True
+        schedule="1f1b",
+        num_microbatches=6,
+        virtual_stages=1,
+        recompute=("never",) * 3,  # one per pipeline stage
+        offload=(None,) * 3,
+        gradient_accumulation_fusion=True,
     )
     interleaved = pipeline_options(PipelineConfig(schedule="interleaved_1f1b", chunks=4), _placement(2))
     assert (interleaved.num_microbatches, interleaved.virtual_stages) == (4, 2)
@@ -44,4 +49,4 @@ def test_shard_holds_only_where_there_are_replicas() -> None:
     config = PipelineConfig(data_parallel="shard", recompute="always", gradient_accumulation_fusion=False)
     assert pipeline_options(config, _placement(2, replicas=2)).sharded
     alone = pipeline_options(config, _placement(2))
-    assert not alone.sharded and alone.recompute == "always" and not alone.gradient_accumulation_fusion
+    assert not alone.sharded and alone.recompute == ("always", "always") and not alone.gradient_accumulation_fusion
