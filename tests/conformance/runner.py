@@ -199,11 +199,11 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
 
 
 def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torch.Tensor] | None:
-    """The rule of the schedules that stash weight versions (PipeDream, 2BW, WPipe) in one process, where it is written for the cell: stage ``s``
-    applies at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s``
-    (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does
-    not step. None where the cell is not a plain chain of one stage per process (other rules, virtual
-    stages, AvgPipe, elastic restarts) or its model has parameters outside the layers."""
+    """The rule of the schedules that stash weight versions (PipeDream, 2BW, WPipe) in one process, where
+    it is written for the cell: stage ``s`` applies at step ``t`` the gradient of batch ``t - d_s`` taken at
+    the weights of step ``t - d_s`` (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage
+    with no gradient due yet does not step. None where the cell is not a plain chain of one stage per
+    process (other rules, virtual stages, AvgPipe, elastic restarts) or its model is not the plain one."""
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
