@@ -104,6 +104,7 @@ class Model:
     tied: bool = False
     outside: bool = False  # trainable parameters outside the split Sequential (no ``module=``)
     token_count: bool = False
+    skips: bool = False  # skip connections across stages (``lightning_pipe.skips``' stash and pop)
 
 
 MODELS: tuple[Model, ...] = (
@@ -113,6 +114,7 @@ MODELS: tuple[Model, ...] = (
     Model("frozen", module="blocks"),  # a frozen norm outside the container, AdamW with weight decay
     Model("outside", outside=True),
     Model("zero_token", token_count=True),
+    Model("skips", skips=True),
 )
 
 AXES = {"schedule": SCHEDULES, "event": EVENTS, "layout": LAYOUTS, "model": MODELS}
@@ -149,6 +151,8 @@ def refusal(cell: Cell) -> str | None:
         sentences.append(r"block container")
     if model.tied and t.refuses_ties:
         sentences.append(r"tied")
+    if model.skips and not t.carries_records:  # the chain schedules carry what crosses besides the hidden state
+        sentences.append(r"skip connections across stages")
     if layout.replicas > 1 and layout.data_parallel == "shard":
         if t.asynchronous:
             sentences.append(r"weight versions, which sharded weights do not have")

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import token_count
 from tests.conformance.axes import Model
-from tests.models import CLASSES, HIDDEN, IN, dataset
+from tests.models import CLASSES, HIDDEN, IN, PopA, PopB, StashA, StashB, dataset
 
 BATCH, REPEATS, VOCAB, LENGTH = 12, 3, 11, 4
 
@@ -63,6 +63,21 @@ class SequentialNet(_Steps):
         super().__init__(**kwargs)
         blocks = [nn.Sequential(nn.Linear(IN if i == 0 else HIDDEN, HIDDEN), nn.Tanh()) for i in range(7)]
         self.layers = nn.Sequential(*blocks, nn.Linear(HIDDEN, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class SkipsNet(_Steps):
+    """A U-Net-shaped ``nn.Sequential`` whose layers stash and pop two skip connections across stages
+    (``lightning_pipe.skips``): layer 0 stashes for the last layer, layer 1 for layer 3."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layers = nn.Sequential(
+            StashA(), StashB(), nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), PopB(),
+            nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), PopA(),
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -130,6 +145,8 @@ def build(model: Model, scheduler: bool = False) -> L.LightningModule:
         return BlocksNet(frozen=model.name == "frozen", scheduler=scheduler)
     if model.outside:
         return OutsideNet(scheduler=scheduler)
+    if model.skips:
+        return SkipsNet(scheduler=scheduler)
     if model.tied or model.token_count:
         return TokenNet(tied=model.tied, scheduler=scheduler)
     return SequentialNet(scheduler=scheduler)
