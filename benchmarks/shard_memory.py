@@ -3,6 +3,8 @@ of parameters and optimizer state each rank holds at 2 stages x 2 replicas, repl
 sharded (FSDP2 over each stage's replicas, the embeddings, final norm and head included).
 
     python benchmarks/shard_memory.py                  # 8 blocks of width 1024, vocabulary 32000, AdamW
+    python benchmarks/shard_memory.py --only shard --steps 12 --width 512 --vocab 8000 --out times.json
+                                                       # one layout, its median step time after 4 warm-up steps
 
 Each layout trains 2 steps on 4 CPU processes; after the fit every rank counts the bytes of its own
 parameters (its shards under ``shard``) and of its optimizer's state tensors. The bytes are
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from typing import Any
 
 import lightning as L
@@ -52,6 +56,22 @@ class CountBytes(L.Callback):
             json.dump({"parameters": params, "optimizer": state}, f)
 
 
+class StepTime(L.Callback):
+    """Rank 0's median step time after ``warmup`` steps (end to end, loading included) to ``<folder>/time.json``."""
+
+    def __init__(self, folder: str, warmup: int = 4) -> None:
+        self.folder, self.warmup, self.ends = folder, warmup, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = [b - a for a, b in zip(self.ends[self.warmup :], self.ends[self.warmup + 1 :])]
+        if trainer.global_rank == 0 and steps:
+            with open(f"{self.folder}/time.json", "w") as f:
+                json.dump(statistics.median(steps), f)
+
+
 def llama(blocks: int, width: int, vocab: int) -> Any:
     import transformers
 
@@ -76,22 +96,27 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--only", choices=["replicate", "shard"], help="one layout (for timing it alone)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps (the step time needs more than 5)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "shard_memory.json"))
     args = parser.parse_args()
     import tempfile
 
     results: dict[str, Any] = {"model": vars(args) | {"out": None}, "layouts": {}}
-    for mode in ("replicate", "shard"):
+    for mode in [args.only] if args.only else ["replicate", "shard"]:
         torch.manual_seed(0)
         module = HFModule(lambda: llama(args.blocks, args.width, args.vocab), optimizer="adamw")
         with tempfile.TemporaryDirectory() as folder:
-            data = data_for("llama", n=16, batch_size=4)
+            data = data_for("llama", n=8 * args.steps, batch_size=4)
             fit_pipeline(module, 4, data, module="model.model.layers", stages=2, data_parallel=mode, chunks=2,
-                         max_steps=2, callbacks=[CountBytes(folder)])  # fmt: skip
+                         max_steps=args.steps, callbacks=[CountBytes(folder), StepTime(folder)])  # fmt: skip
             ranks = []
             for r in range(4):
                 with open(f"{folder}/bytes{r}.json") as f:
                     ranks.append(json.load(f))
+            if os.path.exists(f"{folder}/time.json"):
+                with open(f"{folder}/time.json") as f:
+                    results.setdefault("median_step_s", {})[mode] = json.load(f)
         results["layouts"][mode] = ranks
         print(mode, ranks, flush=True)
     with open(args.out, "w") as f:
