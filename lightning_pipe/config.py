@@ -763,7 +763,14 @@ def check_pipemare_options(config: PipelineConfig) -> None:
 
 
 def _check_offload_schedule(config: PipelineConfig, correction: bool | None) -> None:
-    """PipeMare's correction swaps the weights in its own saved-tensor hooks, which offload's would replace."""
+    """PipeMare's correction swaps the weights in its own saved-tensor hooks, which offload's would replace;
+    FSDP2 frees and gathers a sharded stage's weights around each micro-batch, which offload cannot tell yet."""
+    if config.data_parallel == "shard" and config.offload not in (None, False):
+        raise ValueError(
+            f"PipelineStrategy(data_parallel='shard', offload={config.offload!r}): FSDP2 frees and gathers the "
+            "sharded weights around each micro-batch, and offload's saved-tensor hooks cannot tell them from "
+            "activations yet. Use offload=False, or data_parallel='replicate'."
+        )
     if traits(config.schedule).predicts_weights and correction is not False and config.offload not in (None, False):
         raise ValueError(
             f"PipelineStrategy(schedule='pipemare', offload={config.offload!r}): discrepancy correction gives each "

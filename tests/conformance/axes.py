@@ -37,6 +37,8 @@ class Event:
     scheduler: bool = False
     #: predict and test after the fit, against one process's predict and test on the fitted weights
     predict_test: bool = False
+    #: strategy options that must not change the weights (plain Lightning runs without them)
+    strategy: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 EVENTS: tuple[Event, ...] = (
@@ -50,6 +52,7 @@ EVENTS: tuple[Event, ...] = (
     Event("clip_norm", rule={"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
     Event("clip_value", rule={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     Event("lr_every_step", scheduler=True),
+    Event("offload", strategy={"offload": True}),  # every micro-batch's saved activations to host memory
 )
 
 
@@ -158,8 +161,12 @@ def refusal(cell: Cell) -> str | None:
             sentences.append(r"weight versions, which sharded weights do not have")
         if model.tied and t.placement == "v":  # both ends of the tie on one process: two FSDP2 units
             sentences.append(r"tied across stages")
+    if layout.data_parallel == "shard" and cell.event.strategy.get("offload"):
+        sentences.append(r"offload's saved-tensor hooks cannot tell them")
     if layout.replicas_sync == "elastic" and t.asynchronous:
         sentences.append(r"elastic averaging runs with the synchronous schedules")
+    if t.predicts_weights and cell.event.strategy.get("offload"):  # PipeMare's correction has saved-tensor hooks
+        sentences.append(r"offload cannot share")
     if t.asynchronous and cell.event.rule.get("accumulate_grad_batches", 1) > 1:
         sentences.append(r"accumulate_grad_batches must be 1")
     return "|".join(sentences) or None

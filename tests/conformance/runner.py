@@ -81,7 +81,7 @@ def _fresh(model: Model, scheduler: bool) -> L.LightningModule:
     return module
 
 
-def _options(schedule: str, layout: Layout, model: Model) -> dict[str, Any]:
+def _options(schedule: str, layout: Layout, model: Model, event: Event | None = None) -> dict[str, Any]:
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
@@ -97,6 +97,8 @@ def _options(schedule: str, layout: Layout, model: Model) -> dict[str, Any]:
         options.update(replicas_sync=layout.replicas_sync, replicas_sync_period=1)
     if t.predicts_ahead:
         options["xpipe_predictor"] = "adam"  # the models train with Adam: the predictor that reads its state
+    if event is not None:
+        options.update(event.strategy)
     return options
 
 
@@ -118,7 +120,7 @@ def _pipeline_fit(
     ``also`` the other modules whose weights must be the same (the run that saved mid-epoch and went on)."""
     also = [] if also is None else also
     folder.mkdir(parents=True, exist_ok=True)
-    options = _options(schedule, layout, model)
+    options = _options(schedule, layout, model, event)
     loader = data(model, BATCH // layout.replicas, shuffle=layout.shuffle)
     rule = dict(event.rule)
     module = _fresh(model, event.scheduler)
@@ -192,9 +194,11 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
     layout = replace(layout, name=layout.name + "-straight", rank_order=None, restart_on=())
     if layout.devices == 2 and layout.stages is None:
         layout = replace(layout, name="p2")
-    key = ("straight", schedule, event.name if event.rule or event.scheduler else "", layout, model.name)
-    if key not in _CACHE:
-        _CACHE[key] = _pipeline_fit(schedule, event, layout, model, folder / "straight", None, []).state_dict()
+    changes_rule = bool(event.rule or event.scheduler)
+    key = ("straight", schedule, event.name if changes_rule else "", layout, model.name)
+    if key not in _CACHE:  # an event that must not change the weights (a strategy option) runs without it here
+        run = event if changes_rule else Event("straight")
+        _CACHE[key] = _pipeline_fit(schedule, run, layout, model, folder / "straight", None, []).state_dict()
     return _CACHE[key]
 
 
@@ -295,7 +299,9 @@ def run_cell(cell: Cell, folder: Path) -> Outcome:
         tolerance, oracle = SAME, "uninterrupted" if cell.layout.elastic else "straight, in rank order"
     else:
         expected, tolerance, oracle = _plain(cell.event, cell.model), PLAIN, "plain Lightning"
-    skip_weights = t.asynchronous and interrupt is None and cell.layout.rank_order is None
+    # an asynchronous run without an interruption has no plain oracle: its predictions are compared, its weights
+    # only where the rule is written out, or where a strategy option must leave them as the straight run's
+    skip_weights = t.asynchronous and interrupt is None and cell.layout.rank_order is None and not cell.event.strategy
     if skip_weights and (reference := _delayed_rule(cell.schedule, cell.layout, cell.model)) is not None:
         expected, tolerance, oracle, skip_weights = reference, PLAIN, "the rule's one-process reference", False
     if not skip_weights:
