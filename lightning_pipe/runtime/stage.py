@@ -280,7 +280,7 @@ class StageRunner:
             with saving(None) if saving is not None else nullcontext():
                 return self._forward(microbatch, num_microbatches, received, step)
         if self.versions is not None:
-            self.meter.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
+            self.meter.ignore(self._version_tensors())
         with self.meter.hooks(), saving(self.meter) if saving is not None else nullcontext():
             return self._forward(microbatch, num_microbatches, received, step)
 
@@ -296,8 +296,13 @@ class StageRunner:
         offload = self.offload
         assert offload is not None
         if self.versions is not None:
-            offload.ignore(t for v in self.versions.held() for t in self.versions.params(v).values())
+            offload.ignore(self._version_tensors())
         return lambda meter: offload.hooks(microbatch, meter)
+
+    def _version_tensors(self) -> Iterator[Tensor]:
+        """The tensors of every weight version held: parameters, neither metered nor offloaded."""
+        assert self.versions is not None
+        return (t for v in self.versions.held() for t in self.versions.params(v).values())
 
     def _forward(
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None
