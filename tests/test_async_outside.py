@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_pipe.partition import balance_uniform, stage_bounds
+from lightning_pipe.runtime.asynchronous.pipemare import DEFAULT_DECAY
 from lightning_pipe.schedules import update_delay
+from tests.async_reference import Rule, own_loss, reference
 from tests.hf_models import MODELS, HFModule, data_for, gpt2
 from tests.pipeline import assert_same_weights, fit_pipeline
 
@@ -54,10 +57,16 @@ def delayed_reference(
         optimizer.step()
 
 
-def _model(name: str, tied: bool | None = None) -> HFModule:
-    build = MODELS[name][0] if tied is None else (lambda: gpt2(tied=tied))
+def _model(name: str, optimizer: str = "sgd") -> HFModule:
+    """The tiny model ``name`` of :data:`MODELS` ("gpt2_untied": GPT-2 with its head untied), seeded."""
+    build = (lambda: gpt2(tied=False)) if name == "gpt2_untied" else MODELS[name][0]
     torch.manual_seed(0)
-    return HFModule(build)
+    return HFModule(build, optimizer)
+
+
+def _path(name: str) -> str:
+    """Where the model's block container lies."""
+    return MODELS["gpt2" if name == "gpt2_untied" else name][1]
 
 
 @pytest.mark.parametrize(
@@ -73,76 +82,119 @@ def _model(name: str, tied: bool | None = None) -> HFModule:
     ],
 )
 def test_a_block_container_follows_the_delayed_update_rule(name: str, schedule: str, stages: int, chunks: int) -> None:
-    piped = _model("gpt2", tied=False) if name == "gpt2_untied" else _model(name)
-    reference = copy.deepcopy(piped)
+    piped = _model(name)
+    expected = copy.deepcopy(piped)
     initial = copy.deepcopy(piped.state_dict())
     data = data_for("gpt2", batch_size=8)
-    delayed_reference(reference, list(data)[:6], schedule, stages, chunks, blocks=4)
-    path = MODELS["gpt2" if name == "gpt2_untied" else name][1]
-    fit_pipeline(piped, stages, data, module=path, schedule=schedule, chunks=chunks, max_steps=6)
-    assert_same_weights(reference, piped)
+    delayed_reference(expected, list(data)[:6], schedule, stages, chunks, blocks=4)
+    fit_pipeline(piped, stages, data, module=_path(name), schedule=schedule, chunks=chunks, max_steps=6)
+    assert_same_weights(expected, piped)
     norm = next(n for n in initial if n.endswith(("model.norm.weight", "ln_f.weight")))  # every stage holds it
     assert not torch.allclose(initial[norm], piped.state_dict()[norm])
 
 
-@pytest.mark.parametrize(
-    "schedule, stages, options",
-    [
-        # learning-rate rescheduling: stage 0 (delay 2) steps with half the last stage's step size
-        ("pipemare", 4, {}),
-        pytest.param("xpipe", 2, {}, marks=pytest.mark.slow),
-        pytest.param("xpipe", 4, {"pipemare_warmup": 5}, marks=pytest.mark.slow),
-        pytest.param("pipemare", 2, {"pipemare_warmup": 0}, marks=pytest.mark.slow),
-    ],
-)
-def test_a_block_container_predicts_as_its_sequential_does(schedule: str, stages: int, options: dict) -> None:
-    """PipeMare's and XPipe's rules (checked against their references on Sequentials): GPT-2 through
-    ``module=`` (its embeddings, final norm and head outside the blocks) trains as the same GPT-2 as
-    a Sequential whose first and last layers hold them (the same blocks on each stage)."""
-    from tests.hf_models import BesideModule
-
-    piped = _model("gpt2", tied=False)
-    sequential = BesideModule(layers=4, tied=False)
-    sequential.hf.load_state_dict(piped.model.state_dict())
-    data = data_for("gpt2", batch_size=8)
-    common: dict[str, Any] = dict(schedule=schedule, chunks=2, max_steps=6, **options)
-    blocks = balance_uniform(4, stages)
-    ends = [blocks[0] + 1, *blocks[1:-1], blocks[-1] + 1]  # the embeddings and the head as layers
-    fit_pipeline(sequential, stages, data, module="layers", balance=ends, **common)
-    fit_pipeline(piped, stages, data, module=MODELS["gpt2"][1], balance=blocks, **common)
-    for name, value in sequential.hf.state_dict().items():
-        torch.testing.assert_close(piped.model.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
-    trained = piped.model.transformer.wpe.weight
-    assert not torch.allclose(_model("gpt2", tied=False).model.transformer.wpe.weight, trained)
+#: name, schedule, stages, chunks, strategy options, whether the run also stops after 3 steps and resumes
+#: (in the middle of the epoch: exact where chunks >= stages - 1, every backward at most one update late)
+PREDICTING = [
+    pytest.param("gpt2_untied", "pipemare", 2, 2, {}, True, id="gpt2-pipemare-2"),
+    pytest.param("llama_gqa_untied", "xpipe", 2, 2, {}, False, id="llama-xpipe-2"),
+    pytest.param("gpt2_untied", "pipemare", 4, 3, {}, True, id="gpt2-pipemare-4", marks=pytest.mark.slow),
+    # stage 0's corrected backwards two updates after their forward
+    pytest.param("gpt2_untied", "pipemare", 4, 2, {"pipemare_decay": 0.5}, False, id="gpt2-pipemare-4-gap-2",
+                 marks=pytest.mark.slow),
+    pytest.param("llama_gqa_untied", "pipemare", 2, 2, {"pipemare_correction": False}, True, id="llama-pipemare-2",
+                 marks=pytest.mark.slow),
+    pytest.param("llama_gqa_untied", "pipemare", 4, 3, {"pipemare_warmup": 4}, True, id="llama-pipemare-4",
+                 marks=pytest.mark.slow),
+    pytest.param("gpt2_untied", "xpipe", 2, 2, {"xpipe_predictor": "momentum"}, True, id="gpt2-xpipe-2",
+                 marks=pytest.mark.slow),
+    pytest.param("gpt2_untied", "xpipe", 4, 3, {"pipemare_warmup": 5}, True, id="gpt2-xpipe-4", marks=pytest.mark.slow),
+    pytest.param("llama_gqa_untied", "xpipe", 4, 3, {}, True, id="llama-xpipe-4", marks=pytest.mark.slow),
+    pytest.param("llama_gqa_untied", "xpipe", 4, 1, {"xpipe_predictor": "adam", "optimizer": "adamw"}, False,
+                 id="llama-xpipe-4-adam", marks=pytest.mark.slow),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("schedule", ["pipemare", pytest.param("pipedream", marks=pytest.mark.slow)])
-def test_a_block_container_resumes_to_the_uninterrupted_weights(tmp_path: Path, schedule: str) -> None:
-    """Stopped after 3 steps with batches in flight and resumed to 6, against 6 at once: the
-    unapplied gradients (and PipeMare's velocity) of the position embeddings, which every stage
-    holds and stage 0 uses, come back to stage 0."""
+def _rule(schedule: str, options: dict[str, Any]) -> Rule:
+    """The reference's rule for the strategy's ``options``, with the strategy's defaults where unset
+    (PipeMare: rescheduling over K = 1000 updates and the correction on; XPipe: the "update" predictor)."""
+    warmup = options.get("pipemare_warmup", 1000 if schedule == "pipemare" else 0)
+    correction = options.get("pipemare_correction", schedule == "pipemare")
+    decay = options.get("pipemare_decay", DEFAULT_DECAY)
+    return Rule(schedule, warmup, correction, decay, options.get("xpipe_predictor", "update"))
+
+
+@pytest.mark.parametrize("name, schedule, stages, chunks, options, resume", PREDICTING)
+def test_a_block_container_follows_the_predicting_rule(
+    tmp_path: Path, name: str, schedule: str, stages: int, chunks: int, options: dict[str, Any], resume: bool
+) -> None:
+    """PipeMare's and XPipe's rules through ``module=``: after 6 steps the weights of the rule's
+    one-process reference (``tests/async_reference.py``, itself checked against the by-hand
+    references on an MLP), the embeddings in the first stage, the final norm and head in the last;
+    stopped after 3 steps with batches in flight and resumed to 6, the weights of 6 at once (the
+    unapplied gradients, velocities and last updates of the parameters every stage holds, which one
+    stage uses, come back to it)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    straight, stopped = _model("gpt2", tied=False), _model("gpt2", tied=False)
+    options = dict(options)
+    optimizer = options.pop("optimizer", "sgd")
+    path = _path(name)
+    piped, expected, initial = _model(name, optimizer), _model(name, optimizer), _model(name, optimizer)
+    data = data_for("gpt2", batch_size=8)  # 6 batches: the 6th step ends the epoch
+    balance = balance_uniform(4, stages)
+    reference(
+        expected,
+        reduce(getattr, path.split("."), expected),
+        balance,
+        list(data),
+        chunks,
+        own_loss,
+        _rule(schedule, options),
+    )
+    common: dict[str, Any] = dict(module=path, schedule=schedule, chunks=chunks, **options)
+    fit_pipeline(piped, stages, data, max_steps=6, **common)
+    assert_same_weights(expected, piped)
+    assert not torch.allclose(initial.model.lm_head.weight, piped.model.lm_head.weight)
+    if resume:
+        stopped = _model(name, optimizer)
+        saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
+        fit_pipeline(stopped, stages, data, max_steps=3, enable_checkpointing=True, callbacks=[saves], **common)
+        fit_pipeline(stopped, stages, data, max_steps=6, ckpt_path=str(tmp_path / "last.ckpt"), **common)
+        assert_same_weights(piped, stopped, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name, schedule", [("llama_gqa_tied", "pipemare"), ("gpt2", "xpipe")])
+def test_a_block_container_with_the_embedding_tied_to_the_head_is_refused(name: str, schedule: str) -> None:
+    """The embedding tied to the head is used on the first and the last stage, whose delays differ:
+    the rule gives it no single delay, and the strategy refuses it before training."""
+    module, path = _model(name), _path(name)
     data = data_for("gpt2", batch_size=8)
-    common: dict[str, Any] = dict(module=MODELS["gpt2"][1], schedule=schedule, chunks=2)
-    fit_pipeline(straight, 2, data, max_steps=6, **common)
-    saves = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
-    fit_pipeline(stopped, 2, data, max_steps=3, enable_checkpointing=True, callbacks=[saves], **common)
-    fit_pipeline(stopped, 2, data, max_steps=6, ckpt_path=str(tmp_path / "last.ckpt"), **common)
-    assert_same_weights(straight, stopped, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="no single delay"):
+        reference(module, reduce(getattr, path.split("."), module), [2, 2], list(data), 2, own_loss, Rule(schedule))
+    with pytest.raises(
+        Exception, match=f"schedule='{schedule}' applies gradients with a different delay on each stage"
+    ):
+        fit_pipeline(module, 2, data, module=path, schedule=schedule, chunks=2, max_steps=6)
 
 
-def test_a_sequential_with_parameters_outside_it_follows_the_delayed_update_rule() -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    ["pipedream", pytest.param("pipemare", marks=pytest.mark.slow), pytest.param("xpipe", marks=pytest.mark.slow)],
+)
+def test_a_sequential_with_parameters_outside_it_follows_the_update_rule(schedule: str) -> None:
     """An input projection before the split Sequential (used on the first stage) and a head after it
-    (on the last), under PipeDream's delays on 2 stages."""
+    (on the last), under PipeDream's delays, PipeMare's and XPipe's rules on 2 stages."""
+    from tests.async_reference import cross_entropy
     from tests.models import WrappedNet, loader
 
     torch.manual_seed(0)
     piped = WrappedNet()
-    reference, initial = copy.deepcopy(piped), copy.deepcopy(piped)
-    data = loader()
-    delayed_reference(reference, list(data)[:5], "pipedream", 2, 2, blocks=4, hf=False)
-    fit_pipeline(piped, 2, data, module="blocks", schedule="pipedream", chunks=2, max_steps=5)
-    assert_same_weights(reference, piped)
+    expected, initial = copy.deepcopy(piped), copy.deepcopy(piped)
+    data = loader(n=60)  # 5 batches: the fifth step ends the epoch
+    if schedule == "pipedream":
+        delayed_reference(expected, list(data), "pipedream", 2, 2, blocks=4, hf=False)
+    else:
+        reference(expected, expected.blocks, [2, 2], list(data), 2, cross_entropy, _rule(schedule, {}))
+    fit_pipeline(piped, 2, data, module="blocks", schedule=schedule, chunks=2, max_steps=5)
+    assert_same_weights(expected, piped)
     assert not torch.allclose(initial.embed.weight, piped.embed.weight)

@@ -3,6 +3,7 @@ discrepancy correction (see :mod:`lightning_pipe.runtime.asynchronous.pipemare`)
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -304,6 +305,37 @@ def test_weights_follow_the_pipemare_update_rule(
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
     torch.manual_seed(0)
     assert not torch.allclose(TinyNet().layers[0].weight, piped.layers[0].weight)  # it trained
+
+
+@pytest.mark.parametrize(
+    "stages, chunks, correction, decay, warmup",
+    [(2, 1, True, DEFAULT_DECAY, 4), (4, 2, True, 0.5, 4), (4, 2, False, DEFAULT_DECAY, 4), (3, 1, True, 0.5, 0)],
+    ids=["2-stages", "4-stages-decay-0.5", "4-stages-uncorrected", "3-stages-no-rescheduling"],
+)
+def test_the_generic_reference_equals_the_by_hand_one(
+    stages: int, chunks: int, correction: bool, decay: float, warmup: int
+) -> None:
+    """``tests/async_reference.py`` runs the rule on any model split into stages (autograd on the
+    weights the rule gives, the graph cut at the stages' ends), for the models no one differentiates
+    by hand (a Hugging Face model through ``module=``). On this MLP it gives the by-hand rule's
+    weights, and the rule's options change them by far more than the tolerance."""
+    from tests.async_reference import Rule, cross_entropy, reference
+
+    torch.manual_seed(0)
+    by_hand = TinyNet(lr=0.1)
+    by_hand.optimizer = "plain-sgd"
+    generic, other = copy.deepcopy(by_hand), copy.deepcopy(by_hand)
+    data = list(loader(n=12 * 6))
+    balance = balance_uniform(len(by_hand.layers), stages)
+    _reference_pipemare(by_hand, data, 0.1, stages, chunks, warmup, correction, decay)
+    reference(
+        generic, generic.layers, balance, data, chunks, cross_entropy, Rule("pipemare", warmup, correction, decay)
+    )
+    assert_same_weights(by_hand, generic, rtol=1e-5, atol=1e-7)
+    flipped = Rule("pipemare", warmup, not correction, decay)  # the other side of the correction
+    reference(other, other.layers, balance, data, chunks, cross_entropy, flipped)
+    pairs = zip(other.state_dict().values(), generic.state_dict().values())
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
 
 
 def test_pipedream_with_lr_rescheduling_follows_the_scaled_delayed_rule() -> None:

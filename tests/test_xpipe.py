@@ -3,6 +3,7 @@ that applies their gradient (see :mod:`lightning_pipe.runtime.asynchronous.xpipe
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.partition import balance_uniform
 from lightning_pipe.runtime.asynchronous.xpipe import XPipe, predict_adam, predict_from_update, predict_momentum
 from lightning_pipe.schedules import pipedream, render, unroll, update_delay, validate, versions_held, xpipe
 from lightning_pipe.schedules.families.asynchronous import backward_gap
@@ -220,6 +222,29 @@ def test_weights_follow_the_xpipe_update_rule(stages: int, chunks: int, optimize
     assert_same_weights(reference, piped, rtol=1e-4, atol=1e-6)
     torch.manual_seed(0)
     assert not torch.allclose(TinyNet().layers[0].weight, piped.layers[0].weight)  # it trained
+
+
+@pytest.mark.parametrize(
+    "stages, chunks, optimizer, predictor",
+    [(2, 1, "plain-sgd", "update"), (4, 2, "sgd", "update"), (4, 1, "sgd", "momentum"), (4, 3, "adam", "adam")],
+    ids=["2-stages-update", "4-stages-update-momentum-sgd", "4-stages-momentum", "4-stages-adam"],
+)
+def test_the_generic_reference_equals_the_by_hand_one(stages: int, chunks: int, optimizer: str, predictor: str) -> None:
+    """``tests/async_reference.py`` (see test_pipemare.py's test of the same name) gives on this MLP
+    the by-hand rule's weights, and PipeMare's rule (no prediction) gives others."""
+    from tests.async_reference import Rule, cross_entropy, reference
+
+    torch.manual_seed(0)
+    by_hand = TinyNet(lr=0.1, optimizer=optimizer)
+    generic, other = copy.deepcopy(by_hand), copy.deepcopy(by_hand)
+    data = list(loader(n=12 * 6))
+    balance = balance_uniform(len(by_hand.layers), stages)
+    _reference_xpipe(by_hand, data, stages, chunks, OPTIMIZERS[optimizer], predictor)
+    reference(generic, generic.layers, balance, data, chunks, cross_entropy, Rule("xpipe", predictor=predictor))
+    assert_same_weights(by_hand, generic, rtol=1e-5, atol=1e-7)
+    reference(other, other.layers, balance, data, chunks, cross_entropy, Rule("pipemare", correction=False))
+    pairs = zip(other.state_dict().values(), generic.state_dict().values())
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
 
 
 def test_the_prediction_changes_the_weights_against_pipedream() -> None:
