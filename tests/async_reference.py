@@ -76,7 +76,7 @@ class _Weight:
     name: str
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
     batch: int
 
 
@@ -103,6 +103,10 @@ class _Caller(nn.Module):
 
 
 class _Reference:
+    """One run of ``rule`` (see the module docstring): the model's own parameters are the current
+    weights ``W``, stepped by the model's own optimizer; ``delta`` is PipeMare's velocity or XPipe's
+    last update."""
+
     def __init__(
         self,
         module: nn.Module,
@@ -122,7 +126,7 @@ class _Reference:
         self.tau = [update_delay(rule.schedule, self.stages, chunks, s) for s in range(self.stages)]
         self.gamma = [0.0 if rule.schedule == "xpipe" else velocity_decay(t, rule.decay) for t in self.tau]
         self.delta = {n: torch.zeros_like(p) for n, p in self.params.items()}  # XPipe: the last update
-        self.forward: _Forward | None = None
+        self.recording: _Forward | None = None  # the forward running now
         self.now = 0  # the step whose backwards run
         self.ahead: dict[str, Tensor] = {}  # the weights this step's forwards ran on
         ends = list(accumulate(balance))[:-1]
@@ -132,12 +136,12 @@ class _Reference:
     # ------------------------------------------------------------------ cutting the graph into stages
     def _cut(self, module: nn.Module, args: Any, output: Any) -> Any:
         """The stage's output is kept; the next stage starts from a fresh leaf of the same value."""
-        if self.forward is None:
+        if self.recording is None:
             return None
         hidden = output if isinstance(output, Tensor) else output[0]
         leaf = hidden.detach().requires_grad_()
-        self.forward.outs.append(hidden)
-        self.forward.ins.append(leaf)
+        self.recording.outs.append(hidden)
+        self.recording.ins.append(leaf)
         return leaf if isinstance(output, Tensor) else (leaf, *output[1:])
 
     def _run(self, weights: dict[str, Tensor], x: Tensor, y: Tensor, scale: float, batch: int) -> _Forward:
@@ -159,16 +163,16 @@ class _Reference:
             base = self.backward_weight(saved.name, saved.batch).contiguous()
             return base.as_strided(saved.size, saved.stride, saved.offset)
 
-        self.forward = _Forward(weights)
+        self.recording = _Forward(weights)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 named = {f"model.{n}": w for n, w in weights.items()}
                 loss = torch.func.functional_call(self.caller, named, (x, y), strict=False)
-            self.forward.outs.append(loss * scale)
-            assert len(self.forward.outs) == self.stages, "a stage's last block did not run"
-            return self.forward
+            self.recording.outs.append(loss * scale)
+            assert len(self.recording.outs) == self.stages, "a stage's last block did not run"
+            return self.recording
         finally:
-            self.forward = None
+            self.recording = None
 
     def find_stages(self, x: Tensor, y: Tensor) -> None:
         """Each parameter's stage: the one whose part of the graph reaches it."""
@@ -207,6 +211,7 @@ class _Reference:
         return predict_momentum(w, state["momentum_buffer"], group["lr"], steps)
 
     def forward_weights(self) -> dict[str, Tensor]:
+        """The weights this step's forwards run on: PipeMare's current ones, XPipe's predicted ones."""
         if self.rule.schedule == "pipemare":
             return {n: p.detach().clone() for n, p in self.params.items()}
         return {n: self.predicted(n, self.tau[self.stage_of.get(n, 0)]).clone() for n in self.params}
@@ -245,6 +250,7 @@ class _Reference:
 
     # ------------------------------------------------------------------ the steps
     def train(self, batches: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """One step per batch: its forwards, the backwards due (the later stage's first), the updates."""
         x0, y0 = batches[0]
         self.find_stages(x0.chunk(self.chunks)[0], y0.chunk(self.chunks)[0])
         last = len(batches) - 1
@@ -271,12 +277,15 @@ class _Reference:
                 self.update(s, t, grads.pop((t - self.tau[s], s), None))
 
     def close(self) -> None:
+        """Takes the cutting hooks off the blocks."""
         for handle in self.handles:
             handle.remove()
 
     def _backward(
         self, run: _Forward, s: int, key: tuple[int, int], dy: dict[tuple[int, int], Tensor], into: dict[str, Tensor]
     ) -> None:
+        """Stage ``s``'s backward of micro-batch ``key``: its weight gradients are added to ``into``, its
+        input gradient is left in ``dy`` for the stage before."""
         leaves = run.leaves
         mine = [n for n in leaves if self.stage_of.get(n) == s]
         inputs = [leaves[n] for n in mine] + ([run.ins[s]] if s > 0 else [])
@@ -286,7 +295,7 @@ class _Reference:
             if g is not None:
                 into[n] = g if n not in into else into[n] + g
         if s > 0:
-            dy[key] = got[-1]  # type: ignore[assignment]
+            dy[key] = got[-1]
 
 
 def reference(
