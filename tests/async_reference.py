@@ -5,8 +5,9 @@ a Hugging Face model's block container with its embeddings, final norm and head 
 The model runs whole, in one process, through :func:`torch.func.functional_call` on the weights the
 rule gives each forward; a forward hook on the last block of each stage cuts the graph there (the
 hidden state goes on as a fresh leaf), so each stage's backward of a micro-batch runs on its own, in
-the step the schedule runs it (:func:`backward_gap`; the last step drains every backward owed), and
-reads, where autograd saved a weight, the weights the rule gives that backward. The activations
+the step the schedule runs it (:func:`backward_gap`; the last step of an epoch drains every backward
+owed before its update), and reads, where autograd saved a weight, the weights the rule gives that
+backward. The activations
 saved by the forward are the forward's. A parameter belongs to the stage whose part of the graph uses
 it (the embeddings to the first, a final norm and head to the last), found from the graph itself; a
 parameter used by two stages has no single delay and is refused. At the end of step ``t`` stage
@@ -26,7 +27,7 @@ off); a stage with no gradient due yet steps nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -249,11 +250,12 @@ class _Reference:
             p.grad = None
 
     # ------------------------------------------------------------------ the steps
-    def train(self, batches: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """One step per batch: its forwards, the backwards due (the later stage's first), the updates."""
+    def train(self, batches: Sequence[tuple[Tensor, Tensor]], ends: Collection[int]) -> None:
+        """One step per batch: its forwards, the backwards due (the later stage's first), the updates.
+        At the end of the steps ``ends`` and of the last one, every backward owed runs before the update."""
         x0, y0 = batches[0]
         self.find_stages(x0.chunk(self.chunks)[0], y0.chunk(self.chunks)[0])
-        last = len(batches) - 1
+        drains = sorted({*ends, len(batches) - 1})
         runs: dict[tuple[int, int], _Forward] = {}
         dy: dict[tuple[int, int], Tensor] = {}
         grads: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, stage) -> summed over its micro-batches
@@ -268,7 +270,8 @@ class _Reference:
                 runs[(t, i)] = self._run(leaves, xi, yi, len(xi) / len(x), t)
             for s in reversed(range(self.stages)):  # this step's backwards: the later stage's first
                 for (b, i), run in list(runs.items()):
-                    if min(b + backward_gap(self.stages, self.chunks, s, i), last) != t:
+                    drain = next(d for d in drains if d >= b)
+                    if min(b + backward_gap(self.stages, self.chunks, s, i), drain) != t:
                         continue
                     self._backward(run, s, (b, i), dy, grads.setdefault((b, s), {}))
                     if s == 0:
@@ -306,11 +309,13 @@ def reference(
     chunks: int,
     loss: Loss,
     rule: Rule,
+    ends: Collection[int] = (),
 ) -> None:
     """Train ``module`` in place, in one process, by ``rule`` on ``batches`` (one step each), its
-    ``blocks`` split into stages of ``balance[s]`` blocks and each batch into ``chunks`` micro-batches."""
+    ``blocks`` split into stages of ``balance[s]`` blocks and each batch into ``chunks`` micro-batches;
+    ``ends``: the steps (from 0) that end an epoch, where the pipeline drains before the update."""
     run = _Reference(module, blocks, balance, chunks, loss, rule)
     try:
-        run.train(batches)
+        run.train(batches, ends)
     finally:
         run.close()

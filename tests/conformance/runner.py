@@ -2,10 +2,10 @@
 
 The oracles: plain one-process Lightning on the same batches for a synchronous schedule; for an
 asynchronous one, the same schedule run without the event (a drain, a save, a resume, a placement
-must not change its weights), and the stashing rules' delayed update written out in one process where
-the cell is a plain chain (:func:`_delayed_rule`); for an elastic layout, the uninterrupted run on the first world. A
-cell the traits refuse must be refused before its first training step, with the sentence
-:func:`~tests.conformance.axes.refusal` names.
+must not change its weights), and the rule written out in one process where the cell is a plain chain
+(:func:`_delayed_rule`: the stashing rules' delayed update, PipeMare's and XPipe's reference); for an
+elastic layout, the uninterrupted run on the first world. A cell the traits refuse must be refused
+before its first training step, with the sentence :func:`~tests.conformance.axes.refusal` names.
 """
 
 from __future__ import annotations
@@ -203,35 +203,63 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
 
 
 def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torch.Tensor] | None:
-    """The rule of the schedules that stash weight versions (PipeDream, 2BW, WPipe) in one process, where
-    it is written for the cell: stage ``s`` applies at step ``t`` the gradient of batch ``t - d_s`` taken at
-    the weights of step ``t - d_s`` (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage
-    with no gradient due yet does not step. None where the cell is not a plain chain of one stage per
-    process (other rules, virtual stages, AvgPipe, elastic restarts) or its model is not the plain one."""
+    """The schedule's rule in one process, where it is written for the cell; None where the cell is not a
+    plain chain of one stage per process (virtual stages, AvgPipe, elastic restarts) or its model is not
+    one the rule's reference takes.
+
+    The rules that stash weight versions (PipeDream, 2BW, WPipe), on the plain model: stage ``s`` applies
+    at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s`` (``d_s``:
+    :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does not step.
+    PipeMare's and XPipe's, on the models whose split container is an attribute (the plain model, the
+    block container, the one with parameters outside the split or a frozen norm), without replicas: the
+    one-process reference of ``tests/async_reference.py`` with the strategy's defaults (PipeMare's
+    rescheduling over 1000 updates and its correction), the pipeline drained at each epoch's end."""
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
     plain_chain = layout.virtual_stages is None and layout.replicas_sync is None and not layout.elastic
-    if not (t.stashes_weights and plain_chain and model.name == "sequential"):
+    # without replicas: the rows of a replica's micro-batch i are not those of the whole batch's
+    predicting = (t.predicts_weights or t.predicts_ahead) and layout.stages is None
+    if not plain_chain or not (
+        (t.stashes_weights and model.name == "sequential")
+        or (predicting and model.name in ("sequential", "blocks", "frozen", "outside"))
+    ):
         return None
     key = ("delayed", schedule, layout.positions, model.name)
     if key not in _CACHE:
         module = _fresh(model, False)
-        chunks, stages = _options(schedule, layout, model)["chunks"], layout.positions
-        delays = _stage_delays(schedule, stages, chunks, module)  # type: ignore[arg-type]
-        params = dict(module.named_parameters())
-        optimizer = module.configure_optimizers()
-        batches = [batch for _ in range(STEPS // STEPS_PER_EPOCH) for batch in data(model)]
-        history: list[dict[str, torch.Tensor]] = []
-        for step, batch in enumerate(batches[:STEPS]):
-            grads = torch.autograd.grad(module.loss(batch), list(params.values()))
-            history.append(dict(zip(params, grads)))
-            for name, p in params.items():
-                source = step - delays[name]
-                p.grad = history[source][name] if source >= 0 else None
-            optimizer.step()
+        options = _options(schedule, layout, model)
+        chunks, stages = options["chunks"], layout.positions
+        batches = [batch for _ in range(STEPS // STEPS_PER_EPOCH) for batch in data(model)][:STEPS]
+        if t.stashes_weights:
+            _stashing_rule(module, schedule, stages, chunks, batches)
+        else:
+            from lightning_pipe.partition import balance_uniform
+            from tests.async_reference import Rule, reference
+
+            blocks = module.blocks if hasattr(module, "blocks") else module.layers
+            balance = balance_uniform(len(blocks), stages)
+            predictor = options.get("xpipe_predictor", "update")
+            rule = Rule(schedule, warmup=1000 if t.predicts_weights else 0, correction=True, predictor=predictor)
+            ends = range(STEPS_PER_EPOCH - 1, STEPS, STEPS_PER_EPOCH)
+            reference(module, blocks, balance, batches, chunks, lambda m, x, y: m.loss((x, y)), rule, ends)
         _CACHE[key] = module.state_dict()
     return _CACHE[key]
+
+
+def _stashing_rule(module: L.LightningModule, schedule: str, stages: int, chunks: int, batches: list) -> None:
+    """PipeDream's, 2BW's and WPipe's rule on ``module`` (see :func:`_delayed_rule`)."""
+    delays = _stage_delays(schedule, stages, chunks, module)  # type: ignore[arg-type]
+    params = dict(module.named_parameters())
+    optimizer = module.configure_optimizers()
+    history: list[dict[str, torch.Tensor]] = []
+    for step, batch in enumerate(batches):
+        grads = torch.autograd.grad(module.loss(batch), list(params.values()))
+        history.append(dict(zip(params, grads)))
+        for name, p in params.items():
+            source = step - delays[name]
+            p.grad = history[source][name] if source >= 0 else None
+        optimizer.step()
 
 
 def _differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tolerance: dict) -> str | None:
