@@ -5,22 +5,33 @@ that pops it, its gradient back, and the model trains as plain training does."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into, skips_refusal
 from tests.models import SkipNet, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 
-def test_which_skips_cross_each_boundary_is_decided_from_the_declarations() -> None:
+def test_which_stage_sends_which_skip_to_which_is_decided_from_the_declarations() -> None:
     layers = list(SkipNet().layers)
-    assert skip_routes(layers, [3, 3]) == [("a", "b")]
-    assert skip_routes(layers, [2, 2, 2]) == [("a", "b"), ("a",)]  # b is popped on stage 1, a goes on
-    assert skip_routes(layers, [1, 1, 4]) == [("a",), ("a", "b")]
-    assert skip_routes(layers, [6]) == []
-    assert routes_line([("a", "b"), ("a",)]) == "; skip connections crossing stages 0 -> 1: a, b; 1 -> 2: a"
+    assert skip_routes(layers, [3, 3]) == {(0, 1): ("a", "b")}
+    routes = skip_routes(layers, [2, 2, 2])  # a goes from stage 0 straight to stage 2, not through stage 1
+    assert routes == {(0, 1): ("b",), (0, 2): ("a",)}
+    assert skips_from(routes, 0) == ((1, ("b",)), (2, ("a",))) and skips_from(routes, 1) == ()
+    assert skips_into(routes, 1) == ((0, ("b",)),) and skips_into(routes, 2) == ((0, ("a",)),)
+    assert skip_routes(layers, [1, 1, 4]) == {(0, 2): ("a",), (1, 2): ("b",)}
+    assert skip_routes(layers, [6]) == {}
+    assert routes_line(routes, [0, 1, 2]) == (
+        "; skip connections sent from the stashing stage to the popping stage 0 -> 1: b; 0 -> 2: a"
+    )
+    assert routes_line(skip_routes(layers, [1, 1, 1, 3]), [0, 1, 1, 0]) == (  # zbv's V: stages 0 and 3 on process 0
+        "; skip connections sent from the stashing stage to the popping stage 0 -> 3: a (in process 0); 1 -> 3: b"
+    )
     with pytest.raises(ValueError, match=r"Layer 3 declares @skippable\(pop=\['b'\]\), but no earlier layer"):
         skip_routes([layers[0], layers[2], layers[2], layers[3], layers[5]], [5])
 
@@ -42,20 +53,60 @@ def test_a_skip_connection_across_stages_trains_validates_and_predicts_as_plain(
     )
 
 
-@pytest.mark.parametrize(
-    "processes, options",
-    [
-        (3, {"schedule": "1f1b", "recompute": "always"}),  # a relayed through stage 1; recomputed with its skips
-        (2, {"schedule": "zbv"}),  # 4 stages on 2 processes: a V, a skip between a process's own stages
-    ],
-    ids=["3p-1f1b-recompute", "2p-zbv"],
-)
-def test_skips_train_as_plain_through_a_middle_stage_and_a_v_shaped_schedule(processes: int, options: dict) -> None:
+def _logged_posts(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Callable[[int], list[tuple[int, int, int]]]:
+    """Every op each process posts, as (is_send, peer, tag), read back per rank after the fit (the
+    processes are forked, so they run the patched transport)."""
+    from lightning_pipe.runtime import p2p
+
+    def logging(post: Callable) -> Callable:
+        def posting(self: p2p.Transport, ops: list[p2p.Op]) -> list:
+            with open(folder / f"ops-{dist.get_rank()}.txt", "a") as log:
+                log.writelines(f"{int(op.is_send)} {op.peer} {op.tag}\n" for op in ops)
+            return post(self, ops)
+
+        return posting
+
+    for name in ("post", "post_skips"):
+        if hasattr(p2p.Transport, name):
+            monkeypatch.setattr(p2p.Transport, name, logging(getattr(p2p.Transport, name)))
+
+    def posts(rank: int) -> list[tuple[int, int, int]]:
+        lines = (folder / f"ops-{rank}.txt").read_text().splitlines()
+        return [(int(send), int(peer), int(tag)) for send, peer, tag in map(str.split, lines)]
+
+    return posts
+
+
+def test_a_skip_goes_straight_to_the_stage_that_pops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """3 stages ([2, 2, 2]): ``a`` goes from stage 0 to stage 2 and its gradient back, never through stage 1
+    (before: stage 1 received it and sent it on beside the hidden state); recomputed with its skips."""
+    posts = _logged_posts(monkeypatch, tmp_path)
     torch.manual_seed(0)
     piped = SkipNet()
     reference = copy.deepcopy(piped)
     fit_plain(reference)
-    fit_pipeline(piped, processes, chunks=4, **options)
+    fit_pipeline(piped, 3, chunks=4, balance=[2, 2, 2], recompute="always")
+    assert_same_weights(reference, piped)
+    first, middle, last = posts(0), posts(1), posts(2)
+    # streams: activations into stage s 2s, gradients out of it 2s + 1; a skip from stage s to t 6 + 2 (3s + t),
+    # its gradient + 1: b (0 -> 1) 8 and 9, a (0 -> 2) 10 and 11
+    hidden_in = [op for op in middle if op == (0, 0, 2)]
+    hidden_out = [op for op in middle if op[:2] == (1, 2)]
+    assert hidden_in and len(hidden_out) == len(hidden_in)  # before: hidden state, a, b in; hidden state, a out
+    assert {op for op in middle if op[0]} == {(1, 2, 4), (1, 0, 1), (1, 0, 9)}  # a's streams never reach stage 1
+    assert {op for op in middle if not op[0]} == {(0, 0, 2), (0, 2, 3), (0, 0, 8)}
+    assert [op for op in first if op[1:] == (2, 10)] == [(1, 2, 10)] * len(hidden_in)  # a, straight to stage 2
+    assert [op for op in last if op[1:] == (0, 11)] == [(1, 0, 11)] * len(hidden_in)  # its gradient straight back
+    assert [op for op in first if op[1:] == (2, 11)] == [(0, 2, 11)] * len(hidden_in)
+
+
+def test_skips_train_as_plain_under_a_v_shaped_schedule() -> None:
+    """zbv, 4 stages on 2 processes (a V): a skip between one process's own stages (in memory), one across."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, chunks=4, schedule="zbv")
     assert_same_weights(reference, piped)
 
 

@@ -187,8 +187,8 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
         layout = measured.layout
         chunks = config.num_microbatches(layout.stages)
         line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
-        skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else []
-        rank_zero_info(line + routes_line(skips))
+        skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else {}
+        rank_zero_info(line + routes_line(skips, decision.positions))
     held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)
     return ModuleSplit(
         config,
@@ -333,8 +333,8 @@ def _keep_stages(
     ties = ties_by_position([in_module(tie, paths) for tie in decision.tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
-    routes = skip_routes(list(layers), balance) if isinstance(layers, nn.Sequential) else []
-    if any(routes) and skips_refusal(config.schedule):
+    routes = skip_routes(list(layers), balance) if isinstance(layers, nn.Sequential) else {}
+    if routes and skips_refusal(config.schedule):
         raise ValueError(skips_refusal(config.schedule))
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
