@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into, skips_refusal
-from tests.models import SkipNet, fit_plain, loader, plain_trainer
+from tests.models import SkipNet, UNetSkips, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 
@@ -149,3 +149,31 @@ def test_an_undeclared_or_missing_stash_is_refused_when_the_stage_ends() -> None
         take_skips(scope, ("a",), 0)
     with pytest.raises(RuntimeError, match=r"declare @skippable\(stash=\['c'\]\) but did not stash them"):
         take_skips(scope, ("a", "b", "c"), 0)
+
+
+def test_a_u_net_on_four_processes_trains_as_plain() -> None:
+    """1f1b, [3, 3, 3, 3]: skips from stage 0 to stages 1, 2 and 3, and from 1 to 2."""
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 4, chunks=4, balance=[3, 3, 3, 3])
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev", "zbv"])
+def test_a_u_net_on_four_processes_trains_as_plain_under_schedules_with_several_stages_per_process(
+    schedule: str,
+) -> None:
+    """8 stages on 4 processes, [2, 1, 1, 2, 1, 2, 2, 1]: skips between stages 0 -> 6, 0 -> 4, 1 -> 3, 3 -> 5;
+    interleaved puts stages 0 and 4 on process 0 (a skip in memory); the V's put a stage's neighbours on other
+    processes than rank + 1."""
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, loader(batch_size=8))
+    options = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
+    balance = [2, 1, 1, 2, 1, 2, 2, 1]
+    fit_pipeline(piped, 4, loader(batch_size=8), chunks=8, balance=balance, schedule=schedule, **options)
+    assert_same_weights(reference, piped)
