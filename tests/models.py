@@ -725,3 +725,56 @@ class SkipNet(TinyNet):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])
+
+
+class _CarryA(StashA):
+    """:class:`StashA`'s layer with ``a`` carried in the hidden state instead of stashed."""
+
+    stashes = ()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        y = torch.tanh(self.linear(x))
+        return y, y
+
+
+class _CarryB(StashB):
+    stashes = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x, a = carried
+        y = torch.tanh(self.linear(x))
+        return y, a, y
+
+
+class _CarryPopB(PopB):
+    pops = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x, a, b = carried
+        return torch.tanh(self.linear(x + b)), a
+
+
+class _CarryPopA(PopA):
+    pops = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> torch.Tensor:  # type: ignore[override]
+        x, a = carried
+        return self.linear(torch.cat([x, a], dim=1))
+
+
+class _CarryMiddle(nn.Sequential):
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return (super().forward(carried[0]), *carried[1:])
+
+
+class CarriedSkipNet(SkipNet):
+    """:class:`SkipNet` with its two skips carried in the hidden state (a tuple every layer hands on)
+    instead of stashed: the same parameters under the same names, the same sums, and what crosses a
+    boundary is the ordinary hidden state: the oracle of a schedule that has no plain one."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.layers = nn.Sequential(
+            _CarryA(), _CarryB(), _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopB(),
+            _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopA(),
+        )  # fmt: skip

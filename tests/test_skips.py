@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into, skips_refusal
-from tests.models import SkipNet, UNetSkips, fit_plain, loader, plain_trainer
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into
+from tests.models import CarriedSkipNet, SkipNet, UNetSkips, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
+from tests.test_async import _cycle, _reference, _stage_delays
 
 
 def test_which_stage_sends_which_skip_to_which_is_decided_from_the_declarations() -> None:
@@ -110,17 +111,15 @@ def test_skips_train_as_plain_under_a_v_shaped_schedule() -> None:
     assert_same_weights(reference, piped)
 
 
-def test_a_schedule_that_does_not_carry_skips_is_refused_at_setup() -> None:
-    assert skips_refusal("1f1b") is None and skips_refusal("zbv") is None
-    message = skips_refusal("pipedream")
-    assert message is not None and "schedule='pipedream' does not carry yet" in message
-    assert "1f1b" in message and "balance=[...]" in message  # how to fix
+def test_skips_train_as_plain_under_chimera() -> None:
+    """Chimera's two directions: the down pipeline sends stage 0's skips to stage 1 (process 0 -> 1), the up
+    pipeline the same between their copies (process 1 -> 0); both copies' gradients summed (before: refused)."""
     torch.manual_seed(0)
-    model = SkipNet()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(Exception, match=r"skip connections across stages .*schedule='chimera' does not carry yet"):
-        fit_pipeline(model, 2, schedule="chimera", chunks=4)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    piped = SkipNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="chimera", chunks=4)
+    assert_same_weights(reference, piped)
 
 
 @pytest.mark.slow
@@ -176,4 +175,48 @@ def test_a_u_net_on_four_processes_trains_as_plain_under_schedules_with_several_
     options = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
     balance = [2, 1, 1, 2, 1, 2, 2, 1]
     fit_pipeline(piped, 4, loader(batch_size=8), chunks=8, balance=balance, schedule=schedule, **options)
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("pipedream_2bw", 3), ("pipedream", 2), ("wpipe", 3)])
+def test_skips_follow_the_delayed_rule_of_the_schedules_that_stash_weights(schedule: str, chunks: int) -> None:
+    """(Before: refused.) 3 stages across steps (an epoch's end, its drain and its short batch included):
+    each skip travels with its micro-batch, so its stage's backward reaches the weight version of its
+    forward, and the weights follow the rule's one-process reference as the plain Sequential's do."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    piped.optimizer = "plain-sgd"
+    reference = copy.deepcopy(piped)
+    steps = 9
+    batches = [b for _, b in zip(range(steps), iter(_cycle(loader())))]
+    _reference(reference, batches, 0.1, _stage_delays(schedule, 3, chunks, reference))
+    fit_pipeline(piped, 3, schedule=schedule, chunks=chunks, max_steps=steps, balance=[2, 2, 2])
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "xpipe"])
+def test_skips_sent_straight_train_as_skips_carried_in_the_hidden_state_under_predicted_weights(
+    schedule: str,
+) -> None:
+    """The schedules that predict weights have no one-process rule for this model: the same skips carried in
+    the hidden state (a tuple every layer hands on, the ordinary path) are the oracle, 3 stages across steps."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    carried = CarriedSkipNet()
+    carried.load_state_dict(piped.state_dict())
+    initial = copy.deepcopy(piped)
+    for model in (carried, piped):
+        fit_pipeline(model, 3, schedule=schedule, chunks=2, max_steps=9, balance=[2, 2, 2])
+    assert_same_weights(carried, piped)
+    with pytest.raises(AssertionError):
+        assert_same_weights(initial, piped)  # it trained
+
+
+@pytest.mark.slow
+def test_a_u_net_on_four_processes_trains_as_plain_under_chimera() -> None:
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 4, chunks=4, schedule="chimera", balance=[3, 3, 3, 3])
     assert_same_weights(reference, piped)

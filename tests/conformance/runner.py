@@ -207,12 +207,13 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     it is written for the cell: stage ``s`` applies at step ``t`` the gradient of batch ``t - d_s`` taken at
     the weights of step ``t - d_s`` (``d_s``: :func:`update_delay`), with the model's own optimizer; a stage
     with no gradient due yet does not step. None where the cell is not a plain chain of one stage per
-    process (other rules, virtual stages, AvgPipe, elastic restarts) or its model is not the plain one."""
+    process (other rules, virtual stages, AvgPipe, elastic restarts) or its model is neither the plain one nor the
+    one with skip connections (whose skips travel with their micro-batches)."""
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
     plain_chain = layout.virtual_stages is None and layout.replicas_sync is None and not layout.elastic
-    if not (t.stashes_weights and plain_chain and model.name == "sequential"):
+    if not (t.stashes_weights and plain_chain and model.name in ("sequential", "skips")):
         return None
     key = ("delayed", schedule, layout.positions, model.name)
     if key not in _CACHE:

@@ -36,8 +36,6 @@ from typing import TypeVar
 
 from torch import Tensor, nn
 
-from lightning_pipe.schedules.traits import TRAITS
-
 M = TypeVar("M", bound=type[nn.Module])
 
 #: the stashed tensors of the stage (or the plain forward) running now, by name
@@ -170,29 +168,16 @@ def take_skips(scope: dict[str, Tensor], leaving: Sequence[str], stage: int) -> 
     return [scope[n] for n in leaving]
 
 
-def routes_line(routes: Routes, positions: Sequence[int]) -> str:
+def routes_line(routes: Routes, positions: Sequence[int], mirrored: bool = False) -> str:
     """What the layout line adds for skip connections that cross stages (empty when none do): per
     pair of stages the names sent from the one to the other, and where both are on one process
-    (``positions[s]``: the process of split stage ``s``), that they stay in its memory."""
+    (``positions[s]``: the process of split stage ``s``), that they stay in its memory; ``mirrored``:
+    Chimera's up pipeline sends the same between the two stages' copies."""
     parts = [
         f"{s} -> {t}: {', '.join(names)}{f' (in process {positions[s]})' if positions[s] == positions[t] else ''}"
         for (s, t), names in routes.items()
     ]
-    return f"; skip connections sent from the stashing stage to the popping stage {'; '.join(parts)}" if parts else ""
-
-
-#: the schedules under which skip connections were proven to train as plain training does: those that carry
-#: blocks' recorded values (their micro-batches pass the stages as one chain, with one weight version)
-SKIPPING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
-
-
-def skips_refusal(schedule: str) -> str | None:
-    """Why a Sequential with skip connections across stages cannot run under ``schedule`` (None: it can)."""
-    if schedule in SKIPPING_SCHEDULES:
-        return None
-    return (
-        f"The Sequential has skip connections across stages (@skippable stash/pop), which schedule={schedule!r} does "
-        f"not carry yet (only {', '.join(sorted(SKIPPING_SCHEDULES))} do: their micro-batches pass the stages as "
-        "one chain, with one weight version). Choose one of those schedules, or a split (balance=[...]) that keeps "
-        "each stash and its pop on one stage."
-    )
+    if not parts:
+        return ""
+    copies = " (and between the same stages' copies in the up pipeline)" if mirrored else ""
+    return f"; skip connections sent from the stashing stage to the popping stage {'; '.join(parts)}{copies}"
