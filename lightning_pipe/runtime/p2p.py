@@ -1,4 +1,5 @@
-"""Shape-aware point-to-point transport between neighbouring stages.
+"""Shape-aware point-to-point transport between neighbouring stages, and between the two stages of
+a skip connection (:mod:`lightning_pipe.runtime.crossing.skips`: the one that stashes, the one that pops).
 
 Activations travel with a small header (dtypes, shapes, which tensors need a gradient, whether
 the stage returned a tuple, and how many recorded values of each earlier block travel after the
@@ -177,33 +178,34 @@ class Transport:
         return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]
 
     # ---- skip connections (lightning_pipe.skips): from the stage that stashes straight to the one that pops
-    def _skip_tag(self, source: int, target: int, gradient: bool) -> int:
-        """The stream of one pair's skip connections (or their gradients), apart from every other stream."""
+    def _skip_tag(self, source: int, target: int, kind: int) -> int:
+        """The stream of one pair's skip connections (``kind`` 0), their gradients (1) or their headers (2),
+        apart from every other stream (the activations' and gradients' tags are below ``2 x stages``)."""
         n = len(self.stage_ranks)
-        return 2 * n + 2 * (source * n + target) + int(gradient)
+        return 2 * n + 4 * (source * n + target) + kind
 
     def skip_send_ops(self, source: int, target: int, key: Hashable, tensors: Sequence[Tensor]) -> list[Op]:
         """Ops that send stage ``source``'s stashed ``tensors`` to stage ``target``, which pops them;
         with a header (on its own stream) where ``key`` is new."""
-        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, False)
-        self._send_header(source, peer, key, TensorMeta.of(tensors, False), tag)
+        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 0)
+        self._send_header(source, peer, key, TensorMeta.of(tensors, False), self._skip_tag(source, target, 2))
         return [Op(True, self._outgoing(t, self._skips_staged), peer, tag) for t in tensors]
 
     def skip_recv_ops(self, source: int, target: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
         """Buffers and ops that receive on stage ``target`` what stage ``source`` stashed for it."""
-        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, False)
-        meta = self._read_header(peer, key, tag)
+        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 0)
+        meta = self._read_header(peer, key, self._skip_tag(source, target, 2))
         buffers = [self._buffer(s, d, self._skips_staged) for s, d in zip(meta.shapes, meta.dtypes)]
         return buffers, meta, [Op(False, b, peer, tag) for b in buffers]
 
     def skip_grad_send_ops(self, target: int, source: int, grads: Sequence[Tensor]) -> list[Op]:
         """Ops that send the gradients of what stage ``source`` stashed back to it from stage ``target``."""
-        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, True)
+        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 1)
         return [Op(True, self._outgoing(g, self._skips_staged), peer, tag) for g in grads]
 
     def skip_grad_recv_ops(self, target: int, source: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
         """Buffers and ops that receive on stage ``source`` the gradients of ``like`` (what it stashed)."""
-        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, True)
+        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 1)
         buffers = [self._buffer(t.shape, t.dtype, self._skips_staged) for t in like]
         return buffers, [Op(False, b, peer, tag) for b in buffers]
 
