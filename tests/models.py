@@ -661,6 +661,52 @@ class PopA(nn.Module):
         return self.linear(torch.cat([x, pop("a")], dim=1))
 
 
+def _stashing(name: str) -> type[nn.Module]:
+    @skippable(stash=[name])
+    class Stashing(nn.Module):
+        def __init__(self, width: int = HIDDEN) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(self.linear(x))
+            stash(name, y)
+            return y
+
+    return Stashing
+
+
+def _popping(name: str) -> type[nn.Module]:
+    @skippable(pop=[name])
+    class Popping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.linear(x) + pop(name))
+
+    return Popping
+
+
+def _middle() -> nn.Module:
+    return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+
+
+class UNetSkips(TinyNet):
+    """A 12-layer U-Net-shaped ``nn.Sequential`` with four skips declared the torchgpipe way: ``s0``
+    from layer 0 to 10, ``s1`` from 1 to 6, ``s2`` from 2 to 4, ``s3`` from 5 to 8 (nested and
+    overlapping, some over several stages once split in 4 or 8)."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.layers = nn.Sequential(
+            _stashing("s0")(IN), _stashing("s1")(), _stashing("s2")(), _middle(), _popping("s2")(),
+            _stashing("s3")(), _popping("s1")(), _middle(), _popping("s3")(), _middle(), _popping("s0")(),
+            nn.Linear(HIDDEN, CLASSES),
+        )  # fmt: skip
+
+
 class SkipNet(TinyNet):
     """A U-Net-shaped ``nn.Sequential`` with two skips declared the torchgpipe way: layer 0 stashes
     ``a`` for layer 5, layer 1 stashes ``b`` for layer 3. Split in 2: both cross 0 -> 1; in 3: both
@@ -679,3 +725,56 @@ class SkipNet(TinyNet):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])
+
+
+class _CarryA(StashA):
+    """:class:`StashA`'s layer with ``a`` carried in the hidden state instead of stashed."""
+
+    stashes = ()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        y = torch.tanh(self.linear(x))
+        return y, y
+
+
+class _CarryB(StashB):
+    stashes = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x, a = carried
+        y = torch.tanh(self.linear(x))
+        return y, a, y
+
+
+class _CarryPopB(PopB):
+    pops = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x, a, b = carried
+        return torch.tanh(self.linear(x + b)), a
+
+
+class _CarryPopA(PopA):
+    pops = ()
+
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> torch.Tensor:  # type: ignore[override]
+        x, a = carried
+        return self.linear(torch.cat([x, a], dim=1))
+
+
+class _CarryMiddle(nn.Sequential):
+    def forward(self, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return (super().forward(carried[0]), *carried[1:])
+
+
+class CarriedSkipNet(SkipNet):
+    """:class:`SkipNet` with its two skips carried in the hidden state (a tuple every layer hands on)
+    instead of stashed: the same parameters under the same names, the same sums, and what crosses a
+    boundary is the ordinary hidden state: the oracle of a schedule that has no plain one."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr=lr)
+        self.layers = nn.Sequential(
+            _CarryA(), _CarryB(), _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopB(),
+            _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopA(),
+        )  # fmt: skip

@@ -5,22 +5,34 @@ that pops it, its gradient back, and the model trains as plain training does."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
-from tests.models import SkipNet, fit_plain, loader, plain_trainer
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into
+from tests.models import CarriedSkipNet, SkipNet, UNetSkips, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
+from tests.test_async import _cycle, _reference, _stage_delays
 
 
-def test_which_skips_cross_each_boundary_is_decided_from_the_declarations() -> None:
+def test_which_stage_sends_which_skip_to_which_is_decided_from_the_declarations() -> None:
     layers = list(SkipNet().layers)
-    assert skip_routes(layers, [3, 3]) == [("a", "b")]
-    assert skip_routes(layers, [2, 2, 2]) == [("a", "b"), ("a",)]  # b is popped on stage 1, a goes on
-    assert skip_routes(layers, [1, 1, 4]) == [("a",), ("a", "b")]
-    assert skip_routes(layers, [6]) == []
-    assert routes_line([("a", "b"), ("a",)]) == "; skip connections crossing stages 0 -> 1: a, b; 1 -> 2: a"
+    assert skip_routes(layers, [3, 3]) == {(0, 1): ("a", "b")}
+    routes = skip_routes(layers, [2, 2, 2])  # a goes from stage 0 straight to stage 2, not through stage 1
+    assert routes == {(0, 1): ("b",), (0, 2): ("a",)}
+    assert skips_from(routes, 0) == ((1, ("b",)), (2, ("a",))) and skips_from(routes, 1) == ()
+    assert skips_into(routes, 1) == ((0, ("b",)),) and skips_into(routes, 2) == ((0, ("a",)),)
+    assert skip_routes(layers, [1, 1, 4]) == {(0, 2): ("a",), (1, 2): ("b",)}
+    assert skip_routes(layers, [6]) == {}
+    assert routes_line(routes, [0, 1, 2]) == (
+        "; skip connections sent from the stashing stage to the popping stage 0 -> 1: b; 0 -> 2: a"
+    )
+    assert routes_line(skip_routes(layers, [1, 1, 1, 3]), [0, 1, 1, 0]) == (  # zbv's V: stages 0 and 3 on process 0
+        "; skip connections sent from the stashing stage to the popping stage 0 -> 3: a (in process 0); 1 -> 3: b"
+    )
     with pytest.raises(ValueError, match=r"Layer 3 declares @skippable\(pop=\['b'\]\), but no earlier layer"):
         skip_routes([layers[0], layers[2], layers[2], layers[3], layers[5]], [5])
 
@@ -42,34 +54,72 @@ def test_a_skip_connection_across_stages_trains_validates_and_predicts_as_plain(
     )
 
 
-@pytest.mark.parametrize(
-    "processes, options",
-    [
-        (3, {"schedule": "1f1b", "recompute": "always"}),  # a relayed through stage 1; recomputed with its skips
-        (2, {"schedule": "zbv"}),  # 4 stages on 2 processes: a V, a skip between a process's own stages
-    ],
-    ids=["3p-1f1b-recompute", "2p-zbv"],
-)
-def test_skips_train_as_plain_through_a_middle_stage_and_a_v_shaped_schedule(processes: int, options: dict) -> None:
+def _logged_posts(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Callable[[int], list[tuple[int, int, int]]]:
+    """Every op each process posts, as (is_send, peer, tag), read back per rank after the fit (the
+    processes are forked, so they run the patched transport)."""
+    from lightning_pipe.runtime import p2p
+
+    def logging(post: Callable) -> Callable:
+        def posting(self: p2p.Transport, ops: list[p2p.Op]) -> list:
+            with open(folder / f"ops-{dist.get_rank()}.txt", "a") as log:
+                log.writelines(f"{int(op.is_send)} {op.peer} {op.tag}\n" for op in ops)
+            return post(self, ops)
+
+        return posting
+
+    for name in ("post", "post_skips"):
+        if hasattr(p2p.Transport, name):
+            monkeypatch.setattr(p2p.Transport, name, logging(getattr(p2p.Transport, name)))
+
+    def posts(rank: int) -> list[tuple[int, int, int]]:
+        lines = (folder / f"ops-{rank}.txt").read_text().splitlines()
+        return [(int(send), int(peer), int(tag)) for send, peer, tag in map(str.split, lines)]
+
+    return posts
+
+
+def test_a_skip_goes_straight_to_the_stage_that_pops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """3 stages ([2, 2, 2]): ``a`` goes from stage 0 to stage 2 and its gradient back, never through stage 1
+    (before: stage 1 received it and sent it on beside the hidden state); recomputed with its skips."""
+    posts = _logged_posts(monkeypatch, tmp_path)
     torch.manual_seed(0)
     piped = SkipNet()
     reference = copy.deepcopy(piped)
     fit_plain(reference)
-    fit_pipeline(piped, processes, chunks=4, **options)
+    fit_pipeline(piped, 3, chunks=4, balance=[2, 2, 2], recompute="always")
+    assert_same_weights(reference, piped)
+    first, middle, last = posts(0), posts(1), posts(2)
+    # streams: activations into stage s 2s, gradients out of it 2s + 1; a skip from stage s to t 6 + 4 (3s + t),
+    # its gradient + 1: b (0 -> 1) 10 and 11, a (0 -> 2) 14 and 15 (its header, + 2, is not posted as an op)
+    hidden_in = [op for op in middle if op == (0, 0, 2)]
+    hidden_out = [op for op in middle if op[:2] == (1, 2)]
+    assert hidden_in and len(hidden_out) == len(hidden_in)  # before: hidden state, a, b in; hidden state, a out
+    assert {op for op in middle if op[0]} == {(1, 2, 4), (1, 0, 1), (1, 0, 11)}  # a's streams never reach stage 1
+    assert {op for op in middle if not op[0]} == {(0, 0, 2), (0, 2, 3), (0, 0, 10)}
+    assert [op for op in first if op[1:] == (2, 14)] == [(1, 2, 14)] * len(hidden_in)  # a, straight to stage 2
+    assert [op for op in last if op[1:] == (0, 15)] == [(1, 0, 15)] * len(hidden_in)  # its gradient straight back
+    assert [op for op in first if op[1:] == (2, 15)] == [(0, 2, 15)] * len(hidden_in)
+
+
+def test_skips_train_as_plain_under_a_v_shaped_schedule() -> None:
+    """zbv, 4 stages on 2 processes (a V): a skip between one process's own stages (in memory), one across."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, chunks=4, schedule="zbv")
     assert_same_weights(reference, piped)
 
 
-def test_a_schedule_that_does_not_carry_skips_is_refused_at_setup() -> None:
-    assert skips_refusal("1f1b") is None and skips_refusal("zbv") is None
-    message = skips_refusal("pipedream")
-    assert message is not None and "schedule='pipedream' does not carry yet" in message
-    assert "1f1b" in message and "balance=[...]" in message  # how to fix
+def test_skips_train_as_plain_under_chimera() -> None:
+    """Chimera's two directions: the down pipeline sends stage 0's skips to stage 1 (process 0 -> 1), the up
+    pipeline the same between their copies (process 1 -> 0); both copies' gradients summed (before: refused)."""
     torch.manual_seed(0)
-    model = SkipNet()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(Exception, match=r"skip connections across stages .*schedule='chimera' does not carry yet"):
-        fit_pipeline(model, 2, schedule="chimera", chunks=4)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    piped = SkipNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule="chimera", chunks=4)
+    assert_same_weights(reference, piped)
 
 
 @pytest.mark.slow
@@ -98,3 +148,82 @@ def test_an_undeclared_or_missing_stash_is_refused_when_the_stage_ends() -> None
         take_skips(scope, ("a",), 0)
     with pytest.raises(RuntimeError, match=r"declare @skippable\(stash=\['c'\]\) but did not stash them"):
         take_skips(scope, ("a", "b", "c"), 0)
+
+
+def test_a_u_net_on_four_processes_trains_as_plain() -> None:
+    """1f1b, [3, 3, 3, 3]: skips from stage 0 to stages 1, 2 and 3, and from 1 to 2."""
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 4, chunks=4, balance=[3, 3, 3, 3])
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev", "zbv"])
+def test_a_u_net_on_four_processes_trains_as_plain_under_schedules_with_several_stages_per_process(
+    schedule: str,
+) -> None:
+    """8 stages on 4 processes, [2, 1, 1, 2, 1, 2, 2, 1]: skips between stages 0 -> 6, 0 -> 4, 1 -> 3, 3 -> 5;
+    interleaved puts stages 0 and 4 on process 0 (a skip in memory); the V's put a stage's neighbours on other
+    processes than rank + 1."""
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference, loader(batch_size=8))
+    options = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
+    balance = [2, 1, 1, 2, 1, 2, 2, 1]
+    fit_pipeline(piped, 4, loader(batch_size=8), chunks=8, balance=balance, schedule=schedule, **options)
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize(
+    "schedule, chunks",
+    [
+        ("pipedream_2bw", 3),
+        pytest.param("pipedream", 2, marks=pytest.mark.slow),
+        pytest.param("wpipe", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_skips_follow_the_delayed_rule_of_the_schedules_that_stash_weights(schedule: str, chunks: int) -> None:
+    """(Before: refused.) 3 stages across steps (an epoch's end, its drain and its short batch included):
+    each skip travels with its micro-batch, so its stage's backward reaches the weight version of its
+    forward, and the weights follow the rule's one-process reference as the plain Sequential's do."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    piped.optimizer = "plain-sgd"
+    reference = copy.deepcopy(piped)
+    steps = 9
+    batches = [b for _, b in zip(range(steps), iter(_cycle(loader())))]
+    _reference(reference, batches, 0.1, _stage_delays(schedule, 3, chunks, reference))
+    fit_pipeline(piped, 3, schedule=schedule, chunks=chunks, max_steps=steps, balance=[2, 2, 2])
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", pytest.param("xpipe", marks=pytest.mark.slow)])
+def test_skips_sent_straight_train_as_skips_carried_in_the_hidden_state_under_predicted_weights(
+    schedule: str,
+) -> None:
+    """The schedules that predict weights have no one-process rule for this model: the same skips carried in
+    the hidden state (a tuple every layer hands on, the ordinary path) are the oracle, 3 stages across steps."""
+    torch.manual_seed(0)
+    piped = SkipNet()
+    carried = CarriedSkipNet()
+    carried.load_state_dict(piped.state_dict())
+    initial = copy.deepcopy(piped)
+    for model in (carried, piped):
+        fit_pipeline(model, 3, schedule=schedule, chunks=2, max_steps=9, balance=[2, 2, 2])
+    assert_same_weights(carried, piped)
+    with pytest.raises(AssertionError):
+        assert_same_weights(initial, piped)  # it trained
+
+
+@pytest.mark.slow
+def test_a_u_net_on_four_processes_trains_as_plain_under_chimera() -> None:
+    torch.manual_seed(0)
+    piped = UNetSkips()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 4, chunks=4, schedule="chimera", balance=[3, 3, 3, 3])
+    assert_same_weights(reference, piped)

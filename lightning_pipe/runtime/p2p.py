@@ -1,4 +1,5 @@
-"""Shape-aware point-to-point transport between neighbouring stages.
+"""Shape-aware point-to-point transport between neighbouring stages, and between the two stages of
+a skip connection (:mod:`lightning_pipe.runtime.crossing.skips`: the one that stashes, the one that pops).
 
 Activations travel with a small header (dtypes, shapes, which tensors need a gradient, whether
 the stage returned a tuple, and how many recorded values of each earlier block travel after the
@@ -102,6 +103,9 @@ class Transport:
         # gloo cannot send GPU tensors: stage them through (pinned) host memory
         self.through_host = through_host
         self._pin = through_host and device.type == "cuda"
+        self._on_gpu = device.type == "cuda"
+        # skip connections go on the gloo group under NCCL (see post_skips): through host memory on a GPU
+        self._skips_staged = self._on_gpu and (through_host or batched)
         self.device = device
         self.group = group
         self.meta_group = meta_group
@@ -119,21 +123,35 @@ class Transport:
         """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now
         (its length, then its integers)."""
         peer = self.stage_ranks[to_stage]
-        meta = TensorMeta.of(tensors, was_tuple, carried)
+        self._send_header(to_stage - 1, peer, key, TensorMeta.of(tensors, was_tuple, carried), 0)
+        return [Op(True, self._outgoing(t), peer, 2 * to_stage) for t in tensors]
+
+    def _send_header(self, stage: int, peer: int, key: Hashable, meta: TensorMeta, tag: int) -> None:
+        """Send ``meta`` (its length, then its integers) where ``key`` is new; refuse new shapes for a known key."""
         known = self._sent.get(key)
         if known is None:
             self._sent[key] = meta
             header = meta.encode()
             length = torch.tensor([header.numel()], dtype=torch.int64)
             for part in (length, header):
-                self._header_works.append((dist.isend(part, peer, group=self.meta_group), part))
+                self._header_works.append((dist.isend(part, peer, group=self.meta_group, tag=tag), part))
         elif known != meta:
             raise RuntimeError(
-                f"Stage {to_stage - 1} produced outputs of shapes {list(meta.shapes)} for a micro-batch whose input "
+                f"Stage {stage} produced outputs of shapes {list(meta.shapes)} for a micro-batch whose input "
                 f"shapes gave {list(known.shapes)} before. The pipeline caches activation shapes by input shapes; "
                 "stage outputs must depend only on the shapes of the batch, not on its values."
             )
-        return [Op(True, self._outgoing(t), peer, 2 * to_stage) for t in tensors]
+
+    def _read_header(self, peer: int, key: Hashable, tag: int) -> TensorMeta:
+        """The header of ``key``: known, or read now (waiting until the sender gets there)."""
+        meta = self._received.get(key)
+        if meta is None:
+            length = torch.empty(1, dtype=torch.int64)
+            dist.recv(length, peer, group=self.meta_group, tag=tag)
+            header = torch.empty(int(length.item()), dtype=torch.int64)
+            dist.recv(header, peer, group=self.meta_group, tag=tag)
+            meta = self._received[key] = TensorMeta.decode(header)
+        return meta
 
     def knows(self, key: Hashable) -> bool:
         """Whether the shapes of activations received under ``key`` are known (no header to wait for)."""
@@ -142,13 +160,7 @@ class Transport:
     def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
         """Buffers and ops that receive an activation; reads the header first if this key is new."""
         peer = self.stage_ranks[from_stage]
-        meta = self._received.get(key)
-        if meta is None:
-            length = torch.empty(1, dtype=torch.int64)
-            dist.recv(length, peer, group=self.meta_group)
-            header = torch.empty(int(length.item()), dtype=torch.int64)
-            dist.recv(header, peer, group=self.meta_group)
-            meta = self._received[key] = TensorMeta.decode(header)
+        meta = self._read_header(peer, key, 0)
         device = "cpu" if self.through_host else self.device
         buffers = [
             torch.empty(s, dtype=d, device=device, pin_memory=self._pin) for s, d in zip(meta.shapes, meta.dtypes)
@@ -165,16 +177,64 @@ class Transport:
         buffers = [torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=self._pin) for t in like]
         return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]
 
-    def _outgoing(self, tensor: Tensor) -> Tensor:
-        if self.through_host:
+    # ---- skip connections (lightning_pipe.skips): from the stage that stashes straight to the one that pops
+    def _skip_tag(self, source: int, target: int, kind: int) -> int:
+        """The stream of one pair's skip connections (``kind`` 0), their gradients (1) or their headers (2),
+        apart from every other stream (the activations' and gradients' tags are below ``2 x stages``)."""
+        n = len(self.stage_ranks)
+        return 2 * n + 4 * (source * n + target) + kind
+
+    def skip_send_ops(self, source: int, target: int, key: Hashable, tensors: Sequence[Tensor]) -> list[Op]:
+        """Ops that send stage ``source``'s stashed ``tensors`` to stage ``target``, which pops them;
+        with a header (on its own stream) where ``key`` is new."""
+        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 0)
+        self._send_header(source, peer, key, TensorMeta.of(tensors, False), self._skip_tag(source, target, 2))
+        return [Op(True, self._outgoing(t, self._skips_staged), peer, tag) for t in tensors]
+
+    def skip_recv_ops(self, source: int, target: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
+        """Buffers and ops that receive on stage ``target`` what stage ``source`` stashed for it."""
+        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 0)
+        meta = self._read_header(peer, key, self._skip_tag(source, target, 2))
+        buffers = [self._buffer(s, d, self._skips_staged) for s, d in zip(meta.shapes, meta.dtypes)]
+        return buffers, meta, [Op(False, b, peer, tag) for b in buffers]
+
+    def skip_grad_send_ops(self, target: int, source: int, grads: Sequence[Tensor]) -> list[Op]:
+        """Ops that send the gradients of what stage ``source`` stashed back to it from stage ``target``."""
+        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 1)
+        return [Op(True, self._outgoing(g, self._skips_staged), peer, tag) for g in grads]
+
+    def skip_grad_recv_ops(self, target: int, source: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
+        """Buffers and ops that receive on stage ``source`` the gradients of ``like`` (what it stashed)."""
+        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 1)
+        buffers = [self._buffer(t.shape, t.dtype, self._skips_staged) for t in like]
+        return buffers, [Op(False, b, peer, tag) for b in buffers]
+
+    def post_skips(self, ops: Sequence[Op]) -> list[Any]:
+        """Post skip connections' ops, one by one and never batched: under NCCL they go through host
+        memory on the gloo group, so that they never enter the order in which NCCL matches a rank's
+        point-to-point calls (the schedule's own, regrouped to rendezvous)."""
+        group = self.meta_group if self.batched else self.group
+        return [(dist.isend if op.is_send else dist.irecv)(op.tensor, op.peer, group=group, tag=op.tag) for op in ops]
+
+    def skips_arrived(self, buffers: list[Tensor]) -> list[Tensor]:
+        """Received skip connections (or their gradients) on this rank's device."""
+        return self.arrived(buffers, self._skips_staged)
+
+    def _buffer(self, shape: Sequence[int], dtype: torch.dtype, staged: bool) -> Tensor:
+        device = "cpu" if staged else self.device
+        return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=staged and self._on_gpu)
+
+    def _outgoing(self, tensor: Tensor, staged: bool | None = None) -> Tensor:
+        if self.through_host if staged is None else staged:
             return tensor.detach().to("cpu", copy=True).contiguous()
         return tensor.detach().contiguous()
 
-    def arrived(self, buffers: list[Tensor]) -> list[Tensor]:
+    def arrived(self, buffers: list[Tensor], staged: bool | None = None) -> list[Tensor]:
         """Received tensors on this rank's device (a copy from the host buffers when staging)."""
-        if not self.through_host:
+        if not (self.through_host if staged is None else staged):
             return buffers
-        return [b.to(self.device, non_blocking=self._pin, copy=True) for b in buffers]
+        pinned = self._on_gpu
+        return [b.to(self.device, non_blocking=pinned, copy=True) for b in buffers]
 
     def post(self, ops: Sequence[Op]) -> list[Any]:
         """Post ``ops`` without blocking; returns the works to wait on."""

@@ -61,10 +61,21 @@ class StageModule(nn.Sequential):
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
         self.modifies_input = len(self) > 0 and _modifies_input(next(iter(filled_slots(self).values())))
-        #: skip connections (:mod:`lightning_pipe.skips`): the names stashed on earlier stages that reach
-        #: this one, and those that leave it for later stages (set at setup, from the layers' declarations)
-        self.skips_in: tuple[str, ...] = ()
-        self.skips_out: tuple[str, ...] = ()
+        #: skip connections (:mod:`lightning_pipe.skips`), per earlier split stage that stashes names this
+        #: one pops, and per later one that pops names this one stashes: the names (set at setup, from the
+        #: layers' declarations; the executor sends each group straight to its stage)
+        self.skip_sources: tuple[tuple[int, tuple[str, ...]], ...] = ()
+        self.skip_targets: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    @property
+    def skips_in(self) -> tuple[str, ...]:
+        """The names this stage's layers pop from earlier stages, in :attr:`skip_sources`' order."""
+        return tuple(n for _, names in self.skip_sources for n in names)
+
+    @property
+    def skips_out(self) -> tuple[str, ...]:
+        """The names this stage's layers stash for later stages, in :attr:`skip_targets`' order."""
+        return tuple(n for _, names in self.skip_targets for n in names)
 
     def forward(self, value: Any) -> Any:
         if self.hook is not None:
@@ -431,9 +442,18 @@ class StageRunner:
         return microbatch in self._saved
 
     def output_grad_like(self, microbatch: int) -> list[Tensor]:
-        """The outputs of ``microbatch`` whose gradient the next stage sends back."""
+        """The outputs of ``microbatch`` whose gradient the next stage sends back (not the skip connections')."""
         _, outputs = self._saved[microbatch]
-        return [t for t in outputs if t.requires_grad]
+        return [t for t in outputs[: len(outputs) - self._stashed()] if t.requires_grad]
+
+    def skip_outputs(self, microbatch: int) -> list[Tensor]:
+        """What ``microbatch`` stashed for later stages (after its output, in ``skips_out``'s order), whose
+        gradients those stages send back."""
+        _, outputs = self._saved[microbatch]
+        return list(outputs[len(outputs) - self._stashed() :])
+
+    def _stashed(self) -> int:
+        return len(getattr(self.module, "skips_out", ()))
 
     def backward(self, microbatch: int, grads: list[Tensor] | None) -> list[Tensor] | None:
         """Backward of ``microbatch``; returns the gradients to send to the previous stage."""

@@ -62,7 +62,7 @@ from lightning_pipe.plan.restart_layout import restart_replicas_sync
 from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage, uniform_recompute
 from lightning_pipe.runtime.asynchronous.pipemare import resolve
 from lightning_pipe.runtime.blocks.container import BlockStage
-from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_refusal
+from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes
 from lightning_pipe.runtime.grads.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
@@ -187,8 +187,8 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
         layout = measured.layout
         chunks = config.num_microbatches(layout.stages)
         line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
-        skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else []
-        rank_zero_info(line + routes_line(skips))
+        skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else {}
+        rank_zero_info(line + routes_line(skips, decision.positions, traits(config.schedule).mirrored))
     held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)
     return ModuleSplit(
         config,
@@ -333,9 +333,6 @@ def _keep_stages(
     ties = ties_by_position([in_module(tie, paths) for tie in decision.tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
     stage, stages = split_stages(layers, balance, positions, placement.stage)
-    routes = skip_routes(list(layers), balance) if isinstance(layers, nn.Sequential) else []
-    if any(routes) and skips_refusal(config.schedule):
-        raise ValueError(skips_refusal(config.schedule))
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages

@@ -154,8 +154,6 @@ def refusal(cell: Cell) -> str | None:
         sentences.append(r"block container")
     if model.tied and t.refuses_ties:
         sentences.append(r"tied")
-    if model.skips and not t.carries_records:  # the chain schedules carry what crosses besides the hidden state
-        sentences.append(r"skip connections across stages")
     if layout.replicas > 1 and layout.data_parallel == "shard":
         if t.asynchronous:
             sentences.append(r"weight versions, which sharded weights do not have")

@@ -207,7 +207,8 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     plain chain of one stage per process (virtual stages, AvgPipe, elastic restarts) or its model is not
     one the rule's reference takes.
 
-    The rules that stash weight versions (PipeDream, 2BW, WPipe), on the plain model: stage ``s`` applies
+    The rules that stash weight versions (PipeDream, 2BW, WPipe), on the plain model and the one with skip
+    connections (whose skips travel with their micro-batches): stage ``s`` applies
     at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s`` (``d_s``:
     :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does not step.
     PipeMare's and XPipe's, on the models whose split container is an attribute (the plain model, the
@@ -221,7 +222,7 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     # without replicas: the rows of a replica's micro-batch i are not those of the whole batch's
     predicting = (t.predicts_weights or t.predicts_ahead) and layout.stages is None
     if not plain_chain or not (
-        (t.stashes_weights and model.name == "sequential")
+        (t.stashes_weights and model.name in ("sequential", "skips"))
         or (predicting and model.name in ("sequential", "blocks", "frozen", "outside"))
     ):
         return None

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pipe.partition.stages.split import Layers, stage_layers
 from lightning_pipe.runtime.blocks.container import BlockShell, BlockStage
-from lightning_pipe.runtime.crossing.skips import skip_routes
+from lightning_pipe.runtime.crossing.skips import skip_routes, skips_from, skips_into
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage
@@ -54,12 +54,11 @@ def split_stages(
             for s in mine
         }
     if isinstance(layers, nn.Sequential):
-        routes = skip_routes(list(layers), balance)  # skip connections: what crosses each boundary
+        routes = skip_routes(list(layers), balance)  # skip connections: which stage sends which to which
         for s, module in stages.items():
-            split = split_of(s, num_split)
             assert isinstance(module, StageModule)
-            module.skips_in = routes[split - 1] if split > 0 else ()
-            module.skips_out = routes[split] if split < num_split - 1 else ()
+            module.skip_sources = skips_into(routes, split_of(s, num_split))
+            module.skip_targets = skips_from(routes, split_of(s, num_split))
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: OrderedDict[str, nn.Module] = OrderedDict()

@@ -19,9 +19,10 @@ stashes and which pops each name::
 
 Without the pipeline (one process, or the model outside the Trainer) a stash is kept until its pop,
 so the same model trains as a plain ``nn.Sequential``. Under the pipeline a stashed tensor whose pop
-is on a later stage travels with the micro-batch, after the hidden state, through the stages between
-them and no further, and its gradient comes back the same way (:func:`skip_routes` says which names
-leave each stage). Unlike torchgpipe's ``yield stash(...)``, the layer calls :func:`stash` and
+is on a later stage goes from the stashing stage straight to the popping one, and its gradient
+straight back (:func:`skip_routes` decides the pairs at setup; the executor sends them beside the
+schedule's own messages, or hands them over in memory where one process holds both stages): the
+stages between never see it. Unlike torchgpipe's ``yield stash(...)``, the layer calls :func:`stash` and
 :func:`pop` as plain functions; its ``forward`` is not a generator.
 """
 
@@ -34,8 +35,6 @@ from itertools import accumulate
 from typing import TypeVar
 
 from torch import Tensor, nn
-
-from lightning_pipe.schedules.traits import TRAITS
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -99,9 +98,14 @@ def declared(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return stashes, pops
 
 
-def skip_routes(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[tuple[str, ...]]:
-    """Per stage boundary ``s`` (between stage ``s`` and ``s + 1``), the names that cross it, sorted:
-    stashed on stage ``s`` or earlier, popped on a later stage. Raises where the declarations do
+#: per pair of split stages (the stage that stashes, the later stage that pops), the names stashed on
+#: the first and popped on the second, sorted; only pairs of two stages
+Routes = dict[tuple[int, int], tuple[str, ...]]
+
+
+def skip_routes(layers: Sequence[nn.Module], balance: Sequence[int]) -> Routes:
+    """Which names go from which stage straight to which later stage (:data:`Routes`): stashed on
+    one, popped on the other; the stages between never see them. Raises where the declarations do
     not pair up (a pop before its stash, a name stashed twice or never popped)."""
     ends = list(accumulate(balance))
     stage_of = [next(s for s, end in enumerate(ends) if i < end) for i in range(len(layers))]
@@ -127,10 +131,22 @@ def skip_routes(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[tup
             f"Layers stash {unpopped} but no later layer declares @skippable(pop=[...]) for them; pop each stashed "
             "name in a later layer of the Sequential."
         )
-    return [
-        tuple(sorted(n for n in stashed if stage_of[stashed[n]] <= boundary < stage_of[popped[n]]))
-        for boundary in range(len(balance) - 1)
-    ]
+    routes: Routes = {}
+    for name in sorted(stashed):
+        pair = (stage_of[stashed[name]], stage_of[popped[name]])
+        if pair[0] != pair[1]:
+            routes[pair] = (*routes.get(pair, ()), name)
+    return dict(sorted(routes.items()))
+
+
+def skips_into(routes: Routes, stage: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """What ``stage`` receives: per earlier stage that stashes for it (in stage order), the names."""
+    return tuple((source, names) for (source, target), names in routes.items() if target == stage)
+
+
+def skips_from(routes: Routes, stage: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """What ``stage`` sends: per later stage that pops what it stashed (in stage order), the names."""
+    return tuple((target, names) for (source, target), names in routes.items() if source == stage)
 
 
 def take_skips(scope: dict[str, Tensor], leaving: Sequence[str], stage: int) -> list[Tensor]:
@@ -152,24 +168,16 @@ def take_skips(scope: dict[str, Tensor], leaving: Sequence[str], stage: int) -> 
     return [scope[n] for n in leaving]
 
 
-def routes_line(routes: Sequence[tuple[str, ...]]) -> str:
-    """What the layout line adds for skip connections that cross stages (empty when none do)."""
-    parts = [f"{s} -> {s + 1}: {', '.join(names)}" for s, names in enumerate(routes) if names]
-    return f"; skip connections crossing stages {'; '.join(parts)}" if parts else ""
-
-
-#: the schedules under which skip connections were proven to train as plain training does: those that carry
-#: blocks' recorded values (their micro-batches pass the stages as one chain, with one weight version)
-SKIPPING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
-
-
-def skips_refusal(schedule: str) -> str | None:
-    """Why a Sequential with skip connections across stages cannot run under ``schedule`` (None: it can)."""
-    if schedule in SKIPPING_SCHEDULES:
-        return None
-    return (
-        f"The Sequential has skip connections across stages (@skippable stash/pop), which schedule={schedule!r} does "
-        f"not carry yet (only {', '.join(sorted(SKIPPING_SCHEDULES))} do: their micro-batches pass the stages as "
-        "one chain, with one weight version). Choose one of those schedules, or a split (balance=[...]) that keeps "
-        "each stash and its pop on one stage."
-    )
+def routes_line(routes: Routes, positions: Sequence[int], mirrored: bool = False) -> str:
+    """What the layout line adds for skip connections that cross stages (empty when none do): per
+    pair of stages the names sent from the one to the other, and where both are on one process
+    (``positions[s]``: the process of split stage ``s``), that they stay in its memory; ``mirrored``:
+    Chimera's up pipeline sends the same between the two stages' copies."""
+    parts = [
+        f"{s} -> {t}: {', '.join(names)}{f' (in process {positions[s]})' if positions[s] == positions[t] else ''}"
+        for (s, t), names in routes.items()
+    ]
+    if not parts:
+        return ""
+    copies = " (and between the same stages' copies in the up pipeline)" if mirrored else ""
+    return f"; skip connections sent from the stashing stage to the popping stage {'; '.join(parts)}{copies}"
