@@ -684,10 +684,7 @@ def check_stage_recompute(config: PipelineConfig) -> None:
     if uniform_recompute(config.recompute) is not None:
         return
     if config.plan == "auto":
-        raise ValueError(
-            f"PipelineStrategy(plan='auto', recompute={config.recompute!r}): the planner chooses one recompute mode "
-            "for the whole model. Give one mode (such as 'never'), or leave plan unset to keep the per-stage modes."
-        )
+        return  # the planner chooses each stage's recompute mode and offload, with the split
     if config.balance in ("time", "memory"):
         raise ValueError(
             f"PipelineStrategy(balance={config.balance!r}, recompute={config.recompute!r}): the measured balance "
