@@ -125,7 +125,8 @@ class StepsConfig:
     """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated). A
     list gives each pipeline stage (processes x `virtual_stages`) its mode; `"auto"` recomputes (`"always"`) on the
     stages that hold more micro-batches in flight at their peak than the last stage (from the schedule), `"never"`
-    elsewhere (per-stage modes need an even or given `balance` and no `plan`).
+    elsewhere (a list or `"auto"` needs a `balance` that does not price one mode for the whole model: not `"time"` or
+    `"memory"`). `plan="auto"` chooses each stage's mode itself, with `offload`, under each rank's memory budget.
     Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
     so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
     normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
@@ -141,7 +142,8 @@ class StepsConfig:
     host on CPU processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage
     (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
     last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
-    Exact: training equals training without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
+    `plan="auto"` chooses it per stage. Exact: training equals training without it. See
+    [below](#activation-memory-per-stage-recompute-and-offload)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
@@ -224,8 +226,9 @@ class PartitionConfig:
     rank; kept in `strategy.profile`; see below)."""
     plan: str | None = option(values=PLANS)
     """let the planner choose the layout's options: `schedule` (among the synchronous ones), `virtual_stages`,
-    `chunks`, `balance` and `recompute` from a profile of the layers and the measured point-to-point link, before the
-    split (see below); `stages` (and so the replicas) stays as given."""
+    `chunks`, `balance`, and per stage `recompute` and `offload` (under each rank's memory budget: a GPU's free
+    memory) from a profile of the layers and the measured point-to-point link, before the split (see below);
+    `stages` (and so the replicas) stays as given."""
     plan_all_layouts: bool = option(False, internal=True)
     """with `plan="auto"`, rank every stages x replicas of the world too (`lightning-pipe plan` prints them; the run
     keeps its own layout)."""

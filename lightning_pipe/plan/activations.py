@@ -142,12 +142,14 @@ def predict_stage(
     return StagePrediction(policy, replay.peak * saved, replay.host_peak * saved, copy_seconds=copy)
 
 
-def stage_options(in_flight: int) -> list[StagePolicy]:
+def stage_options(in_flight: int, offload: bool = True) -> list[StagePolicy]:
     """The policies worth pricing on a stage holding ``in_flight`` micro-batches at its peak: keep,
-    offload keeping ``k`` for each ``k`` below it (most kept first), recompute."""
+    offload keeping ``k`` for each ``k`` below it (most kept first; none where ``offload`` is False),
+    recompute."""
     if in_flight <= 0:
         return [KEEP]
-    return [KEEP, *(StagePolicy(offload=k) for k in range(in_flight - 1, -1, -1)), StagePolicy("always")]
+    keeps = range(in_flight - 1, -1, -1) if offload else range(0)
+    return [KEEP, *(StagePolicy(offload=k) for k in keeps), StagePolicy("always")]
 
 
 def choose_policies(

@@ -179,7 +179,7 @@ def plan_layers(
         if all_layouts:
             return plan_layouts(
                 measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous,
-                rank_speeds=speeds, rank_order=fixed, copy_bandwidth=copy,
+                rank_speeds=speeds, rank_order=fixed, copy_bandwidth=copy, offload=offload,
             )  # fmt: skip
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
@@ -195,9 +195,11 @@ def plan_layers(
             rank_speeds=speeds,
             rank_order=fixed,
             copy_bandwidth=copy,
+            offload=offload,
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
+    offload = config.data_parallel != "shard"  # FSDP2's sharded weights and offload's hooks: refused together
     cuda = device.type == "cuda"
     resources = agreed_resources(inputs.gather, device, config.rank_speeds, stages * replicas, True, cuda)
     speeds = resources.speeds

@@ -186,8 +186,9 @@ def stage_seconds(
     bandwidth, where the neighbouring stage is on another rank of ``ranks``; default: one stage
     per rank), and the receiving end of each transfer pays the latency too (taking a message in
     costs its rank time as well). A recomputed forward is part of B (``checkpoint``: one mode, or
-    one per stage). Without a split measurement W is 0 and B the whole backward. ``speeds``: per stage, its rank's speed relative to the profiling
-    rank (its compute takes the profile's seconds / speed; transfers are the link's)."""
+    one per stage). Without a split measurement W is 0 and B the whole backward. ``speeds``: per
+    stage, its rank's speed relative to the profiling rank (its compute takes the profile's seconds /
+    speed; transfers are the link's)."""
     ranks = list(ranks) if ranks is not None else list(range(len(balance)))
     speeds = list(speeds) if speeds is not None else [1.0] * len(balance)
     costs: list[tuple[float, float, float]] = []
@@ -297,6 +298,7 @@ class _Search:
     rank_speeds: Sequence[float] | None = None
     rank_order: Sequence[int] | None = None
     copy_bandwidth: float = math.inf  # bytes per second of an offload copy to host memory and back
+    offload: bool = True  # whether a stage may offload (not with data_parallel="shard")
 
     @property
     def given_speeds(self) -> tuple[float, ...]:
@@ -446,7 +448,7 @@ def _chosen_policies(s: _Setting, balance: Sequence[int], search: _Search) -> li
     options = [
         [
             predict_stage(s.plan_schedule, i, layers[i], s.in_flight[i], policy, search.copy_bandwidth)
-            for policy in stage_options(s.in_flight[i])
+            for policy in stage_options(s.in_flight[i], search.offload)
         ]
         for i in range(s.split)
     ]
@@ -498,6 +500,7 @@ def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and 
     rank_speeds: Sequence[float] | None = None,
     rank_order: Sequence[int] | None = None,
     copy_bandwidth: float = math.inf,
+    offload: bool = True,
 ) -> list[Candidate]:
     """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
     (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
@@ -511,11 +514,11 @@ def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and 
     gives it (see :func:`~lightning_pipe.partition.solvers.rank_order.measured_order`).
     Under a budget, a rank whose stages would exceed it with every activation kept gets, per stage,
     the cheapest mix of offload and recompute that fits (:mod:`lightning_pipe.plan.activations`; the
-    copies at ``copy_bandwidth`` bytes per second, infinite: free)."""
+    copies at ``copy_bandwidth`` bytes per second, infinite: free; ``offload=False``: recompute only)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
     search = _Search(
         link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order,
-        copy_bandwidth,
+        copy_bandwidth, offload,
     )  # fmt: skip
     return _rank(entries, search)
 
@@ -557,6 +560,7 @@ def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the 
     rank_speeds: Sequence[float] | None = None,
     rank_order: Sequence[int] | None = None,
     copy_bandwidth: float = math.inf,
+    offload: bool = True,
 ) -> list[Candidate]:
     """Stages x replicas too: every layout of ``world_size`` processes for a global batch of
     ``batch_size`` samples, with a profile per micro-batch size (``profiles[size]``, see
@@ -569,7 +573,7 @@ def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the 
                 entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
     search = _Search(
         link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order,
-        copy_bandwidth,
+        copy_bandwidth, offload,
     )  # fmt: skip
     return _rank(entries, search)
 

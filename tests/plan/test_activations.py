@@ -126,3 +126,9 @@ def test_the_planner_chooses_each_stages_policy_under_the_budget() -> None:
         checkpoints=("never",), copy_bandwidth=1.0 * MIB,
     )[0]  # fmt: skip
     assert slow.recompute[0] == "always" and slow.fits
+    # data_parallel="shard" cannot offload: the budget is met by recomputing (stage 2 holds 6 MiB: it keeps)
+    sharded = plan(
+        {8: profile}, 4, FREE, memory_budget=static + 7 * MIB, schedules=("1f1b",), balances=("uniform",),
+        checkpoints=("never",), offload=False,
+    )[0]  # fmt: skip
+    assert not sharded.offload and sharded.recompute == ("always", "always", "never", "never") and sharded.fits
