@@ -229,6 +229,13 @@ class PartitionConfig:
     `chunks`, `balance`, and per stage `recompute` and `offload` (under each rank's memory budget: a GPU's free
     memory) from a profile of the layers and the measured point-to-point link, before the split (see below);
     `stages` (and so the replicas) stays as given."""
+    memory_budget: int | Sequence[int] | None = option(
+        values="int bytes for every process, or a list of them with one per process (global rank 0 first)",
+        unset="each GPU's free memory; none on CPU processes",
+    )
+    """the device memory the planner plans each process within (`plan="auto"`): a layout whose process would hold
+    more is ranked after those that fit, and a process over it with every activation kept gets, per stage, the
+    cheapest mix of offload and recompute that fits (see "Activation memory per stage")."""
     plan_all_layouts: bool = option(False, internal=True)
     """with `plan="auto"`, rank every stages x replicas of the world too (`lightning-pipe plan` prints them; the run
     keeps its own layout)."""
@@ -252,8 +259,24 @@ class PartitionConfig:
             self.plan in PLANS,
             f"PipelineStrategy(plan={self.plan!r}): valid values are None (use the arguments as given) and 'auto'.",
         )
+        budget = self.memory_budget
+        _check(
+            budget is None
+            or _positive_int(budget)
+            or (isinstance(budget, (list, tuple)) and len(budget) > 0 and all(_positive_int(b) for b in budget)),
+            f"PipelineStrategy(memory_budget={budget!r}): give the bytes of device memory for every process as an "
+            "integer >= 1, or a list of them with one per process (global rank 0 first).",
+        )
+        _check(
+            budget is None or self.plan == "auto",
+            f"PipelineStrategy(memory_budget={budget!r}) is the budget the planner plans within. Give plan='auto' "
+            "with it, or leave memory_budget unset.",
+        )
 
     def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if isinstance(budget, Sequence) and not isinstance(budget, str):  # the command line's list as a list
+            object.__setattr__(self, "memory_budget", list(budget))
         self.check()
 
 

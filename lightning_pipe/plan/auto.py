@@ -206,10 +206,18 @@ def plan_layers(
     fixed = layout.order if config.rank_order is not None else None  # else the speeds place the ranks
     if inputs.is_source and speeds is not None:
         say(f"lightning-pipe plan: {resources.describe()}")
-    # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)
+    # every rank's own free memory bounds the stages it holds (on a CPU host: no budget), unless memory_budget is given
     free = resources.known_free
     budget: int | list[int] | None = None
-    if cuda:
+    given = config.memory_budget
+    if given is not None:  # the user's, for every rank or per global rank
+        budget = given if isinstance(given, int) else [int(b) for b in given]
+        if isinstance(budget, list) and len(budget) != stages * replicas:
+            raise ValueError(
+                f"PipelineStrategy(memory_budget={list(budget)}) gives {len(budget)} budgets for {stages * replicas} "
+                "processes. Give one per process (global rank 0 first), or one integer for all of them."
+            )
+    elif cuda:
         budget = [int(f) for f in free] if free is not None else int(torch.cuda.mem_get_info(device)[0])
     return agreed_plan(inputs.is_source, inputs.broadcast, profiles, lambda n: measure_link(device, n), rank)
 

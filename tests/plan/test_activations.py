@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import lightning as L
 import pytest
+import torch
 
 from lightning_pipe.partition.solvers.costs import LayerCost, Profile, saved_bytes
 from lightning_pipe.plan.activations import (
@@ -17,6 +22,8 @@ from lightning_pipe.plan.activations import (
 from lightning_pipe.plan.planner import Link, format_plans, plan
 from lightning_pipe.plan.report import overrides, plan_text
 from lightning_pipe.schedules import build, peak_in_flight
+from tests.models import SkewedNet, loader
+from tests.pipeline import fit_pipeline
 
 FREE = Link(latency=0.0, bandwidth=float("inf"))
 MIB = 2**20
@@ -132,3 +139,45 @@ def test_the_planner_chooses_each_stages_policy_under_the_budget() -> None:
         checkpoints=("never",), offload=False,
     )[0]  # fmt: skip
     assert not sharded.offload and sharded.recompute == ("always", "always", "never", "never") and sharded.fits
+
+
+class _RecordPolicies(L.Callback):
+    """Writes each rank's planned candidates and its runners' recompute mode and offload to ``rank<k>.pt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runners = trainer.strategy.pipeline.runners  # type: ignore[attr-defined]
+        policies = {s: (r.recompute, None if r.offload is None else r.offload.keep) for s, r in runners.items()}
+        record = {"plan": trainer.strategy.plan_candidates, "policies": policies}  # type: ignore[attr-defined]
+        torch.save(record, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_plan_auto_runs_the_policy_per_stage_it_chose_under_the_memory_budget(tmp_path: Path) -> None:
+    """A budget nothing fits (1 byte): the planner ranks by the largest process, and the least of each
+    split is its policy per stage; every rank runs the first choice's."""
+    fit_pipeline(SkewedNet(), 2, data=loader(32, 8), max_steps=2, plan="auto", memory_budget=1,
+                 callbacks=[_RecordPolicies(str(tmp_path))])  # fmt: skip
+    records = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    best = records[0]["plan"][0]
+    assert not best.fits and any(p != KEEP for p in best.policies), best
+    held = {**records[0]["policies"], **records[1]["policies"]}
+    assert [held[s] for s in range(len(best.policies))] == [(p.recompute, p.offload) for p in best.policies]
+
+
+def test_the_memory_budget_is_checked_before_training() -> None:
+    from lightning_pipe import PipelineStrategy
+
+    assert PipelineStrategy(plan="auto", memory_budget=[2**30, 2**29]).config.memory_budget == [2**30, 2**29]
+    for bad in (0, -5, "8GB", [1, 0], []):
+        with pytest.raises(ValueError, match="integer >= 1"):
+            PipelineStrategy(plan="auto", memory_budget=bad)
+    with pytest.raises(ValueError, match="Give plan='auto' with it"):
+        PipelineStrategy(memory_budget=2**30)
+    from lightning_pipe.cli import build_strategy
+    from tests.test_cli import _compose
+
+    composed = _compose(["strategy.plan=auto", "strategy.memory_budget=[1000,2000]"])
+    assert build_strategy(composed.strategy, 2)[0].config.memory_budget == [1000, 2000]  # a list, not the YAML's
