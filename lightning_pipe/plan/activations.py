@@ -24,7 +24,7 @@ stream on a GPU, so this is the most they cost; on CPU processes they copy host 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_pipe.partition.solvers.balance import stage_bounds
@@ -63,44 +63,69 @@ class OffloadReplay:
 def offload_replay(schedule: Schedule, stage: int, keep: int | None) -> OffloadReplay:
     """Replay ``stage``'s forwards and backwards as :class:`~lightning_pipe.runtime.stage.StageRunner`
     runs them with ``offload=keep`` (None: nothing offloaded)."""
-    split = schedule.split_backward
-    kept: set[int] = set()  # forward done on the device, backward not yet
-    away: dict[int, bool] = {}  # offloaded, backward not yet: brought back yet?
-    due: set[int] = set()  # B done, W not yet (split backward)
-    peak = host_peak = offloaded = 0
+    return offload_replays(schedule, keep).get(stage, OffloadReplay(0, 0, 0))
 
-    def on_device() -> int:
-        return len(kept) + sum(away.values()) + len(due)
 
+def offload_replays(schedule: Schedule, keep: int | None) -> dict[int, OffloadReplay]:
+    """:func:`offload_replay` of every stage of ``schedule``, in one pass over its actions."""
+    return {stage: replay.result() for stage, replay in _replayed(schedule, keep).items()}
+
+
+class _Replay:
+    """One stage's state in :func:`offload_replays`."""
+
+    def __init__(self, keep: int | None, split: bool) -> None:
+        self.keep, self.split = keep, split
+        self.kept: set[int] = set()  # forward done on the device, backward not yet
+        self.away: dict[int, bool] = {}  # offloaded, backward not yet: brought back yet?
+        self.due: set[int] = set()  # B done, W not yet (split backward)
+        self.peak = self.host_peak = self.offloaded = 0
+
+    def on_device(self) -> int:
+        return len(self.kept) + sum(self.away.values()) + len(self.due)
+
+    def forward(self, mb: int) -> None:
+        if self.keep is not None and len(self.kept | self.due) >= self.keep:
+            self.away[mb] = False
+            self.offloaded += 1
+        else:
+            self.kept.add(mb)
+
+    def backward(self, mb: int) -> None:
+        if mb in self.away:
+            self.away[mb] = True  # brought back for its own backward, if not ahead of it
+            self.peak = max(self.peak, self.on_device())
+            del self.away[mb]
+        else:
+            self.kept.discard(mb)
+        if self.split:
+            self.due.add(mb)
+        if self.away:  # the oldest offloaded micro-batch comes back ahead of its backward
+            self.away[min(self.away)] = True
+
+    def note(self) -> None:
+        self.peak = max(self.peak, self.on_device())
+        self.host_peak = max(self.host_peak, sum(not back for back in self.away.values()))
+
+    def result(self) -> OffloadReplay:
+        return OffloadReplay(self.peak, self.host_peak, self.offloaded)
+
+
+def _replayed(schedule: Schedule, keep: int | None) -> dict[int, _Replay]:
+    stages: dict[int, _Replay] = {}
     for rank in range(schedule.num_ranks):
         for action in schedule.compute(rank):
-            if action.stage != stage:
-                continue
-            mb = action.microbatch
+            replay = stages.setdefault(action.stage, _Replay(keep, schedule.split_backward))
             if action.kind is ActionKind.FORWARD:
                 if schedule.forward_only:
                     continue
-                if keep is not None and len(kept | due) >= keep:
-                    away[mb] = False
-                    offloaded += 1
-                else:
-                    kept.add(mb)
+                replay.forward(action.microbatch)
             elif action.kind is ActionKind.BACKWARD:
-                if mb in away:
-                    away[mb] = True  # brought back for its own backward, if not ahead of it
-                    peak = max(peak, on_device())
-                    del away[mb]
-                else:
-                    kept.discard(mb)
-                if split:
-                    due.add(mb)
-                if away:  # the oldest offloaded micro-batch comes back ahead of its backward
-                    away[min(away)] = True
+                replay.backward(action.microbatch)
             elif action.kind is ActionKind.WEIGHT:
-                due.discard(mb)
-            peak = max(peak, on_device())
-            host_peak = max(host_peak, sum(not back for back in away.values()))
-    return OffloadReplay(peak, host_peak, offloaded)
+                replay.due.discard(action.microbatch)
+            replay.note()
+    return stages
 
 
 @dataclass(frozen=True)
@@ -127,8 +152,10 @@ def predict_stage(
     in_flight: int,
     policy: StagePolicy,
     copy_bandwidth: float,
+    replays: Callable[[int | None], dict[int, OffloadReplay]] | None = None,
 ) -> StagePrediction:
-    """The prediction of ``policy`` on ``stage`` (its ``layers``, ``in_flight`` micro-batches at its peak)."""
+    """The prediction of ``policy`` on ``stage`` (its ``layers``, ``in_flight`` micro-batches at its peak);
+    ``replays``: :func:`offload_replays` of the schedule by ``keep``, where the caller keeps them."""
     saved = saved_bytes(layers)
     if policy.recompute != "never":
         chunks = schedule.num_microbatches
@@ -137,7 +164,7 @@ def predict_stage(
         return StagePrediction(policy, held, recompute_seconds=recomputed * sum(c.forward for c in layers))
     if policy.offload is None:
         return StagePrediction(policy, in_flight * saved)
-    replay = offload_replay(schedule, stage, policy.offload)
+    replay = (replays or (lambda keep: offload_replays(schedule, keep)))(policy.offload)[stage]
     copy = replay.offloaded * saved / copy_bandwidth / max(schedule.num_microbatches, 1)
     return StagePrediction(policy, replay.peak * saved, replay.host_peak * saved, copy_seconds=copy)
 

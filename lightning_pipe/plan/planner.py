@@ -35,16 +35,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_pipe.partition.solvers.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.solvers.costs import Profile
 from lightning_pipe.partition.solvers.rank_order import BalanceTarget, measured_order
 from lightning_pipe.partition.solvers.speeds import all_equal, position_values, stage_values
 from lightning_pipe.plan.activations import (
+    OffloadReplay,
     StagePolicy,
     StagePrediction,
     choose_policies,
+    offload_replays,
     predict_stage,
     stage_layers,
     stage_options,
@@ -332,6 +334,14 @@ class _Setting:
     budgets: list[int] | None  # per position
     speeds: list[float] | None  # per split stage, its slower holder's speed (Chimera's copies sit on two ranks)
     capacities: list[float] | None  # per split stage, its rank's budget
+    #: the schedule's offload replays by the micro-batches kept (computed once, on first use)
+    replays: dict[int | None, dict[int, OffloadReplay]] = field(default_factory=dict, compare=False)
+
+    def replayed(self, keep: int | None) -> dict[int, OffloadReplay]:
+        """:func:`~lightning_pipe.plan.activations.offload_replays` of this setting's schedule, kept."""
+        if keep not in self.replays:
+            self.replays[keep] = offload_replays(self.plan_schedule, keep)
+        return self.replays[keep]
 
     @property
     def split(self) -> int:
@@ -432,7 +442,15 @@ def _stage_predictions(
     """Per stage of ``s.ranks`` (Chimera's copies too), what its policy holds and costs."""
     layers = stage_layers(s.profile.layers, balance)
     return [
-        predict_stage(s.plan_schedule, c * s.split + i, layers[i], s.in_flight[c * s.split + i], policy, copy_bandwidth)
+        predict_stage(
+            s.plan_schedule,
+            c * s.split + i,
+            layers[i],
+            s.in_flight[c * s.split + i],
+            policy,
+            copy_bandwidth,
+            s.replayed,
+        )
         for c in range(s.copies)
         for i, policy in enumerate(policies)
     ]
@@ -445,14 +463,20 @@ def _chosen_policies(s: _Setting, balance: Sequence[int], search: _Search) -> li
     if s.budgets is None or s.copies > 1:
         return None
     layers = stage_layers(s.profile.layers, balance)
+    static = [int(b) for b in _per_rank(_per_stage(s.profile, balance, "static_bytes"), s.ranks, s.stages)]
+
+    def predict(i: int, policy: StagePolicy) -> StagePrediction:
+        return predict_stage(s.plan_schedule, i, layers[i], s.in_flight[i], policy, search.copy_bandwidth, s.replayed)
+
+    kept = [predict(i, StagePolicy()) for i in range(s.split)]
+    held = _per_rank([float(p.device_bytes) for p in kept], s.ranks, s.stages)
+    over = {r for r, (m, a, b) in enumerate(zip(static, held, s.budgets)) if m + a > b}
+    if not over:
+        return None  # every rank fits keeping everything: the "never" candidate
     options = [
-        [
-            predict_stage(s.plan_schedule, i, layers[i], s.in_flight[i], policy, search.copy_bandwidth)
-            for policy in stage_options(s.in_flight[i], search.offload)
-        ]
+        [predict(i, p) for p in stage_options(s.in_flight[i], search.offload)] if s.ranks[i] in over else [kept[i]]
         for i in range(s.split)
     ]
-    static = [int(b) for b in _per_rank(_per_stage(s.profile, balance, "static_bytes"), s.ranks, s.stages)]
     chosen = [p.policy for p in choose_policies(options, s.ranks, static, s.budgets)]
     return None if all(p == StagePolicy() for p in chosen) else chosen
 
