@@ -125,7 +125,8 @@ class StepsConfig:
     """activation recomputation per micro-batch (torchgpipe's modes; `checkpoint`: its former name, deprecated). A
     list gives each pipeline stage (processes x `virtual_stages`) its mode; `"auto"` recomputes (`"always"`) on the
     stages that hold more micro-batches in flight at their peak than the last stage (from the schedule), `"never"`
-    elsewhere (per-stage modes need an even or given `balance` and no `plan`).
+    elsewhere (a list or `"auto"` needs a `balance` that does not price one mode for the whole model: not `"time"` or
+    `"memory"`). `plan="auto"` chooses each stage's mode itself, with `offload`, under each rank's memory budget.
     Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
     so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
     normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
@@ -141,7 +142,8 @@ class StepsConfig:
     host on CPU processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage
     (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
     last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
-    Exact: training equals training without it. See [below](#activation-memory-per-stage-recompute-and-offload)."""
+    `plan="auto"` chooses it per stage. Exact: training equals training without it. See
+    [below](#activation-memory-per-stage-recompute-and-offload)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
@@ -224,8 +226,16 @@ class PartitionConfig:
     rank; kept in `strategy.profile`; see below)."""
     plan: str | None = option(values=PLANS)
     """let the planner choose the layout's options: `schedule` (among the synchronous ones), `virtual_stages`,
-    `chunks`, `balance` and `recompute` from a profile of the layers and the measured point-to-point link, before the
-    split (see below); `stages` (and so the replicas) stays as given."""
+    `chunks`, `balance`, and per stage `recompute` and `offload` (under each rank's memory budget: a GPU's free
+    memory) from a profile of the layers and the measured point-to-point link, before the split (see below);
+    `stages` (and so the replicas) stays as given."""
+    memory_budget: int | Sequence[int] | None = option(
+        values="int bytes for every process, or a list of them with one per process (global rank 0 first)",
+        unset="each GPU's free memory; none on CPU processes",
+    )
+    """the device memory the planner plans each process within (`plan="auto"`): a layout whose process would hold
+    more is ranked after those that fit, and a process over it with every activation kept gets, per stage, the
+    cheapest mix of offload and recompute that fits (see "Activation memory per stage")."""
     plan_all_layouts: bool = option(False, internal=True)
     """with `plan="auto"`, rank every stages x replicas of the world too (`lightning-pipe plan` prints them; the run
     keeps its own layout)."""
@@ -249,8 +259,24 @@ class PartitionConfig:
             self.plan in PLANS,
             f"PipelineStrategy(plan={self.plan!r}): valid values are None (use the arguments as given) and 'auto'.",
         )
+        budget = self.memory_budget
+        _check(
+            budget is None
+            or _positive_int(budget)
+            or (isinstance(budget, (list, tuple)) and len(budget) > 0 and all(_positive_int(b) for b in budget)),
+            f"PipelineStrategy(memory_budget={budget!r}): give the bytes of device memory for every process as an "
+            "integer >= 1, or a list of them with one per process (global rank 0 first).",
+        )
+        _check(
+            budget is None or self.plan == "auto",
+            f"PipelineStrategy(memory_budget={budget!r}) is the budget the planner plans within. Give plan='auto' "
+            "with it, or leave memory_budget unset.",
+        )
 
     def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if isinstance(budget, Sequence) and not isinstance(budget, str):  # the command line's list as a list
+            object.__setattr__(self, "memory_budget", list(budget))
         self.check()
 
 
@@ -684,10 +710,7 @@ def check_stage_recompute(config: PipelineConfig) -> None:
     if uniform_recompute(config.recompute) is not None:
         return
     if config.plan == "auto":
-        raise ValueError(
-            f"PipelineStrategy(plan='auto', recompute={config.recompute!r}): the planner chooses one recompute mode "
-            "for the whole model. Give one mode (such as 'never'), or leave plan unset to keep the per-stage modes."
-        )
+        return  # the planner chooses each stage's recompute mode and offload, with the split
     if config.balance in ("time", "memory"):
         raise ValueError(
             f"PipelineStrategy(balance={config.balance!r}, recompute={config.recompute!r}): the measured balance "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.trainer.layout_report import layout_line
+from lightning_pipe.trainer.layout_report import activations_part, layout_line
 
 
 def test_layout_line_names_stages_replicas_and_processes() -> None:
@@ -21,6 +21,16 @@ def test_layout_line_names_stages_replicas_and_processes() -> None:
     assert layout_line(1, 2, [4], [0], "gpipe", 1, global_batch=64).startswith(
         "lightning-pipe: 1 stage x 2 replicas (2 processes), layers per stage [4], schedule gpipe, 1 chunk, global "
         "batch 64"
+    )
+
+
+def test_the_layout_line_names_each_stages_activation_policy_and_the_predicted_peak() -> None:
+    assert activations_part(("never",) * 2, (None, None)) == ""  # everything kept: nothing added
+    assert activations_part(("never", "never"), (0, None), (3 * 2**19, 3 * 2**19)) == (
+        "; activations per stage: stage 0 offload k=0 (1.50 MiB predicted), stage 1 keep (1.50 MiB predicted)"
+    )
+    assert activations_part(("always", "never"), (1, None)) == (
+        "; activations per stage: stage 0 always, offload k=1, stage 1 keep"
     )
 
 

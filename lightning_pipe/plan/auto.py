@@ -22,7 +22,7 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.measure.measured import MeasureInputs, agreed_resources
 from lightning_pipe.partition.measure.profile import agreed_profile
 from lightning_pipe.partition.solvers.costs import Profile
-from lightning_pipe.plan.planner import Candidate, Link, format_plans, plan
+from lightning_pipe.plan.planner import Candidate, Link, activations_line, format_plans, plan
 from lightning_pipe.plan.report import link_line
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import traits
@@ -64,6 +64,26 @@ def measure_link(device: torch.device, nbytes: int, repeats: int = 5) -> Link | 
     # bandwidth is beyond what this measures, and transfers are predicted to cost the latency only
     bandwidth = nbytes / (large - small) if large > small else float("inf")
     return Link(latency=small, bandwidth=bandwidth)
+
+
+def measure_copy(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of an offload copy of ``nbytes``: from the device to pinned host memory on a
+    GPU (on the copy's own stream, waited for), host to host on CPU (as offload copies there); the
+    median of ``repeats``, infinite where the copy took no measurable time."""
+    source = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    host = torch.empty(source.shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+    times = []
+    for rep in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        host.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep > 0:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return source.numel() * 4 / seconds if seconds > 0 else float("inf")
 
 
 def agreed_plan(
@@ -153,10 +173,13 @@ def plan_layers(
 
     def rank(measured: dict[int, Profile], link: Link) -> list[Candidate]:
         per_replica = max(measured)  # the whole DataLoader batch (the first profile, one micro-batch)
+        # what one offloaded micro-batch's copy costs: the largest layer's saved activations, at least 1 MiB
+        saved = max((c.activation_bytes for p in measured.values() for c in p.layers), default=0)
+        copy = measure_copy(device, max(saved, 1 << 20)) if budget is not None else float("inf")
         if all_layouts:
             return plan_layouts(
                 measured, stages * replicas, per_replica * replicas, link, budget, schedules, rendezvous=rendezvous,
-                rank_speeds=speeds, rank_order=fixed,
+                rank_speeds=speeds, rank_order=fixed, copy_bandwidth=copy, offload=offload,
             )  # fmt: skip
         sizes = {m: -(-per_replica // m) for m in chunk_candidates(per_replica)}
         by_chunks = {m: measured[n] for m, n in sizes.items() if n in measured}
@@ -171,19 +194,30 @@ def plan_layers(
             rendezvous=rendezvous,
             rank_speeds=speeds,
             rank_order=fixed,
+            copy_bandwidth=copy,
+            offload=offload,
         )
 
     rendezvous = dist.is_initialized() and dist.get_backend() == "nccl"  # as the pipeline validates schedules
+    offload = config.data_parallel != "shard"  # FSDP2's sharded weights and offload's hooks: refused together
     cuda = device.type == "cuda"
     resources = agreed_resources(inputs.gather, device, config.rank_speeds, stages * replicas, True, cuda)
     speeds = resources.speeds
     fixed = layout.order if config.rank_order is not None else None  # else the speeds place the ranks
     if inputs.is_source and speeds is not None:
         say(f"lightning-pipe plan: {resources.describe()}")
-    # every rank's own free memory bounds the stages it holds (on a CPU host: no budget)
+    # every rank's own free memory bounds the stages it holds (on a CPU host: no budget), unless memory_budget is given
     free = resources.known_free
     budget: int | list[int] | None = None
-    if cuda:
+    given = config.memory_budget
+    if given is not None:  # the user's, for every rank or per global rank
+        budget = given if isinstance(given, int) else [int(b) for b in given]
+        if isinstance(budget, list) and len(budget) != stages * replicas:
+            raise ValueError(
+                f"PipelineStrategy(memory_budget={list(budget)}) gives {len(budget)} budgets for {stages * replicas} "
+                "processes. Give one per process (global rank 0 first), or one integer for all of them."
+            )
+    elif cuda:
         budget = [int(f) for f in free] if free is not None else int(torch.cuda.mem_get_info(device)[0])
     return agreed_plan(inputs.is_source, inputs.broadcast, profiles, lambda n: measure_link(device, n), rank)
 
@@ -205,10 +239,15 @@ def apply_plan(
     ranked, link, profiles = plan_layers(config, layout, module, layers, inputs, say)
     best = next(c for c in ranked if (c.depth, c.replicas) == (layout.stages, layout.replicas))
     planned = config.replace(
-        schedule=best.schedule, chunks=best.chunks, recompute=best.recompute,
+        schedule=best.schedule, chunks=best.chunks,
+        recompute=best.recompute if isinstance(best.recompute, str) else list(best.recompute),
+        offload=list(best.offload) if best.offload else False,
         virtual_stages=best.virtual_stages, balance=list(best.balance),
         rank_order=list(best.rank_order) or None,  # a given order was planned as given
     )  # fmt: skip
     if inputs.is_source and not config.plan_all_layouts:  # `lightning-pipe plan` prints the ranking itself
-        say(f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}")
+        say(
+            f"lightning-pipe plan: {link_line(link)}; best of {len(ranked)} layouts:\n{format_plans(ranked)}\n"
+            + activations_line(best)
+        )
     return planned, profiles[best.microbatch_size], ranked

@@ -12,7 +12,10 @@ not extrapolated) and the measured point-to-point link, and predicts for every c
   slowest rank's optimizer step;
 - the bubble: the share of rank-time the simulation leaves idle;
 - the peak memory of each rank: parameters, gradients, optimizer state and the activations of
-  the micro-batches the schedule holds in flight there, summed over the rank's stages.
+  the micro-batches the schedule holds in flight there, summed over the rank's stages;
+- under a memory budget, each stage's activation policy (keep, recompute, or offload keeping ``k``
+  micro-batches on the device) chosen with the split, and each stage's predicted peak of saved
+  activations (:mod:`lightning_pipe.plan.activations`).
 
 Layouts: ``S`` stages x ``R = N / S`` replicas of a world of ``N`` processes share a global batch,
 ``batch / R`` samples per replica split into ``chunks`` micro-batches. Schedules with several
@@ -30,13 +33,24 @@ Trainer's loop, logging, sharing the loss) is not in the prediction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_pipe.partition.solvers.balance import balance_by_cost, balance_uniform
 from lightning_pipe.partition.solvers.costs import Profile
 from lightning_pipe.partition.solvers.rank_order import BalanceTarget, measured_order
 from lightning_pipe.partition.solvers.speeds import all_equal, position_values, stage_values
+from lightning_pipe.plan.activations import (
+    OffloadReplay,
+    StagePolicy,
+    StagePrediction,
+    choose_policies,
+    offload_replays,
+    predict_stage,
+    stage_layers,
+    stage_options,
+)
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import (
     DEFAULT_SCHEDULE,
@@ -83,7 +97,7 @@ class Candidate:
     chunks: int
     balance_mode: str  # the first balance mode that gave this split
     balance: tuple[int, ...]  # layers per stage (stages x virtual_stages of them)
-    recompute: str  # activation recomputation: "always", "except_last" or "never"
+    recompute: str | tuple[str, ...]  # activation recomputation: "always", "except_last", "never", or one per stage
     step_seconds: float
     bubble: float
     stage_bytes: tuple[int, ...]  # peak bytes per rank of one pipeline (its stages together)
@@ -100,6 +114,17 @@ class Candidate:
     rank_speeds: tuple[float, ...] = ()  # per global rank, relative to the profiling rank 0; (): not known
     rank_order: tuple[int, ...] = ()  # which rank holds which slot (stage 0's replicas first); (): rank r slot r
     rank_free: tuple[int, ...] = ()  # bytes free per global rank, where the budget was given per rank; (): not
+    offload: tuple[int | None, ...] = ()  # per stage, the micro-batches it keeps on the device (None: all); (): none
+    activation_bytes: tuple[int, ...] = ()  # per stage, the saved activations on the device at its peak
+    host_bytes: tuple[int, ...] = ()  # per stage, the saved activations in host memory at its peak
+
+    @property
+    def policies(self) -> tuple[StagePolicy, ...]:
+        """Per stage (stages x virtual_stages), its activation policy."""
+        n = len(self.balance)
+        modes = (self.recompute,) * n if isinstance(self.recompute, str) else self.recompute
+        keeps = self.offload or (None,) * n
+        return tuple(StagePolicy(m, k) for m, k in zip(modes, keeps))
 
     @property
     def depth(self) -> int:
@@ -112,8 +137,10 @@ class Candidate:
             "schedule": self.schedule,
             "chunks": self.chunks,
             "balance": list(self.balance),
-            "recompute": self.recompute,
+            "recompute": self.recompute if isinstance(self.recompute, str) else list(self.recompute),
         }
+        if self.offload:
+            args["offload"] = list(self.offload)
         if self.schedule in VIRTUAL_STAGES:
             args["virtual_stages"] = self.virtual_stages
         if self.replicas > 1:
@@ -150,7 +177,7 @@ def _split(
 def stage_seconds(
     profile: Profile,
     balance: Sequence[int],
-    checkpoint: str,
+    checkpoint: str | Sequence[str],
     chunks: int,
     link: Link,
     ranks: Sequence[int] | None = None,
@@ -160,15 +187,17 @@ def stage_seconds(
     sends the stage's output on, B sends the gradient of its input back (latency + bytes /
     bandwidth, where the neighbouring stage is on another rank of ``ranks``; default: one stage
     per rank), and the receiving end of each transfer pays the latency too (taking a message in
-    costs its rank time as well). A recomputed forward is part of B. Without a split measurement W
-    is 0 and B the whole backward. ``speeds``: per stage, its rank's speed relative to the profiling
-    rank (its compute takes the profile's seconds / speed; transfers are the link's)."""
+    costs its rank time as well). A recomputed forward is part of B (``checkpoint``: one mode, or
+    one per stage). Without a split measurement W is 0 and B the whole backward. ``speeds``: per
+    stage, its rank's speed relative to the profiling rank (its compute takes the profile's seconds /
+    speed; transfers are the link's)."""
     ranks = list(ranks) if ranks is not None else list(range(len(balance)))
     speeds = list(speeds) if speeds is not None else [1.0] * len(balance)
     costs: list[tuple[float, float, float]] = []
     start = 0
-    recompute = {"never": 0.0, "always": 1.0, "except_last": (chunks - 1) / chunks}[checkpoint]
+    modes = [checkpoint] * len(balance) if isinstance(checkpoint, str) else list(checkpoint)
     for stage, count in enumerate(balance):
+        recompute = {"never": 0.0, "always": 1.0, "except_last": (chunks - 1) / chunks}[modes[stage]]
         layers = profile.layers[start : start + count]
         forward = sum(c.forward for c in layers)
         splits = [c.split_backward for c in layers]
@@ -270,6 +299,8 @@ class _Search:
     rendezvous: bool
     rank_speeds: Sequence[float] | None = None
     rank_order: Sequence[int] | None = None
+    copy_bandwidth: float = math.inf  # bytes per second of an offload copy to host memory and back
+    offload: bool = True  # whether a stage may offload (not with data_parallel="shard")
 
     @property
     def given_speeds(self) -> tuple[float, ...]:
@@ -303,6 +334,14 @@ class _Setting:
     budgets: list[int] | None  # per position
     speeds: list[float] | None  # per split stage, its slower holder's speed (Chimera's copies sit on two ranks)
     capacities: list[float] | None  # per split stage, its rank's budget
+    #: the schedule's offload replays by the micro-batches kept (computed once, on first use)
+    replays: dict[int | None, dict[int, OffloadReplay]] = field(default_factory=dict, compare=False)
+
+    def replayed(self, keep: int | None) -> dict[int, OffloadReplay]:
+        """:func:`~lightning_pipe.plan.activations.offload_replays` of this setting's schedule, kept."""
+        if keep not in self.replays:
+            self.replays[keep] = offload_replays(self.plan_schedule, keep)
+        return self.replays[keep]
 
     @property
     def split(self) -> int:
@@ -356,15 +395,23 @@ def _settings(entry: tuple[int, int, int, Profile, int], search: _Search) -> Ite
         )  # fmt: skip
 
 
-def _predict(setting: _Setting, mode: str, balance: tuple[int, ...], checkpoint: str, search: _Search) -> Candidate:
-    """The candidate of ``setting`` split by ``balance``: its simulated step, all-reduce and memory;
-    raises :class:`DeadlockError` where the schedule cannot run with this backend."""
+def _predict(
+    setting: _Setting, mode: str, balance: tuple[int, ...], policies: Sequence[StagePolicy], search: _Search
+) -> Candidate:
+    """The candidate of ``setting`` split by ``balance`` with ``policies`` (per split stage, their
+    activation policy): its simulated step, all-reduce and memory; raises :class:`DeadlockError`
+    where the schedule cannot run with this backend."""
     s, link, split, copies = setting, search.link, setting.split, setting.copies
     profile, ranks, held = s.profile, s.ranks, s.held
+    predictions = _stage_predictions(s, balance, policies, search.copy_bandwidth)
+    modes = [p.recompute for p in policies]
     costs = [
-        cost
+        (f + p.copy_seconds, b + p.copy_seconds, w)
         for c in range(copies)
-        for cost in stage_seconds(profile, balance, checkpoint, s.chunks, link, ranks[:split], _copy(held, c, split))
+        for (f, b, w), p in zip(
+            stage_seconds(profile, balance, modes, s.chunks, link, ranks[:split], _copy(held, c, split)),
+            predictions[c * split : (c + 1) * split],
+        )
     ]
     simulation = simulate(s.plan_schedule, stage_costs=costs, rendezvous=search.rendezvous)
     summed_over = 2 if copies > 1 else s.replicas  # Chimera's pair sums its gradients, replicas average theirs
@@ -374,19 +421,64 @@ def _predict(setting: _Setting, mode: str, balance: tuple[int, ...], checkpoint:
         [u for c in range(copies) for u in stage_updates(profile, balance, _copy(held, c, split))], ranks, s.stages
     )
     tail = max(r + u for r, u in zip(reduce, updates))
-    per_stage = [
-        float(m)
-        for c in range(copies)
-        for m in profile.stage_bytes(balance, s.in_flight[c * split : (c + 1) * split], checkpoint)
-    ]
-    memory = tuple(int(m) for m in _per_rank(per_stage, ranks, s.stages))
+    static = _per_stage(profile, balance, "static_bytes") * copies
+    held = [m + p.device_bytes for m, p in zip(static, predictions)]
+    memory = tuple(int(m) for m in _per_rank(held, ranks, s.stages))
     fits = s.budgets is None or all(m <= b for m, b in zip(memory, s.budgets))
+    recompute: str | tuple[str, ...] = modes[0] if len(set(modes)) == 1 else tuple(modes)
+    keeps = tuple(p.offload for p in policies)
     return Candidate(
-        s.schedule, s.chunks, mode, balance, checkpoint, simulation.makespan + tail,
+        s.schedule, s.chunks, mode, balance, recompute, simulation.makespan + tail,
         simulation.bubble_fraction, memory, fits, tuple(costs), s.stages, s.replicas, s.virtual,
         profile.microbatch_size, max(reduce), s.replica_batch, search.rendezvous, link, search.given_speeds,
-        s.order, search.free,
+        s.order, search.free, keeps if any(k is not None for k in keeps) else (),
+        tuple(p.device_bytes for p in predictions), tuple(p.host_bytes for p in predictions),
     )  # fmt: skip
+
+
+def _stage_predictions(
+    s: _Setting, balance: Sequence[int], policies: Sequence[StagePolicy], copy_bandwidth: float
+) -> list[StagePrediction]:
+    """Per stage of ``s.ranks`` (Chimera's copies too), what its policy holds and costs."""
+    layers = stage_layers(s.profile.layers, balance)
+    return [
+        predict_stage(
+            s.plan_schedule,
+            c * s.split + i,
+            layers[i],
+            s.in_flight[c * s.split + i],
+            policy,
+            copy_bandwidth,
+            s.replayed,
+        )
+        for c in range(s.copies)
+        for i, policy in enumerate(policies)
+    ]
+
+
+def _chosen_policies(s: _Setting, balance: Sequence[int], search: _Search) -> list[StagePolicy] | None:
+    """Per split stage, the activation policy :func:`~lightning_pipe.plan.activations.choose_policies`
+    picks under the budget for ``balance``; None where every stage keeps (the ``"never"`` candidate),
+    where there is no budget, or where the schedule runs copies of its stages (Chimera)."""
+    if s.budgets is None or s.copies > 1:
+        return None
+    layers = stage_layers(s.profile.layers, balance)
+    static = [int(b) for b in _per_rank(_per_stage(s.profile, balance, "static_bytes"), s.ranks, s.stages)]
+
+    def predict(i: int, policy: StagePolicy) -> StagePrediction:
+        return predict_stage(s.plan_schedule, i, layers[i], s.in_flight[i], policy, search.copy_bandwidth, s.replayed)
+
+    kept = [predict(i, StagePolicy()) for i in range(s.split)]
+    held = _per_rank([float(p.device_bytes) for p in kept], s.ranks, s.stages)
+    over = {r for r, (m, a, b) in enumerate(zip(static, held, s.budgets)) if m + a > b}
+    if not over:
+        return None  # every rank fits keeping everything: the "never" candidate
+    options = [
+        [predict(i, p) for p in stage_options(s.in_flight[i], search.offload)] if s.ranks[i] in over else [kept[i]]
+        for i in range(s.split)
+    ]
+    chosen = [p.policy for p in choose_policies(options, s.ranks, static, s.budgets)]
+    return None if all(p == StagePolicy() for p in chosen) else chosen
 
 
 def _rank(entries: Iterable[tuple[int, int, int, Profile, int]], search: _Search) -> list[Candidate]:
@@ -404,11 +496,14 @@ def _rank(entries: Iterable[tuple[int, int, int, Profile, int]], search: _Search
                     continue  # the same as "never" with one micro-batch
                 for mode in search.balances:
                     balance = s.balance(mode, checkpoint)
-                    key = (s.stages, s.replicas, s.schedule, s.virtual, s.chunks, balance, checkpoint, s.order)
+                    policies = [StagePolicy(checkpoint)] * s.split
+                    if checkpoint == "never":  # the policy per stage the budget asks for, on this split
+                        policies = _chosen_policies(s, balance, search) or policies
+                    key = (s.stages, s.replicas, s.schedule, s.virtual, s.chunks, balance, tuple(policies), s.order)
                     if key in found:
                         continue
                     try:
-                        found[key] = _predict(s, mode, balance, checkpoint, search)
+                        found[key] = _predict(s, mode, balance, policies, search)
                     except DeadlockError:
                         break  # the schedule cannot run with this backend and micro-batch count
     return sorted(found.values(), key=lambda c: (not c.fits, c.step_seconds if c.fits else max(c.stage_bytes)))
@@ -428,6 +523,8 @@ def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and 
     rendezvous: bool = True,
     rank_speeds: Sequence[float] | None = None,
     rank_order: Sequence[int] | None = None,
+    copy_bandwidth: float = math.inf,
+    offload: bool = True,
 ) -> list[Candidate]:
     """One layout (``num_stages`` x ``replicas``) with a profile per candidate micro-batch count
     (``profiles[chunks]``): every distinct candidate, best first: those within ``memory_budget``
@@ -438,11 +535,15 @@ def plan(  # noqa: PLR0913  the planner's keywords, as plan='auto', the CLI and 
     ``rank_speeds``: per global rank, relative to the rank that measured the profiles (None: all
     equal): each stage's compute is its profile's seconds / its rank's speed, and ``balance="time"``
     gives a slower rank less; the speeds also choose which rank holds which stage, unless ``rank_order``
-    gives it (see :func:`~lightning_pipe.partition.solvers.rank_order.measured_order`)."""
+    gives it (see :func:`~lightning_pipe.partition.solvers.rank_order.measured_order`).
+    Under a budget, a rank whose stages would exceed it with every activation kept gets, per stage,
+    the cheapest mix of offload and recompute that fits (:mod:`lightning_pipe.plan.activations`; the
+    copies at ``copy_bandwidth`` bytes per second, infinite: free; ``offload=False``: recompute only)."""
     entries = [(num_stages, replicas, chunks, profile, replica_batch) for chunks, profile in sorted(profiles.items())]
     search = _Search(
-        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
-    )
+        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order,
+        copy_bandwidth, offload,
+    )  # fmt: skip
     return _rank(entries, search)
 
 
@@ -482,6 +583,8 @@ def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the 
     rendezvous: bool = True,
     rank_speeds: Sequence[float] | None = None,
     rank_order: Sequence[int] | None = None,
+    copy_bandwidth: float = math.inf,
+    offload: bool = True,
 ) -> list[Candidate]:
     """Stages x replicas too: every layout of ``world_size`` processes for a global batch of
     ``batch_size`` samples, with a profile per micro-batch size (``profiles[size]``, see
@@ -493,13 +596,31 @@ def plan_layouts(  # noqa: PLR0913  the planner's keywords, as plan='auto', the 
             if size in profiles:
                 entries.append((stages, replicas, chunks, profiles[size], batch_size // replicas))
     search = _Search(
-        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order
-    )
+        link, memory_budget, schedules, balances, checkpoints, virtual, rendezvous, rank_speeds, rank_order,
+        copy_bandwidth, offload,
+    )  # fmt: skip
     return _rank(entries, search)
 
 
 def _schedule_label(c: Candidate) -> str:
     return f"{c.schedule} v{c.virtual_stages}" if traits(c.schedule).interleaved else c.schedule
+
+
+def activations_label(c: Candidate) -> str:
+    """The recompute mode for every stage, or each stage's policy (``keep``, ``recompute``, ``offload k=0``)."""
+    if isinstance(c.recompute, str) and not c.offload:
+        return c.recompute
+    return ", ".join(p.label() for p in c.policies)
+
+
+def activations_line(c: Candidate) -> str:
+    """Per stage, its activation policy and the predicted peak of its saved activations (on the
+    device, and in host memory where it offloads)."""
+    parts = []
+    for stage, (policy, device, host) in enumerate(zip(c.policies, c.activation_bytes, c.host_bytes)):
+        where = f", {host / 2**20:.2f} in host memory" if host else ""
+        parts.append(f"stage {stage} {policy.label()} {device / 2**20:.2f}{where}")
+    return "activations per stage (predicted peak MiB of saved tensors): " + "; ".join(parts)
 
 
 def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
@@ -525,7 +646,7 @@ def format_plans(candidates: Sequence[Candidate], top: int = 5) -> str:
             _schedule_label(c),
             str(c.chunks),
             f"{c.balance_mode} {list(c.balance)}",
-            c.recompute,
+            activations_label(c),
             f"{c.depth}x{c.replicas}",
             f"{1e3 * c.step_seconds:.2f}",
             f"{1e3 * c.all_reduce_seconds:.2f}",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lightning_pipe.partition.solvers.rank_order import describe_order
 from lightning_pipe.partition.solvers.speeds import EQUAL_WITHIN, all_equal
-from lightning_pipe.plan.planner import Candidate, Link, format_plans
+from lightning_pipe.plan.planner import Candidate, Link, activations_label, activations_line, format_plans
 from lightning_pipe.schedules import VIRTUAL_STAGES, build, simulate
 from lightning_pipe.schedules.timeline_svg import simulated_bars, timeline_svg
 
@@ -20,14 +20,17 @@ _REPRODUCIBLE_BALANCES = ("uniform", "parameters")
 
 
 def describe(c: Candidate) -> str:
-    """One candidate in words: schedule, layout, chunks, balance, recompute mode (strategy.recompute)."""
+    """One candidate in words: schedule, layout, chunks, balance, recompute mode (strategy.recompute), or
+    each stage's activation policy where they differ."""
     virtual = f" (v={c.virtual_stages})" if c.schedule in VIRTUAL_STAGES else ""
     stages = f"{c.depth} stage" + ("s" if c.depth != 1 else "")
     replicas = f" x {c.replicas} replicas" if c.replicas > 1 else ""
     return (
         f"{c.schedule}{virtual} on {stages}{replicas}, chunks {c.chunks}, balance {c.balance_mode} "
-        f"{list(c.balance)}, recompute {c.recompute}"
-    )
+        f"{list(c.balance)}, "
+        + (f"recompute {c.recompute}" if isinstance(c.recompute, str) and not c.offload else
+           f"activations {activations_label(c)}")
+    )  # fmt: skip
 
 
 def link_line(link: Link | None) -> str:
@@ -71,8 +74,10 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
         f"strategy={c.schedule}",
         f"strategy.chunks={c.chunks}",
         f"strategy.balance={balance}",
-        f"strategy.recompute={c.recompute}",
+        "strategy.recompute=" + _value(c.recompute),
     ]
+    if c.offload:
+        out.append("strategy.offload=" + _value(c.offload))
     if c.schedule in VIRTUAL_STAGES:
         out.append(f"strategy.virtual_stages={c.virtual_stages}")
     if c.rank_order:
@@ -84,14 +89,21 @@ def overrides(c: Candidate, stages: int, replicas: int) -> list[str]:
     return out
 
 
+def _value(value: str | Sequence[object]) -> str:
+    """A value on the command line: a mode, or a list of them (``null`` for None)."""
+    if isinstance(value, str):
+        return value
+    return "[" + ",".join("null" if v is None else str(v) for v in value) + "]"
+
+
 def distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
     """The candidates without those that differ from a better one only in their balance while every
     prediction is the same (Chimera on 2 processes holds the whole model on each, so its balance
     cannot matter): the best of each such group stands for it."""
     seen, kept = set(), []
     for c in candidates:
-        key = (c.schedule, c.virtual_stages, c.chunks, c.recompute, c.depth, c.replicas, round(c.step_seconds, 7),
-               round(c.bubble, 6), c.stage_bytes)  # fmt: skip
+        key = (c.schedule, c.virtual_stages, c.chunks, c.recompute, c.offload, c.depth, c.replicas,
+               round(c.step_seconds, 7), round(c.bubble, 6), c.stage_bytes)  # fmt: skip
         if key not in seen:
             seen.add(key)
             kept.append(c)
@@ -115,6 +127,7 @@ def plan_text(candidates: Sequence[Candidate], stages: int, replicas: int, top: 
         format_plans(shown, top),
         chosen,
         "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, stages, replicas)),
+        activations_line(best),
     ]
     return "\n".join(lines)
 

@@ -79,7 +79,7 @@ from lightning_pipe.trainer.compatibility import (
 )
 from lightning_pipe.trainer.dataloaders.loaders import configured_optimizers, first_batch
 from lightning_pipe.trainer.launch.restarts import restart_count
-from lightning_pipe.trainer.layout_report import describe_layout
+from lightning_pipe.trainer.layout_report import activations_part, describe_layout
 from lightning_pipe.trainer.random_states import layout_key
 from lightning_pipe.weights import load_stage_weights, model_spec
 
@@ -187,6 +187,9 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
         layout = measured.layout
         chunks = config.num_microbatches(layout.stages)
         line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
+        options = pipeline_options(config, placement)
+        predicted = candidates[0].activation_bytes if candidates else ()
+        line += activations_part(options.recompute, options.offload, predicted)
         skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else {}
         rank_zero_info(line + routes_line(skips, decision.positions, traits(config.schedule).mirrored))
     held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)

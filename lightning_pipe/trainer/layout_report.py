@@ -110,3 +110,18 @@ def describe_layout(
     if layout.is_placed:
         line += f"; ranks placed: {describe_order(layout.order, layout.stages, replicas)}"
     return line
+
+
+def activations_part(recompute: Sequence[str], offload: Sequence[int | None], predicted: Sequence[int] = ()) -> str:
+    """``; activations per stage: ...``: each stage's recompute mode or offload (with the planner's
+    predicted peak of saved activations where it planned them); empty where every stage keeps them all."""
+    if all(m == "never" for m in recompute) and all(k is None for k in offload):
+        return ""
+    parts = []
+    for stage, (mode, keep) in enumerate(zip(recompute, offload)):
+        label = "keep" if mode == "never" and keep is None else mode if keep is None else f"offload k={keep}"
+        if mode != "never" and keep is not None:
+            label = f"{mode}, offload k={keep}"
+        peak = f" ({predicted[stage] / 2**20:.2f} MiB predicted)" if stage < len(predicted) else ""
+        parts.append(f"stage {stage} {label}{peak}")
+    return "; activations per stage: " + ", ".join(parts)

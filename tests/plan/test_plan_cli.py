@@ -91,8 +91,9 @@ def test_plan_only_and_timeline_options_of_a_run(
     if best[2].startswith("v"):  # an interleaved schedule's label names its virtual stages: "zbv v2"
         best = [best[0], best[1], *best[3:]]
     assert header.split()[:4] == ["#", "schedule", "chunks", "balance"] and best[0] == "1"
-    assert lines[-2].startswith("best: #1, " + best[1])
-    run_it = lines[-1]
+    assert lines[-3].startswith("best: #1, " + best[1])
+    run_it = lines[-2]
+    assert lines[-1].startswith("activations per stage (predicted peak MiB of saved tensors): stage 0 keep ")
     assert run_it.startswith("run it with: strategy=" + best[1] + " strategy.chunks=" + best[2])
     cfg = compose_run(small + shlex.split(run_it.removeprefix("run it with: ")))  # the printed overrides are accepted
     strategy, _ = build_strategy(cfg.strategy, cfg.trainer.devices)

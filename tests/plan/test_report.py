@@ -101,10 +101,11 @@ def test_plan_text_has_the_link_the_table_once_and_the_choice() -> None:
     assert lines[0] == "measured link between ranks 0 and 1: latency 85.8 us, bandwidth 3377 MB/s"
     assert lines[1].startswith("rank speeds: none")  # the ranked layouts here were planned without speeds
     assert lines[2] == f"{len(ranked)} layouts ranked by predicted step time; the best 5 distinct ones:"
-    assert [line.split()[:3] for line in lines].count(["#", "schedule", "chunks"]) == 1 and len(lines) == 4 + 5 + 2
+    assert [line.split()[:3] for line in lines].count(["#", "schedule", "chunks"]) == 1 and len(lines) == 4 + 5 + 3
     best = ranked[0]
     assert lines[9].startswith("best: #1, ") and f"{1e3 * best.step_seconds:.2f} ms per step predicted" in lines[9]
     assert lines[10] == "run it with: " + " ".join(shlex.quote(o) for o in overrides(best, 4, 1))
+    assert lines[11].startswith("activations per stage (predicted peak MiB of saved tensors): stage 0 ")
     assert "link between ranks 0 and 1: none measured (one process)" in plan_text([replace(best, link=FREE)], 4, 1)
     speeds = plan_text([replace(best, rank_speeds=(1.0, 0.5, 1.0, 1.0))], 4, 1).splitlines()[1]
     assert speeds.startswith("rank speeds relative to rank 0: rank 0 1.00, rank 1 0.50, rank 2 1.00, rank 3 1.00")

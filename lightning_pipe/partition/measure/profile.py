@@ -175,7 +175,7 @@ def measure_layers(
         tensors = tuple(t.detach().to(device) for t in tensors)
         forwards: list[float] = []
         backwards: list[float] = []
-        saved = 0
+        saved = saved_in = saved_out = 0
         output: tuple[Tensor, ...] = ()
         params = list(layer.parameters())
         for rep in range(timing.warmup + timing.repeats):
@@ -190,6 +190,7 @@ def measure_layers(
             middle = time.perf_counter()
             output, _ = as_tuple(out)
             saved = meter.current
+            saved_in, saved_out = meter.saved_of(inputs), meter.saved_of(output)
             needing = [t for t in output if t.requires_grad]
             if needing:
                 torch.autograd.backward(needing, [torch.ones_like(t) for t in needing])
@@ -216,6 +217,8 @@ def measure_layers(
                 update=update,
                 input_backward=input_backward,
                 weight_backward=weight_backward,
+                saved_input_bytes=saved_in,
+                saved_output_bytes=saved_out,
             )
         )
         for p in params:

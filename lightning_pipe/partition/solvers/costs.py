@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from lightning_pipe.partition.solvers.balance import (
     Owners,
@@ -45,6 +46,10 @@ class LayerCost:
     # layer does not defer) and W (the deferred weight-gradient work); None: not measured
     input_backward: float | None = None
     weight_backward: float = 0.0
+    # of ``activation_bytes``, the layer's input and its output saved as they are (a Sequential's next
+    # layer saving its input saves the same tensor this layer saved as its output: a stage holds it once)
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
 
     @property
     def split_backward(self) -> tuple[float, float]:
@@ -56,6 +61,13 @@ class LayerCost:
     @property
     def static_bytes(self) -> int:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+def saved_bytes(layers: Sequence[LayerCost]) -> int:
+    """One micro-batch's saved activations of a stage of ``layers``: a tensor one layer saves as its
+    output and the next as its input is one tensor, held once."""
+    shared = sum(min(a.saved_output_bytes, b.saved_input_bytes) for a, b in pairwise(layers))
+    return sum(c.activation_bytes for c in layers) - shared
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class Profile:
     def _stage_memory(self, stage: int, start: int, stop: int, in_flight: Sequence[int], checkpoint: str) -> int:
         layers = self.layers[start:stop]
         static = sum(c.static_bytes for c in layers)
-        saved = sum(c.activation_bytes for c in layers)
+        saved = saved_bytes(layers)
         if checkpoint == "never":
             return static + in_flight[stage] * saved
         return static + in_flight[stage] * layers[0].input_bytes + saved

@@ -47,6 +47,11 @@ class SavedActivationMeter:
         """The storages not counted (parameters, weight versions), for other hooks that defer to this meter."""
         return self._ignore
 
+    def saved_of(self, tensors: Iterable[Tensor]) -> int:
+        """Bytes of ``tensors`` (each once) that are saved now, as they are (not a view of them)."""
+        keys = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+        return sum(self._live[key][1] for key in keys if key in self._live)
+
     @contextmanager
     def hooks(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
