@@ -306,6 +306,11 @@ def load(path: str) -> list[dict[str, Any]]:
         return list(json.load(f)["runs"])
 
 
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal settings, whether read back from JSON (lists) or not (tuples)."""
+    return bool(json.loads(json.dumps(a)) == json.loads(json.dumps(b)))
+
+
 def grid(specs: dict[str, Model], seeds: Sequence[int], rules: Sequence[str], runs: list[dict[str, Any]],
          save: Callable[[], None], runner: Callable[..., dict[str, Any]] = run) -> None:  # fmt: skip
     """The sweep, then every rule at 1F1B's best rate; a run already in ``runs`` with the same settings is reused."""
@@ -313,7 +318,7 @@ def grid(specs: dict[str, Model], seeds: Sequence[int], rules: Sequence[str], ru
 
     def once(name: str, rule: str, lr: float, seed: int) -> None:
         old = done.get((name, rule, lr, seed))
-        if old is not None and old["settings"] == json.loads(json.dumps(asdict(specs[name]))):
+        if old is not None and same(old["settings"], asdict(specs[name])):
             return
         if old is not None:
             runs.remove(old)  # other settings (e.g. --steps): run again
