@@ -2,6 +2,7 @@
 
     python benchmarks/async_models.py                                  # everything (about 40 min on 2 cores)
     python benchmarks/async_models.py --models mlp --seeds 0 --rules pipedream,xpipe   # a subset, merged in
+    python benchmarks/async_models.py --models mlp,mlp_wide,vgg --all-lrs   # the rules at the sweep's other rates too
     python benchmarks/async_models.py --report                         # the tables and picture again
 
 Models (each small enough for CPU processes with one thread each; nothing is downloaded):
@@ -208,12 +209,16 @@ def best_lr(runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int]) -> 
     return min(complete, key=lambda lr: (complete[lr], lr)) if complete else None
 
 
-def summarize(runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int]) -> dict[str, Any] | None:
-    """One model's results: the sweep, 1F1B's best rate, and per rule at that rate each seed's final loss,
-    the step reaching 1F1B's final loss, whether the bound holds; the best asynchronous rule (lowest mean)."""
-    lr = best_lr(runs, name, seeds)
-    if lr is None:
+def summarize(
+    runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int], lr: float | None = None
+) -> dict[str, Any] | None:
+    """One model's results: the sweep, 1F1B's best rate, and per rule at rate ``lr`` (None: that best rate)
+    each seed's final loss, the step reaching 1F1B's final loss at that rate, whether the bound holds; the
+    best asynchronous rule (lowest mean)."""
+    best = best_lr(runs, name, seeds)
+    if best is None:
         return None
+    lr = best if lr is None else lr
     mine = {key(r): r for r in runs if r["model"] == name}
     sweep = {
         f"{v:g}": [round(final_loss(mine[(name, "1f1b", v, s)]["losses"]), 4) for s in seeds]
@@ -234,10 +239,10 @@ def summarize(runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int]) -
             "weight_copies": mine[(name, rule, lr, seeds[0])]["weight_copies"],
         })  # fmt: skip
     asynchronous = [row for row in rows if row["rule"] != "1f1b"]
-    best = min(asynchronous, key=lambda row: row["mean"]) if asynchronous else None
+    first = min(asynchronous, key=lambda row: row["mean"]) if asynchronous else None
     return {
-        "model": name, "seeds": list(seeds), "sweep": sweep, "best_lr": lr, "rows": rows,
-        "best_rule": best["rule"] if best else None, "bound_holds": all(best["holds"]) if best else None,
+        "model": name, "seeds": list(seeds), "sweep": sweep, "best_lr": best, "lr": lr, "rows": rows,
+        "best_rule": first["rule"] if first else None, "bound_holds": all(first["holds"]) if first else None,
         "rules_within_bound": [row["rule"] for row in asynchronous if all(row["holds"])],
     }  # fmt: skip
 
@@ -246,7 +251,8 @@ def markdown(summary: dict[str, Any]) -> str:
     """One model's table: the sweep line, then a row per rule at 1F1B's best rate."""
     seeds = ", ".join(str(s) for s in summary["seeds"])
     sweep = "; ".join(f"lr {lr}: {', '.join(f'{v:.4f}' for v in vs)}" for lr, vs in summary["sweep"].items())
-    lines = [f"1F1B's sweep (final loss, seeds {seeds}): {sweep}. Best: lr {summary['best_lr']:g}.", "",
+    rate = "" if summary["lr"] == summary["best_lr"] else f" Rows at lr {summary['lr']:g}, not 1F1B's best."
+    lines = [f"1F1B's sweep (final loss, seeds {seeds}): {sweep}. Best: lr {summary['best_lr']:g}.{rate}", "",
              "| rule | final loss per seed | mean | x 1F1B per seed | steps to 1F1B's final loss | within bound "
              "| weight copies per stage |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -266,7 +272,7 @@ def markdown(summary: dict[str, Any]) -> str:
 def loss_at(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
     """A compact table of the loss at a tenth, a quarter, half and all of the steps (mean over seeds of the
     mean over the last 10% of steps ending there)."""
-    name, lr = summary["model"], summary["best_lr"]
+    name, lr = summary["model"], summary["lr"]
     steps = len(next(r["losses"] for r in runs if key(r)[:3] == (name, "1f1b", lr)))
     window = max(1, steps // 10)
     at = sorted({max(1, steps // 10), max(1, steps // 4), max(1, steps // 2), steps})
@@ -285,7 +291,7 @@ def picture(runs: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]],
     """Loss against step, mean over seeds: one panel per model at 1F1B's best rate, one line per rule."""
     panels = []
     for summary in summaries:
-        name, lr, seeds = summary["model"], summary["best_lr"], summary["seeds"]
+        name, lr, seeds = summary["model"], summary["lr"], summary["seeds"]
         mean = []
         for row in summary["rows"]:
             mine = [r["losses"] for r in runs if key(r)[:3] == (name, row["rule"], lr) and r["seed"] in seeds]
@@ -296,6 +302,18 @@ def picture(runs: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]],
     seeds = ", ".join(str(s) for s in summaries[0]["seeds"]) if summaries else ""
     draw(panels, f"Training loss over its initial value against step, mean of seeds {seeds}", path,
          ["1f1b", *RULES], COLOURS, ceiling=2.0)  # fmt: skip
+
+
+def other_rates(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model's summaries at the sweep's other rates where an asynchronous rule ran on every seed."""
+    out = []
+    for value in summary["sweep"]:
+        lr = float(value)
+        if lr != summary["best_lr"]:
+            other = summarize(runs, summary["model"], summary["seeds"], lr)
+            if other is not None and other["best_rule"] is not None:
+                out.append(other)
+    return out
 
 
 # ------------------------------------------------------------------ the grid
@@ -311,9 +329,17 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(json.loads(json.dumps(a)) == json.loads(json.dumps(b)))
 
 
-def grid(specs: dict[str, Model], seeds: Sequence[int], rules: Sequence[str], runs: list[dict[str, Any]],
-         save: Callable[[], None], runner: Callable[..., dict[str, Any]] = run) -> None:  # fmt: skip
-    """The sweep, then every rule at 1F1B's best rate; a run already in ``runs`` with the same settings is reused."""
+def grid(
+    specs: dict[str, Model],
+    seeds: Sequence[int],
+    rules: Sequence[str],
+    runs: list[dict[str, Any]],
+    save: Callable[[], None],
+    runner: Callable[..., dict[str, Any]] = run,
+    all_lrs: bool = False,
+) -> None:
+    """The sweep, then every rule at 1F1B's best rate (``all_lrs``: then at the sweep's other rates too); a run
+    already in ``runs`` with the same settings is reused."""
     done = {key(r): r for r in runs}
 
     def once(name: str, rule: str, lr: float, seed: int) -> None:
@@ -332,12 +358,13 @@ def grid(specs: dict[str, Model], seeds: Sequence[int], rules: Sequence[str], ru
         for lr in spec.lrs:
             for seed in seeds:
                 once(name, "1f1b", lr, seed)
-        lr = best_lr(runs, name, seeds)
-        assert lr is not None
-        for seed in seeds:
-            for rule in rules:
-                if rule != "1f1b" and applies(rule, spec):
-                    once(name, rule, lr, seed)
+        best = best_lr(runs, name, seeds)
+        assert best is not None
+        for lr in [best, *(v for v in spec.lrs if all_lrs and v != best)]:
+            for seed in seeds:
+                for rule in rules:
+                    if rule != "1f1b" and applies(rule, spec):
+                        once(name, rule, lr, seed)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -348,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "results", "async_models.json"))
     parser.add_argument("--svg", default=os.path.join(HERE, "..", "docs", "async-models.svg"))
     parser.add_argument("--steps", type=int, default=None, help="every model's steps (default: its own; a smoke run)")
+    parser.add_argument(
+        "--all-lrs", action="store_true", help="the rules at every rate of the sweep, not only the best"
+    )
     parser.add_argument("--report", action="store_true", help="only the tables and the picture of --out")
     args = parser.parse_args(argv)
     names, rules = args.models.split(","), args.rules.split(",")
@@ -363,16 +393,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def save() -> None:
         summaries = [s for s in (summarize(runs, n, seeds) for n in MODELS) if s is not None]
+        others = [o for s in summaries for o in other_rates(runs, s)]
         with open(args.out, "w") as f:
-            json.dump({"factor": FACTOR, "margin": MARGIN, "matched": MATCHED, "summaries": summaries, "runs": runs},
-                      f, indent=1)  # fmt: skip
+            json.dump({"factor": FACTOR, "margin": MARGIN, "matched": MATCHED, "summaries": summaries,
+                       "other_rates": others, "runs": runs}, f, indent=1)  # fmt: skip
 
     specs = {n: MODELS[n] if args.steps is None else replace(MODELS[n], steps=args.steps) for n in names}
     if not args.report:
-        grid(specs, seeds, rules, runs, save)
+        grid(specs, seeds, rules, runs, save, all_lrs=args.all_lrs)
     summaries = [s for s in (summarize(runs, n, seeds) for n in names) if s is not None]
     for summary in summaries:
         print(f"\n### {summary['model']}\n\n{markdown(summary)}\n\n{loss_at(runs, summary)}")
+        for other in other_rates(runs, summary):
+            print(f"\n### {summary['model']} at lr {other['lr']:g}\n\n{markdown(other)}")
     if summaries:
         picture(runs, summaries, args.svg)
 

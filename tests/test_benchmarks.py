@@ -415,7 +415,7 @@ def test_async_models_picks_1f1bs_best_lr_over_seeds_and_checks_the_bound_per_se
 
 
 def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_reuses_saved_runs() -> None:
-    from async_models import MODELS, grid
+    from async_models import MODELS, grid, markdown, other_rates, summarize
 
     calls = []
 
@@ -432,6 +432,15 @@ def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_
     calls.clear()
     grid(specs, [0], ["pipedream"], runs, lambda: None, runner)
     assert calls == []  # every run already there with the same settings
+    grid(specs, [0], ["pipedream"], runs, lambda: None, runner, all_lrs=True)
+    low, high = MODELS["bert"].lrs[0], MODELS["bert"].lrs[2]
+    assert calls == [("bert", "pipedream", low, 0), ("bert", "pipedream", high, 0)]  # the sweep's other rates
+    (other, _) = other_rates(runs, summarize(runs, "bert", [0]))
+    assert other["lr"] == low and other["best_lr"] == middle and [r["rule"] for r in other["rows"]] == [
+        "1f1b", "pipedream"]  # fmt: skip
+    assert f"Rows at lr {low:g}, not 1F1B's best." in markdown(other)
+    runs[:] = [r for r in runs if r["lr"] == middle or r["rule"] == "1f1b"]
+    calls.clear()
     grid({"bert": replace_steps(MODELS["bert"], 5)}, [0], ["pipedream"], runs, lambda: None, runner)
     assert len(calls) == 4 and len(runs) == 5  # other settings: run again, the old runs replaced
 
