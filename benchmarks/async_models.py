@@ -9,32 +9,35 @@ Models (each small enough for CPU processes with one thread each; nothing is dow
 
 - ``mlp``: the tests' MLP (``tests.models.make_layers``: 8 layers, width 8) on the tests' separable
   task (``separable_loader``: 96 samples, batches of 16, 6 steps an epoch), 2 stages, 4 micro-batches,
-  SGD with momentum 0.9, 60 steps.
+  SGD with momentum 0.9, 120 steps.
 - ``mlp_wide``: a second MLP of another shape (4 linear layers of width 32 with Tanh between them) on the
   same task, the shape a user would try: 4 stages, 8 micro-batches, SGD with momentum 0.9, 60 steps.
 - ``bert``: the BERT masked-LM recipe (``size=tiny``: embeddings, 2 encoder layers, the head) on its
   offline text (the standard library's docstrings), vocabulary 1000, sequences of 32 tokens, batch 16,
   untied embeddings, AdamW with the recipe's warm-up (a tenth of the steps) and linear decay, 2 stages,
-  4 micro-batches, 60 steps.
+  4 micro-batches, 300 steps.
 - ``vgg``: the VGG recipe (VGG11 with batch norm, ``width=0.125``) on its synthetic images, 10 classes,
   batch 16, SGD with momentum 0.9, weight decay 5e-4 and the recipe's cosine schedule, 2 stages,
-  4 micro-batches, 60 steps.
+  4 micro-batches, 200 steps.
 
 For each model, 1F1B runs at each rate of the model's sweep on every seed; 1F1B's best rate is the one
 with the lowest final loss averaged over the seeds. Every rule of :data:`RULES` then runs at that rate
 on every seed (same initial weights and data order per seed as 1F1B's run). ``pipedream+nesterov``
 (``delay_correction="nesterov"``, gamma 0.9) carries the momentum itself, so it runs the model's
 optimizer without momentum at :data:`MATCHED` x the rate (the factor that makes its long-run step equal
-momentum SGD's); it applies to the models trained with SGD and momentum, not to BERT's AdamW.
+momentum SGD's); it applies to the models trained with SGD and momentum, not to BERT's AdamW. On 2
+stages ``wpipe`` is PipeDream's rule (its first half, stage 0, stashes with a delay of 1, its second
+half, the last stage, has none), so there its losses equal ``pipedream``'s.
 
 Final loss: the mean training loss (each batch's logged loss, recorded once) over the last 10% of the
-steps (6 of 60: one epoch of the MLPs' task). Steps to 1F1B's final loss: the first step at which the
-mean over the last 10% of steps is at or below the same seed's 1F1B final loss (None: never). The bound
-of issue 56: a rule "holds" on a seed when its final loss <= 1.25 x 1F1B's + 0.05.
+steps (``mlp``: 12 of 120, two epochs of its task; ``mlp_wide``: 6 of 60, one epoch). Steps to 1F1B's
+final loss: the first step at which the mean over the last 10% of steps is at or below the same seed's
+1F1B final loss (None: never). The bound of issue 56: a rule "holds" on a seed when its final loss
+<= 1.25 x 1F1B's + 0.05.
 
 Results go to ``benchmarks/results/async_models.json`` (runs already there with the same settings are
 reused, so a subset re-runs only what it names), the tables to stdout, the picture (loss against step,
-mean over seeds, one panel per model at 1F1B's best rate) to ``docs/async-models.svg``.
+mean over seeds, one panel per rate the rules ran at) to ``docs/async-models-<model>.svg``.
 """
 
 from __future__ import annotations
@@ -288,20 +291,25 @@ def loss_at(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 
 def picture(runs: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]], path: str) -> None:
-    """Loss against step, mean over seeds: one panel per model at 1F1B's best rate, one line per rule."""
-    panels = []
+    """Loss against step, mean over seeds, one line per rule: one panel per rate the rules ran at (1F1B's best
+    first), one picture per model (its own scale) at ``path`` with ``{model}`` replaced by the model's name."""
     for summary in summaries:
-        name, lr, seeds = summary["model"], summary["lr"], summary["seeds"]
-        mean = []
-        for row in summary["rows"]:
-            mine = [r["losses"] for r in runs if key(r)[:3] == (name, row["rule"], lr) and r["seed"] in seeds]
-            mean.append({"variant": row["rule"], "losses": [sum(v) / len(v) for v in zip(*mine)]})
-        scale = min(v for r in mean for v in r["losses"][:1])  # each panel over its own first loss
-        scaled = [{**r, "losses": [v / scale for v in r["losses"]]} for r in mean]
-        panels.append((f"{name}, lr {lr:g} (loss / initial)", scaled))
-    seeds = ", ".join(str(s) for s in summaries[0]["seeds"]) if summaries else ""
-    draw(panels, f"Training loss over its initial value against step, mean of seeds {seeds}", path,
-         ["1f1b", *RULES], COLOURS, ceiling=2.0)  # fmt: skip
+        name, seeds = summary["model"], summary["seeds"]
+        panels = []
+        for at in [summary, *other_rates(runs, summary)]:
+            mean = []
+            for row in at["rows"]:
+                mine = [r["losses"] for r in runs if key(r)[:3] == (name, row["rule"], at["lr"]) and r["seed"] in seeds]
+                mean.append({"variant": row["rule"], "losses": [sum(v) / len(v) for v in zip(*mine)]})
+            best = " (1F1B's best)" if at["lr"] == at["best_lr"] else ""
+            panels.append((f"lr {at['lr']:g}{best} (step)", mean))
+        finite = sorted(v for _, mean in panels for r in mean for v in r["losses"] if v == v and abs(v) < 1e6)
+        first = max(r["losses"][0] for _, mean in panels for r in mean)
+        ceiling = 1.05 * first / finite[len(finite) // 2]  # the scale's top: the highest first loss
+        spec = MODELS[name]
+        title = (f"{name}: training loss, {spec.stages} stages, {spec.chunks} micro-batches, mean of seeds "
+                 f"{', '.join(str(s) for s in seeds)}")  # fmt: skip
+        draw(panels, title, path.replace("{model}", name), ["1f1b", *RULES], COLOURS, ceiling=ceiling)
 
 
 def other_rates(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -373,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rules", default=",".join(RULES), help="asynchronous rules (1F1B's sweep always runs)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "async_models.json"))
-    parser.add_argument("--svg", default=os.path.join(HERE, "..", "docs", "async-models.svg"))
+    parser.add_argument("--svg", default=os.path.join(HERE, "..", "docs", "async-models-{model}.svg"),
+                        help="the pictures' path, {model} replaced by each model's name")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="every model's steps (default: its own; a smoke run)")
     parser.add_argument(
         "--all-lrs", action="store_true", help="the rules at every rate of the sweep, not only the best"
