@@ -84,8 +84,8 @@ class Model:
 
 
 MODELS: dict[str, Model] = {
-    "mlp": Model(stages=2, chunks=4, steps=120, lrs=(0.05, 0.1, 0.2), optimizer="sgd"),
-    "mlp_wide": Model(stages=4, chunks=8, steps=60, lrs=(0.03, 0.1, 0.3), optimizer="sgd"),
+    "mlp": Model(stages=2, chunks=4, steps=120, lrs=(0.02, 0.05, 0.1, 0.2), optimizer="sgd"),
+    "mlp_wide": Model(stages=4, chunks=8, steps=60, lrs=(0.01, 0.03, 0.1, 0.3), optimizer="sgd"),
     "bert": Model(stages=2, chunks=4, steps=300, lrs=(1e-3, 3e-3, 1e-2), optimizer="adamw",
                   extra={"vocab": 1000, "max_len": 32, "batch": 16, "chars": 400_000}),
     "vgg": Model(stages=2, chunks=4, steps=200, lrs=(0.01, 0.03, 0.1), optimizer="sgd",
@@ -333,8 +333,10 @@ def load(path: str) -> list[dict[str, Any]]:
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Equal settings, whether read back from JSON (lists) or not (tuples)."""
-    return bool(json.loads(json.dumps(a)) == json.loads(json.dumps(b)))
+    """Equal settings, whether read back from JSON (lists) or not (tuples); the sweep's rates are not the run's
+    (a rate added to a sweep re-runs nothing else)."""
+    a, b = ({k: v for k, v in json.loads(json.dumps(x)).items() if k != "lrs"} for x in (a, b))
+    return a == b
 
 
 def grid(

@@ -415,7 +415,7 @@ def test_async_models_picks_1f1bs_best_lr_over_seeds_and_checks_the_bound_per_se
 
 
 def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_reuses_saved_runs() -> None:
-    from async_models import MODELS, grid, markdown, other_rates, summarize
+    from async_models import MODELS, grid, markdown, other_rates, replace, summarize
 
     calls = []
 
@@ -441,22 +441,20 @@ def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_
     assert f"Rows at lr {low:g}, not 1F1B's best." in markdown(other)
     runs[:] = [r for r in runs if r["lr"] == middle or r["rule"] == "1f1b"]
     calls.clear()
-    grid({"bert": replace_steps(MODELS["bert"], 5)}, [0], ["pipedream"], runs, lambda: None, runner)
-    assert len(calls) == 4 and len(runs) == 5  # other settings: run again, the old runs replaced
-
-
-def replace_steps(spec: object, steps: int) -> object:
-    from dataclasses import replace
-
-    return replace(spec, steps=steps)
+    wider = replace(MODELS["bert"], lrs=(*MODELS["bert"].lrs, 1.0))
+    grid({"bert": wider}, [0], ["pipedream"], runs, lambda: None, runner)
+    assert calls == [("bert", "1f1b", 1.0, 0)]  # a rate added to the sweep: only its run
+    calls.clear()
+    grid({"bert": replace(wider, steps=5)}, [0], ["pipedream"], runs, lambda: None, runner)
+    assert len(calls) == 5 and len(runs) == 6  # other settings: run again, the old runs replaced
 
 
 def test_async_models_runs_the_real_engine_with_the_same_initial_weights_per_seed() -> None:
     """Two steps of 1F1B and of PipeDream with Nesterov's correction on the 2-stage MLP: the first batch's loss
     (before any update) is the same; PipeDream holds a stashed version on the first stage."""
-    from async_models import MODELS, run
+    from async_models import MODELS, replace, run
 
-    spec = replace_steps(MODELS["mlp"], 2)
+    spec = replace(MODELS["mlp"], steps=2)
     sync, corrected = run("mlp", spec, "1f1b", 0.1, 0), run("mlp", spec, "pipedream+nesterov", 0.1, 0)
     assert len(sync["losses"]) == len(corrected["losses"]) == 2
     assert sync["losses"][0] == pytest.approx(corrected["losses"][0], abs=1e-6)
