@@ -86,7 +86,7 @@ class Model:
 MODELS: dict[str, Model] = {
     "mlp": Model(stages=2, chunks=4, steps=120, lrs=(0.02, 0.05, 0.1, 0.2), optimizer="sgd"),
     "mlp_wide": Model(stages=4, chunks=8, steps=60, lrs=(0.01, 0.03, 0.1, 0.3), optimizer="sgd"),
-    "bert": Model(stages=2, chunks=4, steps=300, lrs=(1e-3, 3e-3, 1e-2), optimizer="adamw",
+    "bert": Model(stages=2, chunks=4, steps=300, lrs=(3e-4, 1e-3, 3e-3, 1e-2), optimizer="adamw",
                   extra={"vocab": 1000, "max_len": 32, "batch": 16, "chars": 400_000}),
     "vgg": Model(stages=2, chunks=4, steps=200, lrs=(0.01, 0.03, 0.1), optimizer="sgd",
                  extra={"depth": 11, "width": 0.125, "classes": 10, "batch": 16}),

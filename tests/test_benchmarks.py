@@ -424,16 +424,17 @@ def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_
         return _model_run(name, rule, lr, seed, 0.3 if lr == spec.lrs[1] else 1.0, spec)  # the middle rate is best
 
     runs: list = []
-    specs = {"bert": MODELS["bert"]}
+    spec = replace(MODELS["bert"], lrs=(0.1, 0.2, 0.3))
+    specs = {"bert": spec}
     grid(specs, [0], ["pipedream", "pipedream+nesterov", "pipedream_2bw+error_feedback"], runs, lambda: None, runner)
-    middle = MODELS["bert"].lrs[1]
-    assert calls == [("bert", "1f1b", lr, 0) for lr in MODELS["bert"].lrs] + [
+    middle = spec.lrs[1]
+    assert calls == [("bert", "1f1b", lr, 0) for lr in spec.lrs] + [
         ("bert", "pipedream", middle, 0), ("bert", "pipedream_2bw+error_feedback", middle, 0)]  # fmt: skip
     calls.clear()
     grid(specs, [0], ["pipedream"], runs, lambda: None, runner)
     assert calls == []  # every run already there with the same settings
     grid(specs, [0], ["pipedream"], runs, lambda: None, runner, all_lrs=True)
-    low, high = MODELS["bert"].lrs[0], MODELS["bert"].lrs[2]
+    low, high = spec.lrs[0], spec.lrs[2]
     assert calls == [("bert", "pipedream", low, 0), ("bert", "pipedream", high, 0)]  # the sweep's other rates
     (other, _) = other_rates(runs, summarize(runs, "bert", [0]))
     assert other["lr"] == low and other["best_lr"] == middle and [r["rule"] for r in other["rows"]] == [
@@ -441,7 +442,7 @@ def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_
     assert f"Rows at lr {low:g}, not 1F1B's best." in markdown(other)
     runs[:] = [r for r in runs if r["lr"] == middle or r["rule"] == "1f1b"]
     calls.clear()
-    wider = replace(MODELS["bert"], lrs=(*MODELS["bert"].lrs, 1.0))
+    wider = replace(spec, lrs=(*spec.lrs, 1.0))
     grid({"bert": wider}, [0], ["pipedream"], runs, lambda: None, runner)
     assert calls == [("bert", "1f1b", 1.0, 0)]  # a rate added to the sweep: only its run
     calls.clear()
