@@ -272,6 +272,24 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def overview(summaries: Sequence[dict[str, Any]]) -> str:
+    """Every rule on every model at 1F1B's best rate: its final loss (mean over the seeds) and on how many seeds
+    the bound holds (a ratio says little where 1F1B's loss is near 0); the schedule table of the docs."""
+    names = [s["model"] for s in summaries]
+    lines = ["| rule | " + " | ".join(f"{n} (lr {s['best_lr']:g})" for n, s in zip(names, summaries)) + " |",
+             "|---|" + "---|" * len(names)]  # fmt: skip
+    for rule in ["1f1b", *RULES]:
+        cells = []
+        for summary in summaries:
+            row = next((r for r in summary["rows"] if r["rule"] == rule), None)
+            if row is None:
+                cells.append("-")
+                continue
+            cells.append(f"{row['mean']:.4f}; {sum(row['holds'])}/{len(row['holds'])}")
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def loss_at(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
     """A compact table of the loss at a tenth, a quarter, half and all of the steps (mean over seeds of the
     mean over the last 10% of steps ending there)."""
@@ -418,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for other in other_rates(runs, summary):
             print(f"\n### {summary['model']} at lr {other['lr']:g}\n\n{markdown(other)}")
     if summaries:
+        print(f"\n### Every rule at 1F1B's best rate: mean final loss; seeds within the bound\n\n{overview(summaries)}")
         picture(runs, summaries, args.svg)
 
 

@@ -390,7 +390,7 @@ def _model_run(model: str, rule: str, lr: float, seed: int, level: float, spec: 
 def test_async_models_picks_1f1bs_best_lr_over_seeds_and_checks_the_bound_per_seed() -> None:
     """1F1B's best rate is the lowest mean over the seeds (a diverged seed never wins); each rule's final loss
     (the last 10% of steps: 2 of 20) is set against the same seed's 1F1B, the bound 1.25 x + 0.05 per seed."""
-    from async_models import holds, markdown, summarize
+    from async_models import holds, markdown, overview, summarize
 
     runs = [_model_run("mlp", "1f1b", 0.1, 0, 1.0), _model_run("mlp", "1f1b", 0.1, 1, 0.4),  # mean 0.7
             _model_run("mlp", "1f1b", 0.2, 0, 0.1), _model_run("mlp", "1f1b", 0.2, 1, float("nan")),  # diverged
@@ -411,6 +411,8 @@ def test_async_models_picks_1f1bs_best_lr_over_seeds_and_checks_the_bound_per_se
     text = markdown(summary)
     assert "| pipedream | 0.6750, 0.6800 | 0.6775 | 1.35, 1.36 | never, never | yes, no | 1, 1 |" in text
     assert "Best: lr 0.05." in text and "does not hold on every seed" in text
+    table = overview([summary])
+    assert "| mlp (lr 0.05) |" in table and "| xpipe | 0.6500; 1/2 |" in table and "| wpipe | - |" in table
     assert summarize(runs[:1], "mlp", [0, 1]) is None  # seed 1 missing: no complete sweep
 
 
