@@ -250,6 +250,11 @@ def summarize(
     }  # fmt: skip
 
 
+def loss_text(value: float, digits: int = 4) -> str:
+    """A loss with ``digits`` decimals; a diverged one (1000 or more) in 3 significant digits."""
+    return f"{value:.{digits}f}" if abs(value) < 1000 else f"{value:.3g}"
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """One model's table: the sweep line, then a row per rule at 1F1B's best rate."""
     seeds = ", ".join(str(s) for s in summary["seeds"])
@@ -260,12 +265,14 @@ def markdown(summary: dict[str, Any]) -> str:
              "| weight copies per stage |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in summary["rows"]:
-        losses = ", ".join(f"{v:.4f}" for v in row["final_losses"])
-        ratios = ", ".join(f"{v:.2f}" for v in row["vs_1f1b"])
+        losses = ", ".join(loss_text(v) for v in row["final_losses"])
+        ratios = ", ".join(loss_text(v, 2) for v in row["vs_1f1b"])
         reach = ", ".join(str(v) if v is not None else "never" for v in row["steps_to_1f1b_final"])
         within = ", ".join("yes" if h else "no" for h in row["holds"])
         copies = ", ".join(f"{c:g}" for c in row["weight_copies"])
-        lines.append(f"| {row['rule']} | {losses} | {row['mean']:.4f} | {ratios} | {reach} | {within} | {copies} |")
+        lines.append(
+            f"| {row['rule']} | {losses} | {loss_text(row['mean'])} | {ratios} | {reach} | {within} | {copies} |"
+        )
     verdict = "holds on every seed" if summary["bound_holds"] else "does not hold on every seed"
     lines += ["", f"Best asynchronous rule (lowest mean): {summary['best_rule']}; the bound {verdict}. Rules within "
               f"the bound on every seed: {', '.join(summary['rules_within_bound']) or 'none'}."]  # fmt: skip
@@ -273,10 +280,11 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def overview(summaries: Sequence[dict[str, Any]]) -> str:
-    """Every rule on every model at 1F1B's best rate: its final loss (mean over the seeds) and on how many seeds
-    the bound holds (a ratio says little where 1F1B's loss is near 0); the schedule table of the docs."""
+    """Every rule in each summary (each model at 1F1B's best rate, or one model at several rates): its final loss
+    (mean over the seeds) and on how many seeds the bound holds (a ratio says little where 1F1B's loss is near
+    0); the schedule table of the docs."""
     names = [s["model"] for s in summaries]
-    lines = ["| rule | " + " | ".join(f"{n} (lr {s['best_lr']:g})" for n, s in zip(names, summaries)) + " |",
+    lines = ["| rule | " + " | ".join(f"{n} (lr {s['lr']:g})" for n, s in zip(names, summaries)) + " |",
              "|---|" + "---|" * len(names)]  # fmt: skip
     for rule in ["1f1b", *RULES]:
         cells = []
@@ -285,7 +293,7 @@ def overview(summaries: Sequence[dict[str, Any]]) -> str:
             if row is None:
                 cells.append("-")
                 continue
-            cells.append(f"{row['mean']:.4f}; {sum(row['holds'])}/{len(row['holds'])}")
+            cells.append(f"{loss_text(row['mean'])}; {sum(row['holds'])}/{len(row['holds'])}")
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -433,8 +441,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     summaries = [s for s in (summarize(runs, n, seeds) for n in names) if s is not None]
     for summary in summaries:
         print(f"\n### {summary['model']}\n\n{markdown(summary)}\n\n{loss_at(runs, summary)}")
-        for other in other_rates(runs, summary):
+        others = other_rates(runs, summary)
+        for other in others:
             print(f"\n### {summary['model']} at lr {other['lr']:g}\n\n{markdown(other)}")
+        if others:
+            rates = sorted([summary, *others], key=lambda s: s["lr"])
+            print(f"\n### {summary['model']}, every rate: mean final loss; seeds within the bound\n\n{overview(rates)}")
     if summaries:
         print(f"\n### Every rule at 1F1B's best rate: mean final loss; seeds within the bound\n\n{overview(summaries)}")
         picture(runs, summaries, args.svg)
