@@ -1,6 +1,6 @@
 """Every asynchronous rule against 1F1B on four models, 3 seeds each, at 1F1B's best learning rate.
 
-    python benchmarks/async_models.py                                  # everything (about 40 min on 2 cores)
+    python benchmarks/async_models.py                                  # everything (49 min on 2 shared cores)
     python benchmarks/async_models.py --models mlp --seeds 0 --rules pipedream,xpipe   # a subset, merged in
     python benchmarks/async_models.py --models mlp,mlp_wide,vgg --all-lrs   # the rules at the sweep's other rates too
     python benchmarks/async_models.py --report                         # the tables and picture again
