@@ -378,3 +378,87 @@ def test_the_planners_first_choice_runs_near_its_prediction_on_the_benchmark_mlp
     ratio = statistics.median(times) / ranked[0].step_seconds
     print(f"plan='auto' first choice {ranked[0].schedule} x{ranked[0].chunks}: measured / predicted {ratio:.2f}")
     assert 1 / 4 <= ratio <= 4, ratio
+
+
+def _model_run(model: str, rule: str, lr: float, seed: int, level: float, spec: object = None) -> dict:
+    from async_models import MODELS, asdict
+
+    return {"model": model, "rule": rule, "lr": lr, "seed": seed, "losses": [2.0] * 18 + [level] * 2,
+            "weight_copies": [1.0, 1.0], "settings": asdict(spec or MODELS[model])}  # fmt: skip
+
+
+def test_async_models_picks_1f1bs_best_lr_over_seeds_and_checks_the_bound_per_seed() -> None:
+    """1F1B's best rate is the lowest mean over the seeds (a diverged seed never wins); each rule's final loss
+    (the last 10% of steps: 2 of 20) is set against the same seed's 1F1B, the bound 1.25 x + 0.05 per seed."""
+    from async_models import holds, markdown, overview, summarize
+
+    runs = [_model_run("mlp", "1f1b", 0.1, 0, 1.0), _model_run("mlp", "1f1b", 0.1, 1, 0.4),  # mean 0.7
+            _model_run("mlp", "1f1b", 0.2, 0, 0.1), _model_run("mlp", "1f1b", 0.2, 1, float("nan")),  # diverged
+            _model_run("mlp", "1f1b", 0.05, 0, 0.5), _model_run("mlp", "1f1b", 0.05, 1, 0.5),  # mean 0.5: best
+            _model_run("mlp", "pipedream", 0.05, 0, 0.675), _model_run("mlp", "pipedream", 0.05, 1, 0.68),
+            _model_run("mlp", "xpipe", 0.05, 0, 0.6), _model_run("mlp", "xpipe", 0.05, 1, 0.7),
+            _model_run("mlp", "xpipe", 0.1, 0, 0.0)]  # fmt: skip
+    assert holds(0.675, 0.5) and not holds(0.68, 0.5) and not holds(float("nan"), 0.5)
+    summary = summarize(runs, "mlp", [0, 1])
+    assert summary is not None and summary["best_lr"] == 0.05
+    rows = {row["rule"]: row for row in summary["rows"]}
+    assert list(rows) == ["1f1b", "pipedream", "xpipe"]
+    assert rows["pipedream"]["final_losses"] == [0.675, 0.68] and rows["pipedream"]["holds"] == [True, False]
+    assert rows["xpipe"]["holds"] == [True, False] and rows["xpipe"]["vs_1f1b"] == [1.2, 1.4]
+    assert rows["1f1b"]["steps_to_1f1b_final"] == [20, 20] and rows["xpipe"]["steps_to_1f1b_final"] == [None, None]
+    assert summary["best_rule"] == "xpipe" and summary["bound_holds"] is False and summary["rules_within_bound"] == []
+    assert summary["sweep"]["0.2"][1] != summary["sweep"]["0.2"][1]  # nan kept in the sweep line
+    text = markdown(summary)
+    assert "| pipedream | 0.6750, 0.6800 | 0.6775 | 1.35, 1.36 | never, never | yes, no | 1, 1 |" in text
+    assert "Best: lr 0.05." in text and "does not hold on every seed" in text
+    table = overview([summary])
+    assert "| mlp (lr 0.05) |" in table and "| xpipe | 0.6500; 1/2 |" in table and "| wpipe | - |" in table
+    assert summarize(runs[:1], "mlp", [0, 1]) is None  # seed 1 missing: no complete sweep
+
+
+def test_async_models_grid_sweeps_1f1b_then_runs_each_rule_at_its_best_rate_and_reuses_saved_runs() -> None:
+    from async_models import MODELS, grid, markdown, other_rates, replace, summarize
+
+    calls = []
+
+    def runner(name: str, spec: object, rule: str, lr: float, seed: int) -> dict:
+        calls.append((name, rule, lr, seed))
+        return _model_run(name, rule, lr, seed, 0.3 if lr == spec.lrs[1] else 1.0, spec)  # the middle rate is best
+
+    runs: list = []
+    spec = replace(MODELS["bert"], lrs=(0.1, 0.2, 0.3))
+    specs = {"bert": spec}
+    grid(specs, [0], ["pipedream", "pipedream+nesterov", "pipedream_2bw+error_feedback"], runs, lambda: None, runner)
+    middle = spec.lrs[1]
+    assert calls == [("bert", "1f1b", lr, 0) for lr in spec.lrs] + [
+        ("bert", "pipedream", middle, 0), ("bert", "pipedream_2bw+error_feedback", middle, 0)]  # fmt: skip
+    calls.clear()
+    grid(specs, [0], ["pipedream"], runs, lambda: None, runner)
+    assert calls == []  # every run already there with the same settings
+    grid(specs, [0], ["pipedream"], runs, lambda: None, runner, all_lrs=True)
+    low, high = spec.lrs[0], spec.lrs[2]
+    assert calls == [("bert", "pipedream", low, 0), ("bert", "pipedream", high, 0)]  # the sweep's other rates
+    (other, _) = other_rates(runs, summarize(runs, "bert", [0]))
+    assert other["lr"] == low and other["best_lr"] == middle and [r["rule"] for r in other["rows"]] == [
+        "1f1b", "pipedream"]  # fmt: skip
+    assert f"Rows at lr {low:g}, not 1F1B's best." in markdown(other)
+    runs[:] = [r for r in runs if r["lr"] == middle or r["rule"] == "1f1b"]
+    calls.clear()
+    wider = replace(spec, lrs=(*spec.lrs, 1.0))
+    grid({"bert": wider}, [0], ["pipedream"], runs, lambda: None, runner)
+    assert calls == [("bert", "1f1b", 1.0, 0)]  # a rate added to the sweep: only its run
+    calls.clear()
+    grid({"bert": replace(wider, steps=5)}, [0], ["pipedream"], runs, lambda: None, runner)
+    assert len(calls) == 5 and len(runs) == 6  # other settings: run again, the old runs replaced
+
+
+def test_async_models_runs_the_real_engine_with_the_same_initial_weights_per_seed() -> None:
+    """Two steps of 1F1B and of PipeDream with Nesterov's correction on the 2-stage MLP: the first batch's loss
+    (before any update) is the same; PipeDream holds a stashed version on the first stage."""
+    from async_models import MODELS, replace, run
+
+    spec = replace(MODELS["mlp"], steps=2)
+    sync, corrected = run("mlp", spec, "1f1b", 0.1, 0), run("mlp", spec, "pipedream+nesterov", 0.1, 0)
+    assert len(sync["losses"]) == len(corrected["losses"]) == 2
+    assert sync["losses"][0] == pytest.approx(corrected["losses"][0], abs=1e-6)
+    assert sync["weight_copies"] == [1.0, 1.0] and corrected["weight_copies"] == [2.0, 1.0]
