@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.models import TinyNet, fit_plain
+from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 
@@ -32,29 +32,48 @@ class RecordOffload(L.Callback):
 
 
 @pytest.mark.parametrize(
-    "schedule, offload, extra, keeps",
+    "schedule, offload, extra, keeps, processes",
     [
         # stage 0 offloads both micro-batches it holds, one comes back at a time; the last stage recomputes
-        ("1f1b", "auto", {"recompute": ["never", "always"]}, [0, None]),
+        ("1f1b", "auto", {"recompute": ["never", "always"]}, [0, None], 2),
         # split backward: W finds what B fetched back; recomputed micro-batches save only the checkpoint's inputs
-        ("zero_bubble", True, {"recompute": "except_last"}, [0, 0]),
+        ("zero_bubble", True, {"recompute": "except_last"}, [0, 0], 2),
         pytest.param(
-            "interleaved_1f1b", [0, 1, None, 2], {"recompute": "auto"}, [0, 1, None, 2], marks=pytest.mark.slow
+            "interleaved_1f1b", [0, 1, None, 2], {"recompute": "auto"}, [0, 1, None, 2], 2, marks=pytest.mark.slow
         ),
-        pytest.param("zbv", "auto", {}, None, marks=pytest.mark.slow),
-        pytest.param("dualpipev", True, {}, [0, 0, 0, 0], marks=pytest.mark.slow),
+        pytest.param("zbv", "auto", {}, None, 2, marks=pytest.mark.slow),
+        pytest.param("dualpipev", True, {}, [0, 0, 0, 0], 2, marks=pytest.mark.slow),
+        # 4 processes: the first stages hold the most micro-batches, the per-stage choice differs down the chain
+        pytest.param(
+            "1f1b", "auto", {"recompute": ["never", "never", "always", "never"]}, None, 4, marks=pytest.mark.slow
+        ),
+        pytest.param("zero_bubble", [0, 1, None, None], {}, [0, 1, None, None], 4, marks=pytest.mark.slow),
+        pytest.param("interleaved_1f1b", True, {"recompute": "auto"}, None, 4, marks=pytest.mark.slow),
+        pytest.param("zbv", "auto", {}, None, 4, marks=pytest.mark.slow),
+        pytest.param("dualpipev", True, {"recompute": "except_last"}, None, 4, marks=pytest.mark.slow),
     ],
 )
 def test_offload_weights_equal_plain_training(
-    schedule: str, offload: Any, extra: dict[str, Any], keeps: list[int | None] | None, tmp_path: Path
+    schedule: str, offload: Any, extra: dict[str, Any], keeps: list[int | None] | None, processes: int, tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
-    reference, piped = twins(TinyNet())
-    fit_plain(reference)
-    fit_pipeline(piped, 2, schedule=schedule, chunks=4, offload=offload, callbacks=[RecordOffload(tmp_path)], **extra)
+    reference, piped = twins(TinyNet(depth=8 if processes == 2 else 16))  # two layers per virtual stage
+    data = None if processes == 2 else loader(64, batch_size=16)  # full batches: dualpipev needs 2p micro-batches
+    fit_plain(reference, data)
+    chunks = 4 if processes == 2 else 8
+    fit_pipeline(
+        piped,
+        processes,
+        data,
+        schedule=schedule,
+        chunks=chunks,
+        offload=offload,
+        callbacks=[RecordOffload(tmp_path)],
+        **extra,
+    )
     assert_same_weights(reference, piped)
     stages: dict[int, Any] = {}
-    for rank in range(2):
+    for rank in range(processes):
         stages.update({int(s): v for s, v in json.loads((tmp_path / f"rank{rank}.json").read_text()).items()})
     if keeps is not None:
         assert [stages[s][0] for s in sorted(stages)] == keeps
