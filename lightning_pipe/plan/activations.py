@@ -13,8 +13,8 @@ What each policy holds at a stage's peak, in the saved-tensor bytes that
   and one micro-batch's activations rebuilt in its backward;
 - offload keep ``k``: the stage's own order of forwards and backwards replayed as the runtime runs
   it (:func:`offload_replay`: a forward goes to host memory when ``k`` micro-batches' saved tensors
-  are on the device already, a backward brings the oldest offloaded micro-batch back ahead of its
-  own), ``peak x A`` on the device.
+  are on the device already, a backward brings the offloaded micro-batch nearest to it back ahead
+  of its own backward: the next one, forwards in order or, under GPipe, in reverse), ``peak x A`` on the device.
 
 Time: recompute adds a forward of the stage to each backward; offload adds each offloaded micro-batch's
 copies (out after its forward, back before its backward) at the measured copy bandwidth, spread over
@@ -100,8 +100,8 @@ class _Replay:
             self.kept.discard(mb)
         if self.split:
             self.due.add(mb)
-        if self.away:  # the oldest offloaded micro-batch comes back ahead of its backward
-            self.away[min(self.away)] = True
+        if self.away:  # the offloaded micro-batch nearest to it (its backward is the next) comes back ahead
+            self.away[min(self.away, key=lambda other: (abs(other - mb), other))] = True
 
     def note(self) -> None:
         self.peak = max(self.peak, self.on_device())

@@ -473,7 +473,7 @@ class StageRunner:
             batch = microbatch // self._microbatches  # backwards run in order: the batch is complete
             self.completed[batch] = self.versions.gradient(batch)
         if self.offload is not None:  # the next offloaded micro-batch's copies come back while the stage works on
-            self.offload.prefetch_next()
+            self.offload.prefetch_next(microbatch)
         if self.is_first:
             return None
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves if leaf.requires_grad]

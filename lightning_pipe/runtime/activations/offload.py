@@ -7,7 +7,7 @@ of any micro-batch beyond them packs its saved tensors into host memory (the new
 whose backward comes last, waits longest), through torch's own mechanism, the saved-tensor hooks of
 ``torch.autograd.graph.save_on_cpu``. On a GPU the host copies are pinned and made on a dedicated
 CUDA stream, and a micro-batch's copies start back to the device before its backward needs them
-(:meth:`ActivationOffload.prefetch_next`, called when a backward ends for the oldest offloaded
+(:meth:`ActivationOffload.prefetch_next`, called when a backward ends for the nearest offloaded
 micro-batch): so a stage holds ``keep`` micro-batches from their forwards, plus one on its way
 back. On CPU processes the same hooks copy host to host, so the mechanism runs, and is tested,
 everywhere; the values are copied exactly, so training equals training without it.
@@ -150,12 +150,12 @@ class ActivationOffload:
         for item in self.held.get(microbatch, ()):
             item.fetch(None if item.device.type != "cuda" else self._stream(item.device))
 
-    def prefetch_next(self) -> None:
-        """After a backward: start bringing back the oldest offloaded micro-batch, whose backward is
-        likely the next (a stage's backwards run in forward order), so its copies overlap the work
-        in between (on a GPU)."""
+    def prefetch_next(self, after: int) -> None:
+        """After ``after``'s backward: start bringing back the offloaded micro-batch nearest to it, whose
+        backward is the next (a stage's backwards run in forward order, or in reverse under GPipe), so
+        its copies overlap the work in between (on a GPU)."""
         if self.held:
-            self.prefetch(min(self.held))
+            self.prefetch(min(self.held, key=lambda microbatch: (abs(microbatch - after), microbatch)))
 
     def offloaded(self, microbatch: int) -> bool:
         return microbatch in self.held

@@ -1,4 +1,5 @@
-"""Offload of saved activations to host memory, in one process: a middle stage run in 1F1B's order."""
+"""Offload of saved activations to host memory, in one process: a middle stage run in 1F1B's order (and in
+GPipe's, whose backwards run in reverse)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,13 @@ def _one_f_one_b(in_flight: int) -> list[tuple[str, int]]:
     return order + [("B", i) for i in range(CHUNKS - in_flight, CHUNKS)]
 
 
+def _gpipe() -> list[tuple[str, int]]:
+    """A stage's GPipe order: every forward, then the backwards newest first."""
+    return [("F", i) for i in range(CHUNKS)] + [("B", i) for i in reversed(range(CHUNKS))]
+
+
 def _run(
-    offload: int | None, split: bool = False, device: str = "cpu"
+    offload: int | None, split: bool = False, device: str = "cpu", order: list[tuple[str, int]] | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], StageRunner, int]:
     """Gradients of the weights and of the inputs, the runner and its meter's peak."""
     stage = _stage().to(device)
@@ -42,7 +48,7 @@ def _run(
     inputs = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
     grads = [torch.randn(MICRO, IN).to(device) for _ in range(CHUNKS)]
     input_grads: list[torch.Tensor] = []
-    for kind, i in _one_f_one_b(3):
+    for kind, i in order or _one_f_one_b(3):
         if kind == "F":
             runner.forward(i, CHUNKS, ([inputs[i].clone()], (True,), False, ()))
         elif split:
@@ -69,6 +75,18 @@ def test_offload_is_exact_and_its_bytes_leave_the_stage(split: bool) -> None:
         # the others went to host memory, each tensor once (a tensor saved by two operations is copied once)
         assert offload.peak_host_bytes == (3 - keep) * one
     assert kept_peak > 0
+
+
+def test_under_gpipe_the_next_backward_is_brought_back() -> None:
+    """GPipe runs its backwards newest first: after each backward the offloaded micro-batch that comes back
+    is the next one in that order (not the oldest), so the device holds ``keep`` plus one."""
+    weights, inputs, _, kept_peak = _run(None, order=_gpipe())
+    one = kept_peak // CHUNKS
+    for keep in (0, 2):
+        w, i, _, peak = _run(keep, order=_gpipe())
+        for a, b in zip(w + i, weights + inputs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert peak == (keep + 1) * one, (keep, peak, one)
 
 
 def test_parameters_are_never_copied() -> None:
