@@ -307,7 +307,7 @@ class StageRunner:
         offload = self.offload
         assert offload is not None
         if self.versions is not None:
-            offload.ignore(self._version_tensors())
+            offload.ignore_versions(self._version_tensors())
         return lambda meter: offload.hooks(microbatch, meter)
 
     def _version_tensors(self) -> Iterator[Tensor]:

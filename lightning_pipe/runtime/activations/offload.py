@@ -81,6 +81,7 @@ class ActivationOffload:
         self.peak_host_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._ignored: set[int] = set()
+        self._versions: set[int] = set()  # the weight versions held now (replaced as versions come and go)
 
     def chooses(self, resident: int) -> bool:
         """Whether the next forward goes to host memory, with ``resident`` micro-batches on the device."""
@@ -91,7 +92,7 @@ class ActivationOffload:
         """Around ``microbatch``'s forward: its saved tensors go to host memory; ``meter`` counts them
         again once they are back on the device for the backward (and sees the parameters as without offload)."""
         packed = self.held.setdefault(microbatch, [])
-        ignored = self._ignored | (meter.ignored() if meter is not None else set())
+        ignored = self._ignored | self._versions | (meter.ignored() if meter is not None else set())
         # a tensor saved by several operations is copied once: the same tensor, still alive, unchanged
         seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], _Packed]] = {}
 
@@ -121,8 +122,13 @@ class ActivationOffload:
             yield
 
     def ignore(self, tensors: Iterable[Tensor]) -> None:
-        """Never copy tensors sharing memory with ``tensors`` (stashed weight versions)."""
+        """Never copy tensors sharing memory with ``tensors`` (the stage's parameters)."""
         self._ignored.update(_storage(t) for t in tensors)
+
+    def ignore_versions(self, tensors: Iterable[Tensor]) -> None:
+        """Never copy the weight versions held now, ``tensors``; those dropped since the last call are forgotten,
+        so that the memory they leave, reused for an activation, is copied again."""
+        self._versions = {_storage(t) for t in tensors}
 
     def _pack(self, tensor: Tensor, meter: SavedActivationMeter | None) -> _Packed:
         nbytes = tensor.numel() * tensor.element_size()
