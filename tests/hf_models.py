@@ -187,6 +187,20 @@ class HFModule(L.LightningModule):
             return
         self.log("val_loss", self(inputs, labels).loss)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The last position's logits (a small result: the launcher hands it back through a pipe), and beside
+        them a mixture of experts' load-balancing loss (``aux_loss``, read from every block's router logits)
+        per forward: a micro-batch's under the pipeline, as here with ``microbatches`` > 1."""
+        inputs, _ = batch
+        parts = inputs.tensor_split(self.microbatches) if self.microbatches > 1 else (inputs,)
+        outputs = []
+        for x in parts:
+            out = self.model(input_ids=x, use_cache=False) if not x.is_floating_point() else self.model(pixel_values=x)
+            aux = getattr(out, "aux_loss", None)
+            flat = out.logits[:, -1] if out.logits.dim() == 3 else out.logits
+            outputs.append(flat if aux is None else torch.cat([flat, aux.expand(len(x), 1)], 1))
+        return torch.cat(outputs)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr * 0.1, weight_decay=0.01)

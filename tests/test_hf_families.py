@@ -121,8 +121,18 @@ def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup
         pytest.param("model.encoder.block", 4, "1f1b", marks=pytest.mark.slow),  # through 2 middle stages
         pytest.param("model.decoder.block", 4, "zero_bubble", marks=pytest.mark.slow),
         pytest.param("model.encoder.block", 2, "zbv", marks=pytest.mark.slow),
+        pytest.param("model.decoder.block", 4, "1f1b", marks=pytest.mark.slow),
+        pytest.param("model.encoder.block", 4, "chimera", marks=pytest.mark.slow),  # both directions carry the bias
     ],
-    ids=["encoder-2p", "decoder-2p", "encoder-4p", "decoder-4p-zb", "encoder-2p-zbv"],
+    ids=[
+        "encoder-2p",
+        "decoder-2p",
+        "encoder-4p",
+        "decoder-4p-zb",
+        "encoder-2p-zbv",
+        "decoder-4p",
+        "encoder-4p-chimera",
+    ],
 )
 def test_t5_whose_blocks_pass_position_biases_on_trains_as_plain(module: str, processes: int, schedule: str) -> None:
     """T5's block 0 computes the position bias (the decoder's also the cross-attention's) and the loop

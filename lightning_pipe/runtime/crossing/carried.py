@@ -48,20 +48,31 @@ DESCRIBED = {
     "router_logits": "the router logits of every block for its MoE load-balancing loss (output_router_logits=True)",
 }
 
-#: the schedules under which carried values were proven to train as plain training does (the traits' column)
-CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
+#: the schedules under which carried values were proven to train as plain training (or the stashing rule's
+#: one-process reference) does: the traits' ``records_cross`` column
+CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.records_cross)
 
 #: what one block recorded: per carried key, its entries (None where transformers recorded None)
 Entries = dict[str, list[Tensor | None]]
 
 
 def carrying_refusal(schedule: str) -> str | None:
-    """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can)."""
-    if traits(schedule).carries_records:
+    """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can).
+    The values belong to their micro-batch and travel with it under every schedule; what the rules that
+    predict weights (PipeMare, XPipe) lack is a reference their run was checked against: theirs are
+    written for a Sequential's cross-entropy, which reads no recorded value."""
+    t = traits(schedule)
+    if t.records_cross:
         return None
+    why = (
+        "its backwards run on weights predicted for their forwards, and its update rule has not been checked "
+        "with values that cross stages"
+        if t.predicts_weights or t.predicts_ahead
+        else "it has not been checked to carry them"
+    )
     return (
-        f"schedule={schedule!r} does not carry them yet (only {', '.join(sorted(CARRYING_SCHEDULES))} do: their "
-        "micro-batches pass the stages as one chain, with one weight version); choose one of those"
+        f"schedule={schedule!r} does not carry them yet ({why}); choose one of "
+        f"{', '.join(sorted(CARRYING_SCHEDULES))}, which do"
     )
 
 

@@ -15,7 +15,7 @@ from lightning_pipe.runtime.crossing.carried import (
     entry_code,
     entry_slots,
 )
-from lightning_pipe.schedules import ASYNC_SCHEDULES, TRAITS
+from lightning_pipe.schedules import TRAITS
 
 
 def test_an_entry_code_says_how_many_entries_and_which_are_tensors() -> None:
@@ -60,16 +60,18 @@ def test_outside_a_recording_a_stand_in_feeds_nothing() -> None:
     assert not carry.feed(0)  # no Hugging Face collector is active
 
 
-def test_only_the_chain_schedules_carry_recorded_values() -> None:
-    # every other schedule runs copies of the stages (Chimera) or stashed weight versions
-    assert set(TRAITS) - CARRYING_SCHEDULES == {"chimera", *ASYNC_SCHEDULES}
+def test_every_schedule_but_those_that_predict_weights_carries_recorded_values() -> None:
+    # the chain schedules, Chimera's two directions, the rules that stash weight versions (tests/test_block_reads.py)
+    assert set(TRAITS) - CARRYING_SCHEDULES == {"pipemare", "xpipe"}
+    assert {"chimera", "pipedream", "pipedream_2bw", "wpipe"} <= CARRYING_SCHEDULES
     for schedule in TRAITS:
         refusal = carrying_refusal(schedule)
         if schedule in CARRYING_SCHEDULES:
             assert refusal is None
-        else:  # chimera and the asynchronous schedules
+        else:  # the weights a backward runs on are predicted
             assert refusal is not None and f"schedule={schedule!r} does not carry them yet" in refusal
-            assert "1f1b" in refusal  # names what does
+            assert "backwards run on weights predicted for their forwards" in refusal
+            assert "1f1b" in refusal and "pipedream" in refusal  # names what does
 
 
 def test_a_refusal_names_each_recording_and_the_setting_that_turns_it_off() -> None:
