@@ -5,6 +5,7 @@ check they trained on wrong values, silently)."""
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -74,15 +75,21 @@ def test_hf_hidden_states_pooled_over_the_last_layers_and_probed_train_and_evalu
     [(3, {"schedule": "1f1b"}), (2, {"schedule": "zbv"}), (2, {"schedule": "interleaved_1f1b", "virtual_stages": 2})],
     ids=["3p-1f1b", "2p-zbv", "2p-interleaved"],
 )
-def test_hf_hidden_states_train_as_plain_over_more_stages(processes: int, options: dict) -> None:
+def test_hf_hidden_states_train_as_plain_over_more_stages(processes: int, options: dict, capfd) -> None:
     """Through a middle stage (received values sent on with its own) and the V-shaped and interleaved
-    schedules (a process's two stages: what crosses between them too)."""
+    schedules (a process's two stages: what crosses between them too). Each boundary says once what
+    crosses it, from the process that sends it (before: rank 0's only)."""
     torch.manual_seed(0)
     piped = BertLastFourCLS(layers=6, select=True)
     reference = copy.deepcopy(piped)
     fit_plain(reference, data_for("gpt2"))
+    capfd.readouterr()
     fit_pipeline(piped, processes, data_for("gpt2"), module="bert.encoder.layer", chunks=4, **options)
     assert_same_weights(reference, piped)
+    printed = "".join(capfd.readouterr())
+    told = re.findall(r"stage (\d+) sends on with each micro-batch, beside the hidden state, what the model", printed)
+    stages = processes * (2 if "schedule" in options and options["schedule"] != "1f1b" else 1)
+    assert sorted(map(int, told)) == list(range(stages - 1)), printed[-2000:]
 
 
 @pytest.mark.slow
