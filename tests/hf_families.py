@@ -271,8 +271,8 @@ FAMILIES: list[Family] = [
         "model.encoder.block",
         compared=(
             "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
-            "(default run), 4 stages x `1f1b` and 2 processes x `zbv` (slow); by its decoder blocks, 2 stages x "
-            "`1f1b` and 4 stages x `zero_bubble` (slow)"
+            "(default run), 4 stages x `1f1b`, 2 processes x `zbv` and 4 processes x `chimera` (slow); by its "
+            "decoder blocks, 2 stages x `1f1b`, 4 stages x `1f1b` and 4 stages x `zero_bubble` (slow)"
         ),
     ),
 ]

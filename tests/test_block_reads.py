@@ -184,7 +184,7 @@ def _moe_parity(
         expected = torch.cat(plain_trainer().predict(reference, val))
         got = torch.cat(pipeline_trainer(processes, module=path, chunks=chunks, **options).predict(piped, val))
         assert expected.shape[1] == 96 + 1  # the load-balancing loss beside the logits
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # from weights equal within 1e-6
 
 
 def test_the_moe_load_balancing_loss_trains_as_plain_under_1f1b() -> None:
