@@ -308,6 +308,12 @@ class FamilyModule(HFModule):
         keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
         return self.model(**{keyword: inputs}, labels=labels)
 
+    def outputs(self, inputs: torch.Tensor) -> Any:
+        if not inputs.is_floating_point():
+            return self.model(input_ids=inputs)
+        keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
+        return self.model(**{keyword: inputs})
+
 
 #: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains
 STAGES = (2, 4)

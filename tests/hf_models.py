@@ -187,6 +187,12 @@ class HFModule(L.LightningModule):
             return
         self.log("val_loss", self(inputs, labels).loss)
 
+    def outputs(self, inputs: torch.Tensor) -> Any:
+        """The model's outputs without labels (for ``predict``)."""
+        if inputs.is_floating_point():
+            return self.model(pixel_values=inputs)
+        return self.model(input_ids=inputs, use_cache=False)
+
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The last position's logits (a small result: the launcher hands it back through a pipe), and beside
         them a mixture of experts' load-balancing loss (``aux_loss``, read from every block's router logits)
@@ -195,7 +201,7 @@ class HFModule(L.LightningModule):
         parts = inputs.tensor_split(self.microbatches) if self.microbatches > 1 else (inputs,)
         outputs = []
         for x in parts:
-            out = self.model(input_ids=x, use_cache=False) if not x.is_floating_point() else self.model(pixel_values=x)
+            out = self.outputs(x)
             aux = getattr(out, "aux_loss", None)
             flat = out.logits[:, -1] if out.logits.dim() == 3 else out.logits
             outputs.append(flat if aux is None else torch.cat([flat, aux.expand(len(x), 1)], 1))
