@@ -103,19 +103,18 @@ def test_hf_hidden_states_train_as_plain_with_replicas() -> None:
     assert_same_weights(reference, piped)
 
 
-def test_hidden_states_are_refused_under_a_schedule_that_predicts_weights_before_training() -> None:
-    """PipeMare (backwards on predicted weights) does not carry recorded values yet: refused in the first
-    forward, naming why, the schedules that do and the setting to turn off."""
+def test_hidden_states_are_refused_under_a_schedule_text_before_training() -> None:
+    """A schedule given as text was never run with recorded values: refused in the first forward,
+    naming why, the schedules that do carry them and the setting to turn off."""
     torch.manual_seed(0)
     model = BertLastFourCLS()
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(".layer." in name)
     before = copy.deepcopy(model.state_dict())
+    text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n"
     with pytest.raises(Exception, match=r"hidden states of every block \(output_hidden_states=True\)") as info:
-        fit_pipeline(model, 2, data_for("gpt2"), module="bert.encoder.layer", schedule="pipemare")
+        fit_pipeline(model, 2, data_for("gpt2"), module="bert.encoder.layer", schedule=text)
     message = str(info.value)
-    assert "schedule='pipemare' does not carry them yet (its backwards run on weights predicted" in message
-    assert "pipedream_2bw" in message and "chimera" in message and "xpipe" not in message
+    assert "schedule text 'text' does not carry them yet (a schedule given as text" in message
+    assert "pipemare" in message and "chimera" in message
     assert "output_hidden_states=False" in message
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
@@ -303,3 +302,30 @@ def test_moe_models_without_the_load_balancing_loss_train_as_plain(name: str) ->
     fit_plain(reference, data_for(name))
     fit_pipeline(piped, 2, data_for(name), module=path)
     assert_same_weights(reference, piped)
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", pytest.param("xpipe", marks=pytest.mark.slow)])
+def test_hidden_states_follow_the_rules_that_predict_weights(schedule: str) -> None:
+    """PipeMare's and XPipe's rules (checked against their references on Sequentials): a BERT whose loss
+    reads its last 4 layers' recorded hidden states trains as the same BERT run as a Sequential whose
+    layers pass those layers' [CLS] on in a tuple (the same blocks on each stage, the embeddings and
+    the head as its first and last layer)."""
+    from lightning_pipe.partition import balance_uniform
+    from tests.hf_models import PooledBert
+
+    torch.manual_seed(0)
+    piped = PooledBert()
+    sequential = PooledBert(sequential=True)
+    sequential.load_state_dict(piped.state_dict(), strict=False)
+    common: dict[str, Any] = dict(schedule=schedule, chunks=2, max_steps=6)
+    blocks = balance_uniform(4, 2)
+    ends = [blocks[0] + 1, blocks[1] + 1]
+    fit_pipeline(sequential, 2, data_for("gpt2"), module="layers", balance=ends, **common)
+    fit_pipeline(piped, 2, data_for("gpt2"), module="bert.encoder.layer", balance=blocks, **common)
+    expected = {k: v for k, v in sequential.state_dict().items() if not k.startswith("layers.")}
+    assert list(expected) == list(piped.state_dict())
+    for name, value in expected.items():
+        torch.testing.assert_close(piped.state_dict()[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert not torch.equal(
+        PooledBert().bert.encoder.layer[0].output.dense.weight, piped.bert.encoder.layer[0].output.dense.weight
+    )

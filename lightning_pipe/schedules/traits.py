@@ -87,8 +87,9 @@ class ScheduleTraits:
     #: for the schedules whose micro-batches pass the stages as one chain, with one weight version
     carries_records: bool = False
     #: carries the values that blocks record (router logits, hidden states) and the values a block returns for
-    #: the next (T5's position biases) with their micro-batch: the chain schedules, Chimera's two directions and
-    #: the rules that stash weight versions (their one-process reference); not yet those that predict weights
+    #: the next (T5's position biases) with their micro-batch: every built-in schedule (the chain ones and Chimera
+    #: as plain training, the stashing rules as their one-process reference, PipeMare and XPipe as the same model
+    #: run as a Sequential does); not a schedule given as text, which no test has run with them
     records_cross: bool = False
     #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
     #: to run at once (:attr:`~lightning_pipe.schedules.actions.Schedule.overlapped`)
@@ -183,9 +184,23 @@ TRAITS: dict[str, ScheduleTraits] = {
             records_cross=True,
         ),
         ScheduleTraits(
-            "pipemare", pipemare, asynchronous=True, predicts_weights=True, refuses_ties=True, planned=False
+            "pipemare",
+            pipemare,
+            asynchronous=True,
+            predicts_weights=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
         ),
-        ScheduleTraits("xpipe", xpipe, asynchronous=True, predicts_ahead=True, refuses_ties=True, planned=False),
+        ScheduleTraits(
+            "xpipe",
+            xpipe,
+            asynchronous=True,
+            predicts_ahead=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
+        ),
         # WPipe: 2BW's stash on the first half of the stages (2 weight copies), none on the second (1 copy;
         # ``asynchronous.versions_held``); the halves' delays differ (1 and 0), so ties are refused
         ScheduleTraits(

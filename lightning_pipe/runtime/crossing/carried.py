@@ -48,8 +48,8 @@ DESCRIBED = {
     "router_logits": "the router logits of every block for its MoE load-balancing loss (output_router_logits=True)",
 }
 
-#: the schedules under which carried values were proven to train as plain training (or the stashing rule's
-#: one-process reference) does: the traits' ``records_cross`` column
+#: the schedules under which carried values were proven to train as plain training (or the rule's reference)
+#: does: the traits' ``records_cross`` column, every built-in schedule
 CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.records_cross)
 
 #: what one block recorded: per carried key, its entries (None where transformers recorded None)
@@ -58,21 +58,14 @@ Entries = dict[str, list[Tensor | None]]
 
 def carrying_refusal(schedule: str) -> str | None:
     """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can).
-    The values belong to their micro-batch and travel with it under every schedule; what the rules that
-    predict weights (PipeMare, XPipe) lack is a reference their run was checked against: theirs are
-    written for a Sequential's cross-entropy, which reads no recorded value."""
+    The values belong to their micro-batch and travel with it under every schedule; a schedule given as
+    text has not been run with them (its order is the user's), so it refuses them."""
     t = traits(schedule)
     if t.records_cross:
         return None
-    why = (
-        "its backwards run on weights predicted for their forwards, and its update rule has not been checked "
-        "with values that cross stages"
-        if t.predicts_weights or t.predicts_ahead
-        else "it has not been checked to carry them"
-    )
     return (
-        f"schedule={schedule!r} does not carry them yet ({why}); choose one of "
-        f"{', '.join(sorted(CARRYING_SCHEDULES))}, which do"
+        f"schedule {t.label} does not carry them yet (a schedule given as text has not been checked to carry "
+        f"them); choose one of the built-in schedules ({', '.join(sorted(CARRYING_SCHEDULES))}), which do"
     )
 
 
