@@ -271,8 +271,8 @@ FAMILIES: list[Family] = [
         "model.encoder.block",
         compared=(
             "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
-            "(default run), 4 stages x `1f1b` and 2 processes x `zbv` (slow); by its decoder blocks, 2 stages x "
-            "`1f1b` and 4 stages x `zero_bubble` (slow)"
+            "(default run), 4 stages x `1f1b`, 2 processes x `zbv` and 4 processes x `chimera` (slow); by its "
+            "decoder blocks, 2 stages x `1f1b`, 4 stages x `1f1b` and 4 stages x `zero_bubble` (slow)"
         ),
     ),
 ]
@@ -307,6 +307,12 @@ class FamilyModule(HFModule):
             return self.model(input_ids=inputs, labels=labels)
         keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
         return self.model(**{keyword: inputs}, labels=labels)
+
+    def outputs(self, inputs: torch.Tensor) -> Any:
+        if not inputs.is_floating_point():
+            return self.model(input_ids=inputs)
+        keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
+        return self.model(**{keyword: inputs})
 
 
 #: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains

@@ -187,6 +187,26 @@ class HFModule(L.LightningModule):
             return
         self.log("val_loss", self(inputs, labels).loss)
 
+    def outputs(self, inputs: torch.Tensor) -> Any:
+        """The model's outputs without labels (for ``predict``)."""
+        if inputs.is_floating_point():
+            return self.model(pixel_values=inputs)
+        return self.model(input_ids=inputs, use_cache=False)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The last position's logits (a small result: the launcher hands it back through a pipe), and beside
+        them a mixture of experts' load-balancing loss (``aux_loss``, read from every block's router logits)
+        per forward: a micro-batch's under the pipeline, as here with ``microbatches`` > 1."""
+        inputs, _ = batch
+        parts = inputs.tensor_split(self.microbatches) if self.microbatches > 1 else (inputs,)
+        outputs = []
+        for x in parts:
+            out = self.outputs(x)
+            aux = getattr(out, "aux_loss", None)
+            flat = out.logits[:, -1] if out.logits.dim() == 3 else out.logits
+            outputs.append(flat if aux is None else torch.cat([flat, aux.expand(len(x), 1)], 1))
+        return torch.cat(outputs)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr * 0.1, weight_decay=0.01)
@@ -353,3 +373,67 @@ def padded_token_data(name: str, n: int = 48, batch_size: int = 8, seed: int = 0
     labels = torch.where(keep, tokens, torch.full_like(tokens, -100))
     columns = (inputs, labels) if name == "gpt2" else (inputs, torch.ones_like(inputs, dtype=torch.bool), labels)
     return DataLoader(TensorDataset(*columns), batch_size=batch_size)
+
+
+class PooledBert(L.LightningModule):
+    """A BERT classifying from the mean of its last 4 layers' [CLS] hidden states
+    (``output_hidden_states``: what transformers records crosses stages), or, with ``sequential``, the
+    same BERT (kept as ``self.bert``) run as a Sequential of its own parts whose layers pass on a tuple:
+    the hidden state and every layer's [CLS] so far (the tuple crosses stages): the same function
+    with nothing recorded, for the rules whose references are written for Sequentials."""
+
+    def __init__(self, layers: int = 4, sequential: bool = False) -> None:
+        super().__init__()
+        config = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                         intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.bert = transformers.BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(32, 3)
+        self.sequential = sequential
+        if sequential:
+            self.layers = nn.Sequential(
+                _ClsEmbed(self.bert.embeddings), *(_ClsLayer(b) for b in self.bert.encoder.layer), _ClsHead(self.head)
+            )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.sequential:
+            return self.layers(ids)
+        hidden = self.bert(input_ids=ids, output_hidden_states=True).hidden_states
+        return self.head(torch.stack([h[:, 0] for h in hidden[-4:]], 1).mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = batch
+        return nn.functional.cross_entropy(self(ids), labels[:, 0] % 3)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _ClsEmbed(nn.Module):
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.embeddings(input_ids=ids)
+        return hidden, hidden[:, None, 0]
+
+
+class _ClsLayer(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, cls = value
+        hidden = self.layer(hidden)
+        return hidden, torch.cat([cls, hidden[:, None, 0]], 1)
+
+
+class _ClsHead(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.head(value[1][:, -4:].mean(1))

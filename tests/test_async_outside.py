@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,28 @@ def stage_of(name: str, blocks: int, stages: int) -> int:
 
 
 def delayed_reference(
-    module: Any, batches: list, schedule: str, stages: int, chunks: int, blocks: int, hf: bool = True
+    module: Any,
+    batches: list,
+    schedule: str,
+    stages: int,
+    chunks: int,
+    blocks: int,
+    hf: bool = True,
+    loss_of: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """One process: ``W_s(t+1) = step(W_s(t), grad_s f_{t - d_s}(W(t - d_s)))`` with the user's optimizer,
     each parameter in the stage that uses it (PipeDream's, 2BW's and WPipe's rule). ``hf``: the loss
-    is the Hugging Face model's own, else the cross-entropy of the module's output."""
+    is the Hugging Face model's own, else the cross-entropy of the module's output; ``loss_of``: the
+    batch's loss otherwise (one not additive over samples: its micro-batches' as the pipeline weights them)."""
     params = dict(module.named_parameters())
     delays = {n: update_delay(schedule, stages, chunks, stage_of(n, blocks, stages)) for n in params}
     optimizer = module.configure_optimizers()
     history: list[dict[str, torch.Tensor]] = []
     for t, (x, y) in enumerate(batches):
-        loss = module(x, y).loss if hf else torch.nn.functional.cross_entropy(module(x), y)
+        if loss_of is not None:
+            loss = loss_of(module, x, y)
+        else:
+            loss = module(x, y).loss if hf else torch.nn.functional.cross_entropy(module(x), y)
         history.append(dict(zip(params, torch.autograd.grad(loss, list(params.values())))))
         for name, p in params.items():
             p.grad = history[t - delays[name]][name] if t >= delays[name] else None

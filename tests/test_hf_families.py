@@ -28,8 +28,8 @@ from tests.hf_families import (
     family_data,
     family_table,
 )
-from tests.models import fit_plain
-from tests.pipeline import assert_same_weights, fit_pipeline
+from tests.models import fit_plain, plain_trainer
+from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 #: what the slow grid verifies for every family that trains (the docs' table says the same)
 GRID = [
@@ -121,8 +121,18 @@ def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup
         pytest.param("model.encoder.block", 4, "1f1b", marks=pytest.mark.slow),  # through 2 middle stages
         pytest.param("model.decoder.block", 4, "zero_bubble", marks=pytest.mark.slow),
         pytest.param("model.encoder.block", 2, "zbv", marks=pytest.mark.slow),
+        pytest.param("model.decoder.block", 4, "1f1b", marks=pytest.mark.slow),
+        pytest.param("model.encoder.block", 4, "chimera", marks=pytest.mark.slow),  # both directions carry the bias
     ],
-    ids=["encoder-2p", "decoder-2p", "encoder-4p", "decoder-4p-zb", "encoder-2p-zbv"],
+    ids=[
+        "encoder-2p",
+        "decoder-2p",
+        "encoder-4p",
+        "decoder-4p-zb",
+        "encoder-2p-zbv",
+        "decoder-4p",
+        "encoder-4p-chimera",
+    ],
 )
 def test_t5_whose_blocks_pass_position_biases_on_trains_as_plain(module: str, processes: int, schedule: str) -> None:
     """T5's block 0 computes the position bias (the decoder's also the cross-attention's) and the loop
@@ -228,7 +238,8 @@ def test_a_classifier_whose_forward_records_hidden_states_it_drops_trains_as_pla
 )
 def test_a_classifier_that_sums_every_layers_hidden_state_trains_as_plain(name: str) -> None:
     """``use_weighted_layer_sum=True``: the head reads every layer's hidden state, which transformers
-    records whatever the call asks; they cross stages with the micro-batch (before: refused)."""
+    records whatever the call asks; they cross stages with the micro-batch (before: refused), in
+    ``fit``, ``validate`` and ``predict``."""
     family = BY_NAME[name]
     torch.manual_seed(0)
     piped = FamilyModule(lambda: family.build(4, use_weighted_layer_sum=True))
@@ -236,5 +247,11 @@ def test_a_classifier_that_sums_every_layers_hidden_state_trains_as_plain(name: 
     fit_plain(reference, family_data(family))
     fit_pipeline(piped, 2, family_data(family), module=family.module)
     assert_same_weights(reference, piped)
+    val = family_data(family, n=16, seed=1)
+    plain = plain_trainer().validate(reference, val, verbose=False)[0]["val_loss"]
+    piped_val = pipeline_trainer(2, module=family.module).validate(piped, val, verbose=False)[0]["val_loss"]
+    assert piped_val == pytest.approx(plain, rel=1e-5)
+    predicted = torch.cat(pipeline_trainer(2, module=family.module).predict(piped, val))
+    torch.testing.assert_close(predicted, torch.cat(plain_trainer().predict(reference, val)), rtol=1e-4, atol=1e-5)
     weights = piped.model.layer_weights
     assert not torch.allclose(weights, torch.full_like(weights, weights[0].item()))  # every layer's weight moved apart

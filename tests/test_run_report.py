@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.trainer.layout_report import activations_part, layout_line
+from lightning_pipe.trainer.layout_report import activations_part, layout_line, rank_info, tells_crossing
 
 
 def test_layout_line_names_stages_replicas_and_processes() -> None:
@@ -52,6 +52,19 @@ def test_layout_line_says_whose_stage_the_model_summary_counts() -> None:
         "; the model summary below counts rank 0's stages 0 and 3 only"
     )
     assert "summary" not in layout_line(1, 2, [4], [0], "1f1b", 4, summary=True)  # rank 0 holds the whole model
+
+
+def test_each_boundary_says_once_what_crosses_it_from_the_process_that_sends_it(caplog) -> None:
+    """The line about values crossing beside the hidden state: every boundary's, not only rank 0's
+    (before: rank-zero only, so the later boundaries of a 3-stage run went unreported)."""
+    # 4 stages (2 processes x 2 virtual stages): all four stages tell (the last sends nothing); replica 1 none
+    assert [s for s in range(4) if tells_crossing(s, 4, 0, mirrored=False)] == [0, 1, 2, 3]
+    assert not any(tells_crossing(s, 4, 1, mirrored=False) for s in range(4))
+    # Chimera on 2 processes: 4 schedule stages, two copies of 2 split stages: the first copy's tell
+    assert [s for s in range(4) if tells_crossing(s, 4, 0, mirrored=True)] == [0, 1]
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        rank_info(2)("lightning-pipe: stage 2 sends on ...")
+    assert caplog.messages == ["[rank: 2] lightning-pipe: stage 2 sends on ..."]
 
 
 def test_summary_lists_folder_checkpoint_loss_steps_time_and_speed() -> None:

@@ -86,6 +86,11 @@ class ScheduleTraits:
     #: carries values that blocks record (router logits) between stages as plain training keeps them: proven
     #: for the schedules whose micro-batches pass the stages as one chain, with one weight version
     carries_records: bool = False
+    #: carries the values that blocks record (router logits, hidden states) and the values a block returns for
+    #: the next (T5's position biases) with their micro-batch: every built-in schedule (the chain ones and Chimera
+    #: as plain training, the stashing rules as their one-process reference, PipeMare and XPipe as the same model
+    #: run as a Sequential does); not a schedule given as text, which no test has run with them
+    records_cross: bool = False
     #: pairs one micro-batch's forward with another's backward (DualPipe's F&B) for the executor
     #: to run at once (:attr:`~lightning_pipe.schedules.actions.Schedule.overlapped`)
     overlaps: bool = False
@@ -101,8 +106,8 @@ class ScheduleTraits:
 TRAITS: dict[str, ScheduleTraits] = {
     t.name: t
     for t in (
-        ScheduleTraits("gpipe", gpipe, carries_records=True),
-        ScheduleTraits("1f1b", one_f_one_b, carries_records=True),
+        ScheduleTraits("gpipe", gpipe, carries_records=True, records_cross=True),
+        ScheduleTraits("1f1b", one_f_one_b, carries_records=True, records_cross=True),
         ScheduleTraits(
             "interleaved_1f1b",
             interleaved_1f1b,
@@ -112,8 +117,9 @@ TRAITS: dict[str, ScheduleTraits] = {
             rounds=True,
             regroup_for_rendezvous=True,
             carries_records=True,
+            records_cross=True,
         ),
-        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True, carries_records=True),
+        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True, carries_records=True, records_cross=True),
         ScheduleTraits(
             "interleaved_zero_bubble",
             interleaved_zero_bubble,
@@ -124,6 +130,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             rounds=True,
             regroup_for_rendezvous=True,
             carries_records=True,
+            records_cross=True,
         ),
         ScheduleTraits(
             "zbv",
@@ -133,6 +140,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             placement="v",
             regroup_for_rendezvous=True,
             carries_records=True,
+            records_cross=True,
         ),
         ScheduleTraits(
             "dualpipev",
@@ -144,6 +152,7 @@ TRAITS: dict[str, ScheduleTraits] = {
             min_chunks=dualpipev_min_chunks,
             overlaps=True,
             carries_records=True,
+            records_cross=True,
         ),
         ScheduleTraits(
             "chimera",
@@ -154,20 +163,55 @@ TRAITS: dict[str, ScheduleTraits] = {
             replicas=False,
             even_stages=True,
             planned_from=4,
+            records_cross=True,
         ),
         ScheduleTraits(
-            "pipedream", pipedream, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False
+            "pipedream",
+            pipedream,
+            asynchronous=True,
+            stashes_weights=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
         ),
         ScheduleTraits(
-            "pipedream_2bw", pipedream_2bw, asynchronous=True, stashes_weights=True, one_step_delay=True, planned=False
+            "pipedream_2bw",
+            pipedream_2bw,
+            asynchronous=True,
+            stashes_weights=True,
+            one_step_delay=True,
+            planned=False,
+            records_cross=True,
         ),
         ScheduleTraits(
-            "pipemare", pipemare, asynchronous=True, predicts_weights=True, refuses_ties=True, planned=False
+            "pipemare",
+            pipemare,
+            asynchronous=True,
+            predicts_weights=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
         ),
-        ScheduleTraits("xpipe", xpipe, asynchronous=True, predicts_ahead=True, refuses_ties=True, planned=False),
+        ScheduleTraits(
+            "xpipe",
+            xpipe,
+            asynchronous=True,
+            predicts_ahead=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
+        ),
         # WPipe: 2BW's stash on the first half of the stages (2 weight copies), none on the second (1 copy;
         # ``asynchronous.versions_held``); the halves' delays differ (1 and 0), so ties are refused
-        ScheduleTraits("wpipe", wpipe, asynchronous=True, stashes_weights=True, refuses_ties=True, planned=False),
+        ScheduleTraits(
+            "wpipe",
+            wpipe,
+            asynchronous=True,
+            stashes_weights=True,
+            refuses_ties=True,
+            planned=False,
+            records_cross=True,
+        ),
     )
 }
 

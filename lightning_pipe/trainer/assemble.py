@@ -79,7 +79,7 @@ from lightning_pipe.trainer.compatibility import (
 )
 from lightning_pipe.trainer.dataloaders.loaders import configured_optimizers, first_batch
 from lightning_pipe.trainer.launch.restarts import restart_count
-from lightning_pipe.trainer.layout_report import activations_part, describe_layout
+from lightning_pipe.trainer.layout_report import activations_part, describe_layout, rank_info, tells_crossing
 from lightning_pipe.trainer.random_states import layout_key
 from lightning_pipe.weights import load_stage_weights, model_spec
 
@@ -504,6 +504,8 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
     with as_misconfiguration():
         pipeline = StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
-    for runner in pipeline.runners.values():
-        runner.tell = rank_zero_info  # what crosses beside the hidden state, once
+    mirrored, stages = traits(config.schedule).mirrored, len(placement.positions)
+    for stage, runner in pipeline.runners.items():  # what crosses beside the hidden state: each boundary once
+        if tells_crossing(stage, stages, placement.replica, mirrored):
+            runner.tell = rank_info(placement.rank)
     return pipeline

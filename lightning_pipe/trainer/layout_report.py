@@ -3,13 +3,19 @@ function of plain values, tested without processes; :func:`describe_layout` read
 what only it knows.
 
 The line is emitted with Lightning's ``rank_zero_info``, so it appears where Lightning's own setup
-lines do (``GPU available: ...``), in a plain script as under Hydra, without any logging setup.
+lines do (``GPU available: ...``), in a plain script as under Hydra, without any logging setup. What
+crosses a boundary beside the hidden state is known only to the process whose stage sends it: each
+prints its own boundaries' lines once (:func:`tells_crossing`, :func:`rank_info`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pipe.partition.solvers.rank_order import describe_order
 from lightning_pipe.runtime.topology import Layout
@@ -61,6 +67,24 @@ def layout_line(
         held = f"stage {first_stages[0]}" if len(first_stages) == 1 else f"stages {_listed(first_stages)}"
         line += f"; the model summary below counts rank 0's {held} only"
     return line
+
+
+def tells_crossing(stage: int, stages: int, replica: int, mirrored: bool) -> bool:
+    """Whether the runner of schedule stage ``stage`` (of ``stages``) prints what crosses its boundary
+    beside the hidden state: each boundary of the split once, from the process that runs it (only it
+    sees what its blocks record), of replica 0 (the replicas send alike), and under Chimera from the
+    first copy's stage (the second copy, stages ``stages / 2`` on, runs the same blocks)."""
+    return replica == 0 and stage < (stages // 2 if mirrored else stages)
+
+
+def rank_info(rank: int) -> Callable[[str], None]:
+    """Where a process prints a line only it knows: rank 0's through ``rank_zero_info``, as the layout
+    line; another rank's through the same logger, prefixed with its rank (as Lightning prefixes the
+    lines of other ranks), since ``rank_zero_info`` drops them."""
+    if rank == 0:
+        return rank_zero_info
+    logger = logging.getLogger("lightning.pytorch")
+    return lambda line: logger.info(rank_prefixed_message(line, rank))
 
 
 def loader_batch_size(trainer: Any) -> int | None:

@@ -108,6 +108,8 @@ class Model:
     outside: bool = False  # trainable parameters outside the split Sequential (no ``module=``)
     token_count: bool = False
     skips: bool = False  # skip connections across stages (``lightning_pipe.skips``' stash and pop)
+    #: a Hugging Face model whose loss reads what transformers records of every block (its hidden states)
+    records: bool = False
 
 
 MODELS: tuple[Model, ...] = (
@@ -118,6 +120,7 @@ MODELS: tuple[Model, ...] = (
     Model("outside", outside=True),
     Model("zero_token", token_count=True),
     Model("skips", skips=True),
+    Model("records", module="bert.encoder.layer", records=True),
 )
 
 AXES = {"schedule": SCHEDULES, "event": EVENTS, "layout": LAYOUTS, "model": MODELS}
@@ -139,6 +142,11 @@ class Cell:
         return TRAITS[self.schedule]
 
 
+#: the refusal of values recorded by blocks under a schedule that does not carry them: the only one that
+#: comes in the first training step's forward (what the model records is known then), before any update
+RECORDS_REFUSED = r"does not carry them yet"
+
+
 def refusal(cell: Cell) -> str | None:
     """The sentences (a regular expression, any of them) the strategy must refuse ``cell`` with before
     training, as the schedule's traits say; None where the traits allow the cell."""
@@ -154,6 +162,8 @@ def refusal(cell: Cell) -> str | None:
         sentences.append(r"block container")
     if model.tied and t.refuses_ties:
         sentences.append(r"tied")
+    if model.records and not t.records_cross:  # refused in the first forward, before any weight changes
+        sentences.append(RECORDS_REFUSED)
     if layout.replicas > 1 and layout.data_parallel == "shard":
         if t.asynchronous:
             sentences.append(r"weight versions, which sharded weights do not have")

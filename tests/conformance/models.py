@@ -23,9 +23,9 @@ class _Steps(L.LightningModule):
     """Loss, validation, test and predict from ``self(x)`` and ``self.loss``; Adam, or AdamW with
     weight decay; an optional StepLR stepping every step."""
 
-    def __init__(self, lr: float = 0.01, weight_decay: float = 0.0, scheduler: bool = False) -> None:
+    def __init__(self, lr: float = 0.01, weight_decay: float = 0.0, scheduler: bool = False, eps: float = 1e-8) -> None:
         super().__init__()
-        self.lr, self.weight_decay, self.scheduler = lr, weight_decay, scheduler
+        self.lr, self.weight_decay, self.scheduler, self.eps = lr, weight_decay, scheduler, eps
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -51,7 +51,7 @@ class _Steps(L.LightningModule):
                 self.parameters(), lr=self.lr, weight_decay=self.weight_decay
             )
         else:
-            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.eps)
         if not self.scheduler:
             return optimizer
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -81,6 +81,29 @@ class SkipsNet(_Steps):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+class RecordsNet(_Steps):
+    """A tiny BERT classifying from the mean of its last 4 layers' [CLS] hidden states
+    (``output_hidden_states``: transformers records every block's output with hooks, so the values of
+    other stages' blocks cross with the micro-batch), split with ``module="bert.encoder.layer"``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        import transformers
+
+        # Adam's eps: the attention's key and query biases get gradients of 1e-6 and below (a key's bias
+        # cancels in the softmax: float noise), which the default 1e-8 scales up to whole steps, noise included
+        super().__init__(eps=1e-4, **kwargs)
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=6,
+                                         num_attention_heads=2, intermediate_size=2 * HIDDEN,
+                                         max_position_embeddings=LENGTH, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)  # fmt: skip
+        self.bert = transformers.BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=ids, output_hidden_states=True).hidden_states
+        return self.head(torch.stack([h[:, 0] for h in hidden[-4:]]).mean(0))
 
 
 class BlocksNet(_Steps):
@@ -141,6 +164,8 @@ class TokenNet(_Steps):
 
 def build(model: Model, scheduler: bool = False) -> L.LightningModule:
     """A fresh ``model`` (its initial weights come from the caller's seed)."""
+    if model.records:
+        return RecordsNet(scheduler=scheduler)
     if model.module is not None:
         return BlocksNet(frozen=model.name == "frozen", scheduler=scheduler)
     if model.outside:
@@ -175,6 +200,9 @@ def data(model: Model, batch_size: int = BATCH, shuffle: bool = False) -> DataLo
             labels[: BATCH // 2] = -100
             labels[BATCH // 2 : BATCH // 2 + 2, 0] = -100
         tensors = (ids, labels)
+    elif model.records:  # token sequences and a class each
+        ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(5))
+        tensors = (ids, ids.sum(1) % CLASSES)
     else:
         tensors = dataset(BATCH, seed=0).tensors
     repeated = TensorDataset(*(t.repeat(REPEATS, *[1] * (t.dim() - 1)) for t in tensors))

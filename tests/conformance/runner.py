@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.conformance.axes import Cell, Event, Layout, Model, refusal
+from tests.conformance.axes import RECORDS_REFUSED, Cell, Event, Layout, Model, refusal
 from tests.conformance.models import BATCH, build, data, strategy_options
 from tests.models import fit_plain, plain_trainer
 from tests.pipeline import fit_pipeline
@@ -46,13 +46,19 @@ class Outcome:
 
 
 class _Started(L.Callback):
-    """Leaves ``<folder>/started`` at the first training step of any process."""
+    """Leaves ``<folder>/started`` at the first training step of any process, ``<folder>/stepped`` once a
+    training step has ended (its update applied)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         (self.folder / "started").touch()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        (self.folder / "stepped").touch()
 
 
 def _fresh_port() -> None:
@@ -202,13 +208,31 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
     return _CACHE[key]
 
 
+def _records_delays(schedule: str, stages: int, chunks: int, module: Any) -> dict[str, int]:
+    """The delay of each parameter of the records model (a BERT split by its blocks, uniformly): its
+    embeddings with the first stage, each block with its stage, the head with the last."""
+    from lightning_pipe.partition import balance_uniform, stage_bounds
+    from lightning_pipe.schedules import update_delay
+
+    bounds = stage_bounds(balance_uniform(len(module.bert.encoder.layer), stages))
+
+    def stage(name: str) -> int:
+        block = re.search(r"\.layer\.(\d+)\.", name)
+        if block is None:
+            return 0 if name.startswith("bert.embeddings.") else stages - 1
+        return next(s for s, (a, b) in enumerate(bounds) if a <= int(block.group(1)) < b)
+
+    return {n: update_delay(schedule, stages, chunks, stage(n)) for n, _ in module.named_parameters()}
+
+
 def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torch.Tensor] | None:
     """The schedule's rule in one process, where it is written for the cell; None where the cell is not a
     plain chain of one stage per process (virtual stages, AvgPipe, elastic restarts) or its model is not
     one the rule's reference takes.
 
-    The rules that stash weight versions (PipeDream, 2BW, WPipe), on the plain model and the one with skip
-    connections (whose skips travel with their micro-batches): stage ``s`` applies
+    The rules that stash weight versions (PipeDream, 2BW, WPipe), on the plain model, the one with skip
+    connections (whose skips travel with their micro-batches) and the one that records its blocks' hidden
+    states (their delays written out in :func:`_records_delays`): stage ``s`` applies
     at step ``t`` the gradient of batch ``t - d_s`` taken at the weights of step ``t - d_s`` (``d_s``:
     :func:`update_delay`), with the model's own optimizer; a stage with no gradient due yet does not step.
     PipeMare's and XPipe's, on the models whose split container is an attribute (the plain model, the
@@ -222,7 +246,7 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     # without replicas: the rows of a replica's micro-batch i are not those of the whole batch's
     predicting = (t.predicts_weights or t.predicts_ahead) and layout.stages is None
     if not plain_chain or not (
-        (t.stashes_weights and model.name in ("sequential", "skips"))
+        (t.stashes_weights and model.name in ("sequential", "skips", "records"))
         or (predicting and model.name in ("sequential", "blocks", "frozen", "outside"))
     ):
         return None
@@ -233,7 +257,7 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
         chunks, stages = options["chunks"], layout.positions
         batches = [batch for _ in range(STEPS // STEPS_PER_EPOCH) for batch in data(model)][:STEPS]
         if t.stashes_weights:
-            _stashing_rule(module, schedule, stages, chunks, batches)
+            _stashing_rule(module, model, schedule, stages, chunks, batches)
         else:
             from lightning_pipe.partition import balance_uniform
             from tests.async_reference import Rule, reference
@@ -248,14 +272,24 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     return _CACHE[key]
 
 
-def _stashing_rule(module: L.LightningModule, schedule: str, stages: int, chunks: int, batches: list) -> None:
+def _stashing_rule(
+    module: L.LightningModule, model: Model, schedule: str, stages: int, chunks: int, batches: list
+) -> None:
     """PipeDream's, 2BW's and WPipe's rule on ``module`` (see :func:`_delayed_rule`)."""
-    delays = _stage_delays(schedule, stages, chunks, module)  # type: ignore[arg-type]
-    params = dict(module.named_parameters())
+    if model.records:
+        delays = _records_delays(schedule, stages, chunks, module)
+    else:
+        delays = _stage_delays(schedule, stages, chunks, module)  # type: ignore[arg-type]
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
     optimizer = module.configure_optimizers()
     history: list[dict[str, torch.Tensor]] = []
     for step, batch in enumerate(batches):
-        grads = torch.autograd.grad(module.loss(batch), list(params.values()))
+        if model.records:  # the micro-batches' losses as the pipeline weights them (the same sums)
+            parts = list(zip(*(t.tensor_split(chunks) for t in batch)))
+            loss = sum(module.loss(part) * (len(part[0]) / len(batch[0])) for part in parts)
+        else:
+            loss = module.loss(batch)
+        grads = torch.autograd.grad(loss, list(params.values()))
         history.append(dict(zip(params, grads)))
         for name, p in params.items():
             source = step - delays[name]
@@ -306,7 +340,9 @@ def run_cell(cell: Cell, folder: Path) -> Outcome:
             cell.schedule, cell.event, cell.layout, cell.model, folder, interrupt, [_Started(folder)], also
         )
     except Exception as error:  # a refusal, or the cell's failure
-        started = (folder / "started").exists()
+        # what the model records is known in the first step's forward: refused there, before any update
+        in_first_forward = sentence is not None and RECORDS_REFUSED in sentence.split("|")
+        started = (folder / ("stepped" if in_first_forward else "started")).exists()
         text = f"{error}\n{''.join(traceback.format_exception(error))}"
         raised = re.findall(r"^(?:[\w.]+(?:Error|Exception)): .*$", text, flags=re.MULTILINE)
         first = (raised[-1] if raised else repr(error))[:300]  # the innermost (a process's own) error

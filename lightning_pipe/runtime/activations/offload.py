@@ -97,6 +97,8 @@ class ActivationOffload:
         seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], _Packed]] = {}
 
         def pack(tensor: Tensor) -> object:
+            if tensor.is_meta:  # a stand-in's shapes (the embeddings another stage holds): no data to copy
+                return tensor
             if isinstance(tensor, nn.Parameter) or tensor.layout is not torch.strided or _storage(tensor) in ignored:
                 return meter.pack(tensor) if meter is not None else tensor
             key = (tensor.data_ptr(), tensor.size(), tensor.stride(), tensor.dtype, version(tensor))

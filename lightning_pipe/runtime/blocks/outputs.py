@@ -16,7 +16,7 @@ step:
   blocks ran) says so, with the model's own error.
 
 What the last block before a boundary returns beside its hidden state and the next block is called
-with crosses under the chain schedules (:class:`lightning_pipe.runtime.crossing.carried.Returned`): the
+with crosses under the schedules that carry values (:class:`lightning_pipe.runtime.crossing.carried.Returned`): the
 stand-ins of earlier blocks return it in the block's structure. The checks above remain for the
 other schedules and for values that the last block does not hand on.
 """
@@ -29,11 +29,12 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_pipe.runtime.blocks.reads import HeldBlockRead
+from lightning_pipe.runtime.crossing.carried import CARRYING_SCHEDULES
 
 ALTERNATIVE = (
     "Beside a block's hidden state (its first argument), what the last block before a stage boundary returns for "
-    "later blocks (T5's position biases) crosses stages under the chain schedules (gpipe, 1f1b, zero_bubble, "
-    "interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev) only, and a value an earlier block returned that the "
+    f"later blocks (T5's position biases) crosses stages under the schedules that carry values with their "
+    f"micro-batch ({', '.join(sorted(CARRYING_SCHEDULES))}) only, and a value an earlier block returned that the "
     "last one does not hand on never does. Choose one of those schedules, or express the model as an nn.Sequential "
     "whose layers take and return a tuple of tensors (the hidden state and what later layers need: a tuple crosses "
     "stages) and name it with PipelineStrategy(module=...)."

@@ -48,20 +48,24 @@ DESCRIBED = {
     "router_logits": "the router logits of every block for its MoE load-balancing loss (output_router_logits=True)",
 }
 
-#: the schedules under which carried values were proven to train as plain training does (the traits' column)
-CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.carries_records)
+#: the schedules under which carried values were proven to train as plain training (or the rule's reference)
+#: does: the traits' ``records_cross`` column, every built-in schedule
+CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.records_cross)
 
 #: what one block recorded: per carried key, its entries (None where transformers recorded None)
 Entries = dict[str, list[Tensor | None]]
 
 
 def carrying_refusal(schedule: str) -> str | None:
-    """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can)."""
-    if traits(schedule).carries_records:
+    """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can).
+    The values belong to their micro-batch and travel with it under every schedule; a schedule given as
+    text has not been run with them (its order is the user's), so it refuses them."""
+    t = traits(schedule)
+    if t.records_cross:
         return None
     return (
-        f"schedule={schedule!r} does not carry them yet (only {', '.join(sorted(CARRYING_SCHEDULES))} do: their "
-        "micro-batches pass the stages as one chain, with one weight version); choose one of those"
+        f"schedule {t.label} does not carry them yet (a schedule given as text has not been checked to carry "
+        f"them); choose one of the built-in schedules ({', '.join(sorted(CARRYING_SCHEDULES))}), which do"
     )
 
 

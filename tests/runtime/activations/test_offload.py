@@ -101,6 +101,17 @@ def test_parameters_are_never_copied() -> None:
     assert activations < weights  # a 2-sample batch: only activations, no weight matrix was copied
 
 
+def test_tensors_on_the_meta_device_are_left_alone() -> None:
+    """A stand-in of the embeddings another stage holds runs their copy on the meta device inside the
+    stage's forward (a Hugging Face block container's later stages): what it saves has no data (before:
+    'Cannot copy out of meta tensor', found by the conformance matrix's model that records hidden states)."""
+    embedding = nn.Embedding(5, 3, device="meta")
+    offload = ActivationOffload(0)
+    with offload.hooks(0):
+        out = embedding(torch.tensor([[1, 2]], device="meta"))
+    assert out.is_meta and offload.peak_host_bytes == 0
+
+
 def test_offload_per_stage_values() -> None:
     assert offload_per_stage(False, "1f1b", 4, 8, 1) == (None,) * 4
     assert offload_per_stage(True, "1f1b", 2, 4, 1) == (0, 0)

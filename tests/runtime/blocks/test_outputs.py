@@ -76,7 +76,7 @@ def test_the_stage_that_made_the_value_refuses_at_the_next_stages_first_block() 
     message = str(refused.value)
     assert "Block 2 (BiasBlock), the first of the next pipeline stage, is called with 'bias'" in message
     assert "block 0 returned beside its hidden state (output 1 of 2)" in message  # where it was made
-    assert "chain schedules" in message and "nn.Sequential" in message  # the alternatives
+    assert "schedules that carry values with their micro-batch (" in message and "nn.Sequential" in message
 
 
 def test_what_the_last_block_returns_for_the_next_block_crosses_under_a_chain_schedule() -> None:

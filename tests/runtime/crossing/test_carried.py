@@ -15,7 +15,7 @@ from lightning_pipe.runtime.crossing.carried import (
     entry_code,
     entry_slots,
 )
-from lightning_pipe.schedules import ASYNC_SCHEDULES, TRAITS
+from lightning_pipe.schedules import TRAITS
 
 
 def test_an_entry_code_says_how_many_entries_and_which_are_tensors() -> None:
@@ -60,16 +60,14 @@ def test_outside_a_recording_a_stand_in_feeds_nothing() -> None:
     assert not carry.feed(0)  # no Hugging Face collector is active
 
 
-def test_only_the_chain_schedules_carry_recorded_values() -> None:
-    # every other schedule runs copies of the stages (Chimera) or stashed weight versions
-    assert set(TRAITS) - CARRYING_SCHEDULES == {"chimera", *ASYNC_SCHEDULES}
-    for schedule in TRAITS:
-        refusal = carrying_refusal(schedule)
-        if schedule in CARRYING_SCHEDULES:
-            assert refusal is None
-        else:  # chimera and the asynchronous schedules
-            assert refusal is not None and f"schedule={schedule!r} does not carry them yet" in refusal
-            assert "1f1b" in refusal  # names what does
+def test_every_built_in_schedule_carries_recorded_values_and_a_schedule_text_refuses_them() -> None:
+    # the chain schedules and Chimera's two directions as plain training, the asynchronous rules as their
+    # references (tests/test_block_reads.py); a schedule given as text was never run with them
+    assert set(TRAITS) == CARRYING_SCHEDULES
+    assert all(carrying_refusal(schedule) is None for schedule in TRAITS)
+    refusal = carrying_refusal("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    assert refusal is not None and "schedule text 'text' does not carry them yet" in refusal
+    assert "1f1b" in refusal and "pipemare" in refusal  # names what does
 
 
 def test_a_refusal_names_each_recording_and_the_setting_that_turns_it_off() -> None:
