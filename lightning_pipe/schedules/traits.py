@@ -83,9 +83,6 @@ class ScheduleTraits:
     planned_from: int = 1
     #: ``ranks -> the fewest micro-batches it runs`` (DualPipeV: one per stage), None: any
     min_chunks: Callable[[int], int] | None = None
-    #: carries values that blocks record (router logits) between stages as plain training keeps them: proven
-    #: for the schedules whose micro-batches pass the stages as one chain, with one weight version
-    carries_records: bool = False
     #: carries the values that blocks record (router logits, hidden states) and the values a block returns for
     #: the next (T5's position biases) with their micro-batch: every built-in schedule (the chain ones and Chimera
     #: as plain training, the stashing rules as their one-process reference, PipeMare and XPipe as the same model
@@ -106,8 +103,8 @@ class ScheduleTraits:
 TRAITS: dict[str, ScheduleTraits] = {
     t.name: t
     for t in (
-        ScheduleTraits("gpipe", gpipe, carries_records=True, records_cross=True),
-        ScheduleTraits("1f1b", one_f_one_b, carries_records=True, records_cross=True),
+        ScheduleTraits("gpipe", gpipe, records_cross=True),
+        ScheduleTraits("1f1b", one_f_one_b, records_cross=True),
         ScheduleTraits(
             "interleaved_1f1b",
             interleaved_1f1b,
@@ -116,10 +113,9 @@ TRAITS: dict[str, ScheduleTraits] = {
             single="1f1b",
             rounds=True,
             regroup_for_rendezvous=True,
-            carries_records=True,
             records_cross=True,
         ),
-        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True, carries_records=True, records_cross=True),
+        ScheduleTraits("zero_bubble", zero_bubble, split_backward=True, records_cross=True),
         ScheduleTraits(
             "interleaved_zero_bubble",
             interleaved_zero_bubble,
@@ -129,7 +125,6 @@ TRAITS: dict[str, ScheduleTraits] = {
             single="zero_bubble",
             rounds=True,
             regroup_for_rendezvous=True,
-            carries_records=True,
             records_cross=True,
         ),
         ScheduleTraits(
@@ -139,7 +134,6 @@ TRAITS: dict[str, ScheduleTraits] = {
             virtual_stages=2,
             placement="v",
             regroup_for_rendezvous=True,
-            carries_records=True,
             records_cross=True,
         ),
         ScheduleTraits(
@@ -151,7 +145,6 @@ TRAITS: dict[str, ScheduleTraits] = {
             regroup_for_rendezvous=True,
             min_chunks=dualpipev_min_chunks,
             overlaps=True,
-            carries_records=True,
             records_cross=True,
         ),
         ScheduleTraits(

@@ -120,10 +120,8 @@ def test_no_set_of_schedule_names_is_kept_outside_the_table() -> None:
 
 def test_the_rounding_and_carrying_columns() -> None:
     """``rounds``: the schedules that refuse a micro-batch count that does not fill their rounds, which the
-    pipeline lowers to one that does; ``carries_records``: every synchronous schedule with one chain;
-    ``records_cross``: every built-in schedule."""
+    pipeline lowers to one that does; ``records_cross``: every built-in schedule."""
     for name, t in TRAITS.items():
-        assert t.carries_records == (not t.asynchronous and not t.mirrored), name
         assert t.records_cross, name  # every built-in schedule: a schedule text's traits leave it off
         if t.rounds:
             with pytest.raises(ValueError, match="cannot be split into rounds"):
