@@ -115,7 +115,7 @@ SUMMARY = (
 
 
 def test_sigterm_ends_a_two_stage_job(tmp_path: Path) -> None:
-    _sigterm_rounds(tmp_path, rounds=2, concurrent=4)  # 20 rounds: --runslow
+    _sigterm_rounds(tmp_path, rounds=1, concurrent=4)  # 20 rounds: --runslow
 
 
 @pytest.mark.slow
