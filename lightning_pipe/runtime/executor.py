@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_pipe.runtime.overlap import OverlapHook, checked, one_after_another
 from lightning_pipe.runtime.p2p import Op, Transport
+from lightning_pipe.runtime.skip_mail import SkipMail
 from lightning_pipe.runtime.stage import StageRunner, StepFn
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
@@ -114,7 +115,7 @@ class Executor:
         self.overlap = overlap  # runs an overlapped unit's two halves (see lightning_pipe.runtime.overlap)
         self._carried: list[tuple[Any, Op]] = []
         self._side_stream: Any = None
-        self.skips = _Skips()  # skip connections in flight (kept across runs: the asynchronous schedules')
+        self.skips = SkipMail(transport, self.runners)  # in flight (kept across runs: the asynchronous schedules')
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable], calls: Callbacks = Callbacks()) -> None:
         """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
@@ -193,7 +194,7 @@ class Executor:
                 else:
                     self._carried = run.sends
         except BaseException as error:
-            self.skips = _Skips()
+            self.skips.clear()
             for runner in self.runners.values():
                 runner.reset()
             if hasattr(error, "add_note") and index < len(actions):
@@ -204,7 +205,7 @@ class Executor:
                 )
             raise
         if finish:
-            self.skips = _Skips()
+            self.skips.clear()
             for runner in self.runners.values():
                 runner.reset()
         if timeline is not None:
@@ -315,7 +316,7 @@ class Executor:
             buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key)
             # what earlier stages stashed for this one: their headers, if new, are on their way by now (sent
             # before the stashing stage's output left it, so before the one just read)
-            self._post_skip_receives(action.stage, action.microbatch, run)
+            self.skips.post_receives(action.stage, action.microbatch, run.num_stages, run.keys[action.microbatch])
         return _Inbox([], buffers, meta.requires_grad, meta.was_tuple, meta.carried), ops
 
     @staticmethod
@@ -406,12 +407,15 @@ class Executor:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span(run, "wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
-                    received = self._with_skips(action, run, (tensors, box.flags, box.was_tuple, box.carried))
+                    received = self.skips.with_received(
+                        action.stage, i, run.num_stages, run.keys[i], (tensors, box.flags, box.was_tuple, box.carried)
+                    )
             with self._span(run, "F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received, run.calls.step)
             if depth < run.num_stages - 1:
                 assert result is not None
-                run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = self._send_skips(action, run, result)
+                sent = self.skips.send(action.stage, i, run.num_stages, run.keys[i], result, run.sends)
+                run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = sent
             return
         if action.kind is ActionKind.WEIGHT:
             with self._span(run, "W", action.stage, i):
@@ -422,134 +426,10 @@ class Executor:
         if depth < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
             with self._span(run, "wait", action.stage, i):  # then the gradients of what the stage stashed
-                grads = [*self.transport.arrived(box.wait()), *self._skip_grads(action, run)]
+                grads = [*self.transport.arrived(box.wait()), *self.skips.grads(action.stage, i, run.num_stages)]
         with self._span(run, "B", action.stage, i):
             input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
         if depth > 0:
             assert input_grads is not None
-            input_grads = self._send_skip_grads(action, run, input_grads)
+            input_grads = self.skips.send_grads(action.stage, i, input_grads, run.sends)
             run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False, ())
-
-    # ---- skip connections (lightning_pipe.skips): straight from the stage that stashes to the one that pops,
-    # beside the schedule's messages (never through the stages between), in memory where this rank holds both.
-    # Each wait is on a true dependency of the schedule (a forward on an earlier stage's forward, a backward on
-    # a later stage's backward), whose message was posted before the one the schedule waits for, so none adds
-    # a wait the schedule's own messages would not cause.
-    def _pairs(self, action: Action, run: _Run, outgoing: bool) -> list[tuple[int, int]]:
-        """Per group of ``action.stage``'s skip connections, in order: (the other stage, how many);
-        schedule stages, counted along the chain the stage is on (Chimera's two directions)."""
-        module = self.runners[action.stage].module
-        groups = getattr(module, "skip_targets" if outgoing else "skip_sources", ())
-        base = action.stage - action.stage % run.num_stages
-        return [(base + other, len(names)) for other, names in groups]
-
-    def _same_rank(self, stage: int, other: int) -> bool:
-        ranks = self.transport.stage_ranks
-        return ranks[stage] == ranks[other]
-
-    @staticmethod
-    def _skip_key(source: int, target: int, run: _Run, microbatch: int) -> Hashable:
-        return ("skip", source, target, run.keys[microbatch], torch.is_grad_enabled())
-
-    def _send_skips(self, action: Action, run: _Run, result: Any) -> Any:
-        """After ``action``'s forward: its stashed tensors (the last of ``result``'s) to the stages that pop
-        them; returns what goes to the next stage."""
-        pairs = self._pairs(action, run, outgoing=True)
-        if not pairs:
-            return result
-        tensors, was_tuple, carried = result
-        at = len(tensors) - sum(n for _, n in pairs)
-        hidden, stashed = tensors[:at], tensors[at:]
-        for target, n in pairs:
-            part, stashed = list(stashed[:n]), stashed[n:]
-            if self._same_rank(action.stage, target):  # copied, as a hand-over between this rank's stages is
-                flags = tuple(bool(t.requires_grad) for t in part)
-                self.skips.mail[(action.stage, target, action.microbatch)] = ([t.detach().clone() for t in part], flags)
-                continue
-            key = self._skip_key(action.stage, target, run, action.microbatch)
-            ops = self.transport.skip_send_ops(action.stage, target, key, part)
-            run.sends.extend(zip(self.transport.post_skips(ops), ops))
-        return tuple(hidden), was_tuple, carried
-
-    def _post_skip_receives(self, stage: int, microbatch: int, run: _Run) -> None:
-        """Post the receives of what earlier stages on other ranks stashed for ``stage``'s ``microbatch``."""
-        for source, _ in self._pairs(Action(ActionKind.FORWARD, stage, microbatch), run, outgoing=False):
-            if self._same_rank(stage, source) or (source, stage, microbatch) in self.skips.inbox:
-                continue
-            key = self._skip_key(source, stage, run, microbatch)
-            buffers, meta, ops = self.transport.skip_recv_ops(source, stage, key)
-            box = _Inbox(self.transport.post_skips(ops), buffers, meta.requires_grad)
-            self.skips.inbox[(source, stage, microbatch)] = box
-
-    def _with_skips(self, action: Action, run: _Run, received: Any) -> Any:
-        """``received`` with what earlier stages stashed for ``action``'s stage after the hidden state."""
-        pairs = self._pairs(action, run, outgoing=False)
-        if not pairs:
-            return received
-        tensors, flags, was_tuple, carried = received
-        self._post_skip_receives(action.stage, action.microbatch, run)  # where the hidden state came in memory
-        groups: list[tuple[int, tuple[bool, ...]]] = []
-        skips: list[Tensor] = []
-        for source, _ in pairs:
-            if self._same_rank(action.stage, source):
-                part, part_flags = self.skips.mail.pop((source, action.stage, action.microbatch))
-            else:
-                box = self.skips.inbox.pop((source, action.stage, action.microbatch))
-                part, part_flags = self.transport.skips_arrived(box.wait()), box.flags
-            skips += part
-            groups.append((source, part_flags))
-        if torch.is_grad_enabled():  # what the backward sends back where
-            self.skips.grads_to[(action.stage, action.microbatch)] = (sum(flags), groups)
-        return [*tensors, *skips], (*flags, *(f for _, fs in groups for f in fs)), was_tuple, carried
-
-    def _send_skip_grads(self, action: Action, run: _Run, input_grads: list[Tensor]) -> list[Tensor]:
-        """After ``action``'s backward: the gradients of the skip connections it popped (the last of
-        ``input_grads``) back to the stages that stashed them; returns the hidden state's."""
-        routed = self.skips.grads_to.pop((action.stage, action.microbatch), None)
-        if routed is None:
-            return input_grads
-        hidden, groups = routed
-        rest = input_grads[hidden:]
-        for source, flags in groups:
-            part, rest = rest[: sum(flags)], rest[sum(flags) :]
-            if not part:
-                continue
-            if self._same_rank(action.stage, source):
-                self.skips.mail[(source, action.stage, -1 - action.microbatch)] = ([g.detach() for g in part], ())
-                continue
-            ops = self.transport.skip_grad_send_ops(action.stage, source, part)
-            run.sends.extend(zip(self.transport.post_skips(ops), ops))
-        return input_grads[:hidden]
-
-    def _skip_grads(self, action: Action, run: _Run) -> list[Tensor]:
-        """Before ``action``'s backward: the gradients of what its stage stashed, from the stages that popped it."""
-        pairs = self._pairs(action, run, outgoing=True)
-        if not pairs:
-            return []
-        stashed = self.runners[action.stage].skip_outputs(action.microbatch)
-        grads: list[Tensor] = []
-        for target, n in pairs:
-            like, stashed = [t for t in stashed[:n] if t.requires_grad], stashed[n:]
-            if not like:
-                continue
-            if self._same_rank(action.stage, target):
-                grads += self.skips.mail.pop((action.stage, target, -1 - action.microbatch))[0]
-                continue
-            buffers, ops = self.transport.skip_grad_recv_ops(target, action.stage, like)
-            for work in self.transport.post_skips(ops):
-                work.wait()
-            grads += self.transport.skips_arrived(buffers)
-        return grads
-
-
-@dataclass
-class _Skips:
-    """Skip connections in flight on this rank: handed over in memory between its own stages (``mail``,
-    by (stashing stage, popping stage, micro-batch), a gradient's under ``-1 - micro-batch``), receives
-    posted (``inbox``), and per popping stage's micro-batch what its backward sends back where
-    (``grads_to``: how many of its input gradients are the hidden state's, then per stashing stage the
-    received tensors' flags)."""
-
-    mail: dict[tuple[int, int, int], tuple[list[Tensor], tuple[bool, ...]]] = field(default_factory=dict)
-    inbox: dict[tuple[int, int, int], _Inbox] = field(default_factory=dict)
-    grads_to: dict[tuple[int, int], tuple[int, list[tuple[int, tuple[bool, ...]]]]] = field(default_factory=dict)
