@@ -143,9 +143,8 @@ def activations_part(recompute: Sequence[str], offload: Sequence[int | None], pr
         return ""
     parts = []
     for stage, (mode, keep) in enumerate(zip(recompute, offload)):
-        label = "keep" if mode == "never" and keep is None else mode if keep is None else f"offload k={keep}"
-        if mode != "never" and keep is not None:
-            label = f"{mode}, offload k={keep}"
+        recomputed = [] if mode == "never" else [mode]
+        label = ", ".join(recomputed + ([] if keep is None else [f"offload k={keep}"])) or "keep"
         peak = f" ({predicted[stage] / 2**20:.2f} MiB predicted)" if stage < len(predicted) else ""
         parts.append(f"stage {stage} {label}{peak}")
     return "; activations per stage: " + ", ".join(parts)
