@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_pipe.recipes.vgg import VGGClassifier
 from step_time import StepTimer
 
 from lightning_pipe import PipelineStrategy
+from lightning_pipe.recipes.vgg import VGGClassifier
 
 
 class KeepSplit(L.Callback):

@@ -1,4 +1,5 @@
-"""The ``lightning-pipe`` command: Hydra configuration in ``conf/``, recipes in ``recipes/``.
+"""The ``lightning-pipe`` command: Hydra configuration in ``lightning_pipe/conf/``, recipes in
+``lightning_pipe/recipes/``.
 
     lightning-pipe                                        # tiny BERT, 2 CPU stages, offline
     lightning-pipe recipe=vgg19_cifar100 strategy=gpipe strategy.chunks=8 trainer.devices=4

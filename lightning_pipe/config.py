@@ -4,7 +4,7 @@ Each argument is written once, here: a field of one of the groups below (torchti
 dataclass per concern, a docstring under each field, each group with its own ``check()``), with its
 default, its values and what ``None`` means in the field's metadata (:func:`option`).
 ``PipelineStrategy(**kwargs)`` takes the flat keywords (:func:`split_arguments`) and shows them in its
-signature (:func:`strategy_signature`); the command line's keys, ``conf/strategy/pipeline.yaml`` and
+signature (:func:`strategy_signature`); the command line's keys, ``lightning_pipe/conf/strategy/pipeline.yaml`` and
 docs/usage.md's table come from the same fields (:mod:`lightning_pipe.config_files`).
 
 The strategy, the planner and the pipeline read the same :class:`PipelineConfig`; nothing

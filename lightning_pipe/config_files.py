@@ -1,6 +1,6 @@
-"""The files written from :mod:`lightning_pipe.config`'s fields: ``conf/strategy/pipeline.yaml`` and the arguments
-table of ``docs/usage.md``. ``python -m lightning_pipe.config_files`` rewrites both; ``--check`` fails where one
-differs (tests/test_config_files.py runs the check), so an argument is written once, in its field."""
+"""The files written from :mod:`lightning_pipe.config`'s fields: ``lightning_pipe/conf/strategy/pipeline.yaml`` and
+the arguments table of ``docs/usage.md``. ``python -m lightning_pipe.config_files`` rewrites both; ``--check`` fails
+where one differs (tests/test_config_files.py runs the check), so an argument is written once, in its field."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from lightning_pipe.config import Argument, PipelineConfig, arguments
 
 ROOT = Path(__file__).resolve().parents[1]
-YAML = Path("conf/strategy/pipeline.yaml")
+YAML = Path("lightning_pipe/conf/strategy/pipeline.yaml")
 DOCS = Path("docs/usage.md")
 BEGIN = "<!-- the arguments: written by `python -m lightning_pipe.config_files` from lightning_pipe/config.py -->"
 END = "<!-- end of the arguments -->"
@@ -81,7 +81,7 @@ def yaml_comment(argument: Argument) -> str:
 
 
 def yaml_text(config: type = PipelineConfig) -> str:
-    """``conf/strategy/pipeline.yaml``: every command-line argument with its default and its values."""
+    """``lightning_pipe/conf/strategy/pipeline.yaml``: every command-line argument with its default and its values."""
     lines = [YAML_HEADER.rstrip("\n")]
     for a in arguments(config):
         if a.cli:

@@ -144,8 +144,8 @@ def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None
 
 #: The core: usable from plain PyTorch, below everything that knows the Trainer.
 CORE = ("schedules", "partition", "runtime", "checkpoint", "weights", "plan")
-#: Where Lightning may be imported: the Trainer's side.
-LIGHTNING_SIDE = ("trainer", "observe")
+#: Where Lightning may be imported: the Trainer's side, and the recipes (LightningModules the command line runs)
+LIGHTNING_SIDE = ("trainer", "observe", "recipes")
 LIGHTNING_MODULES = ("__init__.py", "__main__.py", "strategy.py", "cli.py")
 
 
@@ -202,7 +202,7 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 
 def _folders() -> list[Path]:
-    """The package and its subpackages (not what a checkout links into it: the recipes, Hydra's configuration)."""
+    """The package and its subpackages (the recipes and Hydra's configuration, which ship inside it, included)."""
     return sorted(Path(d) for d, _, _ in os.walk(PACKAGE) if (Path(d) / "__init__.py").exists())
 
 

@@ -16,9 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_pipe.recipes.bert import BertMLM
-
 from lightning_pipe import token_count
+from lightning_pipe.recipes.bert import BertMLM
 from tests.hf_models import HFModule, gpt2, padded_token_data
 from tests.models import RecordMetrics, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lightning_pipe.recipes.bert import BertMLM, MaskedSequences, TextData, bert_layers
 from lightning_pipe.recipes.text import MASK, pack
-
 from tests.recipes.test_text import TEXT
 
 

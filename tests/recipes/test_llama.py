@@ -16,16 +16,15 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_pipe.recipes.llama import CausalLM, CausalTextData, block_path, model_config  # noqa: E402
-from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
-
 from lightning_pipe import token_count  # noqa: E402
 from lightning_pipe.cli import build_strategy, run  # noqa: E402
+from lightning_pipe.recipes.llama import CausalLM, CausalTextData, block_path, model_config  # noqa: E402
+from lightning_pipe.recipes.text import WordTokenizer, stdlib_documents  # noqa: E402
 from tests.models import fit_plain  # noqa: E402
 from tests.pipeline import assert_same_weights, fit_pipeline  # noqa: E402
 from tests.test_cli import SMALL, _compose  # noqa: E402
 
-WORD = r"[a-z0-9]+|[^\sa-z0-9]"  # the word tokenizer's pieces (recipes/text.py)
+WORD = r"[a-z0-9]+|[^\sa-z0-9]"  # the word tokenizer's pieces (lightning_pipe/recipes/text.py)
 
 
 def _parameters(model: CausalLM) -> int:

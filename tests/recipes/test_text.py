@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lightning_pipe.recipes.text import CLS, SEP, SPECIALS, WordTokenizer, file_documents, pack, stdlib_documents
 
 TEXT = """The quick brown fox jumps over the lazy dog. It was the best of times.

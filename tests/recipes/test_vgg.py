@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning_pipe.recipes.vgg import CIFAR100Data, load_cifar100_split, prepare_cifar100, synthetic_images, vgg_layers
 from torch import nn
+
+from lightning_pipe.recipes.vgg import CIFAR100Data, load_cifar100_split, prepare_cifar100, synthetic_images, vgg_layers
 
 
 def test_vgg19_shapes_and_layers() -> None:
@@ -111,7 +112,6 @@ def test_the_recipes_training_loader_is_one_the_pipeline_steers() -> None:
     own order (the same permutation: the seed and the epoch), splits it over replicas and resumes it in the
     middle of an epoch; the epoch still reaches the dataset's ``set_epoch`` (VGG's crops)."""
     from lightning_pipe.recipes import EpochShuffle, TrainValData
-
     from lightning_pipe.trainer.dataloaders.replica_data import ReplicaOrder, not_steered
 
     class Epochs(torch.utils.data.TensorDataset):

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+
 from lightning_pipe.recipes.warmup import warmup_then_decay
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning_pipe.recipes.bert import BertMLM
 from torch import nn
 
 from lightning_pipe import init_like_pipeline
 from lightning_pipe.partition.stages.materialize import check_initializable, layer_seed, materialize
+from lightning_pipe.recipes.bert import BertMLM
 from tests.models import DeferredNet, SaveStageState, merged_stage_states
 from tests.pipeline import fit_pipeline
 

@@ -17,12 +17,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning_pipe.recipes import builds_in_configure_model
-from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
-from lightning_pipe.recipes.warmup import warmup_then_decay
 from torch import nn
 from torch.utils.data import Dataset
 
+from lightning_pipe.recipes import builds_in_configure_model
+from lightning_pipe.recipes.text import MASK, PAD, SPECIALS, CorpusData
+from lightning_pipe.recipes.warmup import warmup_then_decay
 from lightning_pipe.runtime.loss_weights import token_count
 
 SIZES = {

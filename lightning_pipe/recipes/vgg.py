@@ -22,9 +22,10 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning_pipe.recipes import TrainValData, builds_in_configure_model
 from torch import nn
 from torch.utils.data import Dataset
+
+from lightning_pipe.recipes import TrainValData, builds_in_configure_model
 
 CFG = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
@@ -277,14 +278,3 @@ class CIFAR100Data(TrainValData):
             val = synthetic_images(self.synthetic_val, self.num_classes, seed=1)
         self.train = AugmentedImages(*train, augment=self.augment, mean=CIFAR100_MEAN, std=CIFAR100_STD)
         self.val = AugmentedImages(*val, augment=False, mean=CIFAR100_MEAN, std=CIFAR100_STD)
-
-
-__all__ = [
-    "AugmentedImages",
-    "CIFAR100Data",
-    "VGGClassifier",
-    "load_cifar100_split",
-    "prepare_cifar100",
-    "synthetic_images",
-    "vgg_layers",
-]

@@ -31,11 +31,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
+
 from lightning_pipe.recipes import builds_in_configure_model, require_transformers
 from lightning_pipe.recipes.text import CLS, PAD, SEP, CorpusData
 from lightning_pipe.recipes.warmup import warmup_then_decay
-from torch import nn
-
 from lightning_pipe.runtime.loss_weights import token_count
 
 _FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")

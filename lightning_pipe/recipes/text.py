@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from lightning_pipe.recipes import TrainValData, require_transformers
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
