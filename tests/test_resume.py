@@ -114,20 +114,30 @@ class ValidatedNet(TinyNet):
         self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y))
 
 
+class UnevenDropoutNet(ValidatedNet):
+    """One dropout on the first of 2 stages (layer 1), two on the second (layers 5 and 6): the ranks draw
+    unequally, so their random states differ after the first step and one rank's state is no other's."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.5)
+        self.layers[6] = torch.nn.Sequential(self.layers[6], torch.nn.Dropout(0.5))
+
+
 def test_dropout_resumed_in_an_epoch_or_at_its_end_draws_the_masks_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    """Each rank's random state travels in the checkpoint (Lightning saves none): 2 stages with dropout,
-    resumed after 3 of an epoch's 6 batches and at the end of the epoch (step 6, saved before the epoch's
-    validation), end with the weights of the run that was never stopped, exactly (plain Lightning's resume
-    draws other dropout masks)."""
+    """Each rank's random state travels in the checkpoint (Lightning saves none): 2 stages whose ranks draw
+    unequally (one dropout on stage 0, two on stage 1), resumed after 3 of an epoch's 6 batches and at the end
+    of the epoch (step 6, saved before the epoch's validation), end with the weights of the run that was never
+    stopped, exactly (plain Lightning's resume draws other dropout masks, and so would a rank given another
+    rank's state)."""
     L.seed_everything(0)
-    uninterrupted = ValidatedNet(dropout=0.5)
+    uninterrupted = UnevenDropoutNet()
     saves = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=3)
     val = DataLoader(dataset(24, seed=1), batch_size=12)
     fit = dict(chunks=2, max_steps=9, limit_val_batches=1)
     fit_pipeline(uninterrupted, 2, shuffled(), val, callbacks=[saves], enable_checkpointing=True, **fit)
     for step in (3, 6):
         L.seed_everything(0)  # the run's seed (it orders the data); the processes' state is the run's start's
-        resumed = ValidatedNet(dropout=0.5)
+        resumed = UnevenDropoutNet()
         fit_pipeline(resumed, 2, shuffled(), val, ckpt_path=str(tmp_path / f"step={step}.ckpt"), **fit)
         assert_same_weights(uninterrupted, resumed, rtol=0, atol=0)
 

@@ -25,7 +25,8 @@ def consolidate(path: _PATH, output: _PATH | None = None, weights_only: bool | N
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     if isinstance(fit_loop, dict):
         fit_loop.pop("combined_loader", None)
-    checkpoint["state_dict"] = {k: v.clone() for k, v in merged_state_dict(shards).items()}
+    order = meta.get("lightning_pipe", {}).get("order") or ()
+    checkpoint["state_dict"] = {k: v.clone() for k, v in merged_state_dict(shards, order).items()}
     named = merged_optimizer_states(shards)
     if named is not None:
         checkpoint["optimizer_states"] = [

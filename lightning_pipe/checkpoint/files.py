@@ -4,7 +4,7 @@ foreign file with an error that names it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,10 +103,19 @@ def write_sharded_stage(
         _save(shard, Path(path) / shard_name(stage))
 
 
-def write_meta(path: _PATH, checkpoint: Mapping[str, Any], num_stages: int, tag: dict[str, Any] | None = None) -> None:
+def write_meta(
+    path: _PATH,
+    checkpoint: Mapping[str, Any],
+    num_stages: int,
+    tag: dict[str, Any] | None = None,
+    order: Sequence[str] = (),
+) -> None:
+    """The metadata every stage shares; ``order``: the unsplit module's state-dict names in its own order."""
     meta = dict(checkpoint)
     recorded = checksums.record(meta, META_VALUES)
-    meta["lightning_pipe"] = {"format": FORMAT, "num_stages": num_stages, "save": tag, "checksums": recorded}
+    meta["lightning_pipe"] = {
+        "format": FORMAT, "num_stages": num_stages, "save": tag, "checksums": recorded, "order": list(order),
+    }  # fmt: skip
     torch.save(meta, Path(path) / META)
 
 

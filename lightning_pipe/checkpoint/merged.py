@@ -12,11 +12,14 @@ from lightning_pipe.checkpoint.optimizer_state import merge_optimizer_states
 from lightning_pipe.runtime.asynchronous.delay_correction import merged_correction_state
 
 
-def merged_state_dict(shards: Iterable[Mapping[str, Any]]) -> dict[str, Tensor]:
+def merged_state_dict(shards: Iterable[Mapping[str, Any]], order: Sequence[str] = ()) -> dict[str, Tensor]:
+    """Every stage's tensors in one dict, in ``order`` (the unsplit module's, from the metadata) where given:
+    the shards come by process, and a process may hold the first and the last stage."""
     merged: dict[str, Tensor] = {}
     for shard in shards:
         merged.update(shard["state_dict"])
-    return merged
+    rank = {name: i for i, name in enumerate(order)}
+    return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank)))) if rank else merged
 
 
 def merged_optimizer_states(shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:

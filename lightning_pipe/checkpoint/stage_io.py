@@ -56,6 +56,8 @@ class Writer:
     rename: Mapping[str, str] = field(default_factory=dict)
     # what each rank's saved random state belongs to: the layout a resume must share to restore it
     random_key: Any = None
+    # the unsplit module's state-dict names in its own order (the metadata keeps it for consolidation)
+    order: tuple[str, ...] = ()
 
 
 def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: dict[str, Any] | None = None) -> None:
@@ -78,7 +80,7 @@ def save(checkpoint: dict[str, Any], path: Path, writer: Writer, extra: dict[str
     elif writer.replica == 0:  # the replicas hold equal copies: one writes them
         write_shard(staged, writer.stage, state_dict, optimizer_states, extra, tag)
     if writer.is_global_zero:
-        write_meta(staged, rest, writer.num_stages, tag)
+        write_meta(staged, rest, writer.num_stages, tag, writer.order)
     writer.barrier()  # every shard is complete
     if writer.is_global_zero:
         publish(staged, path)

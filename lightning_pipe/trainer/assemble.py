@@ -103,6 +103,8 @@ class ModuleSplit:
             :mod:`lightning_pipe.partition.stages.ends`) that this rank's stages hold.
         resources: every rank's speed and free memory that weighted the measured split
             (``balance="time"/"memory"``; None where none was measured).
+        names: the unsplit module's state-dict names in its own order, which a consolidated checkpoint
+            keeps (the stages' files hold them by process, and a process can hold the first and last stage).
     """
 
     config: PipelineConfig
@@ -115,6 +117,7 @@ class ModuleSplit:
     candidates: list[Any] | None = None
     held_ends: list[nn.Parameter] = field(default_factory=list)
     resources: RankResources | None = None
+    names: tuple[str, ...] = ()
 
     def optimizer_aliases(self) -> dict[str, str]:
         """This rank's names of weights tied to an earlier stage's layer -> the unsplit module's name
@@ -139,7 +142,7 @@ class ModuleSplit:
         rename = renamed_ties(self.split.host, skip, prefix) if skip else {}
         return stage_io.Writer(
             placement.stage, placement.num_stages, placement.replica, is_global_zero, broadcast, barrier,
-            topology.dp_group if sharded else None, skip, rename, self.random_key(),
+            topology.dp_group if sharded else None, skip, rename, self.random_key(), self.names,
         )  # fmt: skip
 
 
@@ -182,6 +185,7 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
     decision = decide_split(module, layers, config, layout, measured.balance)
     assert decision.balance is not None  # with a measurement, every balance is known
     placement = Placement(measured.layout, rank, tuple(decision.positions), device, backend)
+    names = tuple(module.state_dict(keep_vars=True))  # before the split: the whole module's order
     split, held_split, deferred_build = _keep_stages(module, name, layers, config, decision, placement)
     if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
         layout = measured.layout
@@ -204,6 +208,7 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
         candidates,
         held_ends,
         measured.resources,
+        names,
     )
 
 

@@ -20,12 +20,21 @@ BATCH, REPEATS, VOCAB, LENGTH = 12, 3, 11, 4
 
 
 class _Steps(L.LightningModule):
-    """Loss, validation, test and predict from ``self(x)`` and ``self.loss``; Adam, or AdamW with
-    weight decay; an optional StepLR stepping every step."""
+    """Loss, validation, test and predict from ``self(x)`` and ``self.loss``; Adam, AdamW with weight decay, or
+    plain SGD (``optimizer="sgd"``: its step is the gradient's scale, which Adam hides); an optional StepLR
+    stepping every step."""
 
-    def __init__(self, lr: float = 0.01, weight_decay: float = 0.0, scheduler: bool = False, eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        lr: float = 0.01,
+        weight_decay: float = 0.0,
+        scheduler: bool = False,
+        eps: float = 1e-8,
+        optimizer: str = "adam",
+    ) -> None:
         super().__init__()
         self.lr, self.weight_decay, self.scheduler, self.eps = lr, weight_decay, scheduler, eps
+        self.optimizer = optimizer
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -33,7 +42,7 @@ class _Steps(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # the replicas' mean, as plain training's whole batch
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -46,10 +55,10 @@ class _Steps(L.LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> Any:
-        if self.weight_decay:
-            optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                self.parameters(), lr=self.lr, weight_decay=self.weight_decay
-            )
+        if self.optimizer == "sgd":
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=20 * self.lr)
+        elif self.weight_decay:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         else:
             optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.eps)
         if not self.scheduler:
@@ -59,9 +68,21 @@ class _Steps(L.LightningModule):
 
 
 class SequentialNet(_Steps):
-    def __init__(self, **kwargs: Any) -> None:
+    """Seven blocks and a head; ``dropout``: blocks 1, 4 and 5 drop (one on the first of 2 stages, two on the
+    second; 1, 2 and 0 on 3 stages), so that the ranks' random states differ."""
+
+    DROPS = (1, 4, 5)
+
+    def __init__(self, dropout: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        blocks = [nn.Sequential(nn.Linear(IN if i == 0 else HIDDEN, HIDDEN), nn.Tanh()) for i in range(7)]
+        blocks = [
+            nn.Sequential(
+                nn.Linear(IN if i == 0 else HIDDEN, HIDDEN),
+                nn.Tanh(),
+                *([nn.Dropout(0.25)] if dropout and i in self.DROPS else []),
+            )
+            for i in range(7)
+        ]
         self.layers = nn.Sequential(*blocks, nn.Linear(HIDDEN, CLASSES))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +195,7 @@ def build(model: Model, scheduler: bool = False) -> L.LightningModule:
         return SkipsNet(scheduler=scheduler)
     if model.tied or model.token_count:
         return TokenNet(tied=model.tied, scheduler=scheduler)
-    return SequentialNet(scheduler=scheduler)
+    return SequentialNet(dropout=model.dropout, optimizer=model.optimizer, scheduler=scheduler)
 
 
 def strategy_options(model: Model) -> dict[str, Any]:

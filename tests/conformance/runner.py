@@ -11,6 +11,7 @@ before its first training step, with the sentence :func:`~tests.conformance.axes
 from __future__ import annotations
 
 import copy
+import json
 import re
 import traceback
 from dataclasses import dataclass, replace
@@ -61,6 +62,22 @@ class _Started(L.Callback):
         (self.folder / "stepped").touch()
 
 
+class _Logged(L.Callback):
+    """Writes each rank's logged values (``callback_metrics``) at the end of a fit to ``<folder>/rank<k>.json``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        values = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(values))
+
+
+def _logged(folder: Path) -> list[dict[str, float]]:
+    """Every rank's logged values of the last fit that ran in ``folder``'s cell."""
+    return [json.loads(f.read_text()) for f in sorted((folder / "logged").glob("rank*.json"))]
+
+
 def _fresh_port() -> None:
     """Lightning's launcher leaves its port in MASTER_PORT, and a cell starts several runs: each gets a
     free port, as the tests' ``fresh_main_port`` fixture gives each test one."""
@@ -91,7 +108,8 @@ def _options(schedule: str, layout: Layout, model: Model, event: Event | None = 
     from lightning_pipe.schedules.traits import TRAITS
 
     t = TRAITS[schedule]
-    chunks = max(layout.positions, t.min_chunks(layout.positions) if t.min_chunks else 1, 2)
+    # more micro-batches than stages (the strategy's default, 2 per stage): a stage holds several at once
+    chunks = max(2 * layout.positions, t.min_chunks(layout.positions) if t.min_chunks else 1)
     options: dict[str, Any] = dict(schedule=schedule, chunks=chunks, **strategy_options(model))
     if layout.stages is not None:
         options.update(stages=layout.stages, data_parallel=layout.data_parallel)
@@ -101,8 +119,8 @@ def _options(schedule: str, layout: Layout, model: Model, event: Event | None = 
         options["virtual_stages"] = layout.virtual_stages
     if layout.replicas_sync is not None:
         options.update(replicas_sync=layout.replicas_sync, replicas_sync_period=1)
-    if t.predicts_ahead:
-        options["xpipe_predictor"] = "adam"  # the models train with Adam: the predictor that reads its state
+    if t.predicts_ahead:  # the predictor that reads the model's optimizer state (the last update under plain SGD)
+        options["xpipe_predictor"] = "update" if model.optimizer == "sgd" else "adam"
     if event is not None:
         options.update(event.strategy)
     return options
@@ -140,11 +158,16 @@ def _pipeline_fit(
         epochs: int = -1,
         **extra: Any,
     ) -> None:
-        """Trains to ``steps`` (max_steps) or, where ``steps`` is -1, to ``epochs`` (max_epochs)."""
+        """Trains to ``steps`` (max_steps) or, where ``steps`` is -1, to ``epochs`` (max_epochs); every rank's
+        logged values of this fit land in ``<folder>/logged``."""
         _fresh_port()
+        logged = folder / "logged"
+        logged.mkdir(exist_ok=True)
+        for old in logged.glob("rank*.json"):
+            old.unlink()
         fit_pipeline(
-            target, devices, loader, max_steps=steps, max_epochs=epochs, callbacks=callbacks + ([save] if save else []),
-            **rule, **options, **extra,
+            target, devices, loader, max_steps=steps, max_epochs=epochs,
+            callbacks=[*callbacks, _Logged(logged), *([save] if save else [])], **rule, **options, **extra,
         )  # fmt: skip
 
     if layout.elastic:
@@ -183,19 +206,22 @@ def _pipeline_fit(
     return module
 
 
-_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
+#: an oracle's weights and its logged values at the end of training (one process's, or every rank's)
+Result = tuple[dict[str, torch.Tensor], list[dict[str, float]]]
+_CACHE: dict[tuple, Result] = {}
+_REFERENCES: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def _plain(event: Event, model: Model) -> dict[str, torch.Tensor]:
+def _plain(event: Event, model: Model) -> Result:
     key = ("plain", event.name if event.rule or event.scheduler else "", model.name)
     if key not in _CACHE:
         module = _fresh(model, event.scheduler)
-        fit_plain(module, data(model), max_steps=STEPS, max_epochs=-1, **event.rule)
-        _CACHE[key] = module.state_dict()
+        trainer = fit_plain(module, data(model), max_steps=STEPS, max_epochs=-1, **event.rule)
+        _CACHE[key] = module.state_dict(), [{k: float(v) for k, v in trainer.callback_metrics.items()}]
     return _CACHE[key]
 
 
-def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder: Path) -> dict[str, torch.Tensor]:
+def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder: Path) -> Result:
     """The same schedule without the event's interruption (and, for a permuted placement, in rank order)."""
     layout = replace(layout, name=layout.name + "-straight", rank_order=None, restart_on=())
     if layout.devices == 2 and layout.stages is None:
@@ -204,7 +230,8 @@ def _straight(schedule: str, event: Event, layout: Layout, model: Model, folder:
     key = ("straight", schedule, event.name if changes_rule else "", layout, model.name)
     if key not in _CACHE:  # an event that must not change the weights (a strategy option) runs without it here
         run = event if changes_rule else Event("straight")
-        _CACHE[key] = _pipeline_fit(schedule, run, layout, model, folder / "straight", None, []).state_dict()
+        module = _pipeline_fit(schedule, run, layout, model, folder / "straight", None, [])
+        _CACHE[key] = module.state_dict(), _logged(folder / "straight")
     return _CACHE[key]
 
 
@@ -246,12 +273,12 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     # without replicas: the rows of a replica's micro-batch i are not those of the whole batch's
     predicting = (t.predicts_weights or t.predicts_ahead) and layout.stages is None
     if not plain_chain or not (
-        (t.stashes_weights and model.name in ("sequential", "skips", "records"))
-        or (predicting and model.name in ("sequential", "blocks", "frozen", "outside"))
+        (t.stashes_weights and model.name in ("sequential", "sgd", "skips", "records"))
+        or (predicting and model.name in ("sequential", "sgd", "blocks", "frozen", "outside"))
     ):
         return None
     key = ("delayed", schedule, layout.positions, model.name)
-    if key not in _CACHE:
+    if key not in _REFERENCES:
         module = _fresh(model, False)
         options = _options(schedule, layout, model)
         chunks, stages = options["chunks"], layout.positions
@@ -268,8 +295,8 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
             rule = Rule(schedule, warmup=1000 if t.predicts_weights else 0, correction=True, predictor=predictor)
             ends = range(STEPS_PER_EPOCH - 1, STEPS, STEPS_PER_EPOCH)
             reference(module, blocks, balance, batches, chunks, lambda m, x, y: m.loss((x, y)), rule, ends)
-        _CACHE[key] = module.state_dict()
-    return _CACHE[key]
+        _REFERENCES[key] = module.state_dict()
+    return _REFERENCES[key]
 
 
 def _stashing_rule(
@@ -309,6 +336,20 @@ def _differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
         return None
     name = max(worst, key=worst.__getitem__)
     return f"{len(worst)} of {len(expected)} tensors differ, most {name} by {worst[name]:.2e}"
+
+
+def _logged_differences(expected: dict[str, float], ranks: list[dict[str, float]], tolerance: dict) -> str | None:
+    """Every rank's logged training values (``train_loss``: a mean over the step's micro-batches) against the
+    oracle's; None where they agree."""
+    if not ranks:
+        return "no rank wrote its logged values"
+    for rank, got in enumerate(ranks):
+        for name in ("train_loss",):
+            if name not in got:
+                return f"rank {rank} holds no {name!r} (it holds {sorted(got)})"
+            if not torch.isclose(torch.tensor(got[name]), torch.tensor(expected[name]), **tolerance):
+                return f"rank {rank}'s {name} is {got[name]:.8g}, the oracle's {expected[name]:.8g}"
+    return None
 
 
 def _predict_and_test(cell: Cell, module: L.LightningModule) -> str | None:
@@ -355,24 +396,37 @@ def run_cell(cell: Cell, folder: Path) -> Outcome:
         return Outcome(cell.id, "refused", first)
     if sentence is not None:
         return Outcome(cell.id, "fail", f"ran to the end although the traits refuse it (/{sentence}/)")
+    return _judge(cell, module, also, interrupt, folder)
 
+
+def _judge(cell: Cell, module: L.LightningModule, also: list, interrupt: str | None, folder: Path) -> Outcome:
+    """The trained ``module`` (and ``also``, the runs that must equal it) against the cell's oracle."""
+    t = cell.traits
     problems = []
     got = module.state_dict()
-    if t.asynchronous or cell.layout.elastic or cell.layout.replicas_sync == "elastic":
-        # the same schedule straight through, on the first world, in rank order (AvgPipe is no plain rule)
-        expected = _straight(cell.schedule, cell.event, cell.layout, cell.model, folder)
+    if t.asynchronous or cell.layout.elastic or cell.layout.replicas_sync == "elastic" or cell.model.dropout:
+        # the same schedule straight through, on the first world, in rank order (AvgPipe is no plain rule; dropout's
+        # masks are the layout's own)
+        expected, logged = _straight(cell.schedule, cell.event, cell.layout, cell.model, folder)
         tolerance, oracle = SAME, "uninterrupted" if cell.layout.elastic else "straight, in rank order"
+        if cell.layout.restart_on and cell.layout.restart_on[-1] != cell.layout.devices:
+            # fewer replicas accumulate to keep the global batch, and a step logs its last accumulated batch's
+            # values (plain Lightning's accumulation): the uninterrupted run's logged values are another batch's
+            logged = []
     else:
-        expected, tolerance, oracle = _plain(cell.event, cell.model), PLAIN, "plain Lightning"
+        (expected, logged), tolerance, oracle = _plain(cell.event, cell.model), PLAIN, "plain Lightning"
     # an asynchronous run without an interruption has no plain oracle: its predictions are compared, its weights
     # only where the rule is written out, or where a strategy option must leave them as the straight run's
     skip_weights = t.asynchronous and interrupt is None and cell.layout.rank_order is None and not cell.event.strategy
     if skip_weights and (reference := _delayed_rule(cell.schedule, cell.layout, cell.model)) is not None:
         expected, tolerance, oracle, skip_weights = reference, PLAIN, "the rule's one-process reference", False
+        logged = []  # the rule written out logs nothing
     if not skip_weights:
         difference = _differences(expected, got, tolerance)
         if difference:
             problems.append(f"weights against {oracle}: {difference}")
+        if logged and (difference := _logged_differences(logged[0], _logged(folder), tolerance)):
+            problems.append(f"logged values against {oracle}: {difference}")
         for other in also:
             if difference := _differences(expected, other.state_dict(), tolerance):
                 problems.append(f"the run that saved mid-epoch and went on, against {oracle}: {difference}")
