@@ -151,6 +151,7 @@ def test_speeds_from_repeated_timings_count_differences_within_the_noise_as_equa
     assert speeds_from_timings([[0.3], [0.1]]) == pytest.approx([1 / 3, 1.0])  # one repeat: its value
 
 
+@pytest.mark.slow  # it measures: the default run asserts nothing that a measured speed decides
 def test_the_probe_takes_time_and_leaves_the_random_state_alone() -> None:
     state = torch.random.get_rng_state()
     seconds = probe_timings(torch.device("cpu"), repeats=2)
