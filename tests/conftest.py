@@ -22,13 +22,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """The conformance matrix's sample seed (tests/conformance): set it again to replay the sample."""
-    from tests.conformance.axes import CELL_VARIABLE, SEED_VARIABLE, default_seed
+    """The conformance matrix's selection (tests/conformance): fixed unless a variable asks for another."""
+    from tests.conformance.axes import CELL_VARIABLE, FIXED_SEED, default_seed
 
-    return (
-        f"conformance matrix: seed {default_seed()} (replay: {SEED_VARIABLE}={default_seed()}; "
-        f"one cell: {CELL_VARIABLE}=schedule/event/layout/model)"
-    )
+    seed = default_seed()
+    which = "the fixed pair cover" if seed == FIXED_SEED else f"the pair cover of seed {seed}"
+    return f"conformance matrix: {which} (one cell: {CELL_VARIABLE}=schedule/event/layout/model)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

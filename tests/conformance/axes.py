@@ -8,6 +8,7 @@ alone (:func:`refusal`): the runner checks the run is refused before training, w
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import random
@@ -270,17 +271,25 @@ def sample(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
 
 
 def pairs(seed: int, cells: Iterable[Cell] | None = None) -> list[Cell]:
-    """Cells that cover every pair of axis values that some running cell has (greedy, ties broken by
-    ``seed``), then one refused cell per refusal sentence: between the sample and the full matrix."""
+    """Cells that cover every pair of axis values that some running cell has (greedy: each next cell the one
+    with the most pairs not yet covered per unit of cost, ties broken by ``seed``'s order), then one refused
+    cell per refusal sentence: between the sample and the full matrix."""
     pool = list(cells if cells is not None else all_cells())
     random.Random(seed).shuffle(pool)
-    running = {c: (_pairs(c), cost(c)) for c in pool if refusal(c) is None}
-    left = set().union(*(p for p, _ in running.values()))
+    running = [(c, _pairs(c), cost(c)) for c in pool if refusal(c) is None]
+    left = set().union(*(p for _, p, _ in running))
+    # lazy greedy: a cell's gain only falls as pairs get covered, so a stored gain bounds it from above; a
+    # cell popped with its gain just computed beats every other (the same choice as recomputing them all)
+    heap = [(-len(p) / w, i, -1) for i, (_, p, w) in enumerate(running)]
+    heapq.heapify(heap)
     chosen: list[Cell] = []
     while left:
-        best = max(running, key=lambda c, left=left: len(running[c][0] & left) / running[c][1])
-        chosen.append(best)
-        left -= running[best][0]
+        _, i, when = heapq.heappop(heap)
+        if when == len(chosen):
+            chosen.append(running[i][0])
+            left -= running[i][1]
+            continue
+        heapq.heappush(heap, (-len(running[i][1] & left) / running[i][2], i, len(chosen)))
     return chosen + [c for c in sample(seed, pool) if refusal(c) is not None]
 
 
