@@ -13,7 +13,6 @@ anything starts (:func:`check_keys`).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import os
@@ -37,7 +36,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_pipe.checkpoint import is_pipeline_checkpoint, not_a_checkpoint
-from lightning_pipe.config import DEPRECATED, PartitionConfig, cli_keys
+from lightning_pipe.command_keys import INTERNAL_KEYS, SET_BY_THE_COMMAND, check_overrides, hint, top_level_keys
+from lightning_pipe.config import PartitionConfig, cli_keys
 from lightning_pipe.observe.run_report import summary_lines
 from lightning_pipe.observe.stage_metrics import StageMetrics
 from lightning_pipe.partition import find_sequential, resolve_balance, tied_parameters
@@ -55,16 +55,6 @@ CONFIG_DIR = str(Path(str(files("lightning_pipe.conf"))).resolve())
 #: PipelineConfig's arguments that a command line can give (not the callables): one per field of the config
 STRATEGY_KEYS = cli_keys()
 LOGGERS = ("csv", "tensorboard")
-# top-level keys that are not in config.yaml: what `lightning-pipe plan` adds
-INTERNAL_KEYS = ("plan_only",)
-# Trainer arguments the command line sets itself, and how to set them instead
-SET_BY_THE_COMMAND = {
-    "strategy": "choose it with strategy=<option> and strategy.<key>=<value>",
-    "logger": "choose it with logger=csv or logger=tensorboard",
-    "callbacks": "the command line adds its own; use the Python API for others",
-    "default_root_dir": "each run writes to its Hydra folder: hydra.run.dir=PATH",
-    "enable_checkpointing": "use checkpoint=true",
-}
 
 
 def _replicas(trainer: L.Trainer) -> int:
@@ -242,7 +232,7 @@ def check_keys(cfg: DictConfig) -> None:
     ``recipe``, ``strategy`` and ``trainer`` nodes (``recipe.model`` and ``recipe.data``:
     :func:`instantiate_recipe`). Hydra refuses a new key unless it is added with ``+``, as its own
     message suggests; a misspelt key added that way would otherwise be ignored without a word."""
-    problems = _unknown_keys("", cfg, _top_level_keys(), hidden=("hydra", *INTERNAL_KEYS))
+    problems = _unknown_keys("", cfg, top_level_keys(), hidden=("hydra", *INTERNAL_KEYS))
     problems += _unknown_keys("recipe.", cfg.recipe, ("name", "model", "data"))  # their keys: instantiate_recipe
     name = cfg.strategy.get("name")
     if name in ("pipeline", "none"):
@@ -260,12 +250,6 @@ def check_keys(cfg: DictConfig) -> None:
         raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
 
 
-def _top_level_keys() -> list[str]:
-    """config.yaml's own keys and the groups."""
-    own = OmegaConf.load(Path(CONFIG_DIR) / "config.yaml")
-    return [str(k) for k in own if k not in ("defaults", "hydra")] + ["recipe", "strategy", "trainer"]
-
-
 def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -> list[str]:
     """One message per key of ``node`` neither in ``valid`` nor in ``hidden`` (accepted, not listed);
     the Trainer arguments the command sets itself are reported apart."""
@@ -274,24 +258,9 @@ def _unknown_keys(prefix: str, node: DictConfig, valid: Any, hidden: Any = ()) -
     for key in node:
         if key in valid or key in hidden or (prefix == "trainer." and key in SET_BY_THE_COMMAND):
             continue
-        hint = _hint(prefix, str(key), valid)
-        problems.append(f"unknown key {prefix}{key!s}{hint}: nothing reads it. Valid keys: {', '.join(valid)}.")
+        close = hint(prefix, str(key), valid)
+        problems.append(f"unknown key {prefix}{key!s}{close}: nothing reads it. Valid keys: {', '.join(valid)}.")
     return problems
-
-
-def _hint(prefix: str, name: str, valid: Sequence[str]) -> str:
-    """`` (did you mean <key>?)`` for an unknown key, naming only keys a user can write: a strategy or Trainer
-    argument given at the top level (``plan=auto``) is sent to its node (``strategy.plan``), and otherwise the
-    closest of ``valid`` (which holds no internal key such as the planner's ``plan_only``)."""
-    if not prefix:
-        if name in STRATEGY_KEYS:
-            return f" (did you mean strategy.{name}?)"
-        if name in inspect.signature(L.Trainer.__init__).parameters and name not in SET_BY_THE_COMMAND:
-            return f" (did you mean trainer.{name}?)"
-    if prefix == "strategy." and name in DEPRECATED:
-        return f" (renamed: {prefix}{DEPRECATED[name]})"
-    close = difflib.get_close_matches(name, list(valid), n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def instantiate_recipe(cfg: DictConfig, part: str) -> Any:
@@ -539,41 +508,6 @@ def _end_job(environment: dict[str, str | None]) -> None:
 def _main(cfg: DictConfig) -> float | None:
     metrics = run(cfg)
     return metrics.get("train_loss")
-
-
-def check_overrides(args: Sequence[str]) -> None:
-    """Refuse a misspelt key of the top level, ``strategy`` or ``trainer`` before Hydra sees it, naming the
-    close key (``strategy.chunk=4``: did you mean strategy.chunks?). Hydra's own answer would suggest
-    adding the misspelt key with ``+``."""
-    problems = []
-    for arg in args:
-        if arg.startswith(("-", "+", "~")) or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0]
-        head, _, rest = key.partition(".")
-        if head == "hydra" or "/" in key or "." in rest:
-            continue
-        if not rest:
-            if head in INTERNAL_KEYS:
-                continue
-            prefix, name, valid = "", head, _top_level_keys()
-        elif head == "strategy":
-            files = (Path(CONFIG_DIR) / "strategy").glob("*.yaml")
-            in_files = {str(k) for f in files for k in OmegaConf.load(f)} - {"defaults"}  # Hydra's list, not a key
-            prefix, name, valid = "strategy.", rest, sorted({"name", *STRATEGY_KEYS, *in_files})
-        elif head == "trainer":
-            prefix, name, valid = (
-                "trainer.",
-                rest,
-                [p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self"],
-            )
-        else:
-            continue
-        if name not in valid:
-            hint = _hint(prefix, name, valid)
-            problems.append(f"unknown key {prefix}{name}{hint}. Valid keys: {', '.join(sorted(valid))}.")
-    if problems:
-        raise SystemExit("\n".join(f"lightning-pipe: {problem}" for problem in problems))
 
 
 def preflight(args: Sequence[str]) -> None:

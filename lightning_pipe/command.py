@@ -14,7 +14,7 @@ from typing import Any
 ANSWERS = ("--help", "-h", "--hydra-help", "--cfg", "-c")
 #: what ``--cfg`` takes
 CFG_PARTS = ("job", "hydra", "all")
-#: overrides that :func:`lightning_pipe.cli.check_overrides` accepts without looking: a group's option
+#: overrides that :func:`lightning_pipe.command_keys.check_overrides` accepts without looking: a group's option
 #: and the top-level keys (config.yaml's own); anything else is checked by the command line itself
 PLAIN_KEYS = ("recipe", "strategy", "trainer", "checkpoint", "logger", "resume", "seed", "timeline")
 
@@ -51,6 +51,9 @@ def main() -> None:
     if answers_alone(sys.argv[1:]):
         answer()
         return
+    from lightning_pipe.command_keys import check_overrides
+
+    check_overrides([] if sys.argv[1:2] == ["plan"] else sys.argv[1:])  # a misspelt key: before torch's import
     from lightning_pipe.cli import main as run_command
 
     run_command()

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from lightning_pipe.command_keys import DEPRECATED
 from lightning_pipe.partition.solvers.rank_order import check_rank_order
 from lightning_pipe.partition.solvers.speeds import check_rank_speeds
 from lightning_pipe.partition.stages.split import BALANCE_MODES, BalanceSpec
@@ -56,7 +57,6 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 #: The strategy's registered names and their start methods, as Lightning names its DDP variants.
 VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
 #: Former names of arguments, still taken with a ``DeprecationWarning``: former name -> name
-DEPRECATED = {"checkpoint": "recompute"}
 
 
 def option(

@@ -39,6 +39,43 @@ def test_help_and_the_package_import_neither_lightning_nor_torch() -> None:
     assert lines[-1] == "imported: []"
 
 
+MISSPELT = """
+import sys
+from lightning_pipe.command import main
+for args in (["strategy.chunk=4"], ["recipe=bert_mlm", "trainer.max_step=3"], ["plan=auto"]):
+    sys.argv = ["lightning-pipe", *args]
+    try:
+        main()
+    except SystemExit as exit:
+        print(str(exit.code).splitlines()[0].split(". Valid keys")[0])
+heavy = sorted(m for m in ("lightning", "torch", "lightning_pipe.cli", "lightning_pipe.config") if m in sys.modules)
+print("imported:", heavy)
+"""
+
+
+def test_a_misspelt_key_is_answered_before_torch_and_lightning_are_imported() -> None:
+    """``lightning-pipe strategy.chunk=4`` names the close key at once: the keys come from the configuration's
+    files and Lightning's source (the Trainer's signature), not from importing them."""
+    result = subprocess.run([sys.executable, "-c", MISSPELT], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "lightning-pipe: unknown key strategy.chunk (did you mean strategy.chunks?)",
+        "lightning-pipe: unknown key trainer.max_step (did you mean trainer.max_steps?)",
+        "lightning-pipe: unknown key plan (did you mean strategy.plan?)",
+        "imported: []",
+    ]
+
+
+def test_the_trainer_keys_read_from_lightnings_source_are_its_signatures() -> None:
+    import inspect
+
+    import lightning as L
+
+    from lightning_pipe.command_keys import trainer_keys
+
+    assert trainer_keys() == tuple(p for p in inspect.signature(L.Trainer.__init__).parameters if p != "self")
+
+
 @pytest.mark.parametrize(
     "args, alone",
     [
