@@ -25,6 +25,27 @@ BALANCE_MODES = ("uniform", "parameters", "time", "memory")
 Layers = nn.Sequential | nn.ModuleList
 
 
+def registered_path(module: nn.Module, name: str) -> str:
+    """``name`` as the path of registered submodules: a step that is no child of a wrapper exposing the model it
+    wraps (``get_base_model()``, as peft's ``PeftModel``) goes through that model, so the model's own path
+    (``"model.model.layers"`` for a LoRA-wrapped Llama held as ``self.model``) names the blocks, as the wrapper's
+    whole path (``"model.base_model.model.model.layers"``) does."""
+    owner, parts = module, []
+    for part in name.split("."):
+        children = dict(owner.named_children())
+        base = getattr(owner, "get_base_model", None)
+        if part not in children and callable(base) and isinstance(inner := base(), nn.Module) and inner is not owner:
+            prefix = next((n for n, m in owner.named_modules() if m is inner), None)
+            if prefix:
+                parts.append(prefix)
+                owner, children = inner, dict(inner.named_children())
+        if part not in children:
+            return name  # not a path of submodules: find_sequential says what is there
+        parts.append(part)
+        owner = children[part]
+    return ".".join(parts)
+
+
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, Layers]:
     """The path in ``module`` of the layers to split, and the container holding them.
 
@@ -35,6 +56,7 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, La
     """
     cls = type(module).__name__
     if name is not None:
+        name = registered_path(module, name)
         try:
             found = module.get_submodule(name)
         except AttributeError:
