@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_pipe.observe.picture import TimelinePicture
@@ -38,3 +39,30 @@ def test_a_hand_written_schedule_file_trains_as_plain_training(tmp_path: Path) -
     svg = picture.read_text()  # the last step, measured, under the text's simulated prediction
     assert 'data-title="text &#x27;my_schedule.csv&#x27;: predicted from' in svg
     assert 'data-title="text &#x27;my_schedule.csv&#x27;: measured, the last training step' in svg
+
+
+# Texts whose ranks take the micro-batches in different orders: every message meets the receive of
+# the micro-batch its action names (a tag per micro-batch), not the receive posted first.
+REORDERED = {
+    # rank 1 forwards micro-batch 1 first while rank 0 sends micro-batch 0 first
+    "second_rank_forwards_1_first": (2, "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n"),
+    # rank 0 takes its backwards newest first while rank 1 sends the oldest gradient first
+    "first_rank_backwards_newest_first": (2, "0F0,0F1,0F2,0F3,0B3,0B2,0B1,0B0\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n"),
+    # the middle rank of 3 swaps its first two forwards
+    "middle_rank_swaps_its_forwards": (
+        3,
+        "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F1,1F0,1F2,1F3,1B0,1B1,1B2,1B3\n2F0,2B0,2F1,2B1,2F2,2B2,2F3,2B3\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REORDERED))
+def test_ranks_taking_the_micro_batches_in_different_orders_train_as_plain_training(case: str) -> None:
+    """Six steps; the last batch of 5 samples splits into micro-batches of 2, 1, 1 and 1, so two shapes'
+    headers travel in that step, each met by the micro-batch it was sent with whichever comes first."""
+    devices, text = REORDERED[case]
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=6, optimizer="plain-sgd" if devices == 3 else "sgd"))
+    fit_plain(reference, loader(n=65))
+    fit_pipeline(piped, devices, loader(n=65), schedule=text)
+    assert_same_weights(reference, piped)

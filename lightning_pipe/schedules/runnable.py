@@ -21,6 +21,7 @@ from lightning_pipe.schedules import (
     validate,
 )
 from lightning_pipe.schedules.families.chimera import chimera_forward
+from lightning_pipe.schedules.rendezvous import in_sending_order
 from lightning_pipe.schedules.text import forward_like_text
 
 
@@ -57,6 +58,8 @@ def runnable_schedule(
                 schedule = for_rendezvous(schedule)
         else:
             schedule = forward_only(p, num_microbatches)
+        if rendezvous:  # NCCL pairs messages in posting order: each group's receives as their senders send
+            schedule = in_sending_order(schedule)
         validate(schedule, rendezvous=rendezvous)
     except RendezvousError as err:
         raise ScheduleRefused(
