@@ -8,17 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pipe import PipelineStrategy
 from lightning_pipe.observe.picture import TimelinePicture
 from lightning_pipe.schedules import build, load_schedule
 from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
+from tests.torch_texts import TORCH_SCHEDULES, torch_text
 
 # Stages 0 and 3 on process 0, 1 and 2 on process 1; every forward first, then each micro-batch's
-# input gradient (I, or B) and, at the end of each stage, the weight gradients (W); cells apart by
+# input gradient (I) and, at the end of each stage, the weight gradients (W); cells apart by
 # commas on one line, by spaces on the other.
 V_BY_HAND = """# my own schedule: 2 processes, 4 stages in a V, 4 micro-batches
 0F0,0F1,0F2,0F3, 3F0,3I0,3F1,3I1,3F2,3I2,3F3,3I3, 3W0,3W1,3W2,3W3, 0I0,0I1,0I2,0I3, 0W0,0W1,0W2,0W3
-1F0 2F0 1F1 2F1 1F2 2F2 1F3 2F3  2B0 1B0 2B1 1B1 2B2 1B2 2B3 1B3  2W0 2W1 2W2 2W3 1W0 1W1 1W2 1W3
+1F0 2F0 1F1 2F1 1F2 2F2 1F3 2F3  2I0 1I0 2I1 1I1 2I2 1I2 2I3 1I3  2W0 2W1 2W2 2W3 1W0 1W1 1W2 1W3
 """
 
 
@@ -66,3 +68,42 @@ def test_ranks_taking_the_micro_batches_in_different_orders_train_as_plain_train
     fit_plain(reference, loader(n=65))
     fit_pipeline(piped, devices, loader(n=65), schedule=text)
     assert_same_weights(reference, piped)
+
+
+# torch's own texts, written by its _dump_csv from its schedule classes: B the whole backward, I the input
+# gradient, W the weight gradient, mixed in one text (DualPipeV); with communication, torch's lowering (its
+# UNSHARD, RESHARD and REDUCE_GRAD skipped, the hand-overs between one rank's stages placed at their computes)
+RUNNABLE_TORCH = [name for name in TORCH_SCHEDULES if name != "Schedule1F1B"]
+
+
+@pytest.mark.parametrize("communication", [False, True], ids=["compute_only", "compute_comms"])
+@pytest.mark.parametrize("name", RUNNABLE_TORCH)
+def test_torch_s_own_text_trains_as_plain_training(name: str, communication: bool) -> None:
+    text = torch_text(name, 2, 4, communication=communication)
+    stages = 2 * (TORCH_SCHEDULES[name] or 2)
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=2 * stages, optimizer="plain-sgd" if communication else "sgd"))
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule=text)
+    assert_same_weights(reference, piped)
+
+
+@pytest.mark.slow  # 4 processes, 8 stages: about 4 s each on 2 cores
+@pytest.mark.parametrize("name", RUNNABLE_TORCH)
+def test_torch_s_own_text_on_4_processes_trains_as_plain_training(name: str) -> None:
+    text = torch_text(name, 4, 8, communication=True)
+    stages = 4 * (TORCH_SCHEDULES[name] or 2)
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=2 * stages))
+    fit_plain(reference, loader(n=96, batch_size=16))
+    fit_pipeline(piped, 4, loader(n=96, batch_size=16), schedule=text)
+    assert_same_weights(reference, piped)
+
+
+def test_torch_s_own_1f1b_text_is_refused_before_launch() -> None:
+    """torch 2.13's Schedule1F1B order starts its last rank at micro-batch 1 (1F1, 1B0, ..., 1F4): torch's
+    runtime refuses to lower it, and so does the strategy, naming the line, before any process starts."""
+    text = torch_text("Schedule1F1B", 2, 4)
+    assert text.splitlines()[1].startswith("1F1,1B0,")
+    with pytest.raises(ValueError, match=r"line 2 \(rank 1\), position \d+ \(B0@s1\): backward before its forward"):
+        PipelineStrategy(schedule=text)

@@ -26,6 +26,7 @@ from lightning_pipe.schedules import (
 from lightning_pipe.schedules.__main__ import main
 from lightning_pipe.schedules.runnable import ScheduleRefused, runnable_schedule
 from lightning_pipe.schedules.text import forward_like_text
+from tests.torch_texts import TORCH_SCHEDULES, torch_text
 
 GRID = [(ranks, m) for ranks in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8)]
 
@@ -169,3 +170,59 @@ def test_the_command_checks_a_file_and_prints_its_timeline(tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         main([str(tmp_path / "bad.txt")])
     assert "schedule text 'bad.txt'" in capsys.readouterr().err
+
+
+def test_b_is_the_whole_backward_i_and_w_its_halves_mixed_in_one_text() -> None:
+    """torch's meaning: rank 0 runs B0 whole and B1 as I1 and W1; rank 1 the other way round. A split
+    text runs each B as its input gradient and, at once, its weight gradient."""
+    schedule = load_schedule("0F0,0F1,0B0,0I1,0W1\n1F0,1I0,1W0,1F1,1B1\n")
+    assert schedule.split_backward
+    assert [str(a) for a in schedule.compute(0)] == ["F0@s0", "F1@s0", "B0@s0", "W0@s0", "B1@s0", "W1@s0"]
+    assert [str(a) for a in schedule.compute(1)] == ["F0@s1", "B0@s1", "W0@s1", "F1@s1", "B1@s1", "W1@s1"]
+    assert not load_schedule("0F0,0B0\n1F0,1B0\n").split_backward  # B alone: the whole backward, unsplit
+    with pytest.raises(ScheduleTextError, match=r"missing \['W0@s0', 'W0@s1'\]"):
+        load_schedule("0F0,0I0\n1F0,1I0\n")  # an input gradient without its weight gradient
+
+
+@pytest.mark.parametrize("communication", [False, True])
+def test_torch_s_dualpipev_text_is_the_built_in_dualpipev(communication: bool) -> None:
+    """torch's ScheduleDualPipeV writes B for the micro-batches it runs whole (in its F&B pairs,
+    ``(0F3;3B1)OVERLAP_F_B``) and I and W for the others: read as torch means them, its text runs the
+    built-in's computes and overlapped units."""
+    for ranks, chunks in [(2, 4), (2, 7), (4, 8)]:
+        schedule = load_schedule(torch_text("ScheduleDualPipeV", ranks, chunks, communication=communication))
+        built = build("dualpipev", ranks, chunks)
+        assert [schedule.compute(r) for r in range(ranks)] == [built.compute(r) for r in range(ranks)]
+        assert schedule.overlapped == built.overlapped and schedule.stage_to_rank == built.stage_to_rank
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_SCHEDULES))
+def test_every_torch_schedule_s_text_loads_or_is_refused_naming_the_line(name: str) -> None:
+    """Compute only and with torch's communication (its UNSHARD, RESHARD and REDUCE_GRAD skipped, the
+    hand-overs between one rank's stages placed): each loads, validated under gloo and NCCL, with the
+    stages, micro-batches and split backward torch wrote; torch's 1F1B order (its last rank from
+    micro-batch 1) is refused, as torch's runtime refuses it."""
+    for ranks, chunks in [(2, 4), (3, 6), (4, 8)]:
+        for communication in (False, True):
+            if name == "Schedule1F1B":
+                with pytest.raises(ScheduleTextError, match=rf"line {ranks} \(rank {ranks - 1}\).*before its forward"):
+                    load_schedule(torch_text(name, ranks, chunks))
+                break
+            text = torch_text(name, ranks, chunks, communication=communication)
+            schedule = load_schedule(text)
+            v = TORCH_SCHEDULES[name] or 2
+            assert (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches) == (ranks, ranks * v, chunks)
+            assert schedule.split_backward == any(kind in text for kind in ("I", "W"))
+            assert ("UNSHARD" in text) == communication  # skipped where written
+            runnable_schedule(text, text, ranks, chunks, v, rendezvous=True)
+
+
+def test_torch_s_parameter_actions_are_skipped_and_its_hand_overs_placed() -> None:
+    text = torch_text("ScheduleZBVZeroBubble", 2, 4, communication=True)
+    assert "1SEND_F0" not in text and "2RECV_F0" not in text  # stage 1 hands over to stage 2 on rank 1
+    schedule = load_schedule(text)
+    rank1 = [str(a) for a in schedule.actions[1]]
+    assert rank1.index("SEND_F0@s1") == rank1.index("F0@s1") + 1 and "RECV_F0@s2" in rank1
+    assert rank1.index("RECV_F0@s2") < rank1.index("F0@s2")
+    with pytest.raises(ScheduleTextError, match=r"'\(0F1;0SEND_F0\)OVERLAP_F_B': an overlapped pair holds computes"):
+        load_schedule("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n")
