@@ -107,3 +107,23 @@ def test_torch_s_own_1f1b_text_is_refused_before_launch() -> None:
     assert text.splitlines()[1].startswith("1F1,1B0,")
     with pytest.raises(ValueError, match=r"line 2 \(rank 1\), position \d+ \(B0@s1\): backward before its forward"):
         PipelineStrategy(schedule=text)
+
+
+@pytest.mark.parametrize(
+    ("name", "communication"),
+    [("ScheduleDualPipeV", False), ("ScheduleInterleavedZeroBubble", True), ("ScheduleGPipe", False)],
+)
+def test_a_short_last_batch_runs_the_text_s_first_micro_batches_as_plain_training(
+    name: str, communication: bool
+) -> None:
+    """A text of 6 micro-batches; each epoch's last batch has 4 samples, so it runs the text's micro-batches
+    0 to 3 only (before: the epoch trained, then its last batch was refused); 8 steps cross into the
+    next epoch."""
+    text = torch_text(name, 2, 6, communication=communication)
+    stages = 2 * (TORCH_SCHEDULES[name] or 2)
+    torch.manual_seed(0)
+    reference, piped = twins(TinyNet(depth=2 * stages))
+    plain = fit_plain(reference, max_steps=8)
+    assert plain.global_step == 8 and plain.current_epoch >= 1  # past the short batch that ends epoch 0
+    fit_pipeline(piped, 2, schedule=text, max_steps=8)
+    assert_same_weights(reference, piped)

@@ -180,6 +180,28 @@ def _checked(text: str, name: str) -> Schedule:
     return schedule
 
 
+def first_microbatches(schedule: Schedule, num_microbatches: int) -> Schedule:
+    """``schedule`` for its first ``num_microbatches`` micro-batches only (a short last batch, which
+    splits into fewer than the text numbers): every action of the others left out, each rank's order
+    otherwise as written; an overlapped unit that loses a member runs what is left one compute after
+    the other. Each remaining action waits for what it waited for before, or less, so under gloo's
+    model a text that finishes still does (:func:`~.validate.validate` checks it again)."""
+    if num_microbatches >= schedule.num_microbatches:
+        return schedule
+    kept = [tuple(a for a in actions if a.microbatch < num_microbatches) for actions in schedule.actions]
+    units = tuple(
+        tuple(unit for unit in mine if all(a.microbatch < num_microbatches for a in unit))
+        for mine in schedule.overlapped
+    )
+    return replace(
+        schedule,
+        num_microbatches=num_microbatches,
+        actions=tuple(kept),
+        chain_of=schedule.chain_of[:num_microbatches],
+        overlapped=units if any(units) else (),
+    )
+
+
 def forward_like_text(schedule: Schedule, num_microbatches: int, rendezvous: bool = False) -> Schedule:
     """Evaluation on a schedule text's stages, for any micro-batch count: the first order that
     finishes, with its communication regrouped where point-to-point calls rendezvous (NCCL) and it

@@ -82,8 +82,11 @@ def test_a_hand_written_1f1b_is_the_built_in_one_and_has_its_traits() -> None:
         stage_positions(ONE_F_ONE_B, 4, 1)  # a run with another depth, refused when its layout is known
     config = PipelineConfig(schedule=ONE_F_ONE_B)
     assert (config.num_microbatches(2), config.virtual_stages) == (4, 1)
-    with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 3"):
-        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch
+    short = runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch: 3 of 4
+    assert short.num_microbatches == 3
+    assert short.actions == tuple(tuple(a for a in actions if a.microbatch < 3) for actions in built.actions)
+    with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 5"):
+        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 5, 1, rendezvous=False)
 
 
 def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) -> None:
@@ -226,3 +229,35 @@ def test_torch_s_parameter_actions_are_skipped_and_its_hand_overs_placed() -> No
     assert rank1.index("RECV_F0@s2") < rank1.index("F0@s2")
     with pytest.raises(ScheduleTextError, match=r"'\(0F1;0SEND_F0\)OVERLAP_F_B': an overlapped pair holds computes"):
         load_schedule("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n")
+
+
+@pytest.mark.parametrize("name", sorted(set(TORCH_SCHEDULES) - {"Schedule1F1B"}))
+def test_a_short_last_batch_runs_the_text_s_first_micro_batches(name: str) -> None:
+    """A batch that splits into fewer micro-batches than the text numbers runs the text without the
+    others' actions: under gloo every count from 1 runs, for every torch text; an overlapped pair that
+    loses a member runs what is left one compute after the other."""
+    for ranks, chunks in [(2, 6), (4, 8)]:
+        for communication in (False, True):
+            text = torch_text(name, ranks, chunks, communication=communication)
+            whole = load_schedule(text)
+            for m in range(1, chunks):
+                short = runnable_schedule(text, text, ranks, m, whole.virtual_stages, rendezvous=False)
+                assert short.num_microbatches == m
+                for rank in range(ranks):
+                    assert list(short.actions[rank]) == [a for a in whole.actions[rank] if a.microbatch < m]
+                units = [u for mine in short.overlapped for u in mine]
+                assert all(a.microbatch < m for u in units for a in u)
+                assert len(units) == sum(all(a.microbatch < m for a in u) for mine in whole.overlapped for u in mine)
+
+
+def test_an_order_nccl_cannot_pair_is_refused_saying_what_to_change() -> None:
+    """Rank 1 forwards micro-batch 1 first, rank 0 sends 0 first: gloo pairs each message with its
+    micro-batch; under NCCL no regrouping runs it, refused naming the text and the remedies."""
+    text = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n"
+    runnable_schedule(text, text, 2, 4, 1, rendezvous=False)
+    with pytest.raises(
+        ScheduleRefused, match=r"schedule text 'text' with 4 of its 4 micro-batches cannot run under NCCL"
+    ):
+        runnable_schedule(text, text, 2, 4, 1, rendezvous=True)
+    with pytest.raises(ScheduleRefused, match="take the micro-batches they exchange in the same order, drop_last=True"):
+        runnable_schedule(text, text, 2, 3, 1, rendezvous=True)
