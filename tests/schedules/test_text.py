@@ -261,3 +261,13 @@ def test_an_order_nccl_cannot_pair_is_refused_saying_what_to_change() -> None:
         runnable_schedule(text, text, 2, 4, 1, rendezvous=True)
     with pytest.raises(ScheduleRefused, match="take the micro-batches they exchange in the same order, drop_last=True"):
         runnable_schedule(text, text, 2, 3, 1, rendezvous=True)
+
+
+def test_a_reordering_that_deadlocks_is_refused_before_launch() -> None:
+    """Rank 1 wants micro-batch 1 first, which rank 0 sends only after micro-batch 0's backward, which
+    waits for rank 1: refused when the strategy is built, saying where each rank waits."""
+    text = "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n"
+    with pytest.raises(
+        ScheduleTextError, match=r"deadlocks: line 1 \(rank 0\) at B0@s0 .*; line 2 \(rank 1\) at RECV_F1@s1"
+    ):
+        PipelineConfig(schedule=text)
