@@ -54,9 +54,12 @@ def test_a_skip_connection_across_stages_trains_validates_and_predicts_as_plain(
     )
 
 
-def _logged_posts(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Callable[[int], list[tuple[int, int, int]]]:
+def _logged_posts(
+    monkeypatch: pytest.MonkeyPatch, folder: Path, streams: int = 0
+) -> Callable[[int], list[tuple[int, int, int]]]:
     """Every op each process posts, as (is_send, peer, tag), read back per rank after the fit (the
-    processes are forked, so they run the patched transport)."""
+    processes are forked, so they run the patched transport); with ``streams`` (how many a transport
+    of that many stages has), the tag's stream only (the tag is ``stream + streams x micro-batch``)."""
     from lightning_pipe.runtime import p2p
 
     def logging(post: Callable) -> Callable:
@@ -73,7 +76,8 @@ def _logged_posts(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Callable[[in
 
     def posts(rank: int) -> list[tuple[int, int, int]]:
         lines = (folder / f"ops-{rank}.txt").read_text().splitlines()
-        return [(int(send), int(peer), int(tag)) for send, peer, tag in map(str.split, lines)]
+        ops = [(int(send), int(peer), int(tag)) for send, peer, tag in map(str.split, lines)]
+        return [(send, peer, tag % streams) for send, peer, tag in ops] if streams else ops
 
     return posts
 
@@ -81,7 +85,8 @@ def _logged_posts(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Callable[[in
 def test_a_skip_goes_straight_to_the_stage_that_pops_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """3 stages ([2, 2, 2]): ``a`` goes from stage 0 to stage 2 and its gradient back, never through stage 1
     (before: stage 1 received it and sent it on beside the hidden state); recomputed with its skips."""
-    posts = _logged_posts(monkeypatch, tmp_path)
+    streams = 2 * 3 + 4 * 3 * 3  # per stage activations and gradients, per pair of stages skips (3 kinds)
+    posts = _logged_posts(monkeypatch, tmp_path, streams)
     torch.manual_seed(0)
     piped = SkipNet()
     reference = copy.deepcopy(piped)
@@ -89,6 +94,11 @@ def test_a_skip_goes_straight_to_the_stage_that_pops_it(monkeypatch: pytest.Monk
     fit_pipeline(piped, 3, chunks=4, balance=[2, 2, 2], recompute="always")
     assert_same_weights(reference, piped)
     first, middle, last = posts(0), posts(1), posts(2)
+    # each micro-batch's message its own tag: stage 1's first batch receives micro-batches 0..3 on stream 2
+    tags = [
+        tag for send, peer, tag in _logged_posts(monkeypatch, tmp_path)(1) if (send, peer, tag % streams) == (0, 0, 2)
+    ]
+    assert [tag // streams for tag in tags[:4]] == [0, 1, 2, 3]
     # streams: activations into stage s 2s, gradients out of it 2s + 1; a skip from stage s to t 6 + 4 (3s + t),
     # its gradient + 1: b (0 -> 1) 10 and 11, a (0 -> 2) 14 and 15 (its header, + 2, is not posted as an op)
     hidden_in = [op for op in middle if op == (0, 0, 2)]

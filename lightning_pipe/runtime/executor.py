@@ -82,6 +82,16 @@ class _Run:
     streams: dict[tuple[int, int], Any] = field(
         default_factory=dict
     )  # (stage, micro-batch) -> its forward's CUDA stream
+    alike: dict[int, int] = field(default_factory=dict)  # micro-batch -> the first of the run with its shapes
+
+
+def first_alike(keys: Sequence[Hashable] | Mapping[int, Hashable]) -> dict[int, int]:
+    """Each micro-batch mapped to the lowest-numbered one with the same shape key: the micro-batch
+    whose tag a new shape's header takes, which sender and receiver name alike whatever order each
+    runs its micro-batches in (the keys are the same on every rank)."""
+    items = sorted(keys.items() if isinstance(keys, Mapping) else enumerate(keys), key=lambda item: item[0])
+    first: dict[Hashable, int] = {}
+    return {i: first.setdefault(key, i) for i, key in items}
 
 
 def next_receives(actions: Sequence[Action], gradients: bool = False) -> dict[Action, Action]:
@@ -159,6 +169,7 @@ class Executor:
         :mod:`lightning_pipe.runtime.overlap`); the sends between and after them are posted once
         both halves ran."""
         run = _Run(keys, num_stages, microbatches_per_batch, calls, split_backward)
+        run.alike = first_alike(keys)
         run.spans = overlap_spans(actions, overlapped)
         if self.transport.prefetches_receives:
             # gradient receives too under a split backward only (measured: no gain under 1F1B)
@@ -252,10 +263,18 @@ class Executor:
             if action.kind is ActionKind.SEND_ACTIVATION:
                 tensors, was_tuple, carried = run.outbox.pop(action)
                 key = self._activation_key(action, run, action.stage + 1)
-                ops += self.transport.activation_send_ops(action.stage + 1, key, tensors, was_tuple, carried)
+                ops += self.transport.activation_send_ops(
+                    action.stage + 1,
+                    key,
+                    tensors,
+                    was_tuple,
+                    carried,
+                    action.microbatch,
+                    run.alike.get(action.microbatch),
+                )
             elif action.kind is ActionKind.SEND_GRADIENT:
                 grads, _, _ = run.outbox.pop(action)
-                ops += self.transport.gradient_send_ops(action.stage - 1, grads)
+                ops += self.transport.gradient_send_ops(action.stage - 1, grads, action.microbatch)
         if (
             ops
             and not self.transport.batched
@@ -306,17 +325,18 @@ class Executor:
         if action.kind is ActionKind.RECV_GRADIENT:
             like = self.runners[action.stage].output_grad_like(action.microbatch)
             self._before_receive(run)
-            buffers, ops = self.transport.gradient_recv_ops(action.stage + 1, like)
+            buffers, ops = self.transport.gradient_recv_ops(action.stage + 1, like, action.microbatch)
             return _Inbox([], buffers), ops
         key = self._activation_key(action, run, action.stage)
         # only a new shape's header is waited for (until the sender gets there)
         header = _UNTIMED if self.transport.knows(key) else self._span(run, "wait", action.stage, action.microbatch)
         with header:
             self._before_receive(run)
-            buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key)
+            i, alike = action.microbatch, run.alike.get(action.microbatch)
+            buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key, i, alike)
             # what earlier stages stashed for this one: their headers, if new, are on their way by now (sent
             # before the stashing stage's output left it, so before the one just read)
-            self.skips.post_receives(action.stage, action.microbatch, run.num_stages, run.keys[action.microbatch])
+            self.skips.post_receives(action.stage, i, run.num_stages, run.keys[i], alike)
         return _Inbox([], buffers, meta.requires_grad, meta.was_tuple, meta.carried), ops
 
     @staticmethod
@@ -407,14 +427,17 @@ class Executor:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span(run, "wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
+                    arrived = (tensors, box.flags, box.was_tuple, box.carried)
                     received = self.skips.with_received(
-                        action.stage, i, run.num_stages, run.keys[i], (tensors, box.flags, box.was_tuple, box.carried)
+                        action.stage, i, run.num_stages, run.keys[i], arrived, run.alike.get(i)
                     )
             with self._span(run, "F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received, run.calls.step)
             if depth < run.num_stages - 1:
                 assert result is not None
-                sent = self.skips.send(action.stage, i, run.num_stages, run.keys[i], result, run.sends)
+                sent = self.skips.send(
+                    action.stage, i, run.num_stages, run.keys[i], result, run.sends, run.alike.get(i)
+                )
                 run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = sent
             return
         if action.kind is ActionKind.WEIGHT:

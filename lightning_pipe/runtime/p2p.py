@@ -78,8 +78,10 @@ class TensorMeta:
 @dataclass
 class Op:
     """One send or receive to post: ``tensor`` goes to or comes from global rank ``peer``. ``tag``
-    names the stream (activations into stage s: 2s, gradients into stage s: 2s + 1), so that
-    messages between two ranks match within their stream even when receives are posted early."""
+    names the stream (activations into stage s: 2s, gradients into stage s: 2s + 1, then the skip
+    connections') and the micro-batch (:meth:`Transport.tag`), so that a message meets the receive
+    of the micro-batch it carries whatever order either rank runs its micro-batches in (gloo matches
+    per peer and tag), and receives may be posted early."""
 
     is_send: bool
     tensor: Tensor
@@ -116,15 +118,36 @@ class Transport:
         self._sent: dict[Hashable, TensorMeta] = {}
         self._received: dict[Hashable, TensorMeta] = {}
         self._header_works: list[Any] = []
+        n = len(self.stage_ranks)
+        self._streams = 2 * n + 4 * n * n  # activations and gradients per stage, then per pair of stages skips'
+        self._window = max(1, (2**31 - 1) // self._streams)  # micro-batch numbers that a tag tells apart
+
+    def tag(self, stream: int, microbatch: int) -> int:
+        """The tag of ``stream``'s message of ``microbatch``: each (stream, micro-batch) its own, so
+        messages pair by the micro-batch their actions name, not by the order they were posted in.
+        Micro-batch numbers more than ``2**31 / streams`` apart share a tag (the asynchronous
+        schedules' global numbers grow without end; those in flight at once are never that far apart)."""
+        return stream + self._streams * (microbatch % self._window)
 
     def activation_send_ops(
-        self, to_stage: int, key: Hashable, tensors: Sequence[Tensor], was_tuple: bool, carried: tuple[int, ...] = ()
+        self,
+        to_stage: int,
+        key: Hashable,
+        tensors: Sequence[Tensor],
+        was_tuple: bool,
+        carried: tuple[int, ...] = (),
+        microbatch: int = 0,
+        alike: int | None = None,
     ) -> list[Op]:
-        """Ops that send ``tensors`` (detached) to ``to_stage``; the header, if this key is new, goes now
-        (its length, then its integers)."""
+        """Ops that send ``tensors`` (detached) of ``microbatch`` to ``to_stage``; the header, if this key
+        is new, goes now (its length, then its integers), tagged with ``alike``: the first micro-batch of
+        the step with the same shapes (``microbatch`` where None), which the receiver names alike whichever
+        of those micro-batches it receives first."""
         peer = self.stage_ranks[to_stage]
-        self._send_header(to_stage - 1, peer, key, TensorMeta.of(tensors, was_tuple, carried), 0)
-        return [Op(True, self._outgoing(t), peer, 2 * to_stage) for t in tensors]
+        header_tag = self.tag(2 * to_stage, microbatch if alike is None else alike)
+        self._send_header(to_stage - 1, peer, key, TensorMeta.of(tensors, was_tuple, carried), header_tag)
+        tag = self.tag(2 * to_stage, microbatch)
+        return [Op(True, self._outgoing(t), peer, tag) for t in tensors]
 
     def _send_header(self, stage: int, peer: int, key: Hashable, meta: TensorMeta, tag: int) -> None:
         """Send ``meta`` (its length, then its integers) where ``key`` is new; refuse new shapes for a known key."""
@@ -157,25 +180,34 @@ class Transport:
         """Whether the shapes of activations received under ``key`` are known (no header to wait for)."""
         return key in self._received
 
-    def activation_recv_ops(self, from_stage: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
-        """Buffers and ops that receive an activation; reads the header first if this key is new."""
+    def activation_recv_ops(
+        self, from_stage: int, key: Hashable, microbatch: int = 0, alike: int | None = None
+    ) -> tuple[list[Tensor], TensorMeta, list[Op]]:
+        """Buffers and ops that receive ``microbatch``'s activation; reads the header first if this key
+        is new (tagged with ``alike``, as :meth:`activation_send_ops` sends it)."""
         peer = self.stage_ranks[from_stage]
-        meta = self._read_header(peer, key, 0)
+        stream = 2 * (from_stage + 1)
+        meta = self._read_header(peer, key, self.tag(stream, microbatch if alike is None else alike))
         device = "cpu" if self.through_host else self.device
         buffers = [
             torch.empty(s, dtype=d, device=device, pin_memory=self._pin) for s, d in zip(meta.shapes, meta.dtypes)
         ]
-        return buffers, meta, [Op(False, b, peer, 2 * (from_stage + 1)) for b in buffers]
+        tag = self.tag(stream, microbatch)
+        return buffers, meta, [Op(False, b, peer, tag) for b in buffers]
 
-    def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor]) -> list[Op]:
-        peer = self.stage_ranks[to_stage]
-        return [Op(True, self._outgoing(g), peer, 2 * to_stage + 1) for g in grads]
+    def gradient_send_ops(self, to_stage: int, grads: Sequence[Tensor], microbatch: int = 0) -> list[Op]:
+        """Ops that send the gradients of ``to_stage``'s output of ``microbatch`` back to it."""
+        peer, tag = self.stage_ranks[to_stage], self.tag(2 * to_stage + 1, microbatch)
+        return [Op(True, self._outgoing(g), peer, tag) for g in grads]
 
-    def gradient_recv_ops(self, from_stage: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
-        peer = self.stage_ranks[from_stage]
+    def gradient_recv_ops(
+        self, from_stage: int, like: Sequence[Tensor], microbatch: int = 0
+    ) -> tuple[list[Tensor], list[Op]]:
+        """Buffers and ops that receive the gradients of this stage's output of ``microbatch`` (shaped ``like``)."""
+        peer, tag = self.stage_ranks[from_stage], self.tag(2 * (from_stage - 1) + 1, microbatch)
         device = "cpu" if self.through_host else self.device
         buffers = [torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=self._pin) for t in like]
-        return buffers, [Op(False, b, peer, 2 * (from_stage - 1) + 1) for b in buffers]
+        return buffers, [Op(False, b, peer, tag) for b in buffers]
 
     # ---- skip connections (lightning_pipe.skips): from the stage that stashes straight to the one that pops
     def _skip_tag(self, source: int, target: int, kind: int) -> int:
@@ -184,28 +216,43 @@ class Transport:
         n = len(self.stage_ranks)
         return 2 * n + 4 * (source * n + target) + kind
 
-    def skip_send_ops(self, source: int, target: int, key: Hashable, tensors: Sequence[Tensor]) -> list[Op]:
-        """Ops that send stage ``source``'s stashed ``tensors`` to stage ``target``, which pops them;
-        with a header (on its own stream) where ``key`` is new."""
-        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 0)
-        self._send_header(source, peer, key, TensorMeta.of(tensors, False), self._skip_tag(source, target, 2))
+    def skip_send_ops(
+        self,
+        source: int,
+        target: int,
+        key: Hashable,
+        tensors: Sequence[Tensor],
+        microbatch: int = 0,
+        alike: int | None = None,
+    ) -> list[Op]:
+        """Ops that send stage ``source``'s stashed ``tensors`` of ``microbatch`` to stage ``target``, which
+        pops them; with a header (on its own stream, tagged with ``alike`` as activations' are) where
+        ``key`` is new."""
+        peer, tag = self.stage_ranks[target], self.tag(self._skip_tag(source, target, 0), microbatch)
+        header_tag = self.tag(self._skip_tag(source, target, 2), microbatch if alike is None else alike)
+        self._send_header(source, peer, key, TensorMeta.of(tensors, False), header_tag)
         return [Op(True, self._outgoing(t, self._skips_staged), peer, tag) for t in tensors]
 
-    def skip_recv_ops(self, source: int, target: int, key: Hashable) -> tuple[list[Tensor], TensorMeta, list[Op]]:
-        """Buffers and ops that receive on stage ``target`` what stage ``source`` stashed for it."""
-        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 0)
-        meta = self._read_header(peer, key, self._skip_tag(source, target, 2))
+    def skip_recv_ops(
+        self, source: int, target: int, key: Hashable, microbatch: int = 0, alike: int | None = None
+    ) -> tuple[list[Tensor], TensorMeta, list[Op]]:
+        """Buffers and ops that receive on stage ``target`` what stage ``source`` stashed for it of ``microbatch``."""
+        peer, tag = self.stage_ranks[source], self.tag(self._skip_tag(source, target, 0), microbatch)
+        header_tag = self.tag(self._skip_tag(source, target, 2), microbatch if alike is None else alike)
+        meta = self._read_header(peer, key, header_tag)
         buffers = [self._buffer(s, d, self._skips_staged) for s, d in zip(meta.shapes, meta.dtypes)]
         return buffers, meta, [Op(False, b, peer, tag) for b in buffers]
 
-    def skip_grad_send_ops(self, target: int, source: int, grads: Sequence[Tensor]) -> list[Op]:
+    def skip_grad_send_ops(self, target: int, source: int, grads: Sequence[Tensor], microbatch: int = 0) -> list[Op]:
         """Ops that send the gradients of what stage ``source`` stashed back to it from stage ``target``."""
-        peer, tag = self.stage_ranks[source], self._skip_tag(source, target, 1)
+        peer, tag = self.stage_ranks[source], self.tag(self._skip_tag(source, target, 1), microbatch)
         return [Op(True, self._outgoing(g, self._skips_staged), peer, tag) for g in grads]
 
-    def skip_grad_recv_ops(self, target: int, source: int, like: Sequence[Tensor]) -> tuple[list[Tensor], list[Op]]:
+    def skip_grad_recv_ops(
+        self, target: int, source: int, like: Sequence[Tensor], microbatch: int = 0
+    ) -> tuple[list[Tensor], list[Op]]:
         """Buffers and ops that receive on stage ``source`` the gradients of ``like`` (what it stashed)."""
-        peer, tag = self.stage_ranks[target], self._skip_tag(source, target, 1)
+        peer, tag = self.stage_ranks[target], self.tag(self._skip_tag(source, target, 1), microbatch)
         buffers = [self._buffer(t.shape, t.dtype, self._skips_staged) for t in like]
         return buffers, [Op(False, b, peer, tag) for b in buffers]
 

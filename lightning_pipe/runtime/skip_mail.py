@@ -71,10 +71,18 @@ class SkipMail:
         sends.extend(zip(self.transport.post_skips(ops), ops))
 
     def send(
-        self, stage: int, microbatch: int, num_stages: int, key: Hashable, result: Any, sends: list[tuple[Any, Op]]
+        self,
+        stage: int,
+        microbatch: int,
+        num_stages: int,
+        key: Hashable,
+        result: Any,
+        sends: list[tuple[Any, Op]],
+        alike: int | None = None,
     ) -> Any:
-        """After ``stage``'s forward of ``microbatch`` (``key``: its header key): its stashed tensors (the last
-        of ``result``'s) to the stages that pop them, their sends added to ``sends``; returns what goes to the
+        """After ``stage``'s forward of ``microbatch`` (``key``: its header key; ``alike``: the first micro-batch
+        of the step with its shapes, whose tag a new header takes): its stashed tensors (the last of
+        ``result``'s) to the stages that pop them, their sends added to ``sends``; returns what goes to the
         next stage."""
         pairs = self._pairs(stage, num_stages, outgoing=True)
         if not pairs:
@@ -88,26 +96,33 @@ class SkipMail:
                 flags = tuple(bool(t.requires_grad) for t in part)
                 self.mail[(stage, target, microbatch)] = ([t.detach().clone() for t in part], flags)
                 continue
-            self._post(self.transport.skip_send_ops(stage, target, self._key(stage, target, key), part), sends)
+            ops = self.transport.skip_send_ops(stage, target, self._key(stage, target, key), part, microbatch, alike)
+            self._post(ops, sends)
         return tuple(hidden), was_tuple, carried
 
-    def post_receives(self, stage: int, microbatch: int, num_stages: int, key: Hashable) -> None:
-        """Post the receives of what earlier stages on other ranks stashed for ``stage``'s ``microbatch``."""
+    def post_receives(
+        self, stage: int, microbatch: int, num_stages: int, key: Hashable, alike: int | None = None
+    ) -> None:
+        """Post the receives of what earlier stages on other ranks stashed for ``stage``'s ``microbatch``
+        (``alike``: as :meth:`send`'s)."""
         for source, _ in self._pairs(stage, num_stages, outgoing=False):
             if self._same_rank(stage, source) or (source, stage, microbatch) in self.inbox:
                 continue
-            buffers, meta, ops = self.transport.skip_recv_ops(source, stage, self._key(source, stage, key))
+            header = self._key(source, stage, key)
+            buffers, meta, ops = self.transport.skip_recv_ops(source, stage, header, microbatch, alike)
             self.inbox[(source, stage, microbatch)] = _Posted(
                 self.transport.post_skips(ops), buffers, meta.requires_grad
             )
 
-    def with_received(self, stage: int, microbatch: int, num_stages: int, key: Hashable, received: Any) -> Any:
+    def with_received(
+        self, stage: int, microbatch: int, num_stages: int, key: Hashable, received: Any, alike: int | None = None
+    ) -> Any:
         """``received`` with what earlier stages stashed for ``stage`` after the hidden state."""
         pairs = self._pairs(stage, num_stages, outgoing=False)
         if not pairs:
             return received
         tensors, flags, was_tuple, carried = received
-        self.post_receives(stage, microbatch, num_stages, key)  # where the hidden state came in memory
+        self.post_receives(stage, microbatch, num_stages, key, alike)  # where the hidden state came in memory
         groups: list[tuple[int, tuple[bool, ...]]] = []
         skips: list[Tensor] = []
         for source, _ in pairs:
@@ -139,7 +154,7 @@ class SkipMail:
             if self._same_rank(stage, source):
                 self.mail[(source, stage, -1 - microbatch)] = ([g.detach() for g in part], ())
                 continue
-            self._post(self.transport.skip_grad_send_ops(stage, source, part), sends)
+            self._post(self.transport.skip_grad_send_ops(stage, source, part, microbatch), sends)
         return input_grads[:hidden]
 
     def grads(self, stage: int, microbatch: int, num_stages: int) -> list[Tensor]:
@@ -156,7 +171,7 @@ class SkipMail:
             if self._same_rank(stage, target):
                 grads += self.mail.pop((stage, target, -1 - microbatch))[0]
                 continue
-            buffers, ops = self.transport.skip_grad_recv_ops(target, stage, like)
+            buffers, ops = self.transport.skip_grad_recv_ops(target, stage, like, microbatch)
             for work in self.transport.post_skips(ops):
                 work.wait()
             grads += self.transport.skips_arrived(buffers)

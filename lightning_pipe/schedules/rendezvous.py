@@ -16,14 +16,15 @@ sends of the compute just done, the receive the next compute needs, and the rece
 transfer a peer has already posted to this rank (the receiver picks it up at its next step, as in
 Megatron's steps). The compute order does not change; only where communication is posted does.
 It builds two such placements (with and without moving a send whose receiver is busy to the next
-step), checks each with :func:`.simulate` (``rendezvous=True``) and returns the faster.
+step), checks each with :func:`.simulate` (``rendezvous=True``) and returns the faster, each group's
+receives in the order their senders send them (:func:`in_sending_order`: NCCL pairs by posting order).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
+from lightning_pipe.schedules.actions import Action, ActionKind, Schedule, comm_groups
 from lightning_pipe.schedules.comm import needs, produces
 from lightning_pipe.schedules.simulate import DeadlockError, simulate
 
@@ -63,7 +64,7 @@ def for_rendezvous(schedule: Schedule) -> Schedule:
     errors: list[str] = []
     for defer in (True, False):
         try:
-            regrouped = replace(schedule, actions=tuple(_regroup(schedule, defer)))
+            regrouped = in_sending_order(replace(schedule, actions=tuple(_regroup(schedule, defer))))
             makespan = simulate(regrouped, rendezvous=True).makespan
         except RendezvousError as err:
             errors.append(str(err))
@@ -259,3 +260,32 @@ class _Regrouping:
                     actions.append(state.order[k])
             lists.append(tuple(actions))
         return lists
+
+
+def in_sending_order(schedule: Schedule) -> Schedule:
+    """``schedule`` with the receives of each communication group reordered, within the group, as
+    their senders send them. Where point-to-point calls rendezvous (NCCL) a rank's messages to
+    another meet its receives in posting order, whatever micro-batch each names; a group is posted
+    as one batch, so ordering its receives changes nothing else. What still disagrees across groups
+    :func:`~.validate.validate` names."""
+    position: dict[Action, int] = {}  # each remote send: its place among its rank's sends to that peer
+    count: dict[tuple[int, int], int] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if action.kind.is_send and not schedule.is_local(action):
+                pair = (rank, schedule.rank_of(action.peer_stage()))
+                position[action] = count.get(pair, 0)
+                count[pair] = position[action] + 1
+    lists = []
+    for actions in schedule.actions:
+        out = list(actions)
+        for start, group in comm_groups(actions):
+            slots = [k for k, a in enumerate(group) if a.kind.is_recv and not schedule.is_local(a)]
+            receives = sorted(
+                (group[k] for k in slots),
+                key=lambda a: (schedule.rank_of(a.peer_stage()), position.get(a.matching(), len(position))),
+            )
+            for k, action in zip(slots, receives):
+                out[start + k] = action
+        lists.append(tuple(out))
+    return replace(schedule, actions=tuple(lists))

@@ -21,6 +21,7 @@ from lightning_pipe.schedules import (
     validate,
 )
 from lightning_pipe.schedules.families.chimera import chimera_forward
+from lightning_pipe.schedules.rendezvous import in_sending_order
 from lightning_pipe.schedules.text import forward_like_text
 
 
@@ -57,18 +58,33 @@ def runnable_schedule(
                 schedule = for_rendezvous(schedule)
         else:
             schedule = forward_only(p, num_microbatches)
+        if rendezvous:  # NCCL pairs messages in posting order: each group's receives as their senders send
+            schedule = in_sending_order(schedule)
         validate(schedule, rendezvous=rendezvous)
-    except RendezvousError as err:
+    except (RendezvousError, InvalidScheduleError) as err:
+        if text is not None and name != "forward" and rendezvous:
+            raise ScheduleRefused(
+                f"schedule text {text.name!r} with {num_microbatches} of its {text.num_microbatches} micro-batches "
+                f"cannot run{under}: {err}. Where point-to-point calls rendezvous, each two ranks post the messages "
+                "between them in one order and a rank may wait for its own output to come back around the pipeline: "
+                "order the text so that every two ranks take the micro-batches they exchange in the same order"
+                + (
+                    ", drop_last=True in the DataLoader for a short last batch"
+                    if num_microbatches < text.num_microbatches
+                    else ""
+                )
+                + ", or run under gloo, which pairs each message with its micro-batch."
+            ) from err
+        if isinstance(err, InvalidScheduleError):
+            raise ScheduleRefused(
+                f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
+                f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
+            ) from err
         raise ScheduleRefused(
             f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot run{under}: {err}. "
             "With this few micro-batches a process waits for its own output to come back around the pipeline. Use "
             f"other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of {p} for 'interleaved_zero_bubble', "
             f">= {max(1, 2 * p - 2)} for 'zbv', >= {max(1, 2 * p - 4)} for 'chimera'; with a short last batch, "
             "drop_last=True in the DataLoader), or schedule='1f1b' or 'zero_bubble'."
-        ) from err
-    except InvalidScheduleError as err:
-        raise ScheduleRefused(
-            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
-            f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
         ) from err
     return schedule

@@ -2,19 +2,23 @@
 
 Each line lists one rank's actions in order, separated by commas and/or spaces. An action is
 ``{stage}{kind}{micro-batch}``, torch.distributed.pipelining's CSV cells (``1F0``: stage 1's
-forward of micro-batch 0), or the way an :class:`~.actions.Action` prints (``F0@s1``). Kinds:
-``F`` (forward), ``B`` (the whole backward, or the input gradient where the schedule has ``W``),
-``I`` (the input gradient, torch's name for a split ``B``), ``W`` (the weight gradient), and the
-communication ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``. Empty cells, blank lines and ``#``
-comments are skipped. A compute written ``+`` first (``+0B2``) runs overlapped with the compute
-before it (DualPipe's F&B pairs).
+forward of micro-batch 0), or the way an :class:`~.actions.Action` prints (``F0@s1``). Kinds, as
+torch means them, mixed in one text as torch mixes them: ``F`` (forward), ``B`` (the whole
+backward), ``I`` (the input gradient) and ``W`` (the weight gradient), and the communication
+``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``. Empty cells, blank lines and ``#`` comments are
+skipped, and so are torch's ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` (the strategy gathers,
+frees and reduces a stage's parameters itself). A compute written ``+`` first (``+0B2``) runs
+overlapped with the compute before it, as does torch's ``(0F3;3B1)OVERLAP_F_B`` (DualPipe's F&B
+pairs).
 
 What the text does not say is derived from it: the stages and micro-batches are the numbers it
-uses, a stage lives on the line that computes it, a backward-free text is forward-only, a ``W``
-splits the backward, micro-batches that each pass through a different block of stages make
+uses, a stage lives on the line that computes it, a backward-free text is forward-only, an ``I``
+or a ``W`` splits the backward (each ``B`` of such a text runs as its input gradient and, at once,
+its weight gradient), micro-batches that each pass through a different block of stages make
 chains (Chimera). A text without communication gets each rank's sends and receives placed as the
 built-in schedules place theirs (:func:`~.comm.with_communication`); a text with communication
-runs it as written. :func:`format_schedule` writes every built-in schedule so that
+runs it as written, with the hand-overs between two stages of one line (which torch does not
+write) placed at their computes. :func:`format_schedule` writes every built-in schedule so that
 :func:`parse_schedule` reads back the same lists. Pure: no ``torch.distributed``.
 """
 
@@ -23,10 +27,11 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_pipe.schedules.actions import Action, ActionKind, Schedule
-from lightning_pipe.schedules.comm import with_communication
+from lightning_pipe.schedules.comm import needs, produces, with_communication
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import DeadlockError, simulate
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
@@ -38,7 +43,20 @@ _KINDS = {kind.value: kind for kind in ActionKind} | {"I": ActionKind.BACKWARD}
 _KIND = "SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W"
 _TORCH_CELL = re.compile(rf"(\d+)({_KIND})(-?\d+)")
 _OWN_CELL = re.compile(rf"({_KIND})(-?\d+)@s(\d+)")
+_OVERLAP_CELL = re.compile(r"\(([^()]*)\)OVERLAP_F_B")
+#: torch's actions on a stage's parameters (FSDP's gather and free, data parallelism's reduction): skipped
+_PARAMETER_CELL = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)")
 _RANK = re.compile(r"\brank (\d+)")
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """One compute or communication of a line as written: ``whole`` where it is a ``B`` (the whole
+    backward, which a split text runs as its B and W), ``join`` where it overlaps the one before."""
+
+    action: Action
+    join: bool = False
+    whole: bool = False
 
 
 class ScheduleTextError(InvalidScheduleError):
@@ -54,8 +72,8 @@ def is_schedule_text(spec: str) -> bool:
 
 def format_schedule(schedule: Schedule, compute_only: bool = False) -> str:
     """``schedule`` as text, one line per rank (torch.distributed.pipelining's CSV cells). A split
-    backward's input gradient is written ``I``, as torch writes it. ``compute_only`` leaves the
-    communication out, for the reader to place as the built-in schedules do."""
+    backward's input gradient is written ``I``, as torch writes it (``B`` is the whole backward).
+    ``compute_only`` leaves the communication out, for the reader to place as the built-in schedules do."""
     lines = []
     for rank, actions in enumerate(schedule.actions):
         joined = {a for unit in (schedule.overlapped[rank] if schedule.overlapped else ()) for a in unit[1:]}
@@ -72,32 +90,32 @@ def format_schedule(schedule: Schedule, compute_only: bool = False) -> str:
 def parse_schedule(text: str, name: str = "text") -> Schedule:
     """The :class:`Schedule` that ``text`` writes (see the module's docstring), not yet validated
     (:func:`load_schedule` validates). Raises :class:`ScheduleTextError` naming the line."""
-    rows: list[list[Action]] = []
-    joins: list[list[bool]] = []
+    cells: list[list[_Cell]] = []
     lines: list[int] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        actions, joined = [], []
-        for cell in re.split(r"[,\s]+", line):
-            if cell:
-                action, join = _cell(cell, number)
-                actions.append(action)
-                joined.append(join)
-        rows.append(actions)
-        joins.append(joined)
+        cells.append([c for cell in re.split(r"[,\s]+", line) if cell for c in _cells(cell, number)])
         lines.append(number)
-    if not rows:
+    if not any(cells):
         raise ScheduleTextError("the schedule text has no actions: write one line of actions per rank, such as 0F0,0B0")
+    # torch's meaning: B the whole backward, I the input gradient, W the weight gradient, mixed per action
+    split_backward = any(c.action.kind is ActionKind.WEIGHT or (c.action.kind is ActionKind.BACKWARD and not c.whole)
+                         for row in cells for c in row)  # fmt: skip
+    if split_backward:  # each whole backward as its input gradient, then at once its weight gradient
+        cells = [[d for c in row for d in _whole_split(c)] for row in cells]
+    rows = [[c.action for c in row] for row in cells]
+    joins = [[c.join for c in row] for row in cells]
     compute = [[a for a in row if a.kind.is_compute] for row in rows]
     stage_to_rank = _placement(compute, lines)
     num_stages = len(stage_to_rank)
     num_microbatches = max(1, max(a.microbatch for row in rows for a in row) + 1)  # below 0: refused on loading
     chains, chain_of = _chains(compute, num_stages, num_microbatches)
     units = _units(rows, joins, lines)
-    split_backward = any(a.kind is ActionKind.WEIGHT for row in compute for a in row)
     forward_only = not any(a.kind is ActionKind.BACKWARD for row in compute for a in row)
+    if not all(a.kind.is_compute for row in rows for a in row):
+        rows = _with_hand_overs(rows, stage_to_rank, num_stages // chains)
     if all(a.kind.is_compute for row in rows for a in row):
         return with_communication(
             name, compute, num_stages, num_microbatches, stage_to_rank, forward_only, split_backward,
@@ -162,6 +180,28 @@ def _checked(text: str, name: str) -> Schedule:
     return schedule
 
 
+def first_microbatches(schedule: Schedule, num_microbatches: int) -> Schedule:
+    """``schedule`` for its first ``num_microbatches`` micro-batches only (a short last batch, which
+    splits into fewer than the text numbers): every action of the others left out, each rank's order
+    otherwise as written; an overlapped unit that loses a member runs what is left one compute after
+    the other. Each remaining action waits for what it waited for before, or less, so under gloo's
+    model a text that finishes still does (:func:`~.validate.validate` checks it again)."""
+    if num_microbatches >= schedule.num_microbatches:
+        return schedule
+    kept = [tuple(a for a in actions if a.microbatch < num_microbatches) for actions in schedule.actions]
+    units = tuple(
+        tuple(unit for unit in mine if all(a.microbatch < num_microbatches for a in unit))
+        for mine in schedule.overlapped
+    )
+    return replace(
+        schedule,
+        num_microbatches=num_microbatches,
+        actions=tuple(kept),
+        chain_of=schedule.chain_of[:num_microbatches],
+        overlapped=units if any(units) else (),
+    )
+
+
 def forward_like_text(schedule: Schedule, num_microbatches: int, rendezvous: bool = False) -> Schedule:
     """Evaluation on a schedule text's stages, for any micro-batch count: the first order that
     finishes, with its communication regrouped where point-to-point calls rendezvous (NCCL) and it
@@ -211,7 +251,23 @@ def _earliest_first(schedule: Schedule, num_microbatches: int, deeper: bool) -> 
     return order
 
 
-def _cell(cell: str, line: int) -> tuple[Action, bool]:
+def _cells(cell: str, line: int) -> list[_Cell]:
+    """What one cell writes: an action, none (torch's actions on a stage's parameters), or the
+    computes of torch's overlapped pair, the later ones joined to the first."""
+    if _PARAMETER_CELL.fullmatch(cell):
+        return []
+    if match := _OVERLAP_CELL.fullmatch(cell):
+        parts = [part.strip() for part in match.group(1).split(";") if part.strip()]
+        if not parts:
+            raise ScheduleTextError(f"line {line}: {cell!r} overlaps no compute: write (0F3;3B1)OVERLAP_F_B")
+        pair = [_cell(part, line) for part in parts]
+        if not all(c.action.kind.is_compute for c in pair):
+            raise ScheduleTextError(f"line {line}: {cell!r}: an overlapped pair holds computes (F, B, I, W) only")
+        return [replace(c, join=k > 0) for k, c in enumerate(pair)]
+    return [_cell(cell, line)]
+
+
+def _cell(cell: str, line: int) -> _Cell:
     join = cell.startswith("+")
     body = cell[1:] if join else cell
     if match := _TORCH_CELL.fullmatch(body):
@@ -221,12 +277,41 @@ def _cell(cell: str, line: int) -> tuple[Action, bool]:
     else:
         raise ScheduleTextError(
             f"line {line}: {cell!r} is not an action. Write {{stage}}{{kind}}{{micro-batch}} such as 1F0 (stage 1's "
-            "forward of micro-batch 0) or F0@s1; kinds: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B."
+            "forward of micro-batch 0) or F0@s1; kinds: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (torch's "
+            "UNSHARD, RESHARD and REDUCE_GRAD are skipped, its (0F3;3B1)OVERLAP_F_B read as an overlapped pair)."
         )
     action = Action(_KINDS[kind], int(stage), int(microbatch))
     if join and not action.kind.is_compute:
         raise ScheduleTextError(f"line {line}: {cell!r}: only a compute (F, B, I, W) joins an overlapped unit ('+')")
-    return action, join
+    return _Cell(action, join, whole=kind == "B")
+
+
+def _whole_split(cell: _Cell) -> list[_Cell]:
+    """A whole backward (``B``) in a text whose backward is split: its input gradient, then its weight
+    gradient at once (in the same overlapped unit where it is in one): what ``B`` computes, in two."""
+    if not cell.whole:
+        return [cell]
+    a = cell.action
+    return [_Cell(a, cell.join), _Cell(Action(ActionKind.WEIGHT, a.stage, a.microbatch), cell.join)]
+
+
+def _with_hand_overs(rows: Sequence[Sequence[Action]], stage_to_rank: Sequence[int], length: int) -> list[list[Action]]:
+    """Each line with the hand-overs between two of its own stages that it does not write (torch's
+    texts leave them out): the send right after the compute that produces it, the receive right
+    before the compute that needs it."""
+    out: list[list[Action]] = []
+    for row in rows:
+        written = set(row)
+        actions: list[Action] = []
+        for action in row:
+            if not action.kind.is_compute:
+                actions.append(action)
+                continue
+            missing = [a for a in (*needs(action, length), *produces(action, length)) if a not in written]
+            local = [a for a in missing if stage_to_rank[a.peer_stage()] == stage_to_rank[a.stage]]
+            actions += [a for a in local if a.kind.is_recv] + [action] + [a for a in local if a.kind.is_send]
+        out.append(actions)
+    return out
 
 
 def _placement(compute: Sequence[Sequence[Action]], lines: Sequence[int]) -> list[int]:

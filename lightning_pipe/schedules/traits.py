@@ -19,7 +19,7 @@ from lightning_pipe.schedules.families.dualpipe import dualpipev, dualpipev_min_
 from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.families.sync import gpipe, one_f_one_b
 from lightning_pipe.schedules.families.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
-from lightning_pipe.schedules.text import ScheduleTextError, is_schedule_text, load_schedule
+from lightning_pipe.schedules.text import ScheduleTextError, first_microbatches, is_schedule_text, load_schedule
 
 #: The schedule ``PipelineStrategy`` runs unless told otherwise.
 DEFAULT_SCHEDULE = "1f1b"
@@ -227,7 +227,8 @@ def traits(name: str) -> ScheduleTraits:
 
 def text_traits(spec: str) -> ScheduleTraits:
     """A schedule text's traits: synchronous; its stages where it computes them, as many on each
-    rank; its backward split where it has W; its own micro-batch count only. Refuses, before any
+    rank; its backward split where it has I or W; its own micro-batch count (a short last batch runs its
+    first micro-batches: :func:`~.text.first_microbatches`). Refuses, before any
     process runs it, a text that training cannot run."""
     return _text_traits(spec, load_schedule(spec))
 
@@ -255,21 +256,22 @@ def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
         virtual_stages=held[0],
         placement="text",
         planned=False,
-        min_chunks=lambda _ranks: schedule.num_microbatches,
         overlaps=bool(schedule.overlapped),
         text=schedule,
     )
 
 
 def _text_schedule(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Schedule:
-    if (num_ranks, num_microbatches) != (schedule.num_ranks, schedule.num_microbatches):
+    """The text's schedule for a run of ``num_ranks`` and a batch of ``num_microbatches``: as written, or,
+    for a short last batch that splits into fewer, with the missing micro-batches' actions left out."""
+    if num_ranks != schedule.num_ranks or not 1 <= num_microbatches <= schedule.num_microbatches:
         raise ScheduleTextError(
             f"schedule text {schedule.name!r} is written for {schedule.num_ranks} pipeline stages (lines) and "
             f"{schedule.num_microbatches} micro-batches; asked for {num_ranks} and {num_microbatches}. Give "
-            f"stages={schedule.num_ranks} and chunks={schedule.num_microbatches} (with a short last batch, "
-            "drop_last=True in the DataLoader), or write the text for this run."
+            f"stages={schedule.num_ranks} and chunks={schedule.num_microbatches} (a short last batch runs the "
+            "text's first micro-batches), or write the text for this run."
         )
-    return schedule
+    return first_microbatches(schedule, num_microbatches)
 
 
 def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:

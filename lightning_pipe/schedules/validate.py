@@ -24,7 +24,9 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     stages of one rank, the send comes
     first in the rank's list); and the whole
     schedule finishes under the strict communication model of :mod:`.simulate` (NCCL's rendezvous;
-    with ``rendezvous`` false, gloo's, where sends and receives proceed independently)."""
+    with ``rendezvous`` false, gloo's, where sends and receives proceed independently). With
+    ``rendezvous``, also: between every two ranks the receives come in the order of the sends
+    (NCCL pairs a rank's messages to another in posting order; gloo pairs them by micro-batch)."""
     _check_layout(schedule)
     seen: Counter[Action] = Counter()
     sends: set[Action] = set()
@@ -36,10 +38,39 @@ def validate(schedule: Schedule, rendezvous: bool = True) -> None:
     unmatched = [a for a in sends if a.matching() not in recvs] + [a for a in recvs if a.matching() not in sends]
     if unmatched:
         raise InvalidScheduleError(f"unmatched communication: {sorted(str(a) for a in unmatched)}")
+    if rendezvous:
+        _check_posting_order(schedule)
     try:
         simulate(schedule, rendezvous=rendezvous)
     except DeadlockError as err:
         raise InvalidScheduleError(str(err)) from err
+
+
+def _check_posting_order(schedule: Schedule) -> None:
+    """Between each two ranks, each direction's messages received in the order they are sent: where
+    point-to-point calls rendezvous (NCCL) they pair in posting order, so a receive posted for one
+    micro-batch would get another's tensors."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    received: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if action.kind.is_compute or schedule.is_local(action):
+                continue
+            peer = schedule.rank_of(action.peer_stage())
+            if action.kind.is_send:
+                sent.setdefault((rank, peer), []).append(action)
+            else:
+                received.setdefault((peer, rank), []).append(action.matching())
+    for (source, target), order in sorted(sent.items()):
+        theirs = received.get((source, target), [])
+        if order != theirs:
+            at = next(k for k, (a, b) in enumerate(zip(order, theirs)) if a != b)
+            raise InvalidScheduleError(
+                f"rank {source} sends {order[at]} where rank {target} receives {theirs[at].matching()} (message "
+                f"{at} from rank {source} to rank {target}): where point-to-point calls rendezvous (NCCL) a rank's "
+                "messages to another meet its receives in the order both post them, so the two ranks must take "
+                "those micro-batches in the same order"
+            )
 
 
 def _check_layout(schedule: Schedule) -> None:

@@ -39,3 +39,28 @@ def test_host_staging_sends_and_receives_copies_in_host_memory() -> None:
     assert arrived.data_ptr() != buffers[0].data_ptr()  # copied to the rank's device (here: a host copy)
     direct = Transport([0, 1], torch.device("cpu"))
     assert direct.arrived(buffers) is buffers
+
+
+def test_each_micro_batch_has_its_own_tag_on_each_stream() -> None:
+    """A message meets the receive of the micro-batch it carries: the two ends name the same tag, and
+    no two (stream, micro-batch) share one (in gloo's 32-bit range)."""
+    from lightning_pipe.runtime.p2p import Transport
+
+    transport = Transport([0, 1, 0, 1], torch.device("cpu"))
+    x = torch.randn(2, 3)
+    for microbatch in range(4):
+        (sent,) = transport.gradient_send_ops(1, [x], microbatch)
+        (received,) = transport.gradient_recv_ops(2, [x], microbatch)[1]
+        assert sent.tag == received.tag
+    assert transport.gradient_send_ops(1, [x], 2)[0].tag != transport.gradient_send_ops(1, [x], 3)[0].tag
+    streams = 2 * 4 + 4 * 4 * 4
+    tags = {transport.tag(stream, i) for stream in range(streams) for i in range(64)}
+    assert len(tags) == streams * 64 and max(tags) < 2**31
+    assert 0 <= transport.tag(streams - 1, 10**12) < 2**31  # the asynchronous schedules' global numbers wrap
+
+
+def test_a_new_shapes_header_is_named_by_the_first_micro_batch_with_those_shapes() -> None:
+    from lightning_pipe.runtime.executor import first_alike
+
+    assert first_alike([(3,), (1,), (3,), (1,)]) == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert first_alike({9: (1,), 8: (2,), 10: (1,)}) == {8: 8, 9: 9, 10: 9}

@@ -11,15 +11,20 @@ import pytest
 
 from lightning_pipe.schedules import (
     REGROUPED_FOR_RENDEZVOUS,
+    Action,
     DeadlockError,
+    InvalidScheduleError,
     RendezvousError,
     Schedule,
     build,
     for_rendezvous,
     forward_only_like,
+    load_schedule,
     simulate,
     validate,
 )
+from lightning_pipe.schedules.rendezvous import in_sending_order
+from lightning_pipe.schedules.runnable import runnable_schedule
 
 
 def _regroups(name: str, p: int, m: int) -> bool:
@@ -125,3 +130,56 @@ def test_too_few_microbatches_is_refused_with_the_reason() -> None:
     executor reads that input's shape header before it posts the step's send."""
     with pytest.raises(RendezvousError, match="rendezvous"):
         build("interleaved_1f1b", 2, 1, 2, rendezvous=True)
+
+
+def _pairs_in_order(schedule: Schedule) -> bool:
+    """Whether between every two ranks the receives come in the order of the sends (NCCL's pairing)."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    got: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.kind.is_compute or schedule.is_local(a):
+                continue
+            peer = schedule.rank_of(a.peer_stage())
+            if a.kind.is_send:
+                sent.setdefault((rank, peer), []).append(a)
+            else:
+                got.setdefault((peer, rank), []).append(a.matching())
+    return sent == got
+
+
+def test_each_groups_receives_are_posted_in_their_senders_order() -> None:
+    """Rank 1 posts one group receiving micro-batch 1, then 0, where rank 0 sends 0, then 1: under NCCL
+    (pairing by posting order) 0's tensors would fill 1's buffers. The schedule that runs posts them as
+    sent; regrouped schedules come so (interleaved zero bubble, 2 processes, 3 micro-batches: one group
+    of rank 0 receives B0 from stage 3 and F2 from stage 1, which rank 1 sends F2 first)."""
+    text = "0F0,0F1,0SEND_F0,0SEND_F1,0RECV_B0,0RECV_B1,0B0,0B1\n1RECV_F1,1RECV_F0,1F0,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n"
+    written = load_schedule(text)
+    assert not _pairs_in_order(written)
+    with pytest.raises(InvalidScheduleError, match="the two ranks must take those micro-batches in the same order"):
+        validate(written, rendezvous=True)
+    ordered = in_sending_order(written)
+    assert _pairs_in_order(ordered)
+    assert str(ordered.actions[1][0]) == "RECV_F0@s1" and ordered.actions[0] == written.actions[0]
+    assert [sorted(map(str, a)) for a in ordered.actions] == [sorted(map(str, a)) for a in written.actions]
+    validate(runnable_schedule(text, text, 2, 2, 1, rendezvous=True), rendezvous=True)
+    assert _pairs_in_order(build("interleaved_zero_bubble", 2, 3, 2, rendezvous=True))
+
+
+@pytest.mark.parametrize("name", sorted(REGROUPED_FOR_RENDEZVOUS | {"1f1b", "gpipe", "zero_bubble"}))
+def test_every_schedule_that_runs_under_nccl_pairs_its_messages_in_order(name: str) -> None:
+    for p, m, v in _cases(name, range(2, 5), 2):
+        try:
+            schedule = runnable_schedule(name, name, p, m, v, rendezvous=True)
+        except ValueError:  # a count or depth the schedule refuses
+            continue
+        assert _pairs_in_order(schedule), (name, p, m, v)
+
+
+def test_messages_received_across_groups_in_another_order_are_refused_under_nccl() -> None:
+    """Rank 1 receives micro-batch 1, then 0, each in a group of its own, where rank 0 sends 0, then 1:
+    gloo pairs them by micro-batch; NCCL, by posting order, would swap them: refused, naming both."""
+    text = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B1,0RECV_B0,0B1,0B0\n1RECV_F1,1F1,1RECV_F0,1F0,1B1,1SEND_B1,1B0,1SEND_B0\n"
+    schedule = load_schedule(text)  # runs under gloo
+    with pytest.raises(InvalidScheduleError, match=r"rank 0 sends SEND_F0@s0 where rank 1 receives RECV_F1@s1"):
+        validate(schedule, rendezvous=True)

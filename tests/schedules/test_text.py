@@ -26,6 +26,7 @@ from lightning_pipe.schedules import (
 from lightning_pipe.schedules.__main__ import main
 from lightning_pipe.schedules.runnable import ScheduleRefused, runnable_schedule
 from lightning_pipe.schedules.text import forward_like_text
+from tests.torch_texts import TORCH_SCHEDULES, torch_text
 
 GRID = [(ranks, m) for ranks in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8)]
 
@@ -81,8 +82,11 @@ def test_a_hand_written_1f1b_is_the_built_in_one_and_has_its_traits() -> None:
         stage_positions(ONE_F_ONE_B, 4, 1)  # a run with another depth, refused when its layout is known
     config = PipelineConfig(schedule=ONE_F_ONE_B)
     assert (config.num_microbatches(2), config.virtual_stages) == (4, 1)
-    with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 3"):
-        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch
+    short = runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch: 3 of 4
+    assert short.num_microbatches == 3
+    assert short.actions == tuple(tuple(a for a in actions if a.microbatch < 3) for actions in built.actions)
+    with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 5"):
+        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 5, 1, rendezvous=False)
 
 
 def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) -> None:
@@ -169,3 +173,101 @@ def test_the_command_checks_a_file_and_prints_its_timeline(tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         main([str(tmp_path / "bad.txt")])
     assert "schedule text 'bad.txt'" in capsys.readouterr().err
+
+
+def test_b_is_the_whole_backward_i_and_w_its_halves_mixed_in_one_text() -> None:
+    """torch's meaning: rank 0 runs B0 whole and B1 as I1 and W1; rank 1 the other way round. A split
+    text runs each B as its input gradient and, at once, its weight gradient."""
+    schedule = load_schedule("0F0,0F1,0B0,0I1,0W1\n1F0,1I0,1W0,1F1,1B1\n")
+    assert schedule.split_backward
+    assert [str(a) for a in schedule.compute(0)] == ["F0@s0", "F1@s0", "B0@s0", "W0@s0", "B1@s0", "W1@s0"]
+    assert [str(a) for a in schedule.compute(1)] == ["F0@s1", "B0@s1", "W0@s1", "F1@s1", "B1@s1", "W1@s1"]
+    assert not load_schedule("0F0,0B0\n1F0,1B0\n").split_backward  # B alone: the whole backward, unsplit
+    with pytest.raises(ScheduleTextError, match=r"missing \['W0@s0', 'W0@s1'\]"):
+        load_schedule("0F0,0I0\n1F0,1I0\n")  # an input gradient without its weight gradient
+
+
+@pytest.mark.parametrize("communication", [False, True])
+def test_torch_s_dualpipev_text_is_the_built_in_dualpipev(communication: bool) -> None:
+    """torch's ScheduleDualPipeV writes B for the micro-batches it runs whole (in its F&B pairs,
+    ``(0F3;3B1)OVERLAP_F_B``) and I and W for the others: read as torch means them, its text runs the
+    built-in's computes and overlapped units."""
+    for ranks, chunks in [(2, 4), (2, 7), (4, 8)]:
+        schedule = load_schedule(torch_text("ScheduleDualPipeV", ranks, chunks, communication=communication))
+        built = build("dualpipev", ranks, chunks)
+        assert [schedule.compute(r) for r in range(ranks)] == [built.compute(r) for r in range(ranks)]
+        assert schedule.overlapped == built.overlapped and schedule.stage_to_rank == built.stage_to_rank
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_SCHEDULES))
+def test_every_torch_schedule_s_text_loads_or_is_refused_naming_the_line(name: str) -> None:
+    """Compute only and with torch's communication (its UNSHARD, RESHARD and REDUCE_GRAD skipped, the
+    hand-overs between one rank's stages placed): each loads, validated under gloo and NCCL, with the
+    stages, micro-batches and split backward torch wrote; torch's 1F1B order (its last rank from
+    micro-batch 1) is refused, as torch's runtime refuses it."""
+    for ranks, chunks in [(2, 4), (3, 6), (4, 8)]:
+        for communication in (False, True):
+            if name == "Schedule1F1B":
+                with pytest.raises(ScheduleTextError, match=rf"line {ranks} \(rank {ranks - 1}\).*before its forward"):
+                    load_schedule(torch_text(name, ranks, chunks))
+                break
+            text = torch_text(name, ranks, chunks, communication=communication)
+            schedule = load_schedule(text)
+            v = TORCH_SCHEDULES[name] or 2
+            assert (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches) == (ranks, ranks * v, chunks)
+            assert schedule.split_backward == any(kind in text for kind in ("I", "W"))
+            assert ("UNSHARD" in text) == communication  # skipped where written
+            runnable_schedule(text, text, ranks, chunks, v, rendezvous=True)
+
+
+def test_torch_s_parameter_actions_are_skipped_and_its_hand_overs_placed() -> None:
+    text = torch_text("ScheduleZBVZeroBubble", 2, 4, communication=True)
+    assert "1SEND_F0" not in text and "2RECV_F0" not in text  # stage 1 hands over to stage 2 on rank 1
+    schedule = load_schedule(text)
+    rank1 = [str(a) for a in schedule.actions[1]]
+    assert rank1.index("SEND_F0@s1") == rank1.index("F0@s1") + 1 and "RECV_F0@s2" in rank1
+    assert rank1.index("RECV_F0@s2") < rank1.index("F0@s2")
+    with pytest.raises(ScheduleTextError, match=r"'\(0F1;0SEND_F0\)OVERLAP_F_B': an overlapped pair holds computes"):
+        load_schedule("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n")
+
+
+@pytest.mark.parametrize("name", sorted(set(TORCH_SCHEDULES) - {"Schedule1F1B"}))
+def test_a_short_last_batch_runs_the_text_s_first_micro_batches(name: str) -> None:
+    """A batch that splits into fewer micro-batches than the text numbers runs the text without the
+    others' actions: under gloo every count from 1 runs, for every torch text; an overlapped pair that
+    loses a member runs what is left one compute after the other."""
+    for ranks, chunks in [(2, 6), (4, 8)]:
+        for communication in (False, True):
+            text = torch_text(name, ranks, chunks, communication=communication)
+            whole = load_schedule(text)
+            for m in range(1, chunks):
+                short = runnable_schedule(text, text, ranks, m, whole.virtual_stages, rendezvous=False)
+                assert short.num_microbatches == m
+                for rank in range(ranks):
+                    assert list(short.actions[rank]) == [a for a in whole.actions[rank] if a.microbatch < m]
+                units = [u for mine in short.overlapped for u in mine]
+                assert all(a.microbatch < m for u in units for a in u)
+                assert len(units) == sum(all(a.microbatch < m for a in u) for mine in whole.overlapped for u in mine)
+
+
+def test_an_order_nccl_cannot_pair_is_refused_saying_what_to_change() -> None:
+    """Rank 1 forwards micro-batch 1 first, rank 0 sends 0 first: gloo pairs each message with its
+    micro-batch; under NCCL no regrouping runs it, refused naming the text and the remedies."""
+    text = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n"
+    runnable_schedule(text, text, 2, 4, 1, rendezvous=False)
+    with pytest.raises(
+        ScheduleRefused, match=r"schedule text 'text' with 4 of its 4 micro-batches cannot run under NCCL"
+    ):
+        runnable_schedule(text, text, 2, 4, 1, rendezvous=True)
+    with pytest.raises(ScheduleRefused, match="take the micro-batches they exchange in the same order, drop_last=True"):
+        runnable_schedule(text, text, 2, 3, 1, rendezvous=True)
+
+
+def test_a_reordering_that_deadlocks_is_refused_before_launch() -> None:
+    """Rank 1 wants micro-batch 1 first, which rank 0 sends only after micro-batch 0's backward, which
+    waits for rank 1: refused when the strategy is built, saying where each rank waits."""
+    text = "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n"
+    with pytest.raises(
+        ScheduleTextError, match=r"deadlocks: line 1 \(rank 0\) at B0@s0 .*; line 2 \(rank 1\) at RECV_F1@s1"
+    ):
+        PipelineConfig(schedule=text)
