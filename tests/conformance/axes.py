@@ -8,6 +8,7 @@ alone (:func:`refusal`): the runner checks the run is refused before training, w
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import os
@@ -15,10 +16,47 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from lightning_pipe.schedules.traits import TRAITS, ScheduleTraits
+from lightning_pipe.schedules.traits import TRAITS, ScheduleTraits, traits
 
-#: every schedule the strategy runs, in the table's order
-SCHEDULES: tuple[str, ...] = tuple(TRAITS)
+#: torch.distributed.pipelining's own schedule, given as the text its ``_dump_csv`` writes (built at test time
+#: from torch's class, at the cell's processes and micro-batches: two stages per process, I and W split)
+TORCH_TEXT = "torch_text"
+TORCH_CLASS = "ScheduleInterleavedZeroBubble"
+
+
+def _torch_has_it() -> bool:
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:
+        return False
+    return hasattr(schedules, TORCH_CLASS)
+
+
+#: every schedule the strategy runs, in the table's order, then torch's own text (where this torch has it)
+SCHEDULES: tuple[str, ...] = (*TRAITS, *((TORCH_TEXT,) if _torch_has_it() else ()))
+
+
+def microbatches(schedule: str, positions: int) -> int:
+    """A cell's micro-batches: 2 per stage (the strategy's default: a stage holds several at once), more where
+    a schedule needs more."""
+    t = TRAITS.get(schedule)
+    return max(2 * positions, t.min_chunks(positions) if t is not None and t.min_chunks else 1)
+
+
+@functools.cache
+def torch_text(positions: int, chunks: int) -> str:
+    from tests.torch_texts import torch_text as written
+
+    return written(TORCH_CLASS, positions, chunks)
+
+
+def schedule_argument(schedule: str, positions: int) -> str:
+    """What the cell gives as ``schedule=``: a built-in's name, or torch's text for the cell's processes."""
+    return torch_text(positions, microbatches(schedule, positions)) if schedule == TORCH_TEXT else schedule
+
+
+def schedule_traits(schedule: str, positions: int) -> ScheduleTraits:
+    return traits(schedule_argument(schedule, positions))
 
 
 @dataclass(frozen=True)
@@ -146,7 +184,7 @@ class Cell:
 
     @property
     def traits(self) -> ScheduleTraits:
-        return TRAITS[self.schedule]
+        return schedule_traits(self.schedule, self.layout.positions)
 
 
 #: the refusal of values recorded by blocks under a schedule that does not carry them: the only one that
@@ -336,7 +374,7 @@ def references() -> list[Cell]:
     stage per process, no event that changes the run (``runner._delayed_rule`` writes the rule out for it)."""
     event = next(e for e in EVENTS if e.name == "fit_predict_test")
     layout, model = next(x for x in LAYOUTS if x.name == "p2"), next(m for m in MODELS if m.name == "sequential")
-    return [Cell(s, event, layout, model) for s in SCHEDULES if TRAITS[s].asynchronous]
+    return [Cell(s, event, layout, model) for s in SCHEDULES if schedule_traits(s, layout.positions).asynchronous]
 
 
 SEED_VARIABLE, CELL_VARIABLE = "LIGHTNING_PIPE_MATRIX_SEED", "LIGHTNING_PIPE_MATRIX_CELLS"

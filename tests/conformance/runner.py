@@ -22,7 +22,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.conformance.axes import RECORDS_REFUSED, Cell, Event, Layout, Model, refusal
+from tests.conformance.axes import (
+    RECORDS_REFUSED,
+    Cell,
+    Event,
+    Layout,
+    Model,
+    microbatches,
+    refusal,
+    schedule_argument,
+    schedule_traits,
+)
 from tests.conformance.models import BATCH, build, data, strategy_options
 from tests.models import fit_plain, plain_trainer
 from tests.pipeline import fit_pipeline
@@ -105,12 +115,11 @@ def _fresh(model: Model, scheduler: bool) -> L.LightningModule:
 
 
 def _options(schedule: str, layout: Layout, model: Model, event: Event | None = None) -> dict[str, Any]:
-    from lightning_pipe.schedules.traits import TRAITS
-
-    t = TRAITS[schedule]
-    # more micro-batches than stages (the strategy's default, 2 per stage): a stage holds several at once
-    chunks = max(2 * layout.positions, t.min_chunks(layout.positions) if t.min_chunks else 1)
-    options: dict[str, Any] = dict(schedule=schedule, chunks=chunks, **strategy_options(model))
+    t = schedule_traits(schedule, layout.positions)
+    chunks = microbatches(schedule, layout.positions)
+    options: dict[str, Any] = dict(
+        schedule=schedule_argument(schedule, layout.positions), chunks=chunks, **strategy_options(model)
+    )
     if layout.stages is not None:
         options.update(stages=layout.stages, data_parallel=layout.data_parallel)
     if layout.rank_order is not None:
@@ -266,9 +275,8 @@ def _delayed_rule(schedule: str, layout: Layout, model: Model) -> dict[str, torc
     block container, the one with parameters outside the split or a frozen norm), without replicas: the
     one-process reference of ``tests/async_reference.py`` with the strategy's defaults (PipeMare's
     rescheduling over 1000 updates and its correction), the pipeline drained at each epoch's end."""
-    from lightning_pipe.schedules.traits import TRAITS
 
-    t = TRAITS[schedule]
+    t = schedule_traits(schedule, layout.positions)
     plain_chain = layout.virtual_stages is None and layout.replicas_sync is None and not layout.elastic
     # without replicas: the rows of a replica's micro-batch i are not those of the whole batch's
     predicting = (t.predicts_weights or t.predicts_ahead) and layout.stages is None
