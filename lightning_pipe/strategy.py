@@ -28,7 +28,7 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import internals, nothing_to_train, random_states
+from lightning_pipe.trainer import internals, nothing_to_train, random_states, stopping
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
@@ -158,6 +158,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_automatic_optimization(module)
+            stopping.agree_on_stops(trainer)  # should_stop set on one rank stops every rank at the same step
         measure = (self.root_device, self.batch_to_device, self.broadcast, self.precision_plugin.train_step_context)
         self._split = split_module(module, self.config, self.layout, self.global_rank, *measure, previous=self._split)
         self.config = self._split.config
