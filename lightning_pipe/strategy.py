@@ -32,6 +32,7 @@ from lightning_pipe.trainer import internals, nothing_to_train, random_states, s
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization
 from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
+from lightning_pipe.trainer.dataloaders.resume_data import give_saved_position
 from lightning_pipe.trainer.launch import failures, restarts, signals
 from lightning_pipe.trainer.launch.launcher import Gathering, launcher_for
 from lightning_pipe.trainer.launch.processes import ProcessStrategy
@@ -215,6 +216,11 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     def steps(self) -> PipelineSteps:
         assert self._steps is not None, "the strategy runs steps once the Trainer has set it up"
         return self._steps
+
+    def on_train_start(self) -> None:
+        """A training loader built before the checkpoint was restored gets its saved position here."""
+        if self.lightning_module is not None:
+            give_saved_position(self.lightning_module.trainer, self._rng.at_data)
 
     def on_validation_start(self) -> None:
         self.steps.finish_in_flight()
