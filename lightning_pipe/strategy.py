@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -30,7 +31,7 @@ from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
 from lightning_pipe.trainer import internals, nothing_to_train, random_states, stopping
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
-from lightning_pipe.trainer.compatibility import check_automatic_optimization
+from lightning_pipe.trainer.compatibility import check_automatic_optimization, check_correction_optimizers
 from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
 from lightning_pipe.trainer.dataloaders.resume_data import give_saved_position
 from lightning_pipe.trainer.launch import failures, restarts, signals
@@ -179,6 +180,8 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         if fitting:
             internals.optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
+            if (said := check_correction_optimizers(self.config.delay_correction, self.optimizers)) is not None:
+                rank_zero_warn(said)
         across_stages(self.precision_plugin, self.clip_grad_norm_)  # clipping by the global norm, one scaler verdict
 
     def teardown(self) -> None:
