@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineStrategy
-from tests.models import LifecycleNet, RecordEpochs, RecordMetrics, fit_plain, loader, trainer_kwargs
-from tests.pipeline import assert_same_weights, twins
+from tests.models import LifecycleNet, RecordEpochs, RecordMetrics, TinyNet, fit_plain, loader, trainer_kwargs
+from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,3 +86,22 @@ def test_should_stop_on_one_rank_stops_every_rank_at_the_step_plain_training_sto
         for r in range(devices):
             metrics = json.loads((tmp_path / f"rank{r}.json").read_text())
             assert metrics["val_loss"] == pytest.approx(float(reference.callback_metrics["val_loss"]), rel=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_an_asynchronous_schedule_stopped_on_one_rank_ends_as_max_steps_at_that_step(
+    tmp_path: Path, schedule: str
+) -> None:
+    """The work in flight when rank 0 stops mid-epoch is handled as at ``max_steps``: the same weights."""
+    torch.manual_seed(0)
+    stopped, limited = twins(TinyNet(optimizer="plain-sgd"))
+    options: dict[str, Any] = dict(schedule=schedule, chunks=2, timeout=timedelta(seconds=30))
+    fit_pipeline(limited, 2, max_steps=3, **{k: v for k, v in options.items() if k != "timeout"})
+    strategy = PipelineStrategy(start_method="fork", **options)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, callbacks=[StopAt(3, 0, "step"), RecordEpochs(str(tmp_path))],
+        **trainer_kwargs(max_steps=-1, max_epochs=3),
+    )  # fmt: skip
+    trainer.fit(stopped, loader())
+    assert [json.loads((tmp_path / f"end{r}.json").read_text())["global_step"] for r in range(2)] == [3, 3]
+    assert_same_weights(limited, stopped, rtol=0, atol=0)
