@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -28,10 +29,11 @@ from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
-from lightning_pipe.trainer import internals, nothing_to_train, random_states
+from lightning_pipe.trainer import internals, nothing_to_train, random_states, stopping
 from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
-from lightning_pipe.trainer.compatibility import check_automatic_optimization
+from lightning_pipe.trainer.compatibility import check_automatic_optimization, check_correction_optimizers
 from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
+from lightning_pipe.trainer.dataloaders.resume_data import give_saved_position
 from lightning_pipe.trainer.launch import failures, restarts, signals
 from lightning_pipe.trainer.launch.launcher import Gathering, launcher_for
 from lightning_pipe.trainer.launch.processes import ProcessStrategy
@@ -158,6 +160,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_automatic_optimization(module)
+            stopping.agree_on_stops(trainer)  # should_stop set on one rank stops every rank at the same step
         measure = (self.root_device, self.batch_to_device, self.broadcast, self.precision_plugin.train_step_context)
         self._split = split_module(module, self.config, self.layout, self.global_rank, *measure, previous=self._split)
         self.config = self._split.config
@@ -177,6 +180,8 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         if fitting:
             internals.optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
+            if (said := check_correction_optimizers(self.config.delay_correction, self.optimizers)) is not None:
+                rank_zero_warn(said)
         across_stages(self.precision_plugin, self.clip_grad_norm_)  # clipping by the global norm, one scaler verdict
 
     def teardown(self) -> None:
@@ -214,6 +219,11 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
     def steps(self) -> PipelineSteps:
         assert self._steps is not None, "the strategy runs steps once the Trainer has set it up"
         return self._steps
+
+    def on_train_start(self) -> None:
+        """A training loader built before the checkpoint was restored gets its saved position here."""
+        if self.lightning_module is not None:
+            give_saved_position(self.lightning_module.trainer, self._rng.at_data)
 
     def on_validation_start(self) -> None:
         self.steps.finish_in_flight()

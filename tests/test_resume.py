@@ -155,3 +155,46 @@ def test_a_plain_lightning_checkpoint_resumes_under_the_pipeline_with_its_optimi
     fit_plain(whole, data, max_steps=-1, max_epochs=3)
     assert_same_weights(whole, resumed)
     assert not torch.equal(first.layers[0].weight, resumed.layers[0].weight)  # the third epoch trained
+
+
+class OneCycleNet(TinyNet):
+    """Sizes its OneCycleLR by ``trainer.estimated_stepping_batches``, as Lightning documents: reading it
+    makes Lightning build the training DataLoader before the checkpoint's loop state is restored."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _assert_same_checkpoint(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["global_step"] == b["global_step"]
+    torch.testing.assert_close(a["state_dict"], b["state_dict"], rtol=0, atol=0)
+    torch.testing.assert_close(a["optimizer_states"], b["optimizer_states"], rtol=0, atol=0)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+@pytest.mark.parametrize(("step", "workers"), [(3, 0), (6, 0), (9, 1)], ids=["mid_epoch", "epoch_end", "workers"])
+def test_a_schedule_sized_by_estimated_stepping_batches_resumes_exactly(
+    tmp_path: Path, step: int, workers: int
+) -> None:
+    """Saved after 3 of the first epoch's 6 batches, at its end, or in the second epoch with a worker (which
+    draws batches as its iterator is made), and resumed: the loader built while ``configure_optimizers`` reads
+    ``estimated_stepping_batches`` (before the restore) still gets the saved position, so the resumed run
+    reads on from there (not from the epoch's first batch) and ends with the uninterrupted run's weights,
+    momentum buffers and schedule."""
+    L.seed_everything(0)
+    uninterrupted = OneCycleNet()
+    initial = uninterrupted.state_dict()
+    fit = dict(chunks=2, max_steps=-1, max_epochs=2, enable_checkpointing=True)  # 12 steps, sized from the data
+    saves = ModelCheckpoint(dirpath=tmp_path / "a", filename="{step}", save_top_k=-1, every_n_train_steps=3)
+    fit_pipeline(uninterrupted, 2, shuffled(workers=workers), callbacks=[saves], **fit)
+    L.seed_everything(0)
+    resumed = OneCycleNet()
+    resumed.load_state_dict(initial)
+    again = ModelCheckpoint(dirpath=tmp_path / "b", filename="{step}", save_top_k=-1, every_n_train_steps=3)
+    resume = str(tmp_path / "a" / f"step={step}.ckpt")
+    fit_pipeline(resumed, 2, shuffled(workers=workers), callbacks=[again], ckpt_path=resume, **fit)
+    assert_same_weights(uninterrupted, resumed, rtol=0, atol=0)
+    _assert_same_checkpoint(consolidate(tmp_path / "a" / "step=12.ckpt"), consolidate(tmp_path / "b" / "step=12.ckpt"))

@@ -62,7 +62,27 @@ def load_checkpoint(
     checkpoint written under any number of stages (or a plain Lightning checkpoint read with
     ``load_file``), and the asynchronous schedule's saved state (None without one)."""
     assert module is not None
-    return stage_io.load(checkpoint_path, list(module.state_dict()), weights_only, load_file)
+    current = module.state_dict()
+    checkpoint, async_state = stage_io.load(checkpoint_path, list(current), weights_only, load_file)
+    check_shapes(checkpoint.get("state_dict") or {}, current, checkpoint_path)
+    return checkpoint, async_state
+
+
+def check_shapes(saved: Mapping[str, Any], current: Mapping[str, Any], path: Any) -> None:
+    """Refuse, naming the checkpoint, tensors whose saved shape is not this module's (Lightning's own
+    ``size mismatch`` names neither the file nor how to fix it)."""
+    wrong = [
+        f"{name}: {tuple(value.shape)} in the checkpoint, {tuple(current[name].shape)} here"
+        for name, value in saved.items()
+        if name in current and isinstance(value, Tensor) and tuple(value.shape) != tuple(current[name].shape)
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"lightning-pipe: the checkpoint {path} was saved from a module of other shapes: {'; '.join(wrong[:3])}"
+            f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}. Resume it with the module it was saved "
+            "from; under elastic=..., it is the newest complete checkpoint of the watched folder: give this run an "
+            "empty folder."
+        )
 
 
 def load_optimizer_state_dict(

@@ -135,3 +135,24 @@ def check_async(
             f"schedule={schedule!r} applies gradients a step late, when the loss scale of "
             "precision='16-mixed' may have changed. Use precision='bf16-mixed' or a synchronous schedule."
         )
+
+
+def check_correction_optimizers(correction: str | None, optimizers: Sequence[Any]) -> str | None:
+    """``delay_correction="nesterov"`` carries the momentum itself, so it is meant for an optimizer without
+    momentum of its own (plain SGD): what to tell the user, before training, when an optimizer has one (or
+    Adam-type moments); None where nothing is to say."""
+    if correction != "nesterov":
+        return None
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer
+        for group in getattr(inner, "param_groups", []):
+            momentum = group.get("momentum") or 0.0
+            if momentum > 0 or "betas" in group:
+                own = f"momentum={momentum:g}" if momentum > 0 else f"betas={tuple(group['betas'])}"
+                return (
+                    f"PipelineStrategy(delay_correction='nesterov') carries the momentum itself (its gamma), and the "
+                    f"optimizer {type(inner).__name__} has momentum of its own ({own}): the gradients then go through "
+                    "two momentums. Give the correction plain SGD (torch.optim.SGD(params, lr) without momentum; "
+                    "docs/schedules.md#delay-corrections), or leave delay_correction unset with this optimizer."
+                )
+    return None

@@ -56,6 +56,24 @@ def pending_loader_states(trainer: Any) -> list[Any]:
     return list(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None) or [])
 
 
+def load_training_loader_states(trainer: Any) -> None:
+    """Give the built training loaders the states a restored checkpoint handed to the fit loop
+    (``fit_loop._load_combined_loader_states``, which Lightning calls only while it builds them), and
+    make the data fetcher's iterator again (``iter(fit_loop._data_fetcher)``; the one made with the
+    loaders read from the epoch's start). Lightning has no public way to hand a state to loaders it
+    built before the restore. Checked with Lightning 2.6."""
+    fit_loop = trainer.fit_loop
+    fit_loop._load_combined_loader_states()
+    if fit_loop._data_fetcher is not None:
+        iter(fit_loop._data_fetcher)
+
+
+def training_loaders_built(trainer: Any) -> bool:
+    """Whether the fit loop holds its training loaders already (``fit_loop._combined_loader``); the
+    public ``trainer.train_dataloader`` says the same but unwraps them. Checked with Lightning 2.6."""
+    return getattr(trainer.fit_loop, "_combined_loader", None) is not None
+
+
 def configure_optimizers(returned: Any) -> list[Any]:
     """The optimizers in what ``configure_optimizers`` returned, read as the Trainer reads any of its
     forms (``lightning.pytorch.core.optimizer._configure_optimizers``); the Trainer offers no public

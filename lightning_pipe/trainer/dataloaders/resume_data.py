@@ -60,6 +60,20 @@ def training_loader(
     return dataloader
 
 
+def give_saved_position(trainer: Any, resumed: Callable[[bool], None] | None = None) -> bool:
+    """After the checkpoint's loop state is restored, before the first batch: training loaders built before
+    the restore get the saved position now (Lightning hands a position only to loaders it builds after the
+    restore, and ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` builds them before it);
+    ``resumed`` is told again whether the run continues within an epoch. Whether there was one to give."""
+    if not (internals.training_loaders_built(trainer) and internals.pending_loader_states(trainer)):
+        return False
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if resumed is not None:  # a save at an epoch's end restores the random state before the iterator draws
+        resumed(progress.current.processed > 0 and not progress.is_last_batch)
+    internals.load_training_loader_states(trainer)
+    return True
+
+
 def regroup_orders(loaders: Any, replicas: int, accumulate: int) -> None:
     """Have every training loader in ``loaders`` (the Trainer's: one, or a list or dict of them) that the
     pipeline steers read each update as ``replicas`` replicas did (see :meth:`ReplicaOrder.regroup`)."""

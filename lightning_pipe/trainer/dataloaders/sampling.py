@@ -40,8 +40,8 @@ def is_deterministic(sampler: Any) -> bool:
     """Whether ``sampler`` yields the same order in every process (no per-process randomness)."""
     if isinstance(sampler, (SequentialSampler, DistributedSampler)):
         return True
-    if isinstance(sampler, BatchSampler):
-        return is_deterministic(sampler.sampler)
+    if isinstance(sampler, BatchSampler):  # a subclass that skipped BatchSampler.__init__ has no sampler
+        return hasattr(sampler, "sampler") and is_deterministic(sampler.sampler)
     inner = lightning_wrapped_batch_sampler(sampler)
     if inner is not None:
         return is_deterministic(inner)

@@ -61,6 +61,7 @@ from lightning_pipe.plan.restart_layout import (
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import traits
 from lightning_pipe.trainer.dataloaders.resume_data import regroup_orders
+from lightning_pipe.trainer.launch import run_identity
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ def _resume_arguments(
         )
     folder = watched_folder(trainer, setting)
     bound = inspect.signature(function).bind(*args, **kwargs)
+    model = bound.arguments.get("model")
+    identity = run_identity.fingerprint(model) if model is not None else None
     found = None
     if "ckpt_path" in inspect.signature(function).parameters:
         given = bound.arguments.get("ckpt_path")
@@ -164,13 +167,16 @@ def _resume_arguments(
                     "lightning-pipe elastic: resuming from %s (step %d) of the watched folder, newer than the given "
                     "ckpt_path %s.", found.path, found.step, given,
                 )  # fmt: skip
+            said = run_identity.check(found.path, found.step, folder, identity, restart_count() == 0)
+            if said is not None and os.environ.get("RANK", "0") == "0":
+                log.warning(said)
             bound.arguments["ckpt_path"] = str(found.path)
     for refused in found.refused if found is not None else ():
         log.warning("lightning-pipe elastic: passed over %s", refused)
     resumed = bound.arguments.get("ckpt_path")
     accumulates = not traits(config.schedule).asynchronous
     state = ElasticState(folder, str(resumed) if resumed is not None else None, config.schedule, accumulates,
-                         config.replicas_sync)  # fmt: skip
+                         config.replicas_sync, run_identity.record(identity))  # fmt: skip
     callbacks = [c for c in trainer.callbacks if not isinstance(c, ElasticState)]  # type: ignore[attr-defined]
     trainer.callbacks = [state, *callbacks]  # type: ignore[attr-defined]  # the Trainer's list (no property stub)
     return bound.args, bound.kwargs
@@ -218,7 +224,8 @@ class ElasticState(Callback):
         folder: the watched folder (the progress file is written there).
         resumed: the checkpoint this start resumes from (None: none).
         schedule: the run's schedule, and ``accumulates``: whether it accepts gradient accumulation.
-        replicas_sync: the ``replicas_sync`` the run was given."""
+        replicas_sync: the ``replicas_sync`` the run was given.
+        run: this run's record, kept with each checkpoint (:func:`.run_identity.record`)."""
 
     def __init__(
         self,
@@ -227,12 +234,14 @@ class ElasticState(Callback):
         schedule: str = "1f1b",
         accumulates: bool = True,
         replicas_sync: str = "allreduce",
+        run: dict[str, Any] | None = None,
     ) -> None:
         self.folder = folder
         self.resumed = resumed
         self.schedule = schedule
         self.accumulates = accumulates
         self.replicas_sync = replicas_sync
+        self.run = run
         self.previous: dict[str, Any] | None = None
         self.report: dict[str, Any] | None = None
         self._progress: dict[str, Any] | None = None
@@ -244,7 +253,7 @@ class ElasticState(Callback):
 
     @property
     def state_key(self) -> str:
-        return "lightning_pipe.ElasticState"
+        return run_identity.STATE_KEY
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Every rank takes rank 0's progress file (read before rank 0 rewrites it) and checks that it
@@ -274,7 +283,7 @@ class ElasticState(Callback):
             return {}
         stages, replicas, accumulate = self._layout()
         return {"stages": stages, "replicas": replicas, "accumulate": accumulate, "nodes": self._nodes,
-                "grouping": self._grouping or replicas, "saved_at": time.time()}  # fmt: skip
+                "grouping": self._grouping or replicas, "saved_at": time.time(), "run": self.run}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.previous = dict(state_dict) or None
