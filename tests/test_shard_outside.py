@@ -69,3 +69,30 @@ def test_a_sharded_block_container_resumes_under_another_layout(tmp_path: Path) 
     fit_pipeline(resumed, 4, data_for("gpt2", n=32, batch_size=16), max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
                  **common)  # fmt: skip
     assert_same_weights(plain, resumed)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ViT image classification",
+        "Wav2Vec2 sequence classification",
+        pytest.param("HuBERT sequence classification", marks=pytest.mark.slow),  # Wav2Vec2's weight norm
+    ],
+)
+def test_sharded_models_holding_parameters_beside_their_children_train_as_plain(name: str) -> None:
+    """ViT's embeddings hold the [CLS] token and position embeddings beside the patch convolution,
+    their child; Wav2Vec2's positional convolution holds its bias beside its weight norm's parametrization.
+    Neither is a tie: each module is sharded with what it holds itself (a child first), a parametrized
+    weight with its module, and the run equals plain training on the global batch (docs/models.md's
+    "Sharded replicas" table)."""
+    from tests.hf_families import BY_NAME, FamilyModule, family_data
+
+    family = BY_NAME[name]
+    torch.manual_seed(0)
+    piped = FamilyModule(family.build)
+    reference, initial = copy.deepcopy(piped), copy.deepcopy(piped)
+    fit_plain(reference, family_data(family, batch_size=16))
+    fit_pipeline(piped, 4, family_data(family, batch_size=8), module=family.module, stages=2, data_parallel="shard")
+    assert_same_weights(reference, piped)
+    moved = [n for n, p in piped.state_dict().items() if not torch.equal(p, initial.state_dict()[n])]
+    assert len(moved) == len(piped.state_dict())  # every weight trained, the ones beside a child included

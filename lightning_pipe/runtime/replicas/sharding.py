@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from lightning_pipe.torch_internals import fsdp_post_backward
 
@@ -87,18 +88,52 @@ def outside_modules(model: nn.Module, stage: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def refuse_shared_units(modules: Sequence[nn.Module]) -> None:
-    """FSDP2 shards each module's parameters as one unit: a parameter two of ``modules`` hold (a weight
-    tied between two layers of this process, or between a layer and a module outside the split layers)
-    would be sharded twice, and its two units would train it wrong. Refused, naming the modules."""
+def shard_units(model: nn.Module, stage: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What :class:`ShardedStage` wraps, each named by its path in ``model``: the stage's layers, then the
+    modules outside them (:func:`outside_modules`), a module after those nested in it, so that FSDP2 leaves
+    a nested unit's parameters to it (ViT's embeddings hold the [CLS] token beside their patch convolution).
+    A parametrized weight is one parameter: its originals (``conv.parametrizations.weight.original0``,
+    weight norm) are sharded with the module it parametrizes."""
+    paths: dict[int, str] = {}
+    for name, module in model.named_modules():
+        paths.setdefault(id(module), name)
+    layers = [(paths.get(id(layer), f"layer {i}"), layer) for i, layer in enumerate(stage.children())]
+    outside: dict[int, tuple[str, nn.Module]] = {}
+    for module in outside_modules(model, stage):
+        name = paths.get(id(module), type(module).__name__)
+        if isinstance(module, ParametrizationList) and ".parametrizations." in f".{name}":
+            name = f".{name}".rsplit(".parametrizations.", 1)[0].removeprefix(".")
+            module = model.get_submodule(name)
+        outside.setdefault(id(module), (name, module))
+    units = list(outside.values())
+    return [*layers, *sorted(units, key=lambda unit: -len(_ancestors(unit[1], units)))]  # the deepest first
+
+
+def _ancestors(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules of ``units`` that ``module`` is nested in."""
+    return [m for _, m in units if m is not module and any(sub is module for sub in m.modules())]
+
+
+def _own_parameters(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Parameter]:
+    """The parameters FSDP2 shards in ``module``'s unit: its own, less those of units nested in it."""
+    nested = {id(m) for m in module.modules() if m is not module}
+    theirs = {id(p) for _, m in units if id(m) in nested for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in theirs]
+
+
+def refuse_shared_units(units: Sequence[tuple[str, nn.Module]]) -> None:
+    """FSDP2 shards each unit's parameters (less those of units nested in it) as one: a parameter two of
+    ``units`` (named modules) hold (a weight tied between two layers of this process, or between a layer
+    and a module outside the split layers) would be sharded twice, and its two units would train it
+    wrong. Refused, naming the modules' paths."""
     seen: dict[int, int] = {}
-    for i, module in enumerate(modules):
-        for p in module.parameters():
+    for i, (name, module) in enumerate(units):
+        for p in _own_parameters(module, units):
             j = seen.setdefault(id(p), i)
             if j != i:
                 raise ValueError(
                     f"PipelineStrategy(data_parallel='shard') cannot shard this process's layers: a weight of shape "
-                    f"{list(p.shape)} is held by both {type(modules[j]).__name__} and {type(module).__name__} on this "
+                    f"{list(p.shape)} is held by both {units[j][0] or 'the model'} and {name or 'the model'} on this "
                     "process (a weight tied between them), and FSDP2 would shard it in two units. Use "
                     "data_parallel='replicate', or a schedule and balance that put the tied layers on different "
                     "processes."
@@ -106,15 +141,15 @@ def refuse_shared_units(modules: Sequence[nn.Module]) -> None:
 
 
 class ShardedStage:
-    """The FSDP2 layers of one stage (and ``outside``: see :func:`outside_modules`) and their per-step
-    switches."""
+    """The FSDP2 units of one stage (its layers and the modules outside them: see :func:`shard_units`) and
+    their per-step switches."""
 
-    def __init__(self, stage: nn.Module, mesh: Any, outside: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, units: Sequence[tuple[str, nn.Module]], mesh: Any) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self.modules: list[Any] = []
-        refuse_shared_units([*stage.children(), *outside])
-        for layer in [*stage.children(), *outside]:
+        refuse_shared_units(units)
+        for _, layer in units:
             if isinstance(layer, FSDPModule):
                 self.modules.append(layer)
             elif any(p.requires_grad for p in layer.parameters()):
