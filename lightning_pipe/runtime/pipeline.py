@@ -118,7 +118,8 @@ class StagePipeline:
         units = shard_units(model, self.host) if self.sharded else []  # the layers and the modules outside them
         first_names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         shared_names = [first_names[id(p)] for p in shared]
-        self.shards = ShardedStage(units, topology.mesh["dp"]) if self.sharded else None
+        layers = len(list(self.host.children()))
+        self.shards = ShardedStage(units, topology.mesh["dp"], layers) if self.sharded else None
         renamed = dict(model.named_parameters(remove_duplicate=False))
         shared = [renamed[n] for n in shared_names]  # sharding replaced the modules' parameters
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
