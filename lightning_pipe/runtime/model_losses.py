@@ -10,7 +10,8 @@
 - **Token means, not decidable.** Elsewhere (a tuple batch, a user's own
   ``F.cross_entropy(..., ignore_index=-100)``, which may be a mean over tokens or not) the default stays the
   samples, and :func:`padding_warning` says so once, at the first batch whose micro-batches hold different
-  shares of valid labels than of samples, naming the ``token_count`` that fixes it.
+  shares of valid labels than of samples, naming the ``token_count`` that fixes it (rank 0 reads the labels
+  back for it each training step until it has warned: one small read per step).
 - **Per-forward auxiliary losses.** A mixture of experts' load-balancing loss
   (``output_router_logits=True``) is computed once per forward: under the pipeline once per micro-batch, as
   under gradient accumulation. :func:`per_forward_loss_line` says so once.
