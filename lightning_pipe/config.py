@@ -151,13 +151,17 @@ class StepsConfig:
     loss_weight: LossWeight | str | None = option(
         values='`"samples"` (the micro-batch\'s size), or a callable `micro_batch -> count` such as '
         '`lightning_pipe.token_count(labels="labels", ignore_index=-100, shift=True)`',
-        unset="the micro-batch's size",
+        unset="the micro-batch's valid labels for a Hugging Face model with a token-mean loss fed dict batches "
+        "with `labels`, else its size",
         recipe=True,
     )
     """what each micro-batch's loss averages over: its loss and the means it logs are weighted by its share `n_i / N`
     of the batch's count (in validation and test with replicas, each replica's means by its batch's count too: the
-    global batch's token mean, as plain Lightning on batches of replicas x `batch_size`). Give `token_count` for a loss
-    that is a mean over valid tokens (see "What happens to your module"). On the command line:
+    global batch's token mean, as plain Lightning on batches of replicas x `batch_size`). Unset, a Hugging Face causal,
+    masked or seq2seq LM (or token classifier) fed dict batches with `labels` is weighted by its labels other than -100
+    (as `token_count`), anything else by its samples, with a warning once where labels with -100 make the two differ;
+    give `token_count` for another loss that is a mean over valid tokens, `"samples"` to keep the samples (see "What
+    happens to your module"). On the command line:
     `strategy.loss_weight=samples` or `strategy.loss_weight={_target_:lightning_pipe.token_count,labels:2,shift:false}`;
     the LM recipes set `token_count` themselves."""
     check_data: bool | int = option(True, values="`True` (default), int N >= 1, `False`")
@@ -169,8 +173,6 @@ class StepsConfig:
         if isinstance(self.schedule, os.PathLike):  # a schedule text's path
             object.__setattr__(self, "schedule", os.fspath(self.schedule))
         self.check()
-        if self.loss_weight == "samples":
-            object.__setattr__(self, "loss_weight", None)
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", traits(self.schedule).virtual_stages)
 

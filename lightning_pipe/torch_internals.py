@@ -150,6 +150,28 @@ def fsdp_post_backward(module: Any) -> None:
     state._root_post_backward_final_callback()
 
 
+def fsdp_init_grouped_root(module: Any) -> None:
+    """Make the ``fully_shard([a, b, ...])`` state of ``module`` (one of its modules, ``a``) the root of
+    itself now. FSDP2 makes the first state to run forward a root and refuses a root that groups several
+    modules ("requires a single root module"); a pipeline stage's units are each their own root (a stage
+    runs them one by one, not under one module's forward), a group of modules sharing a weight (an
+    encoder-decoder's embedding) too. Runs ``FSDPState._lazy_init`` with the group's first module as its
+    only one (``_modules``, restored after), which gathers the group's state and those nested in that
+    module. Call it after every ``fully_shard`` of the stage, for a group inside no other unit. Checked
+    with torch 2.13."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]  # set by torch's @contract
+    if state._is_root is not None:
+        return
+    modules = state._modules
+    state._modules = modules[:1]
+    try:
+        state._lazy_init()
+    finally:
+        state._modules = modules
+
+
 def lightning_wrapped_batch_sampler(sampler: Any) -> Any | None:
     """The batch sampler Lightning's ``_IndexBatchSamplerWrapper`` (prediction) wraps
     (``_batch_sampler``), read by name so that the core imports no Lightning; None for any other

@@ -437,3 +437,44 @@ class _ClsHead(nn.Module):
 
     def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.head(value[1][:, -4:].mean(1))
+
+
+class DictBatchLM(L.LightningModule):
+    """An unchanged Hugging Face LM fed the Hugging Face way: dict batches, ``model(**batch).loss``."""
+
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.model = build()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch, use_cache=False).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, columns: dict[str, torch.Tensor]) -> None:
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.columns.items()}
+
+
+def padded_dict_data(n: int = 32, batch_size: int = 8, length: int = 12, seed: int = 0) -> DataLoader:
+    """Right-padded token rows of random lengths (pad token 0, attention mask 0, labels -100), as a
+    padding collator gives them: dict batches of ``input_ids``, ``attention_mask`` and ``labels``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, 96, (n, length), generator=g)
+    keep = torch.arange(length).expand(n, length) < torch.randint(2, length + 1, (n, 1), generator=g)
+    columns = {
+        "input_ids": torch.where(keep, tokens, torch.zeros_like(tokens)),
+        "attention_mask": keep.long(),
+        "labels": torch.where(keep, tokens, torch.full_like(tokens, -100)),
+    }
+    return DataLoader(_Rows(columns), batch_size=batch_size)

@@ -5,15 +5,17 @@ check they trained on wrong values, silently)."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from tests.models import ReadsBlocksNet, fit_plain, loader, plain_trainer
+from tests.models import ReadsBlocksNet, RecordWarnings, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
 
 
@@ -140,14 +142,21 @@ def _as_replicas_read(data: DataLoader, replicas: int) -> DataLoader:
 
 
 def _moe_parity(
-    name: str, processes: int, validate: bool = False, predict: bool = False, replicas: int = 1, **options: object
+    name: str,
+    processes: int,
+    validate: bool = False,
+    predict: bool = False,
+    replicas: int = 1,
+    warnings: str | None = None,
+    **options: object,
 ) -> None:
     """``name`` with its load-balancing loss (coefficient 0.02) trained under the pipeline equals plain
     training on the same micro-batches (the loss, a product of per-expert means over a forward's
     tokens, is not additive over tokens: the pipeline's micro-batches are its forwards); with
     ``validate``, so does the validation loss of the trained model, with ``predict`` its predictions
     (the logits and each micro-batch's load-balancing loss). As many blocks as the schedule has stages
-    (at least 4); ``replicas`` > 1: that many data-parallel replicas of ``processes / replicas`` stages."""
+    (at least 4); ``replicas`` > 1: that many data-parallel replicas of ``processes / replicas`` stages;
+    ``warnings``: a folder, and rank 0 (only) said once that the load-balancing loss is one per micro-batch."""
     build, path = MOE_MODELS[name]
     stages = processes // replicas
     virtual = 2 if options.get("schedule") in VIRTUAL_SCHEDULES else 1
@@ -164,8 +173,12 @@ def _moe_parity(
     fit_plain(reference, plain_data)
     fit_plain(without, plain_data)
     more = {"stages": stages} if replicas > 1 else {}
-    fit_pipeline(piped, processes, data_for(name), module=path, chunks=chunks, **more, **options)
+    callbacks = [RecordWarnings(warnings)] if warnings else []
+    fit_pipeline(piped, processes, data_for(name), module=path, chunks=chunks, callbacks=callbacks, **more, **options)
     assert_same_weights(reference, piped)  # every weight, the routers included
+    if warnings:
+        said = [_per_forward_lines(warnings, rank) for rank in range(processes)]
+        assert len(said[0]) == 1 and "once per micro-batch" in said[0][0] and not any(said[1:]), said
     moved, aux = _gates(piped), _gates(without)
     assert start and all(not torch.equal(moved[n], start[n]) for n in start)
     # the load-balancing loss moved every router (of every stage) beyond the tolerance of the comparison
@@ -186,10 +199,17 @@ def _moe_parity(
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # from weights equal within 1e-6
 
 
-def test_the_moe_load_balancing_loss_trains_as_plain_under_1f1b() -> None:
+def _per_forward_lines(folder: str, rank: int) -> list[str]:
+    """What ``rank`` warned about a loss computed once per forward (see :class:`RecordWarnings`)."""
+    warned = json.loads((Path(folder) / f"warnings{rank}.json").read_text())
+    return [w for w in warned if "load-balancing loss" in w]
+
+
+def test_the_moe_load_balancing_loss_trains_as_plain_under_1f1b(tmp_path) -> None:
     """Mixtral's router logits travel from blocks 0-1 to the last stage, which computes the loss; its
-    gradient reaches the first stage's routers; validation and prediction read them too."""
-    _moe_parity("mixtral", 2, validate=True, predict=True, schedule="1f1b")
+    gradient reaches the first stage's routers; validation and prediction read them too. That the loss
+    is one per micro-batch is said once, at the first step."""
+    _moe_parity("mixtral", 2, validate=True, predict=True, warnings=str(tmp_path), schedule="1f1b")
 
 
 #: the schedules with two stages per process (as many blocks as stages: 8 on 4 processes)
@@ -294,14 +314,16 @@ def test_the_moe_load_balancing_loss_follows_the_stashing_rule(schedule: str, st
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_moe_models_without_the_load_balancing_loss_train_as_plain(name: str) -> None:
+def test_moe_models_without_the_load_balancing_loss_train_as_plain(name: str, tmp_path) -> None:
+    """Without the load-balancing loss nothing is computed per forward: nothing is said about it."""
     build, path = MOE_MODELS[name]
     torch.manual_seed(0)
     piped = HFModule(build)
     reference = copy.deepcopy(piped)
     fit_plain(reference, data_for(name))
-    fit_pipeline(piped, 2, data_for(name), module=path)
+    fit_pipeline(piped, 2, data_for(name), module=path, callbacks=[RecordWarnings(str(tmp_path))])
     assert_same_weights(reference, piped)
+    assert not _per_forward_lines(str(tmp_path), 0) and not _per_forward_lines(str(tmp_path), 1)
 
 
 @pytest.mark.parametrize("schedule", ["pipemare", pytest.param("xpipe", marks=pytest.mark.slow)])

@@ -69,3 +69,58 @@ def test_a_sharded_block_container_resumes_under_another_layout(tmp_path: Path) 
     fit_pipeline(resumed, 4, data_for("gpt2", n=32, batch_size=16), max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"),
                  **common)  # fmt: skip
     assert_same_weights(plain, resumed)
+
+
+def _family_parity(name: str) -> None:
+    """The family ``name`` at 2 stages x 2 sharded replicas equals plain training on the global batch, and
+    the parameters that plain training trains trained."""
+    from tests.hf_families import BY_NAME, FamilyModule, family_data
+
+    family = BY_NAME[name]
+    torch.manual_seed(0)
+    piped = FamilyModule(family.build)
+    reference, initial = copy.deepcopy(piped), copy.deepcopy(piped)
+    fit_plain(reference, family_data(family, batch_size=16))
+    fit_pipeline(piped, 4, family_data(family, batch_size=8), module=family.module, stages=2, data_parallel="shard")
+    assert_same_weights(reference, piped)
+    start = dict(initial.named_parameters())
+
+    def moved(module: torch.nn.Module) -> set[str]:
+        return {n for n, p in module.named_parameters() if not torch.equal(p, start[n])}
+
+    # plain training's trained parameters (all but frozen or unused ones: Whisper's encoder positions) trained
+    assert moved(reference) == moved(piped) and len(moved(piped)) > 0.9 * len(start)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ViT image classification",
+        "Wav2Vec2 sequence classification",
+        pytest.param("HuBERT sequence classification", marks=pytest.mark.slow),  # Wav2Vec2's weight norm
+    ],
+)
+def test_sharded_models_holding_parameters_beside_their_children_train_as_plain(name: str) -> None:
+    """ViT's embeddings hold the [CLS] token and position embeddings beside the patch convolution,
+    their child; Wav2Vec2's positional convolution holds its bias beside its weight norm's parametrization.
+    Neither is a tie: each module is sharded with what it holds itself (a child first), a parametrized
+    weight with its module, and the run equals plain training on the global batch (docs/models.md's
+    "Sharded replicas" table)."""
+    _family_parity(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BART (split by its encoder)",
+        pytest.param("BART (split by its decoder)", marks=pytest.mark.slow),
+        pytest.param("T5", marks=pytest.mark.slow),
+        pytest.param("Whisper (split by its encoder)", marks=pytest.mark.slow),
+        pytest.param("ViT + GPT-2 (split by its encoder)", marks=pytest.mark.slow),
+    ],
+)
+def test_sharded_encoder_decoders_whose_modules_share_an_embedding_train_as_plain(name: str) -> None:
+    """BART's embedding is held by the model's ``shared``, the encoder's and decoder's ``embed_tokens`` and
+    the head, several of them on one process: grouped into one FSDP2 unit, sharded once (T5 and Whisper
+    alike; ViT + GPT-2's decoder ties its head to its embedding)."""
+    _family_parity(name)

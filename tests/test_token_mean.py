@@ -16,10 +16,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from torch.utils.data import DataLoader, TensorDataset
+
 from lightning_pipe import token_count
 from lightning_pipe.recipes.bert import BertMLM
-from tests.hf_models import HFModule, gpt2, padded_token_data
-from tests.models import RecordMetrics, fit_plain
+from tests.hf_models import DictBatchLM, HFModule, data_for, gpt2, llama, padded_dict_data, padded_token_data
+from tests.models import RecordMetrics, RecordWarnings, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 
@@ -110,3 +112,42 @@ def test_asynchronous_schedules_log_the_first_batchs_token_mean(schedule: str, t
     for rank in range(2):
         logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert logged["train_loss"] == pytest.approx(float(plain.callback_metrics["train_loss"]), rel=1e-5)
+
+
+def test_the_default_trains_a_padded_llama_fed_dict_batches_on_the_whole_batchs_token_mean(tmp_path) -> None:
+    """A Hugging Face causal LM fed as Hugging Face feeds it (dict batches with ``labels``, right padding
+    left out with -100) needs no ``loss_weight``: by default the micro-batches are weighted by their valid
+    labels, and the weights and the logged loss equal plain training's on the whole batch; nothing warns."""
+    torch.manual_seed(0)
+    piped = DictBatchLM(lambda: llama(False))
+    reference = copy.deepcopy(piped)
+    plain = fit_plain(reference, padded_dict_data())
+    fit_pipeline(piped, 2, padded_dict_data(), module="model.model.layers", chunks=4,
+                 callbacks=[RecordMetrics(str(tmp_path)), RecordWarnings(str(tmp_path))])  # fmt: skip
+    assert_same_weights(reference, piped)
+    logged = json.loads((tmp_path / "rank0.json").read_text())
+    assert logged["train_loss"] == pytest.approx(float(plain.callback_metrics["train_loss"]), rel=1e-5)
+    for rank in range(2):
+        assert not [w for w in json.loads((tmp_path / f"warnings{rank}.json").read_text()) if "-100" in w]
+
+
+def _unpadded_then_padded() -> DataLoader:
+    """GPT-2's batches of 8: the first two without padding, the next two padded (labels -100)."""
+    full, padded = data_for("gpt2", n=16), padded_token_data("gpt2", n=16)
+    columns = [torch.cat([a, b]) for a, b in zip(full.dataset.tensors, padded.dataset.tensors)]
+    return DataLoader(TensorDataset(*columns), batch_size=8)
+
+
+def test_the_default_warns_once_where_it_cannot_count_the_tokens(tmp_path) -> None:
+    """A tuple batch (where its labels are is not known for sure): the default stays the samples, and rank
+    0 warns once, at the first step whose micro-batches hold other shares of valid labels than of samples
+    (step 2, the first padded batch), naming the ``token_count`` to give. A dense model: no MoE line."""
+    torch.manual_seed(0)
+    fit_pipeline(HFModule(gpt2), 2, _unpadded_then_padded(), module="model.transformer.h", chunks=4, max_epochs=2,
+                 callbacks=[RecordWarnings(str(tmp_path))])  # fmt: skip
+    warned = json.loads((tmp_path / "warnings0.json").read_text())
+    told = [w for w in warned if "token_count" in w]
+    assert len(told) == 1, warned
+    assert "token_count(labels=1)" in told[0] and "first at global step 2" in told[0]
+    assert not [w for w in json.loads((tmp_path / "warnings1.json").read_text()) if "token_count" in w]
+    assert not [w for w in warned if "load-balancing" in w]

@@ -54,7 +54,7 @@ from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.replicas.elastic_averaging import ElasticAverage
 from lightning_pipe.runtime.replicas.pending import gather_pending, mean_pending, pending_for
-from lightning_pipe.runtime.replicas.sharding import ShardedStage, outside_modules
+from lightning_pipe.runtime.replicas.sharding import ShardedStage, shard_units
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
@@ -115,10 +115,11 @@ class StagePipeline:
         self.timeline: Timeline | None = None  # see enable_timeline
         replicas = placement.num_replicas
         self.sharded = options.sharded and replicas > 1
-        outside = outside_modules(model, self.host) if self.sharded else []  # sharded with the stage's layers
+        units = shard_units(model, self.host) if self.sharded else []  # the layers and the modules outside them
         first_names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         shared_names = [first_names[id(p)] for p in shared]
-        self.shards = ShardedStage(self.host, topology.mesh["dp"], outside) if self.sharded else None
+        layers = len(list(self.host.children()))
+        self.shards = ShardedStage(units, topology.mesh["dp"], layers) if self.sharded else None
         renamed = dict(model.named_parameters(remove_duplicate=False))
         shared = [renamed[n] for n in shared_names]  # sharding replaced the modules' parameters
         self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones

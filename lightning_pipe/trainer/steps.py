@@ -25,6 +25,12 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.runtime.blocks.reads import refuse_held
 from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_shares
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
+from lightning_pipe.runtime.model_losses import (
+    default_loss_weight,
+    padding_warning,
+    per_forward_loss_line,
+    token_mean_shift,
+)
 from lightning_pipe.runtime.pipeline import Context, StagePipeline
 from lightning_pipe.runtime.topology import Topology
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async_accumulation
@@ -82,6 +88,10 @@ class PipelineSteps:
         self._last_loss = float("nan")
         self._pending_loss: float | None = None  # asynchronous: a drained batch's loss, the next step returns it
         self._warned_drain = False  # asynchronous: a drain that changes the weights was told once
+        # the default loss weight: a Hugging Face model's token-mean loss, read once from the model
+        self._token_mean_shift = token_mean_shift(module) if config.loss_weight is None else None
+        self._warned_padding = config.loss_weight is not None or self.placement.rank != 0
+        self._told_per_forward = self.placement.rank != 0  # a per-forward loss (MoE load balancing), told once
 
     @property
     def device(self) -> torch.device:
@@ -268,9 +278,31 @@ class PipelineSteps:
         counted = self.placement.is_last_stage or (
             kind == "train" and self.placement.rank in self.pipeline.loss_ranks(len(micro))
         )
-        loss_weight = cast("LossWeight | None", self.config.loss_weight)  # PipelineConfig made "samples" None
+        loss_weight = self._loss_weight(kind, batch, micro)
         weights, items = microbatch_shares(micro, loss_weight if counted else None)
         return module, micro, keys, weights, StepRecorder(items)
+
+    def _loss_weight(self, kind: str, batch: Any, micro: list[Any]) -> LossWeight | None:
+        """The run's ``loss_weight`` (None: the samples), or where it is unset, the default for this batch: a
+        Hugging Face model's token-mean loss fed a dict batch with ``labels`` counts its valid labels; else the
+        samples, and rank 0 warns once at the first training batch where labels with -100 make the two differ
+        (:mod:`lightning_pipe.runtime.model_losses`). Rank 0 also tells once that a per-forward loss is one per
+        micro-batch."""
+        chosen = self.config.loss_weight
+        if kind == "train" and not self._told_per_forward:
+            self._told_per_forward = True
+            line = per_forward_loss_line(self.module)
+            if line is not None:
+                rank_zero_warn(line)
+        if chosen is not None:
+            return None if chosen == "samples" else cast("LossWeight", chosen)
+        default = default_loss_weight(self._token_mean_shift, batch)
+        if default is None and kind == "train" and not self._warned_padding:
+            why = padding_warning(batch, micro)
+            if why is not None:
+                self._warned_padding = True
+                rank_zero_warn(f"{why} (first at global step {self.module.trainer.global_step})")
+        return default
 
     def _checks_values(self, batch_idx: int) -> bool:
         return checks_values(self.config.check_data, batch_idx)

@@ -97,7 +97,7 @@ def test_the_recipe_weights_micro_batches_by_their_masked_tokens_and_the_command
     strategy, _ = build_strategy(_compose(["recipe=bert_mlm"]).strategy, 2, model.strategy_defaults)
     assert strategy.config.loss_weight == token_count(labels=2, shift=False)
     samples = _compose(["recipe=bert_mlm", "strategy.loss_weight=samples"]).strategy
-    assert build_strategy(samples, 2, model.strategy_defaults)[0].config.loss_weight is None
+    assert build_strategy(samples, 2, model.strategy_defaults)[0].config.loss_weight == "samples"
     given = _compose(
         ["recipe=bert_mlm", "strategy.loss_weight={_target_:lightning_pipe.token_count,labels:1,shift:true}"]
     )

@@ -62,7 +62,7 @@ def test_the_recipe_names_its_blocks_for_the_strategy_and_an_override_wins() -> 
     assert build_strategy(_compose(["strategy=none"]).strategy, 1, model.strategy_defaults) == ("auto", 1)
     assert strategy.config.loss_weight == token_count(labels=None, shift=True)  # the batch's token mean
     cfg = _compose(["recipe=llama", "strategy.loss_weight=samples"])
-    assert build_strategy(cfg.strategy, 2, model.strategy_defaults)[0].config.loss_weight is None
+    assert build_strategy(cfg.strategy, 2, model.strategy_defaults)[0].config.loss_weight == "samples"
 
 
 def test_the_loss_falls_without_the_pipeline(tmp_path: Path) -> None:

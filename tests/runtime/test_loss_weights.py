@@ -34,7 +34,7 @@ def test_shares_of_the_batchs_tokens_and_a_microbatch_without_any() -> None:
 
 
 def test_the_argument_takes_a_callable_or_samples() -> None:
-    assert PipelineConfig(loss_weight="samples").loss_weight is None
+    assert PipelineConfig(loss_weight="samples").loss_weight == "samples"  # kept: the samples, said, never a default
     counted = PipelineStrategy(loss_weight=token_count(labels=1), start_method="fork").config.loss_weight
     assert counted == token_count(labels=1)
     with pytest.raises(ValueError, match=r"PipelineStrategy\(loss_weight='tokens'\): give a callable"):

@@ -14,7 +14,9 @@ A pipeline step runs many micro-batch forwards and backwards on the same weights
 
 Parameters outside the split layers that this rank holds (a block container's embeddings, final
 norm and head; a Sequential's pre- and post-processing) are sharded the same way, over the same
-replicas: each module that holds one directly is wrapped too (:func:`outside_modules`). A weight
+replicas: each module that holds one directly is wrapped too (:func:`outside_modules`), a module after
+the units nested in it, a parametrized weight with its module, and modules sharing a weight on this
+process (an encoder-decoder's embedding) as one unit (:func:`shard_units`, :func:`shard_groups`). A weight
 tied across stages (an embedding tied to the head across the first and last stage) is sharded on
 each stage that holds it; the stages have as many replicas, so replica ``r`` of each holds the
 same rows, and their gradients are summed shard by shard over the tie's ranks of replica ``r``
@@ -29,11 +31,13 @@ splits them for the current layout (:func:`shard_like`), so they load under any 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
 
-from lightning_pipe.torch_internals import fsdp_post_backward
+from lightning_pipe.torch_internals import fsdp_init_grouped_root, fsdp_post_backward
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -87,46 +91,107 @@ def outside_modules(model: nn.Module, stage: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def refuse_shared_units(modules: Sequence[nn.Module]) -> None:
-    """FSDP2 shards each module's parameters as one unit: a parameter two of ``modules`` hold (a weight
-    tied between two layers of this process, or between a layer and a module outside the split layers)
-    would be sharded twice, and its two units would train it wrong. Refused, naming the modules."""
+def shard_units(model: nn.Module, stage: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What :class:`ShardedStage` wraps, each named by its path in ``model``: the stage's layers, then the
+    modules outside them (:func:`outside_modules`), a module after those nested in it, so that FSDP2 leaves
+    a nested unit's parameters to it (ViT's embeddings hold the [CLS] token beside their patch convolution).
+    A parametrized weight is one parameter: its originals (``conv.parametrizations.weight.original0``,
+    weight norm) are sharded with the module it parametrizes."""
+    paths: dict[int, str] = {}
+    for name, module in model.named_modules():
+        paths.setdefault(id(module), name)
+    layers = [(paths.get(id(layer), f"layer {i}"), layer) for i, layer in enumerate(stage.children())]
+    outside: dict[int, tuple[str, nn.Module]] = {}
+    for module in outside_modules(model, stage):
+        name = paths.get(id(module), type(module).__name__)
+        if isinstance(module, ParametrizationList) and ".parametrizations." in f".{name}":
+            name = f".{name}".rsplit(".parametrizations.", 1)[0].removeprefix(".")
+            module = model.get_submodule(name)
+        outside.setdefault(id(module), (name, module))
+    units = list(outside.values())
+    return [*layers, *sorted(units, key=lambda unit: -len(_ancestors(unit[1], units)))]  # the deepest first
+
+
+def _ancestors(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules of ``units`` that ``module`` is nested in."""
+    return [m for _, m in units if m is not module and any(sub is module for sub in m.modules())]
+
+
+def _own_parameters(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Parameter]:
+    """The parameters FSDP2 shards in ``module``'s unit: its own, less those of units nested in it."""
+    nested = {id(m) for m in module.modules() if m is not module}
+    theirs = {id(p) for _, m in units if id(m) in nested for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in theirs]
+
+
+def shard_groups(units: Sequence[tuple[str, nn.Module]], layers: int) -> list[list[tuple[str, nn.Module]]]:
+    """``units`` (named modules, the stage's ``layers`` first) in FSDP2's units: one each, except modules
+    outside the split layers that hold one weight between them (BART's and T5's embedding, shared by the
+    encoder, the decoder and the head), grouped into one unit (``fully_shard([a, b, ...])``), which
+    shards the weight once. FSDP2 shards a unit's parameters less those of units nested in it. A weight
+    a split layer shares with another unit of this process (a tie whose two ends one process holds) is
+    refused, naming the modules' paths: sharded in two units, it would train wrong."""
+    group_of = list(range(len(units)))
+
+    def root(i: int) -> int:
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
     seen: dict[int, int] = {}
-    for i, module in enumerate(modules):
-        for p in module.parameters():
+    for i, (name, module) in enumerate(units):
+        for p in _own_parameters(module, units):
             j = seen.setdefault(id(p), i)
-            if j != i:
+            if j == i or root(j) == root(i):
+                continue
+            if j < layers or i < layers:
                 raise ValueError(
                     f"PipelineStrategy(data_parallel='shard') cannot shard this process's layers: a weight of shape "
-                    f"{list(p.shape)} is held by both {type(modules[j]).__name__} and {type(module).__name__} on this "
+                    f"{list(p.shape)} is held by both {units[j][0] or 'the model'} and {name or 'the model'} on this "
                     "process (a weight tied between them), and FSDP2 would shard it in two units. Use "
                     "data_parallel='replicate', or a schedule and balance that put the tied layers on different "
                     "processes."
                 )
+            group_of[root(i)] = root(j)
+    groups: dict[int, list[tuple[str, nn.Module]]] = {}
+    for i, unit in enumerate(units):
+        groups.setdefault(root(i), []).append(unit)
+    return list(groups.values())
 
 
 class ShardedStage:
-    """The FSDP2 layers of one stage (and ``outside``: see :func:`outside_modules`) and their per-step
-    switches."""
+    """The FSDP2 units of one stage (its layers and the modules outside them: see :func:`shard_units`) and
+    their per-step switches."""
 
-    def __init__(self, stage: nn.Module, mesh: Any, outside: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, units: Sequence[tuple[str, nn.Module]], mesh: Any, layers: int = 0) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        self.modules: list[Any] = []
-        refuse_shared_units([*stage.children(), *outside])
-        for layer in [*stage.children(), *outside]:
-            if isinstance(layer, FSDPModule):
-                self.modules.append(layer)
-            elif any(p.requires_grad for p in layer.parameters()):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-                self.modules.append(layer)
-        # a module outside the split layers that this stage's part of the step never runs (the final norm
-        # on the first stage) has no FSDP state to finish or free
+        self.modules: list[Any] = []  # one module of each FSDP2 unit
+        self._hooks = []
+        grouped: list[list[nn.Module]] = []  # the units of several modules (a weight they share)
+        for group in shard_groups(units, layers):
+            members = [module for _, module in group]
+            first = members[0]
+            if isinstance(first, FSDPModule):
+                self.modules.append(first)
+            elif any(p.requires_grad for m in members for p in m.parameters()):
+                fully_shard(members if len(members) > 1 else first, mesh=mesh, reshard_after_forward=False)
+                self.modules.append(first)
+            else:
+                continue
+            # a module outside the split layers that this stage's part of the step never runs (the final norm
+            # on the first stage) has no FSDP state to finish or free; a grouped unit ran when any member did
+            self._hooks += [m.register_forward_pre_hook(partial(self._note_run, first)) for m in members]
+            if len(members) > 1:
+                grouped.append(members)
+        inside_others = {id(sub) for _, m in units for sub in m.modules() if sub is not m}
+        for members in grouped:  # a group inside no other unit is its own root, as each other unit is
+            if not any(id(m) in inside_others for m in members):
+                fsdp_init_grouped_root(members[0])
         self._ran: set[int] = set()
-        self._hooks = [m.register_forward_pre_hook(self._note_run) for m in self.modules]
 
-    def _note_run(self, module: nn.Module, args: Any) -> None:
-        self._ran.add(id(module))
+    def _note_run(self, unit: nn.Module, module: nn.Module, args: Any) -> None:
+        self._ran.add(id(unit))
 
     def _run(self) -> list[Any]:
         return [m for m in self.modules if id(m) in self._ran]
