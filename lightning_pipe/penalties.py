@@ -2,7 +2,7 @@
 
 A loss term summed over parameters (an L1 or L2 penalty over ``self.parameters()``) cannot be added to
 the step's loss under the pipeline: the loss runs on the last stage, which holds only its own layers
-(such a term is refused, see :mod:`lightning_pipe.runtime.loss_terms`). Its gradient is a sum of one
+(such a term is refused, see :mod:`lightning_pipe.runtime.around.loss_terms`). Its gradient is a sum of one
 term per parameter, though, and each rank can add its own parameters' part itself.
 :func:`parameter_penalty` does that just before each update, on whatever the optimizer holds: in plain
 training and under the pipeline alike, so both train the same; and, without gradient clipping, the same
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_pipe.torch_internals import wrap_optimizer_step
 
 #: a parameter's term of the penalty: a scalar tensor computed from it
 Term = Callable[[Tensor], Tensor]
@@ -33,18 +35,19 @@ def parameter_penalty(optimizer: torch.optim.Optimizer, fn: Term) -> torch.optim
         return lightning_pipe.parameter_penalty(opt, lambda p: 1e-4 * p.abs().sum())
     """
 
-    original = optimizer.step
+    def wrapped(original: Callable[[], Any]) -> Callable[..., Any]:
+        def step(closure: Callable[[], Any] | None = None) -> Any:
+            loss = None
+            if closure is not None:  # Lightning's closure: the step, its backward and clipping
+                with torch.enable_grad():
+                    loss = closure()
+            add_penalty_gradients(optimizer, fn)
+            original()
+            return loss
 
-    def step(closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:  # Lightning's closure: the step, its backward and clipping
-            with torch.enable_grad():
-                loss = closure()
-        add_penalty_gradients(optimizer, fn)
-        original()
-        return loss
+        return step
 
-    optimizer.step = step  # type: ignore[method-assign]
+    wrap_optimizer_step(optimizer, wrapped)
     return optimizer
 
 

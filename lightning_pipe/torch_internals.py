@@ -48,6 +48,13 @@ def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
 
 
+def wrap_optimizer_step(optimizer: Optimizer, wrapper: Callable[[Callable[[], Any]], Callable[..., Any]]) -> None:
+    """Give ``optimizer`` the instance ``step`` ``wrapper(original)``, where ``original()`` runs its
+    step without a closure (``optimizer.step = ...``, which Lightning's precision plugins call with their
+    closure). Checked with torch 2.13."""
+    optimizer.step = wrapper(optimizer.step)  # type: ignore[method-assign]
+
+
 def instance_forward(layer: nn.Module) -> Any | None:
     """The forward set on this one module (``layer.__dict__["forward"]``, see :func:`set_forward`);
     None when it runs its class's. Checked with torch 2.13."""

@@ -22,6 +22,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.activations.offload import ActivationOffload
 from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES, keep_buffers
+from lightning_pipe.runtime.around.held_layers import HeldLayer, LoopEntry, SequentialLoop, refuse_hooks_elsewhere
+from lightning_pipe.runtime.around.loss_terms import refuse_parameter_terms
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions, on_version
 from lightning_pipe.runtime.blocks.container import (
     BlockDrive,
@@ -30,7 +32,7 @@ from lightning_pipe.runtime.blocks.container import (
     held_stages,
     layer_parameter_names,
 )
-from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held
+from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held, tensors_in
 from lightning_pipe.runtime.crossing.carried import (
     CARRIED_KEYS,
     Carry,
@@ -42,8 +44,6 @@ from lightning_pipe.runtime.crossing.carried import (
 from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
-from lightning_pipe.runtime.held_layers import HeldLayer, LoopEntry, SequentialLoop, refuse_hooks_elsewhere
-from lightning_pipe.runtime.loss_terms import refuse_parameter_terms, tensors_in
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
 from lightning_pipe.torch_internals import child_slot, filled_slots
 
@@ -104,7 +104,7 @@ class StageModule(nn.Sequential):
         return (self._entry(i) for i in range(len(self)))
 
     def __getitem__(self, index: int | slice) -> Any:
-        """Layer ``index`` of the unsplit Sequential (see :mod:`lightning_pipe.runtime.held_layers`); a slice
+        """Layer ``index`` of the unsplit Sequential (see :mod:`lightning_pipe.runtime.around.held_layers`); a slice
         as ``nn.Sequential`` gives it (a list of the loop's entries while the step runs)."""
         if isinstance(index, slice):
             picked = range(len(self))[index]
@@ -588,7 +588,7 @@ class StageRunner:
 
     def _check_terms(self, loss: Tensor | None, produced: Sequence[Tensor]) -> None:
         """The first training micro-batch's loss on the last stage: no term over the layers' parameters
-        outside the pipelined call (:mod:`lightning_pipe.runtime.loss_terms`)."""
+        outside the pipelined call (:mod:`lightning_pipe.runtime.around.loss_terms`)."""
         if self._terms_checked or loss is None or not torch.is_grad_enabled() or not isinstance(loss, Tensor):
             return
         self._terms_checked = True

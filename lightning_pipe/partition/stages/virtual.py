@@ -17,9 +17,9 @@ from torch import nn
 
 from lightning_pipe.partition.solvers.balance import stage_bounds
 from lightning_pipe.partition.stages.split import Layers, stage_layers
+from lightning_pipe.runtime.around.held_layers import held_layers
 from lightning_pipe.runtime.blocks.container import BlockShell, BlockStage
 from lightning_pipe.runtime.crossing.skips import skip_routes, skips_from, skips_into
-from lightning_pipe.runtime.held_layers import held_layers
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage
@@ -40,7 +40,7 @@ def split_stages(
     :class:`BlockStage` (the model's forward loops over it). With more schedule stages than the
     split has (Chimera's two copies), stage ``s`` runs split stage ``s mod len(balance)``, as the
     first or last stage where that one is. ``path``: the Sequential's name in the model, for messages.
-    The Sequential's stage modules keep its positions (:mod:`lightning_pipe.runtime.held_layers`)."""
+    The Sequential's stage modules keep its positions (:mod:`lightning_pipe.runtime.around.held_layers`)."""
     num_stages, num_split = len(positions), len(balance)
     make: Callable[[OrderedDict[str, nn.Module], int, int], Stage]
     if isinstance(layers, nn.Sequential):

@@ -49,10 +49,10 @@ from lightning_pipe.runtime.blocks.reads import (
     hf_recording,
     refuse_held,
     refuse_recorded_outputs,
+    tensors_in,
 )
 from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.crossing.forced_outputs import only_forced
-from lightning_pipe.runtime.loss_terms import tensors_in
 from lightning_pipe.torch_internals import child_slot, filled_slots
 
 
@@ -149,7 +149,7 @@ class BlockStage(LoopedContainer):
         self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self._shells = shells
         #: per index, what code outside the steps gets for a block another stage holds (a module without
-        #: tensors, :class:`~lightning_pipe.runtime.held_layers.HeldLayer`); kept out of the module's children
+        #: tensors, :class:`~lightning_pipe.runtime.around.held_layers.HeldLayer`); kept out of the module's children
         self._stand_ins = list(stand_ins)
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
@@ -415,5 +415,6 @@ class _Local(_Entry):
         drive.carry.record(self._index, before)
         drive.outputs.returned(self._index, output, args, kwargs)
         drive.last_output = output
-        drive.produced.extend(tensors_in(output))
+        drive.produced.extend(tensors_in(output))  # and what the model recorded of the block (router logits)
+        drive.produced.extend(tensors_in(drive.carry.own.get(self._index, {})))
         return output

@@ -11,8 +11,7 @@ before any update, and the refusal says how to write the term instead
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
@@ -59,14 +58,3 @@ def refuse_parameter_terms(loss: Tensor, through: Sequence[Tensor], params: Iter
         "same in plain training), an L2 term as the optimizer's weight_decay, or compute the term inside a layer. "
         "Refused before any weight changed."
     )
-
-
-def tensors_in(value: Any) -> list[Tensor]:
-    """The tensors of a layer's output: a tensor, in tuples, lists and mappings (a Hugging Face output)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_in(v)]
-    return []
