@@ -296,3 +296,21 @@ def test_a_forward_hook_on_another_stages_layer_read_by_the_loss_is_refused_befo
     fresh = HookedNet()
     fresh.load_state_dict(start)
     assert_same_weights(piped, fresh, rtol=0, atol=0)
+
+
+def test_stochastic_weight_averaging_trains_as_plain() -> None:
+    """Lightning's callback copies the module before the split: copied again after it (before: a size
+    mismatch, 16 against 4, averaging the tensors of different layers)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    torch.manual_seed(0)
+    piped = TinyNet(optimizer="plain-sgd")
+    reference = copy.deepcopy(piped)
+    swa = {"swa_lrs": 0.05, "swa_epoch_start": 1}
+    fit_plain(reference, max_steps=-1, max_epochs=3, callbacks=[StochasticWeightAveraging(**swa)])
+    fit_pipeline(piped, 2, max_steps=-1, max_epochs=3, callbacks=[StochasticWeightAveraging(**swa)])
+    assert_same_weights(reference, piped)
+    torch.manual_seed(0)
+    unaveraged = TinyNet(optimizer="plain-sgd")
+    fit_plain(unaveraged, max_steps=-1, max_epochs=3)
+    assert not torch.allclose(unaveraged.layers[0].weight, piped.layers[0].weight, atol=1e-3)  # the average counts
