@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe.schedules.traits import TRAITS
 from tests.models import TinyNet, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline
 
@@ -314,3 +315,21 @@ def test_stochastic_weight_averaging_trains_as_plain() -> None:
     unaveraged = TinyNet(optimizer="plain-sgd")
     fit_plain(unaveraged, max_steps=-1, max_epochs=3)
     assert not torch.allclose(unaveraged.layers[0].weight, piped.layers[0].weight, atol=1e-3)  # the average counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule", [s for s in TRAITS if not TRAITS[s].asynchronous and s not in ("1f1b", "zero_bubble")]
+)
+def test_positional_groups_and_a_parameter_penalty_train_as_plain_under_every_synchronous_schedule(
+    schedule: str,
+) -> None:
+    """Learning rates by position and ``parameter_penalty``: several stages per process (interleaved, the
+    V shapes) and Chimera's copies too."""
+    torch.manual_seed(0)
+    reference = PenaltyNet("loss")
+    piped = copy.deepcopy(reference)
+    piped.where = "optimizer"
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule=schedule, chunks=4)
+    assert_same_weights(reference, piped)
