@@ -99,14 +99,15 @@ class LoopNet(TinyNet):
         return x
 
 
-@pytest.mark.parametrize("numbered, module", [(False, None), (True, "layers")])
-def test_a_forward_looping_over_the_sequential_trains_as_plain(numbered: bool, module: str | None) -> None:
-    """``for layer in self.layers: x = layer(x)`` (before: refused, "never called the pipelined Sequential")."""
+@pytest.mark.parametrize("numbered, options", [(False, {}), (True, {"module": "layers"}), (False, {"balance": "time"})])
+def test_a_forward_looping_over_the_sequential_trains_as_plain(numbered: bool, options: dict[str, Any]) -> None:
+    """``for layer in self.layers: x = layer(x)`` (before: refused, "never called the pipelined Sequential";
+    the profile of ``balance="time"`` finds the Sequential's input at its first layer)."""
     torch.manual_seed(0)
     piped = LoopNet(numbered)
     reference = copy.deepcopy(piped)
     fit_plain(reference)
-    fit_pipeline(piped, 2, **({"module": module} if module else {}))
+    fit_pipeline(piped, 2, **options)
     assert_same_weights(reference, piped)
 
 

@@ -56,7 +56,9 @@ def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microba
     def capture(_: nn.Module, args: tuple) -> None:
         raise _Captured(args[0])
 
-    handle = layers.register_forward_pre_hook(capture)
+    handles = [layers.register_forward_pre_hook(capture)]
+    if isinstance(layers, nn.Sequential) and len(layers) > 0:  # a forward that loops over the layers
+        handles.append(layers[0].register_forward_pre_hook(capture))
     try:
         with torch.enable_grad():
             module.training_step(microbatch, 0)
@@ -70,7 +72,8 @@ def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microba
             "give balance as 'uniform', 'parameters' or a list of layer counts."
         ) from error
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     raise RuntimeError(
         "balance='time'/'memory': training_step never called the pipelined Sequential, so there is nothing "
         "to profile. The step must compute its output with self(...) (or the Sequential itself)."
