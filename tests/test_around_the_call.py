@@ -334,3 +334,36 @@ def test_positional_groups_and_a_parameter_penalty_train_as_plain_under_every_sy
     fit_plain(reference)
     fit_pipeline(piped, 2, schedule=schedule, chunks=4)
     assert_same_weights(reference, piped)
+
+
+class RecordingNet(TinyNet):
+    """Intermediate supervision written with ``lightning_pipe.recording`` and ``recorded``: a probe loss on
+    layer 1's output, which the last stage receives with the micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="plain-sgd")
+        from lightning_pipe import recording
+
+        self.probe = nn.Linear(8, 3)
+        self.layers[1].register_forward_hook(recording("features"))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from lightning_pipe import recorded
+
+        x, y = batch
+        return F.cross_entropy(self(x), y) + 0.5 * F.cross_entropy(self.probe(recorded("features")), y)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_recording_hook_read_by_the_loss_trains_as_plain(schedule: str) -> None:
+    """The recorded value crosses from stage 0 to the last stage, its gradient back to layers 0 and 1."""
+    torch.manual_seed(0)
+    piped = RecordingNet()
+    reference = copy.deepcopy(piped)
+    fit_plain(reference)
+    fit_pipeline(piped, 2, schedule=schedule, chunks=4)
+    assert_same_weights(reference, piped)
+    torch.manual_seed(0)
+    unprobed = TinyNet(optimizer="plain-sgd")
+    fit_plain(unprobed)
+    assert not torch.allclose(unprobed.layers[0].weight, piped.layers[0].weight, atol=1e-3)  # the probe counts

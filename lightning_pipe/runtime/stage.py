@@ -41,6 +41,7 @@ from lightning_pipe.runtime.crossing.carried import (
     crossing_line,
     split_codes,
 )
+from lightning_pipe.runtime.crossing.records import keep_records
 from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
@@ -86,6 +87,8 @@ class StageModule(nn.Sequential):
         #: layers' declarations; the executor sends each group straight to its stage)
         self.skip_sources: tuple[tuple[int, tuple[str, ...]], ...] = ()
         self.skip_targets: tuple[tuple[int, tuple[str, ...]], ...] = ()
+        #: the names the Sequential's recording hooks record (:mod:`lightning_pipe.runtime.crossing.records`)
+        self.records: tuple[str, ...] = ()
 
     @property
     def skips_in(self) -> tuple[str, ...]:
@@ -195,6 +198,8 @@ class StageModule(nn.Sequential):
         def run(value: Any, skips: Sequence[Tensor]) -> tuple[Any, list[Tensor]]:
             with skip_scope(dict(zip(self.skips_in, skips))) as scope:
                 output = self._chain(self._guard(value), params)
+            if self.stage == self.num_stages - 1:  # what recording hooks recorded: for the step to read
+                keep_records((n, scope.pop(n)) for n in self.records if n in scope)
             return output, take_skips(scope, self.skips_out, self.stage)
 
         if not recompute:

@@ -19,7 +19,7 @@ from lightning_pipe.partition.solvers.balance import stage_bounds
 from lightning_pipe.partition.stages.split import Layers, stage_layers
 from lightning_pipe.runtime.around.held_layers import held_layers
 from lightning_pipe.runtime.blocks.container import BlockShell, BlockStage
-from lightning_pipe.runtime.crossing.skips import skip_routes, skips_from, skips_into
+from lightning_pipe.runtime.crossing.skips import recorded_names, skip_routes, skips_from, skips_into
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage
@@ -67,6 +67,7 @@ def split_stages(
             assert isinstance(module, StageModule)
             module.skip_sources = skips_into(routes, split_of(s, num_split))
             module.skip_targets = skips_from(routes, split_of(s, num_split))
+            module.records = tuple(n for layer in layers for n in recorded_names(layer))
     for module in stages.values():
         module.path = path
     if len(stages) == 1:

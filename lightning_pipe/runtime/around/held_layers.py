@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lightning_pipe.runtime.blocks.container import plain_attributes
 from lightning_pipe.runtime.blocks.reads import held
+from lightning_pipe.runtime.crossing.records import Recording
 from lightning_pipe.torch_internals import forward_hooks
 
 
@@ -53,7 +54,9 @@ class HeldLayer(nn.Module):
         ]
         self.__dict__["_held"] = (type(layer).__name__, place, path, stage, num_stages, frozenset(tensors))
         #: the names of the user's forward hooks on the layer (which run on the stage that holds it)
-        self.__dict__["hooks"] = tuple(getattr(h, "__qualname__", type(h).__name__) for h in forward_hooks(layer))
+        self.__dict__["hooks"] = tuple(
+            getattr(h, "__qualname__", type(h).__name__) for h in forward_hooks(layer) if not isinstance(h, Recording)
+        )  # a recording hook's value crosses to the last stage (lightning_pipe.recording)
         for name, child in layer.named_children():
             self.add_module(name, HeldLayer(child, place, f"{path}.{name}", stage, num_stages))
 
@@ -170,7 +173,7 @@ def refuse_hooks_elsewhere(stand_ins: list[HeldLayer], stage: int) -> None:
         f"A forward hook is registered on a layer of the pipelined Sequential that another stage holds "
         f"({'; '.join(hooked[:3])}), while the step's loss runs on pipeline stage {stage}: "
         "the hook runs on the stage that holds its layer, so what it records there never reaches the loss here "
-        "(the loss would read None or an old value). Pass the value on in the layers' output (a layer may return a "
-        "tuple of tensors, which the next layer takes), or compute the term inside the layers of the stage that "
-        "holds them; remove hooks that only observe. Refused before any weight changed."
+        "(the loss would read None or an old value). Register lightning_pipe.recording(name) as the hook and read "
+        "lightning_pipe.recorded(name) in the step: the value then travels to the last stage with the micro-batch "
+        "(the same in plain training); remove hooks that only observe. Refused before any weight changed."
     )
