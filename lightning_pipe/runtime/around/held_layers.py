@@ -80,6 +80,18 @@ class HeldLayer(nn.Module):
                 ) from None
             raise
 
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise HeldLayerError(self._unhookable())
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        raise HeldLayerError(self._unhookable())
+
+    def _unhookable(self) -> str:
+        return (
+            f"{self.where()}: a hook registered here would never run (the layer runs on that stage). Register hooks "
+            "in the module's __init__, before the split: lightning_pipe.recording(name) for a value the step reads."
+        )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise HeldLayerError(
             f"{self.where()}; it runs inside the Trainer's steps. To use the whole model outside the Trainer, "

@@ -46,6 +46,8 @@ def test_another_stages_layer_shows_its_structure_and_no_tensors() -> None:
         first(torch.randn(2, 3))
     with pytest.raises(AttributeError):
         _ = first.no_such_attribute
+    with pytest.raises(HeldLayerError, match="a hook registered here would never run"):
+        first.register_forward_hook(lambda *_: None)  # after the split (a callback): it would never fire
 
 
 def test_a_loop_in_the_step_runs_the_stage_at_its_first_layer() -> None:
