@@ -19,17 +19,30 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_pipe.partition.stages.materialize import init_like_pipeline
+    from lightning_pipe.penalties import parameter_penalty
+    from lightning_pipe.runtime.crossing.records import recorded, recording
     from lightning_pipe.runtime.loss_weights import token_count
     from lightning_pipe.strategy import PipelineStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["PipelineStrategy", "__version__", "init_like_pipeline", "token_count"]
+__all__ = [
+    "PipelineStrategy",
+    "__version__",
+    "init_like_pipeline",
+    "parameter_penalty",
+    "recorded",
+    "recording",
+    "token_count",
+]
 
 #: the package's names and the module each comes from, imported when first read
 _EXPORTS = {
     "PipelineStrategy": "lightning_pipe.strategy",
     "init_like_pipeline": "lightning_pipe.partition.stages.materialize",
+    "parameter_penalty": "lightning_pipe.penalties",
+    "recorded": "lightning_pipe.runtime.crossing.records",
+    "recording": "lightning_pipe.runtime.crossing.records",
     "token_count": "lightning_pipe.runtime.loss_weights",
 }
 

@@ -164,6 +164,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         measure = (self.root_device, self.batch_to_device, self.broadcast, self.precision_plugin.train_step_context)
         self._split = split_module(module, self.config, self.layout, self.global_rank, *measure, previous=self._split)
         self.config = self._split.config
+        internals.recopy_averaged_models(trainer, module)  # StochasticWeightAveraging copied the unsplit module
         if self._topology is None:  # this rank's process groups, built once, where the split placed the ranks
             self._topology = Topology(self._split.placement.layout, self.global_rank, self.root_device.type)
         self.precision_plugin.convert_module(self.model)

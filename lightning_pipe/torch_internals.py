@@ -42,6 +42,19 @@ def child_slot(parent: nn.Module, name: str) -> nn.Module | None:
     return parent._modules.get(name)
 
 
+def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks and forward pre-hooks registered on ``module`` itself (``_forward_hooks``,
+    ``_forward_pre_hooks``; not the global ones). Checked with torch 2.13."""
+    return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+
+
+def wrap_optimizer_step(optimizer: Optimizer, wrapper: Callable[[Callable[[], Any]], Callable[..., Any]]) -> None:
+    """Give ``optimizer`` the instance ``step`` ``wrapper(original)``, where ``original()`` runs its
+    step without a closure (``optimizer.step = ...``, which Lightning's precision plugins call with their
+    closure). Checked with torch 2.13."""
+    optimizer.step = wrapper(optimizer.step)  # type: ignore[method-assign]
+
+
 def instance_forward(layer: nn.Module) -> Any | None:
     """The forward set on this one module (``layer.__dict__["forward"]``, see :func:`set_forward`);
     None when it runs its class's. Checked with torch 2.13."""

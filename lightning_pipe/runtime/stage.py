@@ -22,6 +22,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.activations.offload import ActivationOffload
 from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES, keep_buffers
+from lightning_pipe.runtime.around.held_layers import HeldLayer, LoopEntry, SequentialLoop, refuse_hooks_elsewhere
+from lightning_pipe.runtime.around.loss_terms import refuse_parameter_terms
 from lightning_pipe.runtime.asynchronous.versions import WeightVersions, on_version
 from lightning_pipe.runtime.blocks.container import (
     BlockDrive,
@@ -30,7 +32,7 @@ from lightning_pipe.runtime.blocks.container import (
     held_stages,
     layer_parameter_names,
 )
-from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held
+from lightning_pipe.runtime.blocks.reads import HeldBlockRead, refuse_held, tensors_in
 from lightning_pipe.runtime.crossing.carried import (
     CARRIED_KEYS,
     Carry,
@@ -39,18 +41,37 @@ from lightning_pipe.runtime.crossing.carried import (
     crossing_line,
     split_codes,
 )
+from lightning_pipe.runtime.crossing.records import keep_records
 from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple
-from lightning_pipe.torch_internals import filled_slots
+from lightning_pipe.torch_internals import child_slot, filled_slots
 
 
 class StageModule(nn.Sequential):
     """The layers of one stage, keyed by their index in the unsplit Sequential."""
 
-    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int) -> None:
+    def __init__(
+        self,
+        layers: OrderedDict[str, nn.Module],
+        stage: int,
+        num_stages: int,
+        positions: Sequence[tuple[str, HeldLayer]] | None = None,
+    ) -> None:
         super().__init__(layers)
+        #: every position of the unsplit Sequential: its key and the stand-in for when another stage holds it
+        #: (default: the layers given are the whole Sequential)
+        self._positions: list[tuple[str, HeldLayer | None]] = (
+            list(positions) if positions is not None else [(key, None) for key in layers]
+        )
+        keys = [key for key, _ in self._positions]
+        own = [keys.index(key) for key in layers]
+        #: the positions of this module's layers in the unsplit Sequential: ``[start, stop)``
+        self.span = (min(own), max(own) + 1) if own else (0, 0)
+        #: the Sequential's name in the model (``"layers"``), for messages
+        self.path = ""
+        self._loop: SequentialLoop | None = None
         self.stage = stage
         self.num_stages = num_stages
         #: the split stages this module holds and their count, for errors (see :func:`held_stages`)
@@ -60,12 +81,14 @@ class StageModule(nn.Sequential):
         self._param_names = layer_parameter_names(filled_slots(self))
         #: whether the first layer changes its input in place (``nn.ReLU(inplace=True)`` at a stage's
         #: start, as a split may leave it)
-        self.modifies_input = len(self) > 0 and _modifies_input(next(iter(filled_slots(self).values())))
+        self.modifies_input = len(layers) > 0 and _modifies_input(next(iter(filled_slots(self).values())))
         #: skip connections (:mod:`lightning_pipe.skips`), per earlier split stage that stashes names this
         #: one pops, and per later one that pops names this one stashes: the names (set at setup, from the
         #: layers' declarations; the executor sends each group straight to its stage)
         self.skip_sources: tuple[tuple[int, tuple[str, ...]], ...] = ()
         self.skip_targets: tuple[tuple[int, tuple[str, ...]], ...] = ()
+        #: the names the Sequential's recording hooks record (:mod:`lightning_pipe.runtime.crossing.records`)
+        self.records: tuple[str, ...] = ()
 
     @property
     def skips_in(self) -> tuple[str, ...]:
@@ -77,7 +100,47 @@ class StageModule(nn.Sequential):
         """The names this stage's layers stash for later stages, in :attr:`skip_targets`' order."""
         return tuple(n for _, names in self.skip_targets for n in names)
 
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._entry(i) for i in range(len(self)))
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Layer ``index`` of the unsplit Sequential (see :mod:`lightning_pipe.runtime.around.held_layers`); a slice
+        as ``nn.Sequential`` gives it (a list of the loop's entries while the step runs)."""
+        if isinstance(index, slice):
+            picked = range(len(self))[index]
+            if self._loop is not None:
+                return [self._entry(i) for i in picked]
+            return nn.Sequential(OrderedDict((self._positions[i][0], self._entry(i)) for i in picked))
+        try:
+            position = range(len(self))[index]
+        except IndexError:
+            raise IndexError(
+                f"index {index} is out of range for the pipelined Sequential of {len(self)} layers"
+            ) from None
+        return self._entry(position)
+
+    def stand_ins_before(self, position: int) -> list[HeldLayer]:
+        """The stand-ins of the layers before ``position`` that other stages hold."""
+        return [h for key, h in self._positions[:position] if h is not None and child_slot(self, key) is None]
+
+    def _entry(self, position: int) -> Any:
+        key, stand_in = self._positions[position]
+        layer = child_slot(self, key)
+        found = layer if layer is not None else stand_in
+        assert found is not None
+        if self._loop is not None:
+            return LoopEntry(self._loop, position, found)
+        return found
+
     def forward(self, value: Any) -> Any:
+        if self._loop is not None and self._loop.called >= 0:
+            raise RuntimeError(
+                "The step both looped over the pipelined Sequential and called it. Under the pipeline the step may "
+                "run it once per micro-batch."
+            )
         if self.hook is not None:
             return self.hook(value)
         if self.num_stages > 1:
@@ -88,14 +151,18 @@ class StageModule(nn.Sequential):
         return self.run_layers(value, recompute=False)
 
     @contextmanager
-    def routed(self, hook: Callable[[Any], Any]) -> Iterator[None]:
+    def routed(self, hook: Callable[[Any], Any], span: tuple[int, int] | None = None) -> Iterator[SequentialLoop]:
         """While the user's step runs: its call of the Sequential goes to ``hook`` (the stage's part of
-        the micro-batch), the model's code unchanged."""
+        the micro-batch), and so does a loop over it at the first of ``span``'s positions (the running
+        stage's; default: this module's), the model's code unchanged."""
+        start, stop = span if span is not None else self.span
         self.hook = hook
+        self._loop = SequentialLoop(start, stop, len(self), hook)
         try:
-            yield
+            yield self._loop
         finally:
             self.hook = None
+            self._loop = None
 
     def run_layers(
         self,
@@ -131,6 +198,8 @@ class StageModule(nn.Sequential):
         def run(value: Any, skips: Sequence[Tensor]) -> tuple[Any, list[Tensor]]:
             with skip_scope(dict(zip(self.skips_in, skips))) as scope:
                 output = self._chain(self._guard(value), params)
+            if self.stage == self.num_stages - 1:  # what recording hooks recorded: for the step to read
+                keep_records((n, scope.pop(n)) for n in self.records if n in scope)
             return output, take_skips(scope, self.skips_out, self.stage)
 
         if not recompute:
@@ -159,9 +228,10 @@ class StageModule(nn.Sequential):
         return from_tuple(tuple(t.clone() if t.requires_grad else t for t in tensors), was_tuple)
 
     def _chain(self, value: Any, params: dict[str, Tensor] | None) -> Any:
-        if params is None:
-            return nn.Sequential.forward(self, value)
         for key, layer in filled_slots(self).items():
+            if params is None:
+                value = layer(value)
+                continue
             own = {inner: params[full] for full, inner in self._param_names[key]}
             value = functional_call(layer, own, (value,)) if own else layer(value)
         return value
@@ -241,6 +311,8 @@ class StageRunner:
         #: where the lines that say what crosses beside the hidden state go (the Trainer's rank-0 info)
         self.tell: Callable[[str], None] = lambda line: None
         self._told_crossing = False
+        self._terms_checked = False  # the first training loss read no layer's parameter outside the call
+        self._hooks_checked = False  # no forward hook on a layer of an earlier stage
         self._told_returned = False
         #: saved activations beyond ``offload`` resident micro-batches go to host memory (None: all stay)
         self.offload = ActivationOffload(offload) if offload is not None else None
@@ -349,11 +421,19 @@ class StageRunner:
                         "The step called the pipelined Sequential twice for one micro-batch. Under the pipeline "
                         "the step may call it (or self(...)) once per batch."
                     )
-                return module.run_stage(argument if received is None else value, skips, recompute, params)[0]
+                output = module.run_stage(argument if received is None else value, skips, recompute, params)[0]
+                produced.extend(tensors_in(output))
+                return output
 
+            if not self._hooks_checked and isinstance(self.host, StageModule):  # hooks on earlier stages' layers
+                self._hooks_checked = True
+                refuse_hooks_elsewhere(self.host.stand_ins_before(module.span[0]), self.stage)
+            produced: list[Tensor] = []
             loss = self._run_step(step, microbatch % num_microbatches, inject, params)
             if calls == 0:
                 raise RuntimeError(self._not_called())
+            refuse_held(loss, "The step's loss")  # a loop's value before this stage's layers
+            self._check_terms(loss, produced)
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
             return None
@@ -416,6 +496,7 @@ class StageRunner:
         training = torch.is_grad_enabled()
         if self.is_last:
             refuse_held(loss, "The step's loss")
+            self._check_terms(loss, drive.produced)
             if loss is not None and training:
                 self._saved[microbatch] = (leaves, loss)
             return None
@@ -497,10 +578,28 @@ class StageRunner:
         weight version) the parameters outside the split layers run on the version's tensors too."""
         if step is None:
             raise RuntimeError(f"stage {self.stage} needs the user's step to run but none was given")
-        with self.host.routed(hook):
+        if isinstance(self.host, BlockStage):
+            routing: AbstractContextManager[SequentialLoop | None] = self.host.routed(hook)
+        else:
+            routing = self.host.routed(hook, self.module.span if isinstance(self.module, StageModule) else None)
+        with routing as loop:
             if params is None or self.model is None or not self.outside:
-                return step(microbatch)
-            return on_version(self.model, {n: params[n] for n in self.outside}, step, microbatch)
+                loss = step(microbatch)
+            else:
+                loss = on_version(self.model, {n: params[n] for n in self.outside}, step, microbatch)
+            if isinstance(loop, SequentialLoop):
+                loop.check()
+            return loss
+
+    def _check_terms(self, loss: Tensor | None, produced: Sequence[Tensor]) -> None:
+        """The first training micro-batch's loss on the last stage: no term over the layers' parameters
+        outside the pipelined call (:mod:`lightning_pipe.runtime.around.loss_terms`)."""
+        if self._terms_checked or loss is None or not torch.is_grad_enabled() or not isinstance(loss, Tensor):
+            return
+        self._terms_checked = True
+        prefix = f"{self.module.path}." if self.module.path else ""
+        named = [(prefix + name, p) for name, p in self.host.named_parameters()]
+        refuse_parameter_terms(loss, produced, named)
 
     def _not_called(self) -> str:
         return (

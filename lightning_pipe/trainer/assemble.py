@@ -340,7 +340,7 @@ def _keep_stages(
     paths = [f"{name}.{key}" for key, _ in layers.named_children()] + [path for path, _ in ends.pre + ends.post]
     ties = ties_by_position([in_module(tie, paths) for tie in decision.tied], positions, num_split)
     spec = model_spec(module) if config.weights is not None else None
-    stage, stages = split_stages(layers, balance, positions, placement.stage)
+    stage, stages = split_stages(layers, balance, positions, placement.stage, name)
     deferred_build = has_meta_tensors(module)
     bounds = stage_bounds(balance)
     held_split = sorted({split_of(s, num_split) for s in stages})  # Chimera: copies of the split's stages

@@ -335,3 +335,17 @@ def script_launcher(
     ``_call_children_scripts`` with ``subprocess_script._hydra_subprocess_cmd`` patched, the only
     place Lightning builds that command. Checked with Lightning 2.6 and Hydra 1.3."""
     return _HydraChildrenLauncher(cluster_environment, num_processes, num_nodes, child_command)
+
+
+def recopy_averaged_models(trainer: Any, module: Any) -> None:
+    """Lightning's ``StochasticWeightAveraging`` copies the module in its ``setup`` hook, before the
+    strategy's setup splits it: its copy (``_average_model``) would hold the whole model while this rank
+    holds one stage, and averaging would pair the tensors of different layers. Copied again from the
+    split module. Checked with Lightning 2.6."""
+    import copy
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, StochasticWeightAveraging) and callback._average_model is not None:
+            callback._average_model = copy.deepcopy(module)

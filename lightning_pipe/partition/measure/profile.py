@@ -35,6 +35,7 @@ from lightning_pipe.partition.stages.materialize import (
 )
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.blocks.container import LoopedContainer
+from lightning_pipe.runtime.crossing.skips import declared, skip_scope
 from lightning_pipe.runtime.microbatch import as_tuple, from_tuple, split
 
 
@@ -55,7 +56,9 @@ def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microba
     def capture(_: nn.Module, args: tuple) -> None:
         raise _Captured(args[0])
 
-    handle = layers.register_forward_pre_hook(capture)
+    handles = [layers.register_forward_pre_hook(capture)]
+    if isinstance(layers, nn.Sequential) and len(layers) > 0:  # a forward that loops over the layers
+        handles.append(layers[0].register_forward_pre_hook(capture))
     try:
         with torch.enable_grad():
             module.training_step(microbatch, 0)
@@ -69,7 +72,8 @@ def sequential_input(module: Any, layers: nn.Sequential | nn.ModuleList, microba
             "give balance as 'uniform', 'parameters' or a list of layer counts."
         ) from error
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     raise RuntimeError(
         "balance='time'/'memory': training_step never called the pipelined Sequential, so there is nothing "
         "to profile. The step must compute its output with self(...) (or the Sequential itself)."
@@ -164,13 +168,14 @@ def measure_layers(
     optimizers = optimizers or {}
     costs: list[LayerCost] = []
     flags = tuple(bool(t.requires_grad) for t in as_tuple(value)[0])
+    stashed: dict[str, Tensor] = {}  # skip connections: what earlier layers stashed, for the layers that pop it
     for index, original in enumerate(layers):
         layer, layer_optimizers = _on_device(original, device, optimizers, initializer)
         if calls is not None:
             value, call = calls[index].hidden, calls[index].bind(layer, device)
             flags = tuple(t.is_floating_point() for t in as_tuple(value)[0])
         else:
-            call = layer
+            call = _with_skips(layer, stashed)
         tensors, was_tuple = as_tuple(value)
         tensors = tuple(t.detach().to(device) for t in tensors)
         forwards: list[float] = []
@@ -228,6 +233,24 @@ def measure_layers(
         if layer is original:
             layer.to(home_of(original))
     return costs
+
+
+def _with_skips(layer: nn.Module, stashed: dict[str, Tensor]) -> Callable[[Any], Any]:
+    """``layer`` called as a stage calls it: its pops find what earlier layers stashed (``stashed``),
+    its stashes go to a scope of its own, and the last call's join ``stashed`` for later layers (each
+    timed call pops and stashes anew, as each micro-batch does)."""
+    stashes, pops = declared(layer)
+    if not stashes and not pops:
+        return layer
+
+    def call(value: Any) -> Any:
+        given = {n: stashed[n].detach().requires_grad_(stashed[n].is_floating_point()) for n in pops if n in stashed}
+        with skip_scope(given) as scope:
+            out = layer(value)
+        stashed.update({n: scope[n].detach() for n in stashes if n in scope})
+        return out
+
+    return call
 
 
 def home_of(layer: nn.Module) -> torch.device:

@@ -15,9 +15,11 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from lightning_pipe.partition.solvers.balance import stage_bounds
 from lightning_pipe.partition.stages.split import Layers, stage_layers
+from lightning_pipe.runtime.around.held_layers import held_layers
 from lightning_pipe.runtime.blocks.container import BlockShell, BlockStage
-from lightning_pipe.runtime.crossing.skips import skip_routes, skips_from, skips_into
+from lightning_pipe.runtime.crossing.skips import recorded_names, skip_routes, skips_from, skips_into
 from lightning_pipe.runtime.stage import StageModule
 
 Stage = StageModule | BlockStage
@@ -30,21 +32,27 @@ def split_of(stage: int, num_split: int) -> int:
 
 
 def split_stages(
-    layers: Layers, balance: Sequence[int], positions: Sequence[int], position: int
+    layers: Layers, balance: Sequence[int], positions: Sequence[int], position: int, path: str = ""
 ) -> tuple[Stage, dict[int, Stage]]:
     """The module that replaces the layers on pipeline ``position`` and its stages by index. With
     one stage per position the two are the same module. An ``nn.Sequential`` becomes
     :class:`StageModule` (the model calls it); an ``nn.ModuleList`` of blocks becomes
     :class:`BlockStage` (the model's forward loops over it). With more schedule stages than the
     split has (Chimera's two copies), stage ``s`` runs split stage ``s mod len(balance)``, as the
-    first or last stage where that one is."""
+    first or last stage where that one is. ``path``: the Sequential's name in the model, for messages.
+    The Sequential's stage modules keep its positions (:mod:`lightning_pipe.runtime.around.held_layers`)."""
     num_stages, num_split = len(positions), len(balance)
     make: Callable[[OrderedDict[str, nn.Module], int, int], Stage]
     if isinstance(layers, nn.Sequential):
-        make = lambda held, s, n: StageModule(held, s, n)  # noqa: E731
+        # every position of the unsplit Sequential, with its stand-in where another stage holds it
+        everywhere = list(
+            zip((key for key, _ in layers.named_children()), held_layers(layers, stage_bounds(balance), path))
+        )
+        make = lambda held, s, n: StageModule(held, s, n, everywhere)  # noqa: E731
     else:
         shells = [BlockShell(block) for block in layers]
-        make = lambda held, s, n: BlockStage(held, s, n, shells)  # noqa: E731
+        stand_ins = held_layers(layers, stage_bounds(balance), path)
+        make = lambda held, s, n: BlockStage(held, s, n, shells, stand_ins)  # noqa: E731
     mine = [s for s, p in enumerate(positions) if p == position]
     if num_stages == num_split:
         stages = {s: make(stage_layers(layers, balance, s), s, num_stages) for s in mine}
@@ -59,12 +67,16 @@ def split_stages(
             assert isinstance(module, StageModule)
             module.skip_sources = skips_into(routes, split_of(s, num_split))
             module.skip_targets = skips_from(routes, split_of(s, num_split))
+            module.records = tuple(n for layer in layers for n in recorded_names(layer))
+    for module in stages.values():
+        module.path = path
     if len(stages) == 1:
         return stages[mine[0]], stages
     held: OrderedDict[str, nn.Module] = OrderedDict()
     for s in sorted(mine, key=lambda s: split_of(s, num_split)):  # the layers in their order, whatever their names
         held.update(stage_layers(layers, balance, split_of(s, num_split)))
     host = make(held, min(mine), num_stages)
+    host.path = path
     host.held = (tuple(sorted({split_of(s, num_split) for s in mine})), num_split)  # what errors name
     return host, stages
 

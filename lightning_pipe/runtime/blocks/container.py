@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,6 +49,7 @@ from lightning_pipe.runtime.blocks.reads import (
     hf_recording,
     refuse_held,
     refuse_recorded_outputs,
+    tensors_in,
 )
 from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.crossing.forced_outputs import only_forced
@@ -132,7 +133,12 @@ class BlockStage(LoopedContainer):
     modifies_input = False
 
     def __init__(
-        self, blocks: OrderedDict[str, nn.Module], stage: int, num_stages: int, shells: list[BlockShell]
+        self,
+        blocks: OrderedDict[str, nn.Module],
+        stage: int,
+        num_stages: int,
+        shells: list[BlockShell],
+        stand_ins: Sequence[nn.Module] = (),
     ) -> None:
         super().__init__()
         for key, block in blocks.items():
@@ -142,10 +148,15 @@ class BlockStage(LoopedContainer):
         #: the split stages this module holds and their count, for errors (see :func:`held_stages`)
         self.held: tuple[tuple[int, ...], int] = ((stage,), num_stages)
         self._shells = shells
+        #: per index, what code outside the steps gets for a block another stage holds (a module without
+        #: tensors, :class:`~lightning_pipe.runtime.around.held_layers.HeldLayer`); kept out of the module's children
+        self._stand_ins = list(stand_ins)
         indices = [int(k) for k in blocks]
         self.bounds = (min(indices), max(indices) + 1) if indices else (0, 0)
         self.hook: BlockDrive | None = None
         self._param_names = layer_parameter_names(filled_slots(self))
+        #: the container's path in the model (``"model.layers"``), for messages
+        self.path = ""
 
     def __len__(self) -> int:
         return len(self._shells)
@@ -164,8 +175,10 @@ class BlockStage(LoopedContainer):
         if self.hook is not None:
             return self.hook.entry(self, i)
         held = child_slot(self, str(i))
-        if held is not None and self.num_stages == 1:
+        if held is not None:
             return held
+        if self._stand_ins:  # outside the steps (configure_optimizers, a callback): its structure, no tensors
+            return self._stand_ins[i]
         raise RuntimeError(
             f"This module holds {held_stages(self.held)} (blocks "
             f"{self.bounds[0]}..{self.bounds[1] - 1}); it runs inside the Trainer's steps. To use the whole model "
@@ -232,6 +245,8 @@ class BlockDrive:
         self.returned_in = returned if returned is not None else Returned()
         self.returned_out = Returned()
         self.last_output: Any = None
+        #: the tensors this stage's blocks returned (what the step's loss may reach their parameters through)
+        self.produced: list[Tensor] = []
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -400,4 +415,6 @@ class _Local(_Entry):
         drive.carry.record(self._index, before)
         drive.outputs.returned(self._index, output, args, kwargs)
         drive.last_output = output
+        drive.produced.extend(tensors_in(output))  # and what the model recorded of the block (router logits)
+        drive.produced.extend(tensors_in(drive.carry.own.get(self._index, {})))
         return output

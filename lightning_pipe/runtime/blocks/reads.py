@@ -107,7 +107,7 @@ class HeldOutput(Tensor):
             )
         result = super().__torch_function__(func, types, args, kwargs)
         blocks, bounds = _blocks(sources), next((t.bounds for t in sources if hasattr(t, "bounds")), (0, 0))
-        for tensor in _tensors(result):
+        for tensor in tensors_in(result):
             if isinstance(tensor, HeldOutput):
                 tensor.blocks, tensor.bounds = blocks, bounds
         return result
@@ -130,18 +130,19 @@ _WRITES = frozenset(
 )  # fmt: skip
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in ``value``: a tensor, in tuples, lists and mappings (a Hugging Face output)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
 
 
 def _held_in(value: Any) -> list[HeldOutput]:
-    return [t for t in _tensors(value) if isinstance(t, HeldOutput)]
+    return [t for t in tensors_in(value) if isinstance(t, HeldOutput)]
 
 
 def _blocks(held: list[HeldOutput]) -> frozenset[int]:

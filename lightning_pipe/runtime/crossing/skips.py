@@ -36,6 +36,8 @@ from typing import TypeVar
 
 from torch import Tensor, nn
 
+from lightning_pipe.torch_internals import forward_hooks
+
 M = TypeVar("M", bound=type[nn.Module])
 
 #: the stashed tensors of the stage (or the plain forward) running now, by name
@@ -74,6 +76,11 @@ def pop(name: str) -> Tensor:
     return scope.pop(name)
 
 
+def active_scope() -> dict[str, Tensor] | None:
+    """The scope of the stage whose layers run now, or None (plain training, a stage without skips)."""
+    return _scope.get()
+
+
 def _current() -> dict[str, Tensor]:
     scope = _scope.get()
     return _plain if scope is None else scope
@@ -91,11 +98,17 @@ def skip_scope(received: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
         _scope.reset(token)
 
 
+def recorded_names(layer: nn.Module) -> tuple[str, ...]:
+    """The names the recording hooks (:mod:`lightning_pipe.runtime.crossing.records`) on ``layer`` and its
+    submodules record: stashed there, popped after the Sequential's last layer for the step to read."""
+    return tuple(h.recorded_name for m in layer.modules() for h in forward_hooks(m) if hasattr(h, "recorded_name"))
+
+
 def declared(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The names ``layer`` (or a module inside it) stashes and pops, as :func:`skippable` declared them."""
     stashes = tuple(n for m in layer.modules() for n in getattr(m, "stashes", ()))
     pops = tuple(n for m in layer.modules() for n in getattr(m, "pops", ()))
-    return stashes, pops
+    return (*stashes, *recorded_names(layer)), pops  # a recording hook's value: popped after the last layer
 
 
 #: per pair of split stages (the stage that stashes, the later stage that pops), the names stashed on
@@ -125,6 +138,8 @@ def skip_routes(layers: Sequence[nn.Module], balance: Sequence[int]) -> Routes:
             if name in stashed:
                 raise ValueError(f"Layers {stashed[name]} and {index} both declare stash=[{name!r}]; use two names.")
             stashed[name] = index
+    for name in {n for layer in layers for n in recorded_names(layer)}:  # read by the step, after the last layer
+        popped[name] = len(layers) - 1
     unpopped = sorted(set(stashed) - set(popped))
     if unpopped:
         raise ValueError(

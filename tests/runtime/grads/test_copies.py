@@ -25,7 +25,7 @@ def test_each_process_holds_its_stage_and_the_up_copy_of_the_mirror_stage() -> N
     assert list(host._modules) == ["1", "2", "3", "4"]
     mirror, _ = split_stages(layers, balance, positions, 2)
     assert list(mirror._modules) == list(host._modules)  # the pair holds the same layers
-    assert stages[1][0] is layers[1] and stages[6][0] is layers[3]
+    assert stages[1][1] is layers[1] and stages[6][3] is layers[3]  # the unsplit Sequential's positions
 
 
 def test_ties_span_every_process_holding_a_copy() -> None:

@@ -1,0 +1,1 @@
+"""Tests of lightning_pipe.runtime.around."""
