@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -51,8 +52,14 @@ def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
 def wrap_optimizer_step(optimizer: Optimizer, wrapper: Callable[[Callable[[], Any]], Callable[..., Any]]) -> None:
     """Give ``optimizer`` the instance ``step`` ``wrapper(original)``, where ``original()`` runs its
     step without a closure (``optimizer.step = ...``, which Lightning's precision plugins call with their
-    closure). Checked with torch 2.13."""
-    optimizer.step = wrapper(optimizer.step)  # type: ignore[method-assign]
+    closure). A bound method, as the class's: torch's LR schedulers wrap ``step.__func__``. Checked with torch
+    2.13."""
+    stepped = wrapper(optimizer.step)
+
+    def step(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return stepped(*args, **kwargs)
+
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
 def instance_forward(layer: nn.Module) -> Any | None:

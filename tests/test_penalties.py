@@ -29,3 +29,16 @@ def test_an_update_with_the_penalty_equals_one_with_the_term_in_the_loss() -> No
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)
     assert torch.equal(frozen, torch.ones(2))
+
+
+def test_an_lr_scheduler_built_on_a_penalized_optimizer_steps_it() -> None:
+    """torch's schedulers wrap the optimizer's bound ``step``: the penalty's step is one (it failed with
+    "'function' object has no attribute '__func__'"), and the penalty still reaches the update."""
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = parameter_penalty(torch.optim.SGD([weight], lr=1.0), lambda p: 0.5 * (p**2).sum())
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    weight.grad = torch.zeros(3)
+    optimizer.step()
+    schedule.step()
+    torch.testing.assert_close(weight.detach(), torch.zeros(3))  # 1 - 1.0 * (0 + 1.0)
+    assert schedule.get_last_lr() == [0.5]

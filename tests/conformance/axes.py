@@ -153,6 +153,9 @@ class Model:
     #: dropout, one layer on stage 0 and two on stage 1, so that every rank's random state differs: its masks are
     #: each layout's own, so its oracle is the same run uninterrupted (every rank's restored random state)
     dropout: bool = False
+    #: the module's own code around the call: a forward that loops over the Sequential, parameter groups built
+    #: by position (``enumerate(self.layers)``) and a penalty over parameters (``lightning_pipe.parameter_penalty``)
+    around: bool = False
 
 
 MODELS: tuple[Model, ...] = (
@@ -166,6 +169,7 @@ MODELS: tuple[Model, ...] = (
     Model("records", module="bert.encoder.layer", records=True),
     Model("sgd", optimizer="sgd"),
     Model("dropout", dropout=True),
+    Model("around", optimizer="sgd", around=True),
 )
 
 AXES = {"schedule": SCHEDULES, "event": EVENTS, "layout": LAYOUTS, "model": MODELS}

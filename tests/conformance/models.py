@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe import token_count
+from lightning_pipe import parameter_penalty, token_count
 from tests.conformance.axes import Model
 from tests.models import CLASSES, HIDDEN, IN, PopA, PopB, StashA, StashB, dataset
 
@@ -183,6 +183,25 @@ class TokenNet(_Steps):
         return F.cross_entropy(self(ids).reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
 
 
+class AroundNet(SequentialNet):
+    """The Sequential as a user writes code around it: ``forward`` loops over its layers, ``configure_optimizers``
+    gives each layer a learning rate by its position and adds an L2 penalty over every parameter (each stage its
+    own parameters' part: ``lightning_pipe.parameter_penalty``), plain SGD."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def configure_optimizers(self) -> Any:
+        groups = [{"params": list(layer.parameters()), "lr": 0.4 / (1 + i)} for i, layer in enumerate(self.layers)]
+        optimizer = parameter_penalty(torch.optim.SGD(groups, lr=0.1), lambda p: 1e-2 * (p**2).sum())
+        if not self.scheduler:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 def build(model: Model, scheduler: bool = False) -> L.LightningModule:
     """A fresh ``model`` (its initial weights come from the caller's seed)."""
     if model.records:
@@ -195,6 +214,8 @@ def build(model: Model, scheduler: bool = False) -> L.LightningModule:
         return SkipsNet(scheduler=scheduler)
     if model.tied or model.token_count:
         return TokenNet(tied=model.tied, scheduler=scheduler)
+    if model.around:
+        return AroundNet(scheduler=scheduler)
     return SequentialNet(dropout=model.dropout, optimizer=model.optimizer, scheduler=scheduler)
 
 
