@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,6 @@ def test_resuming_a_checkpoint_of_other_shapes_names_it(tmp_path: Path) -> None:
     path = tmp_path / "wide.ckpt"
     with pytest.raises(Exception, match="was saved from a module of other shapes") as refused:
         fit_pipeline(Wide(16), 2, chunks=2, ckpt_path=str(path), max_steps=4)
-    assert str(path) in str(refused.value) and "layers.0.weight: (8, 6) in the checkpoint, (16, 6) here" in str(
-        refused.value
-    )
+    # whichever rank's refusal the launcher reports names that rank's own tensors (stage 0's or stage 1's)
+    wrong = r"layers\.\d+\.(weight|bias): \([^)]*8[^)]*\) in the checkpoint, \([^)]*16[^)]*\) here"
+    assert str(path) in str(refused.value) and re.search(wrong, str(refused.value)), str(refused.value)

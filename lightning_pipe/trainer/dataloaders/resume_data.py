@@ -65,7 +65,10 @@ def give_saved_position(trainer: Any, resumed: Callable[[bool], None] | None = N
     the restore get the saved position now (Lightning hands a position only to loaders it builds after the
     restore, and ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` builds them before it);
     ``resumed`` is told again whether the run continues within an epoch. Whether there was one to give."""
-    if not (internals.training_loaders_built(trainer) and internals.pending_loader_states(trainer)):
+    # Lightning loads a state only into a restarting loop (mid-epoch); at an epoch's end it keeps it unread, and
+    # making the iterator again there would draw its seed twice from the random state dropout draws from
+    restarting = bool(trainer.fit_loop.restarting)
+    if not (restarting and internals.training_loaders_built(trainer) and internals.pending_loader_states(trainer)):
         return False
     progress = trainer.fit_loop.epoch_loop.batch_progress
     if resumed is not None:  # a save at an epoch's end restores the random state before the iterator draws

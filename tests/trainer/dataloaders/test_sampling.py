@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import lightning as L
 import torch
 from torch.utils.data import (
     BatchSampler,
@@ -68,8 +69,8 @@ def test_a_batch_sampler_without_its_base_init_trains_as_in_plain_lightning() ->
     assert not is_deterministic(OwnBatches(8, 4))
     torch.manual_seed(0)
     piped, plain = twins(TinyNet())
-    torch.manual_seed(1)
+    L.seed_everything(1)  # as a user seeds a run (it sets PL_GLOBAL_SEED, which every process reads)
     fit_pipeline(piped, 2, DataLoader(dataset(), batch_sampler=OwnBatches(64, 12)), chunks=2, max_steps=4)
-    torch.manual_seed(1)  # the first stage draws as the one process draws: the same batches
+    L.seed_everything(1)  # the first stage draws as the one process draws: the same batches
     fit_plain(plain, DataLoader(dataset(), batch_sampler=OwnBatches(64, 12)), max_steps=4)
     assert_same_weights(plain, piped)
