@@ -44,9 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fresh_main_port(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's launchers store the port they used in MASTER_PORT, so the next Trainer would reuse
     it while the last run's store may still hold it; every test gets a free port instead."""
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+    from tests.ports import free_port
 
-    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
 
 
 @pytest.fixture(scope="module")

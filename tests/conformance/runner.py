@@ -93,9 +93,9 @@ def _fresh_port() -> None:
     free port, as the tests' ``fresh_main_port`` fixture gives each test one."""
     import os
 
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+    from tests.ports import free_port
 
-    os.environ["MASTER_PORT"] = str(find_free_network_port())
+    os.environ["MASTER_PORT"] = str(free_port())
 
 
 def pipeline_trainer(devices: int, **options: Any) -> L.Trainer:
