@@ -239,13 +239,13 @@ def test_a_u_net_on_four_processes_trains_as_plain_under_chimera() -> None:
     assert_same_weights(reference, piped)
 
 
-@pytest.mark.parametrize("balance", ["time", "memory"])
-def test_skips_train_as_plain_with_a_measured_balance(balance: str) -> None:
+@pytest.mark.parametrize("measured", [{"balance": "time"}, {"balance": "memory"}, {"plan": "auto"}])
+def test_skips_train_as_plain_with_a_measured_balance(measured: dict) -> None:
     """The profile runs each layer with what earlier layers stashed (before: "A layer stashed 'a' again
-    before a later layer popped it", the layers run without the skips' scope)."""
+    before a later layer popped it", the layers run without the skips' scope); the planner's too."""
     torch.manual_seed(0)
     piped = SkipNet()
     reference = copy.deepcopy(piped)
     fit_plain(reference)
-    fit_pipeline(piped, 2, chunks=2, balance=balance)
+    fit_pipeline(piped, 2, **({"chunks": 2} if "balance" in measured else {}), **measured)
     assert_same_weights(reference, piped)
