@@ -297,7 +297,8 @@ class PipelineSteps:
         if chosen is not None:
             return None if chosen == "samples" else cast("LossWeight", chosen)
         default = default_loss_weight(self._token_mean_shift, batch)
-        if default is None and kind == "train" and not self._warned_padding:
+        # only rank 0 warns, so only rank 0 reads the labels back (a device sync per step until it has warned)
+        if default is None and kind == "train" and not self._warned_padding and self.module.trainer.is_global_zero:
             why = padding_warning(batch, micro)
             if why is not None:
                 self._warned_padding = True
