@@ -26,8 +26,11 @@ def readme_example() -> str:
 
 
 def test_readme_example_runs_as_written(tmp_path: Path) -> None:
+    """One epoch of the five: ``.ci/run`` runs all five against the installed wheel before the tests."""
     script = tmp_path / "train.py"
-    script.write_text(readme_example())
+    example = readme_example()
+    assert example.count("max_epochs=5") == 2  # the 2-process Trainer's and the commented 4-GPU one's
+    script.write_text(example.replace("max_epochs=5", "max_epochs=1"))
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PYTHONPATH")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
     result = subprocess.run(
@@ -35,7 +38,7 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stderr + result.stdout
-    assert "`Trainer.fit` stopped: `max_epochs=5` reached." in output
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in output
     # where Lightning prints its setup lines, without any logging set up by the script
     layout = ("lightning-pipe: 2 stages (2 processes), layers per stage [4, 3], schedule 1f1b, 4 chunks, global batch "
               "64; the model summary below counts rank 0's stage 0 only")  # fmt: skip
@@ -112,16 +115,16 @@ def test_the_bring_your_own_model_example_runs_as_written(tmp_path: Path) -> Non
 
 
 def four_device_example() -> str:
-    """The "## Use" example with its "On 4 GPUs" Trainer in place of the 2-process one, on CPU, for one epoch."""
+    """The "## Use" example with its "On 4 GPUs" Trainer in place of the 2-process one, on CPU, for 8 steps."""
     lines = readme_example().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("# On 4 GPUs"))
     block = [line[2:] for line in lines[start + 1 :] if line.startswith("# ")]
     stop = start + 1 + len(block)
     assert lines[stop - 1] == "# )", "the commented Trainer ends with '# )'"
     text = "\n".join(block).replace('accelerator="gpu"', 'accelerator="cpu"')
-    # one epoch of the five: the 2-process run above trains all five; this one proves the 4-stage split and launch
-    text = text.replace("max_epochs=5", "max_epochs=1")
-    assert 'accelerator="cpu"' in text and "devices=4" in text and "max_epochs=1" in text
+    # 8 steps of the 5 x 32: the 2-process run above trains; this one proves the 4-stage split and launch
+    text = text.replace("max_epochs=5", "max_epochs=1, limit_train_batches=8")
+    assert 'accelerator="cpu"' in text and "devices=4" in text and "limit_train_batches=8" in text
     return "\n".join(lines[:start] + [text] + lines[stop:]) + "\n"
 
 

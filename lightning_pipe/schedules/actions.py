@@ -23,6 +23,10 @@ class ActionKind(enum.Enum):
     SEND_GRADIENT = "SEND_B"  # stage s sends the gradient of its input to stage s - 1
     RECV_GRADIENT = "RECV_B"  # stage s receives the gradient of its output from stage s + 1
 
+    # a member is its own only instance, so its identity is its hash: Enum's hashes the name in Python,
+    # and simulating and validating a schedule hash actions by the million
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
@@ -49,21 +53,30 @@ class Action:
 
     def peer_stage(self) -> int:
         """The stage at the other end of a communication action."""
-        if self.kind in (ActionKind.SEND_ACTIVATION, ActionKind.RECV_GRADIENT):
-            return self.stage + 1
-        if self.kind in (ActionKind.RECV_ACTIVATION, ActionKind.SEND_GRADIENT):
-            return self.stage - 1
-        raise ValueError(f"{self} is not a communication action")
+        offset = _PEER_OFFSET.get(self.kind)
+        if offset is None:
+            raise ValueError(f"{self} is not a communication action")
+        return self.stage + offset
 
     def matching(self) -> Action:
         """The action on the peer that pairs with this send or receive."""
-        pairs = {
-            ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
-            ActionKind.RECV_ACTIVATION: ActionKind.SEND_ACTIVATION,
-            ActionKind.SEND_GRADIENT: ActionKind.RECV_GRADIENT,
-            ActionKind.RECV_GRADIENT: ActionKind.SEND_GRADIENT,
-        }
-        return Action(pairs[self.kind], self.peer_stage(), self.microbatch)
+        return Action(_MATCHING[self.kind], self.peer_stage(), self.microbatch)
+
+
+#: where each communication kind's peer stage lies: activations go forward, gradients back
+_PEER_OFFSET = {
+    ActionKind.SEND_ACTIVATION: 1,
+    ActionKind.RECV_GRADIENT: 1,
+    ActionKind.RECV_ACTIVATION: -1,
+    ActionKind.SEND_GRADIENT: -1,
+}
+#: each communication kind's counterpart on the peer
+_MATCHING = {
+    ActionKind.SEND_ACTIVATION: ActionKind.RECV_ACTIVATION,
+    ActionKind.RECV_ACTIVATION: ActionKind.SEND_ACTIVATION,
+    ActionKind.SEND_GRADIENT: ActionKind.RECV_GRADIENT,
+    ActionKind.RECV_GRADIENT: ActionKind.SEND_GRADIENT,
+}
 
 
 def F(stage: int, microbatch: int) -> Action:

@@ -68,7 +68,7 @@ def test_the_default_set_is_fixed_and_covers_every_pair_every_reference_and_ever
     cell has, each asynchronous rule once on the model its one-process reference takes, each refusal sentence."""
     import time
 
-    from tests.conformance.axes import MODE_VARIABLE, _pairs, references, refusal
+    from tests.conformance.axes import COVERED_BY_OTHERS, MODE_VARIABLE, _pairs, cover_pool, references, refusal
 
     for variable in (SEED_VARIABLE, CELL_VARIABLE, MODE_VARIABLE):
         monkeypatch.delenv(variable, raising=False)
@@ -77,11 +77,12 @@ def test_the_default_set_is_fixed_and_covers_every_pair_every_reference_and_ever
     _, later = selected(full=False)
     assert [c.id for c in today] == [c.id for c in later]
     running = [c for c in today if refusal(c) is None]
-    wanted = set().union(*(_pairs(c) for c in all_cells() if refusal(c) is None))
+    wanted = set().union(*(_pairs(c) for c in cover_pool() if refusal(c) is None))
     assert wanted - set().union(*(_pairs(c) for c in running)) == set()
     from lightning_pipe.schedules.traits import TRAITS
 
     async_rules = {s for s, t in TRAITS.items() if t.asynchronous}
     assert {c.schedule for c in references()} == async_rules and {c.id for c in references()} <= {c.id for c in today}
+    assert {layout for layout in COVERED_BY_OTHERS} <= {c.layout.name for c in all_cells()}  # in the full matrix
     sentences = {s for c in all_cells() for s in (refusal(c) or "").split("|") if s}
     assert sentences == {s for c in today for s in (refusal(c) or "").split("|") if s}

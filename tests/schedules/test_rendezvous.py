@@ -78,7 +78,7 @@ def _check_regrouped(schedule: Schedule, regrouped: Schedule) -> None:
 
 
 SAMPLE = {
-    name: random.Random(20261123).sample(_cases(name, range(1, 9), 3), 24) + [(2, 8, 2), (8, 8, 2), (4, 16, 4)]
+    name: random.Random(20261123).sample(_cases(name, range(1, 9), 3), 12) + [(2, 8, 2), (8, 8, 2), (4, 16, 4)]
     for name in sorted(REGROUPED_FOR_RENDEZVOUS)
 }
 
