@@ -192,3 +192,18 @@ def test_the_readmes_links_into_the_docs_reach_a_page_and_a_heading() -> None:
             broken.append(f"docs/{page}#{anchor}")
     assert _slug("Skip connections in an `nn.Sequential`") == "skip-connections-in-an-nnsequential"
     assert not broken, broken
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_site_and_its_api_reference_build_under_strict(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every link and anchor between the pages resolves, and mkdocstrings finds every
+    object the API reference names (the ``docs`` extra)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NO_MKDOCS_2_WARNING="1")
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=290)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+    assert all(name in reference for name in ("token_count", "skippable", "format_schedule", "consolidate"))
