@@ -96,7 +96,7 @@ class StepsConfig:
         "1f1b",
         values=tuple(TRAITS),
         more="; or your own schedule as text: the path of a `.csv` or `.txt` file, or the text itself, one line of "
-        "actions per process ([docs/schedules.md](schedules.md#your-own-schedule))",
+        "actions per process ([Write your own schedule](custom-schedule.md))",
     )
     """micro-batch order. GPipe and 1F1B flush after every batch and have the bubble `(p-1)/(m+p-1)`; 1F1B holds at
     most `p - s` micro-batches' activations on stage `s` instead of `m`. Interleaved 1F1B, ZB-H1 (each backward split
@@ -143,7 +143,7 @@ class StepsConfig:
     (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
     last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
     `plan="auto"` chooses it per stage. Exact: training equals training without it. See
-    [below](#activation-memory-per-stage-recompute-and-offload)."""
+    [below](large-models.md#hold-fewer-activations)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
@@ -300,7 +300,7 @@ class LayoutConfig:
     speed of the rank holding it, so a slower rank gets less work (`[1.0, 0.5]`: rank 1 at half the speed of rank 0).
     On several processes without it, every rank times the same probe (9 repeats) before the split; speeds within 10%,
     or within the spread of the repeats, count as equal. See
-    [Balance](balance.md#unequal-devices-every-ranks-own-speed)."""
+    [Unequal devices](layout.md#unequal-devices)."""
     rank_order: Sequence[int] | None = option(
         values="a list of global ranks, each once: the ranks of stage 0's replicas first, then stage 1's"
     )
@@ -308,7 +308,7 @@ class LayoutConfig:
     `None`: where the ranks' speeds (`balance="time"`, `plan="auto"`) or free memory (`balance="memory"`) differ by
     more than 10%, ranks of equal speed are grouped into the same stage and the stages ordered by the predicted step;
     otherwise rank `r` holds stage `r // replicas`. The planner prints its choice as `strategy.rank_order=[...]`. See
-    [Balance](balance.md#which-rank-holds-which-stage)."""
+    [Unequal devices](layout.md#unequal-devices)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -329,7 +329,7 @@ class ReplicasConfig:
     """how the replicas of a stage stay together (`data_parallel="replicate"`): their gradients averaged every step
     (they train as one model on the global batch), or AvgPipe's elastic averaging (each steps on its own batches;
     every `replicas_sync_period` steps replicas and a center variable pull towards each other; synchronous schedules
-    only; see [Layout](layout.md#replicas_sync-gradients-every-step-or-elastic-averaging))."""
+    only; see [Replicas](layout.md#replicas-of-the-pipeline))."""
     replicas_sync_period: int | None = option(values="int >= 1", unset="4")
     """optimizer steps between two averagings (`replicas_sync="elastic"`)."""
     replicas_sync_alpha: float | None = option(values="float in (0, 1), replicas x alpha <= 1", unset="0.9 / replicas")
@@ -363,12 +363,12 @@ class AsynchronousConfig:
     xpipe_predictor: str | None = option(values=PREDICTORS, unset='`"update"` under `"xpipe"`')
     """how `"xpipe"` predicts the weights its forwards and backwards run on: `tau_i` updates ahead, the optimizer's
     last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
-    [Schedules](schedules.md#xpipe-weights-predicted-ahead))."""
+    [Schedules](schedules.md#the-asynchronous-schedules))."""
     delay_correction: str | None = option(values=(None, *CORRECTIONS), unset="off")
     """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, Nesterov's
     look-ahead stretched over each stage's delay (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; use plain SGD, the
     correction carries the momentum), or `"error_feedback"`, the one-step delay's error fed back (`"pipedream_2bw"`);
-    see [Schedules](schedules.md#delay-corrections)."""
+    see [Schedules](schedules.md#the-asynchronous-schedules)."""
     delay_correction_coefficient: float | None = option(
         values="float in [0, 1)", unset='0.9 under `"nesterov"` (gamma), 0.5 under `"error_feedback"` (beta)'
     )
