@@ -31,6 +31,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.processes import mark
+
+    mark(items)  # "processes": the tests that start processes (-m "not processes": the pure logic alone)
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -38,6 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+from tests.processes import _unmarked_tests_start_no_process  # noqa: E402,F401  (autouse: the marker stays true)
 
 
 @pytest.fixture(autouse=True)
