@@ -73,14 +73,18 @@ def traced_ends(
     traced = None
     if inputs.is_source:
         step = getattr(module, STEPS.get(module.trainer.state.fn, "training_step"))
-
-        def run() -> None:
-            microbatch = split(inputs.batch(), config.num_microbatches(stages))[0]
-            with torch.no_grad(), inputs.context():
-                step(microbatch, 0)
-
         with _untouched(module, inputs.device):
-            traced = trace_ends(module, layers, run)
+            try:  # drawn before the trace, which would count the draw's reads of the parameters
+                microbatch = split(inputs.batch(), config.num_microbatches(stages))[0]
+            except Exception as error:
+                traced = TracedEnds(failed=f"no batch to trace: {type(error).__name__}: {error}")
+            else:
+
+                def run() -> None:
+                    with torch.no_grad(), inputs.context():
+                        step(microbatch, 0)
+
+                traced = trace_ends(module, layers, run)
     return inputs.broadcast(traced)
 
 

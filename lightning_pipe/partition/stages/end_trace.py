@@ -119,7 +119,7 @@ class _Reads(TorchFunctionMode):
 
 
 @contextmanager
-def _hooks(record: _Record, candidates: list[nn.Module], container: nn.Module) -> Iterator[None]:
+def _hooks(record: _Record, candidates: list[nn.Module], container: nn.Sequential | nn.ModuleList) -> Iterator[None]:
     """The calls of the candidates and of the split layers, seen by ``record``."""
     handles = []
     for index, candidate in enumerate(candidates):
