@@ -267,24 +267,6 @@ class BesideModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class RecordHeld(L.Callback):
-    """Writes, per rank, the bytes of every distinct tensor the module holds (parameters and buffers,
-    through any attribute) and the names of its parameters, to ``<folder>/held<k>.json``."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import json
-
-        seen: dict[int, int] = {}
-        for t in list(pl_module.parameters()) + list(pl_module.buffers()):
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        names = [n for n, _ in pl_module.named_parameters()]
-        with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
-            json.dump({"bytes": sum(seen.values()), "names": names}, f)
-
-
 #: A Llama of 1.13 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
 #: vocabulary, untied head), and a tiny one of the same shape for quick checks.
 LLAMA_1GB = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=16,

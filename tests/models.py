@@ -843,3 +843,21 @@ def char_loader(n: int = 48, batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, CharGPT.VOCAB, (n, CharGPT.LENGTH + 1), generator=g)
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch_size)
+
+
+class RecordHeld(L.Callback):
+    """Writes, per rank, the bytes of every distinct tensor the module holds (parameters and buffers,
+    through any attribute) and the names of its parameters, to ``<folder>/held<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        seen: dict[int, int] = {}
+        for t in list(pl_module.parameters()) + list(pl_module.buffers()):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        names = [n for n, _ in pl_module.named_parameters()]
+        with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
+            json.dump({"bytes": sum(seen.values()), "names": names}, f)

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_models import MODELS, BesideModule, HFModule, RecordHeld, data_for
-from tests.models import fit_plain
+from tests.hf_models import MODELS, BesideModule, HFModule, data_for
+from tests.models import RecordHeld, fit_plain
 from tests.pipeline import assert_same_weights, fit_pipeline
 
 #: AdamW divides by the root of tiny second moments, which magnifies the float noise of summing a
