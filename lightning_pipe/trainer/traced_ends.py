@@ -25,6 +25,7 @@ from lightning_pipe.partition.stages.hf_init import is_pretrained_model
 from lightning_pipe.partition.stages.materialize import has_meta_tensors
 from lightning_pipe.runtime.microbatch import split
 from lightning_pipe.schedules import is_async, traits
+from lightning_pipe.trainer import internals
 
 #: the step each of the Trainer's functions runs
 STEPS = {
@@ -50,15 +51,14 @@ def traces_ends(module: nn.Module, layers: nn.Module, config: PipelineConfig, st
 
 @contextmanager
 def _untouched(module: Any, device: torch.device) -> Iterator[None]:
-    """The step runs with logging switched off, and leaves the random state and the buffers as they were."""
+    """The step runs with logging switched off (``log_dict`` goes through ``log``), and leaves the random state
+    and the buffers as they were."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        module.log, module.log_dict = (lambda *a, **k: None), (lambda *a, **k: None)
+    with torch.random.fork_rng(devices=devices), internals.routed_log(module, lambda *a, **k: None):
         try:
             yield
         finally:
-            del module.log, module.log_dict
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
