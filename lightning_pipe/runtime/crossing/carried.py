@@ -265,6 +265,8 @@ class Carry:
                 values = entries.get(key, [])
                 codes.append(entry_code(values))
                 tensors += [t for t in values if t is not None]
+        if all(code == 1 for code in codes):  # nothing recorded (codes received for a block's returned structure)
+            return list(hidden), ()
         return tensors, tuple(codes)
 
     def keys(self) -> list[str]:
