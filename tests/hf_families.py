@@ -283,9 +283,9 @@ FAMILIES: list[Family] = [
         data="images",
         compared=(
             "another process's Swin stage returns its output's structure and its submodules' structure; within "
-            "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes x `1f1b` and 2 "
-            "processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a classifier of "
-            "the module's own, 2 processes x `1f1b` (slow): tests/test_hf_models.py"
+            "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes "
+            "x `1f1b` and 2 processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a "
+            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/test_hf_models.py"
         ),
     ),
 ]
