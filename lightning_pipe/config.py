@@ -275,8 +275,7 @@ class PartitionConfig:
         for name in ("first_stage", "last_stage"):
             paths = getattr(self, name)
             _check(
-                paths is None
-                or (isinstance(paths, (list, tuple)) and all(isinstance(p, str) and p for p in paths)),
+                paths is None or (isinstance(paths, (list, tuple)) and all(isinstance(p, str) and p for p in paths)),
                 f"PipelineStrategy({name}={paths!r}): give a list of module paths (['tok_emb', 'pos_emb']), [] for "
                 "none, or None to find them by tracing one step.",
             )

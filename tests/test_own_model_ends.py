@@ -91,9 +91,9 @@ def test_checkpoints_resume_and_consolidate_into_the_plain_class(tmp_path: Path)
     first, second = tmp_path / "first", tmp_path / "second"
     common = dict(module="blocks", max_steps=-1, enable_checkpointing=True)
     saves = [ModelCheckpoint(dirpath=first, save_last=True, save_top_k=0)]
-    saves = [ModelCheckpoint(dirpath=first, save_last=True, save_top_k=0)]
     fit_pipeline(fresh(), 2, data, max_epochs=2, callbacks=saves, **common)
-                 callbacks=[ModelCheckpoint(dirpath=second, save_last=True, save_top_k=0)], **common)  # fmt: skip
+    saves = [ModelCheckpoint(dirpath=second, save_last=True, save_top_k=0)]
+    fit_pipeline(fresh(), 4, data, max_epochs=3, ckpt_path=str(first / "last.ckpt"), callbacks=saves, **common)
     merged = consolidate(second / "last.ckpt", tmp_path / "plain.ckpt")
     assert len(merged["optimizer_states"][0]["state"]) == len(list(plain.parameters()))  # the tie once
     loaded = fresh()
