@@ -85,13 +85,10 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, La
     if not candidates:
         containers = block_containers(module)
         example = containers[0][0] if containers else "model.transformer.h"
-        found = (
-            f"Its containers of blocks: {', '.join(f'{p!r} ({what})' for p, what in containers)}. "
-            if containers
-            else ""
-        )
+        listed = ", ".join(f"{path!r} ({what})" for path, what in containers)
+        own = f"Its containers of blocks: {listed}. " if containers else ""
         raise ValueError(
-            f"{cls} has no top-level nn.Sequential to split into pipeline stages. {found}Name the container of the "
+            f"{cls} has no top-level nn.Sequential to split into pipeline stages. {own}Name the container of the "
             f"model's repeated blocks with PipelineStrategy(module={example!r}) (an nn.ModuleList or nn.Sequential "
             f"anywhere in the module), or put the layers in an nn.Sequential attribute (self.layers = "
             f"nn.Sequential(...)) and call it from forward."
