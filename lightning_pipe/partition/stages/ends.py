@@ -15,6 +15,10 @@ tensors of the model. A Hugging Face ``PreTrainedModel`` names them itself
 - an embedding tied to the head is a weight tied across the first and last stage, its gradients
   summed as for any tie.
 
+A model of the user's own names nothing: its ends are the modules one traced step finds used only before or only
+after the split layers (:mod:`lightning_pipe.partition.stages.end_trace`), or those ``first_stage=`` and
+``last_stage=`` name (:func:`model_ends`), for an ``nn.Sequential`` as for an ``nn.ModuleList``.
+
 For materialising and initialising, the ends are extra layers after the blocks
 (:func:`extended`), so they follow the per-layer rule of :mod:`lightning_pipe.partition.stages.materialize`.
 """
@@ -209,7 +213,7 @@ class StandIn(nn.Module):
             return getattr(self._twin[0], name)
         except AttributeError:
             raise AttributeError(
-                f"{self._path} (the model's input embeddings) is held by the first pipeline stage only; other stages "
+                f"{self._path} (run before the split layers) is held by the first pipeline stage only; other stages "
                 f"run it for the shape of its output. It has no attribute {name!r}."
             ) from None
 
