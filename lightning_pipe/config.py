@@ -220,6 +220,17 @@ class PartitionConfig:
     """what to split: an `nn.Sequential` that the model calls (needed when the module has several top-level ones), or
     an `nn.ModuleList` of blocks that the model's `forward` loops over, the model unchanged (`"model.transformer.h"`;
     see "Bring your own model")."""
+    first_stage: Sequence[str] | None = option(
+        values="a list of module paths outside the split layers (`[]`: none)",
+        unset="found by tracing one step; a Hugging Face model's input embeddings",
+    )
+    """the modules only the first stage holds and runs (a model's embeddings, `["tok_emb", "pos_emb"]`); on the other
+    stages a stand-in returns zeros of their output's shape. See "Bring your own model"."""
+    last_stage: Sequence[str] | None = option(
+        values="a list of module paths outside the split layers (`[]`: none)",
+        unset="found by tracing one step; a Hugging Face model's output embeddings",
+    )
+    """the modules only the last stage holds and runs (a final norm and head, `["ln_f", "head"]`)."""
     balance: BalanceSpec = option(
         "uniform", values=BALANCE_MODES, more=", or a list of layer counts per stage", recipe=True
     )
@@ -261,6 +272,19 @@ class PartitionConfig:
             self.plan in PLANS,
             f"PipelineStrategy(plan={self.plan!r}): valid values are None (use the arguments as given) and 'auto'.",
         )
+        for name in ("first_stage", "last_stage"):
+            paths = getattr(self, name)
+            _check(
+                paths is None or (isinstance(paths, (list, tuple)) and all(isinstance(p, str) and p for p in paths)),
+                f"PipelineStrategy({name}={paths!r}): give a list of module paths (['tok_emb', 'pos_emb']), [] for "
+                "none, or None to find them by tracing one step.",
+            )
+        both = set(self.first_stage or ()) & set(self.last_stage or ())
+        _check(
+            not both,
+            f"PipelineStrategy(first_stage=..., last_stage=...) both name {sorted(both)}: a module held by one end "
+            "stage only is named once (a module the forward runs before and after the split stays on every stage).",
+        )
         budget = self.memory_budget
         _check(
             budget is None
@@ -276,6 +300,10 @@ class PartitionConfig:
         )
 
     def __post_init__(self) -> None:
+        for name in ("first_stage", "last_stage"):
+            paths = getattr(self, name)
+            if isinstance(paths, Sequence) and not isinstance(paths, str):  # the command line's list as a tuple
+                object.__setattr__(self, name, tuple(paths))
         budget = self.memory_budget
         if isinstance(budget, Sequence) and not isinstance(budget, str):  # the command line's list as a list
             object.__setattr__(self, "memory_budget", list(budget))

@@ -12,7 +12,7 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.hf_models import HFModule
+from tests.hf_models import HFModule, swin
 
 WIDTH = 64
 VOCAB = 96
@@ -273,6 +273,19 @@ FAMILIES: list[Family] = [
             "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
             "(default run), 4 stages x `1f1b`, 2 processes x `zbv` and 4 processes x `chimera` (slow); by its "
             "decoder blocks, 2 stages x `1f1b`, 4 stages x `1f1b` and 4 stages x `zero_bubble` (slow)"
+        ),
+    ),
+    Family(
+        "Swin image classification",
+        swin,
+        T.SwinForImageClassification,
+        "model.swin.encoder.layers",
+        data="images",
+        compared=(
+            "another process's Swin stage returns its output's structure and its submodules' structure; within "
+            "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes "
+            "x `1f1b` and 2 processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a "
+            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/test_hf_models.py"
         ),
     ),
 ]

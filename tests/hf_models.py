@@ -35,6 +35,15 @@ def vit(layers: int = 4) -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
+def swin(layers: int = 4, classify: bool = True) -> nn.Module:
+    """A tiny Swin (one block per Swin stage, each stage but the last halving the patch grid: 16, 8, 4, 2 for
+    32x32 images); ``classify``: ``SwinForImageClassification``, else ``SwinModel`` (no loss of its own)."""
+    config = transformers.SwinConfig(image_size=32, patch_size=2, num_channels=3, embed_dim=8, depths=[1] * layers,
+                                     num_heads=[2] * layers, window_size=2, num_labels=5, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0)  # fmt: skip
+    return transformers.SwinForImageClassification(config) if classify else transformers.SwinModel(config)
+
+
 def mixtral(layers: int = 4, router_logits: bool = False) -> nn.Module:
     """A tiny Mixtral (4 experts, 2 per token); ``router_logits``: its load-balancing loss on, with a
     coefficient (0.02) that moves the routers visibly within a few steps."""
@@ -216,8 +225,9 @@ class HFModule(L.LightningModule):
 def data_for(name: str, n: int = 48, batch_size: int = 8, seed: int = 0) -> DataLoader:
     """Token sequences (labels = inputs: the model shifts them) or small images with class labels."""
     g = torch.Generator().manual_seed(seed)
-    if name == "vit":
-        data = TensorDataset(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
+    if name in ("vit", "swin"):
+        side = 32 if name == "swin" else 8
+        data = TensorDataset(torch.randn(n, 3, side, side, generator=g), torch.randint(0, 5, (n,), generator=g))
     else:
         tokens = torch.randint(1, 96, (n, 12), generator=g)
         data = TensorDataset(tokens, tokens)
@@ -265,24 +275,6 @@ class BesideModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
-class RecordHeld(L.Callback):
-    """Writes, per rank, the bytes of every distinct tensor the module holds (parameters and buffers,
-    through any attribute) and the names of its parameters, to ``<folder>/held<k>.json``."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        import json
-
-        seen: dict[int, int] = {}
-        for t in list(pl_module.parameters()) + list(pl_module.buffers()):
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        names = [n for n, _ in pl_module.named_parameters()]
-        with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
-            json.dump({"bytes": sum(seen.values()), "names": names}, f)
 
 
 #: A Llama of 1.13 GB in float32 (284M parameters: 16 blocks of hidden 1024 with GQA, a 32000-token
@@ -478,3 +470,22 @@ def padded_dict_data(n: int = 32, batch_size: int = 8, length: int = 12, seed: i
         "labels": torch.where(keep, tokens, torch.full_like(tokens, -100)),
     }
     return DataLoader(_Rows(columns), batch_size=batch_size)
+
+
+class PooledSwin(L.LightningModule):
+    """An unchanged ``SwinModel`` and a classifier of its own on the pooled output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = swin(classify=False)
+        self.classifier = nn.Linear(self.model.num_features, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        pooled = self.model(pixel_values=images).pooler_output
+        loss = nn.functional.cross_entropy(self.classifier(pooled), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -778,3 +778,86 @@ class CarriedSkipNet(SkipNet):
             _CarryA(), _CarryB(), _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopB(),
             _CarryMiddle(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()), _CarryPopA(),
         )  # fmt: skip
+
+
+class CharBlock(nn.Module):
+    """A pre-norm transformer block (causal self-attention and an MLP) of :class:`CharGPT`."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(L.LightningModule):
+    """A character-level GPT of its own (no Hugging Face): token and position embeddings, blocks, a final
+    norm and a head. ``blocks`` is an ``nn.ModuleList`` the forward loops over, or (``sequential``) an
+    ``nn.Sequential`` it calls; ``tied``: the head's weight is the token embedding's."""
+
+    VOCAB, WIDTH, LENGTH = 17, 16, 6
+
+    def __init__(self, depth: int = 4, sequential: bool = False, tied: bool = False, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(self.VOCAB, self.WIDTH)
+        self.pos_emb = nn.Embedding(self.LENGTH, self.WIDTH)
+        blocks = [CharBlock(self.WIDTH) for _ in range(depth)]
+        self.blocks: nn.Module = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(self.WIDTH)
+        self.head = nn.Linear(self.WIDTH, self.VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.tok_emb.weight
+        self.optimizer = optimizer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tok_emb(ids) + self.pos_emb(positions)
+        if isinstance(self.blocks, nn.Sequential):
+            x = self.blocks(x)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).reshape(-1, self.VOCAB), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+def char_loader(n: int = 48, batch_size: int = 8) -> DataLoader:
+    """Next-character data for :class:`CharGPT`: the targets are the ids shifted by one."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, CharGPT.VOCAB, (n, CharGPT.LENGTH + 1), generator=g)
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch_size)
+
+
+class RecordHeld(L.Callback):
+    """Writes, per rank, the bytes of every distinct tensor the module holds (parameters and buffers,
+    through any attribute) and the names of its parameters, to ``<folder>/held<k>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        seen: dict[int, int] = {}
+        for t in list(pl_module.parameters()) + list(pl_module.buffers()):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        names = [n for n, _ in pl_module.named_parameters()]
+        with open(f"{self.folder}/held{trainer.global_rank}.json", "w") as f:
+            json.dump({"bytes": sum(seen.values()), "names": names}, f)

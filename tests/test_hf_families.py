@@ -216,7 +216,7 @@ def test_a_meta_built_masked_lm_initialises_its_head_and_keeps_the_bias_on_the_l
     before materialising gave the tensors new ones."""
     import json
 
-    from tests.hf_models import RecordHeld
+    from tests.models import RecordHeld
 
     family = BY_NAME["BERT masked LM (tied)"]
     fit_pipeline(DeferredBertMLM(), 2, family_data(family), module=family.module, callbacks=[RecordHeld(str(tmp_path))])

@@ -474,7 +474,7 @@ class StageRunner:
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
         codes, shape = split_codes(received[3] if received is not None else (), self.module.bounds[0])
-        at = len(leaves) - max(len(shape) - 1, 0)  # the returned values (T5's position biases) come last
+        at = len(leaves) - Returned.count(shape)  # the returned values (T5's position biases) come last
         hidden, carried = Carry.split(leaves[:at], codes)
         value = None if received is None else from_tuple(tuple(hidden), received[2])
         carry = Carry(self.module.bounds[0], carried)
@@ -511,7 +511,7 @@ class StageRunner:
         if drive.returned_out.tensors and not self._told_returned:
             self._told_returned = True
             self.tell(drive.returned_out.line(self.stage, self.module.bounds[1]))
-        if drive.returned_out.tensors:  # after the recorded values' codes, one for each earlier block and key
+        if drive.returned_out.codes():  # after the recorded values' codes, one for each earlier block and key
             counts = (*(counts or (1,) * self.module.bounds[1] * len(CARRIED_KEYS)), *drive.returned_out.codes())
             tensors_out = [*tensors_out, *drive.returned_out.tensors]
         if training:

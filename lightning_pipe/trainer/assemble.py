@@ -45,13 +45,14 @@ from lightning_pipe.partition.measure.measured import (
     measured_balance,
 )
 from lightning_pipe.partition.solvers.costs import MEASURED_BALANCES, Profile
+from lightning_pipe.partition.stages.end_trace import TracedEnds
 from lightning_pipe.partition.stages.ends import (
     end_parameters,
     end_stages,
     extended,
-    find_ends,
     held_end_parameters,
     local_end_indices,
+    model_ends,
     stand_in_ends,
 )
 from lightning_pipe.partition.stages.materialize import has_meta_tensors, materialize
@@ -81,6 +82,7 @@ from lightning_pipe.trainer.dataloaders.loaders import configured_optimizers, fi
 from lightning_pipe.trainer.launch.restarts import restart_count
 from lightning_pipe.trainer.layout_report import activations_part, describe_layout, rank_info, tells_crossing
 from lightning_pipe.trainer.random_states import layout_key
+from lightning_pipe.trainer.traced_ends import ends_line, traced_ends
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
@@ -182,7 +184,10 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
         layout = layout.placed(config.rank_order)
     resources = previous.resources if previous is not None else None  # measured once a run, as the profile
     measured = _Measurement(module, layers, config, layout, inputs, profile, resources)
-    decision = decide_split(module, layers, config, layout, measured.balance)
+    traced = traced_ends(module, layers, config, layout.stages, inputs)  # a model of the user's own: its ends
+    decision = decide_split(module, layers, config, layout, measured.balance, traced)
+    if rank == 0 and traced is not None and (line := ends_line(traced, decision.ends)):
+        rank_zero_info(line)
     assert decision.balance is not None  # with a measurement, every balance is known
     placement = Placement(measured.layout, rank, tuple(decision.positions), device, backend)
     names = tuple(module.state_dict(keep_vars=True))  # before the split: the whole module's order
@@ -241,20 +246,22 @@ def decide_split(
     config: PipelineConfig,
     layout: Layout,
     measure: Callable[[int, list[bool]], list[int]] | None = None,
+    traced: TracedEnds | None = None,
 ) -> SplitDecision:
     """What :func:`split_module` decides and refuses for ``layers`` of ``module``, without building or
     moving anything: the schedule's layout (a block container's limits, Chimera's), the balance, a
     process left without parameters, the ties. ``measure``: ``(split stages, owners) -> layers per stage``
     for a measured balance (``balance="time"/"memory"``, the setup's). Without it, a dry run (the
     launching process's preflight): a measured balance is left to the setup, which refuses more stages
-    than layers as the dry run does here."""
+    than layers as the dry run does here. ``traced``: the ends one traced step found (a model of the user's own),
+    where the arguments do not name them."""
     if not isinstance(layers, nn.Sequential):
         refuse_for_blocks(config)
     virtual = config.virtual_stages or 1  # PipelineConfig resolves it
     positions = stage_positions(config.schedule, layout.stages, virtual)
     num_split = layout.stages * virtual  # Chimera's 2 x stages run copies of these
     check_chimera_layout(config.schedule, layout.stages, layout.replicas)
-    ends = find_ends(module, layers)  # a Hugging Face model's embeddings: held by the end stages only
+    ends = model_ends(module, layers, config.first_stage, config.last_stage, traced)  # held by the end stages only
     owners = layer_owners(layers, end_parameters(ends))
     balance = _balance(layers, config, num_split, ends, owners, measure)
     if balance is None:

@@ -15,6 +15,10 @@ tensors of the model. A Hugging Face ``PreTrainedModel`` names them itself
 - an embedding tied to the head is a weight tied across the first and last stage, its gradients
   summed as for any tie.
 
+A model of the user's own names nothing: its ends are the modules one traced step finds used only before or only
+after the split layers (:mod:`lightning_pipe.partition.stages.end_trace`), or those ``first_stage=`` and
+``last_stage=`` name (:func:`model_ends`), for an ``nn.Sequential`` as for an ``nn.ModuleList``.
+
 For materialising and initialising, the ends are extra layers after the blocks
 (:func:`extended`), so they follow the per-layer rule of :mod:`lightning_pipe.partition.stages.materialize`.
 """
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe.partition.stages.end_trace import TracedEnds, end_candidates
 from lightning_pipe.partition.stages.hf_init import is_pretrained_model
 from lightning_pipe.torch_internals import module_slots
 
@@ -82,6 +87,60 @@ def find_ends(module: nn.Module, container: nn.Module) -> Ends:
     shared = shared_elsewhere(module, container, pre + post)
     keep = lambda pairs: [(p, m) for p, m in pairs if not any(id(t) in shared for t in m.parameters())]  # noqa: E731
     return Ends(keep(pre), keep(post))
+
+
+def model_ends(
+    module: nn.Module,
+    container: nn.Module,
+    first_stage: Sequence[str] | None = None,
+    last_stage: Sequence[str] | None = None,
+    traced: TracedEnds | None = None,
+) -> Ends:
+    """The ends of the split of ``container``: for each end, the modules named by hand (``first_stage``,
+    ``last_stage``), else those one traced step found (:mod:`lightning_pipe.partition.stages.end_trace`), else a
+    Hugging Face model's embeddings (:func:`find_ends`). A traced end whose weight a module on every stage also
+    holds stays there too; a named one is refused."""
+    found = find_ends(module, container)
+
+    def side(names: Sequence[str] | None, argument: str, traced_paths: tuple[str, ...] | None, hf: list) -> list:
+        if names is not None:
+            return [(path, _named_end(module, container, argument, path)) for path in names]
+        if traced_paths is not None:
+            return [(path, module.get_submodule(path)) for path in traced_paths]
+        return hf
+
+    pre = side(first_stage, "first_stage", traced.first if traced is not None else None, found.pre)
+    post = side(last_stage, "last_stage", traced.last if traced is not None else None, found.post)
+    shared = shared_elsewhere(module, container, pre + post)
+    named = {path for path in (*(first_stage or ()), *(last_stage or ()))}
+    for path, end in pre + post:
+        if path in named and any(id(t) in shared for t in end.parameters()):
+            raise ValueError(
+                f"PipelineStrategy(first_stage=..., last_stage=...) names {path!r}, whose weight a module outside "
+                "the split layers and the named end modules also holds (a tie), so every stage needs it. Name that "
+                "module at the same end too (or at the other end, a weight tied across the end stages), or leave "
+                f"{path!r} out."
+            )
+    keep = lambda pairs: [(p, m) for p, m in pairs if not any(id(t) in shared for t in m.parameters())]  # noqa: E731
+    return Ends(keep(pre), keep(post))
+
+
+def _named_end(module: nn.Module, container: nn.Module, argument: str, path: str) -> nn.Module:
+    """The module at ``path`` in ``module``, refused where it is no module beside the split layers."""
+    candidates = ", ".join(repr(p) for p, _ in end_candidates(module, container)) or "none"
+    try:
+        end = module.get_submodule(path)
+    except AttributeError:
+        end = None
+    inside = {id(m) for m in container.modules()}
+    around = {id(m) for m in module.modules() if any(c is container for c in m.modules())}
+    if end is None or id(end) in inside or id(end) in around:
+        what = "is no submodule" if end is None else "holds the split layers or is one of them"
+        raise ValueError(
+            f"PipelineStrategy({argument}=[..., {path!r}, ...]): {path!r} {what} of {type(module).__name__}. Name "
+            f"modules beside the split layers; those holding parameters: {candidates}."
+        )
+    return end
 
 
 def shared_elsewhere(module: nn.Module, container: nn.Module, ends: list[tuple[str, nn.Module]]) -> set[int]:
@@ -154,7 +213,7 @@ class StandIn(nn.Module):
             return getattr(self._twin[0], name)
         except AttributeError:
             raise AttributeError(
-                f"{self._path} (the model's input embeddings) is held by the first pipeline stage only; other stages "
+                f"{self._path} (run before the split layers) is held by the first pipeline stage only; other stages "
                 f"run it for the shape of its output. It has no attribute {name!r}."
             ) from None
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe.partition.stages.ends import extended, find_ends
+from lightning_pipe.partition.stages.ends import extended, model_ends
 from lightning_pipe.partition.stages.hf_init import hf_init_context, init_with_owner, pretrained_owners
 from lightning_pipe.torch_internals import private_reset_parameters
 
@@ -386,6 +386,8 @@ def init_like_pipeline(
     sequential: str | None = None,
     device: str | torch.device | None = None,
     init: ModuleInit | None = None,
+    first_stage: Sequence[str] | None = None,
+    last_stage: Sequence[str] | None = None,
 ) -> nn.Module:
     """Initialise ``module`` exactly as ``PipelineStrategy`` initialises a module built in
     ``configure_model()``, so that a plain run starts from the weights a pipeline of any depth
@@ -395,9 +397,9 @@ def init_like_pipeline(
     ``seed`` defaults to the run's seed; ``sequential`` names the ``nn.Sequential`` to split, as
     ``PipelineStrategy(module=...)`` does, or is a dotted path to a block container
     (``"model.transformer.h"``, an ``nn.ModuleList`` or ``nn.Sequential``) whose entries are the
-    layers; ``init`` is the per-module hook (default: the rule in the module docstring).
-    Returns ``module``."""
-    layers = _layers(module, sequential)
+    layers; ``init`` is the per-module hook (default: the rule in the module docstring); ``first_stage`` and
+    ``last_stage``: the end modules as ``PipelineStrategy`` is given them. Returns ``module``."""
+    layers = _layers(module, sequential, first_stage, last_stage)
     everything = range(len(layers))
     seed = run_seed() if seed is None else seed
     if has_meta_tensors(module):
@@ -409,14 +411,16 @@ def init_like_pipeline(
     return module
 
 
-def _layers(module: nn.Module, path: str | None) -> Blocks:
+def _layers(
+    module: nn.Module, path: str | None, first_stage: Sequence[str] | None, last_stage: Sequence[str] | None
+) -> Blocks:
     """The layers ``init_like_pipeline`` initialises one by one: as the pipeline does, a block
     container's blocks followed by the model's ends (see :mod:`lightning_pipe.partition.stages.ends`)."""
     from lightning_pipe.partition.stages.split import find_sequential
 
     if path is None or "." not in path:
         layers = find_sequential(module, path)[1]
-        return extended(layers, find_ends(module, layers))
+        return extended(layers, model_ends(module, layers, first_stage, last_stage))
     try:
         found = module.get_submodule(path)
     except AttributeError as err:
@@ -428,4 +432,4 @@ def _layers(module: nn.Module, path: str | None) -> Blocks:
             f"init_like_pipeline(sequential={path!r}) is a {type(found).__name__}; give the path of the "
             "nn.ModuleList or nn.Sequential that holds the model's repeated blocks."
         )
-    return extended(found, find_ends(module, found))
+    return extended(found, model_ends(module, found, first_stage, last_stage))

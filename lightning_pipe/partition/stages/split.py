@@ -83,9 +83,13 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, La
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
+        containers = block_containers(module)
+        example = containers[0][0] if containers else "model.transformer.h"
+        listed = ", ".join(f"{path!r} ({what})" for path, what in containers)
+        own = f"Its containers of blocks: {listed}. " if containers else ""
         raise ValueError(
-            f"{cls} has no top-level nn.Sequential to split into pipeline stages. Name the container of the model's "
-            f"repeated blocks with PipelineStrategy(module='model.transformer.h') (an nn.ModuleList or nn.Sequential "
+            f"{cls} has no top-level nn.Sequential to split into pipeline stages. {own}Name the container of the "
+            f"model's repeated blocks with PipelineStrategy(module={example!r}) (an nn.ModuleList or nn.Sequential "
             f"anywhere in the module), or put the layers in an nn.Sequential attribute (self.layers = "
             f"nn.Sequential(...)) and call it from forward."
         )
@@ -93,6 +97,24 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, La
     raise ValueError(
         f"{cls} has several top-level nn.Sequential attributes ({names}); choose one with PipelineStrategy(module=...)."
     )
+
+
+def block_containers(module: nn.Module) -> list[tuple[str, str]]:
+    """The ``nn.ModuleList`` and ``nn.Sequential`` attributes anywhere in ``module`` holding at least two modules
+    with parameters, outermost only (a block's own lists are not candidates), with their paths and what they hold
+    (``"ModuleList of 4 Block"``): what ``PipelineStrategy(module=...)`` can name."""
+    found: list[tuple[str, str]] = []
+    inside: set[int] = set()
+    for path, child in module.named_modules():
+        if id(child) in inside or not path or not isinstance(child, (nn.ModuleList, nn.Sequential)):
+            continue
+        entries = [m for m in child.children() if any(True for _ in m.parameters())]
+        if len(entries) < 2:
+            continue
+        inside |= {id(m) for m in child.modules()}
+        kinds = ", ".join(dict.fromkeys(type(m).__name__ for m in entries))
+        found.append((path, f"{type(child).__name__} of {len(child)} {kinds}"))
+    return found
 
 
 def place(module: nn.Module, path: str, layers: nn.Module) -> None:

@@ -199,6 +199,12 @@ class BlockStage(LoopedContainer):
     def shell(self, index: int) -> BlockShell:
         return self._shells[index]
 
+    def held_child(self, index: int, name: str) -> nn.Module | None:
+        """The stand-in (structure, no tensors) of submodule ``name`` of the block at ``index`` that another
+        stage holds, or None."""
+        stand_in = self._stand_ins[index] if self._stand_ins else None
+        return dict(stand_in.named_children()).get(name) if stand_in is not None else None
+
     def own_params(self, index: int, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """The entries of ``params`` (names as in this module's ``named_parameters``) that belong to the
         block at ``index``, under their names inside the block."""
@@ -285,13 +291,16 @@ class _Entry:
         if block is not None:
             return getattr(block, name)
         shell = self._host.shell(self._index)
-        try:
+        if name in shell.attributes:
             return shell.attributes[name]
-        except KeyError:
-            raise AttributeError(
-                f"{shell.kind} {self._index} is held by another pipeline stage; only its plain attributes "
-                f"({', '.join(sorted(shell.attributes)) or 'none'}) are readable here, not {name!r}."
-            ) from None
+        child = self._host.held_child(self._index, name)
+        if child is not None:  # a submodule, for its structure (Swin's loop: `stage.downsample is not None`)
+            return child
+        raise AttributeError(
+            f"{shell.kind} {self._index} is held by another pipeline stage; only its plain attributes "
+            f"({', '.join(sorted(shell.attributes)) or 'none'}) and the structure of its submodules are readable "
+            f"here, not {name!r}."
+        )
 
     def _hidden(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
         if args:

@@ -134,18 +134,32 @@ def split_codes(codes: Sequence[int], blocks: int) -> tuple[tuple[int, ...], tup
 
 
 class Returned:
-    """Values the last block before a stage boundary returned beside its hidden state and the next
-    block is called with (T5's position biases: ``hidden, position_bias, _ = block(...)``): sent
-    after the hidden state and the recorded values, and returned on the next stages by every
-    stand-in of an earlier block in the block's structure (a tuple of ``length``, the received
-    tensors at ``positions``, None elsewhere), so the model's loop hands them on unchanged."""
+    """What the last block before a stage boundary returned beside its hidden state: the values the next
+    block is called with (T5's position biases: ``hidden, position_bias, _ = block(...)``), sent after the
+    hidden state and the recorded values, and the structure of the block's output (a tuple of ``length``).
+    On the next stages every stand-in of an earlier block returns that structure: the received tensors at
+    ``positions``, its hidden state at 0 and, at ``held`` (the other tensors the block returned, which do not
+    cross: Swin's feature map before downsampling), the same held value, refused wherever it is read; None
+    elsewhere. So the model's loop unpacks what it unpacks from the block (``hidden, reshaped, _ = stage(...)``)
+    and hands the values for later blocks on unchanged."""
 
-    def __init__(self, length: int = 0, positions: Sequence[int] = (), tensors: Sequence[Tensor] = ()) -> None:
+    def __init__(
+        self, length: int = 0, positions: Sequence[int] = (), tensors: Sequence[Tensor] = (), held: Sequence[int] = ()
+    ) -> None:
         self.length, self.positions, self.tensors = length, tuple(positions), list(tensors)
+        self.held = tuple(held)
 
     @classmethod
     def received(cls, shape: Sequence[int], tensors: Sequence[Tensor]) -> Returned:
-        return cls(shape[0], shape[1:], tensors) if shape else cls()
+        """From a header's codes (:meth:`codes`: the held positions negative) and the tensors that crossed."""
+        if not shape:
+            return cls()
+        return cls(shape[0], [p for p in shape[1:] if p > 0], tensors, [-p for p in shape[1:] if p < 0])
+
+    @staticmethod
+    def count(shape: Sequence[int]) -> int:
+        """How many tensors cross for a header's codes ``shape``."""
+        return sum(1 for p in shape[1:] if p > 0)
 
     @classmethod
     def of(cls, output: Any, args: tuple, kwargs: dict) -> Returned:
@@ -154,7 +168,8 @@ class Returned:
             return cls()
         passed = {id(v) for v in (*args[1:], *kwargs.values()) if isinstance(v, Tensor)}
         found = [(p, v) for p, v in enumerate(output[1:], start=1) if isinstance(v, Tensor) and id(v) in passed]
-        return cls(len(output), [p for p, _ in found], [v for _, v in found])
+        held = [p for p, v in enumerate(output[1:], start=1) if isinstance(v, Tensor) and id(v) not in passed]
+        return cls(len(output), [p for p, _ in found], [v for _, v in found], held)
 
     def standing_in(self, hidden: Any) -> Any:
         """What a stand-in of an earlier block returns: ``hidden`` alone, or the block's structure."""
@@ -162,12 +177,14 @@ class Returned:
             return hidden
         values: list[Any] = [None] * self.length
         values[0] = hidden
+        for position in self.held:
+            values[position] = hidden
         for position, tensor in zip(self.positions, self.tensors):
             values[position] = tensor
         return tuple(values)
 
     def codes(self) -> tuple[int, ...]:
-        return (self.length, *self.positions) if self.tensors else ()
+        return (self.length, *self.positions, *(-p for p in self.held)) if self.length else ()
 
     def line(self, stage: int, block: int) -> str:
         """The line a run prints once: what ``stage`` sends on for the next stage's first ``block``."""
@@ -248,6 +265,8 @@ class Carry:
                 values = entries.get(key, [])
                 codes.append(entry_code(values))
                 tensors += [t for t in values if t is not None]
+        if all(code == 1 for code in codes):  # nothing recorded (codes received for a block's returned structure)
+            return list(hidden), ()
         return tensors, tuple(codes)
 
     def keys(self) -> list[str]:

@@ -35,6 +35,24 @@ def test_no_sequential_explains_what_to_do() -> None:
         find_sequential(nn.Linear(2, 2))
 
 
+def test_no_sequential_names_the_models_own_block_containers() -> None:
+    """A model of its own without an nn.Sequential: the error names its ModuleLists by their paths (the outermost
+    holding blocks, not a block's own lists) as what module= can name, and no Hugging Face path."""
+    from tests.models import CharGPT
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = CharGPT()
+            self.adapters = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    with pytest.raises(ValueError, match="has no top-level nn.Sequential") as raised:
+        find_sequential(Wrapper())
+    message = str(raised.value)
+    assert "'gpt.blocks' (ModuleList of 4 CharBlock), 'adapters' (ModuleList of 3 Linear)" in message
+    assert "module='gpt.blocks'" in message and "transformer.h" not in message and "mlp" not in message
+
+
 def test_named_attribute_errors() -> None:
     with pytest.raises(ValueError, match="has no attribute 'c'. Its submodules: a, b"):
         find_sequential(Two(), "c")

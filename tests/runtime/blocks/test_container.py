@@ -157,13 +157,20 @@ def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> 
         host(x)
 
 
-def test_other_stages_blocks_show_their_plain_attributes_only() -> None:
+def test_other_stages_blocks_show_their_plain_attributes_and_structure_only() -> None:
+    """A loop may read another stage's block's plain attributes and its submodules' structure (Swin's
+    ``stage.downsample is not None``), never their tensors."""
+    from lightning_pipe.runtime.around.held_layers import HeldLayer, HeldLayerError
+
     _, host = _host(1)
     host.hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, recompute=False, params=None)
     assert host[0].attention_type == "full" and host[1].attention_type == "sliding"
     assert isinstance(host[2].linear, nn.Linear)  # a held block: its modules
+    assert isinstance(host[0].linear, HeldLayer) and host[0].linear.out_features == 6
+    with pytest.raises(HeldLayerError, match="its 'weight' is not on this rank"):
+        _ = host[0].linear.weight
     with pytest.raises(AttributeError, match=r"Block 0 is held by another pipeline stage; only its plain attributes"):
-        _ = host[0].linear
+        _ = host[0].missing
     assert len(host[1:]) == 3
 
 
