@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
-#: The share of the run's steps watched; how far above the first loss the mean of the last :data:`RECENT` losses
-#: (the first among them until there are more) must be to count as rising (a quarter of the first: one batch's loss varies by a fifth around the first one's
-#: before training has moved it, on the tests' small batches); a loss that is not finite counts at once.
+#: The share of the run's steps watched; how far above the first loss the mean of the last :data:`RECENT`
+#: losses (the first among them until there are more) must be to count as rising: a quarter of the first (one
+#: batch's loss varies by a fifth around the first one's before training has moved it, on the tests' small
+#: batches). A loss that is not finite counts at once.
 WATCHED, MARGIN, RECENT = 0.1, 0.25, 3
 
 ADVICE = {
