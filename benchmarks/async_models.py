@@ -305,23 +305,31 @@ def holds(loss: float, reference: float) -> bool:
     return loss == loss and loss <= FACTOR * reference + MARGIN
 
 
-def best_lr(runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int]) -> float | None:
-    """1F1B's learning rate with the lowest final loss averaged over ``seeds`` (None: no complete sweep)."""
+def best_lr(
+    runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int], sweep: Sequence[float] | None = None
+) -> float | None:
+    """1F1B's learning rate with the lowest final loss averaged over ``seeds`` (None: no complete sweep); with
+    ``sweep``, among those rates only (1F1B's runs at 3x the best do not count)."""
     by_lr: dict[float, dict[int, float]] = {}
     for r in runs:
-        if r["model"] == name and r["rule"] == "1f1b":
+        if r["model"] == name and r["rule"] == "1f1b" and (sweep is None or float(r["lr"]) in sweep):
             by_lr.setdefault(float(r["lr"]), {})[int(r["seed"])] = final_loss(r["losses"])
     complete = {lr: finite_mean([v[s] for s in seeds]) for lr, v in by_lr.items() if all(s in v for s in seeds)}
     return min(complete, key=lambda lr: (complete[lr], lr)) if complete else None
 
 
 def summarize(
-    runs: Sequence[dict[str, Any]], name: str, seeds: Sequence[int], lr: float | None = None
+    runs: Sequence[dict[str, Any]],
+    name: str,
+    seeds: Sequence[int],
+    lr: float | None = None,
+    sweep: Sequence[float] | None = None,
 ) -> dict[str, Any] | None:
     """One model's results: the sweep, 1F1B's best rate, and per rule at rate ``lr`` (None: that best rate)
     each seed's final loss, the step reaching 1F1B's final loss at that rate, whether the bound holds; the
-    best asynchronous rule (lowest mean)."""
-    best = best_lr(runs, name, seeds)
+    best asynchronous rule (lowest mean). ``sweep``: the rates 1F1B's best is chosen among (None: all it ran at)."""
+    sweep_lrs = sweep
+    best = best_lr(runs, name, seeds, sweep)
     if best is None:
         return None
     lr = best if lr is None else lr
@@ -329,7 +337,7 @@ def summarize(
     sweep = {
         f"{v:g}": [round(final_loss(mine[(name, "1f1b", v, s)]["losses"]), 4) for s in seeds]
         for v in sorted({k[2] for k in mine if k[1] == "1f1b"})
-        if all((name, "1f1b", v, s) in mine for s in seeds)
+        if all((name, "1f1b", v, s) in mine for s in seeds) and (sweep_lrs is None or v in sweep_lrs)
     }
     reference = {s: final_loss(mine[(name, "1f1b", lr, s)]["losses"]) for s in seeds}
     rows = []
@@ -348,6 +356,7 @@ def summarize(
     first = min(asynchronous, key=lambda row: row["mean"]) if asynchronous else None
     return {
         "model": name, "seeds": list(seeds), "sweep": sweep, "best_lr": best, "lr": lr, "rows": rows,
+        "sweep_lrs": None if sweep_lrs is None else list(sweep_lrs),
         "best_rule": first["rule"] if first else None, "bound_holds": all(first["holds"]) if first else None,
         "rules_within_bound": [row["rule"] for row in asynchronous if all(row["holds"])],
     }  # fmt: skip
@@ -442,12 +451,15 @@ def picture(runs: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]],
 
 
 def other_rates(runs: Sequence[dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The model's summaries at the sweep's other rates where an asynchronous rule ran on every seed."""
+    """The model's summaries at 1F1B's other rates (the sweep's, 3x the best) where an asynchronous rule ran on
+    every seed."""
     out = []
-    for value in summary["sweep"]:
-        lr = float(value)
-        if lr != summary["best_lr"]:
-            other = summarize(runs, summary["model"], summary["seeds"], lr)
+    rates = sorted({float(r["lr"]) for r in runs if r["model"] == summary["model"] and r["rule"] == "1f1b"})
+    for lr in rates:
+        if lr != summary["best_lr"] and all(
+            any(key(r) == (summary["model"], "1f1b", lr, s) for r in runs) for s in summary["seeds"]
+        ):
+            other = summarize(runs, summary["model"], summary["seeds"], lr, summary.get("sweep_lrs"))
             if other is not None and other["best_rule"] is not None:
                 out.append(other)
     return out
@@ -498,7 +510,7 @@ def grid(
         for lr in spec.lrs:
             for seed in seeds:
                 once(name, "1f1b", lr, seed)
-        best = best_lr(runs, name, seeds)
+        best = best_lr(runs, name, seeds, spec.lrs)
         assert best is not None
         rates = [best, *(v for v in spec.lrs if all_lrs and v != best)]
         if triple and round(3 * best, 10) not in rates:
@@ -538,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs = load(args.out)
 
     def save() -> None:
-        summaries = [s for s in (summarize(runs, n, seeds) for n in MODELS) if s is not None]
+        summaries = [s for s in (summarize(runs, n, seeds, sweep=MODELS[n].lrs) for n in MODELS) if s is not None]
         others = [o for s in summaries for o in other_rates(runs, s)]
         with open(args.out, "w") as f:
             json.dump({"factor": FACTOR, "margin": MARGIN, "nesterov_sgd_rate": NESTEROV_SGD_RATE,
@@ -547,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = {n: MODELS[n] if args.steps is None else replace(MODELS[n], steps=args.steps) for n in names}
     if not args.report:
         grid(specs, seeds, rules, runs, save, all_lrs=args.all_lrs, triple=args.triple)
-    summaries = [s for s in (summarize(runs, n, seeds) for n in names) if s is not None]
+    summaries = [s for s in (summarize(runs, n, seeds, sweep=specs[n].lrs) for n in names) if s is not None]
     for summary in summaries:
         print(f"\n### {summary['model']}\n\n{markdown(summary)}\n\n{loss_at(runs, summary)}")
         others = other_rates(runs, summary)
