@@ -249,6 +249,9 @@ def test_each_correction_refuses_the_optimizers_it_would_make_diverge() -> None:
     assert check_correction_optimizers("nesterov", [torch.optim.SGD(params, lr=0.001, weight_decay=0.1)]) is None
     told = check_correction_optimizers("nesterov", [torch.optim.SGD(params, lr=0.1)])
     assert told is not None and "Lower lr to an Adam-sized rate" in told
+    clipped = check_correction_optimizers("nesterov", [torch.optim.SGD(params, lr=0.001)], gradient_clip_val=1.0)
+    assert clipped is not None and "Leave gradient clipping off" in clipped
+    assert check_correction_optimizers("error_feedback", [torch.optim.Adam(params)], gradient_clip_val=1.0) is None
     for optimizer in (torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(params, lr=0.1)):
         with pytest.raises(MisconfigurationException, match="Use torch.optim.AdamW or Adam"):
             check_correction_optimizers("error_feedback", [optimizer])

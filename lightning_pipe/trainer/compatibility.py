@@ -143,16 +143,29 @@ def check_async(
 NADAM_RATE_BOUND = 1e-2
 
 
-def check_correction_optimizers(correction: str | None, optimizers: Sequence[Any]) -> str | None:
+def check_correction_optimizers(
+    correction: str | None, optimizers: Sequence[Any], gradient_clip_val: float | None = None
+) -> str | None:
     """Refuse, before training, an optimizer a correction would make diverge; what to tell the user at the start
     otherwise (None: nothing).
 
     ``"nesterov"`` is NAdam's direction (:mod:`lightning_pipe.runtime.asynchronous.delay_correction`), stepped
     by plain SGD: any optimizer with state of its own (SGD's momentum, Adam's moments) would run a second
     momentum over NAdam's. Its step per element is about the rate, so an SGD-sized rate is told.
-    ``"error_feedback"`` extrapolates the gradient, which SGD's step follows in size: SGD is refused."""
+    ``"error_feedback"`` extrapolates the gradient, which SGD's step follows in size: SGD is refused. Clipping
+    by norm (``gradient_clip_val``) under ``"nesterov"`` clips NAdam's direction, not the gradient as the
+    method's reference does: told."""
     if correction is None:
         return None
+    said: list[str] = []
+    rate_told = False
+    if correction == "nesterov" and gradient_clip_val:
+        said.append(
+            f"PipelineStrategy(delay_correction='nesterov') with gradient_clip_val={gradient_clip_val:g}: the "
+            "clipping applies to what SGD steps with, NAdam's direction (about 1 per weight, so its norm is about "
+            "the square root of the number of weights), not to the gradient as the method's reference clips it. "
+            "Leave gradient clipping off with this correction."
+        )
     for optimizer in optimizers:
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer
         name = type(inner).__name__
@@ -181,10 +194,11 @@ def check_correction_optimizers(correction: str | None, optimizers: Sequence[Any
                 "docs/schedules.md#delay-corrections)."
             )
         rate = max((float(g["lr"]) for g in groups), default=0.0)
-        if rate > NADAM_RATE_BOUND:
-            return (
+        if rate > NADAM_RATE_BOUND and not rate_told:
+            rate_told = True
+            said.append(
                 f"PipelineStrategy(delay_correction='nesterov') with lr={rate:g}: the correction steps as NAdam does, "
                 f"by about lr per weight and step, and rates above {NADAM_RATE_BOUND:g} are SGD's, not NAdam's (the "
                 "method's reference trains at 3e-4). Lower lr to an Adam-sized rate (1e-4 to 1e-2)."
             )
-    return None
+    return " ".join(said) or None
