@@ -175,8 +175,8 @@ def check_correction_optimizers(
             raise MisconfigurationException(
                 f"PipelineStrategy(delay_correction='error_feedback') with {name}: the correction extrapolates the "
                 "gradient, g + beta (g - g_prev), and an SGD step grows with it (up to 1 + 2 beta times where the "
-                "loss oscillates), which made runs diverge that converge without it. Use torch.optim.AdamW or Adam "
-                "(their step per element is bounded), or leave delay_correction unset with SGD "
+                "loss oscillates), which can make a run diverge that converges without it. Use torch.optim.AdamW or "
+                "Adam (their step per element is bounded), or leave delay_correction unset with SGD "
                 "(docs/schedules.md#delay-corrections)."
             )
         if correction != "nesterov":

@@ -19,7 +19,7 @@ filling).
   on ``w``. Why a correction and not "use NAdam": the stage's schedule, its checkpoint and its refusals
   then name the method, and the coefficient (``beta1``) is the reference's unless set. Any other optimizer
   is refused before training (:func:`~lightning_pipe.trainer.compatibility.check_correction_optimizers`):
-  a second momentum on top of NAdam's is not the method and is what made the earlier form diverge.
+  a second momentum on top of NAdam's is not the method and multiplies the step.
 - ``"error_feedback"``: ours, after Zmushko et al., "One-Step Gradient Delay is Not a Barrier for
   Large-Scale Asynchronous Pipeline Parallel LLM Pretraining" (ICML 2026), whose equations we could not
   read: update ``t - 1`` applied ``g_{t-1} = grad f(W(t - 2))`` where the gradient at its own weights was
