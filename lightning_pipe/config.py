@@ -393,14 +393,14 @@ class AsynchronousConfig:
     last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
     [Schedules](schedules.md#the-asynchronous-schedules))."""
     delay_correction: str | None = option(values=(None, *CORRECTIONS), unset="off")
-    """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, Nesterov's
-    look-ahead stretched over each stage's delay (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; use plain SGD, the
-    correction carries the momentum), or `"error_feedback"`, the one-step delay's error fed back (`"pipedream_2bw"`);
-    see [Schedules](schedules.md#the-asynchronous-schedules)."""
+    """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, the Nesterov
+    method's NAdam step (beta1 0.99) over the stashed gradients (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; with
+    plain SGD at an Adam-sized lr, other optimizers refused), or `"error_feedback"`, the one-step delay's error fed
+    back (`"pipedream_2bw"`; with Adam or AdamW, SGD refused); see [Schedules](schedules.md#delay-corrections)."""
     delay_correction_coefficient: float | None = option(
-        values="float in [0, 1)", unset='0.9 under `"nesterov"` (gamma), 0.5 under `"error_feedback"` (beta)'
+        values="float in [0, 1)", unset='0.99 under `"nesterov"` (beta1), 0.5 under `"error_feedback"` (beta)'
     )
-    """the delay correction's coefficient: Nesterov's momentum gamma, or the share beta of the error fed back."""
+    """the delay correction's coefficient: NAdam's beta1, or the share beta of the error fed back."""
 
     def check(self) -> None:
         warmup, correction, decay, predictor = (

@@ -181,7 +181,8 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
         if fitting:
             internals.optimizers_to_device(self.optimizers, self.root_device)
             self._pipeline.attach_optimizers(self.optimizers)  # PipeMare's step size and velocity follow them
-            if (said := check_correction_optimizers(self.config.delay_correction, self.optimizers)) is not None:
+            correction, clip = self.config.delay_correction, trainer.gradient_clip_val
+            if (said := check_correction_optimizers(correction, self.optimizers, clip)) is not None:
                 rank_zero_warn(said)
         across_stages(self.precision_plugin, self.clip_grad_norm_)  # clipping by the global norm, one scaler verdict
 

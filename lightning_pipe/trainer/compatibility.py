@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -137,22 +138,67 @@ def check_async(
         )
 
 
-def check_correction_optimizers(correction: str | None, optimizers: Sequence[Any]) -> str | None:
-    """``delay_correction="nesterov"`` carries the momentum itself, so it is meant for an optimizer without
-    momentum of its own (plain SGD): what to tell the user, before training, when an optimizer has one (or
-    Adam-type moments); None where nothing is to say."""
-    if correction != "nesterov":
+#: The highest rate ``delay_correction="nesterov"`` takes without a word: its step per element is NAdam's, about
+#: the rate itself (the reference trains at 3e-4), where an SGD rate of 0.1 would move every weight by 0.1 a step.
+NADAM_RATE_BOUND = 1e-2
+
+
+def check_correction_optimizers(
+    correction: str | None, optimizers: Sequence[Any], gradient_clip_val: float | None = None
+) -> str | None:
+    """Refuse, before training, an optimizer a correction would make diverge; what to tell the user at the start
+    otherwise (None: nothing).
+
+    ``"nesterov"`` is NAdam's direction (:mod:`lightning_pipe.runtime.asynchronous.delay_correction`), stepped
+    by plain SGD: any optimizer with state of its own (SGD's momentum, Adam's moments) would run a second
+    momentum over NAdam's. Its step per element is about the rate, so an SGD-sized rate is told.
+    ``"error_feedback"`` extrapolates the gradient, which SGD's step follows in size: SGD is refused. Clipping
+    by norm (``gradient_clip_val``) under ``"nesterov"`` clips NAdam's direction, not the gradient as the
+    method's reference does: told."""
+    if correction is None:
         return None
+    said: list[str] = []
+    rate_told = False
+    if correction == "nesterov" and gradient_clip_val:
+        said.append(
+            f"PipelineStrategy(delay_correction='nesterov') with gradient_clip_val={gradient_clip_val:g}: the "
+            "clipping applies to what SGD steps with, NAdam's direction (about 1 per weight, so its norm is about "
+            "the square root of the number of weights), not to the gradient as the method's reference clips it. "
+            "Leave gradient clipping off with this correction."
+        )
     for optimizer in optimizers:
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer
-        for group in getattr(inner, "param_groups", []):
-            momentum = group.get("momentum") or 0.0
-            if momentum > 0 or "betas" in group:
-                own = f"momentum={momentum:g}" if momentum > 0 else f"betas={tuple(group['betas'])}"
-                return (
-                    f"PipelineStrategy(delay_correction='nesterov') carries the momentum itself (its gamma), and the "
-                    f"optimizer {type(inner).__name__} has momentum of its own ({own}): the gradients then go through "
-                    "two momentums. Give the correction plain SGD (torch.optim.SGD(params, lr) without momentum; "
-                    "docs/schedules.md#delay-corrections), or leave delay_correction unset with this optimizer."
-                )
-    return None
+        name = type(inner).__name__
+        groups = getattr(inner, "param_groups", [])
+        sgd = isinstance(inner, torch.optim.SGD)
+        if correction == "error_feedback" and sgd:
+            raise MisconfigurationException(
+                f"PipelineStrategy(delay_correction='error_feedback') with {name}: the correction extrapolates the "
+                "gradient, g + beta (g - g_prev), and an SGD step grows with it (up to 1 + 2 beta times where the "
+                "loss oscillates), which can make a run diverge that converges without it. Use torch.optim.AdamW or "
+                "Adam (their step per element is bounded), or leave delay_correction unset with SGD "
+                "(docs/schedules.md#delay-corrections)."
+            )
+        if correction != "nesterov":
+            continue
+        momentum = max((float(g.get("momentum") or 0.0) for g in groups), default=0.0)
+        if not sgd or momentum > 0:
+            own = f" with momentum={momentum:g}" if sgd else ""
+            raise MisconfigurationException(
+                f"PipelineStrategy(delay_correction='nesterov') with {name}{own}: the correction is NAdam's step "
+                "direction (beta1 0.99, as the method's reference runs it) and needs an optimizer without state of "
+                "its own, or the gradients go through two momentums. Use torch.optim.SGD(params, lr) without "
+                "momentum (its weight_decay is NAdamW's decoupled decay here) and an Adam-sized lr, or keep "
+                f"{name} and leave delay_correction unset (torch.optim.NAdam(params, lr, betas=(0.99, 0.999), "
+                "momentum_decay=0.004, decoupled_weight_decay=True) with delay_correction unset is the same rule; "
+                "docs/schedules.md#delay-corrections)."
+            )
+        rate = max((float(g["lr"]) for g in groups), default=0.0)
+        if rate > NADAM_RATE_BOUND and not rate_told:
+            rate_told = True
+            said.append(
+                f"PipelineStrategy(delay_correction='nesterov') with lr={rate:g}: the correction steps as NAdam does, "
+                f"by about lr per weight and step, and rates above {NADAM_RATE_BOUND:g} are SGD's, not NAdam's (the "
+                "method's reference trains at 3e-4). Lower lr to an Adam-sized rate (1e-4 to 1e-2)."
+            )
+    return " ".join(said) or None

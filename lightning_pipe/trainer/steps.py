@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pipe.config import PipelineConfig
+from lightning_pipe.runtime.asynchronous.rising_loss import RisingLoss
 from lightning_pipe.runtime.blocks.reads import refuse_held
 from lightning_pipe.runtime.loss_weights import LossWeight, microbatch_shares
 from lightning_pipe.runtime.microbatch import batch_size, merge, signature, split, tensors_of
@@ -92,6 +93,7 @@ class PipelineSteps:
         self._token_mean_shift = token_mean_shift(module) if config.loss_weight is None else None
         self._warned_padding = config.loss_weight is not None or self.placement.rank != 0
         self._told_per_forward = self.placement.rank != 0  # a per-forward loss (MoE load balancing), told once
+        self._rising: RisingLoss | None = None  # a delay correction's early loss, watched on rank 0
 
     @property
     def device(self) -> torch.device:
@@ -177,8 +179,19 @@ class PipelineSteps:
             else:
                 self._summaries().post_lagged(summary)
             self._last_loss = float("nan") if returned is None else returned  # nan: no batch before the first
+        self._watch_correction(trainer)
         recorder.log_local(module)
         return torch.tensor(self._last_loss, device=self.device)
+
+    def _watch_correction(self, trainer: pl.Trainer) -> None:
+        """A delay correction's loss rising early is told once (:class:`RisingLoss`), on rank 0, which has every
+        batch's loss."""
+        if self.config.delay_correction is None or self.placement.rank != 0:
+            return
+        if self._rising is None:
+            self._rising = RisingLoss(self.config.delay_correction, float(trainer.estimated_stepping_batches))
+        if (said := self._rising.observe(trainer.global_step, self._last_loss)) is not None:
+            rank_zero_warn(said)
 
     def _replay_summary(self, module: pl.LightningModule, summary: dict[str, Any]) -> None:
         replay(module, summary, self.device)
