@@ -403,9 +403,10 @@ class _Local(_Entry):
                 )
             drive.entered = True
             if drive.received is not None:
-                local = self._hidden(args, kwargs)[0]
-                nested = isinstance(local, Tensor) and local.is_nested and not drive.received.is_nested
-                received = nested_like(drive.received, local) if nested else drive.received
+                received = drive.received
+                local = args[0] if args else kwargs.get(self._host.shell(self._index).hidden)
+                if isinstance(local, Tensor) and local.is_nested and isinstance(received, Tensor):
+                    received = nested_like(received, local)  # as this stage's encoder nested its input
                 args, kwargs = self._with_hidden(received, args, kwargs)
         elif not drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
