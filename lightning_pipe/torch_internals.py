@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -41,6 +42,78 @@ def child_slot(parent: nn.Module, name: str) -> nn.Module | None:
     is none or the slot is empty. ``get_submodule`` raises for a missing one and ``getattr`` also finds
     parameters and buffers; this runs for every block call of every micro-batch. Checked with torch 2.13."""
     return parent._modules.get(name)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` (same classes, same plain attributes, submodules copied alike) whose
+    parameters, buffers and tensor attributes are on the meta device, with no hooks: what another
+    stage's block answers structural reads from, holding no memory. ``copy.deepcopy`` would copy the
+    tensors first, and the hooks' owners with them; this fills each copy's ``__dict__`` (``_parameters``,
+    ``_buffers``, ``_modules``, the ``_..._hooks`` dicts emptied) instead. A tensor or module met twice
+    (tied) is copied once. Checked with torch 2.13."""
+    seen: dict[int, Any] = {}
+
+    def meta(tensor: Tensor | None) -> Tensor | None:
+        if tensor is None:
+            return None
+        if id(tensor) not in seen:
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            param = isinstance(tensor, nn.Parameter)
+            seen[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if param else empty
+        return seen[id(tensor)]
+
+    def copy(original: nn.Module) -> nn.Module:
+        if id(original) in seen:
+            return seen[id(original)]
+        new = object.__new__(type(original))
+        seen[id(original)] = new
+        state = {}
+        for key, value in vars(original).items():
+            if key.startswith("_") and "_hooks" in key and isinstance(value, dict):  # _forward_hooks ...
+                value = type(value)()
+            elif isinstance(value, Tensor):
+                value = meta(value)
+            elif isinstance(value, set):
+                value = set(value)  # _non_persistent_buffers_set
+            state[key] = value
+        state["_parameters"] = {k: meta(v) for k, v in original._parameters.items()}
+        state["_buffers"] = {k: meta(v) for k, v in original._buffers.items()}
+        state["_modules"] = {k: None if m is None else copy(m) for k, m in original._modules.items()}
+        new.__dict__.update(state)
+        return new
+
+    return copy(module)
+
+
+def nested_from_mask(padded: Tensor, valid: Tensor) -> Tensor:
+    """The nested tensor of ``padded``'s rows (batch first) where ``valid`` is True, left-aligned
+    (``torch._nested_tensor_from_mask``, as ``nn.TransformerEncoder``'s fast path builds it, so the
+    layers run the same kernels on it). The public ``torch.nested`` constructors build it otherwise.
+    Checked with torch 2.13."""
+    return _NESTED_FROM_MASK(padded, valid, mask_check=False)  # as imported: not noted by nested_from_mask_shapes
+
+
+_NESTED_FROM_MASK = torch._nested_tensor_from_mask
+
+
+@contextmanager
+def nested_from_mask_shapes(seen: list[tuple[int, ...]]) -> Iterator[None]:
+    """While open, the padded shape of every nested tensor torch builds from a mask is appended to
+    ``seen``: ``nn.TransformerEncoder``'s fast path (evaluation with a padding mask) turns its input
+    into a nested tensor with ``torch._nested_tensor_from_mask``, and the padded shape it came from
+    (its sequence length above the longest sample's) is known nowhere else. Replaces that function,
+    which the encoder reads from ``torch`` at each call. Checked with torch 2.13."""
+    original = torch._nested_tensor_from_mask
+
+    def recorded(padded: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        seen.append(tuple(padded.shape))
+        return original(padded, *args, **kwargs)
+
+    torch._nested_tensor_from_mask = recorded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._nested_tensor_from_mask = original
 
 
 def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:

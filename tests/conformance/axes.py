@@ -156,6 +156,9 @@ class Model:
     #: the module's own code around the call: a forward that loops over the Sequential, parameter groups built
     #: by position (``enumerate(self.layers)``) and a penalty over parameters (``lightning_pipe.parameter_penalty``)
     around: bool = False
+    #: torch's own ``nn.TransformerEncoder`` (its layers split with ``module=``), with a padding mask: in
+    #: evaluation its fast path runs, nested tensors crossing the stages
+    torch_transformer: bool = False
 
 
 MODELS: tuple[Model, ...] = (
@@ -170,6 +173,7 @@ MODELS: tuple[Model, ...] = (
     Model("sgd", optimizer="sgd"),
     Model("dropout", dropout=True),
     Model("around", optimizer="sgd", around=True),
+    Model("torch_encoder", module="encoder.layers", torch_transformer=True),
 )
 
 AXES = {"schedule": SCHEDULES, "event": EVENTS, "layout": LAYOUTS, "model": MODELS}

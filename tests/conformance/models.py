@@ -202,8 +202,30 @@ class AroundNet(SequentialNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class TorchEncoderNet(_Steps):
+    """torch's own ``nn.TransformerEncoder`` of 6 layers (as many as the layouts' most stages) with its
+    final norm, over token ids whose 0s are padding (its ``src_key_padding_mask``), classifying each
+    sequence from the mean of its valid positions; split with ``module="encoder.layers"``. Evaluation
+    (prediction, test) takes torch's fast path: nested tensors, zeros at the padding."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(eps=1e-4, **kwargs)  # Adam's eps: the attention's key bias gets float noise (RecordsNet)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, 2, 2 * HIDDEN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 6, norm=nn.LayerNorm(HIDDEN))
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        padding = ids == 0
+        hidden = self.encoder(self.embed(ids), src_key_padding_mask=padding)
+        valid = (~padding).unsqueeze(-1).float()
+        return self.head((hidden * valid).sum(1) / valid.sum(1))
+
+
 def build(model: Model, scheduler: bool = False) -> L.LightningModule:
     """A fresh ``model`` (its initial weights come from the caller's seed)."""
+    if model.torch_transformer:
+        return TorchEncoderNet(scheduler=scheduler)
     if model.records:
         return RecordsNet(scheduler=scheduler)
     if model.module is not None:
@@ -244,6 +266,12 @@ def data(model: Model, batch_size: int = BATCH, shuffle: bool = False) -> DataLo
         tensors = (ids, labels)
     elif model.records:  # token sequences and a class each
         ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(5))
+        tensors = (ids, ids.sum(1) % CLASSES)
+    elif model.torch_transformer:  # token sequences of 1 to LENGTH tokens, padded with 0 on the right
+        g = torch.Generator().manual_seed(6)
+        ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=g)
+        lengths = torch.arange(BATCH) % LENGTH + 1
+        ids = ids.masked_fill(torch.arange(LENGTH) >= lengths.unsqueeze(1), 0)
         tensors = (ids, ids.sum(1) % CLASSES)
     else:
         tensors = dataset(BATCH, seed=0).tensors

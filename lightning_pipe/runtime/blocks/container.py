@@ -42,6 +42,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.runtime.activations.recomputation import keep_buffers
+from lightning_pipe.runtime.blocks.nested import nested_like, padded_for_crossing
 from lightning_pipe.runtime.blocks.outputs import BlockOutputs, argument_names
 from lightning_pipe.runtime.blocks.reads import (
     HeldBlockRead,
@@ -53,7 +54,7 @@ from lightning_pipe.runtime.blocks.reads import (
 )
 from lightning_pipe.runtime.crossing.carried import Carry, Returned, carried_recording, carrying_refused
 from lightning_pipe.runtime.crossing.forced_outputs import only_forced
-from lightning_pipe.torch_internals import child_slot, filled_slots
+from lightning_pipe.torch_internals import child_slot, filled_slots, meta_copy, nested_from_mask_shapes
 
 
 class StageExit(BaseException):
@@ -69,20 +70,26 @@ def hidden_argument(block: nn.Module) -> str:
 
 
 def plain_attributes(block: nn.Module) -> dict[str, Any]:
-    """The attributes of ``block`` that are not tensors or modules (``attention_type``, ``layer_idx``),
-    which a model's loop may read from blocks held by other stages."""
+    """The public attributes of ``block`` outside its tensors and modules (``attention_type``, ``layer_idx``),
+    which code around the steps may read from blocks held by other stages
+    (:class:`~lightning_pipe.runtime.around.held_layers.HeldLayer`)."""
     return {k: v for k, v in vars(block).items() if not k.startswith("_")}
 
 
 class BlockShell:
-    """What remains on this rank of a block held by another stage: its plain attributes and the name
-    of its hidden-state argument."""
+    """What remains on this rank of a block held by another stage: the name of its hidden-state
+    argument, and its structure to read, as a copy with its tensors on the meta device (the
+    ``shadow``: same classes, same configuration, no memory). A model's loop may read another stage's
+    block before it runs its own: torch's ``nn.TransformerEncoder`` reads ``self.layers[0].self_attn
+    .batch_first``, its layers' training mode and whether their weights need a gradient to choose its
+    fast path, and so takes the path here that it takes in plain training. A read of a tensor gives its
+    meta copy (its shape, dtype and ``requires_grad``, no values)."""
 
     def __init__(self, block: nn.Module) -> None:
-        self.attributes = plain_attributes(block)
         self.hidden = hidden_argument(block)
         self.kind = type(block).__name__
         self.arguments = argument_names(block)
+        self.shadow = meta_copy(block)
 
 
 def held_stages(held: tuple[tuple[int, ...], int]) -> str:
@@ -161,13 +168,23 @@ class BlockStage(LoopedContainer):
     def __len__(self) -> int:
         return len(self._shells)
 
+    def train(self, mode: bool = True) -> BlockStage:
+        """The blocks held here and the shadows of those held elsewhere take the mode, which a model's
+        loop may read from any of them (``self.layers[0].training``)."""
+        for shell in self._shells:
+            shell.shadow.train(mode)
+        return super().train(mode)
+
     @contextmanager
     def routed(self, drive: BlockDrive) -> Iterator[None]:
         """While the user's step runs: its loop over the container goes through ``drive`` (the
-        stage's part of the micro-batch), the model's code unchanged."""
+        stage's part of the micro-batch), the model's code unchanged; the padded shapes of the nested
+        tensors the forward builds from a mask are noted for what crosses
+        (:mod:`~lightning_pipe.runtime.blocks.nested`)."""
         self.hook = drive
         try:
-            yield
+            with nested_from_mask_shapes(drive.nested_shapes):
+                yield
         finally:
             self.hook = None
 
@@ -198,12 +215,6 @@ class BlockStage(LoopedContainer):
 
     def shell(self, index: int) -> BlockShell:
         return self._shells[index]
-
-    def held_child(self, index: int, name: str) -> nn.Module | None:
-        """The stand-in (structure, no tensors) of submodule ``name`` of the block at ``index`` that another
-        stage holds, or None."""
-        stand_in = self._stand_ins[index] if self._stand_ins else None
-        return dict(stand_in.named_children()).get(name) if stand_in is not None else None
 
     def own_params(self, index: int, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """The entries of ``params`` (names as in this module's ``named_parameters``) that belong to the
@@ -253,6 +264,8 @@ class BlockDrive:
         self.last_output: Any = None
         #: the tensors this stage's blocks returned (what the step's loss may reach their parameters through)
         self.produced: list[Tensor] = []
+        #: the padded shapes the forward built nested tensors from (torch's encoder in evaluation)
+        self.nested_shapes: list[tuple[int, ...]] = []
 
     def entry(self, host: BlockStage, index: int) -> Any:
         if index < self.start:
@@ -280,7 +293,8 @@ class BlockDrive:
 
 
 class _Entry:
-    """What the model's loop gets for one index of the container: proxies the block's attributes."""
+    """What the model's loop gets for one index of the container: proxies the block's attributes (its
+    shadow's, where another stage holds it: :class:`BlockShell`)."""
 
     def __init__(self, host: BlockStage, index: int) -> None:
         self._host = host
@@ -288,19 +302,7 @@ class _Entry:
 
     def __getattr__(self, name: str) -> Any:
         block = self._host.block(self._index)
-        if block is not None:
-            return getattr(block, name)
-        shell = self._host.shell(self._index)
-        if name in shell.attributes:
-            return shell.attributes[name]
-        child = self._host.held_child(self._index, name)
-        if child is not None:  # a submodule, for its structure (Swin's loop: `stage.downsample is not None`)
-            return child
-        raise AttributeError(
-            f"{shell.kind} {self._index} is held by another pipeline stage; only its plain attributes "
-            f"({', '.join(sorted(shell.attributes)) or 'none'}) and the structure of its submodules are readable "
-            f"here, not {name!r}."
-        )
+        return getattr(block if block is not None else self._host.shell(self._index).shadow, name)
 
     def _hidden(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
         if args:
@@ -375,7 +377,10 @@ class _Boundary(_Entry):
         self._drive.outputs.check_boundary(
             self._index, shell.kind, shell.arguments, args, kwargs, {id(t) for t in crossing.tensors}
         )
-        self._drive.captured = self._hidden(args, kwargs)[0]
+        captured = self._hidden(args, kwargs)[0]
+        if isinstance(captured, Tensor) and captured.is_nested:  # torch's encoder in evaluation
+            captured = padded_for_crossing(captured, self._drive.nested_shapes)
+        self._drive.captured = captured
         refuse_held(self._drive.captured, f"What this stage sends on (block {self._index}'s hidden state)")
         self._drive.finished = True
         raise StageExit
@@ -398,7 +403,11 @@ class _Local(_Entry):
                 )
             drive.entered = True
             if drive.received is not None:
-                args, kwargs = self._with_hidden(drive.received, args, kwargs)
+                received = drive.received
+                local = args[0] if args else kwargs.get(self._host.shell(self._index).hidden)
+                if isinstance(local, Tensor) and local.is_nested and isinstance(received, Tensor):
+                    received = nested_like(received, local)  # as this stage's encoder nested its input
+                args, kwargs = self._with_hidden(received, args, kwargs)
         elif not drive.entered:
             raise RuntimeError(f"The model's forward called block {self._index} before block {drive.start}.")
         refuse_held((args, kwargs), f"What block {self._index} is called with")

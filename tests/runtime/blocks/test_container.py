@@ -157,19 +157,26 @@ def test_a_stage_that_never_reaches_its_blocks_or_runs_them_twice_is_named() -> 
         host(x)
 
 
-def test_other_stages_blocks_show_their_plain_attributes_and_structure_only() -> None:
-    """A loop may read another stage's block's plain attributes and its submodules' structure (Swin's
-    ``stage.downsample is not None``), never their tensors."""
-    from lightning_pipe.runtime.around.held_layers import HeldLayer, HeldLayerError
-
-    _, host = _host(1)
+def test_other_stages_blocks_answer_reads_from_a_meta_copy() -> None:
+    """A block another stage holds answers its plain attributes, its modules and its tensors' shapes, dtypes
+    and ``requires_grad`` from a copy on the meta device (no memory), in the host's training mode."""
+    model = LoopNet(4)
+    model.blocks[0].linear.bias.requires_grad_(False)
+    host, _ = split_stages(model.blocks, [2, 2], [0, 1], 1)
+    assert isinstance(host, BlockStage)
     host.hook = BlockDrive(host.bounds, torch.zeros(1, 6), stops=False, recompute=False, params=None)
     assert host[0].attention_type == "full" and host[1].attention_type == "sliding"
-    assert isinstance(host[2].linear, nn.Linear)  # a held block: its modules
-    assert isinstance(host[0].linear, HeldLayer) and host[0].linear.out_features == 6
-    with pytest.raises(HeldLayerError, match="its 'weight' is not on this rank"):
-        _ = host[0].linear.weight
-    with pytest.raises(AttributeError, match=r"Block 0 is held by another pipeline stage; only its plain attributes"):
+    assert isinstance(host[2].linear, nn.Linear) and host[2].linear.weight.device.type == "cpu"  # held here
+    shadow = host[0].linear
+    assert type(shadow) is nn.Linear and shadow.weight.is_meta and shadow.weight.shape == (6, 6)
+    assert isinstance(shadow.weight, nn.Parameter) and shadow.weight.requires_grad
+    assert shadow.bias.is_meta and not shadow.bias.requires_grad  # as frozen before the split
+    assert host[0].training and host[0].norm.training
+    host.eval()
+    assert not host[0].training and not host[0].norm.training and not host[2].training
+    host.train()
+    assert host[1].norm.training
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
         _ = host[0].missing
     assert len(host[1:]) == 3
 
@@ -195,3 +202,42 @@ def test_a_block_called_with_its_hidden_state_as_a_keyword_receives_it() -> None
     for i in (2, 3):
         expected = unsplit.blocks[i](hidden=expected, scale=torch.ones(2, 1))
     torch.testing.assert_close(out, expected)
+
+
+def _torch_encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 4, norm=nn.LayerNorm(8))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "eval_padded"])
+def test_torch_encoders_layers_on_two_stages_give_the_unsplit_encoders_output(mode: str) -> None:
+    """``nn.TransformerEncoder`` reads ``self.layers[0]`` (its attention's ``batch_first``, its training mode,
+    its weights' ``requires_grad``) on every stage: the stage without layer 0 reads them from its meta copy and
+    takes the path the unsplit encoder takes. In evaluation with a padding mask that is torch's fast path: the
+    hidden state is nested, crosses padded to the input's shape and is nested again; the padding's rows come
+    out as the final norm of zeros."""
+    encoder = _torch_encoder()
+    x = torch.randn(3, 5, 8)
+    padding = (torch.arange(5) >= torch.tensor([5, 3, 2]).unsqueeze(1)) if mode != "eval" else None
+    stages = []
+    for stage in range(2):
+        copied = copy.deepcopy(encoder)
+        copied.layers, _ = split_stages(copied.layers, [2, 2], [0, 1], stage)  # type: ignore[assignment]
+        stages.append(copied.train(mode == "train"))
+    encoder.train(mode == "train")
+    with torch.set_grad_enabled(mode == "train"):
+        expected = encoder(x, src_key_padding_mask=padding)
+        first = BlockDrive((0, 2), None, stops=True, recompute=False, params=None)
+        with stages[0].layers.routed(first), pytest.raises(StageExit):
+            stages[0](x, src_key_padding_mask=padding)
+        assert not first.captured.is_nested and first.captured.shape == x.shape  # what crosses
+        second = BlockDrive((2, 4), first.captured, stops=False, recompute=False, params=None)
+        with stages[1].layers.routed(second):
+            out = stages[1](x, src_key_padding_mask=padding)
+    torch.testing.assert_close(out, expected)
+    if mode == "eval_padded":  # the fast path ran on both stages: the padding's rows are the norm's bias
+        assert first.nested_shapes == [(3, 5, 8)] and second.nested_shapes == [(3, 5, 8)]
+        assert torch.equal(out[2, 2:], encoder.norm.bias.expand(3, 8))
+    else:
+        assert first.nested_shapes == [] and second.nested_shapes == []
