@@ -342,8 +342,9 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        "| family | model (transformers) | `module=` | parity with plain training (6 SGD steps) | `weights=` a "
-        "`save_pretrained` directory |",
+        f"| family | model (transformers) | `module=` | parity with plain training, 6 SGD steps (\"yes\": {stages} "
+        f"stages x {schedules}) | `weights=` a `save_pretrained` directory (\"yes\": trains as plain from "
+        f"`from_pretrained`'s weights, {WEIGHTS_STAGES} stages, `1f1b`) |",
         "|---|---|---|---|---|",
     ]
     for f in FAMILIES:
@@ -354,10 +355,10 @@ def family_table() -> str:
         if f.compared:
             rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | not run |")
             continue
-        weights = f"trains as plain from `from_pretrained`'s weights ({WEIGHTS_STAGES} stages, `1f1b`)"
+        weights = "yes"
         if f.converted:
             weights += f"; its names converted as transformers converts them ({f.converted})"
-        rows.append(f"| {f.name} | `{model}` | `{f.module}` | {stages} stages x {schedules} | {weights} |")
+        rows.append(f"| {f.name} | `{model}` | `{f.module}` | yes | {weights} |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
 
 
