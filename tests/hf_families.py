@@ -342,8 +342,8 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        f"| family | model (transformers) | `module=` | parity with plain training, 6 SGD steps (\"yes\": {stages} "
-        f"stages x {schedules}) | `weights=` a `save_pretrained` directory (\"yes\": trains as plain from "
+        f'| family | model (transformers) | `module=` | parity with plain training, 6 SGD steps ("yes": {stages} '
+        f'stages x {schedules}) | `weights=` a `save_pretrained` directory ("yes": trains as plain from '
         f"`from_pretrained`'s weights, {WEIGHTS_STAGES} stages, `1f1b`) |",
         "|---|---|---|---|---|",
     ]
