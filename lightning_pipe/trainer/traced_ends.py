@@ -4,11 +4,13 @@ before the split (:mod:`lightning_pipe.partition.stages.end_trace`).
 Global rank 0 runs the step the Trainer is about to run (``training_step`` when fitting, ``predict_step`` when
 predicting, ...) on the first micro-batch of the run's first batch, without gradients and without logging, and gives
 every rank its answer, so all split alike. The run is left as it was: the random state (the sampler's draw, dropout)
-and the buffers (batch-norm statistics) are restored.
+and the buffers (batch-norm statistics) are restored; a model with nothing beside its split layers is not traced.
 """
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,6 +48,9 @@ def traces_ends(module: nn.Module, layers: nn.Module, config: PipelineConfig, st
         return False
     if any(is_pretrained_model(m) and any(c is layers for c in m.modules()) for m in module.modules()):
         return False
+    inside = {id(p) for p in layers.parameters()}
+    if all(id(p) in inside for p in module.parameters()):
+        return False  # nothing beside the split layers to place: no batch is drawn (a dataset may count its reads)
     return not has_meta_tensors(module)
 
 
@@ -55,10 +60,16 @@ def _untouched(module: Any, device: torch.device) -> Iterator[None]:
     and the buffers as they were."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     devices = [device.index or 0] if device.type == "cuda" else []
+    python_state = random.getstate()  # a custom sampler may draw from Python's random state, or numpy's
+    np = sys.modules.get("numpy")  # only where something imported it: nothing drew from it otherwise
+    numpy_state = np.random.get_state() if np is not None else None
     with torch.random.fork_rng(devices=devices), internals.routed_log(module, lambda *a, **k: None):
         try:
             yield
         finally:
+            random.setstate(python_state)
+            if np is not None:
+                np.random.set_state(numpy_state)
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
