@@ -1,7 +1,9 @@
 """BERT masked-language-model pre-training as pipeline layers, with a real English corpus offline.
 
 The model is one ``nn.Sequential``: embeddings, ``num_layers`` encoder layers and the MLM head.
-Layers pass ``(hidden, attention_mask)`` along; the mask needs no gradient. As in BERT, the MLM
+Layers pass ``(hidden, attention_mask)`` along, or ``(hidden, attention_mask, predicted)`` with the
+positions the head predicts (the masked tokens, in training: the head's vocabulary-wide product is
+most of the model's work, and BERT's loss reads only those positions); the masks need no gradient. As in BERT, the MLM
 head's decoder weight is the word-embedding matrix (``tie_embeddings``); under the pipeline the
 first and the last stage each hold a copy and the strategy sums their gradients, so the copies stay
 equal.
@@ -62,11 +64,11 @@ class Embeddings(_BertInit, nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        ids, mask, *predicted = inputs
         positions = torch.arange(ids.shape[1], device=ids.device)
         hidden = self.dropout(self.norm(self.word(ids) + self.position(positions)))
-        return hidden, mask
+        return hidden, mask, *predicted
 
 
 class EncoderLayer(_BertInit, nn.Module):
@@ -80,12 +82,12 @@ class EncoderLayer(_BertInit, nn.Module):
         self.norm2 = nn.LayerNorm(hidden)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, mask = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, mask, *predicted = inputs
         attended, _ = self.attention(hidden, hidden, hidden, key_padding_mask=~mask, need_weights=False)
         hidden = self.norm1(hidden + self.dropout(attended))
         hidden = self.norm2(hidden + self.dropout(self.ffn(hidden)))
-        return hidden, mask
+        return hidden, mask, *predicted
 
 
 class MLMHead(_BertInit, nn.Module):
@@ -94,8 +96,11 @@ class MLMHead(_BertInit, nn.Module):
         self.transform = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden))
         self.decoder = nn.Linear(hidden, vocab_size)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden, _ = inputs
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Logits ``(batch, length, vocab)``, or ``(n, vocab)`` for the ``n`` positions of ``predicted``."""
+        hidden, _, *predicted = inputs
+        if predicted:
+            hidden = hidden[predicted[0]]
         return self.decoder(self.transform(hidden))
 
 
@@ -164,13 +169,15 @@ class BertMLM(L.LightningModule):
         embeddings, the encoder layers and the head differ in size."""
         return {"loss_weight": token_count(labels=2, shift=False), "balance": "parameters"}
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.layers((ids, mask))
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, predicted: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits at every position, or at the ``predicted`` ones only (a boolean mask of ``ids``' shape)."""
+        return self.layers((ids, mask) if predicted is None else (ids, mask, predicted))
 
     def _loss(self, batch: Any) -> torch.Tensor:
+        """Cross-entropy over the masked tokens (labels other than -100); the head predicts only those."""
         ids, mask, labels = batch
-        logits = self(ids, mask)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        predicted = labels != -100
+        return F.cross_entropy(self(ids, mask, predicted), labels[predicted])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -46,6 +46,31 @@ def test_textdata_on_files_and_the_model(tmp_path: Path) -> None:
         TextData(tokenizer="saved").dataset(torch.zeros(2, 16, dtype=torch.long), seed=0)
 
 
+def test_the_loss_predicts_only_the_masked_positions_and_equals_the_whole_logits_loss() -> None:
+    """The head's vocabulary-wide product runs at the masked positions only: the loss and every gradient
+    equal those of the logits at every position with the others ignored."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = BertMLM(vocab_size=50, size="tiny", max_len=16, dropout=0.0)
+    ids = torch.randint(5, 50, (3, 16))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[2, 12:] = False
+    labels = torch.full_like(ids, -100)
+    labels[:, ::5] = ids[:, ::5]
+    predicted = labels != -100
+    assert model(ids, mask, predicted).shape == (int(predicted.sum()), 50)
+    model._loss((ids, mask, labels)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(ids, mask)
+    whole = F.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1), ignore_index=-100)
+    assert torch.allclose(whole, model._loss((ids, mask, labels)))
+    whole.backward()
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(parameter.grad, grads[name], atol=1e-6), name
+
+
 def test_decoder_is_tied_to_the_word_embeddings() -> None:
     model = BertMLM(vocab_size=40, size="tiny", max_len=16)
     assert model.layers[-1].decoder.weight is model.layers[0].word.weight
