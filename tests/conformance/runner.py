@@ -417,6 +417,10 @@ def _judge(cell: Cell, module: L.LightningModule, also: list, interrupt: str | N
         # masks are the layout's own)
         expected, logged = _straight(cell.schedule, cell.event, cell.layout, cell.model, folder)
         tolerance, oracle = SAME, "uninterrupted" if cell.layout.elastic else "straight, in rank order"
+        if any(world != cell.layout.devices for world in cell.layout.restart_on):
+            # fewer replicas for a while: their gradients are accumulated where the uninterrupted run all-reduces
+            # them, another order of the same float sums (3.3e-7 under Adam on torch's encoder on some CPUs)
+            tolerance = PLAIN
         if cell.layout.restart_on and cell.layout.restart_on[-1] != cell.layout.devices:
             # fewer replicas accumulate to keep the global batch, and a step logs its last accumulated batch's
             # values (plain Lightning's accumulation): the uninterrupted run's logged values are another batch's
