@@ -1,5 +1,5 @@
 """Tiny configurations (4 blocks of width 64) of every model family the docs' table lists
-(``docs/models.md``), for the parity tests of ``tests/test_hf_families.py``. Needs ``transformers``."""
+(``docs/models.md``), for the parity tests of ``tests/runtime/blocks/test_hf_families.py``. Needs ``transformers``."""
 
 from __future__ import annotations
 
@@ -285,7 +285,7 @@ FAMILIES: list[Family] = [
             "another process's Swin stage returns its output's structure and its submodules' structure; within "
             "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes "
             "x `1f1b` and 2 processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a "
-            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/test_hf_models.py"
+            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/runtime/blocks/test_hf_models.py"
         ),
     ),
 ]
@@ -328,11 +328,14 @@ class FamilyModule(HFModule):
         return self.model(**{keyword: inputs})
 
 
-#: what the slow tests of ``tests/test_hf_families.py`` run for every family that trains
+#: what the slow tests of ``tests/runtime/blocks/test_hf_families.py`` run for every family that trains
 STAGES = (2, 4)
 SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b")
 WEIGHTS_STAGES = 2
-TABLE_BEGIN = "<!-- family table: written by `python -m tests.hf_families`, checked by tests/test_hf_families.py -->"
+TABLE_BEGIN = (
+    "<!-- family table: written by `python -m tests.hf_families`, checked by "
+    "tests/runtime/blocks/test_hf_families.py -->"
+)
 TABLE_END = "<!-- end of family table -->"
 DOCS = "docs/models.md"
 

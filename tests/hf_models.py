@@ -101,7 +101,7 @@ MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
 #: the mixture-of-experts models, as :data:`MODELS`; kept out of its parity grid, where Mixtral under
 #: AdamW on 4 processes with interleaved 1F1B (8 blocks) differed from plain training by 1.9e-3, 6x
 #: the control's 3.2e-4 (not yet explained); every SGD cell of the grid matched. See
-#: tests/test_block_reads.py.
+#: tests/runtime/blocks/test_block_reads.py.
 MOE_MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
     "mixtral": (mixtral, "model.model.layers"),
     "qwen2_moe": (qwen2_moe, "model.model.layers"),

@@ -14,7 +14,8 @@ from lightning_pipe.command import answers_alone
 ROOT = Path(__file__).resolve().parents[1]
 
 # a fresh interpreter: --help through the entry point, then the package's face (the registration of
-# strategy="pipeline" with a Lightning imported later: tests/scripts/train_two_stages.py, in tests/test_launch.py)
+# strategy="pipeline" with a Lightning imported later: tests/scripts/train_two_stages.py, in
+# tests/trainer/launch/test_launcher.py)
 FRESH = """
 import sys
 sys.argv = ["lightning-pipe", "--help"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes, skips_from, skips_into
 from tests.models import CarriedSkipNet, SkipNet, UNetSkips, fit_plain, loader, plain_trainer
 from tests.pipeline import assert_same_weights, fit_pipeline, pipeline_trainer
-from tests.test_async import _cycle, _reference, _stage_delays
+from tests.runtime.test_async_pipeline import _cycle, _reference, _stage_delays
 
 
 def test_which_stage_sends_which_skip_to_which_is_decided_from_the_declarations() -> None:

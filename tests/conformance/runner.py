@@ -37,7 +37,7 @@ from tests.conformance.models import BATCH, build, data, strategy_options
 from tests.models import fit_plain, plain_trainer
 from tests.pipeline import fit_pipeline
 from tests.pipeline import pipeline_trainer as _pipeline_trainer
-from tests.test_async import _stage_delays
+from tests.runtime.test_async_pipeline import _stage_delays
 
 STEPS, STEPS_PER_EPOCH = 6, 3
 #: weights against plain Lightning (float noise of another order of sums); against the same schedule

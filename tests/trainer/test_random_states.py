@@ -1,5 +1,6 @@
 """Each rank's random state in a checkpoint: restored under the same layout, re-seeded (with one
-warning) under another (the exact resume of a 2-stage run with dropout is in tests/test_resume.py)."""
+warning) under another (the exact resume of a 2-stage run with dropout is in
+tests/trainer/dataloaders/test_resume.py)."""
 
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ def test_two_and_four_stages_start_from_the_same_weights(tmp_path: Path) -> None
         torch.testing.assert_close(starts[4][name], value, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.slow  # about 16 s (4 processes); tests/test_hf_large.py bounds a 1 GB model's peak per rank by default
+# about 16 s (4 processes); tests/partition/stages/test_hf_large.py bounds a 1 GB model's peak per rank by default
+@pytest.mark.slow
 def test_no_rank_holds_more_than_half_of_a_model_built_in_configure_model(tmp_path: Path) -> None:
     """4 ranks, a 256 MiB model: each rank's peak resident memory at on_fit_start against the same
     run with a tiny model. Built in configure_model, each rank holds a quarter; built eagerly, each

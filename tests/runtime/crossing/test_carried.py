@@ -62,7 +62,7 @@ def test_outside_a_recording_a_stand_in_feeds_nothing() -> None:
 
 def test_every_built_in_schedule_carries_recorded_values_and_a_schedule_text_refuses_them() -> None:
     # the chain schedules and Chimera's two directions as plain training, the asynchronous rules as their
-    # references (tests/test_block_reads.py); a schedule given as text was never run with them
+    # references (tests/runtime/blocks/test_block_reads.py); a schedule given as text was never run with them
     assert set(TRAITS) == CARRYING_SCHEDULES
     assert all(carrying_refusal(schedule) is None for schedule in TRAITS)
     refusal = carrying_refusal("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")

@@ -1,5 +1,5 @@
 """How many gradient accumulations make a parameter's gradient final in a step (the overlapped
-all-reduce over the replicas itself runs in tests/test_data_parallel.py)."""
+all-reduce over the replicas itself runs in tests/runtime/replicas/test_data_parallel.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """How the data-parallel replicas split a DataLoader (the combined metrics run in
-tests/test_data_parallel_lifecycle.py)."""
+tests/runtime/replicas/test_data_parallel_lifecycle.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which samplers need the first stage's order shared (the sharing itself runs in tests/test_faults.py)."""
+"""Which samplers need the first stage's order shared (the sharing itself runs in tests/trainer/test_faults.py)."""
 
 from __future__ import annotations
 

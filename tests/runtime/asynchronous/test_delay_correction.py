@@ -20,7 +20,7 @@ from lightning_pipe.runtime.asynchronous.rising_loss import RisingLoss
 from lightning_pipe.trainer.compatibility import check_correction_optimizers
 from tests.models import RecordWarnings, TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
-from tests.test_async import _stage_delays
+from tests.runtime.test_async_pipeline import _stage_delays
 
 pytestmark = pytest.mark.timeout(240)
 

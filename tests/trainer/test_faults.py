@@ -25,7 +25,7 @@ from lightning_pipe import checkpoint as ckpt_files
 from lightning_pipe.checkpoint import consolidate, read
 from tests.models import HIDDEN, IN, MaskedNet, TinyNet, dataset, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
-from tests.test_async import _cycle, _reference, _stage_delays
+from tests.runtime.test_async_pipeline import _cycle, _reference, _stage_delays
 
 pytestmark = pytest.mark.timeout(180)
 

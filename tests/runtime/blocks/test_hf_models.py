@@ -166,7 +166,7 @@ def test_plan_auto_plans_a_block_container_and_trains_as_plain() -> None:
 @pytest.mark.parametrize("balance", ["time", "memory"])
 def test_measured_balances_split_the_blocks_and_train_as_plain(balance: str) -> None:
     """The blocks profiled on the arguments the model's forward gives them, then the split trains as
-    plain (a model built in configure_model(): tests/test_hf_large.py)."""
+    plain (a model built in configure_model(): tests/partition/stages/test_hf_large.py)."""
     _parity("llama_gqa_untied", 2, balance=balance, layers=6)
 
 

@@ -85,7 +85,7 @@ def test_offload_weights_equal_plain_training(
 
 def test_offload_in_a_block_container() -> None:
     """The model's own loop over its blocks (``module="blocks"``): offload wraps the stage's whole step."""
-    from tests.test_dualpipev import _data, _LoopNet
+    from tests.schedules.families.test_dualpipev_training import _data, _LoopNet
 
     torch.manual_seed(0)
     reference, piped = twins(_LoopNet())

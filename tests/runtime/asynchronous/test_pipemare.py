@@ -339,7 +339,7 @@ def test_the_generic_reference_equals_the_by_hand_one(
 
 
 def test_pipedream_with_lr_rescheduling_follows_the_scaled_delayed_rule() -> None:
-    from tests.test_async import _stage_delays
+    from tests.runtime.test_async_pipeline import _stage_delays
 
     torch.manual_seed(0)
     piped = TinyNet(lr=0.1)

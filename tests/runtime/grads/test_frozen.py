@@ -106,7 +106,7 @@ def test_a_model_with_nothing_to_train_is_refused_as_plain_training_refuses_it()
 transformers = pytest.importorskip("transformers")
 
 from tests.hf_models import HFModule, data_for, llama  # noqa: E402
-from tests.test_hf_models import ADAMW_NOISE_FACTOR, _largest_difference  # noqa: E402
+from tests.runtime.blocks.test_hf_models import ADAMW_NOISE_FACTOR, _largest_difference  # noqa: E402
 
 
 def _llama_frozen_norm() -> torch.nn.Module:

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_pipe import PipelineStrategy
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
-from tests.test_data_parallel import _CountAllReduce
+from tests.runtime.replicas.test_data_parallel import _CountAllReduce
 
 
 def elastic_reference(

@@ -19,7 +19,7 @@ from lightning_pipe.schedules import pipedream, render, unroll, update_delay, va
 from lightning_pipe.schedules.families.asynchronous import backward_gap
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
-from tests.test_pipemare import _stage_of
+from tests.runtime.asynchronous.test_pipemare import _stage_of
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_pipe.trainer.launch.failures import PeerFailure, explain, is_communication_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tests" / "scripts" / "fail_one_rank.py"
 # hang guards, not speed checks: one of these tests took 42 s on a loaded 2-core machine; a rank left waiting
 # would wait for the process group's timeout (30 minutes)

@@ -11,8 +11,8 @@ import torch
 
 from tests.models import TinyNet, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
-from tests.test_async import _cycle, _reference, _stage_delays
-from tests.test_pipemare import WeightMemory
+from tests.runtime.asynchronous.test_pipemare import WeightMemory
+from tests.runtime.test_async_pipeline import _cycle, _reference, _stage_delays
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -35,7 +35,7 @@ from lightning_pipe.trainer.launch.restarts import ElasticState, layout, resume_
 from tests.models import TinyNet, dataset, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tests" / "scripts" / "train_elastic.py"
 pytestmark = pytest.mark.timeout(420)  # a hang guard: every wait below has its own deadline
 
@@ -272,7 +272,7 @@ def test_elastic_averaging_resumed_from_a_checkpoint_without_its_state_centers_o
     """A run that grows back to 2 replicas after a restart trained on 1 (under ``"allreduce"``): its checkpoint
     holds no center, so the center starts at the checkpoint's weights (it stayed at the module's own initial
     weights, and the first pull would have drawn the replicas towards them)."""
-    from tests.test_replicas_sync import _RecordReplicas
+    from tests.runtime.replicas.test_replicas_sync import _RecordReplicas
 
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     options = dict(stages=2, chunks=2)

@@ -1,5 +1,5 @@
 """A resumed run reads the batches an uninterrupted one reads: in the middle of an epoch, with
-``shuffle=True``, at an epoch's end (the resume under fewer replicas runs in tests/test_elastic.py,
+``shuffle=True``, at an epoch's end (the resume under fewer replicas runs in tests/trainer/launch/test_restarts.py,
 the command line's ``resume=`` in tests/test_cli.py).
 
 The oracle is plain Lightning on one process, uninterrupted, reading the pipeline's documented order:

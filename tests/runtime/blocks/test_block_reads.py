@@ -296,7 +296,7 @@ def test_the_moe_load_balancing_loss_follows_the_stashing_rule(schedule: str, st
     their gradient goes back to the version its forward ran on: Mixtral with its load-balancing loss
     (and its embeddings and head outside the blocks) equals the rule's one-process reference, whose
     routers move differently without the loss."""
-    from tests.test_async_outside import delayed_reference
+    from tests.runtime.asynchronous.test_outside_parameters import delayed_reference
 
     build, path = MOE_MODELS["mixtral"]
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 from tests.models import TinyNet, fit_plain, loader
 from tests.pipeline import assert_same_weights, fit_pipeline, twins
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(240)
 
 

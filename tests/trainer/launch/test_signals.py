@@ -19,7 +19,7 @@ from lightning_pipe.trainer.launch.signals import STOPPED_STATUS
 from tests.models import TinyNet, loader
 from tests.pipeline import pipeline_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(300)
 
 
