@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_pipe.runtime.crossing.packing import SINGLE, Packing
+from lightning_pipe.runtime.crossing.seam import Crossing, NoCrossing
 from lightning_pipe.runtime.overlap import OverlapHook, checked, one_after_another
 from lightning_pipe.runtime.p2p import Op, Transport
-from lightning_pipe.runtime.skip_mail import SkipMail
 from lightning_pipe.runtime.stage import StageRunner, StepFn
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule
@@ -34,8 +35,7 @@ class _Inbox:
     works: list[Any]
     buffers: list[Tensor]
     flags: tuple[bool, ...] = ()
-    was_tuple: bool = False
-    carried: tuple[int, ...] = ()  # per earlier block, its recorded values after the hidden state
+    packing: Packing = SINGLE  # how the tensors make the sender's value (read by the receiving stage)
 
     def wait(self) -> list[Tensor]:
         for work in self.works:
@@ -74,8 +74,8 @@ class _Run:
     split_backward: bool = False
     checked: bool = False  # whether ``calls.before_receive`` ran
     inbox: dict[Action, _Inbox] = field(default_factory=dict)
-    # activations: (tensors, was_tuple, carried counts); gradients: (tensors, False, ())
-    outbox: dict[Action, tuple[Sequence[Tensor], bool, tuple[int, ...]]] = field(default_factory=dict)
+    # activations: (tensors, packing); gradients: (tensors, SINGLE)
+    outbox: dict[Action, tuple[Sequence[Tensor], Packing]] = field(default_factory=dict)
     sends: list[tuple[Any, Op]] = field(default_factory=list)
     following: dict[Action, Action] = field(default_factory=dict)  # receive -> the next one, to prefetch
     spans: dict[int, int] = field(default_factory=dict)  # overlapped units: first compute -> last
@@ -118,14 +118,17 @@ class Executor:
         runners: dict[int, StageRunner],
         rank: int,
         overlap: OverlapHook = one_after_another,
+        crossing: Crossing | None = None,
     ) -> None:
         self.transport = transport
         self.runners = runners
         self.rank = rank
         self.overlap = overlap  # runs an overlapped unit's two halves (see lightning_pipe.runtime.overlap)
-        self._carried: list[tuple[Any, Op]] = []
+        # sends still travelling after a run that did not finish (the asynchronous schedules'), waited for next
+        self._unfinished_sends: list[tuple[Any, Op]] = []
         self._side_stream: Any = None
-        self.skips = SkipMail(transport, self.runners)  # in flight (kept across runs: the asynchronous schedules')
+        # what crosses by a route of its own (kept across runs: the asynchronous schedules')
+        self.crossing: Crossing = crossing if crossing is not None else NoCrossing()
 
     def run(self, schedule: Schedule, keys: Sequence[Hashable], calls: Callbacks = Callbacks()) -> None:
         """Execute this rank's actions of a synchronous ``schedule``. ``keys[i]`` identifies
@@ -195,17 +198,17 @@ class Executor:
                 self._post(group, run)
                 index += len(group)
             with self._span(run, "wait", -1, -1):
-                for work, _ in self._carried:
+                for work, _ in self._unfinished_sends:
                     work.wait()
-                self._carried = []
+                self._unfinished_sends = []
                 if finish:
                     for work, _ in run.sends:
                         work.wait()
                     self.transport.finish()
                 else:
-                    self._carried = run.sends
+                    self._unfinished_sends = run.sends
         except BaseException as error:
-            self.skips.clear()
+            self.crossing.clear()
             for runner in self.runners.values():
                 runner.reset()
             if hasattr(error, "add_note") and index < len(actions):
@@ -216,7 +219,7 @@ class Executor:
                 )
             raise
         if finish:
-            self.skips.clear()
+            self.crossing.clear()
             for runner in self.runners.values():
                 runner.reset()
         if timeline is not None:
@@ -244,13 +247,11 @@ class Executor:
             if not self._is_local(action):
                 rest.append(action)
             elif action.kind is ActionKind.SEND_ACTIVATION:
-                tensors, was_tuple, carried = run.outbox.pop(action)
+                tensors, packing = run.outbox.pop(action)
                 flags = tuple(bool(t.requires_grad) for t in tensors)
-                run.inbox[action.matching()] = _Inbox(
-                    [], [t.detach().clone() for t in tensors], flags, was_tuple, carried
-                )
+                run.inbox[action.matching()] = _Inbox([], [t.detach().clone() for t in tensors], flags, packing)
             elif action.kind is ActionKind.SEND_GRADIENT:
-                grads, _, _ = run.outbox.pop(action)
+                grads, _ = run.outbox.pop(action)
                 run.inbox[action.matching()] = _Inbox([], [g.detach() for g in grads])
         return rest
 
@@ -261,19 +262,13 @@ class Executor:
         ops: list[Op] = []
         for action in group:  # sends first: their headers unblock the peer
             if action.kind is ActionKind.SEND_ACTIVATION:
-                tensors, was_tuple, carried = run.outbox.pop(action)
+                tensors, packing = run.outbox.pop(action)
                 key = self._activation_key(action, run, action.stage + 1)
                 ops += self.transport.activation_send_ops(
-                    action.stage + 1,
-                    key,
-                    tensors,
-                    was_tuple,
-                    carried,
-                    action.microbatch,
-                    run.alike.get(action.microbatch),
+                    action.stage + 1, key, tensors, packing, action.microbatch, run.alike.get(action.microbatch)
                 )
             elif action.kind is ActionKind.SEND_GRADIENT:
-                grads, _, _ = run.outbox.pop(action)
+                grads, _ = run.outbox.pop(action)
                 ops += self.transport.gradient_send_ops(action.stage - 1, grads, action.microbatch)
         if (
             ops
@@ -334,10 +329,10 @@ class Executor:
             self._before_receive(run)
             i, alike = action.microbatch, run.alike.get(action.microbatch)
             buffers, meta, ops = self.transport.activation_recv_ops(action.stage - 1, key, i, alike)
-            # what earlier stages stashed for this one: their headers, if new, are on their way by now (sent
-            # before the stashing stage's output left it, so before the one just read)
-            self.skips.post_receives(action.stage, i, run.num_stages, run.keys[i], alike)
-        return _Inbox([], buffers, meta.requires_grad, meta.was_tuple, meta.carried), ops
+            # what reaches this stage by its own route: its headers, if new, are on their way by now (sent
+            # before the sending stage's output left it, so before the one just read)
+            self.crossing.post_receives(action.stage, i, run.num_stages, run.keys[i], alike)
+        return _Inbox([], buffers, meta.requires_grad, meta.packing), ops
 
     @staticmethod
     def _before_receive(run: _Run) -> None:
@@ -427,15 +422,15 @@ class Executor:
                 box = run.inbox.pop(Action(ActionKind.RECV_ACTIVATION, action.stage, i))
                 with self._span(run, "wait", action.stage, i):
                     tensors = self.transport.arrived(box.wait())
-                    arrived = (tensors, box.flags, box.was_tuple, box.carried)
-                    received = self.skips.with_received(
+                    arrived = (tensors, box.flags, box.packing)
+                    received = self.crossing.before_forward(
                         action.stage, i, run.num_stages, run.keys[i], arrived, run.alike.get(i)
                     )
             with self._span(run, "F", action.stage, i):
                 result = runner.forward(i, run.microbatches_per_batch, received, run.calls.step)
             if depth < run.num_stages - 1:
                 assert result is not None
-                sent = self.skips.send(
+                sent = self.crossing.after_forward(
                     action.stage, i, run.num_stages, run.keys[i], result, run.sends, run.alike.get(i)
                 )
                 run.outbox[Action(ActionKind.SEND_ACTIVATION, action.stage, i)] = sent
@@ -448,11 +443,14 @@ class Executor:
         depth = action.stage % run.num_stages
         if depth < run.num_stages - 1:
             box = run.inbox.pop(Action(ActionKind.RECV_GRADIENT, action.stage, i))
-            with self._span(run, "wait", action.stage, i):  # then the gradients of what the stage stashed
-                grads = [*self.transport.arrived(box.wait()), *self.skips.grads(action.stage, i, run.num_stages)]
+            with self._span(run, "wait", action.stage, i):  # then those of what left by its own route
+                grads = [
+                    *self.transport.arrived(box.wait()),
+                    *self.crossing.before_backward(action.stage, i, run.num_stages),
+                ]
         with self._span(run, "B", action.stage, i):
             input_grads = runner.backward_input(i, grads) if run.split_backward else runner.backward(i, grads)
         if depth > 0:
             assert input_grads is not None
-            input_grads = self.skips.send_grads(action.stage, i, input_grads, run.sends)
-            run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, False, ())
+            input_grads = self.crossing.after_backward(action.stage, i, input_grads, run.sends)
+            run.outbox[Action(ActionKind.SEND_GRADIENT, action.stage, i)] = (input_grads, SINGLE)

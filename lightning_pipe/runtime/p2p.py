@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_pipe.runtime.crossing.packing import SINGLE, Packing
+
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -37,23 +39,23 @@ class TensorMeta:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     requires_grad: tuple[bool, ...]
-    was_tuple: bool
-    #: per earlier block, how many of its recorded values travel after the hidden state (empty: none)
-    carried: tuple[int, ...] = ()
+    #: whether the hidden state was a tuple, and per earlier block how many of its recorded values travel
+    #: after it (none: empty)
+    packing: Packing = SINGLE
 
     @classmethod
-    def of(cls, tensors: Sequence[Tensor], was_tuple: bool, carried: tuple[int, ...] = ()) -> TensorMeta:
+    def of(cls, tensors: Sequence[Tensor], packing: Packing = SINGLE) -> TensorMeta:
         return cls(
             tuple(tuple(t.shape) for t in tensors),
             tuple(t.dtype for t in tensors),
             tuple(bool(t.requires_grad) for t in tensors),
-            was_tuple,
-            carried,
+            packing,
         )
 
     def encode(self) -> Tensor:
         """The header's integers (any number: :meth:`Transport.activation_send_ops` sends its length first)."""
-        values = [int(self.was_tuple), len(self.shapes), len(self.carried), *self.carried]
+        recorded = self.packing.recorded
+        values = [int(self.packing.was_tuple), len(self.shapes), len(recorded), *recorded]
         for shape, dtype, grad in zip(self.shapes, self.dtypes, self.requires_grad):
             if dtype not in _DTYPES:
                 raise TypeError(f"A pipeline stage output has dtype {dtype}, which cannot be sent between stages.")
@@ -64,7 +66,7 @@ class TensorMeta:
     def decode(cls, header: Tensor) -> TensorMeta:
         values = header.tolist()
         was_tuple, count, blocks = bool(values[0]), values[1], values[2]
-        carried, pos = tuple(values[3 : 3 + blocks]), 3 + blocks
+        recorded, pos = tuple(values[3 : 3 + blocks]), 3 + blocks
         shapes, dtypes, grads = [], [], []
         for _ in range(count):
             dtype, grad, ndim = values[pos : pos + 3]
@@ -72,7 +74,7 @@ class TensorMeta:
             dtypes.append(_DTYPES[dtype])
             grads.append(bool(grad))
             pos += 3 + ndim
-        return cls(tuple(shapes), tuple(dtypes), tuple(grads), was_tuple, carried)
+        return cls(tuple(shapes), tuple(dtypes), tuple(grads), Packing(was_tuple, recorded))
 
 
 @dataclass
@@ -134,8 +136,7 @@ class Transport:
         to_stage: int,
         key: Hashable,
         tensors: Sequence[Tensor],
-        was_tuple: bool,
-        carried: tuple[int, ...] = (),
+        packing: Packing = SINGLE,
         microbatch: int = 0,
         alike: int | None = None,
     ) -> list[Op]:
@@ -145,7 +146,7 @@ class Transport:
         of those micro-batches it receives first."""
         peer = self.stage_ranks[to_stage]
         header_tag = self.tag(2 * to_stage, microbatch if alike is None else alike)
-        self._send_header(to_stage - 1, peer, key, TensorMeta.of(tensors, was_tuple, carried), header_tag)
+        self._send_header(to_stage - 1, peer, key, TensorMeta.of(tensors, packing), header_tag)
         tag = self.tag(2 * to_stage, microbatch)
         return [Op(True, self._outgoing(t), peer, tag) for t in tensors]
 
@@ -230,7 +231,7 @@ class Transport:
         ``key`` is new."""
         peer, tag = self.stage_ranks[target], self.tag(self._skip_tag(source, target, 0), microbatch)
         header_tag = self.tag(self._skip_tag(source, target, 2), microbatch if alike is None else alike)
-        self._send_header(source, peer, key, TensorMeta.of(tensors, False), header_tag)
+        self._send_header(source, peer, key, TensorMeta.of(tensors), header_tag)
         return [Op(True, self._outgoing(t, self._skips_staged), peer, tag) for t in tensors]
 
     def skip_recv_ops(

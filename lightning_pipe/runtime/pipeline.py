@@ -44,6 +44,7 @@ from lightning_pipe.runtime.asynchronous.versions import WeightVersions
 from lightning_pipe.runtime.asynchronous.xpipe import XPipe
 from lightning_pipe.runtime.blocks.container import BlockStage
 from lightning_pipe.runtime.crossing.carried import carrying_refusal
+from lightning_pipe.runtime.crossing.skip_mail import SkipMail
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.grads import deferred_conv, fused_linear
 from lightning_pipe.runtime.grads.copies import loss_ranks, reaching, stage_copies
@@ -140,7 +141,13 @@ class StagePipeline:
             # W: a split backward's replicas average after the step's last W
             self.gradients.overlap(self.params)
         self.runners = self._runners(versions, model)
-        self.executor = Executor(self.transport, self.runners, rank=placement.stage, overlap=overlap_hook(model))
+        self.executor = Executor(
+            self.transport,
+            self.runners,
+            rank=placement.stage,
+            overlap=overlap_hook(model),
+            crossing=SkipMail(self.transport, self.runners),
+        )
         self.elastic = self._elastic_average(model)
         self.asynchronous: AsyncPipeline | None = None
         if versions is not None:

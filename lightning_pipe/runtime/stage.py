@@ -42,6 +42,7 @@ from lightning_pipe.runtime.crossing.carried import (
     split_codes,
 )
 from lightning_pipe.runtime.crossing.records import keep_records
+from lightning_pipe.runtime.crossing.seam import Packing, Received, Sent
 from lightning_pipe.runtime.crossing.skips import skip_scope, take_skips
 from lightning_pipe.runtime.grads import weight_store
 from lightning_pipe.runtime.grads.weight_store import WeightWork
@@ -265,13 +266,6 @@ def recomputes(mode: str, microbatch: int, num_microbatches: int) -> bool:
 #: or None when nothing is backpropagated (evaluation).
 StepFn = Callable[[int], Tensor | None]
 
-#: An activation as received: its tensors, which of them carry a gradient, whether it was a tuple,
-#: and per earlier block how many recorded values follow the hidden state (:mod:`.carried`).
-Received = tuple[list[Tensor], tuple[bool, ...], bool, tuple[int, ...]]
-
-#: What a stage sends on: its tensors, whether the hidden state was a tuple, the carried counts.
-Sent = tuple[tuple[Tensor, ...], bool, tuple[int, ...]]
-
 
 class StageRunner:
     """Forward and backward of one stage, one micro-batch at a time."""
@@ -352,7 +346,7 @@ class StageRunner:
     def forward(
         self, microbatch: int, num_microbatches: int, received: Received | None, step: StepFn | None = None
     ) -> Sent | None:
-        """Run micro-batch ``microbatch``; returns what to send on (tensors, was_tuple), or None on the
+        """Run micro-batch ``microbatch``; returns what to send on (its tensors and their packing), or None on the
         last stage. ``received`` is what the previous stage sent, None on the first stage; ``step``
         runs the user's step for a micro-batch (needed on the first and last stages, and for block
         containers on every stage)."""
@@ -402,10 +396,10 @@ class StageRunner:
         leaves: list[Tensor] = []
         skips: list[Tensor] = []  # skip connections from earlier stages, after the hidden state
         if received is not None:
-            tensors, flags, was_tuple, _ = received
+            tensors, flags, packing = received
             leaves = [t.requires_grad_(True) if rg and training else t for t, rg in zip(tensors, flags)]
             hidden = len(leaves) - len(getattr(self.module, "skips_in", ()))
-            value, skips = from_tuple(tuple(leaves[:hidden]), was_tuple), leaves[hidden:]
+            value, skips = from_tuple(tuple(leaves[:hidden]), packing.was_tuple), leaves[hidden:]
         if isinstance(self.module, BlockStage):
             return self._forward_blocks(microbatch, num_microbatches, received, leaves, recompute, params, step)
         module = self.module  # a StageModule from here on
@@ -455,7 +449,7 @@ class StageRunner:
         tensors_out = (*tensors_out, *leaving)
         if training:
             self._saved[microbatch] = (leaves, tensors_out)
-        return tensors_out, was_tuple_out, ()
+        return tensors_out, Packing(was_tuple_out)
 
     def _forward_blocks(
         self,
@@ -473,10 +467,10 @@ class StageRunner:
         The values recorded by earlier blocks and received (after the hidden state) go to the model's
         recording in those blocks' place, and are sent on with this stage's own."""
         assert isinstance(self.module, BlockStage)
-        codes, shape = split_codes(received[3] if received is not None else (), self.module.bounds[0])
+        codes, shape = split_codes(received[2].recorded if received is not None else (), self.module.bounds[0])
         at = len(leaves) - Returned.count(shape)  # the returned values (T5's position biases) come last
         hidden, carried = Carry.split(leaves[:at], codes)
-        value = None if received is None else from_tuple(tuple(hidden), received[2])
+        value = None if received is None else from_tuple(tuple(hidden), received[2].was_tuple)
         carry = Carry(self.module.bounds[0], carried)
         returned = Returned.received(shape, leaves[at:])
         drive = BlockDrive(
@@ -516,7 +510,7 @@ class StageRunner:
             tensors_out = [*tensors_out, *drive.returned_out.tensors]
         if training:
             self._saved[microbatch] = (leaves, tuple(tensors_out))
-        return tuple(tensors_out), was_tuple_out, counts
+        return tuple(tensors_out), Packing(was_tuple_out, counts)
 
     def holds(self, microbatch: int) -> bool:
         """Whether ``microbatch``'s forward has run and its backward has not."""

@@ -13,6 +13,7 @@ from lightning_pipe.partition.solvers.balance import stage_bounds
 from lightning_pipe.partition.solvers.costs import Profile
 from lightning_pipe.plan.planner import Link, plan
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
+from lightning_pipe.runtime.crossing.seam import Packing
 from lightning_pipe.runtime.stage import StageModule, StageRunner
 from lightning_pipe.schedules import ActionKind, build
 
@@ -39,7 +40,7 @@ def _measured(layers: nn.Sequential, balance: list[int], policies: list[tuple[st
         for action in schedule.compute(stage):
             i = action.microbatch
             if action.kind is ActionKind.FORWARD:
-                runner.forward(i, CHUNKS, ([torch.randn(MICRO, WIDTH)], (True,), False, ()))
+                runner.forward(i, CHUNKS, ([torch.randn(MICRO, WIDTH)], (True,), Packing()))
             else:
                 runner.backward(i, [torch.randn(MICRO, WIDTH)])
         peaks.append(runner.meter.peak)

@@ -1,12 +1,13 @@
 import torch
 
+from lightning_pipe.runtime.crossing.seam import Packing
 from lightning_pipe.runtime.p2p import TensorMeta
 
 
 def test_header_round_trip() -> None:
     x = torch.randn(3, 4, 5, requires_grad=True)
     mask = torch.ones(3, 5, dtype=torch.bool)
-    meta = TensorMeta.of([x, mask], was_tuple=True)
+    meta = TensorMeta.of([x, mask], Packing(was_tuple=True))
     header = meta.encode()
     assert header.dtype == torch.int64
     assert TensorMeta.decode(header) == meta
@@ -18,10 +19,10 @@ def test_a_header_has_no_fixed_size() -> None:
     carries): the header grows with them (its length goes first) instead of being capped."""
     hidden = torch.randn(2, 16, 64, requires_grad=True)
     logits = [torch.randn(32, 8, requires_grad=True) for _ in range(64)]
-    meta = TensorMeta.of([hidden, *logits], False, carried=(1,) * 64)
+    meta = TensorMeta.of([hidden, *logits], Packing(recorded=(1,) * 64))
     header = meta.encode()
     assert header.numel() == 3 + 64 + (3 + 3) + 64 * (3 + 2)
-    assert TensorMeta.decode(header) == meta and TensorMeta.decode(header).carried == (1,) * 64
+    assert TensorMeta.decode(header) == meta and TensorMeta.decode(header).packing.recorded == (1,) * 64
 
 
 def test_host_staging_sends_and_receives_copies_in_host_memory() -> None:

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.activations.offload import ActivationOffload
 from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage
+from lightning_pipe.runtime.crossing.seam import Packing
 from lightning_pipe.runtime.stage import StageModule, StageRunner
 
 IN, WIDTH, MICRO, CHUNKS = 8, 64, 16, 6
@@ -50,7 +51,7 @@ def _run(
     input_grads: list[torch.Tensor] = []
     for kind, i in order or _one_f_one_b(3):
         if kind == "F":
-            runner.forward(i, CHUNKS, ([inputs[i].clone()], (True,), False, ()))
+            runner.forward(i, CHUNKS, ([inputs[i].clone()], (True,), Packing()))
         elif split:
             input_grads += runner.backward_input(i, [grads[i]]) or []
             runner.backward_weight(i)

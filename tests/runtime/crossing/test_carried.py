@@ -99,7 +99,8 @@ def test_the_bytes_a_stage_sends_for_mixtral_style_router_logits_at_32_layers_an
     with torch.no_grad():
         sent = runner.forward(0, 1, None, lambda _: model(input_ids=ids, labels=ids, use_cache=False).loss)
     assert sent is not None
-    tensors, _, codes = sent
+    tensors, packing = sent
+    codes = packing.recorded
     hidden, carried = tensors[0], tensors[1:]
     assert hidden.shape == (64, 64, 16) and len(carried) == 16
     assert all(t.shape == (4096, 8) and t.dtype == torch.bfloat16 for t in carried)

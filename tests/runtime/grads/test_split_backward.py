@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pipe.runtime.crossing.seam import Packing
 from lightning_pipe.runtime.grads import deferred_conv, fused_linear
 from lightning_pipe.runtime.stage import StageModule, StageRunner
 
@@ -44,7 +45,7 @@ def test_b_leaves_the_linear_weight_gradients_to_w(recompute: str, fuse: bool) -
     runner = _runner(layers, recompute)
     with fused_linear.accumulating(fuse), torch.enable_grad():
         for i, x in enumerate(xs):
-            runner.forward(i, 3, ([x.clone()], (True,), False, ()))
+            runner.forward(i, 3, ([x.clone()], (True,), Packing()))
         for i, g in enumerate(gs):
             (input_grad,) = runner.backward_input(i, [g])
             torch.testing.assert_close(input_grad, input_grads[i])
@@ -75,7 +76,7 @@ def test_other_parameters_get_their_gradients_in_b_and_convolutions_in_w() -> No
         stack.enter_context(fused_linear.accumulating())
         stack.enter_context(torch.enable_grad())
         for i, x in enumerate(xs):
-            runner.forward(i, 2, ([x.clone()], (True,), False, ()))
+            runner.forward(i, 2, ([x.clone()], (True,), Packing()))
         for i, g in enumerate(gs):
             (input_grad,) = runner.backward_input(i, [g])
             torch.testing.assert_close(input_grad, input_grads[i])

@@ -2,11 +2,12 @@
 
 A stashed tensor goes straight from the stage that stashes it to the stage that pops it (never through
 the stages between), and its gradient straight back; where this rank holds both stages, in memory. The
-executor calls in at four points of a micro-batch: after a forward (:meth:`SkipMail.send`), when the
-next stage's receive is posted (:meth:`SkipMail.post_receives`), before the popping stage's forward
-(:meth:`SkipMail.with_received`) and around the backwards (:meth:`SkipMail.send_grads`,
-:meth:`SkipMail.grads`). Each wait is on a true dependency of the schedule (a forward on an earlier
-stage's forward, a backward on a later stage's backward), whose message was posted before the one the
+executor calls in at the points of :class:`~lightning_pipe.runtime.crossing.seam.Crossing`: after a
+forward (:meth:`SkipMail.after_forward`), when the next stage's receive is posted
+(:meth:`SkipMail.post_receives`), before the popping stage's forward (:meth:`SkipMail.before_forward`)
+and around the backwards (:meth:`SkipMail.after_backward`, :meth:`SkipMail.before_backward`). Each wait
+is on a true dependency of the schedule (a forward on an earlier stage's forward, a backward on a later
+stage's backward), whose message was posted before the one the
 schedule waits for, so none adds a wait the schedule's own messages would not cause.
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.runtime.p2p import Op, Transport
+from lightning_pipe.runtime.crossing.seam import Received, Sends, Sent
+from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import StageRunner
 
 
@@ -67,27 +69,27 @@ class SkipMail:
     def _key(source: int, target: int, key: Hashable) -> Hashable:
         return ("skip", source, target, key, torch.is_grad_enabled())
 
-    def _post(self, ops: list[Op], sends: list[tuple[Any, Op]]) -> None:
+    def _post(self, ops: list[Any], sends: Sends) -> None:
         sends.extend(zip(self.transport.post_skips(ops), ops))
 
-    def send(
+    def after_forward(
         self,
         stage: int,
         microbatch: int,
         num_stages: int,
         key: Hashable,
-        result: Any,
-        sends: list[tuple[Any, Op]],
+        sent: Sent,
+        sends: Sends,
         alike: int | None = None,
-    ) -> Any:
+    ) -> Sent:
         """After ``stage``'s forward of ``microbatch`` (``key``: its header key; ``alike``: the first micro-batch
         of the step with its shapes, whose tag a new header takes): its stashed tensors (the last of
-        ``result``'s) to the stages that pop them, their sends added to ``sends``; returns what goes to the
+        ``sent``'s) to the stages that pop them, their sends added to ``sends``; returns what goes to the
         next stage."""
         pairs = self._pairs(stage, num_stages, outgoing=True)
         if not pairs:
-            return result
-        tensors, was_tuple, carried = result
+            return sent
+        tensors, packing = sent
         at = len(tensors) - sum(n for _, n in pairs)
         hidden, stashed = tensors[:at], tensors[at:]
         for target, n in pairs:
@@ -98,13 +100,13 @@ class SkipMail:
                 continue
             ops = self.transport.skip_send_ops(stage, target, self._key(stage, target, key), part, microbatch, alike)
             self._post(ops, sends)
-        return tuple(hidden), was_tuple, carried
+        return tuple(hidden), packing
 
     def post_receives(
         self, stage: int, microbatch: int, num_stages: int, key: Hashable, alike: int | None = None
     ) -> None:
         """Post the receives of what earlier stages on other ranks stashed for ``stage``'s ``microbatch``
-        (``alike``: as :meth:`send`'s)."""
+        (``alike``: as :meth:`after_forward`'s)."""
         for source, _ in self._pairs(stage, num_stages, outgoing=False):
             if self._same_rank(stage, source) or (source, stage, microbatch) in self.inbox:
                 continue
@@ -114,14 +116,14 @@ class SkipMail:
                 self.transport.post_skips(ops), buffers, meta.requires_grad
             )
 
-    def with_received(
-        self, stage: int, microbatch: int, num_stages: int, key: Hashable, received: Any, alike: int | None = None
-    ) -> Any:
+    def before_forward(
+        self, stage: int, microbatch: int, num_stages: int, key: Hashable, received: Received, alike: int | None = None
+    ) -> Received:
         """``received`` with what earlier stages stashed for ``stage`` after the hidden state."""
         pairs = self._pairs(stage, num_stages, outgoing=False)
         if not pairs:
             return received
-        tensors, flags, was_tuple, carried = received
+        tensors, flags, packing = received
         self.post_receives(stage, microbatch, num_stages, key, alike)  # where the hidden state came in memory
         groups: list[tuple[int, tuple[bool, ...]]] = []
         skips: list[Tensor] = []
@@ -135,11 +137,9 @@ class SkipMail:
             groups.append((source, part_flags))
         if torch.is_grad_enabled():  # what the backward sends back where
             self.grads_to[(stage, microbatch)] = (sum(flags), groups)
-        return [*tensors, *skips], (*flags, *(f for _, fs in groups for f in fs)), was_tuple, carried
+        return [*tensors, *skips], (*flags, *(f for _, fs in groups for f in fs)), packing
 
-    def send_grads(
-        self, stage: int, microbatch: int, input_grads: list[Tensor], sends: list[tuple[Any, Op]]
-    ) -> list[Tensor]:
+    def after_backward(self, stage: int, microbatch: int, input_grads: list[Tensor], sends: Sends) -> list[Tensor]:
         """After ``stage``'s backward: the gradients of the skip connections it popped (the last of
         ``input_grads``) back to the stages that stashed them; returns the hidden state's."""
         routed = self.grads_to.pop((stage, microbatch), None)
@@ -157,7 +157,7 @@ class SkipMail:
             self._post(self.transport.skip_grad_send_ops(stage, source, part, microbatch), sends)
         return input_grads[:hidden]
 
-    def grads(self, stage: int, microbatch: int, num_stages: int) -> list[Tensor]:
+    def before_backward(self, stage: int, microbatch: int, num_stages: int) -> list[Tensor]:
         """Before ``stage``'s backward: the gradients of what it stashed, from the stages that popped it."""
         pairs = self._pairs(stage, num_stages, outgoing=True)
         if not pairs:
