@@ -37,7 +37,7 @@ COVERED_BY: dict[str, tuple[str, ...]] = {
     ),
     "runtime/options": ("runtime/test_pipeline.py",),
     "runtime/replicas/pending": ("runtime/replicas/test_data_parallel_lifecycle.py",),
-    "runtime/crossing/packing": ("runtime/test_p2p.py", "runtime/crossing/test_seam.py"),
+    "runtime/crossing/wire": ("runtime/test_p2p.py", "runtime/crossing/test_seam.py"),
     "runtime/crossing/skip_mail": ("test_skips.py", "runtime/crossing/test_seam.py"),
     "schedules/actions": ("schedules/test_properties.py",),
     "schedules/comm": ("schedules/test_properties.py",),

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pipe.runtime.crossing.packing import SINGLE, Packing
 from lightning_pipe.runtime.crossing.seam import Crossing, NoCrossing
+from lightning_pipe.runtime.crossing.wire import SINGLE, Op, Packing
 from lightning_pipe.runtime.overlap import OverlapHook, checked, one_after_another
-from lightning_pipe.runtime.p2p import Op, Transport
+from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.stage import StageRunner, StepFn
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.schedules import Action, ActionKind, Schedule

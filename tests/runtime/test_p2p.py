@@ -1,7 +1,7 @@
 import torch
 
 from lightning_pipe.runtime.crossing.seam import Packing
-from lightning_pipe.runtime.p2p import TensorMeta
+from lightning_pipe.runtime.crossing.wire import TensorMeta
 
 
 def test_header_round_trip() -> None:

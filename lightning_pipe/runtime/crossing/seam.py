@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from lightning_pipe.runtime.crossing.packing import Packing
-from lightning_pipe.runtime.p2p import Op
+from lightning_pipe.runtime.crossing.wire import Op, Packing
 
 #: What a stage sends on: its flat tensors and their packing.
 Sent = tuple[tuple[Tensor, ...], Packing]

@@ -13,16 +13,59 @@ schedule waits for, so none adds a wait the schedule's own messages would not ca
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pipe.runtime.crossing.seam import Received, Sends, Sent
-from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.stage import StageRunner
+from lightning_pipe.runtime.crossing.wire import Op, TensorMeta
+
+
+class SkipTransport(Protocol):
+    """What the mail needs of the transport (:class:`lightning_pipe.runtime.p2p.Transport`): the skips' own
+    streams. Named here, so that the crossing depends on the wire's values only, not on the transport."""
+
+    @property
+    def stage_ranks(self) -> list[int]: ...
+
+    def skip_send_ops(
+        self,
+        source: int,
+        target: int,
+        key: Hashable,
+        tensors: Sequence[Tensor],
+        microbatch: int = 0,
+        alike: int | None = None,
+    ) -> list[Op]: ...
+
+    def skip_recv_ops(
+        self, source: int, target: int, key: Hashable, microbatch: int = 0, alike: int | None = None
+    ) -> tuple[list[Tensor], TensorMeta, list[Op]]: ...
+
+    def skip_grad_send_ops(
+        self, target: int, source: int, grads: Sequence[Tensor], microbatch: int = 0
+    ) -> list[Op]: ...
+
+    def skip_grad_recv_ops(
+        self, target: int, source: int, like: Sequence[Tensor], microbatch: int = 0
+    ) -> tuple[list[Tensor], list[Op]]: ...
+
+    def post_skips(self, ops: Sequence[Op]) -> list[Any]: ...
+
+    def skips_arrived(self, buffers: list[Tensor]) -> list[Tensor]: ...
+
+
+class SkipStage(Protocol):
+    """What the mail needs of a stage's runner (:class:`lightning_pipe.runtime.stage.StageRunner`): its module
+    (whose ``skip_sources`` and ``skip_targets`` say the routes) and what a micro-batch stashed."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def skip_outputs(self, microbatch: int) -> list[Tensor]: ...
 
 
 @dataclass
@@ -46,7 +89,7 @@ class SkipMail:
     many of its input gradients are the hidden state's, then per stashing stage the received tensors' flags).
     Stages are the schedule's, counted along the chain the stage is on (Chimera's two directions)."""
 
-    def __init__(self, transport: Transport, runners: Mapping[int, StageRunner]) -> None:
+    def __init__(self, transport: SkipTransport, runners: Mapping[int, SkipStage]) -> None:
         self.transport, self.runners = transport, runners
         self.mail: dict[tuple[int, int, int], tuple[list[Tensor], tuple[bool, ...]]] = {}
         self.inbox: dict[tuple[int, int, int], _Posted] = {}
