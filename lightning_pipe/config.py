@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from torch import nn
 
@@ -43,17 +43,21 @@ from lightning_pipe.runtime.activations.policy import (
     uniform_recompute,
 )
 from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
-from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, check_delay_correction
-from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS
+from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, CorrectionName, check_delay_correction
+from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS, Predictor
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
-from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, check_replicas_sync
-from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, check_layout_arguments
-from lightning_pipe.schedules import TRAITS, check_virtual_stages, get_schedule, traits
+from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, ReplicasSync, check_replicas_sync
+from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, DataParallelMode, check_layout_arguments
+from lightning_pipe.schedules import TRAITS, ScheduleName, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
 
-PLANS = (None, "auto")
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: ``plan=``: the layout as given (``None``), or the planner's choice
+PlanMode = Literal["auto"]
+PLANS: tuple[PlanMode | None, ...] = (None, *get_args(PlanMode))
+#: the processes' start methods (Lightning's DDP variants' and multiprocessing's)
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[StartMethod, ...] = get_args(StartMethod)
 #: The strategy's registered names and their start methods, as Lightning names its DDP variants.
 VARIANTS = {"pipeline": "popen", "pipeline_notebook": "fork", "pipeline_spawn": "spawn"}
 #: Former names of arguments, still taken with a ``DeprecationWarning``: former name -> name
@@ -92,7 +96,7 @@ def _positive_int(value: Any) -> bool:
 class StepsConfig:
     """How each training step runs: the schedule, its micro-batches and what each keeps."""
 
-    schedule: str = option(
+    schedule: ScheduleName | str = option(
         "1f1b",
         values=tuple(TRAITS),
         more="; or your own schedule as text: the path of a `.csv` or `.txt` file, or the text itself, one line of "
@@ -237,7 +241,7 @@ class PartitionConfig:
     """how the Sequential's layers are assigned to stages, contiguously: equal layer counts, equal parameter counts,
     or the least slowest / largest stage from a profile measured on the device before the split (identical on every
     rank; kept in `strategy.profile`; see below)."""
-    plan: str | None = option(values=PLANS)
+    plan: PlanMode | None = option(values=PLANS)
     """let the planner choose the layout's options: `schedule` (among the synchronous ones), `virtual_stages`,
     `chunks`, `balance`, and per stage `recompute` and `offload` (under each rank's memory budget: a GPU's free
     memory) from a profile of the layers and the measured point-to-point link, before the split (see below);
@@ -318,7 +322,7 @@ class LayoutConfig:
     """pipeline depth p. The world (devices x nodes) must be p x d: d replicas of the pipeline train together, each on
     its own part of every step (see below). A `stages` that does not divide the world fails before training, naming
     both numbers."""
-    data_parallel: str = option("replicate", values=DATA_PARALLEL_MODES)
+    data_parallel: DataParallelMode = option("replicate", values=DATA_PARALLEL_MODES)
     """how the d replicas share a stage: whole copies with averaged gradients, or FSDP2 shards (see below)."""
     rank_speeds: Sequence[float] | None = option(
         values="a list of positive numbers, one per process, global rank 0 first",
@@ -353,7 +357,7 @@ class LayoutConfig:
 class ReplicasConfig:
     """How the replicas of a stage stay together."""
 
-    replicas_sync: str = option("allreduce", values=REPLICAS_SYNC)
+    replicas_sync: ReplicasSync = option("allreduce", values=REPLICAS_SYNC)
     """how the replicas of a stage stay together (`data_parallel="replicate"`): their gradients averaged every step
     (they train as one model on the global batch), or AvgPipe's elastic averaging (each steps on its own batches;
     every `replicas_sync_period` steps replicas and a center variable pull towards each other; synchronous schedules
@@ -388,11 +392,11 @@ class AsynchronousConfig:
     """the velocity decay D of PipeMare's correction: `gamma_i = D ** (1 / tau_i)` (`"pipemare"` with the correction
     on): how much
     of the velocity is left after one delay of `tau_i` updates; larger values average the updates over more steps."""
-    xpipe_predictor: str | None = option(values=PREDICTORS, unset='`"update"` under `"xpipe"`')
+    xpipe_predictor: Predictor | None = option(values=PREDICTORS, unset='`"update"` under `"xpipe"`')
     """how `"xpipe"` predicts the weights its forwards and backwards run on: `tau_i` updates ahead, the optimizer's
     last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
     [Schedules](schedules.md#the-asynchronous-schedules))."""
-    delay_correction: str | None = option(values=(None, *CORRECTIONS), unset="off")
+    delay_correction: CorrectionName | None = option(values=(None, *CORRECTIONS), unset="off")
     """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, the Nesterov
     method's NAdam step (beta1 0.99) over the stashed gradients (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; with
     plain SGD at an Adam-sized lr, other optimizers refused), or `"error_feedback"`, the one-step delay's error fed
@@ -472,7 +476,7 @@ class LoadingConfig:
 class LaunchConfig:
     """How the processes start, and start again after a lost node."""
 
-    start_method: str = option("popen", values=START_METHODS)
+    start_method: StartMethod = option("popen", values=START_METHODS)
     """how processes start, as in `DDPStrategy`: `"popen"` for scripts and the command line, `"spawn"` or `"fork"` in
     notebooks and tests."""
     elastic: bool | str | Path = option(False, values="`False` (default), `True`, a folder")
@@ -528,20 +532,149 @@ class PipelineConfig:
             object.__setattr__(self, name, value)
         self.check()
 
-    if typing.TYPE_CHECKING:
+    # the flat reads, typed: written by `python -m lightning_pipe.config_files` from the groups' fields
+    @property
+    def schedule(self) -> ScheduleName | str:
+        return self.steps.schedule
 
-        def __getattr__(self, name: str) -> Any: ...  # the flat names (config.schedule), read through their group
+    @property
+    def chunks(self) -> int | None:
+        return self.steps.chunks
 
-    else:
+    @property
+    def virtual_stages(self) -> int | None:
+        return self.steps.virtual_stages
+
+    @property
+    def recompute(self) -> RecomputeSpec:
+        return self.steps.recompute
+
+    @property
+    def offload(self) -> OffloadSpec:
+        return self.steps.offload
+
+    @property
+    def gradient_accumulation_fusion(self) -> bool:
+        return self.steps.gradient_accumulation_fusion
+
+    @property
+    def loss_weight(self) -> LossWeight | str | None:
+        return self.steps.loss_weight
+
+    @property
+    def check_data(self) -> bool | int:
+        return self.steps.check_data
+
+    @property
+    def module(self) -> str | None:
+        return self.partition.module
+
+    @property
+    def first_stage(self) -> Sequence[str] | None:
+        return self.partition.first_stage
+
+    @property
+    def last_stage(self) -> Sequence[str] | None:
+        return self.partition.last_stage
+
+    @property
+    def balance(self) -> BalanceSpec:
+        return self.partition.balance
+
+    @property
+    def plan(self) -> PlanMode | None:
+        return self.partition.plan
+
+    @property
+    def memory_budget(self) -> int | Sequence[int] | None:
+        return self.partition.memory_budget
+
+    @property
+    def plan_all_layouts(self) -> bool:
+        return self.partition.plan_all_layouts
+
+    @property
+    def stages(self) -> int | None:
+        return self.layout.stages
+
+    @property
+    def data_parallel(self) -> DataParallelMode:
+        return self.layout.data_parallel
+
+    @property
+    def rank_speeds(self) -> Sequence[float] | None:
+        return self.layout.rank_speeds
+
+    @property
+    def rank_order(self) -> Sequence[int] | None:
+        return self.layout.rank_order
+
+    @property
+    def replicas_sync(self) -> ReplicasSync:
+        return self.replicas.replicas_sync
+
+    @property
+    def replicas_sync_period(self) -> int | None:
+        return self.replicas.replicas_sync_period
+
+    @property
+    def replicas_sync_alpha(self) -> float | None:
+        return self.replicas.replicas_sync_alpha
+
+    @property
+    def pipemare_warmup(self) -> int | None:
+        return self.asynchronous.pipemare_warmup
+
+    @property
+    def pipemare_correction(self) -> bool | None:
+        return self.asynchronous.pipemare_correction
+
+    @property
+    def pipemare_decay(self) -> float | None:
+        return self.asynchronous.pipemare_decay
+
+    @property
+    def xpipe_predictor(self) -> Predictor | None:
+        return self.asynchronous.xpipe_predictor
+
+    @property
+    def delay_correction(self) -> CorrectionName | None:
+        return self.asynchronous.delay_correction
+
+    @property
+    def delay_correction_coefficient(self) -> float | None:
+        return self.asynchronous.delay_correction_coefficient
+
+    @property
+    def weights(self) -> str | Path | None:
+        return self.loading.weights
+
+    @property
+    def init(self) -> Callable[[nn.Module], None] | None:
+        return self.loading.init
+
+    @property
+    def rename(self) -> Rename | None:
+        return self.loading.rename
+
+    @property
+    def start_method(self) -> StartMethod:
+        return self.launch.start_method
+
+    @property
+    def elastic(self) -> bool | str | Path:
+        return self.launch.elastic
+
+    # end of the flat reads
+
+    if not typing.TYPE_CHECKING:  # the type checker sees only the typed reads above
 
         def __getattr__(self, name: str) -> Any:
+            """A flat read of a group that a subclass adds (its own arguments have no typed read above)."""
             group = argument_groups(type(self)).get(name)
             if group is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             return getattr(object.__getattribute__(self, group), name)
-
-    def __dir__(self) -> list[str]:
-        return [*super().__dir__(), *argument_groups(type(self))]
 
     def check(self) -> None:
         """What spans groups: a text schedule and the planner, measured speeds and the balance, elastic averaging
@@ -617,6 +750,15 @@ class Argument(NamedTuple):
     unset: str
     cli: bool
     recipe: bool
+
+
+def group_fields(config: type = PipelineConfig, internal: bool = True) -> Iterator[tuple[str, str]]:
+    """Every field of ``config``'s groups by name, with its annotation as written in the source (``internal``:
+    with the fields that are no argument)."""
+    for _, group in _group_types(config):
+        for f in dataclasses.fields(group):
+            if internal or not f.metadata.get("internal"):
+                yield f.name, f.type if isinstance(f.type, str) else inspect.formatannotation(f.type)
 
 
 def arguments(config: type = PipelineConfig, internal: bool = False) -> Iterator[Argument]:

@@ -1,20 +1,28 @@
-"""The files written from :mod:`lightning_pipe.config`'s fields: ``lightning_pipe/conf/strategy/pipeline.yaml`` and
-the arguments table of ``docs/usage.md``. ``python -m lightning_pipe.config_files`` rewrites both; ``--check`` fails
-where one differs (tests/test_config_files.py runs the check), so an argument is written once, in its field."""
+"""The files written from :mod:`lightning_pipe.config`'s fields: ``lightning_pipe/conf/strategy/pipeline.yaml``, the
+arguments table of ``docs/usage.md``, :class:`~lightning_pipe.config.PipelineConfig`'s typed flat reads and
+``PipelineStrategy``'s typed keywords (:mod:`lightning_pipe.arguments`). ``python -m lightning_pipe.config_files``
+rewrites them; ``--check`` fails where one differs (tests/test_config_files.py runs the check), so an argument is
+written once, in its field."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe.config import Argument, PipelineConfig, arguments
+from lightning_pipe.command_keys import DEPRECATED
+from lightning_pipe.config import Argument, PipelineConfig, argument_groups, arguments, group_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = Path("lightning_pipe/conf/strategy/pipeline.yaml")
 DOCS = Path("docs/usage.md")
+CONFIG = Path("lightning_pipe/config.py")
+ARGUMENTS = Path("lightning_pipe/arguments.py")
+FLAT_BEGIN = "    # the flat reads, typed: written by `python -m lightning_pipe.config_files` from the groups' fields\n"
+FLAT_END = "    # end of the flat reads\n"
 BEGIN = "<!-- the arguments: written by `python -m lightning_pipe.config_files` from lightning_pipe/config.py -->"
 END = "<!-- end of the arguments -->"
 YAML_HEADER = """\
@@ -96,11 +104,90 @@ def with_table(page: str, table: str) -> str:
     return page[:start] + table + page[end:]
 
 
+def flat_reads(config: type = PipelineConfig) -> str:
+    """:class:`~lightning_pipe.config.PipelineConfig`'s properties that read each argument through its group
+    (``config.schedule`` is ``config.steps.schedule``), each with its field's type, so that the type checker
+    checks every read of a run's settings."""
+    groups = argument_groups(config)
+    lines = [FLAT_BEGIN]
+    for name, annotation in group_fields(config):
+        lines.append(
+            f"    @property\n    def {name}(self) -> {annotation}:\n        return self.{groups[name]}.{name}\n\n"
+        )
+    return "".join(lines) + FLAT_END
+
+
+def with_flat_reads(source: str, config: type = PipelineConfig) -> str:
+    """``lightning_pipe/config.py`` with its flat reads replaced by :func:`flat_reads`."""
+    start, end = source.index(FLAT_BEGIN), source.index(FLAT_END) + len(FLAT_END)
+    return source[:start] + flat_reads(config) + source[end:]
+
+
+ARGUMENTS_HEADER = '''"""Every keyword of ``PipelineStrategy``, typed, so that editors complete them and type checkers
+checks them (``PipelineStrategy(**arguments: Unpack[PipelineArguments])``). Written by
+``python -m lightning_pipe.config_files`` from :mod:`lightning_pipe.config`'s fields and ``ProcessStrategy``'s
+signature: change those, not this file. Their defaults and meanings: :class:`~lightning_pipe.config.PipelineConfig`,
+or ``help(PipelineStrategy)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TypedDict
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lightning_pipe.config import (
+    CorrectionName,
+    DataParallelMode,
+    PlanMode,
+    Predictor,
+    ReplicasSync,
+    ScheduleName,
+    StartMethod,
+)
+from lightning_pipe.partition.stages.split import BalanceSpec
+from lightning_pipe.runtime.activations.policy import OffloadSpec, RecomputeSpec
+from lightning_pipe.runtime.loss_weights import LossWeight
+from lightning_pipe.weights.names import Rename
+
+
+class PipelineArguments(TypedDict, total=False):
+    """``PipelineStrategy``'s keywords: the pipeline's arguments by their flat names, then the processes'."""
+
+'''
+
+
+def arguments_module(config: type = PipelineConfig, process: Callable[..., Any] | None = None) -> str:
+    """:mod:`lightning_pipe.arguments`: the TypedDict of every ``PipelineStrategy`` keyword."""
+    if process is None:
+        from lightning_pipe.trainer.launch.processes import ProcessStrategy
+
+        process = ProcessStrategy.__init__
+    fields = dict(group_fields(config, internal=False))
+    lines = [f"    {name}: {annotation}\n" for name, annotation in fields.items()]
+    for name, parameter in inspect.signature(process).parameters.items():
+        if name != "self":
+            lines.append(f"    {name}: {parameter.annotation}\n")
+    lines += [f"    {old}: {fields[new]}  # deprecated: {new}\n" for old, new in DEPRECATED.items()]
+    return ARGUMENTS_HEADER + "".join(lines)
+
+
 def written(config: type = PipelineConfig, root: Path = ROOT) -> Iterable[tuple[Path, str, str]]:
-    """(file, what it holds, what it should hold) for the YAML and the docs page."""
+    """(file, what it holds, what it should hold) for the YAML, the docs page, the config's flat reads and the
+    strategy's typed keywords."""
     yield root / YAML, (root / YAML).read_text(), yaml_text(config)
     page = (root / DOCS).read_text()
     yield root / DOCS, page, with_table(page, docs_table(config))
+    source = (root / CONFIG).read_text()
+    yield root / CONFIG, source, with_flat_reads(source, config)
+    held = (root / ARGUMENTS).read_text() if (root / ARGUMENTS).exists() else ""
+    yield root / ARGUMENTS, held, arguments_module(config)
 
 
 def main(argv: list[str] | None = None) -> int:

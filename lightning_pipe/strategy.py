@@ -23,7 +23,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import Unpack
 
+from lightning_pipe.arguments import PipelineArguments
 from lightning_pipe.config import register_variants, split_arguments, strategy_signature
 from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timings import Timeline
@@ -63,9 +65,10 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
 
     strategy_name = "pipeline"
 
-    def __init__(self, **arguments: Any) -> None:
+    def __init__(self, **arguments: Unpack[PipelineArguments]) -> None:
         """Every argument of :class:`PipelineConfig`, by its flat name, and ``ProcessStrategy``'s (the signature
-        lists them: ``help(PipelineStrategy)``)."""
+        lists them: ``help(PipelineStrategy)``;
+        :class:`~lightning_pipe.arguments.PipelineArguments` types them for editors and type checkers)."""
         self.config, processes = split_arguments(arguments, _PROCESS_ARGUMENTS)
         super().__init__(**processes)
         self._topology: Topology | None = None  # process groups, built once (creating a group is collective)

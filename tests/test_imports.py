@@ -144,9 +144,10 @@ def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None
 
 #: The core: usable from plain PyTorch, below everything that knows the Trainer.
 CORE = ("schedules", "partition", "runtime", "checkpoint", "weights", "plan")
-#: Where Lightning may be imported: the Trainer's side, and the recipes (LightningModules the command line runs)
+#: Where Lightning may be imported: the Trainer's side, the recipes (LightningModules the command line runs), and at
+#: the top the face, the strategy, the command line and the strategy's typed keywords
 LIGHTNING_SIDE = ("trainer", "observe", "recipes")
-LIGHTNING_MODULES = ("__init__.py", "__main__.py", "strategy.py", "cli.py")
+LIGHTNING_MODULES = ("__init__.py", "__main__.py", "strategy.py", "cli.py", "arguments.py")
 
 
 def _package_files() -> dict[str, Path]:

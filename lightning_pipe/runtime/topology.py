@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-DATA_PARALLEL_MODES = ("replicate", "shard")
+DataParallelMode = Literal["replicate", "shard"]
+DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = get_args(DataParallelMode)
 
 
 def check_layout_arguments(stages: int | None, data_parallel: str) -> None:

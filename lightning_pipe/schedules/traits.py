@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.families.asynchronous import pipedream, pipedream_2bw, pipemare, wpipe, xpipe
@@ -21,8 +22,26 @@ from lightning_pipe.schedules.families.sync import gpipe, one_f_one_b
 from lightning_pipe.schedules.families.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
 from lightning_pipe.schedules.text import ScheduleTextError, first_microbatches, is_schedule_text, load_schedule
 
+#: The built-in schedules' names, for the type checker and editors; :data:`TRAITS` holds one entry per name
+#: (tests/schedules/test_traits.py checks that both list the same names, in the same order).
+ScheduleName = Literal[
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "zero_bubble",
+    "interleaved_zero_bubble",
+    "zbv",
+    "dualpipev",
+    "chimera",
+    "pipedream",
+    "pipedream_2bw",
+    "pipemare",
+    "xpipe",
+    "wpipe",
+]
+
 #: The schedule ``PipelineStrategy`` runs unless told otherwise.
-DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_SCHEDULE: ScheduleName = "1f1b"
 
 #: Where a process's stages lie: every ``p``-th stage (``"loop"``), a V (``"v"``: stages ``r`` and
 #: ``2p - 1 - r``), Chimera's mirrored copies (``"mirror"``: stage ``p + k`` on process ``p - 1 - k``),

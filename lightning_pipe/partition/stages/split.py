@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from torch import nn
 
@@ -18,8 +19,9 @@ from lightning_pipe.partition.solvers.balance import (
 )
 from lightning_pipe.torch_internals import module_slots
 
-BalanceSpec = str | Sequence[int]
-BALANCE_MODES = ("uniform", "parameters", "time", "memory")
+BalanceMode = Literal["uniform", "parameters", "time", "memory"]
+BALANCE_MODES: tuple[BalanceMode, ...] = get_args(BalanceMode)
+BalanceSpec = BalanceMode | Sequence[int]
 
 
 Layers = nn.Sequential | nn.ModuleList
@@ -139,9 +141,10 @@ def layer_owners(layers: Layers, end_costs: tuple[float, float] = (0.0, 0.0)) ->
 
 
 def resolve_balance(
-    balance: BalanceSpec, layers: Layers, num_stages: int, end_costs: tuple[float, float] = (0.0, 0.0)
+    balance: str | Sequence[int], layers: Layers, num_stages: int, end_costs: tuple[float, float] = (0.0, 0.0)
 ) -> list[int]:
-    """Turn the user's ``balance`` into layer counts per stage. ``end_costs``: the parameters the
+    """Turn the user's ``balance`` into layer counts per stage (any string: an unknown name is refused here,
+    as the command line hands its text in unchecked). ``end_costs``: the parameters the
     first and the last stage hold beyond their layers (a model's embeddings and head, see
     :mod:`lightning_pipe.partition.stages.ends`), counted with the first and the last layer, which those
     stages always hold. ``uniform`` and ``parameters`` give every stage a layer with parameters

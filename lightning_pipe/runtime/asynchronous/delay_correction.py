@@ -33,7 +33,7 @@ filling).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -41,7 +41,8 @@ from torch import Tensor
 from lightning_pipe.schedules.traits import TRAITS
 
 #: The corrections by name.
-CORRECTIONS = ("nesterov", "error_feedback")
+CorrectionName = Literal["nesterov", "error_feedback"]
+CORRECTIONS: tuple[CorrectionName, ...] = get_args(CorrectionName)
 #: Each correction's coefficient where ``delay_correction_coefficient`` is unset: NAdam's beta1 (the
 #: reference's ``--momentum 0.99``), error feedback's beta.
 DEFAULT_COEFFICIENTS = {"nesterov": 0.99, "error_feedback": 0.5}

@@ -34,7 +34,7 @@ refuses ``recompute`` other than ``"never"`` (checked in :mod:`lightning_pipe.co
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,8 @@ from torch.optim import Optimizer
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 
 #: The predictors by name; ``"update"`` is the default.
-PREDICTORS = ("update", "adam", "momentum")
+Predictor = Literal["update", "adam", "momentum"]
+PREDICTORS: tuple[Predictor, ...] = get_args(Predictor)
 
 
 def predict_from_update(weight: Tensor, last_update: Tensor, steps: int) -> Tensor:

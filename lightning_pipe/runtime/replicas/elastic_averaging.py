@@ -21,7 +21,7 @@ class holds the center and the collective.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 #: ``replicas_sync`` values: gradients all-reduced every step, or elastic averaging every ``period`` steps.
-REPLICAS_SYNC = ("allreduce", "elastic")
+ReplicasSync = Literal["allreduce", "elastic"]
+REPLICAS_SYNC: tuple[ReplicasSync, ...] = get_args(ReplicasSync)
 DEFAULT_PERIOD = 4
 #: the default ``alpha`` is this over the number of replicas (the center's step towards their mean)
 DEFAULT_BETA = 0.9
