@@ -1,5 +1,5 @@
 """Every keyword of ``PipelineStrategy``, typed, so that editors complete them and type checkers
-checks them (``PipelineStrategy(**arguments: Unpack[PipelineArguments])``). Written by
+check them (``PipelineStrategy(**arguments: Unpack[PipelineArguments])``). Written by
 ``python -m lightning_pipe.config_files`` from :mod:`lightning_pipe.config`'s fields and ``ProcessStrategy``'s
 signature: change those, not this file. Their defaults and meanings: :class:`~lightning_pipe.config.PipelineConfig`,
 or ``help(PipelineStrategy)``."""

@@ -207,3 +207,25 @@ def test_the_site_and_its_api_reference_build_under_strict(tmp_path: Path) -> No
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     assert all(name in reference for name in ("token_count", "skippable", "format_schedule", "consolidate"))
+
+
+def test_the_architecture_pages_module_table_is_written_from_the_modules() -> None:
+    from tests.architecture_table import PAGE, first_sentence, with_table
+
+    page = PAGE.read_text()
+    assert page == with_table(page), "run python -m tests.architecture_table"
+    assert "| `runtime/executor.py` |" in page
+    assert first_sentence("Walks the actions, e.g. sends. Then more.") == "Walks the actions, e.g. sends."
+
+
+def test_every_module_path_the_architecture_page_names_exists() -> None:
+    from tests.architecture_table import BEGIN, END, PACKAGE, PAGE, ROOT
+
+    text = PAGE.read_text()
+    page = text[: text.index(BEGIN)] + text[text.index(END) :]  # the prose; the table is the modules' own
+    named = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", page))
+    beside = ("tests/", "benchmarks/")  # files beside the package the prose names by their full path
+    missing = sorted(
+        n for n in named if not n.startswith(beside) and not list(PACKAGE.rglob(n)) and not (ROOT / n).exists()
+    )
+    assert len(named) > 20 and not missing, missing
