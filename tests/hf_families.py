@@ -270,21 +270,39 @@ class Family:
     converted: str = ""  # what transformers converts in a save_pretrained directory's names when it loads them
 
 
-def _causal(name: str, config_cls: Any, model_cls: type, converted: str = "", **extra: Any) -> Family:
+def _causal(
+    name: str, config_cls: Any, model_cls: type, converted: str = "", sharded: bool = False, **extra: Any
+) -> Family:
     """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
-    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", converted=converted)
+    build = _decoder(config_cls, model_cls, **extra)
+    return Family(name, build, model_cls, "model.model.layers", converted=converted, sharded=sharded)
 
 
 T = transformers
-STACKED = "one tensor per expert and projection, stacked into `experts.gate_up_proj` and `experts.down_proj`"
-VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj` ..."
-SHARDED_ONLY = "not run"  # compared under data_parallel="shard" only
+STACKED = "per-expert tensors stacked into `experts.*`"
+VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj`, ..."
+SHARDED_ONLY = "-"  # compared under data_parallel="shard" only
 MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
 
+#: families compared with plain training under ``data_parallel="shard"`` only: name, build, model, module, data
+SHARDED_ONLY_ROWS: list[tuple[str, Callable[..., nn.Module], type, str, str]] = [
+    ("DINOv2", dinov2, T.Dinov2ForImageClassification, "model.dinov2.encoder.layer", "images"),
+    ("BEiT", beit, T.BeitForImageClassification, "model.beit.layers", "images"),
+    ("CLIP vision tower", clip_vision, T.CLIPVisionModel, "model.tower.encoder.layers", "images"),
+    ("CLIP text tower", clip_text, T.CLIPTextModel, "model.tower.encoder.layers", "classes"),
+    ("SigLIP vision tower", siglip_vision, T.SiglipVisionModel, "model.tower.encoder.layers", "images"),
+    ("SigLIP text tower", siglip_text, T.SiglipTextModel, "model.tower.encoder.layers", "classes"),
+    ("LLaVA", llava, T.LlavaForConditionalGeneration, "model.model.language_model.layers", "image_and_text"),
+    ("mBART (split by its encoder)", mbart, T.MBartForConditionalGeneration, "model.model.encoder.layers", "tokens"),
+    ("mBART (split by its decoder)", mbart, T.MBartForConditionalGeneration, "model.model.decoder.layers", "tokens"),
+    ("Pegasus", pegasus, T.PegasusForConditionalGeneration, "model.model.encoder.layers", "tokens"),
+    ("Marian", marian, T.MarianMTModel, "model.model.decoder.layers", "tokens"),
+]  # fmt: skip
+
 FAMILIES: list[Family] = [
-    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
-    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=True),
-    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=False),
+    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h", sharded=True),
+    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, sharded=True, tie_word_embeddings=True),
+    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, sharded=True, tie_word_embeddings=False),
     _causal("Qwen2", T.Qwen2Config, T.Qwen2ForCausalLM),
     _causal("Qwen3", T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16),
     _causal("Mistral", T.MistralConfig, T.MistralForCausalLM, sliding_window=8),
@@ -332,6 +350,7 @@ FAMILIES: list[Family] = [
         "model.vit.layers",
         data="images",
         converted=VIT_NAMES,
+        sharded=True,
     ),
     Family(
         "Whisper (split by its encoder)",
@@ -339,6 +358,7 @@ FAMILIES: list[Family] = [
         T.WhisperForConditionalGeneration,
         "model.model.encoder.layers",
         data="audio_to_text",
+        sharded=True,
     ),
     Family(
         "Whisper (split by its decoder)",
@@ -347,8 +367,12 @@ FAMILIES: list[Family] = [
         "model.model.decoder.layers",
         data="audio_to_text",
     ),
-    Family("BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers"),
-    Family("BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers"),
+    Family(
+        "BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers", sharded=True
+    ),
+    Family(
+        "BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers", sharded=True
+    ),
     Family(
         "ViT + GPT-2 (split by its encoder)",
         vision_encoder_decoder,
@@ -356,6 +380,7 @@ FAMILIES: list[Family] = [
         "model.encoder.layers",
         data="image_to_text",
         converted=VIT_NAMES,
+        sharded=True,
     ),
     Family(
         "Wav2Vec2 sequence classification",
@@ -363,6 +388,7 @@ FAMILIES: list[Family] = [
         T.Wav2Vec2ForSequenceClassification,
         "model.wav2vec2.encoder.layers",
         data="speech",
+        sharded=True,
     ),
     Family(
         "HuBERT sequence classification",
@@ -370,26 +396,11 @@ FAMILIES: list[Family] = [
         T.HubertForSequenceClassification,
         "model.hubert.encoder.layers",
         data="speech",
+        sharded=True,
     ),
     *(
         Family(name, build, model, module, data=data, compared=SHARDED_ONLY, sharded=True)
-        for name, build, model, module, data in [
-            ("DINOv2 image classification", dinov2, T.Dinov2ForImageClassification, "model.dinov2.encoder.layer",
-             "images"),
-            ("BEiT image classification", beit, T.BeitForImageClassification, "model.beit.layers", "images"),
-            ("CLIP vision tower", clip_vision, T.CLIPVisionModel, "model.tower.encoder.layers", "images"),
-            ("CLIP text tower", clip_text, T.CLIPTextModel, "model.tower.encoder.layers", "classes"),
-            ("SigLIP vision tower", siglip_vision, T.SiglipVisionModel, "model.tower.encoder.layers",
-             "images"),
-            ("SigLIP text tower", siglip_text, T.SiglipTextModel, "model.tower.encoder.layers", "classes"),
-            ("LLaVA", llava, T.LlavaForConditionalGeneration, "model.model.language_model.layers", "image_and_text"),
-            ("mBART (split by its encoder)", mbart, T.MBartForConditionalGeneration, "model.model.encoder.layers",
-             "tokens"),
-            ("mBART (split by its decoder)", mbart, T.MBartForConditionalGeneration, "model.model.decoder.layers",
-             "tokens"),
-            ("Pegasus", pegasus, T.PegasusForConditionalGeneration, "model.model.encoder.layers", "tokens"),
-            ("Marian", marian, T.MarianMTModel, "model.model.decoder.layers", "tokens"),
-        ]  # fmt: skip
+        for name, build, model, module, data in SHARDED_ONLY_ROWS
     ),
     Family(
         "T5",
@@ -397,10 +408,11 @@ FAMILIES: list[Family] = [
         T.T5ForConditionalGeneration,
         "model.encoder.block",
         compared=(
-            "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
-            "(default run), 4 stages x `1f1b`, 2 processes x `zbv` and 4 processes x `chimera` (slow); by its "
-            "decoder blocks, 2 stages x `1f1b`, 4 stages x `1f1b` and 4 stages x `zero_bubble` (slow)"
+            "its position biases cross stages; by encoder blocks, 2 stages x `1f1b` (default run), 4 x `1f1b`, "
+            "2 processes x `zbv`, 4 x `chimera` (slow); by decoder blocks, 2 and 4 "
+            "stages x `1f1b`, 4 x `zero_bubble` (slow)"
         ),
+        sharded=True,
     ),
     Family(
         "Swin image classification",
@@ -409,10 +421,9 @@ FAMILIES: list[Family] = [
         "model.swin.encoder.layers",
         data="images",
         compared=(
-            "another process's Swin stage returns its output's structure and its submodules' structure; within "
-            "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes "
-            "x `1f1b` and 2 processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a "
-            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/runtime/blocks/test_hf_models.py"
+            "Swin stages return their output's and submodules' structure; within atol 2e-6, 4 one-block Swin "
+            "stages, 2 processes x `1f1b` (default run), 4 x `1f1b`, 2 x `interleaved_1f1b`, and `SwinModel` "
+            "(`model.encoder.layers`) under the module's own classifier (slow): tests/runtime/blocks/test_hf_models.py"
         ),
     ),
 ]
@@ -490,23 +501,23 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        f'| family | model (transformers) | `module=` | parity with plain training, 6 SGD steps ("yes": {stages} '
-        f'stages x {schedules}) | `weights=` a `save_pretrained` directory ("yes": trains as plain from '
-        f"`from_pretrained`'s weights, {WEIGHTS_STAGES} stages, `1f1b`) |",
-        "|---|---|---|---|---|",
+        f'| family | model | `module=` | parity ("yes": {stages} stages x {schedules}) | shard (2 stages x 2 '
+        f'replicas) | `weights=` ("yes": {WEIGHTS_STAGES} stages, `1f1b`) |',
+        "|---|---|---|---|---|---|",
     ]
     for f in FAMILIES:
         model = f.model.__name__
+        sharded = "yes" if f.sharded else "-"
         if f.refused:
-            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - | - |")
             continue
         if f.compared:
-            rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | not run |")
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | {sharded} | - |")
             continue
         weights = "yes"
         if f.converted:
-            weights += f"; its names converted as transformers converts them ({f.converted})"
-        rows.append(f"| {f.name} | `{model}` | `{f.module}` | yes | {weights} |")
+            weights += f"; converted ({f.converted})"
+        rows.append(f"| {f.name} | `{model}` | `{f.module}` | yes | {sharded} | {weights} |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
 
 
