@@ -1,5 +1,6 @@
 """Tiny configurations (4 blocks of width 64) of every model family the docs' table lists
-(``docs/models.md``), for the parity tests of ``tests/runtime/blocks/test_hf_families.py``. Needs ``transformers``."""
+(``docs/models.md``), for the parity tests of ``tests/runtime/blocks/test_hf_families.py`` and, sharded,
+``tests/runtime/replicas/test_shard_outside.py``. Needs ``transformers``."""
 
 from __future__ import annotations
 
@@ -261,7 +262,7 @@ class Family:
 
     name: str
     build: Callable[..., nn.Module]
-    model: type  # what ``build`` returns (checked by the tests that build it)
+    model: type  # what ``build`` returns, or the tower a :class:`Tower` holds (checked by the tests that build it)
     module: str
     data: str = "tokens"
     refused: str = ""

@@ -80,6 +80,7 @@ def _family_parity(name: str) -> None:
     family = BY_NAME[name]
     torch.manual_seed(0)
     piped = FamilyModule(family.build)
+    assert type(getattr(piped.model, "tower", piped.model)) is family.model  # what the docs' table names
     reference, initial = copy.deepcopy(piped), copy.deepcopy(piped)
     fit_plain(reference, family_data(family, batch_size=16))
     fit_pipeline(piped, 4, family_data(family, batch_size=8), module=family.module, stages=2, data_parallel="shard")
