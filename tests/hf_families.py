@@ -1,5 +1,6 @@
 """Tiny configurations (4 blocks of width 64) of every model family the docs' table lists
-(``docs/models.md``), for the parity tests of ``tests/runtime/blocks/test_hf_families.py``. Needs ``transformers``."""
+(``docs/models.md``), for the parity tests of ``tests/runtime/blocks/test_hf_families.py`` and, sharded,
+``tests/runtime/replicas/test_shard_outside.py``. Needs ``transformers``."""
 
 from __future__ import annotations
 
@@ -147,6 +148,111 @@ def t5(layers: int = 4) -> nn.Module:
     return transformers.T5ForConditionalGeneration(config)
 
 
+def dinov2(layers: int = 4) -> nn.Module:
+    """DINOv2: its embeddings hold the [CLS] and mask tokens and the positions beside the patch convolution;
+    each block scales its branches by a learned layer scale."""
+    config = transformers.Dinov2Config(hidden_size=WIDTH, num_hidden_layers=layers, num_attention_heads=4, mlp_ratio=2,
+                                       image_size=8, patch_size=4, num_channels=3, num_labels=CLASSES,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                       drop_path_rate=0.0)  # fmt: skip
+    return transformers.Dinov2ForImageClassification(config)
+
+
+def beit(layers: int = 4) -> nn.Module:
+    """BEiT: mean pooling through its pooler's norm, a layer scale in each block."""
+    config = transformers.BeitConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=layers,
+                                     num_attention_heads=4, intermediate_size=2 * WIDTH, image_size=8, patch_size=4,
+                                     num_channels=3, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0)  # fmt: skip
+    return transformers.BeitForImageClassification(config)
+
+
+class Tower(nn.Module):
+    """A vision or text tower of a two-tower model (CLIP, SigLIP) under a classifier of its pooled output:
+    the towers have no loss of their own."""
+
+    def __init__(self, tower: nn.Module) -> None:
+        super().__init__()
+        self.tower = tower
+        self.classifier = nn.Linear(tower.config.hidden_size, CLASSES)
+
+    def forward(self, labels: torch.Tensor, **inputs: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.classifier(self.tower(**inputs).pooler_output)
+        return SequenceClassifierOutput(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
+
+
+def _tower_config(config_cls: Any, layers: int, **extra: Any) -> Any:
+    return config_cls(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers, num_attention_heads=4,
+                      attention_dropout=0.0, **extra)  # fmt: skip
+
+
+VISION = dict(image_size=8, patch_size=4, num_channels=3)
+TEXT = dict(vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, pad_token_id=0, eos_token_id=2)
+
+
+def clip_vision(layers: int = 4) -> nn.Module:
+    """CLIP's vision tower: its embeddings hold the class embedding beside the patch convolution."""
+    return Tower(transformers.CLIPVisionModel(_tower_config(transformers.CLIPVisionConfig, layers, **VISION)))
+
+
+def clip_text(layers: int = 4) -> nn.Module:
+    """CLIP's text tower, pooled at its largest token id (its end-of-text token when ``eos_token_id`` is 2)."""
+    return Tower(transformers.CLIPTextModel(_tower_config(transformers.CLIPTextConfig, layers, **TEXT)))
+
+
+def siglip_vision(layers: int = 4) -> nn.Module:
+    """SigLIP's vision tower, pooled by its attention head: a probe beside ``nn.MultiheadAttention``, whose
+    forward reads its ``out_proj``'s weight without calling it."""
+    return Tower(transformers.SiglipVisionModel(_tower_config(transformers.SiglipVisionConfig, layers, **VISION)))
+
+
+def siglip_text(layers: int = 4) -> nn.Module:
+    """SigLIP's text tower, pooled at its last token through its head."""
+    return Tower(transformers.SiglipTextModel(_tower_config(transformers.SiglipTextConfig, layers, **TEXT)))
+
+
+IMAGE_TOKEN = VOCAB - 1  # LLaVA's: 4 per sequence, one per patch of an 8x8 image
+
+
+def llava(layers: int = 4) -> nn.Module:
+    """LLaVA: a CLIP vision tower (2 blocks, its features read at the second to last) and a projector
+    before a Llama's ``layers`` blocks; the image's 4 features replace its 4 image tokens."""
+    vision = _tower_config(transformers.CLIPVisionConfig, 2, **VISION)
+    text = transformers.LlamaConfig(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=0)  # fmt: skip
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+def _seq2seq(config_cls: Any, model_cls: Any, layers: int, **extra: Any) -> nn.Module:
+    """An encoder-decoder of BART's layout (mBART, Pegasus, Marian)."""
+    config = config_cls(vocab_size=VOCAB, d_model=WIDTH, encoder_layers=layers, decoder_layers=layers,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH,
+                        decoder_ffn_dim=2 * WIDTH, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=1,
+                        **extra)  # fmt: skip
+    return model_cls(config)
+
+
+def mbart(layers: int = 4) -> nn.Module:
+    """mBART: BART with a norm after each stack; its labels shifted to start with their last token."""
+    return _seq2seq(transformers.MBartConfig, transformers.MBartForConditionalGeneration, layers, bos_token_id=2)
+
+
+def pegasus(layers: int = 4) -> nn.Module:
+    """Pegasus: fixed sinusoidal positions (parameters that do not train)."""
+    return _seq2seq(transformers.PegasusConfig, transformers.PegasusForConditionalGeneration, layers)
+
+
+def marian(layers: int = 4) -> nn.Module:
+    """Marian: sinusoidal positions, and its logits' bias a buffer."""
+    return _seq2seq(transformers.MarianConfig, transformers.MarianMTModel, layers)
+
+
 @dataclass(frozen=True)
 class Family:
     """One row of the model-family table: how to build a tiny model, where its blocks are, what its
@@ -156,28 +262,48 @@ class Family:
 
     name: str
     build: Callable[..., nn.Module]
-    model: type  # what ``build`` returns (checked by the tests that build it)
+    model: type  # what ``build`` returns, or the tower a :class:`Tower` holds (checked by the tests that build it)
     module: str
     data: str = "tokens"
     refused: str = ""
     compared: str = ""
+    sharded: bool = False  # trains as plain under data_parallel="shard" (tests/runtime/replicas/test_shard_outside.py)
     converted: str = ""  # what transformers converts in a save_pretrained directory's names when it loads them
 
 
-def _causal(name: str, config_cls: Any, model_cls: type, converted: str = "", **extra: Any) -> Family:
+def _causal(
+    name: str, config_cls: Any, model_cls: type, converted: str = "", sharded: bool = False, **extra: Any
+) -> Family:
     """A causal LM whose blocks are ``model.model.layers`` (Llama's layout)."""
-    return Family(name, _decoder(config_cls, model_cls, **extra), model_cls, "model.model.layers", converted=converted)
+    build = _decoder(config_cls, model_cls, **extra)
+    return Family(name, build, model_cls, "model.model.layers", converted=converted, sharded=sharded)
 
 
 T = transformers
-STACKED = "one tensor per expert and projection, stacked into `experts.gate_up_proj` and `experts.down_proj`"
-VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj` ..."
+STACKED = "per-expert tensors stacked into `experts.*`"
+VIT_NAMES = "`encoder.layer.N.attention.attention.query` to `layers.N.attention.q_proj`, ..."
+SHARDED_ONLY = "-"  # compared under data_parallel="shard" only
 MOE_OFF = dict(output_router_logits=False)  # the auxiliary loss reads every block's router logits after the loop
 
+#: families compared with plain training under ``data_parallel="shard"`` only: name, build, model, module, data
+SHARDED_ONLY_ROWS: list[tuple[str, Callable[..., nn.Module], type, str, str]] = [
+    ("DINOv2", dinov2, T.Dinov2ForImageClassification, "model.dinov2.encoder.layer", "images"),
+    ("BEiT", beit, T.BeitForImageClassification, "model.beit.layers", "images"),
+    ("CLIP vision tower", clip_vision, T.CLIPVisionModel, "model.tower.encoder.layers", "images"),
+    ("CLIP text tower", clip_text, T.CLIPTextModel, "model.tower.encoder.layers", "classes"),
+    ("SigLIP vision tower", siglip_vision, T.SiglipVisionModel, "model.tower.encoder.layers", "images"),
+    ("SigLIP text tower", siglip_text, T.SiglipTextModel, "model.tower.encoder.layers", "classes"),
+    ("LLaVA", llava, T.LlavaForConditionalGeneration, "model.model.language_model.layers", "image_and_text"),
+    ("mBART (split by its encoder)", mbart, T.MBartForConditionalGeneration, "model.model.encoder.layers", "tokens"),
+    ("mBART (split by its decoder)", mbart, T.MBartForConditionalGeneration, "model.model.decoder.layers", "tokens"),
+    ("Pegasus", pegasus, T.PegasusForConditionalGeneration, "model.model.encoder.layers", "tokens"),
+    ("Marian", marian, T.MarianMTModel, "model.model.decoder.layers", "tokens"),
+]  # fmt: skip
+
 FAMILIES: list[Family] = [
-    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h"),
-    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=True),
-    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, tie_word_embeddings=False),
+    Family("GPT-2", gpt2, T.GPT2LMHeadModel, "model.transformer.h", sharded=True),
+    _causal("Llama (tied embeddings)", T.LlamaConfig, T.LlamaForCausalLM, sharded=True, tie_word_embeddings=True),
+    _causal("Llama (untied)", T.LlamaConfig, T.LlamaForCausalLM, sharded=True, tie_word_embeddings=False),
     _causal("Qwen2", T.Qwen2Config, T.Qwen2ForCausalLM),
     _causal("Qwen3", T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=16),
     _causal("Mistral", T.MistralConfig, T.MistralForCausalLM, sliding_window=8),
@@ -225,6 +351,7 @@ FAMILIES: list[Family] = [
         "model.vit.layers",
         data="images",
         converted=VIT_NAMES,
+        sharded=True,
     ),
     Family(
         "Whisper (split by its encoder)",
@@ -232,6 +359,7 @@ FAMILIES: list[Family] = [
         T.WhisperForConditionalGeneration,
         "model.model.encoder.layers",
         data="audio_to_text",
+        sharded=True,
     ),
     Family(
         "Whisper (split by its decoder)",
@@ -240,8 +368,12 @@ FAMILIES: list[Family] = [
         "model.model.decoder.layers",
         data="audio_to_text",
     ),
-    Family("BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers"),
-    Family("BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers"),
+    Family(
+        "BART (split by its encoder)", bart, T.BartForConditionalGeneration, "model.model.encoder.layers", sharded=True
+    ),
+    Family(
+        "BART (split by its decoder)", bart, T.BartForConditionalGeneration, "model.model.decoder.layers", sharded=True
+    ),
     Family(
         "ViT + GPT-2 (split by its encoder)",
         vision_encoder_decoder,
@@ -249,6 +381,7 @@ FAMILIES: list[Family] = [
         "model.encoder.layers",
         data="image_to_text",
         converted=VIT_NAMES,
+        sharded=True,
     ),
     Family(
         "Wav2Vec2 sequence classification",
@@ -256,6 +389,7 @@ FAMILIES: list[Family] = [
         T.Wav2Vec2ForSequenceClassification,
         "model.wav2vec2.encoder.layers",
         data="speech",
+        sharded=True,
     ),
     Family(
         "HuBERT sequence classification",
@@ -263,6 +397,11 @@ FAMILIES: list[Family] = [
         T.HubertForSequenceClassification,
         "model.hubert.encoder.layers",
         data="speech",
+        sharded=True,
+    ),
+    *(
+        Family(name, build, model, module, data=data, compared=SHARDED_ONLY, sharded=True)
+        for name, build, model, module, data in SHARDED_ONLY_ROWS
     ),
     Family(
         "T5",
@@ -270,10 +409,11 @@ FAMILIES: list[Family] = [
         T.T5ForConditionalGeneration,
         "model.encoder.block",
         compared=(
-            "its position biases cross stages after the hidden state; split by its encoder blocks, 2 stages x `1f1b` "
-            "(default run), 4 stages x `1f1b`, 2 processes x `zbv` and 4 processes x `chimera` (slow); by its "
-            "decoder blocks, 2 stages x `1f1b`, 4 stages x `1f1b` and 4 stages x `zero_bubble` (slow)"
+            "its position biases cross stages; by encoder blocks, 2 stages x `1f1b` (default run), 4 x `1f1b`, "
+            "2 processes x `zbv`, 4 x `chimera` (slow); by decoder blocks, 2 and 4 "
+            "stages x `1f1b`, 4 x `zero_bubble` (slow)"
         ),
+        sharded=True,
     ),
     Family(
         "Swin image classification",
@@ -282,10 +422,9 @@ FAMILIES: list[Family] = [
         "model.swin.encoder.layers",
         data="images",
         compared=(
-            "another process's Swin stage returns its output's structure and its submodules' structure; within "
-            "atol 2e-6, 4 Swin stages of one block on 32x32 images, 2 processes x `1f1b` (default run), 4 processes "
-            "x `1f1b` and 2 processes x `interleaved_1f1b` (slow), and `SwinModel` (`model.encoder.layers`) under a "
-            "classifier of the module's own, 2 processes x `1f1b` (slow): tests/runtime/blocks/test_hf_models.py"
+            "Swin stages return their output's and submodules' structure; within atol 2e-6, 4 one-block Swin "
+            "stages, 2 processes x `1f1b` (default run), 4 x `1f1b`, 2 x `interleaved_1f1b`, and `SwinModel` "
+            "(`model.encoder.layers`) under the module's own classifier (slow): tests/runtime/blocks/test_hf_models.py"
         ),
     ),
 ]
@@ -308,14 +447,32 @@ def family_data(family: Family, n: int = 32, batch_size: int = 8, seed: int = 0)
         "image_to_text": (images, tokens),
         "speech": (torch.randn(n, SAMPLES, generator=g), classes),
     }.get(family.data, (tokens, tokens))
+    if family.data == "image_and_text":  # LLaVA: an image and its 4 image tokens before the text
+        text = torch.cat([torch.full((n, 4), IMAGE_TOKEN), tokens.clamp(max=IMAGE_TOKEN - 1)], dim=1)
+        return DataLoader(_Pairs(images, text), batch_size=batch_size, shuffle=False)
     return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """``((image, tokens), tokens)``: LLaVA's two inputs, its labels the tokens."""
+
+    def __init__(self, images: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.images, self.tokens = images, tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return (self.images[i], self.tokens[i]), self.tokens[i]
 
 
 class FamilyModule(HFModule):
     """A family's unchanged model; its own loss (``labels=``) is the training loss. The inputs'
     keyword follows from their kind: token ids, images (4 dimensions), or audio features (3)."""
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+    def forward(self, inputs: Any, labels: torch.Tensor) -> Any:
+        if isinstance(inputs, (list, tuple)):  # an image and its text (LLaVA)
+            return self.model(pixel_values=inputs[0], input_ids=inputs[1], labels=labels)
         if not inputs.is_floating_point():
             return self.model(input_ids=inputs, labels=labels)
         keyword = {4: "pixel_values", 3: "input_features", 2: "input_values"}[inputs.dim()]
@@ -345,23 +502,23 @@ def family_table() -> str:
     stages = " and ".join(str(s) for s in STAGES)
     schedules = ", ".join(f"`{s}`" for s in SCHEDULES)
     rows = [
-        f'| family | model (transformers) | `module=` | parity with plain training, 6 SGD steps ("yes": {stages} '
-        f'stages x {schedules}) | `weights=` a `save_pretrained` directory ("yes": trains as plain from '
-        f"`from_pretrained`'s weights, {WEIGHTS_STAGES} stages, `1f1b`) |",
-        "|---|---|---|---|---|",
+        f'| family | model | `module=` | parity ("yes": {stages} stages x {schedules}) | shard (2 stages x 2 '
+        f'replicas) | `weights=` ("yes": {WEIGHTS_STAGES} stages, `1f1b`) |',
+        "|---|---|---|---|---|---|",
     ]
     for f in FAMILIES:
         model = f.model.__name__
+        sharded = "yes" if f.sharded else "-"
         if f.refused:
-            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - |")
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | refused in the first forward: {f.refused} | - | - |")
             continue
         if f.compared:
-            rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | not run |")
+            rows.append(f"| {f.name} | `{model}` | `{f.module}` | {f.compared} | {sharded} | - |")
             continue
         weights = "yes"
         if f.converted:
-            weights += f"; its names converted as transformers converts them ({f.converted})"
-        rows.append(f"| {f.name} | `{model}` | `{f.module}` | yes | {weights} |")
+            weights += f"; converted ({f.converted})"
+        rows.append(f"| {f.name} | `{model}` | `{f.module}` | yes | {sharded} | {weights} |")
     return "\n".join([TABLE_BEGIN, *rows, TABLE_END])
 
 

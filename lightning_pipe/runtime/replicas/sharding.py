@@ -14,8 +14,8 @@ A pipeline step runs many micro-batch forwards and backwards on the same weights
 
 Parameters outside the split layers that this rank holds (a block container's embeddings, final
 norm and head; a Sequential's pre- and post-processing) are sharded the same way, over the same
-replicas: each module that holds one directly is wrapped too (:func:`outside_modules`), a module after
-the units nested in it, a parametrized weight with its module, and modules sharing a weight on this
+replicas: each module that holds one directly is wrapped too (:func:`outside_modules`), with what is
+nested in it, a parametrized weight with its module, and modules sharing a weight on this
 process (an encoder-decoder's embedding) as one unit (:func:`shard_units`, :func:`shard_groups`). A weight
 tied across stages (an embedding tied to the head across the first and last stage) is sharded on
 each stage that holds it; the stages have as many replicas, so replica ``r`` of each holds the
@@ -93,10 +93,12 @@ def outside_modules(model: nn.Module, stage: nn.Module) -> list[nn.Module]:
 
 def shard_units(model: nn.Module, stage: nn.Module) -> list[tuple[str, nn.Module]]:
     """What :class:`ShardedStage` wraps, each named by its path in ``model``: the stage's layers, then the
-    modules outside them (:func:`outside_modules`), a module after those nested in it, so that FSDP2 leaves
-    a nested unit's parameters to it (ViT's embeddings hold the [CLS] token beside their patch convolution).
-    A parametrized weight is one parameter: its originals (``conv.parametrizations.weight.original0``,
-    weight norm) are sharded with the module it parametrizes."""
+    modules outside them (:func:`outside_modules`), each with everything nested in it: a module's forward may
+    read a child's weight without calling the child (``nn.MultiheadAttention`` its ``out_proj``'s, in
+    SigLIP's pooling head), so the child's parameters are gathered by the outer module's unit (ViT's
+    embeddings hold the [CLS] token beside their patch convolution: one unit). A parametrized weight is one
+    parameter: its originals (``conv.parametrizations.weight.original0``, weight norm) are sharded with the
+    module it parametrizes."""
     paths: dict[int, str] = {}
     for name, module in model.named_modules():
         paths.setdefault(id(module), name)
@@ -109,12 +111,12 @@ def shard_units(model: nn.Module, stage: nn.Module) -> list[tuple[str, nn.Module
             module = model.get_submodule(name)
         outside.setdefault(id(module), (name, module))
     units = list(outside.values())
-    return [*layers, *sorted(units, key=lambda unit: -len(_ancestors(unit[1], units)))]  # the deepest first
+    return [*layers, *(unit for unit in units if not _nested(unit[1], units))]
 
 
-def _ancestors(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Module]:
-    """The modules of ``units`` that ``module`` is nested in."""
-    return [m for _, m in units if m is not module and any(sub is module for sub in m.modules())]
+def _nested(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether ``module`` is nested in another module of ``units`` (and so sharded in its unit)."""
+    return any(m is not module and any(sub is module for sub in m.modules()) for _, m in units)
 
 
 def _own_parameters(module: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[nn.Parameter]:

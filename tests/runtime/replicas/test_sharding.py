@@ -61,14 +61,18 @@ class _Embeddings(nn.Module):
         self.patches = nn.Sequential(nn.Conv2d(3, 4, 2))
 
 
-def test_a_module_and_its_child_are_two_units_the_child_first_not_a_tie() -> None:
+def test_a_module_and_its_child_are_one_unit_not_a_tie() -> None:
+    """The outer module's forward may read the child's weight without calling it (``nn.MultiheadAttention``
+    its ``out_proj``'s): the child is gathered with it (before: its own unit, its weight still sharded in
+    the outer forward, "got mixed torch.Tensor and DTensor")."""
     model = nn.Module()
     model.embeddings = _Embeddings()
+    model.pool = nn.MultiheadAttention(4, 2, batch_first=True)  # in_proj_weight beside out_proj, a Linear
     model.stage = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model.head = nn.Linear(4, 5)
     units = shard_units(model, model.stage)
-    assert [name for name, _ in units] == ["stage.0", "stage.1", "embeddings.patches.0", "embeddings", "head"]
-    assert len(shard_groups(units, layers=2)) == 5  # no tie: the embeddings' unit holds the [CLS] token only
+    assert [name for name, _ in units] == ["stage.0", "stage.1", "embeddings", "pool", "head"]
+    assert len(shard_groups(units, layers=2)) == 5  # no tie: each unit holds its own
 
 
 def test_a_parametrized_weight_is_one_parameter_sharded_with_its_module() -> None:
