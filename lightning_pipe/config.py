@@ -132,22 +132,20 @@ class StepsConfig:
     elsewhere (a list or `"auto"` needs a `balance` that does not price one mode for the whole model: not `"time"` or
     `"memory"`). `plan="auto"` chooses each stage's mode itself, with `offload`, under each rank's memory budget.
     Dropout recomputes the same mask, and the recomputation leaves the buffers the forward updated as it found them,
-    so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"`. BatchNorm itself
-    normalises each micro-batch with that micro-batch's statistics and updates its running statistics once per
-    micro-batch (as in torchgpipe without `deferred_batch_norm`, which is not offered here yet): with more than one
-    micro-batch per batch, a model with BatchNorm trains differently from plain whole-batch training."""
+    so BatchNorm's running statistics and `num_batches_tracked` come out as with `"never"` (BatchNorm itself
+    normalises each micro-batch by its own statistics:
+    [what differs](quickstart.md#what-differs-from-plain-lightning))."""
     offload: OffloadSpec = option(
         False,
         values='`False`, `True`, int k >= 0, a list with one of those per pipeline stage, or `"auto"`',
     )
     """saved activations moved to host memory between a micro-batch's forward and its backward (VPipe's swap):
     each stage keeps `k` micro-batches' saved tensors on the device and the forwards beyond them put theirs in host
-    memory (pinned, copied on their own CUDA stream and brought back ahead of the backward, one at a time; host to
-    host on CPU processes), `True` offloads every micro-batch, `False` none. A list gives one value per pipeline stage
-    (processes x `virtual_stages`). `"auto"`: the stages that hold more micro-batches in flight at their peak than the
-    last stage (from the schedule) keep one fewer than it holds, so they hold as many, the others offload nothing.
-    `plan="auto"` chooses it per stage. Exact: training equals training without it. See
-    [below](large-models.md#hold-fewer-activations)."""
+    memory (pinned, on their own CUDA stream, back ahead of the backward), `True` offloads every micro-batch, `False`
+    none. A list gives one value per pipeline stage (processes x `virtual_stages`). `"auto"`: the stages that hold more
+    micro-batches in flight at their peak than the last stage (from the schedule) keep one fewer than it holds, so they
+    hold as many, the others offload nothing. `plan="auto"` chooses it per stage. Exact: training equals training
+    without it. See [below](large-models.md#hold-fewer-activations)."""
     gradient_accumulation_fusion: bool = option(True, values=(True, False))
     """fused weight-gradient accumulation: in training steps, each plain `nn.Linear` adds every micro-batch's weight
     gradient into `.grad` inside the matrix product instead of computing each micro-batch's gradient apart and adding
