@@ -22,7 +22,7 @@ from lightning_pipe.config import (
     DataParallelMode,
     PlanMode,
     Predictor,
-    ReplicasSync,
+    ReplicasSyncMode,
     ScheduleName,
     StartMethod,
 )
@@ -53,7 +53,7 @@ class PipelineArguments(TypedDict, total=False):
     data_parallel: DataParallelMode
     rank_speeds: Sequence[float] | None
     rank_order: Sequence[int] | None
-    replicas_sync: ReplicasSync
+    replicas_sync: ReplicasSyncMode
     replicas_sync_period: int | None
     replicas_sync_alpha: float | None
     pipemare_warmup: int | None

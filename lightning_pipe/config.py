@@ -46,7 +46,7 @@ from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
 from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, CorrectionName, check_delay_correction
 from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS, Predictor
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
-from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, ReplicasSync, check_replicas_sync
+from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, ReplicasSyncMode, check_replicas_sync
 from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, DataParallelMode, check_layout_arguments
 from lightning_pipe.schedules import TRAITS, ScheduleName, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
@@ -355,7 +355,7 @@ class LayoutConfig:
 class ReplicasConfig:
     """How the replicas of a stage stay together."""
 
-    replicas_sync: ReplicasSync = option("allreduce", values=REPLICAS_SYNC)
+    replicas_sync: ReplicasSyncMode = option("allreduce", values=REPLICAS_SYNC)
     """how the replicas of a stage stay together (`data_parallel="replicate"`): their gradients averaged every step
     (they train as one model on the global batch), or AvgPipe's elastic averaging (each steps on its own batches;
     every `replicas_sync_period` steps replicas and a center variable pull towards each other; synchronous schedules
@@ -608,7 +608,7 @@ class PipelineConfig:
         return self.layout.rank_order
 
     @property
-    def replicas_sync(self) -> ReplicasSync:
+    def replicas_sync(self) -> ReplicasSyncMode:
         return self.replicas.replicas_sync
 
     @property

@@ -147,7 +147,7 @@ from lightning_pipe.config import (
     DataParallelMode,
     PlanMode,
     Predictor,
-    ReplicasSync,
+    ReplicasSyncMode,
     ScheduleName,
     StartMethod,
 )

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 #: ``replicas_sync`` values: gradients all-reduced every step, or elastic averaging every ``period`` steps.
-ReplicasSync = Literal["allreduce", "elastic"]
-REPLICAS_SYNC: tuple[ReplicasSync, ...] = get_args(ReplicasSync)
+ReplicasSyncMode = Literal["allreduce", "elastic"]
+REPLICAS_SYNC: tuple[ReplicasSyncMode, ...] = get_args(ReplicasSyncMode)
 DEFAULT_PERIOD = 4
 #: the default ``alpha`` is this over the number of replicas (the center's step towards their mean)
 DEFAULT_BETA = 0.9
