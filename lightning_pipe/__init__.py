@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_pipe.assembly.build import build_pipeline
     from lightning_pipe.partition.stages.materialize import init_like_pipeline
     from lightning_pipe.penalties import parameter_penalty
     from lightning_pipe.runtime.crossing.records import recorded, recording
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PipelineStrategy",
     "__version__",
+    "build_pipeline",
     "init_like_pipeline",
     "parameter_penalty",
     "recorded",
@@ -39,6 +41,7 @@ __all__ = [
 #: the package's names and the module each comes from, imported when first read
 _EXPORTS = {
     "PipelineStrategy": "lightning_pipe.strategy",
+    "build_pipeline": "lightning_pipe.assembly.build",
     "init_like_pipeline": "lightning_pipe.partition.stages.materialize",
     "parameter_penalty": "lightning_pipe.penalties",
     "recorded": "lightning_pipe.runtime.crossing.records",

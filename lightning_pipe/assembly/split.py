@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 #: Tells a line to the user (the Trainer's rank-zero log, or the logging module's).
 Report = Callable[[str], None]
 #: Traces one step of a model of the user's own to find its ends (see :mod:`lightning_pipe.partition.stages.end_trace`).
-TraceEnds = Callable[[Any, nn.Module, PipelineConfig, int, MeasureInputs], TracedEnds | None]
+TraceEnds = Callable[[Any, nn.Sequential | nn.ModuleList, PipelineConfig, int, MeasureInputs], TracedEnds | None]
 
 
 @dataclass

@@ -69,6 +69,7 @@ def _describer(module: Any) -> Callable[..., None]:
         skips: dict[Any, Any],
     ) -> None:
         chunks = config.num_microbatches(layout.stages)
+        assert decision.balance is not None  # known once split
         line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
         options = pipeline_options(config, placement)
         predicted = candidates[0].activation_bytes if candidates else ()
