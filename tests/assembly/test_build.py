@@ -104,4 +104,5 @@ def test_the_guides_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, output[-3000:]
     losses = [float(v) for v in re.findall(r"step \d+: loss (\d+\.\d+)", output)]
     assert len(losses) == 2 * 5 and losses[-1] < losses[0], output[-3000:]  # both ranks print the same loss
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
+    saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert saved == ["meta.pt", "stage-00000.pt", "stage-00001.pt"]
