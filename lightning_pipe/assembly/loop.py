@@ -43,6 +43,13 @@ class PlainPipeline:
         self.config = split.config
         self._split, self._topology = split, topology
         self._steps = 0
+        self._attached = False
+
+    def attach_optimizers(self, *optimizers: Optimizer) -> None:
+        """The optimizers that step this rank's parameters: ``replicas_sync="elastic"`` averages the
+        replicas after their steps and PipeMare's rescheduling follows their learning rates."""
+        self.pipeline.attach_optimizers(optimizers)
+        self._attached = True
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: what its optimizer steps."""
@@ -52,6 +59,11 @@ class PlainPipeline:
     def train_step(self, batch: Any, loss_fn: LossFn) -> Tensor:
         """Forward and backward of ``batch`` through the schedule; the gradients are added to ``.grad``
         (as ``loss.backward()`` adds them) and the batch's loss is returned on every rank."""
+        if not self._attached and self._follows_optimizers():
+            raise RuntimeError(
+                f"schedule={self.config.schedule!r} with replicas_sync={self.config.replicas_sync!r} acts after each "
+                "optimizer step: call pipe.attach_optimizers(optimizer) once the optimizer exists, before training."
+            )
         micro, keys, weights = self._begin(batch)
         ends = self.pipeline.ends_here(len(micro))  # where each micro-batch's loss is computed
         total: list[Tensor] = []
@@ -72,13 +84,11 @@ class PlainPipeline:
         """Forward only, without gradients; the batch's loss (weighted as in training) on every rank."""
         self.pipeline.drain()  # an asynchronous schedule's backwards in flight
         micro, keys, weights = self._begin(batch)
-        last = self.placement.is_last_stage
         total: list[Tensor] = []
 
         def step(i: int) -> None:
-            loss = loss_fn(micro[i])
-            if last:
-                total.append(loss.detach() * weights[i])
+            loss = loss_fn(micro[i])  # returns only where the micro-batch's last stage runs
+            total.append(loss.detach() * weights[i])
 
         with torch.no_grad():
             self.pipeline.evaluate(keys, step)
@@ -129,6 +139,11 @@ class PlainPipeline:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _follows_optimizers(self) -> bool:
+        """Whether the pipeline acts after each optimizer step (elastic averaging, PipeMare's rescheduling)."""
+        run = self.pipeline.asynchronous
+        return self.pipeline.elastic is not None or (run is not None and run.pipemare is not None)
+
     def _begin(self, batch: Any) -> tuple[list[Any], list[tuple], list[float]]:
         """The batch's micro-batches, their shape keys (checked against the other stages', and the
         values' checksum by ``check_data``) and each one's share of the batch's loss."""

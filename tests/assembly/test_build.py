@@ -63,8 +63,9 @@ def test_two_processes_train_as_one_process_does(tmp_path: Path, arguments: dict
         ({"schedule": "zero_bubble", "chunks": 4, "balance": [1, 3, 2, 2]}, 1),
         ({"schedule": "gpipe", "chunks": 3, "recompute": "always"}, 1),
         ({"schedule": "1f1b", "chunks": 2, "stages": 2}, 2),  # 2 stages x 2 replicas, each its half of a batch
+        ({"schedule": "chimera", "chunks": 4}, 1),  # the losses of two pipelines, on two ranks
     ],
-    ids=["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe-recompute", "1f1b-replicas"],
+    ids=["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe-recompute", "1f1b-replicas", "chimera"],
 )
 def test_four_processes_train_as_one_process_does(tmp_path: Path, arguments: dict[str, Any], replicas: int) -> None:
     _check_against_plain(run_plain_pipeline(tmp_path, 4, **arguments), tmp_path, replicas)

@@ -71,3 +71,14 @@ def test_a_save_consolidates_to_the_module_and_loads_back(world_of_one: Topology
         assert pipe.load(tmp_path / "checkpoint", [fresh])["global_step"] == 1
     torch.testing.assert_close(again.state_dict(), saved)
     assert fresh.state_dict()["state"][0]["step"] == 1  # Adam's moments came back too
+
+
+def test_a_rule_that_follows_the_optimizer_asks_for_it_before_training(world_of_one: Topology) -> None:
+    model = Net(depth=4)
+    with lightning_pipe.build_pipeline(model, schedule="pipemare", chunks=2) as pipe:
+        with pytest.raises(RuntimeError, match=r"call pipe.attach_optimizers\(optimizer\)"):
+            pipe.train_step(batches()[0], loss_fn(model))
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.attach_optimizers(optimizer)
+        assert torch.isfinite(pipe.train_step(batches()[0], loss_fn(model)))
+        optimizer.step()
