@@ -2,8 +2,9 @@
 
 ``import lightning_pipe`` registers ``Trainer(strategy="pipeline")``: at once where Lightning is
 imported already, else as soon as Lightning is (any ``Trainer`` comes after that). The package's
-names (``PipelineStrategy``, ...) are imported on first use (PEP 562), so that what needs neither
-Lightning nor torch, such as ``lightning-pipe --help``, does not spend seconds importing them.
+names (``PipelineStrategy``; ``build_pipeline`` for a plain PyTorch loop, without Lightning; ...) are
+imported on first use (PEP 562), so that what needs neither Lightning nor torch, such as
+``lightning-pipe --help``, does not spend seconds importing them.
 """
 
 from __future__ import annotations
