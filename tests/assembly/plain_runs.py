@@ -60,8 +60,30 @@ def plain_training(replicas: int = 1) -> dict[str, Any]:
     return {"state": copy.deepcopy(model.state_dict()), "losses": losses, "norms": norms, "evaluated": evaluated}
 
 
+def two_bw_training() -> dict[str, Any]:
+    """PipeDream-2BW's rule in one process, unclipped: ``W(t+1) = W(t) - lr * grad f(W(t-1))``."""
+    model = Net()
+    *train, held_out = batches()
+    losses, previous = [], None
+    for batch in train:
+        model.zero_grad()
+        loss = loss_fn(model)(batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads = [p.grad.clone() for p in model.parameters()]
+        if previous is not None:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), previous):
+                    p.sub_(LR * g)
+        previous = grads
+    with torch.no_grad():
+        evaluated = float(loss_fn(model)(held_out))
+    return {"state": copy.deepcopy(model.state_dict()), "losses": losses, "evaluated": evaluated}
+
+
 def worker(rank: int, world: int, folder: str, arguments: dict[str, Any]) -> None:
-    """One rank of the plain loop: its replica's part of every batch, clipped and stepped; then saved."""
+    """One rank of the plain loop: its replica's part of every batch, clipped (synchronous schedules) and
+    stepped; then saved."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import lightning_pipe
@@ -71,6 +93,7 @@ def worker(rank: int, world: int, folder: str, arguments: dict[str, Any]) -> Non
         model = Net()
         pipe = lightning_pipe.build_pipeline(model, **arguments)
         optimizer = torch.optim.SGD(pipe.parameters(), lr=LR)
+        clips = pipe.pipeline.asynchronous is None
         replicas, replica = pipe.placement.num_replicas, pipe.placement.replica
         *train, held_out = batches(replicas)
         losses, norms = [], []
@@ -78,7 +101,8 @@ def worker(rank: int, world: int, folder: str, arguments: dict[str, Any]) -> Non
             part = (x.chunk(replicas)[replica], y.chunk(replicas)[replica])
             optimizer.zero_grad()
             losses.append(float(pipe.train_step(part, loss_fn(model))))
-            norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
+            if clips:
+                norms.append(float(pipe.clip_grad_norm_(MAX_NORM)))
             optimizer.step()
         x, y = held_out
         evaluated = float(pipe.evaluate((x.chunk(replicas)[replica], y.chunk(replicas)[replica]), loss_fn(model)))

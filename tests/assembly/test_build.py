@@ -19,7 +19,7 @@ import lightning_pipe
 from lightning_pipe.assembly.build import layout_of, refuse_trainer_arguments
 from lightning_pipe.checkpoint import consolidate
 from lightning_pipe.config import PipelineConfig
-from tests.assembly.plain_runs import Net, plain_training, run_plain_pipeline
+from tests.assembly.plain_runs import Net, plain_training, run_plain_pipeline, two_bw_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,6 +69,19 @@ def test_two_processes_train_as_one_process_does(tmp_path: Path, arguments: dict
 )
 def test_four_processes_train_as_one_process_does(tmp_path: Path, arguments: dict[str, Any], replicas: int) -> None:
     _check_against_plain(run_plain_pipeline(tmp_path, 4, **arguments), tmp_path, replicas)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_asynchronous_schedule_follows_its_rule(tmp_path: Path) -> None:
+    """PipeDream-2BW from a plain loop: each step applies the previous batch's gradient, taken on the
+    weights that batch's forward ran on; close, save and evaluate drain the work in flight."""
+    expected = two_bw_training()
+    for rank, got in enumerate(run_plain_pipeline(tmp_path, 2, schedule="pipedream_2bw", chunks=2)):
+        for name, value in got["state"].items():
+            torch.testing.assert_close(value, expected["state"][name], msg=lambda m, n=name, r=rank: f"{r} {n}: {m}")
+        assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5), rank
+        assert got["evaluated"] == pytest.approx(expected["evaluated"], rel=1e-5), rank
 
 
 def test_the_arguments_are_checked_before_the_process_group_is_asked_for() -> None:
