@@ -2,8 +2,9 @@
 
 ``import lightning_pipe`` registers ``Trainer(strategy="pipeline")``: at once where Lightning is
 imported already, else as soon as Lightning is (any ``Trainer`` comes after that). The package's
-names (``PipelineStrategy``, ...) are imported on first use (PEP 562), so that what needs neither
-Lightning nor torch, such as ``lightning-pipe --help``, does not spend seconds importing them.
+names (``PipelineStrategy``; ``build_pipeline`` for a plain PyTorch loop, without Lightning; ...) are
+imported on first use (PEP 562), so that what needs neither Lightning nor torch, such as
+``lightning-pipe --help``, does not spend seconds importing them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_pipe.assembly.build import build_pipeline
     from lightning_pipe.partition.stages.materialize import init_like_pipeline
     from lightning_pipe.penalties import parameter_penalty
     from lightning_pipe.runtime.crossing.records import recorded, recording
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PipelineStrategy",
     "__version__",
+    "build_pipeline",
     "init_like_pipeline",
     "parameter_penalty",
     "recorded",
@@ -39,6 +42,7 @@ __all__ = [
 #: the package's names and the module each comes from, imported when first read
 _EXPORTS = {
     "PipelineStrategy": "lightning_pipe.strategy",
+    "build_pipeline": "lightning_pipe.assembly.build",
     "init_like_pipeline": "lightning_pipe.partition.stages.materialize",
     "parameter_penalty": "lightning_pipe.penalties",
     "recorded": "lightning_pipe.runtime.crossing.records",

@@ -158,18 +158,13 @@ class StepsConfig:
         recipe=True,
     )
     """what each micro-batch's loss averages over: its loss and the means it logs are weighted by its share `n_i / N`
-    of the batch's count (in validation and test with replicas, each replica's means by its batch's count too: the
-    global batch's token mean, as plain Lightning on batches of replicas x `batch_size`). Unset, a Hugging Face causal,
-    masked or seq2seq LM (or token classifier) fed dict batches with `labels` is weighted by its labels other than -100
-    (as `token_count`), anything else by its samples, with a warning once where labels with -100 make the two differ;
-    give `token_count` for another loss that is a mean over valid tokens, `"samples"` to keep the samples (see "What
-    happens to your module"). On the command line:
-    `strategy.loss_weight=samples` or `strategy.loss_weight={_target_:lightning_pipe.token_count,labels:2,shift:false}`;
-    the LM recipes set `token_count` themselves."""
+    of the batch's count (with replicas, each replica's by its batch's count too: the global batch's token mean).
+    Unset, a Hugging Face LM or token classifier fed dict batches with `labels` is weighted by its labels other than
+    -100 (as `token_count`), anything else by its samples; give `token_count` for another token-mean loss. On the
+    command line: `strategy.loss_weight={_target_:lightning_pipe.token_count,labels:2,shift:false}`."""
     check_data: bool | int = option(True, values="`True` (default), int N >= 1, `False`")
-    """when the stages compare a checksum of the batch each loaded (64 sampled elements per tensor, carried in the
-    comparison of shapes that runs every step): every step, every N steps and the first of each epoch and evaluation
-    loop, or never (shapes only). See "When something goes wrong"."""
+    """when the stages compare a checksum of the batch each loaded (64 sampled elements per tensor): every step,
+    every N steps and the first of each epoch and evaluation loop, or never (shapes only, every step)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, os.PathLike):  # a schedule text's path
@@ -237,8 +232,8 @@ class PartitionConfig:
         "uniform", values=BALANCE_MODES, more=", or a list of layer counts per stage", recipe=True
     )
     """how the Sequential's layers are assigned to stages, contiguously: equal layer counts, equal parameter counts,
-    or the least slowest / largest stage from a profile measured on the device before the split (identical on every
-    rank; kept in `strategy.profile`; see below)."""
+    or the least slowest / largest stage from a profile measured on the device before the split
+    (`strategy.profile`)."""
     plan: PlanMode | None = option(values=PLANS)
     """let the planner choose the layout's options: `schedule` (among the synchronous ones), `virtual_stages`,
     `chunks`, `balance`, and per stage `recompute` and `offload` (under each rank's memory budget: a GPU's free
@@ -328,16 +323,14 @@ class LayoutConfig:
     )
     """for `balance="time"` and `plan="auto"` on unequal devices: each stage's measured seconds are divided by the
     speed of the rank holding it, so a slower rank gets less work (`[1.0, 0.5]`: rank 1 at half the speed of rank 0).
-    On several processes without it, every rank times the same probe (9 repeats) before the split; speeds within 10%,
-    or within the spread of the repeats, count as equal. See
+    Without it every rank times the same probe; speeds within 10% count as equal. See
     [Unequal devices](layout.md#unequal-devices)."""
     rank_order: Sequence[int] | None = option(
         values="a list of global ranks, each once: the ranks of stage 0's replicas first, then stage 1's"
     )
     """which rank holds which pipeline position (`[0, 2, 1, 3]` on 2 stages x 2 replicas: ranks 0 and 2 hold stage 0).
-    `None`: where the ranks' speeds (`balance="time"`, `plan="auto"`) or free memory (`balance="memory"`) differ by
-    more than 10%, ranks of equal speed are grouped into the same stage and the stages ordered by the predicted step;
-    otherwise rank `r` holds stage `r // replicas`. The planner prints its choice as `strategy.rank_order=[...]`. See
+    `None`: where the ranks' measured speeds or free memory differ by more than 10%, ranks of equal speed share a
+    stage, ordered by the predicted step; otherwise rank `r` holds stage `r // replicas`. See
     [Unequal devices](layout.md#unequal-devices)."""
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """``PipelineStrategy``: Lightning's hooks over one :class:`~lightning_pipe.runtime.pipeline.StagePipeline` per rank.
 
 As ``DDPStrategy`` hands a step's work to the ``DistributedDataParallel`` wrapper, this strategy
-hands it to the pipeline: ``setup`` splits the module (:mod:`lightning_pipe.trainer.assemble`) and builds
+hands it to the pipeline: ``setup`` splits the module (:mod:`lightning_pipe.trainer.stage_setup`) and builds
 the pipeline; ``training_step`` runs the whole schedule of a batch through it
 (:mod:`lightning_pipe.trainer.steps`), and ``backward`` hands the gradients it kept to the parameters
 (Lightning zeroes ``.grad`` in between). Launching, optimizers, loops and callbacks are
@@ -26,13 +26,13 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack
 
 from lightning_pipe.arguments import PipelineArguments
+from lightning_pipe.assembly.split import ModuleSplit
 from lightning_pipe.config import register_variants, split_arguments, strategy_signature
 from lightning_pipe.runtime.pipeline import StagePipeline
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Layout, Topology, describe_rank
 from lightning_pipe.trainer import checkpoint_hooks as hooks
 from lightning_pipe.trainer import internals, nothing_to_train, random_states, stopping
-from lightning_pipe.trainer.assemble import ModuleSplit, build_pipeline, split_module
 from lightning_pipe.trainer.compatibility import check_automatic_optimization, check_correction_optimizers
 from lightning_pipe.trainer.dataloaders.loaders import stage_dataloader
 from lightning_pipe.trainer.dataloaders.resume_data import give_saved_position
@@ -41,6 +41,7 @@ from lightning_pipe.trainer.launch.launcher import Gathering, launcher_for
 from lightning_pipe.trainer.launch.processes import ProcessStrategy
 from lightning_pipe.trainer.precision import across_stages
 from lightning_pipe.trainer.preflight import check_before_launch
+from lightning_pipe.trainer.stage_setup import build_pipeline, split_module
 from lightning_pipe.trainer.steps import PipelineSteps
 
 _PROCESS_ARGUMENTS = tuple(p for p in inspect.signature(ProcessStrategy.__init__).parameters if p != "self")
@@ -165,7 +166,7 @@ class PipelineStrategy(internals.LauncherHook, ProcessStrategy):
             check_automatic_optimization(module)
             stopping.agree_on_stops(trainer)  # should_stop set on one rank stops every rank at the same step
         measure = (self.root_device, self.batch_to_device, self.broadcast, self.precision_plugin.train_step_context)
-        self._split = split_module(module, self.config, self.layout, self.global_rank, *measure, previous=self._split)
+        self._split = split_module(module, self.config, self.layout, self.global_rank, measure, self._split)
         self.config = self._split.config
         internals.recopy_averaged_models(trainer, module)  # StochasticWeightAveraging copied the unsplit module
         if self._topology is None:  # this rank's process groups, built once, where the split placed the ranks

@@ -122,7 +122,7 @@ def test_nothing_below_the_strategy_imports_it() -> None:
 def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None:
     """No module of ``runtime/`` imports ``config`` or anything above the runtime (the schedules and the torch
     internals leaf are below it), not even for
-    type hints: the pipeline runs by :class:`PipelineOptions`, which ``trainer/assemble.py`` builds."""
+    type hints: the pipeline runs by :class:`PipelineOptions`, which ``assembly/split.py`` builds."""
     allowed = (
         "lightning_pipe.runtime",
         "lightning_pipe.schedules",
@@ -143,7 +143,7 @@ def test_the_runtime_takes_its_own_options_not_the_strategys_arguments() -> None
 
 
 #: The core: usable from plain PyTorch, below everything that knows the Trainer.
-CORE = ("schedules", "partition", "runtime", "checkpoint", "weights", "plan")
+CORE = ("schedules", "partition", "runtime", "checkpoint", "weights", "plan", "assembly")
 #: Where Lightning may be imported: the Trainer's side, the recipes (LightningModules the command line runs), and at
 #: the top the face, the strategy, the command line and the strategy's typed keywords
 LIGHTNING_SIDE = ("trainer", "observe", "recipes")

@@ -47,6 +47,7 @@ COVERED_BY: dict[str, tuple[str, ...]] = {
     "schedules/runnable": ("schedules/test_rendezvous.py",),
     "schedules/simulate": ("schedules/test_properties.py",),
     "schedules/validate": ("schedules/test_properties.py",),
+    "trainer/compatibility": ("trainer/test_errors.py", "trainer/test_preflight.py"),
     "trainer/dataloaders/loaders": ("trainer/dataloaders/test_replica_data.py",),
     "trainer/internals": ("test_imports.py",),
     "trainer/launch/processes": ("trainer/launch/test_launcher.py",),
@@ -54,6 +55,7 @@ COVERED_BY: dict[str, tuple[str, ...]] = {
     "trainer/nothing_to_train": ("runtime/grads/test_frozen.py",),
     "trainer/precision": ("trainer/test_lifecycle.py",),
     "trainer/reductions": ("trainer/test_lifecycle.py",),
+    "trainer/stage_setup": ("trainer/test_preflight.py", "trainer/launch/test_restarts.py", "test_strategy.py"),
     "trainer/steps": ("trainer/test_faults.py",),
     "weights/hf_conversion": ("runtime/blocks/test_hf_families.py",),
 }

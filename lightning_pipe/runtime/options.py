@@ -3,7 +3,7 @@
 The strategy's arguments are checked once, above the runtime, and keep the user's spelling (None
 for "the schedule's default", ``chunks`` unset, ``data_parallel`` by name). The pipeline takes
 only what it uses, already resolved for this run's layout, so nothing below reads the strategy's
-arguments or decides their defaults again; ``trainer/assemble.py`` builds this value from them.
+arguments or decides their defaults again; ``assembly/split.py`` builds this value from them.
 """
 
 from __future__ import annotations

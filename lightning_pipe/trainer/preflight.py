@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_pipe.assembly.refusals import check_async, check_shard
+from lightning_pipe.assembly.split import decide_split
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential
 from lightning_pipe.runtime.replicas.elastic_averaging import resolve_alpha
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import is_async
-from lightning_pipe.trainer.assemble import decide_split, for_this_world
-from lightning_pipe.trainer.compatibility import check_async, check_async_accumulation, check_shard
+from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async_accumulation
+from lightning_pipe.trainer.stage_setup import for_this_world
 
 
 def builds_layers_later(module: nn.Module) -> bool:
@@ -47,15 +49,16 @@ def check_before_launch(
         if builds_layers_later(module):
             return  # the layers may not exist before configure_model(): the setup checks them
         raise
-    decision = decide_split(module, layers, config, layout)  # split_module's own steps, as a dry run
-    # weights tied across stages: known where the balance is (not a measured one)
-    _check_versions(module, layers, config, layout, bool(decision.tied))
+    with as_misconfiguration():  # the layout's refusals, as the setup raises them
+        decision = decide_split(module, layers, config, layout)  # split_module's own steps, as a dry run
+        # weights tied across stages: known where the balance is (not a measured one)
+        _check_versions(module, layers, config, layout, bool(decision.tied))
 
 
 def _check_versions(
     module: nn.Module, layers: nn.Sequential | nn.ModuleList, config: PipelineConfig, layout: Layout, tied: bool
 ) -> None:
-    """The refusals of :func:`~lightning_pipe.trainer.assemble.build_pipeline` that the module decides: weight
+    """The refusals of :func:`~lightning_pipe.assembly.split.pipeline_for` that the module decides: weight
     versions (the asynchronous schedules) and sharded weights kept for the split layers only, while the model
     trains parameters outside them (a block container's embeddings and head), or ties weights across stages."""
     inside = {id(p) for p in layers.parameters()}

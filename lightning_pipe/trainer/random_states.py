@@ -17,23 +17,14 @@ from __future__ import annotations
 import os
 import random
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_pipe.runtime.topology import Layout
-
 KEY = "lightning_pipe_random"  # the checkpoint entry (in the metadata rank 0 writes)
-
-
-def layout_key(layout: Layout, balance: Sequence[int] | None) -> list[Any]:
-    """What must match for a rank's saved state to be its own: every rank's stage and replica, and
-    the layers per stage."""
-    ranks = [[layout.stage_of(r), layout.replica_of(r)] for r in range(layout.world_size)]
-    return [ranks, list(balance) if balance else None]
 
 
 def collect() -> dict[str, Any]:

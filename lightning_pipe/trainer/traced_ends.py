@@ -22,7 +22,6 @@ from torch import nn
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.measure.measured import MeasureInputs
 from lightning_pipe.partition.stages.end_trace import TracedEnds, trace_ends
-from lightning_pipe.partition.stages.ends import Ends
 from lightning_pipe.partition.stages.hf_init import is_pretrained_model
 from lightning_pipe.partition.stages.materialize import has_meta_tensors
 from lightning_pipe.runtime.microbatch import split
@@ -97,25 +96,3 @@ def traced_ends(
 
                 traced = trace_ends(module, layers, run)
     return inputs.broadcast(traced)
-
-
-def ends_line(traced: TracedEnds, ends: Ends) -> str:
-    """What the setup says of the traced ends, as the split keeps them (a traced end whose weight a module on
-    every stage also holds stays there too); nothing where no module beside the split layers holds parameters."""
-    if not (traced.first or traced.last or traced.kept or traced.failed):
-        return ""
-    if traced.failed is not None:
-        return (
-            f"lightning-pipe: the modules outside the split layers stay on every stage ({traced.failed}); name the end "
-            "stages' own with PipelineStrategy(first_stage=[...], last_stage=[...])."
-        )
-    first, last = [p for p, _ in ends.pre], [p for p, _ in ends.post]
-    kept = list(traced.kept) + [(p, "shares a weight with a module on every stage") for p in traced.first + traced.last
-                                if p not in first + last]  # fmt: skip
-    line = (
-        f"lightning-pipe: traced one step: {', '.join(first) or 'nothing'} on the first stage only, "
-        f"{', '.join(last) or 'nothing'} on the last stage only"
-    )
-    if kept:
-        line += "; on every stage: " + ", ".join(f"{path} ({why})" for path, why in kept)
-    return line + ". PipelineStrategy(first_stage=[...], last_stage=[...]) names them by hand."

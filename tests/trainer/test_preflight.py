@@ -139,7 +139,8 @@ def test_the_preflight_is_the_splits_own_decision_run_dry(monkeypatch: pytest.Mo
     """The launching process runs split_module's :func:`decide_split` without measuring (the two
     cannot disagree): a given balance is decided as the split decides it, ties included; a measured
     one is left to the setup, where the same function takes the measured counts."""
-    from lightning_pipe.trainer import assemble, preflight
+    from lightning_pipe.assembly import split as assemble
+    from lightning_pipe.trainer import preflight
 
     seen: list[assemble.SplitDecision] = []
 

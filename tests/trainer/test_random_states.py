@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_pipe.assembly.split import layout_key
 from lightning_pipe.runtime.topology import Layout
-from lightning_pipe.trainer.random_states import KEY, ResumedRandom, collect, gathered, layout_key
+from lightning_pipe.trainer.random_states import KEY, ResumedRandom, collect, gathered
 
 
 def _draws() -> tuple[torch.Tensor, float, float]:

@@ -101,11 +101,9 @@ def test_stages_that_would_sum_different_outside_parameters_are_refused_at_setup
     """Whatever makes the stages list different parameters outside the blocks (here: the head's bias
     left on the first stage under its second name, as before it was released there), the run stops at
     setup with the names, not with gloo's abort in the first step's sum."""
-    import lightning_pipe.trainer.assemble
+    import lightning_pipe.assembly.split
 
-    monkeypatch.setattr(
-        lightning_pipe.trainer.assemble, "release_parameters", lambda slots: []
-    )  # fork: the children too
+    monkeypatch.setattr(lightning_pipe.assembly.split, "release_parameters", lambda slots: [])  # fork: the children too
     family = BY_NAME["BERT masked LM (tied)"]
     with pytest.raises(
         Exception, match=r"disagree on the parameters outside the split layers.*model\.cls\.predictions\.bias"

@@ -165,11 +165,12 @@ def test_elastic_refuses_a_layout_it_cannot_average_before_launch(
 def test_elastic_refuses_a_gradient_scaler() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from lightning_pipe.trainer.compatibility import check_elastic_scaler
+    from lightning_pipe.assembly.refusals import check_elastic_scaler
+    from lightning_pipe.trainer.compatibility import as_misconfiguration
 
     check_elastic_scaler("elastic", None)
     check_elastic_scaler("allreduce", torch.amp.GradScaler("cpu"))
-    with pytest.raises(MisconfigurationException, match="16-mixed"):
+    with pytest.raises(MisconfigurationException, match="16-mixed"), as_misconfiguration():  # as the Trainer sees it
         check_elastic_scaler("elastic", torch.amp.GradScaler("cpu"))
 
 

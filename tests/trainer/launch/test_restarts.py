@@ -82,7 +82,7 @@ def test_the_layout_fits_the_world_only_when_elastic() -> None:
 def test_a_given_rank_order_places_the_layout_unless_an_elastic_restart_changed_the_world(caplog) -> None:
     """``rank_order`` names the rank of each slot for its world; an elastic run restarted on fewer
     processes leaves it (and ``rank_speeds``) aside, with a warning, and measures the speeds instead."""
-    from lightning_pipe.trainer.assemble import for_this_world
+    from lightning_pipe.trainer.stage_setup import for_this_world
 
     config = PipelineConfig(stages=2, balance="time", rank_order=[0, 2, 1, 3], rank_speeds=[1.0, 0.5, 1.0, 0.5])
     assert layout(4, config).order == (0, 2, 1, 3) and for_this_world(config, 4) is config

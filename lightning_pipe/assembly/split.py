@@ -1,9 +1,11 @@
-"""How a LightningModule becomes this rank's pipeline: its ``nn.Sequential`` split into stages
+"""How a module becomes this rank's pipeline: its ``nn.Sequential`` split into stages
 (:func:`split_module`), then a :class:`~lightning_pipe.runtime.pipeline.StagePipeline` over them
-(:func:`build_pipeline`), which runs by the options resolved from the run's arguments
-(:func:`pipeline_options`).
+(:func:`pipeline_for`), which runs by the options resolved from the run's arguments
+(:func:`pipeline_options`). Nothing here knows the Trainer: the strategy's setup
+(:mod:`lightning_pipe.trainer.stage_setup`) and a plain PyTorch loop (:mod:`lightning_pipe.assembly.build`)
+both call it, each handing in how it reports and measures.
 
-The split runs in the strategy's setup, before the optimizers exist: ``plan="auto"`` and the
+The split runs before the optimizers exist: ``plan="auto"`` and the
 measured balances profile the layers first (every rank at once; rank 0's numbers decide), then
 each rank keeps only its stages (built on the meta device, only they get storage), loads them
 from ``weights=`` if given, and puts them in the module under the Sequential's own attribute and
@@ -14,16 +16,14 @@ layer names. What it decided is kept in a :class:`ModuleSplit` for the run, so a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pipe.assembly.refusals import check_async, check_chimera_layout, check_elastic_scaler, check_shard
 from lightning_pipe.checkpoint import stage_io, tie_aliases
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import (
@@ -49,6 +49,7 @@ from lightning_pipe.partition.stages.end_trace import TracedEnds
 from lightning_pipe.partition.stages.ends import (
     end_parameters,
     end_stages,
+    ends_line,
     extended,
     held_end_parameters,
     local_end_indices,
@@ -59,11 +60,10 @@ from lightning_pipe.partition.stages.materialize import has_meta_tensors, materi
 from lightning_pipe.partition.stages.split import stage_bounds
 from lightning_pipe.partition.stages.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
-from lightning_pipe.plan.restart_layout import restart_replicas_sync
 from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage, uniform_recompute
 from lightning_pipe.runtime.asynchronous.pipemare import resolve
 from lightning_pipe.runtime.blocks.container import BlockStage
-from lightning_pipe.runtime.crossing.skips import routes_line, skip_routes
+from lightning_pipe.runtime.crossing.skips import skip_routes
 from lightning_pipe.runtime.grads.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
@@ -71,21 +71,14 @@ from lightning_pipe.runtime.replicas.elastic_averaging import DEFAULT_PERIOD, re
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
-from lightning_pipe.trainer.compatibility import (
-    as_misconfiguration,
-    check_async,
-    check_chimera_layout,
-    check_elastic_scaler,
-    check_shard,
-)
-from lightning_pipe.trainer.dataloaders.loaders import configured_optimizers, first_batch
-from lightning_pipe.trainer.launch.restarts import restart_count
-from lightning_pipe.trainer.layout_report import activations_part, describe_layout, rank_info, tells_crossing
-from lightning_pipe.trainer.random_states import layout_key
-from lightning_pipe.trainer.traced_ends import ends_line, traced_ends
 from lightning_pipe.weights import load_stage_weights, model_spec
 
 log = logging.getLogger(__name__)
+
+#: Tells a line to the user (the Trainer's rank-zero log, or the logging module's).
+Report = Callable[[str], None]
+#: Traces one step of a model of the user's own to find its ends (see :mod:`lightning_pipe.partition.stages.end_trace`).
+TraceEnds = Callable[[Any, nn.Sequential | nn.ModuleList, PipelineConfig, int, MeasureInputs], TracedEnds | None]
 
 
 @dataclass
@@ -148,29 +141,49 @@ class ModuleSplit:
         )  # fmt: skip
 
 
-def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables positionally (typed config's refactor)
+@dataclass(frozen=True)
+class SplitCalls:
+    """What :func:`split_module` asks of its caller beyond the module and the arguments.
+
+    Attributes:
+        report: tells a line on rank 0 (the planner's choice, the ends found, the weights loaded).
+        trace: finds the ends of a model of the user's own by tracing a step; None: the arguments name them.
+        describe: tells the layout that runs, on rank 0: ``(config, layout, decision, placement, candidates,
+            skips)``; None: told by nobody.
+    """
+
+    report: Report = log.info
+    trace: TraceEnds | None = None
+    describe: Callable[..., None] | None = None
+
+
+def layout_key(layout: Layout, balance: Sequence[int] | None) -> list[Any]:
+    """What must match for a rank's saved state to be its own: every rank's stage and replica, and
+    the layers per stage."""
+    ranks = [[layout.stage_of(r), layout.replica_of(r)] for r in range(layout.world_size)]
+    return [ranks, list(balance) if balance else None]
+
+
+def split_module(
     module: Any,
     config: PipelineConfig,
     layout: Layout,
     rank: int,
-    device: torch.device,
-    to_device: Callable[[Any, torch.device], Any],
-    broadcast: Callable[[Any], Any],
-    context: Callable[[], AbstractContextManager[Any]],
+    inputs: MeasureInputs,
+    calls: SplitCalls = SplitCalls(),
     previous: ModuleSplit | None = None,
 ) -> ModuleSplit:
     """Replace the Sequential by this rank's stage, under the same attribute and layer names.
 
     Its steps: the plan (``plan="auto"``), the split's decision (:func:`decide_split`, which the
     launching process also runs as a dry run before the launch), then this rank's stages built and put
-    in place (:func:`_keep_stages`). Measuring (``plan="auto"``, ``balance="time"/"memory"``) moves the
-    run's first batch with ``to_device``, runs in the precision's ``context`` on ``device`` and gives every
-    rank rank 0's numbers with ``broadcast``. ``previous``: what an earlier setup of the run decided.
+    in place (:func:`_keep_stages`). Measuring (``plan="auto"``, ``balance="time"/"memory"``) takes the
+    run's first batch, device, precision context and broadcast from ``inputs``. ``previous``: what an
+    earlier setup of the run decided.
     ``layout``: the world's stages x replicas, which a measured split or the planner may place anew (on
     unequal devices, which rank holds which stage); the split's placement holds the layout that runs."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    config = for_this_world(config, layout.world_size, layout.replicas)
-    inputs = measure_inputs(module, to_device, device, rank == 0, broadcast, context)
+    device = inputs.device
     name, layers = find_sequential(module, config.module)
     if isinstance(layers, (StageModule, BlockStage)):  # set up before (fit, then test): already split
         if previous is not None:
@@ -180,27 +193,21 @@ def split_module(  # noqa: PLR0913  strategy.py passes the measuring callables p
     profile = previous.profile if previous is not None else None
     candidates = previous.candidates if previous is not None else None
     if config.plan == "auto" and layout.stages > 1 and candidates is None:
-        config, profile, candidates = apply_plan(config, layout, module, layers, inputs, rank_zero_info)
+        config, profile, candidates = apply_plan(config, layout, module, layers, inputs, calls.report)
         layout = layout.placed(config.rank_order)
     resources = previous.resources if previous is not None else None  # measured once a run, as the profile
     measured = _Measurement(module, layers, config, layout, inputs, profile, resources)
-    traced = traced_ends(module, layers, config, layout.stages, inputs)  # a model of the user's own: its ends
+    traced = calls.trace(module, layers, config, layout.stages, inputs) if calls.trace is not None else None
     decision = decide_split(module, layers, config, layout, measured.balance, traced)
     if rank == 0 and traced is not None and (line := ends_line(traced, decision.ends)):
-        rank_zero_info(line)
+        calls.report(line)
     assert decision.balance is not None  # with a measurement, every balance is known
     placement = Placement(measured.layout, rank, tuple(decision.positions), device, backend)
     names = tuple(module.state_dict(keep_vars=True))  # before the split: the whole module's order
-    split, held_split, deferred_build = _keep_stages(module, name, layers, config, decision, placement)
-    if rank == 0 and not config.plan_all_layouts:  # where Lightning prints its setup lines; `plan` trains nothing
-        layout = measured.layout
-        chunks = config.num_microbatches(layout.stages)
-        line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
-        options = pipeline_options(config, placement)
-        predicted = candidates[0].activation_bytes if candidates else ()
-        line += activations_part(options.recompute, options.offload, predicted)
+    split, held_split, deferred_build = _keep_stages(module, name, layers, config, decision, placement, calls.report)
+    if rank == 0 and not config.plan_all_layouts and calls.describe is not None:  # `plan` trains nothing
         skips = skip_routes(list(layers), decision.balance) if isinstance(layers, nn.Sequential) else {}
-        rank_zero_info(line + routes_line(skips, decision.positions, traits(config.schedule).mirrored))
+        calls.describe(config, measured.layout, decision, placement, candidates, skips)
     held_ends = held_end_parameters(decision.ends, held_split, decision.num_split)
     return ModuleSplit(
         config,
@@ -336,6 +343,7 @@ def _keep_stages(
     config: PipelineConfig,
     decision: SplitDecision,
     placement: Placement,
+    report: Report,
 ) -> tuple[StageSplit, list[int], bool]:
     """Keep this rank's stages of ``decision`` in ``module``: materialised where the module was built on
     the meta device, under the Sequential's attribute, the rest released, ``weights=`` loaded. Returns
@@ -361,30 +369,8 @@ def _keep_stages(
     release_elsewhere(module, with_ends, local, stage)
     release_parameters(foreign)
     if spec is not None and config.weights is not None:
-        load_stage_weights(module, config.weights, spec, rename=config.rename, report=rank_zero_info)
+        load_stage_weights(module, config.weights, spec, rename=config.rename, report=report)
     return StageSplit(stage, stages, ties), held_split, deferred_build
-
-
-def for_this_world(config: PipelineConfig, world_size: int, replicas: int | None = None) -> PipelineConfig:
-    """``config`` for the world of an elastic run's restart: without the per-process arguments
-    (``rank_speeds``, ``rank_order``) that name another number of processes (the ranks' speeds are
-    then measured and place them, as without those arguments; a warning says so), and under
-    ``replicas_sync="allreduce"`` where elastic averaging is left with one replica of each stage
-    (``replicas``: the layout's; the restart's report says so)."""
-    if config.elastic is False:
-        return config
-    given = {name: getattr(config, name) for name in ("rank_speeds", "rank_order")}
-    stale = [name for name, values in given.items() if values is not None and len(values) != world_size]
-    for name in stale:
-        log.warning(
-            "lightning-pipe elastic: %s names %d processes and the run restarted on %d: the ranks' speeds are "
-            "measured instead.", name, len(given[name]), world_size,
-        )  # fmt: skip
-    changes: dict[str, Any] = dict.fromkeys(stale)
-    sync = restart_replicas_sync(config.replicas_sync, replicas or 0, restart_count() > 0)
-    if sync != config.replicas_sync:
-        changes.update(replicas_sync=sync, replicas_sync_period=None, replicas_sync_alpha=None)
-    return config.replace(**changes) if changes else config
 
 
 def check_held_parameters(
@@ -433,27 +419,6 @@ def refuse_for_blocks(config: PipelineConfig) -> None:
         )
 
 
-def measure_inputs(
-    module: Any,
-    to_device: Callable[[Any, torch.device], Any],
-    device: torch.device,
-    is_source: bool,
-    broadcast: Callable[[Any], Any],
-    context: Callable[[], AbstractContextManager[Any]],
-) -> MeasureInputs:
-    """What profiling before the split needs: the run's first batch (drawn when first asked for,
-    moved by ``to_device`` to the device the module's tensors are on), this rank's device, whether
-    its numbers decide, the broadcast and the precision's training context."""
-
-    def batch() -> Any:
-        home = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
-        return to_device(first_batch(module.trainer), home)
-
-    return MeasureInputs(
-        batch, device, is_source, broadcast, context, lambda: configured_optimizers(module), gather_objects()
-    )
-
-
 def gather_objects() -> Callable[[Any], list[Any]] | None:
     """Every global rank's object, on every rank (an all-gather over the world), or None in a world
     of one process."""
@@ -497,9 +462,10 @@ def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOp
     )
 
 
-def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, scaler: Any) -> StagePipeline:
+def pipeline_for(module: nn.Module, split: ModuleSplit, topology: Topology, scaler: Any = None) -> StagePipeline:
     """This rank's pipeline over the split stages, after refusing the combinations of schedule,
-    sharding, ties, parameters outside the Sequential and precision that cannot train."""
+    sharding, ties, parameters outside the Sequential and precision that cannot train
+    (:class:`~lightning_pipe.assembly.refusals.LayoutRefused`). ``scaler``: a gradient scaler, if any."""
     config, placement = split.config, split.placement
     held = {id(p) for p in split.split.host.parameters()} | {id(p) for p in split.held_ends}
     # by identity: a parameter also reachable under another name (a tie, a model kept beside its
@@ -514,10 +480,4 @@ def build_pipeline(module: nn.Module, split: ModuleSplit, topology: Topology, sc
     if is_async(config.schedule):
         p = placement.num_stages
         check_async(config.schedule, module, beyond_layers, tied, p, config.num_microbatches(p), scaler, blocks)
-    with as_misconfiguration():
-        pipeline = StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)
-    mirrored, stages = traits(config.schedule).mirrored, len(placement.positions)
-    for stage, runner in pipeline.runners.items():  # what crosses beside the hidden state: each boundary once
-        if tells_crossing(stage, stages, placement.replica, mirrored):
-            runner.tell = rank_info(placement.rank)
-    return pipeline
+    return StagePipeline(pipeline_options(config, placement), placement, split.split, topology, module, shared)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_pipe.assembly.split import pipeline_options
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.runtime.asynchronous.pipemare import DEFAULT_WARMUP
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.topology import Layout, Placement
-from lightning_pipe.trainer.assemble import pipeline_options
 
 
 def _placement(stages: int, replicas: int = 1) -> Placement:

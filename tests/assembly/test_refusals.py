@@ -1,12 +1,11 @@
-"""The refusals of compatibility.py speak of what was split: an nn.Sequential or a block container."""
+"""The layout's refusals speak of what was split: an nn.Sequential or a block container, and say what to change."""
 
 from __future__ import annotations
 
 import pytest
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_pipe.trainer.compatibility import check_async, check_shard
+from lightning_pipe.assembly.refusals import LayoutRefused, check_async, check_shard
 
 
 def test_the_asynchronous_schedules_take_parameters_outside_the_split_and_refuse_ties_that_drift() -> None:
@@ -16,7 +15,7 @@ def test_the_asynchronous_schedules_take_parameters_outside_the_split_and_refuse
     model.wte = nn.Embedding(4, 2)
     check_async("pipedream", model, [model.wte.weight], False, 2, 4, None, blocks="model.transformer.h")
     check_async("pipedream", model, [model.wte.weight], False, 2, 4, None)
-    with pytest.raises(MisconfigurationException, match="copies of a weight tied across stages would drift"):
+    with pytest.raises(LayoutRefused, match="copies of a weight tied across stages would drift"):
         check_async("pipedream", model, [model.wte.weight], True, 2, 4, None, blocks="model.transformer.h")
 
 
@@ -25,5 +24,5 @@ def test_shard_takes_parameters_outside_the_split_and_ties_and_refuses_weight_ve
     weight = nn.Parameter(nn.Linear(2, 2).weight.detach())
     check_shard("1f1b", [weight], True, blocks="model.model.layers")
     check_shard("zero_bubble", [weight], False)
-    with pytest.raises(MisconfigurationException, match="schedule='pipedream' keeps weight versions"):
+    with pytest.raises(LayoutRefused, match="schedule='pipedream' keeps weight versions"):
         check_shard("pipedream", [weight], False, blocks="model.model.layers")
