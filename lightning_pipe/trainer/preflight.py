@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential
-from lightning_pipe.runtime.replicas.elastic_averaging import resolve_alpha
+from lightning_pipe.resolve import resolve
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import is_async
 from lightning_pipe.trainer.assemble import decide_split, for_this_world
@@ -38,8 +38,9 @@ def check_before_launch(
     refuses). Nothing is split, built or measured here."""
     config = for_this_world(config, layout.world_size, layout.replicas)  # an elastic restart's own
     check_async_accumulation(config.schedule, accumulate_grad_batches)
-    resolve_alpha(config.replicas_sync, layout.replicas, config.replicas_sync_alpha)  # elastic averaging needs replicas
-    if module is None or config.plan == "auto":
+    planned = config.plan == "auto"  # the planner settles the activations in the setup, with the split
+    resolve(config.replace(recompute="never", offload=False) if planned else config, layout)  # the setup's, dry
+    if module is None or planned:
         return
     try:
         _, layers = find_sequential(module, config.module)
