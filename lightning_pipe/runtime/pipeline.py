@@ -108,13 +108,15 @@ class StagePipeline:
         model: nn.Module,
         shared: Sequence[nn.Parameter] = (),
     ) -> None:
-        self.options, self.placement, self.topology = options, placement, topology
+        self.options = options
+        self.placement, self.topology = placement, topology
         self.host, self.stages = split.host, split.stages
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self.timeline: Timeline | None = None  # see enable_timeline
         self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
         self._update_hooks: list[Any] = []
-        self.shards, shared = self._shard(model, shared)  # every later step reads the parameters it put in place
+        # each part from the parts before it: sharding replaces the parameters the others hold
+        self.shards, shared = self._shard(model, shared)
         self.params = list(model.parameters())
         self.gradients = self._stage_gradients(split.ties, model, shared)
         self.transport = self._transport()

@@ -43,7 +43,6 @@ from lightning_pipe.schedules.traits import (
     DEFAULT_SCHEDULE,
     TRAITS,
     ScheduleTraits,
-    stage_positions,
     traits,
 )
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
@@ -72,6 +71,12 @@ def build(
     :class:`RendezvousError` where that is impossible (too few micro-batches). A run's own schedule
     is built from its resolved traits instead (:func:`~.from_traits.schedule_for`)."""
     return schedule_for(traits(name), num_ranks, num_microbatches, virtual_stages, rendezvous)
+
+
+def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:
+    """For each stage of schedule ``name``, the pipeline position (rank) that holds it (see
+    :func:`~.from_traits.positions_for`)."""
+    return positions_for(traits(name), num_ranks, virtual_stages)
 
 
 def check_virtual_stages(name: str, virtual_stages: int) -> None:

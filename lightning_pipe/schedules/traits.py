@@ -19,7 +19,6 @@ from lightning_pipe.schedules.families.dualpipe import dualpipev, dualpipev_min_
 from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.families.sync import gpipe, one_f_one_b
 from lightning_pipe.schedules.families.zero_bubble import zbv, zero_bubble
-from lightning_pipe.schedules.from_traits import positions_for
 from lightning_pipe.schedules.text import ScheduleTextError, is_schedule_text, load_schedule, text_for_run
 
 #: The schedule ``PipelineStrategy`` runs unless told otherwise.
@@ -260,12 +259,6 @@ def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
         overlaps=bool(schedule.overlapped),
         text=schedule,
     )
-
-
-def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:
-    """For each stage of schedule ``name``, the pipeline position (rank) that holds it (see
-    :func:`~.from_traits.positions_for`)."""
-    return positions_for(traits(name), num_ranks, virtual_stages)
 
 
 def stage_counts(name: str, candidates: list[int]) -> list[int]:
