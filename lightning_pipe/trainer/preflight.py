@@ -2,7 +2,8 @@
 
 Every rank checks its split in the strategy's setup, after the processes have started and joined
 the process group: a mistake found there costs the start of every process and is raised once per
-rank. What the module and the arguments alone decide (the schedule's layout, more stages than
+rank. What the module and the arguments alone decide (what :func:`~lightning_pipe.resolve.resolve`
+refuses for the layout, the schedule's layout, more stages than
 layers, a process left without parameters, a schedule that a block container cannot run, weight
 versions or sharded weights for a model that trains parameters outside its split layers or ties
 weights across stages) is
