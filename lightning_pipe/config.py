@@ -415,9 +415,10 @@ class AsynchronousConfig:
     [Schedules](schedules.md#the-asynchronous-schedules))."""
     delay_correction: str | None = option(values=(None, *CORRECTIONS), unset="off")
     """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, the Nesterov
-    method's NAdam step (beta1: `delay_correction_coefficient`) over the stashed gradients (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; with
-    plain SGD at an Adam-sized lr, other optimizers refused), or `"error_feedback"`, the one-step delay's error fed
-    back (`"pipedream_2bw"`; with Adam or AdamW, SGD refused); see [Schedules](schedules.md#delay-corrections)."""
+    method's NAdam step (its beta1: `delay_correction_coefficient`) over the stashed gradients (`"pipedream"`,
+    `"pipedream_2bw"`, `"wpipe"`; with plain SGD at an Adam-sized lr, other optimizers refused), or
+    `"error_feedback"`, the one-step delay's error fed back (`"pipedream_2bw"`; with Adam or AdamW, SGD refused); see
+    [Schedules](schedules.md#delay-corrections)."""
     delay_correction_coefficient: float | None = option(
         values="float in [0, 1)",
         unset=f'{DEFAULT_COEFFICIENTS["nesterov"]} under `"nesterov"` (beta1), '

@@ -37,11 +37,6 @@ class Activations:
         if len(self.recompute) != len(self.offload):
             raise ValueError(f"one recompute mode and one offload per stage; got {self.recompute} and {self.offload}")
 
-    @classmethod
-    def uniform(cls, num_stages: int, recompute: RecomputeMode = "never") -> Activations:
-        """Every one of ``num_stages`` stages in ``recompute`` mode, none offloaded."""
-        return cls((recompute,) * num_stages, (None,) * num_stages)
-
 
 @dataclass(frozen=True)
 class AllReduce:
