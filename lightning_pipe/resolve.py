@@ -34,7 +34,7 @@ def resolve(config: PipelineConfig, layout: Layout) -> PipelineOptions:
     averaging without replicas)."""
     schedule = traits(config.schedule)  # the run's one lookup: a text's file is read here, once
     num_microbatches = microbatch_count(config.chunks, schedule, layout.stages)
-    virtual = config.virtual_stages or schedule.virtual_stages  # PipelineConfig resolves it; None only when unset
+    virtual = int(config.virtual_stages)  # PipelineConfig settles it from the schedule when unset
     return PipelineOptions(
         schedule=schedule,
         num_microbatches=num_microbatches,
