@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_pipe.config import (
-    CorrectionName,
+    Correction,
     DataParallelMode,
     PlanMode,
     Predictor,
@@ -60,7 +60,7 @@ class PipelineArguments(TypedDict, total=False):
     pipemare_correction: bool | None
     pipemare_decay: float | None
     xpipe_predictor: Predictor | None
-    delay_correction: CorrectionName | None
+    delay_correction: Correction | None
     delay_correction_coefficient: float | None
     weights: str | Path | None
     init: Callable[[nn.Module], None] | None

@@ -43,10 +43,23 @@ from lightning_pipe.runtime.activations.policy import (
     uniform_recompute,
 )
 from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
-from lightning_pipe.runtime.asynchronous.delay_correction import CORRECTIONS, CorrectionName, check_delay_correction
-from lightning_pipe.runtime.asynchronous.xpipe import PREDICTORS, Predictor
+from lightning_pipe.runtime.asynchronous.delay_correction import (
+    CORRECTIONS,
+    DEFAULT_COEFFICIENTS,
+    Correction,
+    check_delay_correction,
+)
+from lightning_pipe.runtime.asynchronous.pipemare import DEFAULT_DECAY, DEFAULT_WARMUP
+from lightning_pipe.runtime.asynchronous.xpipe import DEFAULT_PREDICTOR, PREDICTORS, Predictor
 from lightning_pipe.runtime.loss_weights import LossWeight, check_loss_weight
-from lightning_pipe.runtime.replicas.elastic_averaging import REPLICAS_SYNC, ReplicasSyncMode, check_replicas_sync
+from lightning_pipe.runtime.microbatch import CHUNKS_PER_STAGE, microbatch_count
+from lightning_pipe.runtime.replicas.elastic_averaging import (
+    DEFAULT_BETA,
+    DEFAULT_PERIOD,
+    REPLICAS_SYNC,
+    ReplicasSyncMode,
+    check_replicas_sync,
+)
 from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, DataParallelMode, check_layout_arguments
 from lightning_pipe.schedules import TRAITS, ScheduleName, check_virtual_stages, get_schedule, traits
 from lightning_pipe.weights import check_weights_argument
@@ -83,6 +96,15 @@ def option(
     return field(default=default, metadata={**meta, "internal": internal})
 
 
+def _several_stages() -> str:
+    """Which schedules hold several stages per process by default, and how many (from the traits table)."""
+    by_count: dict[int, list[str]] = {}
+    for name, t in TRAITS.items():
+        if t.virtual_stages > 1:
+            by_count.setdefault(t.virtual_stages, []).append(f'`"{name}"`')
+    return "; ".join(f"{n} for {', '.join(names[:-1])} and {names[-1]}" for n, names in by_count.items())
+
+
 def _check(ok: bool, message: str, error: type[Exception] = ValueError) -> None:
     if not ok:
         raise error(message)
@@ -109,13 +131,12 @@ class StepsConfig:
     twice): see below. The asynchronous schedules (PipeDream, PipeDream-2BW, PipeMare, XPipe, WPipe) never flush (see
     below). A schedule text is synchronous, validated before training; its stages per process and its micro-batches
     are the text's (`chunks` must agree)."""
-    chunks: int | None = option(values="int >= 1", unset="`2 * stages`, or a schedule text's count")
+    chunks: int | None = option(values="int >= 1", unset=f"`{CHUNKS_PER_STAGE} * stages`, or a schedule text's count")
     """micro-batches per batch. A batch smaller than `chunks` (an epoch's last batch) is split into as many as it has
     samples; uneven splits are fine."""
     virtual_stages: int | None = option(
         values="int",
-        unset='the schedule\'s, 2 for `"interleaved_1f1b"`, `"interleaved_zero_bubble"`, `"zbv"` and '
-        '`"dualpipev"`, else 1',
+        unset=f"the schedule's, {_several_stages()}, else 1",
     )
     """stages per process: the Sequential is split into processes x `virtual_stages` stages by `balance`.
     `"interleaved_1f1b"` and `"interleaved_zero_bubble"` take any value >= 2, `"zbv"` and `"dualpipev"` exactly 2, the
@@ -353,9 +374,11 @@ class ReplicasConfig:
     (they train as one model on the global batch), or AvgPipe's elastic averaging (each steps on its own batches;
     every `replicas_sync_period` steps replicas and a center variable pull towards each other; synchronous schedules
     only; see [Replicas](layout.md#replicas-of-the-pipeline))."""
-    replicas_sync_period: int | None = option(values="int >= 1", unset="4")
+    replicas_sync_period: int | None = option(values="int >= 1", unset=f"{DEFAULT_PERIOD}")
     """optimizer steps between two averagings (`replicas_sync="elastic"`)."""
-    replicas_sync_alpha: float | None = option(values="float in (0, 1), replicas x alpha <= 1", unset="0.9 / replicas")
+    replicas_sync_alpha: float | None = option(
+        values="float in (0, 1), replicas x alpha <= 1", unset=f"{DEFAULT_BETA} / replicas"
+    )
     """the elastic coefficient (`replicas_sync="elastic"`)."""
 
     def check(self) -> None:
@@ -370,7 +393,7 @@ class AsynchronousConfig:
     """The options of the asynchronous schedules' rules (PipeMare's and XPipe's, the delay corrections)."""
 
     pipemare_warmup: int | None = option(
-        values="int K >= 0", unset='1000 under `"pipemare"`, off under the PipeDream schedules'
+        values="int K >= 0", unset=f'{DEFAULT_WARMUP} under `"pipemare"`, off under the PipeDream schedules'
     )
     """PipeMare's learning-rate rescheduling for the asynchronous schedules: stage i's step size starts at
     `lr / tau_i` and returns to yours over K optimizer updates (`lr * tau_i ** -(1 - min(k / K, 1))` at update k);
@@ -379,21 +402,24 @@ class AsynchronousConfig:
     """PipeMare's discrepancy correction: each backward runs on the weights predicted for its forward's moment from a
     velocity of the updates (`"pipemare"` only; needs `recompute="never"`). `False`: backwards on the current
     weights."""
-    pipemare_decay: float | None = option(values="float D in (0, 1)", unset="0.1")
+    pipemare_decay: float | None = option(values="float D in (0, 1)", unset=f"{DEFAULT_DECAY}")
     """the velocity decay D of PipeMare's correction: `gamma_i = D ** (1 / tau_i)` (`"pipemare"` with the correction
     on): how much
     of the velocity is left after one delay of `tau_i` updates; larger values average the updates over more steps."""
-    xpipe_predictor: Predictor | None = option(values=PREDICTORS, unset='`"update"` under `"xpipe"`')
+    xpipe_predictor: Predictor | None = option(values=PREDICTORS, unset=f'`"{DEFAULT_PREDICTOR}"` under `"xpipe"`')
     """how `"xpipe"` predicts the weights its forwards and backwards run on: `tau_i` updates ahead, the optimizer's
     last update times `tau_i` (any optimizer), Adam's moments, or SGD's momentum buffer (see
     [Schedules](schedules.md#the-asynchronous-schedules))."""
-    delay_correction: CorrectionName | None = option(values=(None, *CORRECTIONS), unset="off")
+    delay_correction: Correction | None = option(values=(None, *CORRECTIONS), unset="off")
     """a correction of the gradient applied late, before your optimizer steps with it: `"nesterov"`, the Nesterov
-    method's NAdam step (beta1 0.99) over the stashed gradients (`"pipedream"`, `"pipedream_2bw"`, `"wpipe"`; with
-    plain SGD at an Adam-sized lr, other optimizers refused), or `"error_feedback"`, the one-step delay's error fed
-    back (`"pipedream_2bw"`; with Adam or AdamW, SGD refused); see [Schedules](schedules.md#delay-corrections)."""
+    method's NAdam step (its beta1: `delay_correction_coefficient`) over the stashed gradients (`"pipedream"`,
+    `"pipedream_2bw"`, `"wpipe"`; with plain SGD at an Adam-sized lr, other optimizers refused), or
+    `"error_feedback"`, the one-step delay's error fed back (`"pipedream_2bw"`; with Adam or AdamW, SGD refused); see
+    [Schedules](schedules.md#delay-corrections)."""
     delay_correction_coefficient: float | None = option(
-        values="float in [0, 1)", unset='0.99 under `"nesterov"` (beta1), 0.5 under `"error_feedback"` (beta)'
+        values="float in [0, 1)",
+        unset=f'{DEFAULT_COEFFICIENTS["nesterov"]} under `"nesterov"` (beta1), '
+        f'{DEFAULT_COEFFICIENTS["error_feedback"]} under `"error_feedback"` (beta)',
     )
     """the delay correction's coefficient: NAdam's beta1, or the share beta of the error fed back."""
 
@@ -416,7 +442,7 @@ class AsynchronousConfig:
         _check(
             decay is None or (not isinstance(decay, bool) and isinstance(decay, (int, float)) and 0.0 < decay < 1.0),
             f"PipelineStrategy(pipemare_decay={decay!r}): give the velocity's decay over one delay, a number "
-            "strictly between 0 and 1 (None: 0.1).",
+            f"strictly between 0 and 1 (None: {DEFAULT_DECAY}).",
         )
         _check(
             predictor is None or predictor in PREDICTORS,
@@ -629,7 +655,7 @@ class PipelineConfig:
         return self.asynchronous.xpipe_predictor
 
     @property
-    def delay_correction(self) -> CorrectionName | None:
+    def delay_correction(self) -> Correction | None:
         return self.asynchronous.delay_correction
 
     @property
@@ -698,12 +724,9 @@ class PipelineConfig:
         return type(self)(**groups)
 
     def num_microbatches(self, num_stages: int) -> int:
-        """Micro-batches per batch for a pipeline of ``num_stages``: ``chunks``, or a schedule text's
-        count, or twice the stages."""
-        if self.chunks is not None:
-            return int(self.chunks)
-        text = traits(self.schedule).text
-        return text.num_microbatches if text is not None else 2 * num_stages
+        """Micro-batches per batch for a pipeline of ``num_stages`` (see
+        :func:`~lightning_pipe.runtime.microbatch.microbatch_count`)."""
+        return microbatch_count(self.chunks, traits(self.schedule), num_stages)
 
 
 def _group_type(config: type, name: str) -> type[Any]:

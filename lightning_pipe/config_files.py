@@ -143,7 +143,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_pipe.config import (
-    CorrectionName,
+    Correction,
     DataParallelMode,
     PlanMode,
     Predictor,

@@ -35,7 +35,7 @@ COVERED_BY: dict[str, tuple[str, ...]] = {
         "runtime/grads/test_split_backward.py",
         "runtime/grads/test_zero_bubble_training.py",
     ),
-    "runtime/options": ("runtime/test_pipeline.py",),
+    "runtime/options": ("runtime/test_pipeline.py", "test_resolve.py"),
     "runtime/replicas/pending": ("runtime/replicas/test_data_parallel_lifecycle.py",),
     "runtime/crossing/wire": ("runtime/test_p2p.py", "runtime/crossing/test_seam.py"),
     "runtime/crossing/skip_mail": ("test_skips.py", "runtime/crossing/test_seam.py"),

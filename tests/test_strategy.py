@@ -264,23 +264,24 @@ def test_schedules_with_several_stages_per_process_are_regrouped_under_nccl(sche
     """Under NCCL the pipeline runs the regrouped placement (proven to finish where calls
     rendezvous) instead of refusing; under gloo the placement built for gloo, unchanged."""
     from lightning_pipe.runtime.topology import Layout, Placement
-    from lightning_pipe.schedules import build, for_rendezvous, forward_only_like, validate
+    from lightning_pipe.schedules import build, for_rendezvous, forward_only_like, traits, validate
     from lightning_pipe.schedules.runnable import runnable_schedule
 
     nccl = Placement(Layout(2, 1), 0, (0, 1, 1, 0) if schedule == "zbv" else (0, 1, 0, 1), torch.device("cpu"), "nccl")
     assert nccl.rendezvous and not Placement(Layout(2, 1), 0, nccl.positions, torch.device("cpu"), "gloo").rendezvous
-    train = runnable_schedule(schedule, schedule, 2, chunks, 2, nccl.rendezvous)
-    evaluate = runnable_schedule(schedule, "forward", 2, chunks, 2, nccl.rendezvous)
+    train = runnable_schedule(traits(schedule), 2, chunks, 2, nccl.rendezvous)
+    evaluate = runnable_schedule(traits(schedule), 2, chunks, 2, nccl.rendezvous, forward=True)
     assert train == build(schedule, 2, chunks, 2, rendezvous=True) != build(schedule, 2, chunks, 2)
     assert evaluate == for_rendezvous(forward_only_like(build(schedule, 2, chunks, 2)))
     validate(train, rendezvous=True)
     validate(evaluate, rendezvous=True)
-    assert runnable_schedule(schedule, schedule, 2, chunks, 2, rendezvous=False) == build(schedule, 2, chunks, 2)
+    assert runnable_schedule(traits(schedule), 2, chunks, 2, rendezvous=False) == build(schedule, 2, chunks, 2)
 
 
 def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+    from lightning_pipe.schedules import traits
     from lightning_pipe.schedules.runnable import runnable_schedule
     from lightning_pipe.trainer.compatibility import as_misconfiguration
 
@@ -288,7 +289,7 @@ def test_too_few_chunks_for_interleaving_under_nccl_are_refused_with_the_fix() -
         pytest.raises(MisconfigurationException, match=r"under NCCL.*Use other chunks \(checked: >= 2"),
         as_misconfiguration(),  # how the strategy's steps and setup report the pipeline's refusal
     ):
-        runnable_schedule("interleaved_1f1b", "interleaved_1f1b", 2, 1, 2, rendezvous=True)
+        runnable_schedule(traits("interleaved_1f1b"), 2, 1, 2, rendezvous=True)
 
 
 def test_a_stage_that_starts_with_an_in_place_layer_trains_as_plain_training() -> None:

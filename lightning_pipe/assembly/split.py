@@ -60,14 +60,13 @@ from lightning_pipe.partition.stages.materialize import has_meta_tensors, materi
 from lightning_pipe.partition.stages.split import stage_bounds
 from lightning_pipe.partition.stages.virtual import split_of, split_stages, ties_by_position
 from lightning_pipe.plan.auto import apply_plan
-from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage, uniform_recompute
-from lightning_pipe.runtime.asynchronous.pipemare import resolve
+from lightning_pipe.resolve import resolve
+from lightning_pipe.runtime.activations.policy import uniform_recompute
 from lightning_pipe.runtime.blocks.container import BlockStage
 from lightning_pipe.runtime.crossing.skips import skip_routes
 from lightning_pipe.runtime.grads.copies import renamed_ties, written_elsewhere
 from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
-from lightning_pipe.runtime.replicas.elastic_averaging import DEFAULT_PERIOD, resolve_alpha
 from lightning_pipe.runtime.stage import StageModule
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
 from lightning_pipe.schedules import is_async, stage_positions, traits
@@ -434,32 +433,9 @@ def gather_objects() -> Callable[[Any], list[Any]] | None:
 
 
 def pipeline_options(config: PipelineConfig, placement: Placement) -> PipelineOptions:
-    """What the pipeline runs by, from the run's arguments: the defaults that depend on the schedule
-    or the layout (micro-batches, virtual stages, PipeMare's switches) resolved here, once."""
-    assert config.virtual_stages is not None  # PipelineConfig resolves it
-    warmup, correction = resolve(config.schedule, config.pipemare_warmup, config.pipemare_correction)
-    num_microbatches = config.num_microbatches(placement.num_stages)
-    return PipelineOptions(
-        schedule=config.schedule,
-        num_microbatches=num_microbatches,
-        virtual_stages=config.virtual_stages,
-        recompute=recompute_per_stage(
-            config.recompute, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
-        ),
-        offload=offload_per_stage(
-            config.offload, config.schedule, placement.num_stages, num_microbatches, config.virtual_stages
-        ),
-        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-        sharded=config.data_parallel == "shard" and placement.num_replicas > 1,
-        pipemare_warmup=warmup,
-        pipemare_correction=correction,
-        pipemare_decay=config.pipemare_decay,
-        xpipe_predictor=config.xpipe_predictor or "update",
-        delay_correction=config.delay_correction,
-        delay_correction_coefficient=config.delay_correction_coefficient,
-        replicas_sync_alpha=resolve_alpha(config.replicas_sync, placement.num_replicas, config.replicas_sync_alpha),
-        replicas_sync_period=config.replicas_sync_period or DEFAULT_PERIOD,
-    )
+    """What the pipeline runs by: the run's arguments resolved once for this rank's layout
+    (:func:`~lightning_pipe.resolve.resolve`)."""
+    return resolve(config, placement.layout)
 
 
 def pipeline_for(module: nn.Module, split: ModuleSplit, topology: Topology, scaler: Any = None) -> StagePipeline:

@@ -61,9 +61,10 @@ from lightning_pipe.schedules import (
     build,
     peak_in_flight,
     simulate,
+    stage_positions,
     traits,
 )
-from lightning_pipe.schedules.traits import stage_counts, stage_positions
+from lightning_pipe.schedules.traits import stage_counts
 
 PLAN_SCHEDULES = tuple(name for name, t in TRAITS.items() if t.planned)
 PLAN_BALANCES = ("uniform", "parameters", "time", "memory")

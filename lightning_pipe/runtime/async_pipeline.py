@@ -28,7 +28,7 @@ from lightning_pipe.runtime.asynchronous.delay_correction import DelayCorrection
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 from lightning_pipe.runtime.executor import Callbacks, Executor
 from lightning_pipe.runtime.stage import StageRunner
-from lightning_pipe.schedules import SCHEDULES, Schedule, drain_actions, step_actions, traits, update_delay
+from lightning_pipe.schedules import Schedule, ScheduleTraits, drain_actions, step_actions, update_delay
 from lightning_pipe.schedules.families.asynchronous import isolated_step, lag, min_chunks
 
 
@@ -37,7 +37,7 @@ class AsyncPipeline:
 
     def __init__(
         self,
-        name: str,
+        schedule: ScheduleTraits,
         executor: Executor,
         runner: StageRunner,
         num_stages: int,
@@ -46,7 +46,8 @@ class AsyncPipeline:
     ) -> None:
         if runner.versions is None:
             raise ValueError("an asynchronous pipeline needs a StageRunner with weight versions")
-        self.name = name
+        self.schedule = schedule
+        self.name = schedule.name  # how messages name it, and the rule its delays follow
         self.executor = executor
         self.runner = runner
         self.versions = runner.versions
@@ -61,13 +62,13 @@ class AsyncPipeline:
         self.pipemare = pipemare
         #: the delay correction of the applied gradients (``delay_correction``), where one is on
         self.correction = correction
-        self.stashes = traits(name).stashes_weights  # PipeDream's and 2BW's versions keep their weights
-        if pipemare is not None and (traits(name).predicts_weights or traits(name).predicts_ahead):
+        self.stashes = schedule.stashes_weights  # PipeDream's and 2BW's versions keep their weights
+        if pipemare is not None and (schedule.predicts_weights or schedule.predicts_ahead):
             runner.saving = pipemare.saving
 
     def _steady(self, m: int) -> Schedule:
         if m not in self._schedules:
-            make = isolated_step if self.isolated(m) else SCHEDULES[self.name]
+            make = isolated_step if self.isolated(m) else self.schedule.make
             self._schedules[m] = make(self.num_stages, m)
         return self._schedules[m]
 

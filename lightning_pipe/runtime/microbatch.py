@@ -8,10 +8,24 @@ numbers, None) are given to every micro-batch unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_pipe.schedules.traits import ScheduleTraits
+
+#: Micro-batches per pipeline stage where ``chunks`` is unset (a schedule text runs its own count).
+CHUNKS_PER_STAGE = 2
+
+
+def microbatch_count(chunks: int | None, schedule: ScheduleTraits, num_stages: int) -> int:
+    """Micro-batches per batch on a pipeline of ``num_stages``: ``chunks``, or a schedule text's count, or
+    :data:`CHUNKS_PER_STAGE` per stage."""
+    if chunks is not None:
+        return int(chunks)
+    return schedule.text.num_microbatches if schedule.text is not None else CHUNKS_PER_STAGE * num_stages
 
 
 def _map(batch: Any, fn: Callable[[Tensor], Any]) -> Any:

@@ -50,7 +50,7 @@ from lightning_pipe.runtime.grads import deferred_conv, fused_linear
 from lightning_pipe.runtime.grads.copies import loss_ranks, reaching, stage_copies
 from lightning_pipe.runtime.grads.gradients import StageGradients, swap_grads, tie_groups
 from lightning_pipe.runtime.grads.outside_agreement import check_outside_agreement
-from lightning_pipe.runtime.options import PipelineOptions
+from lightning_pipe.runtime.options import ElasticAveraging, PipelineOptions
 from lightning_pipe.runtime.overlap import overlap_hook
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.replicas.elastic_averaging import ElasticAverage
@@ -59,7 +59,7 @@ from lightning_pipe.runtime.replicas.sharding import ShardedStage, shard_units
 from lightning_pipe.runtime.stage import StageModule, StageRunner, StepFn
 from lightning_pipe.runtime.timings import Timeline
 from lightning_pipe.runtime.topology import Placement, Topology
-from lightning_pipe.schedules import Schedule, is_async, traits, update_delay
+from lightning_pipe.schedules import Schedule, update_delay
 from lightning_pipe.schedules.families.interleaved import valid_microbatches
 from lightning_pipe.schedules.runnable import runnable_schedule
 
@@ -108,63 +108,43 @@ class StagePipeline:
         model: nn.Module,
         shared: Sequence[nn.Parameter] = (),
     ) -> None:
-        self.options, self.placement, self.topology = options, placement, topology
+        self.options = options
+        self.placement, self.topology = placement, topology
         self.host, self.stages = split.host, split.stages
-        self.num_stages = placement.num_stages
-        self.num_microbatches = options.num_microbatches
-        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
         self.timeline: Timeline | None = None  # see enable_timeline
-        replicas = placement.num_replicas
-        self.sharded = options.sharded and replicas > 1
-        units = shard_units(model, self.host) if self.sharded else []  # the layers and the modules outside them
+        self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
+        self._update_hooks: list[Any] = []
+        # each part from the parts before it: sharding replaces the parameters the others hold
+        self.shards, shared = self._shard(model, shared)
+        self.params = list(model.parameters())
+        self.gradients = self._stage_gradients(split.ties, model, shared)
+        self.transport = self._transport()
+        self.outside, self._everywhere = self._outside_parameters(model, shared)
+        versions = WeightVersions(self.host, outside=self.outside) if options.schedule.asynchronous else None
+        self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
+        self._fused = self._weight_gradient_hooks(synchronous=versions is None)
+        self.runners = self._runners(versions, model)
+        self.executor = self._executor(model)
+        self.elastic = self._elastic_average(model)
+        self.asynchronous = self._async_pipeline()
+        self.owners = self._outside_owners()
+
+    # ------------------------------------------------------------------ the steps of building it
+    def _shard(
+        self, model: nn.Module, shared: Sequence[nn.Parameter]
+    ) -> tuple[ShardedStage | None, list[nn.Parameter]]:
+        """FSDP2 over the stage's replicas where the options shard it (the layers and the modules outside
+        them), and ``shared`` as the parameters that replaced them (the same ones where nothing is sharded)."""
+        if not (self.options.sharded and self.placement.num_replicas > 1):
+            return None, list(shared)
         first_names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
         shared_names = [first_names[id(p)] for p in shared]
         layers = len(list(self.host.children()))
-        self.shards = ShardedStage(units, topology.mesh["dp"], layers) if self.sharded else None
+        shards = ShardedStage(shard_units(model, self.host), self.topology.mesh["dp"], layers)
         renamed = dict(model.named_parameters(remove_duplicate=False))
-        shared = [renamed[n] for n in shared_names]  # sharding replaced the modules' parameters
-        self.params = list(model.parameters())  # sharding replaced the stage's parameters by sharded ones
-        self.gradients = self._stage_gradients(split.ties, model, shared)
-        self.transport = self._transport()
-        # parameters outside the split layers on this rank (the ones every stage holds, and a block
-        # container's embeddings or head on an end stage): versioned with the stage's layers
-        in_host = {id(p) for p in self.host.parameters()}
-        self.outside = {n: p for n, p in model.named_parameters() if id(p) not in in_host and p.requires_grad}
-        everywhere = {id(p) for p in shared}
-        self._everywhere = {n for n, p in self.outside.items() if id(p) in everywhere}
-        versions = WeightVersions(self.host, outside=self.outside) if is_async(options.schedule) else None
-        self.agreement = BatchAgreement(topology.meta_group, self.num_stages) if self.num_stages > 1 else None
-        split_backward = versions is None and self.schedule(options.schedule, self.num_microbatches).split_backward
-        self._fused = self._fuse_weight_gradients(split_backward)
-        if versions is None and self.shards is None and not split_backward:
-            # the readiness hooks fire in B, while deferred weight gradients are complete only after
-            # W: a split backward's replicas average after the step's last W
-            self.gradients.overlap(self.params)
-        self.runners = self._runners(versions, model)
-        self.executor = Executor(
-            self.transport,
-            self.runners,
-            rank=placement.stage,
-            overlap=overlap_hook(model),
-            crossing=SkipMail(self.transport, self.runners),
-        )
-        self.elastic = self._elastic_average(model)
-        self.asynchronous: AsyncPipeline | None = None
-        if versions is not None:
-            correction = delay_correction(options, placement.num_replicas)
-            self.asynchronous = AsyncPipeline(
-                options.schedule, self.executor, self.runner, self.num_stages, self._pipemare(), correction
-            )
-        self._drain_after_update: Context | None = None  # asynchronous: a stop by max_steps drains after its update
-        self._update_hooks: list[Any] = []
-        # PipeMare's rescheduled step sizes differ by stage: the parameters every stage holds follow their user's
-        self.owners: OutsideOwners | None = None
-        pipemare = self.asynchronous.pipemare if self.asynchronous is not None else None
-        if pipemare is not None and pipemare.warmup > 0 and self.num_stages > 1:
-            named = {n: p for n, p in self.outside.items() if n in self._everywhere}
-            self.owners = OutsideOwners(named, placement.stage, self.num_stages, topology.pp_group)
+        return shards, [renamed[n] for n in shared_names]
 
-    # ------------------------------------------------------------------ the steps of building it
     def _stage_gradients(
         self, tied: list[dict[int, str]], model: nn.Module, shared: Sequence[nn.Parameter]
     ) -> StageGradients:
@@ -176,18 +156,18 @@ class StagePipeline:
         check_outside_agreement(model, shared, topology.meta_group, self.num_stages)  # before any collective sums them
         # Chimera: the other copy of this rank's two stages is on the paired rank; their gradients are summed
         copies = None
-        if traits(options.schedule).mirrored:
+        if options.schedule.mirrored:
             in_host = {id(p) for p in self.host.parameters()} | {id(p) for p in shared}
             ends = [p for p in model.parameters() if id(p) not in in_host]  # a block container's, with their stage
             copies = stage_copies(placement, topology.group, self.host, [p for _, p, _ in ties], ends)
-        all_reduced = placement.num_replicas > 1 and not self.sharded and not options.replicas_sync_alpha
+        all_reduced = placement.num_replicas > 1 and self.shards is None and options.replicas_sync.mode == "allreduce"
         return StageGradients(
             shared,
             ties,
             topology.pp_group,
             self.num_stages,
             counts_shared=placement.stage == 0,
-            norm_group=None if self.sharded else topology.pp_group,  # shards: every rank holds its own part
+            norm_group=None if self.shards is not None else topology.pp_group,  # shards: every rank holds its own part
             dp_group=topology.dp_group if all_reduced else None,
             copies=copies,
         )
@@ -204,6 +184,28 @@ class StagePipeline:
             through_host=placement.through_host,
         )
 
+    def _outside_parameters(
+        self, model: nn.Module, shared: Sequence[nn.Parameter]
+    ) -> tuple[dict[str, nn.Parameter], set[str]]:
+        """The trainable parameters outside the split layers on this rank (the ones every stage holds, and a
+        block container's embeddings or head on an end stage), versioned with the stage's layers; and the
+        names of those every stage holds."""
+        in_host = {id(p) for p in self.host.parameters()}
+        outside = {n: p for n, p in model.named_parameters() if id(p) not in in_host and p.requires_grad}
+        everywhere = {id(p) for p in shared}
+        return outside, {n for n, p in outside.items() if id(p) in everywhere}
+
+    def _weight_gradient_hooks(self, synchronous: bool) -> list[nn.Module]:
+        """The layers whose backward adds the micro-batches' weight gradients itself; and, for a synchronous
+        schedule without a split backward or shards, the replicas' averaging as each gradient is ready (the
+        readiness hooks fire in B, while deferred weight gradients are complete only after W: a split backward's
+        replicas average after the step's last W)."""
+        split_backward = synchronous and self.schedule(self.num_microbatches).split_backward
+        fused = self._fuse_weight_gradients(split_backward)
+        if synchronous and self.shards is None and not split_backward:
+            self.gradients.overlap(self.params)
+        return fused
+
     def _fuse_weight_gradients(self, split_backward: bool) -> list[nn.Module]:
         """The layers whose backward adds the micro-batches' weight gradients itself: a split backward's
         deferred work (W), or the fused ``nn.Linear`` accumulation; none under FSDP2, which accumulates."""
@@ -216,14 +218,14 @@ class StagePipeline:
     def _runners(self, versions: WeightVersions | None, model: nn.Module) -> dict[int, StageRunner]:
         """A runner per stage this rank holds, refusing carried values where the schedule cannot carry them;
         under weight versions the user's step reads the parameters outside the split from the version too."""
-        recompute, offload = self.options.recompute, self.options.offload
+        activations = self.options.activations
         runners = {
             s: StageRunner(
                 m,
-                recompute=recompute if isinstance(recompute, str) else recompute[s],
+                recompute=activations.recompute[s],
                 versions=versions,
                 host=self.host,
-                offload=offload[s] if s < len(offload) else None,
+                offload=activations.offload[s],
             )
             for s, m in self.stages.items()
         }
@@ -234,37 +236,68 @@ class StagePipeline:
                 runner.model, runner.outside = model, tuple(self.outside)
         return runners
 
+    def _executor(self, model: nn.Module) -> Executor:
+        """What walks the schedule's actions over this rank's runners, with the skips' mail between stages."""
+        return Executor(
+            self.transport,
+            self.runners,
+            rank=self.placement.stage,
+            overlap=overlap_hook(model),
+            crossing=SkipMail(self.transport, self.runners),
+        )
+
     def _elastic_average(self, model: nn.Module) -> ElasticAverage | None:
         """``replicas_sync="elastic"``: no gradient all-reduce, a pull between the replicas every period."""
-        options = self.options
-        if not options.replicas_sync_alpha > 0 or self.placement.num_replicas <= 1:
+        sync = self.options.replicas_sync
+        if not isinstance(sync, ElasticAveraging) or self.placement.num_replicas <= 1:
             return None
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return ElasticAverage(
-            trainable, self.topology.dp_group, options.replicas_sync_period, options.replicas_sync_alpha
-        )
+        return ElasticAverage(trainable, self.topology.dp_group, sync.period, sync.alpha)
+
+    def _async_pipeline(self) -> AsyncPipeline | None:
+        """An asynchronous schedule's driver across optimizer steps, with its rule's techniques and delay correction."""
+        if not self.options.schedule.asynchronous:
+            return None
+        rule, replicas = self.options.rule, self.placement.num_replicas
+        correction = delay_correction(rule.delay_correction, rule.delay_correction_coefficient, replicas)
+        schedule = self.options.schedule
+        return AsyncPipeline(schedule, self.executor, self.runner, self.num_stages, self._pipemare(), correction)
 
     def _pipemare(self) -> PipeMare | None:
         """PipeMare's techniques for this stage where they are on (always under ``pipemare``, which
         needs its update count; under ``pipedream``/``pipedream_2bw`` with ``pipemare_warmup``), or
         XPipe's prediction (always under ``xpipe``)."""
-        options = self.options
-        ahead = traits(options.schedule).predicts_ahead
-        if not (traits(options.schedule).predicts_weights or ahead) and options.pipemare_warmup <= 0:
+        schedule, rule = self.options.schedule, self.options.rule
+        ahead = schedule.predicts_ahead
+        if not (schedule.predicts_weights or ahead) and rule.pipemare_warmup <= 0:
             return None
-        delay = update_delay(options.schedule, self.num_stages, self.num_microbatches, self.placement.stage)
+        delay = update_delay(schedule.name, self.num_stages, self.num_microbatches, self.placement.stage)
         if ahead:  # XPipe: PipeMare's machinery, forwards and backwards on predicted weights
-            return XPipe(self.host, delay, options.xpipe_predictor, options.pipemare_warmup, self.outside)
+            return XPipe(self.host, delay, rule.xpipe_predictor, rule.pipemare_warmup, self.outside)
         return PipeMare(
-            self.host,
-            delay,
-            options.pipemare_warmup,
-            options.pipemare_correction,
-            options.pipemare_decay,
-            self.outside,
+            self.host, delay, rule.pipemare_warmup, rule.pipemare_correction, rule.pipemare_decay, self.outside
         )
 
+    def _outside_owners(self) -> OutsideOwners | None:
+        """Under PipeMare's rescheduling the stages' step sizes differ: the parameters every stage holds
+        follow their users' (:mod:`~lightning_pipe.runtime.asynchronous.outside_owners`)."""
+        pipemare = self.asynchronous.pipemare if self.asynchronous is not None else None
+        if pipemare is None or pipemare.warmup <= 0 or self.num_stages <= 1:
+            return None
+        named = {n: p for n, p in self.outside.items() if n in self._everywhere}
+        return OutsideOwners(named, self.placement.stage, self.num_stages, self.topology.pp_group)
+
     # ------------------------------------------------------------------ what callers may read
+    @property
+    def num_stages(self) -> int:
+        """Pipeline depth: processes per pipeline."""
+        return self.placement.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per training batch (a short batch takes fewer)."""
+        return self.options.num_microbatches
+
     @property
     def runner(self) -> StageRunner:
         """The runner of this rank's first stage (the only one without interleaving)."""
@@ -281,7 +314,7 @@ class StagePipeline:
         process, the up pipeline's on the first)."""
         if self.asynchronous is not None:
             return [self.placement.is_last_stage] * num_microbatches
-        schedule = self.schedule(self.options.schedule, num_microbatches)
+        schedule = self.schedule(num_microbatches)
         positions = self.placement.positions
         return [positions[schedule.chain_stages(i)[-1]] == self.placement.stage for i in range(num_microbatches)]
 
@@ -290,28 +323,28 @@ class StagePipeline:
         split's last stage and shares the step's results (the others send theirs to it first)."""
         if self.asynchronous is not None:
             return [self.placement.pipeline_ranks[self.placement.last_position]]
-        return loss_ranks(self.schedule(self.options.schedule, num_microbatches), self.placement.pipeline_ranks)
+        return loss_ranks(self.schedule(num_microbatches), self.placement.pipeline_ranks)
 
     def microbatches_for(self, samples: int) -> int:
         """Micro-batches for a batch of ``samples``: ``chunks``, or for interleaving the most it can
         round (a short last batch)."""
-        if not traits(self.options.schedule).rounds:
+        if not self.options.schedule.rounds:
             return self.num_microbatches
         return valid_microbatches(self.num_stages, max(1, min(self.num_microbatches, samples)))
 
-    def schedule(self, name: str, num_microbatches: int) -> Schedule:
-        """The schedule ``name`` (``"forward"`` for evaluation) for ``num_microbatches``, proven to
-        finish on this process group (raises :class:`~lightning_pipe.schedules.runnable.ScheduleRefused`)."""
-        key = (name, num_microbatches)
+    def schedule(self, num_microbatches: int, forward: bool = False) -> Schedule:
+        """The training schedule (with ``forward``, evaluation on its layout) for ``num_microbatches``,
+        proven to finish on this process group (raises :class:`~lightning_pipe.schedules.runnable.ScheduleRefused`)."""
+        key = (num_microbatches, forward)
         if key not in self._schedules:
-            options = self.options
+            options, placement = self.options, self.placement
             self._schedules[key] = runnable_schedule(
                 options.schedule,
-                name,
                 self.num_stages,
                 num_microbatches,
                 options.virtual_stages,
-                self.placement.rendezvous,
+                placement.rendezvous,
+                forward=forward,
             )
         return self._schedules[key]
 
@@ -353,7 +386,7 @@ class StagePipeline:
             return self._async_step(self.asynchronous, keys, step, context, pause_after, stop_after)
         if self.elastic is not None:
             self.elastic.restore()  # after a resume: this replica's own weights and optimizer state
-        schedule = self.schedule(self.options.schedule, len(keys))
+        schedule = self.schedule(len(keys))
         saved = swap_grads(self.params, {})
         per_param = reaching(schedule, self.stages) if schedule.chains > 1 else None
         self.gradients.begin(len(keys), per_param)  # this step's count of micro-batches: each expects its gradients
@@ -402,7 +435,7 @@ class StagePipeline:
     def evaluate(self, keys: Sequence[Hashable], step: StepFn, context: Context = nullcontext) -> None:
         """Run one batch forward only (``step(i)`` on the last stage once per micro-batch)."""
         with context():
-            self.executor.run(self.schedule("forward", len(keys)), keys, self._calls(step))
+            self.executor.run(self.schedule(len(keys), forward=True), keys, self._calls(step))
         if self.shards is not None:
             self.shards.reshard()
         self._check_agreement()

@@ -26,6 +26,7 @@ from lightning_pipe.schedules.families.dualpipe import dualpipev
 from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.families.sync import forward_only, forward_only_like, gpipe, one_f_one_b
 from lightning_pipe.schedules.families.zero_bubble import zbv, zero_bubble
+from lightning_pipe.schedules.from_traits import positions_for, schedule_for
 from lightning_pipe.schedules.render import render
 from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous
 from lightning_pipe.schedules.simulate import (
@@ -43,7 +44,6 @@ from lightning_pipe.schedules.traits import (
     TRAITS,
     ScheduleName,
     ScheduleTraits,
-    stage_positions,
     traits,
 )
 from lightning_pipe.schedules.validate import InvalidScheduleError, validate
@@ -69,23 +69,15 @@ def build(
     """Schedule ``name`` for ``num_ranks`` ranks with ``virtual_stages`` stages each. With
     ``rendezvous`` (NCCL) the schedules in :data:`REGROUPED_FOR_RENDEZVOUS` come with their
     communication regrouped so that they finish there (same compute order); raises
-    :class:`RendezvousError` where that is impossible (too few micro-batches)."""
-    t = traits(name)
-    schedule = (
-        t.make(num_ranks, num_microbatches, virtual_stages) if t.interleaved else t.make(num_ranks, num_microbatches)
-    )
-    if rendezvous and (name in REGROUPED_FOR_RENDEZVOUS or (t.text is not None and not _finishes(schedule))):
-        return for_rendezvous(schedule)
-    return schedule
+    :class:`RendezvousError` where that is impossible (too few micro-batches). A run's own schedule
+    is built from its resolved traits instead (:func:`~.from_traits.schedule_for`)."""
+    return schedule_for(traits(name), num_ranks, num_microbatches, virtual_stages, rendezvous)
 
 
-def _finishes(schedule: Schedule) -> bool:
-    """Whether ``schedule`` finishes where point-to-point calls rendezvous, as written."""
-    try:
-        simulate(schedule, rendezvous=True)
-    except DeadlockError:
-        return False
-    return True
+def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:
+    """For each stage of schedule ``name``, the pipeline position (rank) that holds it (see
+    :func:`~.from_traits.positions_for`)."""
+    return positions_for(traits(name), num_ranks, virtual_stages)
 
 
 def check_virtual_stages(name: str, virtual_stages: int) -> None:
@@ -166,7 +158,9 @@ __all__ = [
     "pipedream",
     "pipedream_2bw",
     "pipemare",
+    "positions_for",
     "render",
+    "schedule_for",
     "simulate",
     "stage_positions",
     "steady_state_bubble",

@@ -7,22 +7,14 @@ and refuses what cannot run with the reason and what to change.
 
 from __future__ import annotations
 
-from lightning_pipe.schedules import (
-    REGROUPED_FOR_RENDEZVOUS,
-    VIRTUAL_STAGES,
-    InvalidScheduleError,
-    RendezvousError,
-    Schedule,
-    build,
-    for_rendezvous,
-    forward_only,
-    forward_only_like,
-    traits,
-    validate,
-)
+from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.families.chimera import chimera_forward
-from lightning_pipe.schedules.rendezvous import in_sending_order
+from lightning_pipe.schedules.families.sync import forward_only, forward_only_like
+from lightning_pipe.schedules.from_traits import schedule_for
+from lightning_pipe.schedules.rendezvous import RendezvousError, for_rendezvous, in_sending_order
 from lightning_pipe.schedules.text import forward_like_text
+from lightning_pipe.schedules.traits import TRAITS, ScheduleTraits
+from lightning_pipe.schedules.validate import InvalidScheduleError, validate
 
 
 class ScheduleRefused(ValueError):
@@ -31,30 +23,35 @@ class ScheduleRefused(ValueError):
 
 
 def runnable_schedule(
-    training: str, name: str, stages: int, num_microbatches: int, virtual_stages: int, rendezvous: bool
+    training: ScheduleTraits,
+    stages: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    rendezvous: bool,
+    forward: bool = False,
 ) -> Schedule:
-    """Schedule ``name`` (``"forward"`` for evaluation, on the layout of the ``training`` schedule)
-    for ``num_microbatches``, validated; with ``rendezvous`` (NCCL, whose point-to-point calls
-    rendezvous) with its communication regrouped where it needs it."""
+    """The ``training`` schedule (with ``forward``, evaluation on its layout) for ``num_microbatches``,
+    validated; with ``rendezvous`` (NCCL, whose point-to-point calls rendezvous) with its communication
+    regrouped where it needs it."""
     p, v = stages, virtual_stages
     under = " under NCCL (whose point-to-point calls rendezvous)" if rendezvous else ""
-    least, text = traits(training).min_chunks, traits(training).text
-    if name != "forward" and least is not None and num_microbatches < least(p):
+    least, text, name = training.min_chunks, training.text, training.name
+    if not forward and least is not None and num_microbatches < least(p):
         try:
-            build(name, p, num_microbatches, v)
+            schedule_for(training, p, num_microbatches, v)
         except ValueError as err:  # the schedule's own message names the smallest valid chunks
             raise ScheduleRefused(str(err)) from err
     try:
-        if name != "forward":
-            schedule = build(name, p, num_microbatches, v, rendezvous=rendezvous)
+        if not forward:
+            schedule = schedule_for(training, p, num_microbatches, v, rendezvous=rendezvous)
         elif text is not None:  # evaluation on the text's stages, any count
             schedule = forward_like_text(text, num_microbatches, rendezvous)
-        elif training == "chimera":  # evaluation through one of its two pipelines
+        elif training.mirrored:  # evaluation through one of Chimera's two pipelines
             schedule = chimera_forward(p, num_microbatches)
-        elif training in VIRTUAL_STAGES:  # evaluation on the training layout (ZB-V's order: any count)
-            layout = "zbv" if traits(training).placement == "v" else training
-            schedule = forward_only_like(build(layout, p, num_microbatches, v))
-            if rendezvous and training in REGROUPED_FOR_RENDEZVOUS:
+        elif training.virtual_stages > 1:  # evaluation on the training layout (ZB-V's order: any count)
+            layout = TRAITS["zbv"] if training.placement == "v" else training
+            schedule = forward_only_like(schedule_for(layout, p, num_microbatches, v))
+            if rendezvous and training.regroup_for_rendezvous:
                 schedule = for_rendezvous(schedule)
         else:
             schedule = forward_only(p, num_microbatches)
@@ -62,7 +59,7 @@ def runnable_schedule(
             schedule = in_sending_order(schedule)
         validate(schedule, rendezvous=rendezvous)
     except (RendezvousError, InvalidScheduleError) as err:
-        if text is not None and name != "forward" and rendezvous:
+        if text is not None and not forward and rendezvous:
             raise ScheduleRefused(
                 f"schedule text {text.name!r} with {num_microbatches} of its {text.num_microbatches} micro-batches "
                 f"cannot run{under}: {err}. Where point-to-point calls rendezvous, each two ranks post the messages "
@@ -77,11 +74,11 @@ def runnable_schedule(
             ) from err
         if isinstance(err, InvalidScheduleError):
             raise ScheduleRefused(
-                f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot "
+                f"schedule={name!r} with {p} processes and {num_microbatches} micro-batches cannot "
                 f"run{under}: {err}. Use schedule='1f1b' or 'zero_bubble', or other chunks."
             ) from err
         raise ScheduleRefused(
-            f"schedule={training!r} with {p} processes and {num_microbatches} micro-batches cannot run{under}: {err}. "
+            f"schedule={name!r} with {p} processes and {num_microbatches} micro-batches cannot run{under}: {err}. "
             "With this few micro-batches a process waits for its own output to come back around the pipeline. Use "
             f"other chunks (checked: >= {p} for 'interleaved_1f1b', a multiple of {p} for 'interleaved_zero_bubble', "
             f">= {max(1, 2 * p - 2)} for 'zbv', >= {max(1, 2 * p - 4)} for 'chimera'; with a short last batch, "

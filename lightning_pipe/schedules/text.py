@@ -202,6 +202,19 @@ def first_microbatches(schedule: Schedule, num_microbatches: int) -> Schedule:
     )
 
 
+def text_for_run(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Schedule:
+    """The text's schedule for a run of ``num_ranks`` and a batch of ``num_microbatches``: as written, or,
+    for a short last batch that splits into fewer, with the missing micro-batches' actions left out."""
+    if num_ranks != schedule.num_ranks or not 1 <= num_microbatches <= schedule.num_microbatches:
+        raise ScheduleTextError(
+            f"schedule text {schedule.name!r} is written for {schedule.num_ranks} pipeline stages (lines) and "
+            f"{schedule.num_microbatches} micro-batches; asked for {num_ranks} and {num_microbatches}. Give "
+            f"stages={schedule.num_ranks} and chunks={schedule.num_microbatches} (a short last batch runs the "
+            "text's first micro-batches), or write the text for this run."
+        )
+    return first_microbatches(schedule, num_microbatches)
+
+
 def forward_like_text(schedule: Schedule, num_microbatches: int, rendezvous: bool = False) -> Schedule:
     """Evaluation on a schedule text's stages, for any micro-batch count: the first order that
     finishes, with its communication regrouped where point-to-point calls rendezvous (NCCL) and it

@@ -15,12 +15,12 @@ from typing import Literal
 
 from lightning_pipe.schedules.actions import Schedule
 from lightning_pipe.schedules.families.asynchronous import pipedream, pipedream_2bw, pipemare, wpipe, xpipe
-from lightning_pipe.schedules.families.chimera import chimera, chimera_stage_to_rank
+from lightning_pipe.schedules.families.chimera import chimera
 from lightning_pipe.schedules.families.dualpipe import dualpipev, dualpipev_min_chunks
 from lightning_pipe.schedules.families.interleaved import interleaved_1f1b, interleaved_zero_bubble
 from lightning_pipe.schedules.families.sync import gpipe, one_f_one_b
-from lightning_pipe.schedules.families.zero_bubble import zbv, zbv_stage_to_rank, zero_bubble
-from lightning_pipe.schedules.text import ScheduleTextError, first_microbatches, is_schedule_text, load_schedule
+from lightning_pipe.schedules.families.zero_bubble import zbv, zero_bubble
+from lightning_pipe.schedules.text import ScheduleTextError, is_schedule_text, load_schedule, text_for_run
 
 #: The built-in schedules' names, for the type checker and editors; :data:`TRAITS` holds one entry per name
 #: (tests/schedules/test_traits.py checks that both list the same names, in the same order).
@@ -270,7 +270,7 @@ def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
         )
     return ScheduleTraits(
         name=spec,
-        make=functools.partial(_text_schedule, schedule),
+        make=functools.partial(text_for_run, schedule),
         split_backward=schedule.split_backward,
         virtual_stages=held[0],
         placement="text",
@@ -278,33 +278,6 @@ def _text_traits(spec: str, schedule: Schedule) -> ScheduleTraits:
         overlaps=bool(schedule.overlapped),
         text=schedule,
     )
-
-
-def _text_schedule(schedule: Schedule, num_ranks: int, num_microbatches: int) -> Schedule:
-    """The text's schedule for a run of ``num_ranks`` and a batch of ``num_microbatches``: as written, or,
-    for a short last batch that splits into fewer, with the missing micro-batches' actions left out."""
-    if num_ranks != schedule.num_ranks or not 1 <= num_microbatches <= schedule.num_microbatches:
-        raise ScheduleTextError(
-            f"schedule text {schedule.name!r} is written for {schedule.num_ranks} pipeline stages (lines) and "
-            f"{schedule.num_microbatches} micro-batches; asked for {num_ranks} and {num_microbatches}. Give "
-            f"stages={schedule.num_ranks} and chunks={schedule.num_microbatches} (a short last batch runs the "
-            "text's first micro-batches), or write the text for this run."
-        )
-    return first_microbatches(schedule, num_microbatches)
-
-
-def stage_positions(name: str, num_ranks: int, virtual_stages: int) -> list[int]:
-    """For each stage of schedule ``name`` (``num_ranks x virtual_stages``; a mirrored schedule's
-    ``2 x num_ranks``, two copies of ``num_ranks``), the pipeline position (rank) that holds it."""
-    t = traits(name)
-    placement = t.placement
-    if t.text is not None:
-        return list(_text_schedule(t.text, num_ranks, t.text.num_microbatches).stage_to_rank)
-    if placement == "v":
-        return zbv_stage_to_rank(num_ranks)
-    if placement == "mirror":
-        return chimera_stage_to_rank(num_ranks)
-    return [s % num_ranks for s in range(num_ranks * virtual_stages)]
 
 
 def stage_counts(name: str, candidates: list[int]) -> list[int]:

@@ -2,7 +2,8 @@
 
 Every rank checks its split in the strategy's setup, after the processes have started and joined
 the process group: a mistake found there costs the start of every process and is raised once per
-rank. What the module and the arguments alone decide (the schedule's layout, more stages than
+rank. What the module and the arguments alone decide (what :func:`~lightning_pipe.resolve.resolve`
+refuses for the layout, the schedule's layout, more stages than
 layers, a process left without parameters, a schedule that a block container cannot run, weight
 versions or sharded weights for a model that trains parameters outside its split layers or ties
 weights across stages) is
@@ -19,7 +20,7 @@ from lightning_pipe.assembly.refusals import check_async, check_shard
 from lightning_pipe.assembly.split import decide_split
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition import find_sequential
-from lightning_pipe.runtime.replicas.elastic_averaging import resolve_alpha
+from lightning_pipe.resolve import resolve
 from lightning_pipe.runtime.topology import Layout
 from lightning_pipe.schedules import is_async
 from lightning_pipe.trainer.compatibility import as_misconfiguration, check_async_accumulation
@@ -40,8 +41,9 @@ def check_before_launch(
     refuses). Nothing is split, built or measured here."""
     config = for_this_world(config, layout.world_size, layout.replicas)  # an elastic restart's own
     check_async_accumulation(config.schedule, accumulate_grad_batches)
-    resolve_alpha(config.replicas_sync, layout.replicas, config.replicas_sync_alpha)  # elastic averaging needs replicas
-    if module is None or config.plan == "auto":
+    planned = config.plan == "auto"  # the planner settles the activations in the setup, with the split
+    resolve(config.replace(recompute="never", offload=False) if planned else config, layout)  # the setup's, dry
+    if module is None or planned:
         return
     try:
         _, layers = find_sequential(module, config.module)

@@ -73,7 +73,7 @@ def _describer(module: Any) -> Callable[..., None]:
         line = describe_layout(module.trainer, layout, decision.balance, decision.positions, config.schedule, chunks)
         options = pipeline_options(config, placement)
         predicted = candidates[0].activation_bytes if candidates else ()
-        line += activations_part(options.recompute, options.offload, predicted)
+        line += activations_part(options.activations.recompute, options.activations.offload, predicted)
         rank_zero_info(line + routes_line(skips, decision.positions, traits(config.schedule).mirrored))
 
     return describe

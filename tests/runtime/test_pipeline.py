@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.stages.virtual import split_stages
+from lightning_pipe.resolve import resolve
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
-from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
-from lightning_pipe.schedules import VIRTUAL_STAGES, stage_positions
+from lightning_pipe.schedules import positions_for, stage_positions
 
 
 class Net(nn.Module):
@@ -32,8 +33,8 @@ class Net(nn.Module):
 
 def _pipeline(world: Topology, model: Net, schedule: str, chunks: int = 3, **options: Any) -> StagePipeline:
     """``model``'s Sequential split into two stages, both on this process, under a pipeline."""
-    config = PipelineOptions(schedule, chunks, VIRTUAL_STAGES.get(schedule, 1), **options)
-    positions = stage_positions(config.schedule, 1, config.virtual_stages)
+    config = resolve(PipelineConfig(schedule=schedule, chunks=chunks, **options), Layout(1, 1))
+    positions = positions_for(config.schedule, 1, config.virtual_stages)
     host, stages = split_stages(model.layers, [len(model.layers) // len(positions)] * len(positions), positions, 0)
     model.layers = host
     placement = Placement(Layout(1, 1), 0, tuple(positions), torch.device("cpu"), "gloo")
@@ -179,9 +180,9 @@ def test_schedules_are_built_once_per_microbatch_count(world_of_one: Topology) -
     model = Net()
     pipeline = _pipeline(world_of_one, model, "interleaved_1f1b")
     try:
-        assert pipeline.schedule("forward", 2) is pipeline.schedule("forward", 2)
-        assert pipeline.schedule("interleaved_1f1b", 2) is not pipeline.schedule("interleaved_1f1b", 3)
-        assert pipeline.schedule("forward", 2).forward_only and pipeline.schedule("interleaved_1f1b", 2).num_stages == 2
+        assert pipeline.schedule(2, forward=True) is pipeline.schedule(2, forward=True)
+        assert pipeline.schedule(2) is not pipeline.schedule(3)
+        assert pipeline.schedule(2, forward=True).forward_only and pipeline.schedule(2).num_stages == 2
     finally:
         pipeline.close()
 
@@ -226,7 +227,7 @@ def test_pipedream_2bw_applies_each_batch_gradient_one_step_late(world_of_one: T
     model = Net(depth=2)
     torch.manual_seed(0)
     lr = 0.1
-    config = PipelineOptions("pipedream_2bw", num_microbatches=2)
+    config = resolve(PipelineConfig(schedule="pipedream_2bw", chunks=2), Layout(1, 1))
     host, stages = split_stages(model.layers, [2], [0], 0)
     model.layers = host
     placement = Placement(Layout(1, 1), 0, (0,), torch.device("cpu"), "gloo")

@@ -21,6 +21,7 @@ from lightning_pipe.schedules import (
     forward_only_like,
     load_schedule,
     simulate,
+    traits,
     validate,
 )
 from lightning_pipe.schedules.rendezvous import in_sending_order
@@ -162,7 +163,7 @@ def test_each_groups_receives_are_posted_in_their_senders_order() -> None:
     assert _pairs_in_order(ordered)
     assert str(ordered.actions[1][0]) == "RECV_F0@s1" and ordered.actions[0] == written.actions[0]
     assert [sorted(map(str, a)) for a in ordered.actions] == [sorted(map(str, a)) for a in written.actions]
-    validate(runnable_schedule(text, text, 2, 2, 1, rendezvous=True), rendezvous=True)
+    validate(runnable_schedule(traits(text), 2, 2, 1, rendezvous=True), rendezvous=True)
     assert _pairs_in_order(build("interleaved_zero_bubble", 2, 3, 2, rendezvous=True))
 
 
@@ -170,7 +171,7 @@ def test_each_groups_receives_are_posted_in_their_senders_order() -> None:
 def test_every_schedule_that_runs_under_nccl_pairs_its_messages_in_order(name: str) -> None:
     for p, m, v in _cases(name, range(2, 5), 2):
         try:
-            schedule = runnable_schedule(name, name, p, m, v, rendezvous=True)
+            schedule = runnable_schedule(traits(name), p, m, v, rendezvous=True)
         except ValueError:  # a count or depth the schedule refuses
             continue
         assert _pairs_in_order(schedule), (name, p, m, v)

@@ -82,11 +82,11 @@ def test_a_hand_written_1f1b_is_the_built_in_one_and_has_its_traits() -> None:
         stage_positions(ONE_F_ONE_B, 4, 1)  # a run with another depth, refused when its layout is known
     config = PipelineConfig(schedule=ONE_F_ONE_B)
     assert (config.num_microbatches(2), config.virtual_stages) == (4, 1)
-    short = runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 3, 1, rendezvous=False)  # a short last batch: 3 of 4
+    short = runnable_schedule(traits(ONE_F_ONE_B), 2, 3, 1, rendezvous=False)  # a short last batch: 3 of 4
     assert short.num_microbatches == 3
     assert short.actions == tuple(tuple(a for a in actions if a.microbatch < 3) for actions in built.actions)
     with pytest.raises(ScheduleRefused, match="for 2 pipeline stages .* and 4 micro-batches; asked for 2 and 5"):
-        runnable_schedule(ONE_F_ONE_B, ONE_F_ONE_B, 2, 5, 1, rendezvous=False)
+        runnable_schedule(traits(ONE_F_ONE_B), 2, 5, 1, rendezvous=False)
 
 
 def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
     assert build(str(path), 2, 2, 2, rendezvous=True).actions != as_written.actions  # deadlocks under NCCL as written
     for rendezvous in (False, True):  # regrouped under NCCL where it needs it, and evaluation on any count
         validate(build(str(path), 2, 2, 2, rendezvous=rendezvous), rendezvous=rendezvous)
-        evaluation = runnable_schedule(str(path), "forward", 2, 3, 2, rendezvous)
+        evaluation = runnable_schedule(traits(str(path)), 2, 3, 2, rendezvous, forward=True)
         assert evaluation.forward_only and evaluation.stage_to_rank == (0, 1, 1, 0)
     assert forward_like_text(t.text, 1).num_microbatches == 1  # type: ignore[arg-type]
     config = PipelineConfig(schedule=path)  # a Path too
@@ -217,7 +217,7 @@ def test_every_torch_schedule_s_text_loads_or_is_refused_naming_the_line(name: s
             assert (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches) == (ranks, ranks * v, chunks)
             assert schedule.split_backward == any(kind in text for kind in ("I", "W"))
             assert ("UNSHARD" in text) == communication  # skipped where written
-            runnable_schedule(text, text, ranks, chunks, v, rendezvous=True)
+            runnable_schedule(traits(text), ranks, chunks, v, rendezvous=True)
 
 
 def test_torch_s_parameter_actions_are_skipped_and_its_hand_overs_placed() -> None:
@@ -241,7 +241,7 @@ def test_a_short_last_batch_runs_the_text_s_first_micro_batches(name: str) -> No
             text = torch_text(name, ranks, chunks, communication=communication)
             whole = load_schedule(text)
             for m in range(1, chunks):
-                short = runnable_schedule(text, text, ranks, m, whole.virtual_stages, rendezvous=False)
+                short = runnable_schedule(traits(text), ranks, m, whole.virtual_stages, rendezvous=False)
                 assert short.num_microbatches == m
                 for rank in range(ranks):
                     assert list(short.actions[rank]) == [a for a in whole.actions[rank] if a.microbatch < m]
@@ -254,13 +254,13 @@ def test_an_order_nccl_cannot_pair_is_refused_saying_what_to_change() -> None:
     """Rank 1 forwards micro-batch 1 first, rank 0 sends 0 first: gloo pairs each message with its
     micro-batch; under NCCL no regrouping runs it, refused naming the text and the remedies."""
     text = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F1,1B1,1F0,1B0,1F2,1B2,1F3,1B3\n"
-    runnable_schedule(text, text, 2, 4, 1, rendezvous=False)
+    runnable_schedule(traits(text), 2, 4, 1, rendezvous=False)
     with pytest.raises(
         ScheduleRefused, match=r"schedule text 'text' with 4 of its 4 micro-batches cannot run under NCCL"
     ):
-        runnable_schedule(text, text, 2, 4, 1, rendezvous=True)
+        runnable_schedule(traits(text), 2, 4, 1, rendezvous=True)
     with pytest.raises(ScheduleRefused, match="take the micro-batches they exchange in the same order, drop_last=True"):
-        runnable_schedule(text, text, 2, 3, 1, rendezvous=True)
+        runnable_schedule(traits(text), 2, 3, 1, rendezvous=True)
 
 
 def test_a_reordering_that_deadlocks_is_refused_before_launch() -> None:

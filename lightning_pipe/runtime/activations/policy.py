@@ -18,10 +18,10 @@ keeps none and holds one, the one brought back).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES
-from lightning_pipe.schedules import build, peak_in_flight, stage_positions
+from lightning_pipe.runtime.activations.recomputation import RECOMPUTE_MODES, RecomputeMode
+from lightning_pipe.schedules import ScheduleTraits, peak_in_flight, positions_for, schedule_for
 
 #: one stage's choice: off (None/False), all (True) or the micro-batches kept resident (int >= 0)
 StageOffload = bool | int | None
@@ -64,36 +64,38 @@ def recomputes_nothing(value: RecomputeSpec) -> bool:
     return uniform_recompute(value) == "never"
 
 
-def _peaks(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[list[int], int]:
+def _peaks(
+    schedule: ScheduleTraits, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[list[int], int]:
     """Per pipeline stage the micro-batches in flight at its peak, and the last stage's."""
-    peaks = peak_in_flight(build(schedule, num_ranks, num_microbatches, virtual_stages))
-    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
+    peaks = peak_in_flight(schedule_for(schedule, num_ranks, num_microbatches, virtual_stages))
+    num_stages = len(positions_for(schedule, num_ranks, virtual_stages))
     return [peaks.get(s, 0) for s in range(num_stages)], peaks.get(num_stages - 1, 1)
 
 
-def _per_stage(name: str, value: Sequence[Any], schedule: str, num_ranks: int, virtual_stages: int) -> None:
-    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
+def _per_stage(name: str, value: Sequence[Any], schedule: ScheduleTraits, num_ranks: int, virtual_stages: int) -> None:
+    num_stages = len(positions_for(schedule, num_ranks, virtual_stages))
     if len(value) != num_stages:
         raise ValueError(
             f"PipelineStrategy({name}={list(value)!r}) gives {len(value)} values but the pipeline has "
-            f"{num_stages} stages ({num_ranks} processes, schedule {schedule!r}). Give one per stage, "
+            f"{num_stages} stages ({num_ranks} processes, schedule {schedule.name!r}). Give one per stage, "
             "or a single value for all of them, or 'auto'."
         )
 
 
 def recompute_per_stage(
-    value: RecomputeSpec, schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int
-) -> tuple[str, ...]:
+    value: RecomputeSpec, schedule: ScheduleTraits, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[RecomputeMode, ...]:
     """Per pipeline stage, its recompute mode."""
     check_recompute(value)
-    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
+    num_stages = len(positions_for(schedule, num_ranks, virtual_stages))
     if value == "auto":
         peaks, last = _peaks(schedule, num_ranks, num_microbatches, virtual_stages)
         return tuple("always" if peak > last else "never" for peak in peaks)
     if isinstance(value, str):
-        return (value,) * num_stages
+        return (cast(RecomputeMode, value),) * num_stages
     _per_stage("recompute", value, schedule, num_ranks, virtual_stages)
-    return tuple(value)
+    return tuple(cast(RecomputeMode, v) for v in value)
 
 
 def _stage_value(value: Any) -> bool:
@@ -116,11 +118,11 @@ def _keep(value: Any) -> int | None:
 
 
 def offload_per_stage(
-    value: OffloadSpec, schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+    value: OffloadSpec, schedule: ScheduleTraits, num_ranks: int, num_microbatches: int, virtual_stages: int
 ) -> tuple[int | None, ...]:
     """Per pipeline stage, the micro-batches it keeps resident (None: it offloads nothing)."""
     check_offload(value)
-    num_stages = len(stage_positions(schedule, num_ranks, virtual_stages))
+    num_stages = len(positions_for(schedule, num_ranks, virtual_stages))
     if value == "auto":
         peaks, last = _peaks(schedule, num_ranks, num_microbatches, virtual_stages)
         # ``last - 1`` from their forwards, plus the one brought back ahead of its backward: ``last`` at once

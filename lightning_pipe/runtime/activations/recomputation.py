@@ -17,8 +17,9 @@ output does not depend on them.
 
 from __future__ import annotations
 
+import typing
 from types import TracebackType
-from typing import Literal, get_args
+from typing import Literal
 
 from torch import Tensor, nn
 
@@ -26,7 +27,7 @@ from lightning_pipe.torch_internals import version
 
 #: ``recompute=``: every micro-batch, every one but the last, or none
 RecomputeMode = Literal["always", "except_last", "never"]
-RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = typing.get_args(RecomputeMode)
 
 #: buffers that ``torch.batch_norm`` updates in place without moving their version counter
 _STATISTICS = ("running_mean", "running_var")

@@ -32,20 +32,21 @@ filling).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from lightning_pipe.schedules.traits import TRAITS
 
+Correction = Literal["nesterov", "error_feedback"]
 #: The corrections by name.
-CorrectionName = Literal["nesterov", "error_feedback"]
-CORRECTIONS: tuple[CorrectionName, ...] = get_args(CorrectionName)
+CORRECTIONS: tuple[Correction, ...] = typing.get_args(Correction)
 #: Each correction's coefficient where ``delay_correction_coefficient`` is unset: NAdam's beta1 (the
 #: reference's ``--momentum 0.99``), error feedback's beta.
-DEFAULT_COEFFICIENTS = {"nesterov": 0.99, "error_feedback": 0.5}
+DEFAULT_COEFFICIENTS: dict[Correction, float] = {"nesterov": 0.99, "error_feedback": 0.5}
 #: The reference's other NAdam settings: beta2, momentum decay psi (torch's defaults), eps.
 NADAM_BETA2, NADAM_MOMENTUM_DECAY, NADAM_EPS = 0.999, 0.004, 1e-8
 #: The schedules each correction runs under: Nesterov's under every rule that stashes weight versions (a fixed
@@ -128,7 +129,7 @@ class DelayCorrection:
         coefficient: beta1 (``"nesterov"``) or beta (``"error_feedback"``); None: :data:`DEFAULT_COEFFICIENTS`.
     """
 
-    def __init__(self, kind: str, coefficient: float | None = None) -> None:
+    def __init__(self, kind: Correction, coefficient: float | None = None) -> None:
         if kind not in CORRECTIONS:
             raise ValueError(f"delay_correction={kind!r} is not a delay correction; valid: {', '.join(CORRECTIONS)}")
         self.kind = kind
@@ -174,19 +175,18 @@ def _cloned(held: Any) -> Any:
     return held.clone()
 
 
-def delay_correction(options: Any, num_replicas: int) -> DelayCorrection | None:
-    """This stage's correction from the pipeline's options (a
-    :class:`~lightning_pipe.runtime.options.PipelineOptions`), or None where it is off. Refuses data-parallel
+def delay_correction(kind: Correction | None, coefficient: float | None, num_replicas: int) -> DelayCorrection | None:
+    """This stage's correction ``kind`` (None: off) with its ``coefficient``. Refuses data-parallel
     replicas: each would keep its own correction state, which a checkpoint does not hold apart."""
-    if options.delay_correction is None:
+    if kind is None:
         return None
     if num_replicas > 1:
         raise ValueError(
-            f"delay_correction={options.delay_correction!r} with {num_replicas} data-parallel replicas: each replica "
+            f"delay_correction={kind!r} with {num_replicas} data-parallel replicas: each replica "
             "would keep its own correction state, which checkpoints do not hold apart yet. Run one replica "
             "(devices == stages), or leave delay_correction unset."
         )
-    return DelayCorrection(options.delay_correction, options.delay_correction_coefficient)
+    return DelayCorrection(kind, coefficient)
 
 
 def merged_correction_state(states: list[Mapping[str, Any]]) -> dict[str, Any] | None:

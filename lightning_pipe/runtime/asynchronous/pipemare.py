@@ -63,21 +63,11 @@ from torch.optim import Optimizer
 
 from lightning_pipe.runtime.activations.meter import SavedActivationMeter
 from lightning_pipe.runtime.asynchronous.versions import stage_parameters
-from lightning_pipe.schedules import traits
 
 #: Optimizer updates over which the step size returns from ``alpha / tau_i`` to ``alpha`` (``K``).
 DEFAULT_WARMUP = 1000
 #: ``D`` in ``gamma_i = D ** (1 / tau_i)``: the velocity's decay over one delay.
 DEFAULT_DECAY = 0.1
-
-
-def resolve(schedule: str, warmup: int | None, correction: bool | None) -> tuple[int, bool]:
-    """``(K, discrepancy correction on)`` for ``schedule`` from the strategy's ``pipemare_warmup``
-    and ``pipemare_correction``; None is the schedule's default (both on for ``pipemare``, off for
-    ``pipedream`` and ``pipedream_2bw``). ``K = 0``: no rescheduling."""
-    predicts = traits(schedule).predicts_weights
-    k = (DEFAULT_WARMUP if predicts else 0) if warmup is None else int(warmup)
-    return k, (predicts if correction is None else bool(correction))
 
 
 def lr_factor(delay: int, update: int, warmup: int) -> float:

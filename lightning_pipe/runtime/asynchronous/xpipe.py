@@ -33,8 +33,9 @@ refuses ``recompute`` other than ``"never"`` (checked in :mod:`lightning_pipe.co
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +43,11 @@ from torch.optim import Optimizer
 
 from lightning_pipe.runtime.asynchronous.pipemare import PipeMare
 
-#: The predictors by name; ``"update"`` is the default.
 Predictor = Literal["update", "adam", "momentum"]
-PREDICTORS: tuple[Predictor, ...] = get_args(Predictor)
+#: The predictors by name.
+PREDICTORS: tuple[Predictor, ...] = typing.get_args(Predictor)
+#: The predictor ``xpipe`` runs where ``xpipe_predictor`` is unset.
+DEFAULT_PREDICTOR: Predictor = "update"
 
 
 def predict_from_update(weight: Tensor, last_update: Tensor, steps: int) -> Tensor:
@@ -96,7 +99,7 @@ class XPipe(PipeMare):
         self,
         module: nn.Module,
         delay: int,
-        predictor: str = "update",
+        predictor: Predictor = DEFAULT_PREDICTOR,
         warmup: int = 0,
         outside: Mapping[str, nn.Parameter] | None = None,
     ) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_pipe.runtime.crossing.forced_outputs import forced_read, forced_unread
-from lightning_pipe.schedules.traits import TRAITS, traits
+from lightning_pipe.schedules.traits import TRAITS, ScheduleTraits
 from lightning_pipe.torch_internals import hf_active_output_collector
 
 #: the recordings carried between stages, in the order the header gives them per block
@@ -56,15 +56,14 @@ CARRYING_SCHEDULES = frozenset(name for name, t in TRAITS.items() if t.records_c
 Entries = dict[str, list[Tensor | None]]
 
 
-def carrying_refusal(schedule: str) -> str | None:
+def carrying_refusal(schedule: ScheduleTraits) -> str | None:
     """Why values recorded by blocks cannot be carried between stages under ``schedule`` (None: they can).
     The values belong to their micro-batch and travel with it under every schedule; a schedule given as
     text has not been run with them (its order is the user's), so it refuses them."""
-    t = traits(schedule)
-    if t.records_cross:
+    if schedule.records_cross:
         return None
     return (
-        f"schedule {t.label} does not carry them yet (a schedule given as text has not been checked to carry "
+        f"schedule {schedule.label} does not carry them yet (a schedule given as text has not been checked to carry "
         f"them); choose one of the built-in schedules ({', '.join(sorted(CARRYING_SCHEDULES))}), which do"
     )
 

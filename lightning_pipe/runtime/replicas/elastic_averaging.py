@@ -20,17 +20,19 @@ class holds the center and the collective.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-#: ``replicas_sync`` values: gradients all-reduced every step, or elastic averaging every ``period`` steps.
 ReplicasSyncMode = Literal["allreduce", "elastic"]
-REPLICAS_SYNC: tuple[ReplicasSyncMode, ...] = get_args(ReplicasSyncMode)
+#: ``replicas_sync`` values: gradients all-reduced every step, or elastic averaging every ``period`` steps.
+REPLICAS_SYNC: tuple[ReplicasSyncMode, ...] = typing.get_args(ReplicasSyncMode)
+#: optimizer steps between two elastic averagings where ``replicas_sync_period`` is unset
 DEFAULT_PERIOD = 4
 #: the default ``alpha`` is this over the number of replicas (the center's step towards their mean)
 DEFAULT_BETA = 0.9
@@ -60,11 +62,9 @@ def check_replicas_sync(replicas_sync: str, period: int | None, alpha: float | N
         )
 
 
-def resolve_alpha(replicas_sync: str, replicas: int, alpha: float | None) -> float:
-    """The elastic coefficient for ``replicas`` replicas (0.0 under ``"allreduce"``), refusing a layout
-    without replicas to average and a coefficient that would push the center past the replicas' mean."""
-    if replicas_sync != "elastic":
-        return 0.0
+def elastic_alpha(replicas: int, alpha: float | None) -> float:
+    """The elastic coefficient for ``replicas`` replicas (``alpha``, or None for the default), refusing a
+    layout without replicas to average and a coefficient that would push the center past the replicas' mean."""
     if replicas < 2:
         raise ValueError(
             f"PipelineStrategy(replicas_sync='elastic') averages the replicas of each stage, and this run has "

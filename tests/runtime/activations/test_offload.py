@@ -14,6 +14,7 @@ from lightning_pipe.runtime.activations.offload import ActivationOffload
 from lightning_pipe.runtime.activations.policy import offload_per_stage, recompute_per_stage
 from lightning_pipe.runtime.crossing.seam import Packing
 from lightning_pipe.runtime.stage import StageModule, StageRunner
+from lightning_pipe.schedules import traits
 
 IN, WIDTH, MICRO, CHUNKS = 8, 64, 16, 6
 
@@ -114,25 +115,25 @@ def test_tensors_on_the_meta_device_are_left_alone() -> None:
 
 
 def test_offload_per_stage_values() -> None:
-    assert offload_per_stage(False, "1f1b", 4, 8, 1) == (None,) * 4
-    assert offload_per_stage(True, "1f1b", 2, 4, 1) == (0, 0)
-    assert offload_per_stage([2, None], "1f1b", 2, 4, 1) == (2, None)
+    assert offload_per_stage(False, traits("1f1b"), 4, 8, 1) == (None,) * 4
+    assert offload_per_stage(True, traits("1f1b"), 2, 4, 1) == (0, 0)
+    assert offload_per_stage([2, None], traits("1f1b"), 2, 4, 1) == (2, None)
     # 1F1B: stage s holds 4 - s, the last 1
-    assert offload_per_stage("auto", "1f1b", 4, 8, 1) == (0, 0, 0, None)
-    assert offload_per_stage("auto", "gpipe", 2, 4, 1) == (None, None)  # every stage holds all 4
+    assert offload_per_stage("auto", traits("1f1b"), 4, 8, 1) == (0, 0, 0, None)
+    assert offload_per_stage("auto", traits("gpipe"), 2, 4, 1) == (None, None)  # every stage holds all 4
     with pytest.raises(ValueError, match="one per stage"):
-        offload_per_stage([1, 1], "1f1b", 4, 8, 1)
+        offload_per_stage([1, 1], traits("1f1b"), 4, 8, 1)
     with pytest.raises(ValueError, match="integer k >= 0"):
-        offload_per_stage(-1, "1f1b", 2, 4, 1)
+        offload_per_stage(-1, traits("1f1b"), 2, 4, 1)
 
 
 def test_recompute_per_stage_values() -> None:
-    assert recompute_per_stage("always", "1f1b", 2, 4, 1) == ("always", "always")
-    assert recompute_per_stage(["never", "always"], "1f1b", 2, 4, 1) == ("never", "always")
-    assert recompute_per_stage("auto", "1f1b", 4, 8, 1) == ("always",) * 3 + ("never",)
-    assert recompute_per_stage("auto", "interleaved_1f1b", 2, 4, 2)[-1] == "never"
+    assert recompute_per_stage("always", traits("1f1b"), 2, 4, 1) == ("always", "always")
+    assert recompute_per_stage(["never", "always"], traits("1f1b"), 2, 4, 1) == ("never", "always")
+    assert recompute_per_stage("auto", traits("1f1b"), 4, 8, 1) == ("always",) * 3 + ("never",)
+    assert recompute_per_stage("auto", traits("interleaved_1f1b"), 2, 4, 2)[-1] == "never"
     with pytest.raises(ValueError, match="one per stage"):
-        recompute_per_stage(["never"], "1f1b", 2, 4, 1)
+        recompute_per_stage(["never"], traits("1f1b"), 2, 4, 1)
 
 
 def test_bad_values_are_refused_before_training() -> None:

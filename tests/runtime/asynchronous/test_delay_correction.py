@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,8 +177,8 @@ def test_what_a_correction_does_not_run_is_refused_before_training(arguments: di
 
 def test_replicas_are_refused_and_merged_checkpoints_keep_every_stages_state() -> None:
     with pytest.raises(ValueError, match="Run one replica"):
-        delay_correction(SimpleNamespace(delay_correction="nesterov", delay_correction_coefficient=None), 2)
-    assert delay_correction(SimpleNamespace(delay_correction=None, delay_correction_coefficient=None), 2) is None
+        delay_correction("nesterov", 0.99, 2)
+    assert delay_correction(None, None, 2) is None
     stages = []
     for name in ("layers.0.weight", "layers.4.weight"):
         correction = DelayCorrection("error_feedback")

@@ -20,7 +20,6 @@ from lightning_pipe.runtime.asynchronous.pipemare import (
     PipeMare,
     lr_factor,
     predicted_weight,
-    resolve,
     velocity_decay,
 )
 from lightning_pipe.schedules import (
@@ -183,10 +182,7 @@ def test_velocity_follows_the_updates_with_gamma_from_the_delay() -> None:
 
 
 def test_options_and_their_errors() -> None:
-    assert resolve("pipemare", None, None) == (1000, True)
-    assert resolve("pipemare", 0, False) == (0, False)
-    assert resolve("pipedream", None, None) == (0, False)
-    assert resolve("pipedream_2bw", 50, None) == (50, False)
+    """Their defaults per schedule: ``tests/test_resolve.py``."""
     PipelineConfig(schedule="pipedream", pipemare_warmup=100)
     PipelineConfig(schedule="pipemare", recompute="always", pipemare_correction=False)
     with pytest.raises(ValueError, match="synchronous"):

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.partition.stages.virtual import split_stages
+from lightning_pipe.resolve import resolve
 from lightning_pipe.runtime.blocks.container import BlockDrive, BlockStage, StageExit
 from lightning_pipe.runtime.microbatch import batch_size, signature, split
-from lightning_pipe.runtime.options import PipelineOptions
 from lightning_pipe.runtime.pipeline import StagePipeline, StageSplit
 from lightning_pipe.runtime.topology import Layout, Placement, Topology
-from lightning_pipe.schedules import VIRTUAL_STAGES, stage_positions
+from lightning_pipe.schedules import positions_for
 
 
 class Block(nn.Module):
@@ -64,8 +65,8 @@ def _batch(n: int = 10, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline(world: Topology, model: LoopNet, schedule: str, chunks: int = 3, **options: Any) -> StagePipeline:
-    config = PipelineOptions(schedule, chunks, VIRTUAL_STAGES.get(schedule, 1), **options)
-    positions = stage_positions(config.schedule, 1, config.virtual_stages)
+    config = resolve(PipelineConfig(schedule=schedule, chunks=chunks, **options), Layout(1, 1))
+    positions = positions_for(config.schedule, 1, config.virtual_stages)
     host, stages = split_stages(model.blocks, [len(model.blocks) // len(positions)] * len(positions), positions, 0)
     model.blocks = host  # type: ignore[assignment]
     placement = Placement(Layout(1, 1), 0, tuple(positions), torch.device("cpu"), "gloo")

@@ -15,7 +15,7 @@ from lightning_pipe.runtime.crossing.carried import (
     entry_code,
     entry_slots,
 )
-from lightning_pipe.schedules import TRAITS
+from lightning_pipe.schedules import TRAITS, traits
 
 
 def test_an_entry_code_says_how_many_entries_and_which_are_tensors() -> None:
@@ -64,8 +64,8 @@ def test_every_built_in_schedule_carries_recorded_values_and_a_schedule_text_ref
     # the chain schedules and Chimera's two directions as plain training, the asynchronous rules as their
     # references (tests/runtime/blocks/test_block_reads.py); a schedule given as text was never run with them
     assert set(TRAITS) == CARRYING_SCHEDULES
-    assert all(carrying_refusal(schedule) is None for schedule in TRAITS)
-    refusal = carrying_refusal("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    assert all(carrying_refusal(t) is None for t in TRAITS.values())
+    refusal = carrying_refusal(traits("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n"))
     assert refusal is not None and "schedule text 'text' does not carry them yet" in refusal
     assert "1f1b" in refusal and "pipemare" in refusal  # names what does
 

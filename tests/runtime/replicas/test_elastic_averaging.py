@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from lightning_pipe.checkpoint.merged import merged_elastic_state
-from lightning_pipe.runtime.replicas.elastic_averaging import resolve_alpha
+from lightning_pipe.runtime.replicas.elastic_averaging import elastic_alpha
 
 
 def test_the_default_coefficient_moves_the_center_nine_tenths_to_the_replicas_mean() -> None:
-    assert resolve_alpha("elastic", 2, None) == pytest.approx(0.45)
-    assert resolve_alpha("elastic", 3, None) == pytest.approx(0.3)
-    assert resolve_alpha("elastic", 4, 0.25) == 0.25  # replicas x alpha = 1: the center jumps to the mean
-    assert resolve_alpha("allreduce", 1, None) == 0.0  # off: gradients are all-reduced
+    assert elastic_alpha(2, None) == pytest.approx(0.45)
+    assert elastic_alpha(3, None) == pytest.approx(0.3)
+    assert elastic_alpha(4, 0.25) == 0.25  # replicas x alpha = 1: the center jumps to the mean
+    with pytest.raises(ValueError, match="has 1 replica"):
+        elastic_alpha(1, None)  # nothing to average
 
 
 def test_a_checkpoint_gives_the_center_of_every_stage_and_each_stage_its_own_entry() -> None:

@@ -12,6 +12,7 @@ from lightning_pipe.schedules import (
     peak_in_flight,
     render,
     simulate,
+    traits,
     validate,
 )
 from lightning_pipe.schedules.actions import B, F
@@ -45,8 +46,8 @@ def test_regrouped_for_nccl_finishes(d: int, n: int) -> None:
 @pytest.mark.parametrize("d, n", [(6, 6), (8, 8)])
 def test_too_few_microbatches_for_nccl_are_refused_with_the_fix(d: int, n: int) -> None:
     with pytest.raises(ScheduleRefused, match=f">= {2 * d - 4} for 'chimera'"):
-        runnable_schedule("chimera", "chimera", d, n, 1, rendezvous=True)
-    runnable_schedule("chimera", "chimera", d, n, 1, rendezvous=False)  # gloo runs it
+        runnable_schedule(traits("chimera"), d, n, 1, rendezvous=True)
+    runnable_schedule(traits("chimera"), d, n, 1, rendezvous=False)  # gloo runs it
 
 
 @pytest.mark.parametrize("d, n", [(4, 5), (4, 7), (6, 9), (8, 3), (2, 1), (2, 3)])
@@ -119,7 +120,8 @@ def test_evaluation_goes_through_the_up_pipeline() -> None:
     assert schedule.forward_only and schedule.chain_of == (UP, UP, UP)
     assert schedule.compute(0) == [F(7, 0), F(7, 1), F(7, 2)]  # the last stage is on rank 0
     assert all(a.kind is ActionKind.FORWARD for r in range(4) for a in schedule.compute(r))
-    assert runnable_schedule("chimera", "forward", 4, 3, 1, rendezvous=True).compute(3) == [F(4, i) for i in range(3)]
+    evaluation = runnable_schedule(traits("chimera"), 4, 3, 1, rendezvous=True, forward=True)
+    assert evaluation.compute(3) == [F(4, i) for i in range(3)]
 
 
 @pytest.mark.parametrize("d", [1, 3, 5])
