@@ -10,7 +10,7 @@ which the optimizers is kept under ``"fabric"``, so that loading maps them back 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,10 @@ def load_module(pipe: PlainPipeline, path: str | Path, strict: bool, weights_onl
     if is_pipeline_checkpoint(path):
         pipe.load(path)
         return
-    read: Callable[[Any, bool | None], dict[str, Any]] = lambda p, w: {"state_dict": torch.load(p, weights_only=w)}
+
+    def read(file: Any, weights: bool | None) -> dict[str, Any]:
+        return {"state_dict": torch.load(file, weights_only=weights)}
+
     local = list(pipe.module.state_dict())
     checkpoint, _ = stage_io.load(path, local, True if weights_only is None else weights_only, read)
     pipe.module.load_state_dict(checkpoint["state_dict"], strict=strict)

@@ -12,8 +12,8 @@ every stage of a replica the same batches, each replica its part.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class FabricPipelineStrategy(DDPStrategy):
 
     def __init__(self, **arguments: Any) -> None:
         config, processes = split_arguments(arguments, PROCESS_ARGUMENTS)
-        super().__init__(start_method=config.start_method, **processes)  # type: ignore[arg-type]
+        super().__init__(start_method=config.start_method, **processes)
         self.config: PipelineConfig = config
         self._arguments = {k: v for k, v in arguments.items() if k not in PROCESS_ARGUMENTS}
         self._pipe: PlainPipeline | None = None
@@ -73,7 +73,7 @@ class FabricPipelineStrategy(DDPStrategy):
 
     @property
     def pipe(self) -> PlainPipeline:
-        """This rank's pipeline (see :class:`~lightning_pipe.assembly.loop.PlainPipeline`), once ``fabric.setup`` ran."""
+        """This rank's :class:`~lightning_pipe.assembly.loop.PlainPipeline`, once ``fabric.setup`` ran."""
         if self._pipe is None:
             raise RuntimeError("The pipeline is not set up yet: call model = fabric.setup(model, optimizer) first.")
         return self._pipe
@@ -94,7 +94,7 @@ class FabricPipelineStrategy(DDPStrategy):
         if not any(t.is_meta for t in module.state_dict(keep_vars=True).values()):
             module.to(self.root_device)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # no DDP wrapper
         """Split ``module`` in place: it keeps this rank's stages under their own names."""
         if self._pipe is not None:
             if module is self._pipe.module:
