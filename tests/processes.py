@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 
-#: names that start processes when called (or modules whose use does)
-STARTER_NAMES = frozenset({"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer"})
+#: names that start processes when called (or modules whose use does; ``launch``: Fabric's)
+STARTER_NAMES = frozenset(
+    {"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer", "launch"}
+)
 STARTER_MODULES = frozenset({"subprocess", "multiprocessing", "torch.multiprocessing"})
 MARKER = "processes"
 
