@@ -7,6 +7,7 @@ evaluation's loss) to ``folder/rank-R.pt``; a resumed run loads a ``fabric.save`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
@@ -37,7 +38,9 @@ class MLP(nn.Module):
 @dataclass(frozen=True)
 class Run:
     """What one run trains: ``model`` ("mlp", "gpt2", "llama"), its batches, the strategy's arguments,
-    ``precision``; ``save_after``: a ``fabric.save`` after that many steps; ``resume``: start from it."""
+    ``precision``; ``save_after``: a ``fabric.save`` after that many steps; ``resume``: start from it;
+    ``empty_init``: built under ``fabric.init_module(empty_init=True)`` (the meta device), the reference initialised
+    as the pipeline initialises it (``init_like_pipeline``)."""
 
     model: str = "mlp"
     steps: int = 3
@@ -47,6 +50,7 @@ class Run:
     momentum: float = 0.0
     save_after: int | None = None
     resume: bool = False
+    empty_init: bool = False
 
 
 def build(run: Run) -> nn.Module:
@@ -78,7 +82,15 @@ def loss_of(run: Run, model: Any) -> Any:
 
 def train(fabric: Any, run: Run, folder: str, step_fn: Any) -> dict[str, Any]:
     """The loop both runs share; ``step_fn(model, batch, loss_fn) -> loss`` does the forward and backward."""
-    model = build(run)
+    fabric.seed_everything(0)
+    pipelined = hasattr(fabric.strategy, "train_step")
+    with fabric.init_module(empty_init=True) if run.empty_init and pipelined else contextlib.nullcontext():
+        model = build(run)
+    if run.empty_init and not pipelined:  # the reference: the pipeline's initialisation of each layer
+        from lightning_pipe import init_like_pipeline
+
+        init_like_pipeline(model)
+    on_meta = any(p.is_meta for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=run.momentum)
     model, optimizer = fabric.setup(model, optimizer)
     batches = fabric.setup_dataloaders(loader(run))
@@ -101,7 +113,7 @@ def train(fabric: Any, run: Run, folder: str, step_fn: Any) -> dict[str, Any]:
             fabric.save(Path(folder) / "checkpoint", state)
     evaluated = float(_evaluate(fabric, model, held_out, loss_fn))
     params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return {"state": params, "losses": losses, "norms": norms, "evaluated": evaluated}
+    return {"state": params, "losses": losses, "norms": norms, "evaluated": evaluated, "on_meta": on_meta}
 
 
 def _evaluate(fabric: Any, model: Any, batch: Any, loss_fn: Any) -> torch.Tensor:

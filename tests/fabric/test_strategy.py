@@ -69,19 +69,21 @@ def test_what_the_pipeline_does_otherwise_is_refused_with_the_fix() -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "precision, arguments, tolerance",
+    "precision, arguments, empty_init, tolerance",
     [
-        ("32-true", {"schedule": "1f1b", "chunks": 3}, {}),
-        ("bf16-mixed", {"schedule": "1f1b", "chunks": 1}, {"rtol": 0, "atol": 0}),  # the same ops: bit for bit
+        ("32-true", {"schedule": "1f1b", "chunks": 3}, False, {}),
+        ("bf16-mixed", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # the same ops: bit for bit
+        ("32-true", {"schedule": "interleaved_1f1b", "chunks": 4}, True, {}),  # built on the meta device
     ],
-    ids=["32-true", "bf16-mixed"],
+    ids=["32-true", "bf16-mixed", "interleaved-meta"],
 )
 def test_two_processes_train_as_one_fabric_process_does(
-    tmp_path: Path, precision: str, arguments: dict[str, Any], tolerance: dict[str, float]
+    tmp_path: Path, precision: str, arguments: dict[str, Any], empty_init: bool, tolerance: dict[str, float]
 ) -> None:
-    run = Run(arguments=arguments, precision=precision, save_after=3)
+    run = Run(arguments=arguments, precision=precision, save_after=3, empty_init=empty_init)
     results = pipelined(tmp_path, 2, run)
     assert [len(r["state"]) for r in results] == [8, 8]  # 8 layers' weights and biases, 4 layers a process
+    assert [r["on_meta"] for r in results] == [empty_init] * 2
     _check_against_one_process(results, run, **tolerance)
     consolidated = consolidate(tmp_path / "checkpoint")  # fabric.save's stage files, as the Trainer's
     torch.testing.assert_close(consolidated["state_dict"], {k: v for r in results for k, v in r["state"].items()})
