@@ -4,10 +4,11 @@ Its processes, launchers and collectives are Fabric's ``DDPStrategy``'s (``fabri
 launcher re-runs the script, ``start_method="spawn"``/``"fork"`` start a function), without DDP's wrapper:
 ``fabric.setup`` splits the model with :func:`lightning_pipe.build_pipeline`, keeps this rank's stages and
 narrows the optimizers to their parameters. A batch runs through the whole schedule in :meth:`train_step`
-(the loss's backward included), so ``fabric.backward`` has nothing to do; clipping takes the norm over
-every stage, and ``fabric.save``/``fabric.load`` write and read the stage files
-(:mod:`lightning_pipe.fabric.checkpoints`). The DataLoaders that ``fabric.setup_dataloaders`` makes give
-every stage of a replica the same batches, each replica its part.
+(the loss's backward included, scaled under ``precision="16-mixed"``), so ``fabric.backward`` has nothing
+to do; clipping takes the norm over every stage (and the gradient scaler one verdict over them), and
+``fabric.save``/``fabric.load`` write and read the stage files (:mod:`lightning_pipe.fabric.checkpoints`).
+The DataLoaders that ``fabric.setup_dataloaders`` makes give every stage of a replica the same batches,
+each replica its part.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from torch.optim import Optimizer
 
 from lightning_pipe.assembly.build import build_pipeline, layout_of
 from lightning_pipe.assembly.loop import LossFn, PlainPipeline
+from lightning_pipe.assembly.refusals import check_elastic_scaler
 from lightning_pipe.checkpoint import stage_io
 from lightning_pipe.config import PipelineConfig, split_arguments
 from lightning_pipe.fabric import checkpoints
 from lightning_pipe.fabric.optimizers import keep_held_parameters, names_by_identity
 from lightning_pipe.runtime.topology import Layout
+from lightning_pipe.schedules import is_async
 from lightning_pipe.trainer import internals
+from lightning_pipe.trainer.precision import sync_gradient_scaler
 
 #: Fabric's ``DDPStrategy`` arguments that this strategy takes (the rest are DDP's wrapper's)
 PROCESS_ARGUMENTS = (
@@ -103,8 +107,14 @@ class FabricPipelineStrategy(DDPStrategy):
                 "FabricPipelineStrategy pipelines one model, and fabric.setup was called with a second one. Set up "
                 "the model to pipeline once; keep other models outside the strategy (plain nn.Module calls)."
             )
+        scaler = self._scaler()
+        if scaler is not None:  # precision="16-mixed"
+            check_scaler(self.config, scaler)
         self._names = names_by_identity(module)
         self._pipe = build_pipeline(module, device=self.root_device, **self._arguments)
+        if scaler is not None:
+            sync_gradient_scaler(scaler)  # every stage skips the steps any stage's gradients overflowed in
+            scaler.scale(torch.zeros((), device=self.root_device))  # its scale made here: not every stage scales a loss
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -121,9 +131,12 @@ class FabricPipelineStrategy(DDPStrategy):
         """Forward and backward of ``batch`` through the schedule: ``loss_fn(micro_batch)`` runs on every rank
         (``model(...)`` in it runs this rank's stages); the gradients are added to ``.grad`` as
         ``fabric.backward(loss)`` adds them. Returns the batch's loss, on every rank."""
-        pipe = self._pipe_of(model)
+        pipe, scaler = self._pipe_of(model), self._scaler()
         with internals.in_fabric_backward():
-            return pipe.train_step(batch, loss_fn)
+            if scaler is None:
+                return pipe.train_step(batch, loss_fn)
+            scaled = pipe.train_step(batch, lambda micro: scaler.scale(loss_fn(micro)))
+            return scaled / scaler.get_scale()  # a power of two: the loss exactly
 
     def evaluate(self, model: nn.Module, batch: Any, loss_fn: LossFn) -> Tensor:
         """Forward only, without gradients: the batch's loss, on every rank."""
@@ -158,6 +171,10 @@ class FabricPipelineStrategy(DDPStrategy):
                 "Pass error_if_nonfinite=False to clip anyway."
             )
         return norm
+
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        """The gradient scaler of ``precision="16-mixed"``, which scales each micro-batch's loss."""
+        return getattr(self.precision, "scaler", None)
 
     def _pipe_of(self, model: nn.Module) -> PlainPipeline:
         pipe = self.pipe
@@ -211,3 +228,13 @@ class FabricPipelineStrategy(DDPStrategy):
         from lightning_pipe.config import register_variants
 
         register_variants(cls, strategy_registry)
+
+
+def check_scaler(config: PipelineConfig, scaler: torch.amp.GradScaler) -> None:
+    """What a gradient scaler cannot run with: elastic averaging, and the schedules that apply gradients late."""
+    check_elastic_scaler(config.replicas_sync, scaler)
+    if is_async(config.schedule):
+        raise ValueError(
+            f"schedule={config.schedule!r} applies gradients a step late, when the loss scale of "
+            "precision='16-mixed' may have changed. Use precision='bf16-mixed' or a synchronous schedule."
+        )

@@ -1,8 +1,9 @@
 """``FabricPipelineStrategy`` under Lightning Fabric: its arguments, Fabric's registry and refusals; 2 gloo
 processes started by Fabric's launcher train an MLP as one Fabric process trains the whole model (every
 parameter, the loss every rank is given, the clipped global norm, an evaluation, and the ``fabric.save``
-checkpoint consolidated to the same weights), under 32-true and bf16-mixed; (``--runslow``) unchanged tiny
-Hugging Face models on 4 processes; and the guide's loop run as a script (Fabric's script launcher)."""
+checkpoint consolidated to the same weights), under 32-true, bf16-mixed and 16-mixed (a gradient scaler),
+built on the meta device too; (``--runslow``) unchanged tiny Hugging Face models on 4 processes; and the
+guide's loop run as a script (Fabric's script launcher)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from lightning.fabric import Fabric
 import lightning_pipe
 from lightning_pipe import FabricPipelineStrategy
 from lightning_pipe.checkpoint import consolidate
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.fabric.strategy import check_scaler
 from tests.fabric.fabric_runs import Run, pipelined, single_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +68,12 @@ def test_what_the_pipeline_does_otherwise_is_refused_with_the_fix() -> None:
         strategy.clip_gradients_norm(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1)]), 1.0, norm_type=1)
     with pytest.raises(RuntimeError, match=r"call model = fabric.setup\(model, optimizer\) first"):
         strategy.train_step(torch.nn.Linear(1, 1), None, lambda b: torch.zeros(()))
+    scaler = torch.amp.GradScaler("cpu")  # precision="16-mixed"
+    with pytest.raises(ValueError, match="applies gradients a step late"):
+        check_scaler(PipelineConfig(schedule="pipedream"), scaler)
+    with pytest.raises(ValueError, match="replicas_sync='allreduce'"):
+        check_scaler(PipelineConfig(stages=1, replicas_sync="elastic"), scaler)
+    check_scaler(PipelineConfig(schedule="1f1b"), scaler)  # synchronous schedules take it
 
 
 @pytest.mark.timeout(300)
@@ -73,9 +82,10 @@ def test_what_the_pipeline_does_otherwise_is_refused_with_the_fix() -> None:
     [
         ("32-true", {"schedule": "1f1b", "chunks": 3}, False, {}),
         ("bf16-mixed", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # the same ops: bit for bit
+        ("16-mixed", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # scaled losses, one verdict
         ("32-true", {"schedule": "interleaved_1f1b", "chunks": 4}, True, {}),  # built on the meta device
     ],
-    ids=["32-true", "bf16-mixed", "interleaved-meta"],
+    ids=["32-true", "bf16-mixed", "16-mixed", "interleaved-meta"],
 )
 def test_two_processes_train_as_one_fabric_process_does(
     tmp_path: Path, precision: str, arguments: dict[str, Any], empty_init: bool, tolerance: dict[str, float]
