@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-#: names that start processes when called (or modules whose use does; ``launch``: Fabric's)
+#: names that start processes when called (or modules whose use does)
 STARTER_NAMES = frozenset(
-    {"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer", "launch"}
+    {"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer", "fabric_pipeline_run"}
 )
 STARTER_MODULES = frozenset({"subprocess", "multiprocessing", "torch.multiprocessing"})
 MARKER = "processes"

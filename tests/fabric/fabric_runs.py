@@ -154,7 +154,7 @@ def _worker(fabric: Any, run: Run, folder: str) -> None:
     torch.save(result, Path(folder) / f"rank-{fabric.global_rank}.pt")
 
 
-def pipelined(folder: Path, world: int, run: Run) -> list[dict[str, Any]]:
+def fabric_pipeline_run(folder: Path, world: int, run: Run) -> list[dict[str, Any]]:
     """``world`` processes started by Fabric's own launcher (fork), each running :func:`train`."""
     from lightning.fabric import Fabric
 

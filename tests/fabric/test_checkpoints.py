@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.fabric.checkpoints import parts, stateful
-from tests.fabric.fabric_runs import Run, pipelined, single_process
+from tests.fabric.fabric_runs import Run, fabric_pipeline_run, single_process
 
 
 def test_the_state_is_read_as_module_optimizers_and_the_rest() -> None:
@@ -32,8 +32,8 @@ def test_a_resume_from_fabric_save_on_four_processes_equals_the_run_that_went_on
     trains steps 3 and 4: the same weights (SGD with momentum: the optimizer's state is resumed too)."""
     arguments = {"schedule": "1f1b", "chunks": 4}
     whole = Run(steps=4, arguments=arguments, momentum=0.9, save_after=2)
-    went_on = pipelined(tmp_path, 4, whole)
-    resumed = pipelined(tmp_path, 4, Run(steps=4, arguments=arguments, momentum=0.9, resume=True))
+    went_on = fabric_pipeline_run(tmp_path, 4, whole)
+    resumed = fabric_pipeline_run(tmp_path, 4, Run(steps=4, arguments=arguments, momentum=0.9, resume=True))
     expected = single_process(whole)
     for rank, (a, b) in enumerate(zip(went_on, resumed)):
         assert a["losses"][2:] == b["losses"], rank  # the steps after the save, bit for bit

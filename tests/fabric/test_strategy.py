@@ -23,7 +23,7 @@ from lightning_pipe import FabricPipelineStrategy
 from lightning_pipe.checkpoint import consolidate
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.fabric.strategy import check_scaler
-from tests.fabric.fabric_runs import Run, pipelined, single_process
+from tests.fabric.fabric_runs import Run, fabric_pipeline_run, single_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def test_two_processes_train_as_one_fabric_process_does(
     tmp_path: Path, precision: str, arguments: dict[str, Any], empty_init: bool, tolerance: dict[str, float]
 ) -> None:
     run = Run(arguments=arguments, precision=precision, save_after=3, empty_init=empty_init)
-    results = pipelined(tmp_path, 2, run)
+    results = fabric_pipeline_run(tmp_path, 2, run)
     assert [len(r["state"]) for r in results] == [8, 8]  # 8 layers' weights and biases, 4 layers a process
     assert [r["on_meta"] for r in results] == [empty_init] * 2
     _check_against_one_process(results, run, **tolerance)
@@ -106,7 +106,7 @@ def test_two_processes_train_as_one_fabric_process_does(
 def test_an_unchanged_hugging_face_model_on_four_processes(tmp_path: Path, model: str, path: str) -> None:
     pytest.importorskip("transformers")
     run = Run(model=model, samples=8, arguments={"schedule": "1f1b", "chunks": 4, "module": path})
-    _check_against_one_process(pipelined(tmp_path, 4, run), run, rtol=1e-4, atol=1e-6)
+    _check_against_one_process(fabric_pipeline_run(tmp_path, 4, run), run, rtol=1e-4, atol=1e-6)
 
 
 def _guide_script() -> str:
