@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_pipe
 from lightning_pipe import FabricPipelineStrategy
@@ -47,6 +48,20 @@ def test_fabric_finds_the_strategy_by_name_with_its_launchers() -> None:
         assert isinstance(fabric.strategy, FabricPipelineStrategy)
         assert fabric.strategy.config.start_method == start_method
     assert lightning_pipe.FabricPipelineStrategy is FabricPipelineStrategy
+    FabricPipelineStrategy.register_strategies(STRATEGY_REGISTRY)  # again: no error
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_package_before_lightning_registers_the_name_with_fabric() -> None:
+    """``import lightning_pipe`` first, then Fabric, in a fresh interpreter (the package's face registers the
+    names as soon as Lightning is imported)."""
+    code = (
+        "import lightning_pipe\nfrom lightning.fabric import Fabric\n"
+        "print(type(Fabric(strategy='pipeline', accelerator='cpu', devices=2).strategy).__name__)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110)
+    assert done.stdout.strip() == "FabricPipelineStrategy", done.stderr[-2000:]
 
 
 def test_the_arguments_are_checked_and_the_replicas_read_their_own_parts() -> None:
