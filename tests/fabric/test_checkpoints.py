@@ -1,6 +1,6 @@
 """``fabric.save``/``fabric.load``'s state dictionaries read as the project's checkpoints: which key holds the
-pipelined module, which the optimizers, what is refused; and (``--runslow``) a resume on 4 processes from a
-``fabric.save`` equals the run that went on."""
+pipelined module, which the optimizers, what is refused; and a resume on 4 processes from a ``fabric.save``
+equals the run that went on."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def test_the_state_is_read_as_module_optimizers_and_the_rest() -> None:
         parts({"model": module, "ema": nn.Linear(2, 2)}, module)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_resume_from_fabric_save_on_four_processes_equals_the_run_that_went_on(tmp_path: Path) -> None:
     """Train 2 steps, fabric.save, go on to 4 (the uninterrupted run); a new process group loads the save and

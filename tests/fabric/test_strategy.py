@@ -2,8 +2,8 @@
 processes started by Fabric's launcher train an MLP as one Fabric process trains the whole model (every
 parameter, the loss every rank is given, the clipped global norm, an evaluation, and the ``fabric.save``
 checkpoint consolidated to the same weights), under 32-true, bf16-mixed and 16-mixed (a gradient scaler),
-built on the meta device too; (``--runslow``) unchanged tiny Hugging Face models on 4 processes; and the
-guide's loop run as a script (Fabric's script launcher)."""
+built on the meta device too; unchanged tiny Hugging Face models on 4 processes (forked, they cost about a
+second); and the guide's loop run as a script (Fabric's script launcher)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,6 @@ def test_two_processes_train_as_one_fabric_process_does(
     assert consolidated["step"] == 3 and consolidated["fabric"] == {"module": "model", "optimizers": ["optimizer"]}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model, path", [("gpt2", "transformer.h"), ("llama", "model.layers")])
 def test_an_unchanged_hugging_face_model_on_four_processes(tmp_path: Path, model: str, path: str) -> None:
