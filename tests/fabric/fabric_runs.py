@@ -109,7 +109,7 @@ def train(fabric: Any, run: Run, folder: str, step_fn: Any) -> dict[str, Any]:
         optimizer.zero_grad()
         losses.append(float(loss))
         state["step"] = step + 1
-        if run.save_after == step + 1:
+        if run.save_after == step + 1 and folder:  # the pipelined runs (the reference has no folder)
             fabric.save(Path(folder) / "checkpoint", state)
     evaluated = float(_evaluate(fabric, model, held_out, loss_fn))
     params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
