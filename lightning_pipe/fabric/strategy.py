@@ -105,7 +105,7 @@ class FabricPipelineStrategy(DDPStrategy):
                 return module
             raise RuntimeError(
                 "FabricPipelineStrategy pipelines one model, and fabric.setup was called with a second one. Set up "
-                "the model to pipeline once; keep other models outside the strategy (plain nn.Module calls)."
+                "only the model to pipeline; use other models (a frozen teacher, an EMA copy) without fabric.setup."
             )
         scaler = self._scaler()
         if scaler is not None:  # precision="16-mixed"
