@@ -94,6 +94,12 @@ def train(fabric: Any, run: Run, folder: str, step_fn: Any) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=run.momentum)
     model, optimizer = fabric.setup(model, optimizer)
     batches = fabric.setup_dataloaders(loader(run))
+    second_refused = False
+    if pipelined:  # one pipelined model per Fabric: a second setup is refused, naming what to do
+        try:
+            fabric.setup_module(nn.Linear(2, 2))
+        except RuntimeError as error:
+            second_refused = "use other models" in str(error)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     if run.resume:
         fabric.load(Path(folder) / "checkpoint", state)
@@ -113,7 +119,14 @@ def train(fabric: Any, run: Run, folder: str, step_fn: Any) -> dict[str, Any]:
             fabric.save(Path(folder) / "checkpoint", state)
     evaluated = float(_evaluate(fabric, model, held_out, loss_fn))
     params = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    return {"state": params, "losses": losses, "norms": norms, "evaluated": evaluated, "on_meta": on_meta}
+    return {
+        "state": params,
+        "losses": losses,
+        "norms": norms,
+        "evaluated": evaluated,
+        "on_meta": on_meta,
+        "second_refused": second_refused,
+    }
 
 
 def _evaluate(fabric: Any, model: Any, batch: Any, loss_fn: Any) -> torch.Tensor:

@@ -109,6 +109,7 @@ def test_two_processes_train_as_one_fabric_process_does(
     results = fabric_pipeline_run(tmp_path, 2, run)
     assert [len(r["state"]) for r in results] == [8, 8]  # 8 layers' weights and biases, 4 layers a process
     assert [r["on_meta"] for r in results] == [empty_init] * 2
+    assert all(r["second_refused"] for r in results)
     _check_against_one_process(results, run, **tolerance)
     consolidated = consolidate(tmp_path / "checkpoint")  # fabric.save's stage files, as the Trainer's
     torch.testing.assert_close(consolidated["state_dict"], {k: v for r in results for k, v in r["state"].items()})
