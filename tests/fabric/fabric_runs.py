@@ -35,7 +35,7 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: Fabric's spawn launcher rebuilds its arguments' dataclasses
 class Run:
     """What one run trains: ``model`` ("mlp", "gpt2", "llama"), its batches, the strategy's arguments,
     ``precision``; ``save_after``: a ``fabric.save`` after that many steps; ``resume``: start from it;
@@ -167,14 +167,14 @@ def _worker(fabric: Any, run: Run, folder: str) -> None:
     torch.save(result, Path(folder) / f"rank-{fabric.global_rank}.pt")
 
 
-def fabric_pipeline_run(folder: Path, world: int, run: Run) -> list[dict[str, Any]]:
-    """``world`` processes started by Fabric's own launcher (fork), each running :func:`train`."""
+def fabric_pipeline_run(folder: Path, world: int, run: Run, start_method: str = "fork") -> list[dict[str, Any]]:
+    """``world`` processes started by Fabric's own launcher (fork, or ``start_method``), each running :func:`train`."""
     from lightning.fabric import Fabric
 
     from lightning_pipe import FabricPipelineStrategy
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    strategy = FabricPipelineStrategy(start_method="fork", **run.arguments)
+    strategy = FabricPipelineStrategy(start_method=start_method, **run.arguments)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, **precision(run))
     fabric.launch(_worker, run, str(folder))
     return [torch.load(folder / f"rank-{r}.pt", weights_only=False) for r in range(world)]

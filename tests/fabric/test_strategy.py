@@ -3,7 +3,7 @@ processes started by Fabric's launcher train an MLP as one Fabric process trains
 parameter, the loss every rank is given, the clipped global norm, an evaluation, and the ``fabric.save``
 checkpoint consolidated to the same weights), under 32-true, bf16-mixed and 16-mixed (a gradient scaler),
 built on the meta device too; unchanged tiny Hugging Face models on 4 processes (forked, they cost about a
-second); and the guide's loop run as a script (Fabric's script launcher)."""
+second); the guide's loop run as a script (Fabric's script launcher); (``--runslow``) Fabric's spawn launcher."""
 
 from __future__ import annotations
 
@@ -114,6 +114,14 @@ def test_two_processes_train_as_one_fabric_process_does(
     consolidated = consolidate(tmp_path / "checkpoint")  # fabric.save's stage files, as the Trainer's
     torch.testing.assert_close(consolidated["state_dict"], {k: v for r in results for k, v in r["state"].items()})
     assert consolidated["step"] == 3 and consolidated["fabric"] == {"module": "model", "optimizers": ["optimizer"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fabrics_spawn_launcher_trains_as_one_process_does(tmp_path: Path) -> None:
+    """``strategy="pipeline_spawn"``'s launcher: the processes start afresh, the set-up Fabric pickled to them."""
+    run = Run(arguments={"schedule": "1f1b", "chunks": 3})
+    _check_against_one_process(fabric_pipeline_run(tmp_path, 2, run, start_method="spawn"), run)
 
 
 @pytest.mark.timeout(600)
