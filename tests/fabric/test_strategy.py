@@ -1,9 +1,10 @@
 """``FabricPipelineStrategy`` under Lightning Fabric: its arguments, Fabric's registry and refusals; 2 gloo
 processes started by Fabric's launcher train an MLP as one Fabric process trains the whole model (every
 parameter, the loss every rank is given, the clipped global norm, an evaluation, and the ``fabric.save``
-checkpoint consolidated to the same weights), under 32-true, bf16-mixed and 16-mixed (a gradient scaler),
-built on the meta device too; unchanged tiny Hugging Face models on 4 processes (forked, they cost about a
-second); the guide's loop run as a script (Fabric's script launcher); (``--runslow``) Fabric's spawn launcher."""
+checkpoint consolidated to the same weights), under 32-true, bf16-mixed, 16-mixed (a gradient scaler),
+bf16-true and 64-true, built on the meta device too; unchanged tiny Hugging Face models on 4 processes
+(forked, they cost about a second); the guide's loop run as a script (Fabric's script launcher);
+(``--runslow``) Fabric's spawn launcher."""
 
 from __future__ import annotations
 
@@ -98,9 +99,11 @@ def test_what_the_pipeline_does_otherwise_is_refused_with_the_fix() -> None:
         ("32-true", {"schedule": "1f1b", "chunks": 3}, False, {}),
         ("bf16-mixed", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # the same ops: bit for bit
         ("16-mixed", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # scaled losses, one verdict
+        ("bf16-true", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),  # bf16 weights cross too
+        ("64-true", {"schedule": "1f1b", "chunks": 1}, False, {"rtol": 0, "atol": 0}),
         ("32-true", {"schedule": "interleaved_1f1b", "chunks": 4}, True, {}),  # built on the meta device
     ],
-    ids=["32-true", "bf16-mixed", "16-mixed", "interleaved-meta"],
+    ids=["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true", "interleaved-meta"],
 )
 def test_two_processes_train_as_one_fabric_process_does(
     tmp_path: Path, precision: str, arguments: dict[str, Any], empty_init: bool, tolerance: dict[str, float]
