@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check_against_one_process(results: list[dict[str, Any]], run: Run, **tolerance: float) -> None:
+    norms = 1e-2 if run.precision == "bf16-true" else 1e-5  # the norm over the stages' bf16 gradients sums in float32
     expected = single_process(run)
     for rank, got in enumerate(results):
         for name, value in got["state"].items():
@@ -38,7 +39,7 @@ def _check_against_one_process(results: list[dict[str, Any]], run: Run, **tolera
                 value, expected["state"][name], **tolerance, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
             )
         assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5), rank  # on every rank
-        assert got["norms"] == pytest.approx(expected["norms"], rel=1e-5), rank  # the norm over every stage
+        assert got["norms"] == pytest.approx(expected["norms"], rel=norms), rank  # the norm over every stage
         assert got["evaluated"] == pytest.approx(expected["evaluated"], rel=1e-5), rank
     assert {name for got in results for name in got["state"]} == set(expected["state"])  # every layer, once named
 
@@ -115,7 +116,8 @@ def test_two_processes_train_as_one_fabric_process_does(
     assert all(r["second_refused"] for r in results)
     _check_against_one_process(results, run, **tolerance)
     consolidated = consolidate(tmp_path / "checkpoint")  # fabric.save's stage files, as the Trainer's
-    torch.testing.assert_close(consolidated["state_dict"], {k: v for r in results for k, v in r["state"].items()})
+    saved = {k: v.float() for k, v in consolidated["state_dict"].items()}
+    torch.testing.assert_close(saved, {k: v for r in results for k, v in r["state"].items()})
     assert consolidated["step"] == 3 and consolidated["fabric"] == {"module": "model", "optimizers": ["optimizer"]}
 
 
