@@ -1,7 +1,8 @@
 """lightning-pipe: pipeline model parallelism for PyTorch Lightning.
 
-``import lightning_pipe`` registers ``Trainer(strategy="pipeline")``: at once where Lightning is
-imported already, else as soon as Lightning is (any ``Trainer`` comes after that). The package's
+``import lightning_pipe`` registers ``Trainer(strategy="pipeline")`` and ``Fabric(strategy="pipeline")``: at
+once where Lightning is imported already, else as soon as Lightning is (any ``Trainer`` or ``Fabric`` comes
+after that). The package's
 names (``PipelineStrategy``; ``build_pipeline`` for a plain PyTorch loop, without Lightning; ...) are
 imported on first use (PEP 562), so that what needs neither Lightning nor torch, such as
 ``lightning-pipe --help``, does not spend seconds importing them.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_pipe.assembly.build import build_pipeline
+    from lightning_pipe.fabric.strategy import FabricPipelineStrategy
     from lightning_pipe.partition.stages.materialize import init_like_pipeline
     from lightning_pipe.penalties import parameter_penalty
     from lightning_pipe.runtime.crossing.records import recorded, recording
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "FabricPipelineStrategy",
     "PipelineStrategy",
     "__version__",
     "build_pipeline",
@@ -41,6 +44,7 @@ __all__ = [
 
 #: the package's names and the module each comes from, imported when first read
 _EXPORTS = {
+    "FabricPipelineStrategy": "lightning_pipe.fabric.strategy",
     "PipelineStrategy": "lightning_pipe.strategy",
     "build_pipeline": "lightning_pipe.assembly.build",
     "init_like_pipeline": "lightning_pipe.partition.stages.materialize",
@@ -68,13 +72,22 @@ def _pipeline_strategy(**init_params: Any) -> PipelineStrategy:
     return PipelineStrategy(**init_params)
 
 
+def _fabric_pipeline_strategy(**init_params: Any) -> FabricPipelineStrategy:
+    """What Fabric's registry calls for ``Fabric(strategy="pipeline")`` (imported then, as above)."""
+    from lightning_pipe.fabric.strategy import FabricPipelineStrategy
+
+    return FabricPipelineStrategy(**init_params)
+
+
 def _register() -> None:
-    """``"pipeline"`` and its variants in Lightning's strategy registry."""
+    """``"pipeline"`` and its variants in the Trainer's and in Fabric's strategy registries."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_pipe.config import register_variants
 
     register_variants(_pipeline_strategy, StrategyRegistry)
+    register_variants(_fabric_pipeline_strategy, STRATEGY_REGISTRY)
 
 
 class _RegisterWithLightning(MetaPathFinder):

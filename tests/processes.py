@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 #: names that start processes when called (or modules whose use does)
-STARTER_NAMES = frozenset({"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer"})
+STARTER_NAMES = frozenset(
+    {"Trainer", "Popen", "spawn", "start_processes", "fit_pipeline", "pipeline_trainer", "fabric_pipeline_run"}
+)
 STARTER_MODULES = frozenset({"subprocess", "multiprocessing", "torch.multiprocessing"})
 MARKER = "processes"
 

@@ -28,7 +28,9 @@ from lightning_pipe.runtime.topology import Layout, Topology
 log = logging.getLogger(__name__)
 
 
-def build_pipeline(module: nn.Module, *, device: torch.device | str | None = None, **arguments: Any) -> PlainPipeline:
+def build_pipeline(
+    module: nn.Module, /, *, device: torch.device | str | None = None, **arguments: Any
+) -> PlainPipeline:
     """This rank's share of ``module``, split into a pipeline over the default process group.
 
     Args:

@@ -349,3 +349,28 @@ def recopy_averaged_models(trainer: Any, module: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, StochasticWeightAveraging) and callback._average_model is not None:
             callback._average_model = copy.deepcopy(module)
+
+
+# ------------------------------------------------------------------------------------------ Fabric
+
+
+def without_backward_sync(strategy: Any) -> None:
+    """A Fabric strategy without gradient-sync control (``strategy._backward_sync_control = None``), so
+    that ``fabric.no_backward_sync`` warns that it does nothing instead of DDP's control refusing a module
+    it did not wrap; Fabric reads the attribute, which has no public setter. Checked with Lightning 2.6."""
+    strategy._backward_sync_control = None
+
+
+@contextmanager
+def in_fabric_backward() -> Iterator[None]:
+    """While open, Fabric counts backward passes as its own (``lightning.fabric.wrappers._in_fabric_backward``):
+    a set-up module's outputs carry a hook that refuses a backward not run by ``fabric.backward``, and the
+    pipeline runs the backward of each micro-batch inside its step. Checked with Lightning 2.6."""
+    from lightning.fabric import wrappers
+
+    before = wrappers._in_fabric_backward
+    wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = before
