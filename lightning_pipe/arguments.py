@@ -6,6 +6,7 @@ or ``help(PipelineStrategy)``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,8 @@ from lightning_pipe.weights.names import Rename
 class PipelineArguments(TypedDict, total=False):
     """``PipelineStrategy``'s keywords: the pipeline's arguments by their flat names, then the processes'."""
 
-    schedule: ScheduleName | str
+    schedule: ScheduleName
+    schedule_text: str | os.PathLike[str] | None
     chunks: int | None
     virtual_stages: int | None
     recompute: RecomputeSpec

@@ -219,9 +219,10 @@ def build_strategy(cfg: DictConfig, devices: Any, defaults: dict[str, Any] | Non
         args.get("loss_weight"), DictConfig
     ):  # strategy.loss_weight={_target_:lightning_pipe.token_count,...}
         args["loss_weight"] = instantiate(args["loss_weight"])
-    schedule = args.get("schedule")
-    if isinstance(schedule, str) and schedule.endswith(TEXT_SUFFIXES) and Path(schedule).is_file():
-        args["schedule"] = str(Path(schedule).resolve())  # a schedule text's path, the same from every process
+    for key in ("schedule_text", "schedule"):  # schedule=mine.csv: the former way, with a DeprecationWarning
+        given = args.get(key)
+        if isinstance(given, str) and given.endswith(TEXT_SUFFIXES) and Path(given).is_file():
+            args[key] = str(Path(given).resolve())  # a schedule text's path, the same from every process
     # lists (balance, rank_speeds, rank_order) as Python's: the config checks their items
     args = {k: OmegaConf.to_container(v) if isinstance(v, ListConfig) else v for k, v in args.items()}
     return PipelineStrategy(**args), devices

@@ -61,7 +61,15 @@ from lightning_pipe.runtime.replicas.elastic_averaging import (
     check_replicas_sync,
 )
 from lightning_pipe.runtime.topology import DATA_PARALLEL_MODES, DataParallelMode, check_layout_arguments
-from lightning_pipe.schedules import TRAITS, ScheduleName, check_virtual_stages, get_schedule, traits
+from lightning_pipe.schedules import (
+    DEFAULT_SCHEDULE,
+    TRAITS,
+    ScheduleName,
+    check_virtual_stages,
+    get_schedule,
+    traits,
+)
+from lightning_pipe.schedules.text import is_schedule_text
 from lightning_pipe.weights import check_weights_argument
 from lightning_pipe.weights.names import Rename, check_rename
 
@@ -85,14 +93,17 @@ def option(
     cli: bool = True,
     recipe: bool = False,
     internal: bool = False,
+    keyword: str = "",
 ) -> Any:
     """A config field with what the signature, the YAML, the command line and the docs table say of it.
 
     ``values``: the allowed values (a tuple, the default marked among them) or a text saying them; ``more``:
     text after the tuple; ``unset``: what ``None`` becomes; ``cli=False``: no command-line key (callables);
-    ``recipe``: null in the YAML, so a recipe's choice applies; ``internal``: no ``PipelineStrategy`` argument.
+    ``recipe``: null in the YAML, so a recipe's choice applies; ``internal``: no ``PipelineStrategy`` argument;
+    ``keyword``: the type ``PipelineStrategy``'s keyword takes, where narrower than what the field holds.
     The field's docstring (the string under it) says what it means."""
     meta = {"values": values, "more": more, "unset": unset, "cli": cli and not internal, "recipe": recipe}
+    meta["keyword"] = keyword  # the type PipelineStrategy's keyword takes, where narrower than the field's
     return field(default=default, metadata={**meta, "internal": internal})
 
 
@@ -121,16 +132,19 @@ class StepsConfig:
     schedule: ScheduleName | str = option(
         "1f1b",
         values=tuple(TRAITS),
-        more="; or your own schedule as text: the path of a `.csv` or `.txt` file, or the text itself, one line of "
-        "actions per process ([Write your own schedule](custom-schedule.md))",
+        more="; or your own in `schedule_text`",
+        keyword="ScheduleName",
     )
-    """micro-batch order. GPipe and 1F1B flush after every batch and have the bubble `(p-1)/(m+p-1)`; 1F1B holds at
-    most `p - s` micro-batches' activations on stage `s` instead of `m`. Interleaved 1F1B, ZB-H1 (each backward split
-    into the input gradient and, later, the weight gradient), interleaved zero bubble, ZB-V, DualPipeV (ZB-V's V with
-    DeepSeek's F&B pairs; chunks >= 2 x processes) and Chimera (two pipelines in opposite directions, each stage kept
-    twice): see below. The asynchronous schedules (PipeDream, PipeDream-2BW, PipeMare, XPipe, WPipe) never flush (see
-    below). A schedule text is synchronous, validated before training; its stages per process and its micro-batches
-    are the text's (`chunks` must agree)."""
+    """micro-batch order ([Choose a schedule](schedules.md)). GPipe and 1F1B flush after every batch (bubble
+    `(p-1)/(m+p-1)`); 1F1B holds at most `p - s` micro-batches' activations on stage `s` instead of `m`. ZB-H1 splits
+    each backward into the input gradient and, later, the weight gradient; DualPipeV needs chunks >= 2 x processes;
+    Chimera keeps each stage twice. The asynchronous schedules never flush."""
+    schedule_text: str | os.PathLike[str] | None = option(
+        values="the path of a `.csv` or `.txt` file, or the text itself", unset="a built-in `schedule`"
+    )
+    """your own schedule, one line of actions per process (torch.distributed.pipelining's CSV cells, as its
+    `_dump_csv` writes them): synchronous, validated before training; its stages per process and its micro-batches
+    are the text's (`chunks` must agree). See [Write your own schedule](custom-schedule.md)."""
     chunks: int | None = option(values="int >= 1", unset=f"`{CHUNKS_PER_STAGE} * stages`, or a schedule text's count")
     """micro-batches per batch. A batch smaller than `chunks` (an epoch's last batch) is split into as many as it has
     samples; uneven splits are fine."""
@@ -188,8 +202,25 @@ class StepsConfig:
     every N steps and the first of each epoch and evaluation loop, or never (shapes only, every step)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.schedule, os.PathLike):  # a schedule text's path
+        if isinstance(self.schedule, os.PathLike):  # a schedule text's path, the former way
             object.__setattr__(self, "schedule", os.fspath(self.schedule))
+        if self.schedule_text is None and self.schedule not in TRAITS and is_schedule_text(self.schedule):
+            warnings.warn(
+                f"PipelineStrategy(schedule={_shown(self.schedule)}) is deprecated for your own schedule: write "
+                f"schedule_text={_shown(self.schedule)} (schedule= takes a built-in schedule's name).",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            object.__setattr__(self, "schedule_text", self.schedule)
+        if self.schedule_text is not None:
+            text = os.fspath(self.schedule_text)
+            _check(
+                self.schedule in (DEFAULT_SCHEDULE, text),
+                f"PipelineStrategy(schedule={self.schedule!r}, schedule_text={_shown(text)}): both name the schedule. "
+                "Give schedule= for a built-in one, or schedule_text= for your own.",
+            )
+            object.__setattr__(self, "schedule_text", text)
+            object.__setattr__(self, "schedule", text)  # what the run reads: resolve parses it once
         self.check()
         if self.virtual_stages is None:
             object.__setattr__(self, "virtual_stages", traits(self.schedule).virtual_stages)
@@ -555,6 +586,10 @@ class PipelineConfig:
         return self.steps.schedule
 
     @property
+    def schedule_text(self) -> str | os.PathLike[str] | None:
+        return self.steps.schedule_text
+
+    @property
     def chunks(self) -> int | None:
         return self.steps.chunks
 
@@ -766,13 +801,22 @@ class Argument(NamedTuple):
     recipe: bool
 
 
-def group_fields(config: type = PipelineConfig, internal: bool = True) -> Iterator[tuple[str, str]]:
+def group_fields(
+    config: type = PipelineConfig, internal: bool = True, keyword: bool = False
+) -> Iterator[tuple[str, str]]:
     """Every field of ``config``'s groups by name, with its annotation as written in the source (``internal``:
-    with the fields that are no argument)."""
+    with the fields that are no argument; ``keyword``: the type a user passes, where it is narrower than what
+    the field holds once checked, as ``schedule``'s name)."""
     for _, group in _group_types(config):
         for f in dataclasses.fields(group):
             if internal or not f.metadata.get("internal"):
-                yield f.name, f.type if isinstance(f.type, str) else inspect.formatannotation(f.type)
+                written = f.type if isinstance(f.type, str) else inspect.formatannotation(f.type)
+                yield f.name, (f.metadata.get("keyword") or written) if keyword else written
+
+
+def _shown(value: str) -> str:
+    """A schedule text's path as written, or a text's first line (a whole text is too long for a message)."""
+    return repr(value) if "\n" not in value else repr(value.splitlines()[0] + "\n...")
 
 
 def arguments(config: type = PipelineConfig, internal: bool = False) -> Iterator[Argument]:
@@ -886,7 +930,7 @@ def check_text_schedule(config: PipelineConfig) -> None:
     text = traits(config.schedule).text
     if text is not None and config.plan is not None:
         raise ValueError(
-            f"PipelineStrategy(plan={config.plan!r}) chooses the schedule, and schedule= hands one in as text "
+            f"PipelineStrategy(plan={config.plan!r}) chooses the schedule, and schedule_text= hands one in "
             f"({text.name!r}). Leave plan unset to run the text, or give a schedule's name to plan."
         )
 

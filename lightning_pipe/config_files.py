@@ -131,6 +131,7 @@ or ``help(PipelineStrategy)``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -169,7 +170,7 @@ def arguments_module(config: type = PipelineConfig, process: Callable[..., Any] 
         from lightning_pipe.trainer.launch.processes import ProcessStrategy
 
         process = ProcessStrategy.__init__
-    fields = dict(group_fields(config, internal=False))
+    fields = dict(group_fields(config, internal=False, keyword=True))
     lines = [f"    {name}: {annotation}\n" for name, annotation in fields.items()]
     for name, parameter in inspect.signature(process).parameters.items():
         if name != "self":

@@ -158,13 +158,16 @@ def test_a_schedule_text_file_reaches_the_strategy(tmp_path: Path, monkeypatch: 
 
     monkeypatch.chdir(tmp_path)
     Path("mine.csv").write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
-    strategy = build_strategy(_compose(["strategy.schedule=mine.csv"]).strategy, 2)[0]
+    strategy = build_strategy(_compose(["strategy.schedule_text=mine.csv"]).strategy, 2)[0]
     assert (strategy.schedule_name, strategy.virtual_stages) == (str(tmp_path / "mine.csv"), 1)
     assert strategy.config.num_microbatches(2) == 2
-    with pytest.raises(SystemExit, match=r"schedule='other.csv': no such file"):
-        preflight(["strategy.schedule=other.csv"])
+    with pytest.warns(DeprecationWarning, match="schedule_text="):  # the former key still runs
+        former = build_strategy(_compose(["strategy.schedule=mine.csv"]).strategy, 2)[0]
+    assert former.config.schedule_text == str(tmp_path / "mine.csv")
+    with pytest.raises(SystemExit, match=r"'other.csv': no such file"):
+        preflight(["strategy.schedule_text=other.csv"])
     with pytest.raises(SystemExit, match=r"the schedule text 'mine.csv' runs 2 micro-batches per batch"):
-        preflight(["strategy.schedule=mine.csv", "strategy.chunks=4"])
+        preflight(["strategy.schedule_text=mine.csv", "strategy.chunks=4"])
 
 
 def test_a_bad_value_names_it() -> None:

@@ -70,3 +70,24 @@ def test_checkpoint_is_the_deprecated_name_of_recompute() -> None:
     assert PipelineStrategy().recompute == "never"
     with pytest.raises(ValueError, match="give recompute= only"):
         PipelineStrategy(recompute="never", checkpoint="always")
+
+
+def test_your_own_schedule_comes_in_its_own_field_and_schedule_with_a_path_is_deprecated(tmp_path) -> None:
+    from lightning_pipe.schedules import build
+    from lightning_pipe.schedules.text import format_schedule
+
+    text = format_schedule(build("1f1b", 2, 4))
+    path = tmp_path / "mine.csv"
+    path.write_text(text)
+    by_file = PipelineConfig(schedule_text=path)
+    assert (by_file.schedule, by_file.schedule_text, by_file.chunks) == (str(path), str(path), None)
+    assert by_file.num_microbatches(2) == 4 and by_file.virtual_stages == 1
+    by_text = PipelineConfig(schedule_text=text)
+    assert by_text.schedule == text and by_text.num_microbatches(2) == 4
+    assert dataclasses.replace(by_text.steps, chunks=4).schedule_text == text  # a copy keeps it, without a warning
+    with pytest.warns(DeprecationWarning, match=r"schedule_text='.*mine\.csv'"):
+        old = PipelineConfig(schedule=str(path))
+    assert (old.schedule, old.schedule_text) == (str(path), str(path))
+    with pytest.raises(ValueError, match="both name the schedule"):
+        PipelineConfig(schedule="gpipe", schedule_text=path)
+    assert PipelineConfig(schedule="gpipe").schedule_text is None

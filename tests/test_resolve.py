@@ -84,7 +84,7 @@ def test_a_per_stage_list_of_another_length_is_refused_for_the_layout() -> None:
 def test_a_schedule_file_edited_after_resolve_does_not_change_the_run(tmp_path: Path) -> None:
     path = tmp_path / "mine.csv"
     path.write_text(ONE_F_ONE_B)
-    options = resolve(PipelineConfig(schedule=path), Layout(2, 1))
+    options = resolve(PipelineConfig(schedule_text=path), Layout(2, 1))
     before = runnable_schedule(options.schedule, 2, 4, 1, rendezvous=False)
     path.write_text(SPLIT)  # another schedule: 2 micro-batches, the backward split
     assert traits(str(path)).split_backward and traits(str(path)).text.num_microbatches == 2  # type: ignore[union-attr]

@@ -239,8 +239,8 @@ def traits(name: str) -> ScheduleTraits:
     if is_schedule_text(name):
         return text_traits(name)
     raise ValueError(
-        f"Unknown pipeline schedule {name!r}. Valid schedules: {', '.join(sorted(TRAITS))}, or your own as text: "
-        f"the path of a .csv or .txt file, or the text itself (one line of actions per rank)."
+        f"Unknown pipeline schedule {name!r}. Valid schedules: {', '.join(sorted(TRAITS))}; your own goes in "
+        f"schedule_text=: the path of a .csv or .txt file, or the text itself (one line of actions per rank)."
     )
 
 

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.conformance.axes import (
     RECORDS_REFUSED,
+    TORCH_TEXT,
     Cell,
     Event,
     Layout,
@@ -117,9 +118,9 @@ def _fresh(model: Model, scheduler: bool) -> L.LightningModule:
 def _options(schedule: str, layout: Layout, model: Model, event: Event | None = None) -> dict[str, Any]:
     t = schedule_traits(schedule, layout.positions)
     chunks = microbatches(schedule, layout.positions)
-    options: dict[str, Any] = dict(
-        schedule=schedule_argument(schedule, layout.positions), chunks=chunks, **strategy_options(model)
-    )
+    given = schedule_argument(schedule, layout.positions)
+    options: dict[str, Any] = dict(chunks=chunks, **strategy_options(model))
+    options["schedule_text" if schedule == TORCH_TEXT else "schedule"] = given
     if layout.stages is not None:
         options.update(stages=layout.stages, data_parallel=layout.data_parallel)
     if layout.rank_order is not None:

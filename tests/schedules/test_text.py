@@ -104,10 +104,10 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
         evaluation = runnable_schedule(traits(str(path)), 2, 3, 2, rendezvous, forward=True)
         assert evaluation.forward_only and evaluation.stage_to_rank == (0, 1, 1, 0)
     assert forward_like_text(t.text, 1).num_microbatches == 1  # type: ignore[arg-type]
-    config = PipelineConfig(schedule=path)  # a Path too
+    config = PipelineConfig(schedule_text=path)  # a Path too
     assert (config.schedule, config.virtual_stages, config.num_microbatches(2)) == (str(path), 2, 2)
     path.write_text(ONE_F_ONE_B)  # edited: read again
-    assert (traits(str(path)).virtual_stages, PipelineConfig(schedule=path).num_microbatches(2)) == (1, 4)
+    assert (traits(str(path)).virtual_stages, PipelineConfig(schedule_text=path).num_microbatches(2)) == (1, 4)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_a_text_file_places_its_stages_where_it_computes_them(tmp_path: Path) ->
 )
 def test_a_text_that_cannot_run_is_refused_naming_the_line(text: str, match: str) -> None:
     with pytest.raises(ScheduleTextError, match=match):
-        PipelineConfig(schedule=text)
+        PipelineConfig(schedule_text=text)
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_a_text_schedule_is_synchronous_and_fixes_its_chunks(options: dict, matc
 
 
 def test_an_unknown_name_says_a_schedule_can_be_text() -> None:
-    with pytest.raises(ValueError, match=r"Valid schedules: .*1f1b.*or your own as text: the path of a \.csv"):
+    with pytest.raises(ValueError, match=r"Valid schedules: .*1f1b.*your own goes in schedule_text=: the path"):
         traits("zigzag")
 
 
@@ -270,4 +270,4 @@ def test_a_reordering_that_deadlocks_is_refused_before_launch() -> None:
     with pytest.raises(
         ScheduleTextError, match=r"deadlocks: line 1 \(rank 0\) at B0@s0 .*; line 2 \(rank 1\) at RECV_F1@s1"
     ):
-        PipelineConfig(schedule=text)
+        PipelineConfig(schedule_text=text)

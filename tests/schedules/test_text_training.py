@@ -33,7 +33,11 @@ def test_a_hand_written_schedule_file_trains_as_plain_training(tmp_path: Path) -
     # chunks and virtual_stages come from the text; the last batch of 4 samples still splits into 4
     picture = tmp_path / "timeline.svg"
     trainer = fit_pipeline(
-        piped, 2, schedule=str(path), val_data=loader(n=20, batch_size=8, seed=5), callbacks=[TimelinePicture(picture)]
+        piped,
+        2,
+        schedule_text=str(path),
+        val_data=loader(n=20, batch_size=8, seed=5),
+        callbacks=[TimelinePicture(picture)],
     )
     assert_same_weights(reference, piped)
     assert (trainer.strategy.virtual_stages, trainer.strategy.chunks) == (2, None)
@@ -66,7 +70,7 @@ def test_ranks_taking_the_micro_batches_in_different_orders_train_as_plain_train
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=6, optimizer="plain-sgd" if devices == 3 else "sgd"))
     fit_plain(reference, loader(n=65))
-    fit_pipeline(piped, devices, loader(n=65), schedule=text)
+    fit_pipeline(piped, devices, loader(n=65), schedule_text=text)
     assert_same_weights(reference, piped)
 
 
@@ -84,7 +88,7 @@ def test_torch_s_own_text_trains_as_plain_training(name: str, communication: boo
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=2 * stages, optimizer="plain-sgd" if communication else "sgd"))
     fit_plain(reference)
-    fit_pipeline(piped, 2, schedule=text)
+    fit_pipeline(piped, 2, schedule_text=text)
     assert_same_weights(reference, piped)
 
 
@@ -96,7 +100,7 @@ def test_torch_s_own_text_on_4_processes_trains_as_plain_training(name: str) -> 
     torch.manual_seed(0)
     reference, piped = twins(TinyNet(depth=2 * stages))
     fit_plain(reference, loader(n=96, batch_size=16))
-    fit_pipeline(piped, 4, loader(n=96, batch_size=16), schedule=text)
+    fit_pipeline(piped, 4, loader(n=96, batch_size=16), schedule_text=text)
     assert_same_weights(reference, piped)
 
 
@@ -106,7 +110,7 @@ def test_torch_s_own_1f1b_text_is_refused_before_launch() -> None:
     text = torch_text("Schedule1F1B", 2, 4)
     assert text.splitlines()[1].startswith("1F1,1B0,")
     with pytest.raises(ValueError, match=r"line 2 \(rank 1\), position \d+ \(B0@s1\): backward before its forward"):
-        PipelineStrategy(schedule=text)
+        PipelineStrategy(schedule_text=text)
 
 
 @pytest.mark.parametrize(
@@ -125,5 +129,5 @@ def test_a_short_last_batch_runs_the_text_s_first_micro_batches_as_plain_trainin
     reference, piped = twins(TinyNet(depth=2 * stages))
     plain = fit_plain(reference, max_steps=8)
     assert plain.global_step == 8 and plain.current_epoch >= 1  # past the short batch that ends epoch 0
-    fit_pipeline(piped, 2, schedule=text, max_steps=8)
+    fit_pipeline(piped, 2, schedule_text=text, max_steps=8)
     assert_same_weights(reference, piped)

@@ -30,3 +30,11 @@ def a_read_typed(config: PipelineConfig) -> int:  # chunks is int | None
 
 def a_read_that_does_not_exist(config: PipelineConfig) -> object:
     return config.chunk  # type: ignore[attr-defined]
+
+
+def your_own_schedule() -> PipelineStrategy:
+    return PipelineStrategy(schedule_text="mine.csv", chunks=4)
+
+
+def your_own_schedule_in_the_names_field() -> PipelineStrategy:
+    return PipelineStrategy(schedule="mine.csv")  # type: ignore[arg-type]

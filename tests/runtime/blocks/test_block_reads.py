@@ -113,7 +113,7 @@ def test_hidden_states_are_refused_under_a_schedule_text_before_training() -> No
     before = copy.deepcopy(model.state_dict())
     text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n"
     with pytest.raises(Exception, match=r"hidden states of every block \(output_hidden_states=True\)") as info:
-        fit_pipeline(model, 2, data_for("gpt2"), module="bert.encoder.layer", schedule=text)
+        fit_pipeline(model, 2, data_for("gpt2"), module="bert.encoder.layer", schedule_text=text)
     message = str(info.value)
     assert "schedule text 'text' does not carry them yet (a schedule given as text" in message
     assert "pipemare" in message and "chimera" in message
