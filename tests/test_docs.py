@@ -95,6 +95,12 @@ def code_blocks() -> list[Block]:
     return [b for page in guide_pages() for b in blocks(page) if b.language in CODE]
 
 
+def block_tested_by(page: str, test_file: str) -> str:
+    """The code of ``page``'s one block marked ``<!-- tested: test_file -->``: what that test runs."""
+    (block,) = [b for b in blocks(DOCS / page) if b.marker == f"tested: {test_file}"]
+    return block.code
+
+
 def test_the_guide_pages_carry_no_dates_or_clock_times() -> None:
     found = [
         f"{page.name}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"

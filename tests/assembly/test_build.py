@@ -101,9 +101,9 @@ def test_the_layout_takes_stages_and_a_rank_order() -> None:
 
 
 def _guide_script() -> str:
-    page = (ROOT / "docs" / "plain-pytorch.md").read_text()
-    (code,) = re.findall(r"<!-- tested: tests/assembly/test_build.py -->\n```python\n(.*?)^```", page, re.S | re.M)
-    return code
+    from tests.test_docs import block_tested_by
+
+    return block_tested_by("plain-pytorch.md", "tests/assembly/test_build.py")
 
 
 @pytest.mark.timeout(240)

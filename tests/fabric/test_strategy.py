@@ -138,9 +138,9 @@ def test_an_unchanged_hugging_face_model_on_four_processes(tmp_path: Path, model
 
 
 def _guide_script() -> str:
-    page = (ROOT / "docs" / "fabric.md").read_text()
-    (code,) = re.findall(r"<!-- tested: tests/fabric/test_strategy.py -->\n```python\n(.*?)^```", page, re.S | re.M)
-    return code
+    from tests.test_docs import block_tested_by
+
+    return block_tested_by("fabric.md", "tests/fabric/test_strategy.py")
 
 
 @pytest.mark.timeout(300)
